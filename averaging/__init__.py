@@ -1,0 +1,1 @@
+"""Group averaging: matchmaking, butterfly all-reduce, compression, state sharing (planned)."""

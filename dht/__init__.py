@@ -1,0 +1,1 @@
+"""Kademlia DHT over the peer RPC (see issue: DHT)."""

@@ -1,0 +1,1 @@
+"""Mixture of experts over the swarm: expert servers and remote experts (planned)."""

@@ -1,0 +1,59 @@
+"""peerd's wire layer: identity, secure channel, framing, RPC and the connection pool.
+
+This package must not import the daemon (``peer.daemon``/``peer.cli``): ``dht`` and the layers
+above import these wire modules, and the daemon imports them all.
+"""
+
+__version__ = "0.1.0"
+
+from .address import PeerAddress
+from .host import ConnectError, PeerHost, open_peer_host
+from .identity import Identity, IdentityError, PeerID
+from .rpc import (
+    BadRequest,
+    BadRequestError,
+    BusyError,
+    CallTimeoutError,
+    ClientStream,
+    Connection,
+    ConnectionLost,
+    Message,
+    RemoteError,
+    Request,
+    Router,
+    RPCError,
+    ServerStream,
+    StreamClosed,
+    UnknownMethodError,
+)
+from .secure_channel import PROTOCOL_VERSION, HandshakeError, HelloMismatch, PeerIDMismatch
+
+__all__ = [
+    "__version__",
+    "PeerAddress",
+    "ConnectError",
+    "PeerHost",
+    "open_peer_host",
+    "Identity",
+    "IdentityError",
+    "PeerID",
+    "BadRequest",
+    "BadRequestError",
+    "BusyError",
+    "CallTimeoutError",
+    "ClientStream",
+    "Connection",
+    "ConnectionLost",
+    "Message",
+    "RemoteError",
+    "Request",
+    "Router",
+    "RPCError",
+    "ServerStream",
+    "StreamClosed",
+    "UnknownMethodError",
+    "PROTOCOL_VERSION",
+    "HandshakeError",
+    "HelloMismatch",
+    "PeerIDMismatch",
+]

@@ -1,0 +1,221 @@
+"""A peer's network presence: its listener and its pool of authenticated RPC connections.
+
+``open_peer_host`` is the one place a peer's connections live: it owns the nursery in which every
+connection runs, so leaving the ``async with`` block closes them all. At most one connection per
+remote peer is kept in the pool (incoming connections are reused for outgoing calls too); a dead
+connection leaves the pool and the next call dials again.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from .address import PeerAddress
+from .identity import Identity, PeerID
+from .rpc import Connection, Message, Router
+from .secure_channel import HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, HandshakeError, Hello, secure_handshake
+
+__all__ = ["PeerHost", "ConnectError", "open_peer_host"]
+
+log = logging.getLogger("peerd.host")
+
+# Dialing: a peer that does not accept within 5 s on a LAN or across the internet is as good as dead.
+CONNECT_TIMEOUT = 5.0
+# Connections still in their handshake. Each costs a socket and a few KiB; this bounds what a flood
+# of silent connections can hold (each is dropped after HANDSHAKE_TIMEOUT anyway).
+MAX_PENDING_HANDSHAKES = 512
+
+
+class ConnectError(OSError):
+    """Could not reach or authenticate a peer; the message says which address and why."""
+
+
+class PeerHost:
+    """Listener plus connection pool of one peer. Create it with ``open_peer_host``."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        nursery: trio.Nursery,
+        *,
+        router: Router | None = None,
+        run_id: str = "default",
+        client_mode: bool = False,
+        protocol_version: int = PROTOCOL_VERSION,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ):
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.router = router if router is not None else Router()
+        self.run_id = run_id
+        self.client_mode = client_mode
+        self.protocol_version = protocol_version
+        self.handshake_timeout = handshake_timeout
+        self.connect_timeout = connect_timeout
+        self.listen_address: PeerAddress | None = None
+        self._nursery = nursery
+        self._connections: dict[PeerID, Connection] = {}
+        self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
+        self._dialing: dict[tuple[str, int], trio.Event] = {}
+        self._pending_handshakes = 0
+        self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
+
+    # ------------------------------------------------------------------ listening
+    def _hello(self) -> Hello:
+        listen = (self.listen_address.endpoint,) if self.listen_address is not None else ()
+        return Hello(self.protocol_version, self.run_id, self.client_mode, listen)
+
+    async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        sockname = listeners[0].socket.getsockname()
+        self.listen_address = PeerAddress(sockname[0], sockname[1], self.peer_id)
+        task_status.started(self.listen_address)
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener)
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as error:
+                    if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        log.warning("out of sockets while accepting (%s); pausing", error)
+                        await trio.sleep(0.1)
+                        continue
+                    raise
+                if self._pending_handshakes >= MAX_PENDING_HANDSHAKES:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                self._nursery.start_soon(self._handle_incoming, stream)
+
+    async def _handle_incoming(self, stream: trio.SocketStream) -> None:
+        self._pending_handshakes += 1
+        try:
+            channel = await secure_handshake(
+                stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout
+            )
+        except Exception as error:  # whatever a stranger sends, it costs them the connection only
+            reason = "handshake timed out" if isinstance(error, trio.TooSlowError) else str(error)
+            log.info("refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
+            await trio.aclose_forcefully(stream)
+            return
+        finally:
+            self._pending_handshakes -= 1
+        connection = Connection(channel, self.router, serve=not self.client_mode)
+        await self._run_connection(connection, incoming=True)
+
+    async def _run_connection(self, connection: Connection, incoming: bool) -> None:
+        peer = connection.remote_peer_id
+        existing = self._connections.get(peer)
+        if existing is None or existing.is_closed:
+            self._connections[peer] = connection
+        for callback in self.on_connection:
+            callback(connection, incoming)
+        try:
+            await connection.run()
+        finally:
+            if self._connections.get(peer) is connection:
+                del self._connections[peer]
+            log.debug("connection to %s closed", peer)
+
+    # ------------------------------------------------------------------ dialing
+    def connection_to(self, peer: PeerID) -> Connection | None:
+        connection = self._connections.get(peer)
+        return connection if connection is not None and not connection.is_closed else None
+
+    @property
+    def connected_peers(self) -> list[PeerID]:
+        return [peer for peer, conn in self._connections.items() if not conn.is_closed]
+
+    async def connect(self, address: PeerAddress) -> Connection:
+        """A live connection to ``address``, reused from the pool or dialed (then pooled)."""
+        key = (address.host, address.port)
+        while True:
+            known = address.peer_id or self._endpoint_peer.get(key)
+            if known is not None and (connection := self.connection_to(known)) is not None:
+                if address.peer_id is None or address.peer_id == connection.remote_peer_id:
+                    return connection
+            dialing = self._dialing.get(key)
+            if dialing is None:
+                break
+            await dialing.wait()  # someone else is dialing this endpoint: share their connection
+            if self._endpoint_peer.get(key) is None:
+                break  # their dial failed; try ourselves so the caller gets the error
+        done = self._dialing[key] = trio.Event()
+        try:
+            connection = await self._dial(address)
+        finally:
+            del self._dialing[key]
+            done.set()
+        return connection
+
+    async def _dial(self, address: PeerAddress) -> Connection:
+        try:
+            with trio.fail_after(self.connect_timeout):
+                stream = await trio.open_tcp_stream(address.host, address.port)
+        except trio.TooSlowError:
+            raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
+        except OSError as error:
+            raise ConnectError(f"{address}: {error.strerror or error}") from None
+        try:
+            channel = await secure_handshake(
+                stream,
+                self.identity,
+                self._hello(),
+                initiator=True,
+                expected_peer=address.peer_id,
+                timeout=self.handshake_timeout,
+            )
+        except BaseException as error:
+            await trio.aclose_forcefully(stream)
+            if isinstance(error, trio.TooSlowError):
+                raise ConnectError(f"{address}: handshake timed out after {self.handshake_timeout} s") from None
+            if isinstance(error, HandshakeError):
+                raise ConnectError(f"{address}: {error}") from error
+            if isinstance(error, (trio.BrokenResourceError, OSError)):
+                raise ConnectError(f"{address}: connection lost during the handshake") from None
+            raise
+        connection = Connection(channel, self.router, serve=not self.client_mode)
+        self._endpoint_peer[(address.host, address.port)] = connection.remote_peer_id
+        self._nursery.start_soon(self._run_connection, connection, False)
+        log.debug("connected to %s at %s", connection.remote_peer_id, address.endpoint)
+        return connection
+
+    async def call(
+        self, address: PeerAddress, method: str, body: Any = None, *, payload: Any = None, timeout: float | None = None
+    ) -> Message:
+        """Connect (or reuse the pooled connection) and make one unary call."""
+        connection = await self.connect(address)
+        return await connection.call(method, body, payload=payload, timeout=timeout)
+
+
+def _remote_endpoint(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
+@asynccontextmanager
+async def open_peer_host(
+    identity: Identity, *, listen: tuple[str, int] | None = ("127.0.0.1", 0), **options: Any
+) -> AsyncIterator[PeerHost]:
+    """Run a peer host for the duration of the block. ``listen=None`` accepts no connections."""
+    async with trio.open_nursery() as nursery:
+        host = PeerHost(identity, nursery, **options)
+        if listen is not None and not host.client_mode:
+            await nursery.start(host._serve, listen[0], listen[1])
+        try:
+            yield host
+        finally:
+            nursery.cancel_scope.cancel()

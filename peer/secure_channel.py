@@ -1,0 +1,335 @@
+"""The encrypted peer channel: Noise XX bound to Ed25519 identities, then AES-GCM records.
+
+Handshake (``Noise_XX_25519_AESGCM_SHA256``, one record per Noise message):
+
+    -> e
+    <- e, ee, s, es, {responder identity}
+    -> s, se, {initiator identity}
+
+An identity payload is ``[ed25519_public_key, signature]`` where the signature covers the sender's
+Noise static key, as libp2p's noise transport does: the static key is fresh per process, the
+identity key proves who holds it. After the handshake each side sends one encrypted hello
+(protocol version, run ID, advertised addresses) and checks the other's.
+
+Transport records use the keys and nonce format that Noise's ``Split()`` produces (AES-GCM, nonce =
+4 zero bytes + 64-bit big-endian counter, no associated data) but allow 1 MiB of plaintext instead of
+Noise's 64 KiB message cap, so that tensor streams pay one AEAD call and one syscall slice per MiB.
+Records are strictly ordered, so a replayed, dropped or reordered record fails authentication.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+
+import trio
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from noise.connection import Keypair, NoiseConnection
+from noise.exceptions import (
+    NoiseHandshakeError,
+    NoiseInvalidMessage,
+    NoiseValidationError,
+    NoiseValueError,
+)
+
+from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError, RecordDecoder
+from .identity import Identity, PeerID, verify_signature
+from .rpc_protocol import packb, unpackb
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HandshakeError",
+    "PeerIDMismatch",
+    "HelloMismatch",
+    "Hello",
+    "SecureChannel",
+    "TransportCipher",
+    "secure_handshake",
+]
+
+PROTOCOL_VERSION = 1
+NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
+PROLOGUE = b"peerd-noise-v1"
+STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"
+# Noise handshake messages here are < 200 bytes; anything much larger is not a peerd peer.
+MAX_HANDSHAKE_MESSAGE = 4096
+# Long enough for a loaded volunteer machine across continents (three RTTs + key agreement),
+# short enough that a connection that stalls mid-handshake frees its slot quickly.
+HANDSHAKE_TIMEOUT = 10.0
+_NONCE_PREFIX = b"\0\0\0\0"
+# What noiseprotocol raises on garbage from the peer (it lets cryptography's and its own errors out).
+_NOISE_FAILURES = (
+    NoiseHandshakeError,
+    NoiseInvalidMessage,
+    NoiseValidationError,
+    NoiseValueError,
+    InvalidTag,
+    ValueError,
+    IndexError,
+)
+_COUNTER = struct.Struct(">Q")
+
+
+class HandshakeError(Exception):
+    """The peer could not be authenticated or does not speak our protocol/run."""
+
+
+class PeerIDMismatch(HandshakeError):
+    pass
+
+
+class HelloMismatch(HandshakeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Hello:
+    protocol: int
+    run_id: str
+    client_mode: bool = False
+    listen_addresses: tuple[str, ...] = field(default_factory=tuple)
+
+    def encode(self) -> bytes:
+        return packb(
+            {
+                "protocol": self.protocol,
+                "run_id": self.run_id,
+                "client_mode": self.client_mode,
+                "listen": list(self.listen_addresses),
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> Hello:
+        try:
+            fields = unpackb(data, max_size=MAX_HANDSHAKE_MESSAGE)
+            protocol, run_id = fields["protocol"], fields["run_id"]
+            client_mode = fields.get("client_mode", False)
+            listen = fields.get("listen", [])
+            valid = (
+                type(protocol) is int
+                and isinstance(run_id, str)
+                and isinstance(client_mode, bool)
+                and isinstance(listen, list)
+                and len(listen) <= 8
+                and all(isinstance(a, str) and len(a) < 300 for a in listen)
+            )
+        except Exception:
+            valid = False
+        if not valid:
+            raise HandshakeError("malformed hello from peer")
+        return cls(protocol, run_id, client_mode, tuple(listen))
+
+
+class TransportCipher:
+    """AES-GCM with Noise's counter nonces, one instance per direction."""
+
+    __slots__ = ("_aead", "_counter")
+
+    def __init__(self, key: bytes):
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    def _nonce(self) -> bytes:
+        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
+        self._counter += 1
+        return nonce
+
+    def seal_into(self, plaintext, out: memoryview) -> int:
+        """Write one record (length header + ciphertext) to ``out``; return its size."""
+        size = len(plaintext) + AEAD_TAG_SIZE
+        HEADER.pack_into(out, 0, size)
+        self._aead.encrypt_into(self._nonce(), plaintext, None, out[HEADER.size : HEADER.size + size])
+        return HEADER.size + size
+
+    def open(self, record) -> bytes:
+        try:
+            return self._aead.decrypt(self._nonce(), record, None)
+        except InvalidTag:
+            raise ProtocolError("record failed authentication (tampered or out of order)") from None
+
+    def open_into(self, record, out: memoryview) -> int:
+        size = len(record) - AEAD_TAG_SIZE
+        if size < 0 or size > len(out):
+            raise ProtocolError("record does not fit the announced payload")
+        try:
+            self._aead.decrypt_into(self._nonce(), record, None, out[:size])
+        except InvalidTag:
+            raise ProtocolError("record failed authentication (tampered or out of order)") from None
+        return size
+
+
+def record_overhead(payload_len: int) -> int:
+    """Bytes on the wire beyond ``payload_len`` when it is split into records."""
+    records = max(1, math.ceil(payload_len / MAX_RECORD_PLAINTEXT))
+    return records * (HEADER.size + AEAD_TAG_SIZE)
+
+
+class SecureChannel:
+    """An authenticated, encrypted byte pipe of records over a trio stream."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        decoder: RecordDecoder,
+        send_cipher: TransportCipher,
+        receive_cipher: TransportCipher,
+        remote_public_key: bytes,
+        remote_hello: Hello,
+        initiator: bool,
+    ):
+        self.stream = stream
+        self.decoder = decoder
+        self.send_cipher = send_cipher
+        self.receive_cipher = receive_cipher
+        self.remote_public_key = remote_public_key
+        self.remote_peer_id = PeerID.from_public_key(remote_public_key)
+        self.remote_hello = remote_hello
+        self.initiator = initiator
+        # Receiving straight into the decoder's buffer saves a bytes object and a copy per read.
+        self._socket = getattr(stream, "socket", None)
+
+    async def fill(self) -> bool:
+        """Receive more bytes into the decoder; False at end of stream."""
+        view = self.decoder.writable()
+        if self._socket is not None:
+            nbytes = await self._socket.recv_into(view)
+        else:
+            data = await self.stream.receive_some(len(view))
+            nbytes = len(data)
+            view[:nbytes] = data
+        self.decoder.commit(nbytes)
+        return nbytes > 0
+
+    async def send_record(self, plaintext: bytes) -> None:
+        out = bytearray(HEADER.size + len(plaintext) + AEAD_TAG_SIZE)
+        self.send_cipher.seal_into(plaintext, memoryview(out))
+        await self.stream.send_all(out)
+
+    async def receive_record(self) -> bytes:
+        while (record := self.decoder.next_record()) is None:
+            if not await self.fill():
+                raise trio.EndOfChannel("peer closed the connection")
+        return self.receive_cipher.open(record)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self.stream)
+
+
+async def _send_handshake_message(stream: trio.abc.Stream, message: bytes) -> None:
+    await stream.send_all(HEADER.pack(len(message)) + message)
+
+
+async def _receive_handshake_message(stream: trio.abc.Stream, decoder: RecordDecoder) -> bytes:
+    while (record := decoder.next_record()) is None:
+        data = await stream.receive_some(MAX_HANDSHAKE_MESSAGE)
+        if not data:
+            raise HandshakeError("peer closed the connection during the handshake")
+        decoder.receive_data(data)
+    return bytes(record)
+
+
+def _identity_payload(identity: Identity, static_public: bytes) -> bytes:
+    return packb([identity.public_key, identity.sign(STATIC_KEY_CONTEXT + static_public)])
+
+
+def _verify_identity_payload(payload: bytes, remote_static: bytes) -> bytes:
+    try:
+        public_key, signature = unpackb(payload, max_size=MAX_HANDSHAKE_MESSAGE)
+        valid = isinstance(public_key, bytes) and len(public_key) == 32 and isinstance(signature, bytes)
+    except Exception:
+        valid = False
+    if not valid:
+        raise HandshakeError("malformed identity in handshake")
+    if not verify_signature(public_key, signature, STATIC_KEY_CONTEXT + remote_static):
+        raise HandshakeError("peer's identity signature over its Noise key is invalid")
+    return public_key
+
+
+def _check_hello(ours: Hello, theirs: Hello, remote: PeerID) -> None:
+    if theirs.protocol != ours.protocol:
+        raise HelloMismatch(
+            f"protocol version mismatch with peer {remote}: we speak version {ours.protocol}, "
+            f"it speaks version {theirs.protocol}"
+        )
+    if theirs.run_id != ours.run_id:
+        raise HelloMismatch(
+            f"run ID mismatch with peer {remote}: we are in run {ours.run_id!r}, it is in run {theirs.run_id!r}"
+        )
+
+
+async def secure_handshake(
+    stream: trio.abc.Stream,
+    identity: Identity,
+    hello: Hello,
+    *,
+    initiator: bool,
+    expected_peer: PeerID | None = None,
+    timeout: float = HANDSHAKE_TIMEOUT,
+) -> SecureChannel:
+    """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError)."""
+    noise = NoiseConnection.from_name(NOISE_PROTOCOL)
+    if initiator:
+        noise.set_as_initiator()
+    else:
+        noise.set_as_responder()
+    static_private = AESGCM.generate_key(bit_length=256)  # 32 random bytes: a fresh X25519 secret
+    noise.set_keypair_from_private_bytes(Keypair.STATIC, static_private)
+    noise.set_prologue(PROLOGUE)
+    noise.start_handshake()
+    static_public = noise.noise_protocol.keypairs["s"].public_bytes
+    # noiseprotocol drops its handshake state when the last message is processed; keep a reference
+    # to read the remote static key afterwards.
+    handshake_state = noise.noise_protocol.handshake_state
+    our_payload = _identity_payload(identity, static_public)
+    handshake_decoder = RecordDecoder(max_record_size=MAX_HANDSHAKE_MESSAGE, initial_size=2 * MAX_HANDSHAKE_MESSAGE)
+    decoder = handshake_decoder
+    with trio.fail_after(timeout):
+        try:
+            if initiator:
+                await _send_handshake_message(stream, bytes(noise.write_message()))
+                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+            else:
+                noise.read_message(await _receive_handshake_message(stream, decoder))
+                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+            if initiator:
+                remote_static = handshake_state.rs.public_bytes
+                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
+                remote_id = PeerID.from_public_key(remote_key)
+                if expected_peer is not None and remote_id != expected_peer:
+                    raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
+                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+            else:
+                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+                remote_static = handshake_state.rs.public_bytes
+                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
+                remote_id = PeerID.from_public_key(remote_key)
+        except _NOISE_FAILURES as error:
+            raise HandshakeError(f"Noise handshake failed: {error}") from None
+        except ProtocolError as error:
+            raise HandshakeError(f"bad handshake framing: {error}") from None
+        if remote_id == identity.peer_id:
+            raise HandshakeError("connected to itself")
+        assert noise.handshake_finished
+        decoder = RecordDecoder()
+        decoder.receive_data(handshake_decoder.take_buffered())
+        channel = SecureChannel(
+            stream,
+            decoder,
+            TransportCipher(noise.noise_protocol.cipher_state_encrypt.k),
+            TransportCipher(noise.noise_protocol.cipher_state_decrypt.k),
+            remote_key,
+            hello,  # replaced below once the peer's hello arrives
+            initiator,
+        )
+        await channel.send_record(hello.encode())
+        try:
+            remote_hello = Hello.decode(await channel.receive_record())
+        except (ProtocolError, trio.EndOfChannel) as error:
+            raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
+        _check_hello(hello, remote_hello, remote_id)
+        channel.remote_hello = remote_hello
+        return channel
