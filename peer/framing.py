@@ -66,7 +66,9 @@ class RecordDecoder:
         if len(self._buffer) - self._end < needed:
             tail = self._view[self._start : self._end]
             if pending + needed > len(self._buffer):
-                size = min(max(2 * len(self._buffer), pending + needed), max(self._max_buffer, pending + needed))
+                # Jump straight to room for several records of this size: growing by doubling
+                # would compact (copy) on nearly every large record.
+                size = max(2 * len(self._buffer), min(4 * (pending + needed), self._max_buffer), pending + needed)
                 grown = bytearray(size)
                 grown[:pending] = tail
                 self._buffer, self._view = grown, memoryview(grown)
@@ -99,6 +101,14 @@ class RecordDecoder:
     @property
     def buffered(self) -> int:
         return self._end - self._start
+
+    def missing(self) -> int:
+        """Bytes still to come before the record in progress is complete (0 if unknown)."""
+        pending = self._end - self._start
+        if pending < HEADER.size:
+            return 0
+        (length,) = HEADER.unpack_from(self._buffer, self._start)
+        return max(0, HEADER.size + length - pending)
 
     def next_record(self) -> memoryview | None:
         """The next complete record body, or None if more bytes are needed."""

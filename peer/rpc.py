@@ -432,7 +432,15 @@ class Connection:
         while True:
             while (record := decoder.next_record()) is not None:
                 if protocol.awaiting_payload:
-                    events = protocol.payload_received(cipher.open_into(record, protocol.payload_target()))
+                    if len(record) - AEAD_TAG_SIZE == protocol.payload_remaining and protocol.payload_remaining:
+                        # One record holds the rest: if it is the whole payload, decrypting into a
+                        # fresh bytes object skips allocating (and zeroing) a buffer first.
+                        if len(record) - AEAD_TAG_SIZE == protocol._payload_len:
+                            events = protocol.payload_whole(cipher.open(record))
+                        else:
+                            events = protocol.payload_received(cipher.open_into(record, protocol.payload_target()))
+                    else:
+                        events = protocol.payload_received(cipher.open_into(record, protocol.payload_target()))
                 else:
                     events = protocol.receive_header(cipher.open(record))
                 for header in protocol.take_outbox():

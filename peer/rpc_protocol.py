@@ -172,7 +172,8 @@ class RPCProtocol:
         self._remote_calls = 0
         self._outbox: list[bytes] = []
         self._pending: tuple | None = None  # header awaiting its payload
-        self._payload: bytearray | None = None
+        self._payload: bytearray | None = None  # allocated only for payloads spanning records
+        self._payload_len = 0
         self._payload_filled = 0
         self._failed: ProtocolError | None = None
 
@@ -259,15 +260,29 @@ class RPCProtocol:
     def awaiting_payload(self) -> bool:
         return self._pending is not None
 
+    @property
+    def payload_remaining(self) -> int:
+        return self._payload_len - self._payload_filled
+
+    def payload_whole(self, payload: bytes) -> list:
+        """Deliver a payload that arrived in one piece (no buffer to allocate and fill)."""
+        if self._pending is None or self._payload_filled or len(payload) != self._payload_len:
+            raise ProtocolError("payload record does not match the announced payload length")
+        header = self._pending
+        self._pending = None
+        return self._dispatch(header, payload)
+
     def payload_target(self) -> memoryview:
         """The part of the announced payload not yet received, to decrypt or copy into."""
-        assert self._payload is not None
+        assert self._pending is not None
+        if self._payload is None:
+            self._payload = bytearray(self._payload_len)
         return memoryview(self._payload)[self._payload_filled :]
 
     def payload_received(self, nbytes: int) -> list:
         assert self._payload is not None and self._pending is not None
         self._payload_filled += nbytes
-        if self._payload_filled < len(self._payload):
+        if self._payload_filled < self._payload_len:
             return []
         header, payload = self._pending, self._payload
         self._pending = self._payload = None
@@ -289,7 +304,7 @@ class RPCProtocol:
             payload_len = self._validate(kind, header)
             if payload_len:
                 self._pending = header
-                self._payload = bytearray(payload_len)
+                self._payload_len = payload_len
                 self._payload_filled = 0
                 return []
             return self._dispatch(header, b"")
