@@ -165,7 +165,7 @@ class PeerHost:
         except trio.TooSlowError:
             raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
         except OSError as error:
-            raise ConnectError(f"{address}: {error.strerror or error}") from None
+            raise ConnectError(f"{address}: {_os_reason(error)}") from None
         try:
             channel = await secure_handshake(
                 stream,
@@ -196,6 +196,16 @@ class PeerHost:
         """Connect (or reuse the pooled connection) and make one unary call."""
         connection = await self.connect(address)
         return await connection.call(method, body, payload=payload, timeout=timeout)
+
+
+def _os_reason(error: OSError) -> str:
+    """The underlying reason ("Connection refused") rather than trio's "all attempts failed"."""
+    cause = error.__cause__
+    inner = getattr(cause, "exceptions", None) or ([cause] if cause is not None else [])
+    for exception in inner:
+        if isinstance(exception, OSError) and exception.strerror:
+            return exception.strerror.lower()
+    return (error.strerror or str(error)).lower()
 
 
 def _remote_endpoint(stream: trio.SocketStream) -> str:
