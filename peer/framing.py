@@ -119,9 +119,7 @@ class RecordDecoder:
             return None
         (length,) = HEADER.unpack_from(self._buffer, self._start)
         if length > self.max_record_size:
-            self._failed = FrameTooLarge(
-                f"record of {length} bytes announced; the limit is {self.max_record_size}"
-            )
+            self._failed = FrameTooLarge(f"record of {length} bytes announced; the limit is {self.max_record_size}")
             raise self._failed
         if available < HEADER.size + length:
             return None

@@ -342,7 +342,9 @@ class Connection:
         if self.is_closed:
             raise ConnectionLost(self._close_reason)
 
-    async def call(self, method: str, body: Any = None, *, payload: Any = None, timeout: float | None = None) -> Message:
+    async def call(
+        self, method: str, body: Any = None, *, payload: Any = None, timeout: float | None = None
+    ) -> Message:
         """A unary call. Raises RemoteError (and subclasses), CallTimeoutError or ConnectionLost."""
         self._check_open()
         view = _as_bytes_view(payload) if payload is not None else None
@@ -376,7 +378,9 @@ class Connection:
             with trio.fail_after(timeout if timeout is not None else math.inf):
                 yield stream
         except trio.TooSlowError:
-            raise CallTimeoutError(f"stream {method} on peer {self.remote_peer_id} timed out after {timeout} s") from None
+            raise CallTimeoutError(
+                f"stream {method} on peer {self.remote_peer_id} timed out after {timeout} s"
+            ) from None
         finally:
             if not state.ended:
                 self._abandon(call_id)
@@ -412,7 +416,9 @@ class Connection:
                 chunks = [item.header]
                 if item.payload is not None:
                     payload = item.payload
-                    chunks.extend(payload[i : i + MAX_RECORD_PLAINTEXT] for i in range(0, len(payload), MAX_RECORD_PLAINTEXT))
+                    chunks.extend(
+                        payload[i : i + MAX_RECORD_PLAINTEXT] for i in range(0, len(payload), MAX_RECORD_PLAINTEXT)
+                    )
                 for chunk in chunks:
                     if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
                         await stream.send_all(view[:position])
