@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
+from .address import PeerAddress
 from .identity import PeerID
 from .rpc_protocol import (
     CallCancelled,
@@ -291,6 +292,24 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._send_buffer = bytearray(SEND_BUFFER_SIZE)
         self._close_reason: str = "connection closed"
+
+    @property
+    def remote_listen_address(self) -> PeerAddress | None:
+        """Where the peer accepts connections (None for client-mode peers). An advertised wildcard
+        host (0.0.0.0, ::) is replaced by the address we see the peer connecting from."""
+        if self.remote_hello.client_mode or not self.remote_hello.listen_addresses:
+            return None
+        try:
+            advertised = PeerAddress.parse(self.remote_hello.listen_addresses[0])
+        except ValueError:
+            return None
+        host = advertised.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = self.channel.stream.socket.getpeername()[0]
+            except (AttributeError, OSError):
+                return None
+        return PeerAddress(host, advertised.port, self.remote_peer_id)
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:
