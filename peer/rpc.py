@@ -290,6 +290,7 @@ class Connection:
         self._pending: dict[int, _PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
+        self._cancel_scope = trio.CancelScope()
         self._send_buffer = bytearray(SEND_BUFFER_SIZE)
         self._close_reason: str = "connection closed"
 
@@ -315,11 +316,12 @@ class Connection:
     async def run(self) -> None:
         """Serve the connection until the peer leaves, a protocol error occurs, or ``close()``."""
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._write_loop)
-                await self._read_loop()
-                nursery.cancel_scope.cancel()
+            with self._cancel_scope:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._write_loop)
+                    await self._read_loop()
+                    nursery.cancel_scope.cancel()
         except ProtocolError as error:
             self._close_reason = f"protocol error from peer {self.remote_peer_id}: {error}"
             log.warning("dropping connection: %s", self._close_reason)
@@ -332,8 +334,8 @@ class Connection:
 
     def close(self) -> None:
         """Stop the connection (non-blocking; ``closed`` is set once it is down)."""
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+        self._close_reason = "connection closed locally"
+        self._cancel_scope.cancel()  # also works before run() has started: it then exits at once
 
     @property
     def is_closed(self) -> bool:
@@ -519,8 +521,8 @@ class Connection:
             if not self.serve:
                 reason = "this peer is in client mode and serves no calls"
             elif self.router.lookup(event.method, not event.unary) is not None:
-                kind = "a stream" if event.unary else "a unary"
-                reason = f"method {event.method!r} is not {kind} method"
+                actual, use = ("stream", "stream()") if event.unary else ("unary", "call()")
+                reason = f"method {event.method!r} is a {actual} method; call it with {use}"
             else:
                 reason = f"no such method {event.method!r}"
             self._enqueue(self.protocol.send_error(event.call_id, "UnknownMethod", reason))

@@ -175,6 +175,7 @@ class RPCProtocol:
         self._payload: bytearray | None = None  # allocated only for payloads spanning records
         self._payload_len = 0
         self._payload_filled = 0
+        self._header_size = 0
         self._failed: ProtocolError | None = None
 
     # ----------------------------------------------------------------- outgoing
@@ -299,6 +300,7 @@ class RPCProtocol:
             except Exception as error:  # msgpack raises many types on garbage; all mean the same
                 raise ProtocolError(f"undecodable RPC header: {error}") from None
             _check(isinstance(header, list) and len(header) >= 2, "not an array of at least 2 items")
+            self._header_size = len(plaintext)  # what the sender charged against its credit
             kind, call_id = header[0], header[1]
             _check(type(call_id) is int and 0 < call_id < 1 << 63, "bad call ID")
             payload_len = self._validate(kind, header)
@@ -342,10 +344,12 @@ class RPCProtocol:
             return []  # a call that already ended here (cancelled, failed): late traffic is normal
         if kind == DATA:
             _check(not call.received_done, "data after end of stream")
-            cost = len(packb(header)) + len(payload)
-            call.receive_credit -= cost
-            if call.receive_credit < -MAX_RECORD_PLAINTEXT - self.max_payload:
+            # The sender may send while its credit is positive (one message may overshoot), and
+            # its view of the credit never exceeds ours, so data arriving at <= 0 is a violation.
+            if call.receive_credit <= 0:
                 raise ProtocolError("peer sent more stream data than its credit allows")
+            cost = self._header_size + len(payload)
+            call.receive_credit -= cost
             return [StreamData(call_id, header[2], payload, cost)]
         if kind == END:
             if call.local:

@@ -1,0 +1,147 @@
+"""The call multiplexing rules, driven without sockets: two RPCProtocol objects talk by handing
+each other header bytes (and payload bytes through payload_target)."""
+
+import msgpack
+import pytest
+
+from peer.framing import ProtocolError
+from peer.rpc_protocol import (
+    CallCancelled,
+    CallFailed,
+    CallOpened,
+    CallResult,
+    CreditGranted,
+    RPCProtocol,
+    StreamData,
+    StreamEnd,
+    packb,
+)
+
+
+def deliver(receiver: RPCProtocol, header: bytes, payload: bytes = b"") -> list:
+    events = receiver.receive_header(header)
+    if receiver.awaiting_payload:
+        target = receiver.payload_target()
+        target[: len(payload)] = payload
+        events = receiver.payload_received(len(payload))
+    return events
+
+
+def pair() -> tuple[RPCProtocol, RPCProtocol]:
+    return RPCProtocol(initiator=True), RPCProtocol(initiator=False)
+
+
+def test_unary_round_trip_with_payload():
+    client, server = pair()
+    call_id, header = client.open_unary("echo", {"a": 1}, 3, timeout=2.5)
+    [opened] = deliver(server, header, b"xyz")
+    assert opened == CallOpened(call_id, "echo", 2.5, True, {"a": 1}, bytearray(b"xyz"))
+    [result] = deliver(client, server.send_result(call_id, [1, 2], 2), b"ok")
+    assert result == CallResult(call_id, [1, 2], bytearray(b"ok"))
+    assert client.active_calls == 0 and server.active_calls == 0
+
+
+def test_single_record_payload_can_be_delivered_whole():
+    client, server = pair()
+    call_id, header = client.open_unary("m", None, 4, timeout=None)
+    assert server.receive_header(header) == [] and server.payload_remaining == 4
+    [opened] = server.payload_whole(b"abcd")
+    assert opened.payload == b"abcd"
+
+
+def test_call_ids_do_not_collide_between_sides():
+    client, server = pair()
+    ids_client = {client.open_unary("m", None, 0, None)[0] for _ in range(3)}
+    ids_server = {server.open_unary("m", None, 0, None)[0] for _ in range(3)}
+    assert all(i % 2 == 1 for i in ids_client) and all(i % 2 == 0 for i in ids_server)
+
+
+def test_stream_with_half_close_and_credit():
+    client = RPCProtocol(initiator=True, window=100)
+    server = RPCProtocol(initiator=False, window=100)
+    call_id, header = client.open_stream("sum", timeout=None)
+    [opened] = deliver(server, header)
+    assert not opened.unary
+    sent = 0
+    while client.send_credit(call_id) > 0:
+        [data] = deliver(server, client.send_data(call_id, sent, 30), b"z" * 30)
+        assert isinstance(data, StreamData) and data.body == sent
+        sent += 1
+    assert sent == 3  # 100 bytes of window, ~35 bytes per message
+    grant = server.consumed(call_id, 200)
+    [credit] = deliver(client, grant)
+    assert isinstance(credit, CreditGranted) and client.send_credit(call_id) > 0
+    assert deliver(server, client.end_stream(call_id)) == [StreamEnd(call_id)]
+    [data] = deliver(client, server.send_data(call_id, "answer", 0))
+    assert data.body == "answer"
+    assert deliver(client, server.end_stream(call_id)) == [StreamEnd(call_id)]
+    assert client.active_calls == 0 and server.active_calls == 0
+
+
+def test_sender_exceeding_its_window_is_a_protocol_error():
+    client = RPCProtocol(initiator=True, window=10, max_payload=100)
+    server = RPCProtocol(initiator=False, window=10, max_payload=100)
+    call_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    with pytest.raises(ProtocolError, match="credit"):
+        for _ in range(50):  # a hostile sender ignores credit
+            deliver(server, packb([2, call_id, None, 100]), b"x" * 100)
+
+
+def test_cancel_ends_the_call_on_both_sides_and_late_traffic_is_ignored():
+    client, server = pair()
+    call_id, header = client.open_unary("slow", None, 0, None)
+    deliver(server, header)
+    assert deliver(server, client.cancel(call_id)) == [CallCancelled(call_id)]
+    assert client.cancel(call_id) is None  # already gone
+    assert deliver(client, packb([8, call_id, "late", 0])) == []  # result after cancel: dropped
+
+
+def test_error_reaches_the_caller():
+    client, server = pair()
+    call_id, header = client.open_unary("boom", None, 0, None)
+    deliver(server, header)
+    [failed] = deliver(client, server.send_error(call_id, "ValueError", "bad"))
+    assert failed == CallFailed(call_id, "ValueError", "bad")
+
+
+def test_concurrency_limit_refuses_with_busy_error():
+    client = RPCProtocol(initiator=True)
+    server = RPCProtocol(initiator=False, max_concurrent_calls=2)
+    for _ in range(3):
+        deliver(server, client.open_unary("m", None, 0, None)[1])
+    [refusal] = server.take_outbox()
+    [failed] = deliver(client, refusal)
+    assert failed.type_name == "Busy"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"\x92\x01",  # truncated array
+        msgpack.packb({"not": "an array"}),
+        msgpack.packb([99, 1]),  # unknown kind
+        msgpack.packb([7, 1, "m", None, None, 0]),  # odd call ID from the initiator's peer side
+        msgpack.packb([7, 2, "", None, None, 0]),  # empty method name
+        msgpack.packb([7, 2, "m", -1, None, 0]),  # negative timeout
+        msgpack.packb([7, 2, "m", None, None, -5]),  # negative payload length
+        msgpack.packb([7, 2, "m", None, None, 1 << 40]),  # payload beyond the limit
+        msgpack.packb([7, "2", "m", None, None, 0]),  # call ID of the wrong type
+        msgpack.packb([6, 2]),  # wrong arity
+        b"\x91" * 5000,  # nesting far too deep
+    ],
+)
+def test_malformed_headers_fail_the_connection(raw):
+    server = RPCProtocol(initiator=True)  # expects even call IDs from its peer
+    with pytest.raises(ProtocolError):
+        server.receive_header(raw)
+    with pytest.raises(ProtocolError):  # failed for good, like h11's ERROR state
+        server.receive_header(packb([7, 2, "m", None, None, 0]))
+
+
+def test_reusing_a_live_call_id_is_a_protocol_error():
+    server = RPCProtocol(initiator=False)
+    server.receive_header(packb([7, 1, "m", None, None, 0]))
+    with pytest.raises(ProtocolError, match="reused"):
+        server.receive_header(packb([7, 1, "m", None, None, 0]))
