@@ -20,8 +20,8 @@ from typing import Any
 
 import trio
 
-from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .address import PeerAddress
+from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .identity import PeerID
 from .rpc_protocol import (
     CallCancelled,
