@@ -314,23 +314,35 @@ class Connection:
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:
-        """Serve the connection until the peer leaves, a protocol error occurs, or ``close()``."""
+        """Serve the connection until the peer leaves, a protocol error occurs, or ``close()``.
+
+        Never raises for anything the peer does: a misbehaving peer costs its own connection only.
+        """
         try:
             with self._cancel_scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    nursery.start_soon(self._write_loop)
-                    await self._read_loop()
-                    nursery.cancel_scope.cancel()
+                    nursery.start_soon(self._until_failure, self._write_loop)
+                    nursery.start_soon(self._until_failure, self._read_loop)
+        finally:
+            self._fail_all(ConnectionLost(self._close_reason))
+            self.closed.set()
+            await self.channel.aclose()
+
+    async def _until_failure(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run the reader or writer; whichever stops first takes the connection down with it."""
+        try:
+            await loop()
         except ProtocolError as error:
             self._close_reason = f"protocol error from peer {self.remote_peer_id}: {error}"
             log.warning("dropping connection: %s", self._close_reason)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self._close_reason = f"connection to {self.remote_peer_id} broke: {error!r}"
+        except Exception as error:  # a bug of ours: log it loudly, but keep the process serving
+            self._close_reason = f"internal error on connection to {self.remote_peer_id}: {error!r}"
+            log.exception("closing connection after an internal error")
         finally:
-            self._fail_all(ConnectionLost(self._close_reason))
-            self.closed.set()
-            await self.channel.aclose()
+            self._cancel_scope.cancel()
 
     def close(self) -> None:
         """Stop the connection (non-blocking; ``closed`` is set once it is down)."""

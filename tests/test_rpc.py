@@ -32,6 +32,7 @@ class Probe:
         self.started = trio.Event()
         self.deadline_budget: float | None = None
         self.received: list[int] = []
+        self.reader_done = trio.Event()
 
 
 def make_router(probe: Probe) -> Router:
@@ -86,6 +87,7 @@ def make_router(probe: Probe) -> Router:
         await probe.cancelled.wait()  # reused here as "start reading now"
         async for message in stream:
             probe.received.append(len(message.payload))
+        probe.reader_done.set()
 
     return router
 
@@ -231,8 +233,7 @@ async def test_slow_reader_bounds_what_the_sender_buffers(peers):
             await stream.send(None, chunk)
         await stream.end()
         with trio.fail_after(10):
-            while len(probe.received) < sent + 10:
-                await trio.sleep(0.01)
+            await probe.reader_done.wait()
     assert probe.received == [len(chunk)] * (sent + 10)
 
 
@@ -292,11 +293,12 @@ async def test_both_sides_can_call_each_other_on_one_connection():
     router_b.add_unary("who", lambda request: _value("b"))
     async with open_peer_host(Identity.generate(), router=router_a) as a:
         async with open_peer_host(Identity.generate(), router=router_b) as b:
+            accepted = trio.Event()
+            a.on_connection.append(lambda connection, incoming: accepted.set())
             connection = await b.connect(a.listen_address)
             assert (await connection.call("who")).body == "a"
             with trio.fail_after(2):
-                while a.connection_to(b.peer_id) is None:
-                    await trio.sleep(0.01)
+                await accepted.wait()
             assert (await a.connection_to(b.peer_id).call("who")).body == "b"
 
 
