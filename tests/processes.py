@@ -1,0 +1,73 @@
+"""Running real ``peerd`` processes in tests: started on 127.0.0.1, always reaped."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PEERD = [sys.executable, "-m", "peer.cli"]
+
+
+class PeerdProcess:
+    """A ``peerd`` subprocess whose stdout is read line by line and stderr goes to a file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            PEERD + args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env
+        )
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.process.stdout, selectors.EVENT_READ)
+        self._buffer = b""
+
+    def read_line(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._selector.select(remaining):
+                raise TimeoutError(f"no line from peerd within {timeout} s; log:\n{self.log()}")
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                raise EOFError(f"peerd exited ({self.process.poll()}) without a line; log:\n{self.log()}")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{text!r} not logged within {timeout} s; log:\n{self.log()}")
+            if self.process.poll() is not None and text not in self.log():
+                raise AssertionError(f"peerd exited with {self.process.returncode}; log:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._selector.close()
+        self.process.stdout.close()
+        self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> PeerdProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(signal.SIGKILL)
