@@ -1,0 +1,68 @@
+"""How a group splits the work of one all-reduce, sans I/O.
+
+Every peer of a group flattens its tensors into one vector of ``total`` elements. The vector is
+cut into one contiguous shard per reducer, sized in proportion to the bandwidth each reducer
+declared (a fast peer reduces more), and each shard is streamed in parts of at most
+``part_size`` elements so that compression, transfer and reduction overlap and no single message
+holds the event loop for long. All peers compute the same plan from the same group description,
+so no coordination beyond the group announcement is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AllReducePlan", "DEFAULT_PART_SIZE", "split_by_bandwidth"]
+
+# 2^19 float32 values = 2 MiB per part: large enough that per-message costs vanish, small enough
+# that several parts are in flight per shard so sending overlaps reducing.
+DEFAULT_PART_SIZE = 1 << 19
+
+
+def split_by_bandwidth(total: int, bandwidths: list[float]) -> list[int]:
+    """Shard sizes summing to ``total``, proportional to ``bandwidths`` (largest remainder rule).
+
+    A reducer with bandwidth 0 gets nothing (client-mode peers declare 0)."""
+    if total < 0:
+        raise ValueError("total must be non-negative")
+    if not bandwidths or any(b < 0 for b in bandwidths) or sum(bandwidths) <= 0:
+        raise ValueError(f"need at least one positive bandwidth, got {bandwidths}")
+    weight = sum(bandwidths)
+    exact = [total * b / weight for b in bandwidths]
+    sizes = [int(x) for x in exact]
+    leftover = total - sum(sizes)
+    by_remainder = sorted(range(len(bandwidths)), key=lambda i: (exact[i] - sizes[i], bandwidths[i]), reverse=True)
+    for i in by_remainder[:leftover]:
+        sizes[i] += 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    """Shard boundaries and part boundaries for one group all-reduce."""
+
+    total: int
+    shard_sizes: tuple[int, ...]
+    part_size: int = DEFAULT_PART_SIZE
+
+    @classmethod
+    def build(cls, total: int, bandwidths: list[float], part_size: int = DEFAULT_PART_SIZE) -> AllReducePlan:
+        if part_size <= 0:
+            raise ValueError("part_size must be positive")
+        return cls(total, tuple(split_by_bandwidth(total, bandwidths)), part_size)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_sizes)
+
+    def shard_bounds(self, index: int) -> tuple[int, int]:
+        start = sum(self.shard_sizes[:index])
+        return start, start + self.shard_sizes[index]
+
+    def parts(self, index: int) -> list[tuple[int, int]]:
+        """Element ranges (absolute, half-open) of the parts of shard ``index``."""
+        start, end = self.shard_bounds(index)
+        return [(offset, min(offset + self.part_size, end)) for offset in range(start, end, self.part_size)]
+
+    def num_parts(self, index: int) -> int:
+        return -(-self.shard_sizes[index] // self.part_size)

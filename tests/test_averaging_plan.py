@@ -1,0 +1,108 @@
+"""The all-reduce plan and a reducer's bookkeeping, without sockets."""
+
+import pytest
+import torch
+
+from averaging.partition import AllReducePlan, split_by_bandwidth
+from averaging.reduction import ContributionRejected, ShardReduction
+
+
+def test_shards_are_proportional_to_bandwidth_and_cover_everything():
+    assert split_by_bandwidth(10, [1, 1]) == [5, 5]
+    assert split_by_bandwidth(100, [3, 1]) == [75, 25]
+    assert split_by_bandwidth(7, [1, 0, 1]) == [4, 0, 3] or split_by_bandwidth(7, [1, 0, 1]) == [3, 0, 4]
+    for total in (0, 1, 17, 12345):
+        sizes = split_by_bandwidth(total, [0.5, 2.0, 1.0, 1.5])
+        assert sum(sizes) == total
+    with pytest.raises(ValueError):
+        split_by_bandwidth(10, [0, 0])
+
+
+def test_parts_tile_each_shard():
+    plan = AllReducePlan.build(1000, [1, 2, 1], part_size=64)
+    covered = []
+    for shard in range(plan.num_shards):
+        parts = plan.parts(shard)
+        assert len(parts) == plan.num_parts(shard)
+        assert all(end - start <= 64 for start, end in parts)
+        covered.extend(parts)
+    flat = [i for start, end in covered for i in range(start, end)]
+    assert flat == list(range(1000))
+
+
+def reduction_with(part_sizes, senders=("a", "b", "c")):
+    return ShardReduction(list(part_sizes), list(senders))
+
+
+def feed(reduction, sender, values, weight, part_sizes):
+    reduction.set_weight(sender, weight)
+    offset = 0
+    for index, size in enumerate(part_sizes):
+        reduction.add_part(sender, index, values[offset : offset + size])
+        offset += size
+    reduction.finish_sender(sender)
+
+
+def test_weighted_average_of_whole_contributions():
+    sizes = [3, 3, 2]
+    reduction = reduction_with(sizes)
+    data = {s: torch.randn(8) for s in "abc"}
+    weights = {"a": 1.0, "b": 2.0, "c": 0.5}
+    for s in "abc":
+        feed(reduction, s, data[s], weights[s], sizes)
+    outcome = reduction.outcome()
+    expected = sum(data[s] * weights[s] for s in "abc") / sum(weights.values())
+    assert torch.allclose(outcome.averaged, expected, atol=1e-6)
+    assert sorted(outcome.contributors) == ["a", "b", "c"] and reduction.done
+
+
+def test_sender_dropped_half_way_contributes_nothing():
+    sizes = [4, 4]
+    reduction = reduction_with(sizes)
+    a, b, c = torch.randn(8), torch.randn(8), torch.randn(8)
+    feed(reduction, "a", a, 1.0, sizes)
+    reduction.set_weight("b", 1.0)
+    reduction.add_part("b", 0, b[:4])  # then b dies
+    reduction.add_local("c", c, 1.0)
+    assert reduction.pending == ["b"]
+    reduction.drop_pending("sender timed out")
+    outcome = reduction.outcome()
+    assert torch.allclose(outcome.averaged, (a + c) / 2, atol=1e-6)
+    assert outcome.dropped == {"b": "sender timed out"}
+
+
+def test_finishing_with_missing_parts_drops_the_sender():
+    reduction = reduction_with([2, 2], senders=["a"])
+    reduction.set_weight("a", 1.0)
+    reduction.add_part("a", 1, torch.ones(2))
+    reduction.finish_sender("a")
+    assert "1 parts missing" in reduction.dropped["a"]
+    assert reduction.outcome().averaged is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda r: r.add_part("a", 0, torch.tensor([float("nan"), 1.0])),
+        lambda r: r.add_part("a", 0, torch.ones(3)),
+        lambda r: r.add_part("a", 0, torch.ones(2, dtype=torch.float64)),
+        lambda r: r.add_part("a", 5, torch.ones(2)),
+        lambda r: r.add_part("zed", 0, torch.ones(2)),
+    ],
+)
+def test_bad_parts_are_rejected(bad):
+    reduction = reduction_with([2, 2], senders=["a"])
+    reduction.set_weight("a", 1.0)
+    with pytest.raises(ContributionRejected):
+        bad(reduction)
+
+
+def test_bad_weights_and_duplicates_are_rejected():
+    reduction = reduction_with([2], senders=["a"])
+    for weight in (float("inf"), float("nan"), -1.0, 1e30):
+        with pytest.raises(ContributionRejected):
+            reduction.set_weight("a", weight)
+    reduction.set_weight("a", 1.0)
+    reduction.add_part("a", 0, torch.ones(2))
+    with pytest.raises(ContributionRejected, match="twice"):
+        reduction.add_part("a", 0, torch.ones(2))
