@@ -1,0 +1,371 @@
+"""Fault-tolerant butterfly all-reduce over the peer RPC.
+
+Every sender streams the slice of its flattened tensors that belongs to reducer ``r`` to ``r``
+(reduce-scatter); each reducer averages its shard and streams the result back to every sender on
+the same stream (all-gather). Deadlines make it fault tolerant:
+
+- ``sender_timeout``: a reducer waits that long for the senders' data; a sender that died or
+  stalled by then is dropped and the average is taken over the contributions that arrived whole;
+- ``reducer_timeout``: a sender waits that long for a reducer's averaged shard; if the reducer
+  died or stalled, that shard keeps the sender's own local values.
+
+``AllReduceResult`` says what happened, so a caller can log it and decide what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from peer import ConnectError, PeerHost, PeerID, Router, RPCError
+
+from .compression import get_codec
+from .group import GroupInfo, GroupMember
+from .partition import DEFAULT_PART_SIZE, AllReducePlan
+from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
+
+__all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "run_allreduce", "tensor_work_limiter"]
+
+log = logging.getLogger("peerd.averaging")
+
+REDUCE_METHOD = "avg.reduce"
+# How long a reducer's handler waits for its own session to appear: the leader's announcement can
+# reach a follower a little after another follower has started sending to it.
+SESSION_WAIT = 5.0
+
+_limiter: trio.CapacityLimiter | None = None
+
+
+def tensor_work_limiter() -> trio.CapacityLimiter:
+    """One process-wide limit for heavy tensor work in worker threads (2 threads: enough to overlap
+    compression with reduction, few enough to leave the event loop a core on small machines)."""
+    global _limiter
+    if _limiter is None:
+        _limiter = trio.CapacityLimiter(2)
+    return _limiter
+
+
+async def _in_thread(fn, *args):
+    return await trio.to_thread.run_sync(fn, *args, limiter=tensor_work_limiter())
+
+
+class AllReduceError(RuntimeError):
+    pass
+
+
+@dataclass
+class AllReduceResult:
+    group: GroupInfo
+    # shard index -> peers whose contribution is in that shard's average
+    contributors: dict[int, list[PeerID]] = field(default_factory=dict)
+    # shards that kept this peer's local values (their reducer died, stalled or got nothing)
+    local_shards: dict[int, str] = field(default_factory=dict)
+    # peers that failed this peer in some way (as reducer, or dropped as sender by some reducer)
+    failed_peers: set[PeerID] = field(default_factory=set)
+
+    @property
+    def succeeded(self) -> bool:
+        return not self.local_shards and not self.failed_peers
+
+
+class _Session:
+    """One peer's part in one all-reduce (known to the service so incoming streams find it)."""
+
+    def __init__(
+        self,
+        group: GroupInfo,
+        me: PeerID,
+        flat: torch.Tensor | None,
+        weight: float,
+        codec: str,
+        sender_timeout: float,
+        part_size: int,
+    ):
+        self.group = group
+        self.me = me
+        self.flat = flat
+        self.weight = weight
+        self.codec = codec
+        self.sender_timeout = sender_timeout
+        total = flat.numel() if flat is not None else None
+        self.total = total
+        self.plan: AllReducePlan | None = None
+        self.part_size = part_size
+        self.reduction: ShardReduction | None = None
+        self.my_shard: int | None = None
+        self.reduction_lock = trio.Lock()
+        self.senders_done = trio.Event()  # every sender committed or dropped
+        self.outcome_ready = trio.Event()  # the average is computed; replies may go out
+        self.outcome: ReductionOutcome | None = None
+
+    def prepare(self, total: int) -> None:
+        reducers = self.group.reducers
+        self.plan = AllReducePlan.build(total, [m.bandwidth for m in reducers], self.part_size)
+        for index, member in enumerate(reducers):
+            if member.peer_id == self.me:
+                self.my_shard = index
+        if self.my_shard is not None:
+            part_sizes = [end - start for start, end in self.plan.parts(self.my_shard)]
+            self.reduction = ShardReduction(part_sizes, [m.peer_id for m in self.group.senders])
+
+
+class AllReduceService:
+    """Serves ``avg.reduce`` for every all-reduce this peer takes part in."""
+
+    def __init__(self, host: PeerHost, router: Router | None = None):
+        self.host = host
+        self._sessions: dict[bytes, _Session] = {}
+        self._sessions_changed = trio.Event()
+        (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce)
+
+    async def _find_session(self, group_id: bytes) -> _Session | None:
+        with trio.move_on_after(SESSION_WAIT):
+            while group_id not in self._sessions:
+                await self._sessions_changed.wait()
+        return self._sessions.get(group_id)
+
+    async def _handle_reduce(self, stream) -> None:
+        header = (await stream.receive()).body
+        if not (isinstance(header, dict) and isinstance(header.get("group_id"), bytes)):
+            raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
+        session = await self._find_session(header["group_id"])
+        if session is None or session.reduction is None:
+            raise ValueError("this peer reduces no shard in that group")
+        sender = stream.peer
+        reduction = session.reduction
+        total = header.get("total")
+        if total != session.total:
+            raise ValueError(f"tensor size mismatch: this group averages {session.total} values, got {total!r}")
+        try:
+            async with session.reduction_lock:
+                reduction.set_weight(sender, header.get("weight"))
+        except ContributionRejected as error:
+            await self._drop(session, sender, str(error))
+            raise
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_parts, session, stream, sender)
+                await session.outcome_ready.wait()
+                nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
+        finally:
+            if sender in reduction.pending:  # the sender cancelled its call or its stream broke
+                with trio.CancelScope(shield=True):
+                    await self._drop(session, sender, "the sender abandoned the stream")
+        await self._reply(session, stream)
+
+    async def _receive_parts(self, session: _Session, stream, sender: PeerID) -> None:
+        reduction = session.reduction
+        assert reduction is not None and session.plan is not None
+        try:
+            async for message in stream:
+                body = message.body
+                if not (isinstance(body, dict) and type(body.get("part")) is int):
+                    raise ContributionRejected("each part needs {'part': int, 'meta': dict}")
+                index = body["part"]
+                if not 0 <= index < len(reduction.part_sizes):
+                    raise ContributionRejected(f"part index {index} out of range")
+                values = await _in_thread(_decode, body.get("meta"), message.payload, reduction.part_sizes[index])
+                async with session.reduction_lock:
+                    await _in_thread(reduction.add_part, sender, index, values)
+            async with session.reduction_lock:
+                reduction.finish_sender(sender)
+        except (ContributionRejected, ValueError, TypeError) as error:
+            log.warning("refusing contribution of %s: %s", sender, error)
+            await self._drop(session, sender, str(error))
+            return
+        except RPCError as error:  # the sender vanished mid-stream
+            await self._drop(session, sender, f"stream broke: {error}")
+            raise
+        if reduction.done:
+            session.senders_done.set()
+
+    async def _drop(self, session: _Session, sender: PeerID, reason: str) -> None:
+        assert session.reduction is not None
+        async with session.reduction_lock:
+            session.reduction.drop(sender, reason)
+        if session.reduction.done:
+            session.senders_done.set()
+
+    async def _reply(self, session: _Session, stream) -> None:
+        assert session.reduction is not None and session.plan is not None and session.my_shard is not None
+        outcome = session.outcome
+        if outcome is None:
+            raise AllReduceError("the all-reduce was cancelled on this peer")
+        contributors = [p.to_bytes() for p in outcome.contributors]
+        if outcome.averaged is None:
+            await stream.send({"contributors": contributors, "averaged": False})
+            return
+        await stream.send({"contributors": contributors, "averaged": True})
+        codec = get_codec(session.codec)
+        offset = 0
+        for index, size in enumerate(session.reduction.part_sizes):
+            part = outcome.averaged[offset : offset + size]
+            meta, payload = await _in_thread(codec.encode, part)
+            await stream.send({"part": index, "meta": meta}, payload)
+            offset += size
+
+    # ------------------------------------------------------------------ one round
+    async def run(
+        self,
+        group: GroupInfo,
+        tensors: Sequence[torch.Tensor],
+        *,
+        weight: float = 1.0,
+        codec: str = "none",
+        sender_timeout: float = 10.0,
+        reducer_timeout: float = 20.0,
+        part_size: int = DEFAULT_PART_SIZE,
+    ) -> AllReduceResult:
+        """Average ``tensors`` in place with the other members of ``group``."""
+        me = self.host.peer_id
+        member = group.member(me)
+        if member is None:
+            raise AllReduceError("this peer is not a member of the group")
+        flat = await _in_thread(_flatten, list(tensors)) if member.mode.sends else None
+        if flat is not None and not bool(torch.isfinite(flat).all()):
+            raise AllReduceError("local tensors contain NaN or infinite values; refusing to average them")
+        session = _Session(group, me, flat, weight, codec, sender_timeout, part_size)
+        total = flat.numel() if flat is not None else sum(t.numel() for t in tensors)
+        session.total = total
+        session.prepare(total)
+        self._sessions[group.group_id] = session
+        self._sessions_changed.set()
+        self._sessions_changed = trio.Event()
+        result = AllReduceResult(group)
+        output = flat.clone() if flat is not None else None
+        try:
+            async with trio.open_nursery() as nursery:
+                if session.reduction is not None:
+                    nursery.start_soon(self._reduce_locally, session)
+                if flat is not None:
+                    for index, reducer in enumerate(group.reducers):
+                        if reducer.peer_id != me:
+                            nursery.start_soon(
+                                self._exchange_with, session, index, reducer, output, result, reducer_timeout
+                            )
+        finally:
+            del self._sessions[group.group_id]
+            if not session.outcome_ready.is_set():  # cancelled: release handlers still waiting
+                session.outcome_ready.set()
+        if session.reduction is not None:
+            outcome = session.outcome
+            assert outcome is not None
+            result.contributors[session.my_shard] = list(outcome.contributors)
+            result.failed_peers.update(outcome.dropped)
+            if flat is not None:
+                start, end = session.plan.shard_bounds(session.my_shard)
+                if outcome.averaged is not None:
+                    output[start:end] = outcome.averaged
+                else:
+                    result.local_shards[session.my_shard] = "no contribution arrived"
+        if output is not None:
+            await _in_thread(_unflatten_into, output, list(tensors))
+        return result
+
+    async def _send_part(self, stream, part_index: int, meta: dict, payload) -> None:
+        """One part to a reducer (a seam for fault-injection tests)."""
+        await stream.send({"part": part_index, "meta": meta}, payload)
+
+    async def _reduce_locally(self, session: _Session) -> None:
+        """Add our own slice, then wait (up to sender_timeout) for the other senders."""
+        reduction = session.reduction
+        assert reduction is not None and session.plan is not None and session.my_shard is not None
+        if session.flat is not None:
+            start, end = session.plan.shard_bounds(session.my_shard)
+            async with session.reduction_lock:
+                await _in_thread(reduction.add_local, session.me, session.flat[start:end], session.weight)
+        if reduction.done:
+            session.senders_done.set()
+        with trio.move_on_after(session.sender_timeout):
+            await session.senders_done.wait()
+        async with session.reduction_lock:
+            if not reduction.done:
+                log.info("dropping senders that did not finish in time: %s", [str(p) for p in reduction.pending])
+                reduction.drop_pending("did not finish sending before the sender deadline")
+        session.outcome = await _in_thread(reduction.outcome)
+        session.outcome_ready.set()
+
+    async def _exchange_with(
+        self,
+        session: _Session,
+        index: int,
+        reducer: GroupMember,
+        output: torch.Tensor,
+        result: AllReduceResult,
+        reducer_timeout: float,
+    ) -> None:
+        assert session.plan is not None and session.flat is not None and reducer.address is not None
+        parts = session.plan.parts(index)
+        codec = get_codec(session.codec)
+        received = 0
+        try:
+            with trio.fail_after(reducer_timeout):
+                connection = await self.host.connect(reducer.address)
+                async with connection.stream(REDUCE_METHOD) as stream:
+                    header = {"group_id": session.group.group_id, "weight": session.weight, "total": session.total}
+                    await stream.send(header)
+                    for part_index, (start, end) in enumerate(parts):
+                        meta, payload = await _in_thread(codec.encode, session.flat[start:end])
+                        await self._send_part(stream, part_index, meta, payload)
+                    await stream.end()
+                    summary = (await stream.receive()).body
+                    if not (isinstance(summary, dict) and isinstance(summary.get("contributors"), list)):
+                        raise AllReduceError("reducer sent a malformed summary")
+                    contributors = [PeerID(raw) for raw in summary["contributors"] if isinstance(raw, bytes)]
+                    if summary.get("averaged") is not True:
+                        raise AllReduceError("the reducer received no contribution")
+                    for part_index, (start, end) in enumerate(parts):
+                        reply = await stream.receive()
+                        body = reply.body
+                        if not (isinstance(body, dict) and body.get("part") == part_index):
+                            raise AllReduceError("reducer sent parts out of order")
+                        values = await _in_thread(_decode, body.get("meta"), reply.payload, end - start)
+                        await _in_thread(_copy_into, output, start, values)
+                        received += 1
+            result.contributors[index] = contributors
+            result.failed_peers.update(p.peer_id for p in session.group.senders if p.peer_id not in contributors)
+        except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
+            reason = "timed out" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
+            log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
+            start, end = session.plan.shard_bounds(index)
+            if received:  # restore the parts already overwritten: the shard stays wholly local
+                await _in_thread(_copy_into, output, start, session.flat[start:end])
+            result.local_shards[index] = reason
+            result.failed_peers.add(reducer.peer_id)
+
+
+def _decode(meta, payload, numel: int) -> torch.Tensor:
+    if not (isinstance(meta, dict) and isinstance(meta.get("codec"), str)):
+        raise ContributionRejected("part metadata must name its codec")
+    values = get_codec(meta["codec"]).decode(meta, payload, numel)
+    if values.numel() != numel:
+        raise ContributionRejected(f"part decoded to {values.numel()} values, expected {numel}")
+    return values
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            n = tensor.numel()
+            tensor.copy_(flat[offset : offset + n].view(tensor.shape).to(tensor.dtype))
+            offset += n
+
+
+def _copy_into(output: torch.Tensor, start: int, values: torch.Tensor) -> None:
+    output[start : start + values.numel()].copy_(values)
+
+
+async def run_allreduce(service: AllReduceService, group: GroupInfo, tensors, **options) -> AllReduceResult:
+    """Convenience wrapper: ``await service.run(group, tensors, **options)``."""
+    return await service.run(group, tensors, **options)

@@ -1,0 +1,256 @@
+"""Butterfly all-reduce between in-process peers on 127.0.0.1: exact averages, peer modes, and
+every fault the issue lists, with survivors finishing in time and holding exactly the average of
+the contributions that arrived."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import trio
+
+from averaging.allreduce import AllReduceService
+from averaging.group import AveragingMode, GroupInfo, GroupMember
+from peer import Identity, open_peer_host
+
+SENDER_TIMEOUT = 1.0
+REDUCER_TIMEOUT = 2.5
+SHAPES = [(37, 5), (100,), (3, 3, 3)]  # 312 values: about 4 parts per shard with part_size=16
+PART_SIZE = 16
+
+
+class Peer:
+    def __init__(self, host, service, scope: trio.CancelScope):
+        self.host, self.service, self.scope = host, service, scope
+
+
+async def start_peers(nursery, count: int, service_class=AllReduceService, client_indices=()) -> list[Peer]:
+    peers: list[Peer] = []
+
+    async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        scope = trio.CancelScope()
+        with scope:
+            client = index in client_indices
+            async with open_peer_host(Identity.generate(), client_mode=client) as host:
+                cls = service_class if isinstance(service_class, type) else service_class[index]
+                task_status.started(Peer(host, cls(host), scope))
+                await trio.sleep(math.inf)
+
+    for index in range(count):
+        peers.append(await nursery.start(run_peer, index))
+    return peers
+
+
+def make_group(peers: list[Peer], modes=None, bandwidths=None) -> GroupInfo:
+    members = []
+    for i, peer in enumerate(peers):
+        mode = modes[i] if modes else AveragingMode.NODE
+        bandwidth = bandwidths[i] if bandwidths else 1.0
+        if mode is AveragingMode.CLIENT:
+            bandwidth = 0.0
+        members.append(GroupMember(peer.host.peer_id, peer.host.listen_address, bandwidth, mode))
+    return GroupInfo(os.urandom(16), tuple(members))
+
+
+def random_tensors(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+async def run_round(peers, group, tensors, weights, results, skip=(), **options):
+    options = {"sender_timeout": SENDER_TIMEOUT, "reducer_timeout": REDUCER_TIMEOUT, "part_size": PART_SIZE, **options}
+
+    async def one(i: int) -> None:
+        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], **options)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(peers)):
+            if i not in skip:
+                nursery.start_soon(one, i)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+async def test_exact_average_for_groups_of_2_to_8(size):
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size)
+        group = make_group(peers, bandwidths=[1.0 + i % 3 for i in range(size)])
+        tensors = [random_tensors(i) for i in range(size)]
+        expected = sum(flat(t) for t in tensors) / size
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * size, results)
+        for i in range(size):
+            assert torch.allclose(flat(tensors[i]), expected, atol=1e-6)
+            assert results[i].succeeded
+        nursery.cancel_scope.cancel()
+
+
+async def test_weighted_average():
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        weights = [1.0, 3.0, 0.5]
+        expected = sum(flat(t) * w for t, w in zip(tensors, weights)) / sum(weights)
+        await run_round(peers, group, tensors, weights, {})
+        for t in tensors:
+            assert torch.allclose(flat(t), expected, atol=1e-6)
+        nursery.cancel_scope.cancel()
+
+
+async def test_mixed_node_client_and_auxiliary_peers():
+    modes = [AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX, AveragingMode.NODE, AveragingMode.CLIENT]
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 5, client_indices={1, 4})
+        group = make_group(peers, modes=modes)
+        tensors = [random_tensors(i) for i in range(5)]
+        aux_before = flat(tensors[2]).clone()
+        senders = [i for i, m in enumerate(modes) if m is not AveragingMode.AUX]
+        expected = sum(flat(tensors[i]) for i in senders) / len(senders)
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 5, results)
+        for i in senders:
+            assert torch.allclose(flat(tensors[i]), expected, atol=1e-6)
+            assert results[i].succeeded
+        assert torch.equal(flat(tensors[2]), aux_before)  # an auxiliary peer owns no tensors
+        assert len(group.reducers) == 3
+        nursery.cancel_scope.cancel()
+
+
+def expected_for(index, results, tensors, weights, group):
+    """What survivor ``index`` must hold: per shard, the weighted average of the reported
+    contributors, or its own values where the shard stayed local."""
+    from averaging.partition import AllReducePlan
+
+    result = results[index]
+    plan = AllReducePlan.build(flat(tensors[index]).numel(), [m.bandwidth for m in group.reducers], PART_SIZE)
+    originals = {i: flat(random_tensors(i)) for i in range(len(group.members))}
+    ids = [m.peer_id for m in group.members]
+    expected = originals[index].clone()
+    for shard in range(plan.num_shards):
+        start, end = plan.shard_bounds(shard)
+        if shard in result.local_shards:
+            continue
+        contributors = [ids.index(p) for p in result.contributors[shard]]
+        assert contributors, "a shard that was averaged must name its contributors"
+        total = sum(weights[c] for c in contributors)
+        expected[start:end] = sum(originals[c][start:end] * weights[c] for c in contributors) / total
+    return expected
+
+
+class DieWhileSending(AllReduceService):
+    parts_before_death = 2
+
+    async def _send_part(self, stream, part_index, meta, payload):
+        if part_index >= self.parts_before_death:
+            self.victim_scope.cancel()  # the whole peer vanishes: host, connections, everything
+            await trio.sleep(math.inf)
+        await super()._send_part(stream, part_index, meta, payload)
+
+
+class StallWhileSending(AllReduceService):
+    async def _send_part(self, stream, part_index, meta, payload):
+        if part_index >= 1:
+            await trio.sleep(math.inf)
+        await super()._send_part(stream, part_index, meta, payload)
+
+
+class DieWhileReducing(AllReduceService):
+    async def _reply(self, session, stream):
+        self.victim_scope.cancel()
+        await trio.sleep(math.inf)
+
+
+class StallWhileReducing(AllReduceService):
+    async def _reply(self, session, stream):
+        await trio.sleep(math.inf)
+
+
+class CancelMidRound(AllReduceService):
+    async def _send_part(self, stream, part_index, meta, payload):
+        if part_index >= 1:
+            self.run_scope.cancel()
+        await super()._send_part(stream, part_index, meta, payload)
+
+
+FAULTY = {
+    "dies_before": AllReduceService,
+    "dies_while_sending": DieWhileSending,
+    "stalls_while_sending": StallWhileSending,
+    "dies_while_reducing": DieWhileReducing,
+    "stalls_while_reducing": StallWhileReducing,
+    "cancels": CancelMidRound,
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTY))
+@pytest.mark.parametrize("victims", [1, 2])
+async def test_faults_in_a_five_peer_group(fault, victims):
+    size = 5
+    victim_ids = list(range(size - victims, size))
+    classes = [FAULTY[fault] if i in victim_ids else AllReduceService for i in range(size)]
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size, service_class=classes)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(size)]
+        weights = [1.0, 2.0, 1.0, 0.5, 1.5]
+        results = {}
+        survivors = [i for i in range(size) if i not in victim_ids]
+        start = trio.current_time()
+        async with trio.open_nursery() as victims_nursery:
+            for i in victim_ids:
+                peers[i].service.victim_scope = peers[i].scope
+                if fault == "dies_before":
+                    peers[i].scope.cancel()
+                else:
+                    victims_nursery.start_soon(_run_victim, peers[i], group, tensors[i], weights[i])
+            with trio.fail_after(SENDER_TIMEOUT + REDUCER_TIMEOUT + 2):
+                await run_round(peers, group, tensors, weights, results, skip=victim_ids)
+            victims_nursery.cancel_scope.cancel()
+        assert trio.current_time() - start < SENDER_TIMEOUT + REDUCER_TIMEOUT + 1
+        victim_peer_ids = {peers[i].host.peer_id for i in victim_ids}
+        survivor_peer_ids = {peers[i].host.peer_id for i in survivors}
+        for i in survivors:
+            result = results[i]
+            assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=1e-6)
+            assert victim_peer_ids <= result.failed_peers
+            assert not (survivor_peer_ids & result.failed_peers)
+            for contributors in result.contributors.values():  # no survivor's contribution was lost
+                assert survivor_peer_ids <= set(contributors)
+            if fault in ("dies_before", "dies_while_reducing", "stalls_while_reducing", "cancels"):
+                assert len(result.local_shards) == victims  # the victims' shards stayed local
+            if fault in ("dies_before", "stalls_while_sending", "dies_while_sending"):
+                for shard, contributors in result.contributors.items():
+                    assert not (victim_peer_ids & set(contributors)) or shard >= len(survivors)
+        nursery.cancel_scope.cancel()
+
+
+async def _run_victim(peer, group, tensors, weight):
+    with trio.CancelScope() as scope:
+        peer.service.run_scope = scope
+        await peer.service.run(
+            group,
+            tensors,
+            weight=weight,
+            sender_timeout=SENDER_TIMEOUT,
+            reducer_timeout=REDUCER_TIMEOUT,
+            part_size=PART_SIZE,
+        )
+
+
+async def test_nan_contribution_is_refused():
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        tensors[2][1][7] = float("nan")
+        from averaging.allreduce import AllReduceError
+
+        with pytest.raises(AllReduceError, match="NaN"):
+            await peers[2].service.run(group, tensors[2])
+        nursery.cancel_scope.cancel()
