@@ -96,7 +96,7 @@ async def test_weighted_average():
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(3)]
         weights = [1.0, 3.0, 0.5]
-        expected = sum(flat(t) * w for t, w in zip(tensors, weights)) / sum(weights)
+        expected = sum(flat(t) * w for t, w in zip(tensors, weights, strict=True)) / sum(weights)
         await run_round(peers, group, tensors, weights, {})
         for t in tensors:
             assert torch.allclose(flat(t), expected, atol=1e-6)
