@@ -1,0 +1,149 @@
+"""The averager: a peer's tensors, averaged with other peers' in DHT-matched groups.
+
+``GroupAverager`` is the trio-native object (compose it in a trio program or the daemon); the
+synchronous ``Averager`` in ``averaging/facade.py`` wraps it for plain scripts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+import trio
+
+from peer import PeerHost
+
+from .allreduce import AllReduceResult, AllReduceService
+from .group import AveragingMode
+from .matchmaking import Declaration, Matchmaker, MatchmakingError
+from .partition import DEFAULT_PART_SIZE
+from .state_sharing import StateSharing
+
+__all__ = ["GroupAverager", "tensor_schema", "MatchmakingError"]
+
+log = logging.getLogger("peerd.averaging")
+
+_services: weakref.WeakKeyDictionary[PeerHost, AllReduceService] = weakref.WeakKeyDictionary()
+
+
+def all_reduce_service(host: PeerHost) -> AllReduceService:
+    """The one all-reduce service of a host (several averagers on one peer share its RPC method)."""
+    service = _services.get(host)
+    if service is None:
+        service = _services[host] = AllReduceService(host)
+    return service
+
+
+def tensor_schema(tensors: Sequence[torch.Tensor]) -> str:
+    """A short hash of shapes and dtypes: peers whose tensors differ must never be grouped."""
+    description = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    return hashlib.sha256(description.encode()).hexdigest()[:32]
+
+
+class GroupAverager:
+    """Average ``tensors`` (in place) with peers that use the same ``prefix`` and tensor schema."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        prefix: str,
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        mode: AveragingMode | str = AveragingMode.NODE,
+        bandwidth: float = 1.0,
+        codec: str = "none",
+        matchmaking_timeout: float = 5.0,
+        sender_timeout: float = 10.0,
+        reducer_timeout: float = 20.0,
+        part_size: int = DEFAULT_PART_SIZE,
+        allow_state_sharing: bool = True,
+    ):
+        self.tensors = list(tensors)
+        self.dht = dht
+        self.host: PeerHost = dht.host
+        self.prefix = prefix
+        self.mode = AveragingMode(mode)
+        if self.host.client_mode and self.mode is not AveragingMode.CLIENT:
+            self.mode = AveragingMode.CLIENT  # a peer that accepts no connections cannot reduce
+        self.bandwidth = 0.0 if self.mode is AveragingMode.CLIENT else float(bandwidth)
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.codec = codec
+        self.matchmaking_timeout = matchmaking_timeout
+        self.sender_timeout = sender_timeout
+        self.reducer_timeout = reducer_timeout
+        self.part_size = part_size
+        self.allow_state_sharing = allow_state_sharing
+        self.schema = tensor_schema(self.tensors)
+        self.round = 0
+        self.last_result: AllReduceResult | None = None
+        self._service = all_reduce_service(self.host)
+        self._matchmaker = Matchmaker(self.host, dht, prefix)
+        self._lock = trio.Lock()  # one round at a time; get_tensors() waits for it
+        self.state_sharing = StateSharing(self.host, dht, prefix, self)
+
+    def _declaration(self) -> Declaration:
+        address = None if self.mode is AveragingMode.CLIENT else self.host.listen_address
+        return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
+
+    async def step(self, weight: float = 1.0, timeout: float | None = None) -> AllReduceResult:
+        """Find a group and average with it. Raises MatchmakingError if no group formed in time.
+
+        ``timeout`` bounds matchmaking (default: ``matchmaking_timeout``); the all-reduce itself is
+        bounded by the sender and reducer deadlines.
+        """
+        async with self._lock:
+            group = await self._matchmaker.form_group(
+                self._declaration(),
+                target_group_size=self.target_group_size,
+                min_group_size=self.min_group_size,
+                timeout=timeout if timeout is not None else self.matchmaking_timeout,
+            )
+            self.round = self._matchmaker.last_round + 1
+            log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))
+            result = await self._service.run(
+                group,
+                self.tensors,
+                weight=weight,
+                codec=self.codec,
+                sender_timeout=self.sender_timeout,
+                reducer_timeout=self.reducer_timeout,
+                part_size=self.part_size,
+            )
+            if result.failed_peers:
+                log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
+            else:
+                log.info("round done with %d peers", len(group.members))
+            self.last_result = result
+        if self.allow_state_sharing:
+            await self.state_sharing.announce(self.round)
+        return result
+
+    @asynccontextmanager
+    async def locked_tensors(self) -> AsyncIterator[list[torch.Tensor]]:
+        """The averaged tensors, with no round running while the block runs."""
+        async with self._lock:
+            yield self.tensors
+
+    def state_metadata(self) -> Any:
+        """What a newcomer learns besides the tensors (subclasses add epochs, optimizer state...)."""
+        return {"round": self.round}
+
+    async def load_state_from_peers(self, timeout: float = 30.0) -> Any:
+        """Replace our tensors with a donor's (in place) and adopt its round; returns its metadata."""
+        metadata, tensors = await self.state_sharing.download(self.tensors, timeout)
+        async with self._lock:
+            with torch.no_grad():
+                for ours, theirs in zip(self.tensors, tensors, strict=True):
+                    ours.copy_(theirs)
+            if isinstance(metadata, dict) and type(metadata.get("round")) is int and metadata["round"] >= 0:
+                self.round = max(self.round, metadata["round"])
+        log.info("loaded state from peers (round %d)", self.round)
+        return metadata

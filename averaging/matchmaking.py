@@ -1,0 +1,225 @@
+"""Forming an averaging group through the DHT.
+
+1. Every peer stores a declaration under ``{prefix}.matchmaking`` (a DHT dictionary; subkey = its
+   peer ID, value = address, bandwidth, mode, tensor schema, round), expiring with the deadline.
+2. After a short settle time it reads all declarations, keeps those with its schema and round, and
+   applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader.
+3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
+   member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
+   and a fresh group ID. A follower whose leader refuses or is unreachable re-reads the
+   declarations and tries again until the deadline.
+
+Peers whose tensor schemas differ never meet: the schema hash is part of what is matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import trio
+
+from peer import ConnectError, PeerAddress, PeerHost, PeerID, Router, RPCError
+
+from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember
+from .matchmaking_rules import Candidate, propose_group
+
+__all__ = ["Matchmaker", "MatchmakingError", "Declaration"]
+
+log = logging.getLogger("peerd.averaging")
+
+JOIN_METHOD = "avg.join"
+# Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
+# of the deadline (at most 1 s) lets stragglers' stores land while leaving most of it for joining.
+MAX_SETTLE = 1.0
+
+
+class MatchmakingError(RuntimeError):
+    """No group of at least ``min_group_size`` formed before the deadline."""
+
+
+@dataclass(frozen=True)
+class Declaration:
+    peer_id: PeerID
+    address: PeerAddress | None
+    bandwidth: float
+    mode: AveragingMode
+    schema: str
+    round: int
+
+    def to_wire(self) -> dict:
+        return {
+            "address": str(self.address) if self.address else None,
+            "bandwidth": self.bandwidth,
+            "mode": self.mode.value,
+            "schema": self.schema,
+            "round": self.round,
+        }
+
+    @classmethod
+    def from_wire(cls, peer_id: PeerID, body) -> Declaration:
+        if not isinstance(body, dict):
+            raise ValueError("declaration must be a map")
+        member = GroupMember.from_wire(
+            [peer_id.to_bytes(), body.get("address"), body.get("bandwidth"), body.get("mode")]
+        )
+        schema, round_number = body.get("schema"), body.get("round")
+        if not (isinstance(schema, str) and len(schema) <= 128 and type(round_number) is int and round_number >= 0):
+            raise ValueError("declaration needs a schema string and a round number")
+        return cls(peer_id, member.address, member.bandwidth, member.mode, schema, round_number)
+
+    def member(self) -> GroupMember:
+        return GroupMember(self.peer_id, self.address, self.bandwidth, self.mode)
+
+
+class _Gathering:
+    """A leader's open invitation for one round."""
+
+    def __init__(self, me: Declaration, expected: set[PeerID], target: int):
+        self.me = me
+        self.expected = expected
+        self.target = target
+        self.joined: dict[PeerID, Declaration] = {}
+        self.changed = trio.Event()
+        self.formed: GroupInfo | None = None
+        self.closed = trio.Event()
+
+    def admit(self, declaration: Declaration) -> None:
+        if self.formed is not None or len(self.joined) + 1 >= self.target:
+            raise ValueError("group is already full or formed")
+        self.joined[declaration.peer_id] = declaration
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= set(self.joined) or len(self.joined) + 1 >= self.target
+
+
+class Matchmaker:
+    """Runs matchmaking for one prefix on one peer; serves ``avg.join`` for it."""
+
+    def __init__(self, host: PeerHost, dht, prefix: str, router: Router | None = None):
+        self.host = host
+        self.dht = dht
+        self.prefix = prefix
+        self._gathering: _Gathering | None = None
+        self.last_round = 0  # the round the last form_group used (it may have caught up)
+        router = router or host.router
+        method = f"{JOIN_METHOD}.{prefix}"
+        if router.lookup(method, unary=True) is None:
+            router.add_unary(method, self._handle_join)
+        self._join_method = method
+
+    @property
+    def key(self) -> str:
+        return f"{self.prefix}.matchmaking"
+
+    async def _handle_join(self, request) -> dict:
+        gathering = self._gathering
+        declaration = Declaration.from_wire(request.peer, request.body)
+        if gathering is None:
+            raise ValueError("not gathering a group now")
+        if declaration.schema != gathering.me.schema or declaration.round != gathering.me.round:
+            raise ValueError("schema or round differs from this group's")
+        gathering.admit(declaration)
+        await gathering.closed.wait()
+        if gathering.formed is None or gathering.formed.member(request.peer) is None:
+            raise ValueError("the group did not form")
+        return gathering.formed.to_wire()
+
+    async def form_group(
+        self,
+        me: Declaration,
+        *,
+        target_group_size: int,
+        min_group_size: int,
+        timeout: float,
+    ) -> GroupInfo:
+        """Declare, agree on a group and return it; raises MatchmakingError after ``timeout``."""
+        if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
+        deadline = trio.current_time() + timeout
+        await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
+        await trio.sleep(min(MAX_SETTLE, timeout / 4))
+        last_error = "no other peer declared itself"
+        while trio.current_time() < deadline:
+            declared = await self._read_candidates(me)
+            newest = max(d.round for d in declared.values())
+            if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
+                me = replace(me, round=newest)
+                await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
+            self.last_round = me.round
+            candidates = {peer: d for peer, d in declared.items() if d.round == me.round}
+            if len(candidates) < min_group_size:
+                last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
+                await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
+                continue
+            proposal = propose_group(
+                [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in candidates.values()],
+                me.peer_id.to_bytes(),
+                me.round,
+                target_group_size,
+                min_group_size,
+            )
+            expected = {PeerID(raw) for raw in proposal.members} - {me.peer_id}
+            if proposal.leader is None:
+                raise MatchmakingError("no peer in the proposed group can lead (all are in client mode)")
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                try:
+                    if proposal.leader == me.peer_id.to_bytes():
+                        return await self._lead(me, expected, target_group_size, min_group_size, deadline)
+                    return await self._follow(me, candidates[PeerID(proposal.leader)])
+                except (MatchmakingError, RPCError, ConnectError, ValueError) as error:
+                    last_error = str(error)
+                    log.debug("matchmaking attempt failed: %s", error)
+            await trio.sleep(0.05)
+        raise MatchmakingError(f"no averaging group formed within {timeout:g} s: {last_error}")
+
+    async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
+        found = await self.dht.get(self.key, latest=True)
+        candidates = {me.peer_id: me}
+        if found is None or not isinstance(found.value, dict):
+            return candidates
+        now = time.time()
+        for subkey, item in found.value.items():
+            try:
+                peer = PeerID(subkey)
+                declaration = Declaration.from_wire(peer, item.value)
+            except (ValueError, TypeError):
+                continue
+            if item.expiration_time < now or declaration.schema != me.schema or declaration.round < me.round:
+                continue
+            candidates[peer] = declaration
+        return candidates
+
+    async def _lead(
+        self, me: Declaration, expected: set[PeerID], target: int, min_size: int, deadline: float
+    ) -> GroupInfo:
+        gathering = _Gathering(me, expected, target)
+        self._gathering = gathering
+        try:
+            # Wait for the expected members, but not for the whole deadline: leave the followers
+            # time to receive the answer and the all-reduce time to start.
+            with trio.move_on_after(max(0.0, deadline - trio.current_time() - 0.1)):
+                while not gathering.complete:
+                    await gathering.changed.wait()
+            members = [me, *sorted(gathering.joined.values(), key=lambda d: d.peer_id.to_bytes())]
+            if len(members) < min_size:
+                raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size})")
+            gathering.formed = GroupInfo(os.urandom(16), tuple(d.member() for d in members))
+            return gathering.formed
+        finally:
+            self._gathering = None
+            gathering.closed.set()
+
+    async def _follow(self, me: Declaration, leader: Declaration) -> GroupInfo:
+        if leader.address is None:
+            raise MatchmakingError("the leader has no address")
+        reply = await self.host.call(leader.address, self._join_method, me.to_wire())
+        group = GroupInfo.from_wire(reply.body)
+        if group.member(me.peer_id) is None:
+            raise MatchmakingError("the leader's group does not include this peer")
+        return group

@@ -1,0 +1,75 @@
+"""Who averages with whom this round, sans I/O.
+
+Peers of one averaging prefix declare themselves in the DHT; every peer reads the same set of
+declarations and applies the same deterministic rule, so they agree on groups and leaders without
+talking. The rule is Moshpit averaging's grid: peers are ranked by ID and the ranks written in
+base ``target_group_size``; in round ``r`` the peers that share every digit except digit
+``r mod D`` form a group. Over D consecutive rounds every peer's value reaches every other's, so
+with a full grid the swarm holds the exact global mean after D rounds (3 rounds for 8 peers in
+pairs), instead of the slow diffusion of random regrouping.
+
+Declarations can disagree for a moment (a late store, a dead peer), so the rule only proposes a
+leader and the expected members; the leader admits whoever actually asks to join.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Candidate", "GroupProposal", "propose_group", "grid_dimensions"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    peer_id: bytes
+    can_lead: bool  # client-mode peers accept no connections, so they cannot lead
+
+
+@dataclass(frozen=True)
+class GroupProposal:
+    leader: bytes | None  # None: nobody in the proposed group can lead
+    members: tuple[bytes, ...]  # the expected group, in rank order
+
+
+def grid_dimensions(count: int, group_size: int) -> int:
+    """D: how many base-``group_size`` digits the ranks of ``count`` peers need (at least 1)."""
+    if count <= 1 or group_size <= 1:
+        return 1
+    return max(1, math.ceil(math.log(count, group_size) - 1e-9))
+
+
+def _digits(rank: int, base: int, dimensions: int) -> list[int]:
+    return [(rank // base**d) % base for d in range(dimensions)]
+
+
+def propose_group(
+    candidates: list[Candidate], me: bytes, round_number: int, target_group_size: int, min_group_size: int
+) -> GroupProposal:
+    """The group ``me`` should join in ``round_number``, by the grid rule.
+
+    Groups smaller than ``min_group_size`` (the grid's ragged edge) are merged into the nearest
+    group of the same round, so nobody is left out just because the swarm size is not a power of
+    the group size.
+    """
+    ranked = sorted({c.peer_id: c for c in candidates}.values(), key=lambda c: c.peer_id)
+    if me not in {c.peer_id for c in ranked}:
+        raise ValueError("this peer is not among the candidates")
+    base = max(2, target_group_size)
+    dimensions = grid_dimensions(len(ranked), base)
+    varying = round_number % dimensions
+    groups: dict[tuple[int, ...], list[Candidate]] = {}
+    for rank, candidate in enumerate(ranked):
+        digits = _digits(rank, base, dimensions)
+        fixed = tuple(d for i, d in enumerate(digits) if i != varying)
+        groups.setdefault(fixed, []).append(candidate)
+    ordered = [groups[key] for key in sorted(groups)]
+    merged: list[list[Candidate]] = []
+    for group in ordered:
+        if merged and (len(group) < min_group_size or len(merged[-1]) < min_group_size):
+            merged[-1].extend(group)
+        else:
+            merged.append(list(group))
+    mine = next(group for group in merged if any(c.peer_id == me for c in group))
+    leader = next((c.peer_id for c in mine if c.can_lead), None)
+    return GroupProposal(leader, tuple(c.peer_id for c in mine))

@@ -1,0 +1,123 @@
+"""State sharing: a newcomer downloads tensors and metadata from a peer that already has them.
+
+Donors announce themselves under ``{prefix}.state_donors`` in the DHT (subkey = peer ID, value =
+address and the version of their state) each time they finish an averaging round. A newcomer reads
+the donors, keeps those with the newest version, and tries them in random order: random, so that a
+wave of newcomers spreads over all donors instead of all hitting the first one.
+
+The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
+tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
+a donor cannot make it allocate or load anything of another shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import trio
+
+from peer import ConnectError, PeerAddress, PeerHost, PeerID, RPCError
+from peer.tensors import tensor_from_wire, tensor_to_wire
+
+__all__ = ["StateSharing", "StateUnavailable"]
+
+log = logging.getLogger("peerd.averaging")
+
+# A donor that has not averaged for this long is probably gone; the announcement expires with it.
+DONOR_TTL = 120.0
+MAX_TENSORS = 10_000
+
+
+class StateUnavailable(RuntimeError):
+    """No donor could send state before the deadline."""
+
+
+class StateSharing:
+    def __init__(self, host: PeerHost, dht, prefix: str, owner):
+        self.host = host
+        self.dht = dht
+        self.prefix = prefix
+        self.owner = owner  # has .tensors, .state_metadata(), .state_version and an async lock
+        self.method = f"avg.state.{prefix}"
+        if host.router.lookup(self.method, unary=False) is None:
+            host.router.add_stream(self.method, self._serve_state)
+
+    @property
+    def key(self) -> str:
+        return f"{self.prefix}.state_donors"
+
+    async def announce(self, version: int) -> None:
+        if self.host.listen_address is None:
+            return  # client-mode peers cannot be dialed, so they cannot donate
+        value = {"address": str(self.host.listen_address), "version": int(version)}
+        await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=self.host.peer_id.to_bytes())
+
+    async def _serve_state(self, stream) -> None:
+        async with self.owner.locked_tensors() as tensors:
+            # Copy under the lock (in a thread: may be large) so a concurrent round cannot tear it.
+            snapshot = await trio.to_thread.run_sync(lambda: [t.detach().to("cpu", copy=True) for t in tensors])
+            metadata = self.owner.state_metadata()
+        wires = [tensor_to_wire(t) for t in snapshot]
+        await stream.send({"metadata": metadata, "tensors": [header for header, _ in wires]})
+        for _, payload in wires:
+            await stream.send(None, payload)
+
+    async def _donors(self) -> list[PeerAddress]:
+        found = await self.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        offers: list[tuple[int, PeerAddress]] = []
+        for subkey, item in found.value.items():
+            try:
+                peer = PeerID(subkey)
+                address = PeerAddress.parse(item.value["address"])
+                version = item.value["version"]
+            except (ValueError, TypeError, KeyError):
+                continue
+            if peer == self.host.peer_id or address.peer_id != peer or type(version) is not int:
+                continue
+            offers.append((version, address))
+        if not offers:
+            return []
+        newest = max(version for version, _ in offers)
+        donors = [address for version, address in offers if version == newest]
+        random.shuffle(donors)
+        return donors
+
+    async def download(self, expected: Sequence[torch.Tensor], timeout: float) -> tuple[Any, list[torch.Tensor]]:
+        """Metadata and tensors from some donor; raises StateUnavailable after ``timeout``."""
+        reasons: list[str] = []
+        with trio.move_on_after(timeout):
+            for address in await self._donors():
+                try:
+                    return await self._download_from(address, expected, timeout)
+                except (RPCError, ConnectError, ValueError, trio.EndOfChannel) as error:
+                    reasons.append(f"{address.peer_id}: {error}")
+                    log.info("state download from %s failed: %s", address.peer_id, error)
+        detail = "; ".join(reasons) if reasons else "no donor announced itself"
+        raise StateUnavailable(f"could not load state from peers within {timeout:g} s ({detail})")
+
+    async def _download_from(
+        self, address: PeerAddress, expected: Sequence[torch.Tensor], timeout: float
+    ) -> tuple[Any, list[torch.Tensor]]:
+        connection = await self.host.connect(address)
+        async with connection.stream(self.method, timeout=timeout) as stream:
+            header = (await stream.receive()).body
+            if not (isinstance(header, dict) and isinstance(header.get("tensors"), list)):
+                raise ValueError("malformed state header")
+            headers = header["tensors"]
+            if len(headers) != len(expected) or len(headers) > MAX_TENSORS:
+                raise ValueError(f"donor sent {len(headers)} tensors, expected {len(expected)}")
+            tensors = []
+            for wire_header, template in zip(headers, expected, strict=True):
+                payload = (await stream.receive()).payload
+                tensor = tensor_from_wire(wire_header, payload, max_numel=template.numel())
+                if tensor.shape != template.shape or tensor.dtype != template.dtype:
+                    raise ValueError(f"donor tensor {tuple(tensor.shape)} {tensor.dtype} does not match ours")
+                tensors.append(tensor)
+            return header.get("metadata"), tensors
