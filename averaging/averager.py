@@ -64,6 +64,7 @@ class GroupAverager:
         reducer_timeout: float = 20.0,
         part_size: int = DEFAULT_PART_SIZE,
         allow_state_sharing: bool = True,
+        settle_time: float | None = None,
     ):
         self.tensors = list(tensors)
         self.dht = dht
@@ -81,6 +82,7 @@ class GroupAverager:
         self.reducer_timeout = reducer_timeout
         self.part_size = part_size
         self.allow_state_sharing = allow_state_sharing
+        self.settle_time = settle_time
         self.schema = tensor_schema(self.tensors)
         self.round = 0
         self.last_result: AllReduceResult | None = None
@@ -105,6 +107,7 @@ class GroupAverager:
                 target_group_size=self.target_group_size,
                 min_group_size=self.min_group_size,
                 timeout=timeout if timeout is not None else self.matchmaking_timeout,
+                settle_time=self.settle_time,
             )
             self.round = self._matchmaker.last_round + 1
             log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))

@@ -1,0 +1,88 @@
+"""Swarm-wide training progress through the DHT.
+
+Each peer publishes ``{epoch, samples, samples_per_s}`` under ``{prefix}.progress`` (subkey = its
+peer ID) and reads everyone's. From that every peer decides on its own, and consistently with the
+others, when the swarm has accumulated ``target_batch_size`` samples for the current epoch (time
+to average and step) and whether it has fallen behind (time to load state from peers).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from peer import PeerID
+
+__all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
+
+# A record outlives a few missed refreshes (peers publish at least every second while training),
+# then disappears with a dead peer.
+PROGRESS_TTL = 15.0
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    epoch: int
+    samples: int
+    samples_per_s: float
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "samples": self.samples, "sps": self.samples_per_s}
+
+    @classmethod
+    def from_wire(cls, body) -> PeerProgress | None:
+        if not isinstance(body, dict):
+            return None
+        epoch, samples, sps = body.get("epoch"), body.get("samples"), body.get("sps")
+        if type(epoch) is not int or type(samples) is not int or not isinstance(sps, (int, float)):
+            return None
+        if epoch < 0 or samples < 0 or not 0 <= sps < 1e12:
+            return None
+        return cls(epoch, samples, float(sps))
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """What one peer knows of the swarm at one moment."""
+
+    peers: dict[PeerID, PeerProgress]
+
+    @property
+    def epoch(self) -> int:
+        return max((p.epoch for p in self.peers.values()), default=0)
+
+    def samples_at(self, epoch: int) -> int:
+        return sum(p.samples for p in self.peers.values() if p.epoch == epoch)
+
+    def ready_to_step(self, epoch: int, target_batch_size: int) -> bool:
+        """The swarm finished ``epoch``: enough samples, or someone already moved past it."""
+        return self.epoch > epoch or self.samples_at(epoch) >= target_batch_size
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(p.samples_per_s for p in self.peers.values())
+
+
+class ProgressTracker:
+    def __init__(self, dht, prefix: str):
+        self.dht = dht
+        self.key = f"{prefix}.progress"
+        self.me = dht.host.peer_id
+
+    async def publish(self, progress: PeerProgress) -> None:
+        await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.me.to_bytes())
+
+    async def fetch(self, mine: PeerProgress) -> SwarmProgress:
+        found = await self.dht.get(self.key, latest=True)
+        peers = {self.me: mine}
+        if found is not None and isinstance(found.value, dict):
+            now = time.time()
+            for subkey, item in found.value.items():
+                try:
+                    peer = PeerID(subkey)
+                except (ValueError, TypeError):
+                    continue
+                progress = PeerProgress.from_wire(item.value)
+                if progress is not None and item.expiration_time > now and peer != self.me:
+                    peers[peer] = progress
+        return SwarmProgress(peers)

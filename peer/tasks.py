@@ -1,0 +1,120 @@
+"""Training tasks: what a peer trains. A task bundles the model, this peer's data shard, the loss
+and an evaluation, so the daemon can train anything a user describes in one factory function.
+
+Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP).
+Users give their own with ``--task package.module:factory``; the factory is called as
+``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Task", "ShardSpec", "TaskError", "load_task", "digits_task", "BUILTIN_TASKS"]
+
+
+class TaskError(ValueError):
+    """A task name or factory that cannot be loaded; the message says what was tried."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of the data this peer trains on: shard ``index`` of ``count`` (seeded shuffle)."""
+
+    index: int = 0
+    count: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise TaskError(f"shard index {self.index} must be in [0, {self.count})")
+
+
+@dataclass
+class Task:
+    name: str
+    model: nn.Module
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]  # endless stream of this peer's batches
+    loss_fn: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    evaluate: Callable[[nn.Module], dict[str, float]]  # at least {"accuracy": ..., "loss": ...}
+    batch_size: int
+    target_batch_size: int  # samples the whole swarm accumulates per optimizer step
+
+
+def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(inputs), generator=generator)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
+            yield inputs[index], targets[index]
+
+
+def digits_task(shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu", batch_size: int = 32) -> Task:
+    """8x8 handwritten digits (1,797 images shipped with scikit-learn), 20% held out for evaluation."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:  # pragma: no cover - scikit-learn is a dependency
+        raise TaskError("the digits task needs scikit-learn (pip install scikit-learn)") from error
+    device = torch.device(device)
+    data = load_digits()
+    inputs = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    targets = torch.tensor(data.target, dtype=torch.long)
+    split = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(12345))
+    held_out, train = split[: len(split) // 5], split[len(split) // 5 :]
+    mine = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(shard.seed))][
+        shard.index :: shard.count
+    ]
+    torch.manual_seed(0)  # every peer starts from the same initial model
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
+    test_x, test_y = inputs[held_out].to(device), targets[held_out].to(device)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        logits = model(test_x)
+        return {
+            "accuracy": (logits.argmax(dim=1) == test_y).float().mean().item(),
+            "loss": nn.functional.cross_entropy(logits, test_y).item(),
+        }
+
+    return Task(
+        name="digits",
+        model=model,
+        make_optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
+        batches=_endless_batches(inputs[mine], targets[mine], batch_size, seed=1000 + shard.index),
+        loss_fn=loss_fn,
+        evaluate=evaluate,
+        batch_size=batch_size,
+        target_batch_size=256,
+    )
+
+
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task}
+
+
+def load_task(spec: str, shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu") -> Task:
+    """A built-in task by name, or ``package.module:factory``."""
+    if spec in BUILTIN_TASKS:
+        return BUILTIN_TASKS[spec](shard=shard, device=device)
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        known = ", ".join(sorted(BUILTIN_TASKS))
+        raise TaskError(f"unknown task {spec!r}: use one of [{known}] or package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise TaskError(f"cannot load task factory {spec!r}: {error}") from None
+    task = factory(shard=shard, device=torch.device(device))
+    if not isinstance(task, Task):
+        raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, not peer.tasks.Task")
+    return task

@@ -1,0 +1,83 @@
+"""The training loop a peer runs: batches from its task, compute in a worker thread, the
+collaborative optimizer in trio, an evaluation every few epochs. It keeps the figures that
+``/status`` and ``/metrics`` show.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from .tasks import Task
+
+__all__ = ["Trainer", "TrainingStatus"]
+
+log = logging.getLogger("peerd.training")
+
+
+@dataclass
+class TrainingStatus:
+    epoch: int = 0
+    samples: int = 0
+    samples_per_s: float = 0.0
+    loss: float = math.nan
+    accuracy: float | None = None
+    eval_loss: float | None = None
+    peers_known: int = 1
+    last_averaging: dict[str, Any] | None = None
+    started: float = field(default_factory=time.time)
+
+
+class Trainer:
+    """Trains ``task.model`` with ``optimizer`` (a CollaborativeOptimizer or LocalUpdatesOptimizer)."""
+
+    def __init__(self, task: Task, optimizer, *, evaluate_every: int = 1):
+        self.task = task
+        self.optimizer = optimizer
+        self.evaluate_every = evaluate_every
+        self.status = TrainingStatus()
+
+    def _forward_backward(self, batch) -> float:
+        self.task.model.train()
+        loss = self.task.loss_fn(self.task.model, batch)
+        loss.backward()
+        return loss.item()
+
+    def _evaluate(self) -> dict[str, float]:
+        self.task.model.eval()
+        with torch.no_grad():
+            return self.task.evaluate(self.task.model)
+
+    async def run(self, *, max_epochs: int | None = None, target_accuracy: float | None = None) -> TrainingStatus:
+        """Train until ``max_epochs`` or ``target_accuracy`` (whichever first; forever if neither)."""
+        status = self.status
+        while max_epochs is None or self.optimizer.epoch < max_epochs:
+            batch = next(self.task.batches)
+            loss = await trio.to_thread.run_sync(self._forward_backward, batch)
+            status.loss = loss if math.isnan(status.loss) else 0.9 * status.loss + 0.1 * loss
+            stepped = await self.optimizer.step(len(batch[0]))
+            status.samples += len(batch[0])
+            status.samples_per_s = self.optimizer.samples_per_s
+            status.peers_known = max(1, len(self.optimizer.swarm.peers))
+            if self.optimizer.epoch != status.epoch:  # stepped, or caught up by loading state
+                status.epoch = self.optimizer.epoch
+                status.last_averaging = self.optimizer.last_averaging
+                if stepped and status.epoch % self.evaluate_every == 0:
+                    metrics = await trio.to_thread.run_sync(self._evaluate)
+                    status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
+                    log.info(
+                        "epoch %d: loss %.3f, held-out accuracy %.3f, %.0f samples/s",
+                        status.epoch,
+                        status.loss,
+                        status.accuracy if status.accuracy is not None else math.nan,
+                        status.samples_per_s,
+                    )
+                    if target_accuracy is not None and (status.accuracy or 0.0) >= target_accuracy:
+                        break
+        return status
