@@ -18,7 +18,7 @@ import trio
 
 from .address import PeerAddress
 from .identity import Identity, PeerID
-from .rpc import Connection, Message, Router
+from .rpc import Connection, Message, Router, TrafficCounter
 from .secure_channel import HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, HandshakeError, Hello, secure_handshake
 
 __all__ = ["PeerHost", "ConnectError", "open_peer_host"]
@@ -65,6 +65,7 @@ class PeerHost:
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
         self._dialing: dict[tuple[str, int], trio.Event] = {}
         self._pending_handshakes = 0
+        self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
 
     # ------------------------------------------------------------------ listening
@@ -110,7 +111,7 @@ class PeerHost:
             return
         finally:
             self._pending_handshakes -= 1
-        connection = Connection(channel, self.router, serve=not self.client_mode)
+        connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
         await self._run_connection(connection, incoming=True)
 
     async def _run_connection(self, connection: Connection, incoming: bool) -> None:
@@ -184,7 +185,7 @@ class PeerHost:
             if isinstance(error, (trio.BrokenResourceError, OSError)):
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise
-        connection = Connection(channel, self.router, serve=not self.client_mode)
+        connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
         self._endpoint_peer[(address.host, address.port)] = connection.remote_peer_id
         self._nursery.start_soon(self._run_connection, connection, False)
         log.debug("connected to %s at %s", connection.remote_peer_id, address.endpoint)

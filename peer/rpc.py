@@ -50,6 +50,7 @@ __all__ = [
     "CallTimeoutError",
     "ConnectionLost",
     "StreamClosed",
+    "TrafficCounter",
 ]
 
 log = logging.getLogger("peerd.rpc")
@@ -274,10 +275,29 @@ class ServerStream(_StreamBase):
     pass
 
 
+class TrafficCounter:
+    """Bytes on the wire (records and their headers, after the handshake), for metrics and for
+    comparing how much each training mode communicates."""
+
+    __slots__ = ("bytes_sent", "bytes_received")
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+
 class Connection:
     """One RPC connection to a peer. Use ``await connection.run()`` in a nursery to drive it."""
 
-    def __init__(self, channel: SecureChannel, router: Router | None, *, serve: bool = True):
+    def __init__(
+        self,
+        channel: SecureChannel,
+        router: Router | None,
+        *,
+        serve: bool = True,
+        traffic: TrafficCounter | None = None,
+    ):
+        self.traffic = traffic if traffic is not None else TrafficCounter()
         self.channel = channel
         self.router = router if router is not None else Router()
         self.serve = serve  # False for client-mode peers: incoming calls are refused
@@ -455,6 +475,7 @@ class Connection:
                 for chunk in chunks:
                     if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
                         await stream.send_all(view[:position])
+                        self.traffic.bytes_sent += position
                         position = 0
                     position += cipher.seal_into(chunk, view[position:])
                 if item.encrypted is not None:
@@ -463,6 +484,7 @@ class Connection:
                     break  # flush what we have; the rest goes in the next batch
             if position:
                 await stream.send_all(view[:position])
+                self.traffic.bytes_sent += position
 
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
@@ -470,6 +492,7 @@ class Connection:
         decoder, cipher = channel.decoder, channel.receive_cipher
         while True:
             while (record := decoder.next_record()) is not None:
+                self.traffic.bytes_received += len(record) + HEADER.size
                 if protocol.awaiting_payload:
                     if len(record) - AEAD_TAG_SIZE == protocol.payload_remaining and protocol.payload_remaining:
                         # One record holds the rest: if it is the whole payload, decrypting into a

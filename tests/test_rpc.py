@@ -304,3 +304,13 @@ async def test_both_sides_can_call_each_other_on_one_connection():
 
 async def _value(value):
     return value
+
+
+async def test_traffic_counters_count_what_crossed_the_wire(peers):
+    server, client, connection, _ = peers
+    sent_before, received_before = client.traffic.bytes_sent, server.traffic.bytes_received
+    await connection.call("echo", None, payload=bytes(3 << 20))
+    sent = client.traffic.bytes_sent - sent_before
+    assert 3 << 20 < sent < (3 << 20) + 4096  # payload plus a few record headers and tags
+    assert server.traffic.bytes_received - received_before == sent
+    assert client.traffic.bytes_received >= 3 << 20  # the echo came back
