@@ -1,0 +1,166 @@
+"""Local updates with an outer optimizer (DiLoCo), for slow links.
+
+Each peer takes ``local_steps`` steps of its own (inner) optimizer on its own data, then the peers
+average their parameter deltas since the last round ("pseudo-gradients", compressible to float16
+or 8-bit: they are only a direction) and every peer applies the same outer Nesterov-momentum step
+from the shared starting point. Peers exchange one model-sized message per ``local_steps``
+batches instead of one per swarm batch, which is what makes training across continents work
+(DiLoCo: ~500x less communication at equal quality; INTELLECT-1: 83-96% compute utilisation).
+
+The averaging happens between inner phases, not overlapped with them: overlapping (applying
+round t's outer step during round t+1) is a known refinement left for later.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import trio
+
+from .allreduce import AllReduceError
+from .averager import GroupAverager
+from .matchmaking import MatchmakingError
+from .progress import PeerProgress, ProgressTracker, SwarmProgress
+from .state_sharing import StateUnavailable
+
+__all__ = ["LocalUpdatesOptimizer"]
+
+log = logging.getLogger("peerd.training")
+
+
+class _SnapshotSharing(GroupAverager):
+    """Shares the round's starting parameters and the round number with newcomers."""
+
+    def __init__(self, owner: LocalUpdatesOptimizer, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+
+    def state_metadata(self) -> Any:
+        return {"round": self.round, "epoch": self.owner.epoch}
+
+
+class LocalUpdatesOptimizer:
+    """Same calling convention as CollaborativeOptimizer: ``await opt.step(batch_size)`` after
+    ``loss.backward()``; True when an outer round completed."""
+
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        dht,
+        *,
+        prefix: str,
+        local_steps: int = 20,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        codec: str = "float16",
+        target_group_size: int = 4,
+        min_group_size: int = 2,
+        matchmaking_timeout: float = 5.0,
+        averaging_timeout: float = 30.0,
+        settle_time: float | None = None,
+        load_state_timeout: float = 30.0,
+    ):
+        self.inner = inner_optimizer
+        self.dht = dht
+        self.local_steps = local_steps
+        self.load_state_timeout = load_state_timeout
+        self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
+        self.outer = torch.optim.SGD(self.params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        self.snapshot = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.deltas = [torch.zeros_like(s) for s in self.snapshot]
+        averaging = {
+            "target_group_size": target_group_size,
+            "min_group_size": min_group_size,
+            "matchmaking_timeout": matchmaking_timeout,
+            "sender_timeout": averaging_timeout / 2,
+            "reducer_timeout": averaging_timeout,
+            "settle_time": settle_time,
+        }
+        self.delta_averager = GroupAverager(
+            self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
+        )
+        self.state = _SnapshotSharing(self, self.snapshot, dht, prefix=f"{prefix}.state", **averaging)
+        self.tracker = ProgressTracker(dht, prefix)
+        self.epoch = 0  # outer rounds completed
+        self.inner_steps = 0
+        self.local_samples = 0
+        self.samples_per_s = 0.0
+        self.swarm = SwarmProgress({})
+        self.last_averaging: dict[str, Any] | None = None
+        self._round_started: float | None = None
+
+    async def step(self, batch_size: int) -> bool:
+        if self._round_started is None:
+            self._round_started = trio.current_time()
+            await self._catch_up_if_behind()
+        await trio.to_thread.run_sync(self._inner_step)
+        self.inner_steps += 1
+        self.local_samples += batch_size
+        if self.inner_steps < self.local_steps:
+            return False
+        elapsed = max(trio.current_time() - self._round_started, 1e-9)
+        self.samples_per_s = self.local_samples / elapsed
+        await self._outer_round()
+        return True
+
+    def _inner_step(self) -> None:
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+
+    async def _catch_up_if_behind(self) -> None:
+        mine = PeerProgress(self.epoch, self.local_samples, self.samples_per_s)
+        self.swarm = await self.tracker.fetch(mine)
+        if self.swarm.epoch > self.epoch + 1:
+            await self.load_state_from_peers()
+
+    async def load_state_from_peers(self) -> None:
+        try:
+            metadata = await self.state.load_state_from_peers(timeout=self.load_state_timeout)
+        except StateUnavailable as error:
+            log.warning("could not load state from peers: %s", error)
+            return
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if type(epoch) is int and epoch >= 0:
+            self.epoch = max(self.epoch, epoch)
+        with torch.no_grad():
+            for param, start in zip(self.params, self.snapshot, strict=True):
+                param.copy_(start)
+        log.info("joined the swarm at outer round %d with its parameters", self.epoch)
+
+    async def _outer_round(self) -> None:
+        await trio.to_thread.run_sync(self._compute_deltas)
+        record: dict[str, Any] = {"epoch": self.epoch, "averaged": False, "group": 0, "failed": []}
+        try:
+            result = await self.delta_averager.step(weight=float(self.local_samples))
+            record.update(averaged=True, group=len(result.group.members), failed=sorted(map(str, result.failed_peers)))
+        except (MatchmakingError, AllReduceError) as error:
+            log.warning("outer round %d: averaging failed (%s); applying the local delta alone", self.epoch, error)
+        await trio.to_thread.run_sync(self._apply_outer_step)
+        self.epoch += 1
+        self.inner_steps = 0
+        self.local_samples = 0
+        self._round_started = trio.current_time()
+        self.last_averaging = record
+        mine = PeerProgress(self.epoch, 0, self.samples_per_s)
+        await self.tracker.publish(mine)
+        await self.state.state_sharing.announce(self.epoch)
+        self.swarm = await self.tracker.fetch(mine)
+
+    def _compute_deltas(self) -> None:
+        with torch.no_grad():
+            for delta, start, param in zip(self.deltas, self.snapshot, self.params, strict=True):
+                torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
+
+    def _apply_outer_step(self) -> None:
+        """From the shared start, step along the averaged pseudo-gradient with Nesterov momentum."""
+        with torch.no_grad():
+            for param, start, delta in zip(self.params, self.snapshot, self.deltas, strict=True):
+                param.copy_(start)
+                param.grad = delta.to(param.device, param.dtype).clone()
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for start, param in zip(self.snapshot, self.params, strict=True):
+                start.copy_(param.detach())
