@@ -88,7 +88,9 @@ class GroupAverager:
         self.last_result: AllReduceResult | None = None
         self._service = all_reduce_service(self.host)
         self._matchmaker = Matchmaker(self.host, dht, prefix)
-        self._lock = trio.Lock()  # one round at a time; get_tensors() waits for it
+        # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
+        # synchronous facade can acquire and release it from two different loop tasks.
+        self._lock = trio.Semaphore(1, max_value=1)
         self.state_sharing = StateSharing(self.host, dht, prefix, self)
 
     def _declaration(self) -> Declaration:
