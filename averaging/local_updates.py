@@ -135,7 +135,9 @@ class LocalUpdatesOptimizer:
         try:
             result = await self.delta_averager.step(weight=float(self.local_samples))
             record.update(averaged=True, group=len(result.group.members), failed=sorted(map(str, result.failed_peers)))
-        except (MatchmakingError, AllReduceError) as error:
+        except Exception as error:  # whatever went wrong with the others, this peer keeps training
+            if not isinstance(error, (MatchmakingError, AllReduceError)):
+                log.exception("unexpected failure while averaging")
             log.warning("outer round %d: averaging failed (%s); applying the local delta alone", self.epoch, error)
         await trio.to_thread.run_sync(self._apply_outer_step)
         self.epoch += 1

@@ -33,7 +33,7 @@ log = logging.getLogger("peerd.averaging")
 JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
 # of the deadline (at most 1 s) lets stragglers' stores land while leaving most of it for joining.
-MAX_SETTLE = 1.0
+MAX_SETTLE = 0.5
 
 
 class MatchmakingError(RuntimeError):
@@ -122,8 +122,8 @@ class Matchmaker:
         declaration = Declaration.from_wire(request.peer, request.body)
         if gathering is None:
             raise ValueError("not gathering a group now")
-        if declaration.schema != gathering.me.schema or declaration.round != gathering.me.round:
-            raise ValueError("schema or round differs from this group's")
+        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
+            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
         gathering.admit(declaration)
         await gathering.closed.wait()
         if gathering.formed is None or gathering.formed.member(request.peer) is None:
@@ -154,9 +154,12 @@ class Matchmaker:
             newest = max(d.round for d in declared.values())
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me = replace(me, round=newest)
+                declared[me.peer_id] = me
                 await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
             self.last_round = me.round
-            candidates = {peer: d for peer, d in declared.items() if d.round == me.round}
+            # Peers declared at an older round are in the middle of catching up, exactly as we just
+            # did: they belong in this round's grid, or the leader would not wait for them.
+            candidates = declared
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
                 await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
@@ -194,7 +197,7 @@ class Matchmaker:
                 declaration = Declaration.from_wire(peer, item.value)
             except (ValueError, TypeError):
                 continue
-            if item.expiration_time < now or declaration.schema != me.schema or declaration.round < me.round:
+            if item.expiration_time < now or declaration.schema != me.schema:
                 continue
             candidates[peer] = declaration
         return candidates

@@ -96,7 +96,8 @@ class CollaborativeOptimizer:
         self.last_averaging: dict[str, Any] | None = None
         self.swarm = SwarmProgress({})
         self._last_fetch = -float("inf")
-        self._last_step_time: float | None = None
+        self._epoch_started: float | None = None
+        self._first_step = True
 
     @property
     def _progress(self) -> PeerProgress:
@@ -112,20 +113,32 @@ class CollaborativeOptimizer:
             await self.tracker.publish(self._progress)
             self.swarm = await self.tracker.fetch(self._progress)
         view = SwarmProgress({**self.swarm.peers, self.tracker.me: self._progress})
-        if view.epoch > self.epoch + 1:
-            await self.load_state_from_peers()
+        # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
+        # progress: our parameters are stale, take the swarm's.
+        if view.epoch > self.epoch + 1 or (self._first_step and view.epoch > self.epoch):
+            self._first_step = False
+            await self.load_state_from_peers(swarm_epoch=view.epoch)
             return False
+        self._first_step = False
         if not view.ready_to_step(self.epoch, self.target_batch_size):
             return False
         await self._averaged_step()
         return True
 
-    async def load_state_from_peers(self) -> None:
-        """Adopt a peer's parameters and epoch (we fell behind or just joined)."""
+    async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
+        """Adopt a peer's parameters and epoch (we fell behind or just joined).
+
+        If no peer can send its state, move to the swarm's epoch with our own parameters: the
+        next parameter averaging pulls them toward the swarm's, and training goes on."""
         try:
             metadata = await self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
         except StateUnavailable as error:
-            log.warning("could not load state from peers: %s", error)
+            if swarm_epoch is not None and swarm_epoch > self.epoch:
+                log.warning("%s; continuing from the swarm's epoch %d with local parameters", error, swarm_epoch)
+                self.epoch = swarm_epoch
+                self._reset_accumulators()
+            else:
+                log.warning("%s", error)
             return
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if type(epoch) is int and epoch >= 0:
@@ -142,11 +155,12 @@ class CollaborativeOptimizer:
                     param.grad = None
 
     def _update_throughput(self, batch_size: int) -> None:
+        """Until the first epoch ends, the local rate; afterwards the rate over whole epochs."""
         now = trio.current_time()
-        if self._last_step_time is not None and now > self._last_step_time:
-            instant = batch_size / (now - self._last_step_time)
-            self.samples_per_s = instant if self.samples_per_s == 0 else 0.9 * self.samples_per_s + 0.1 * instant
-        self._last_step_time = now
+        if self._epoch_started is None:
+            self._epoch_started = now
+        elif self.epoch == 0 and now > self._epoch_started:
+            self.samples_per_s = self.local_samples / (now - self._epoch_started)
 
     def _reset_accumulators(self) -> None:
         for accumulator in self.gradients:
@@ -165,13 +179,21 @@ class CollaborativeOptimizer:
                 group=len(result.group.members),
                 failed=sorted(str(p) for p in result.failed_peers),
             )
-        except (MatchmakingError, AllReduceError) as error:
+        except Exception as error:  # whatever went wrong with the others, this peer keeps training
+            if not isinstance(error, (MatchmakingError, AllReduceError)):
+                log.exception("unexpected failure while averaging")
             log.warning("gradient averaging failed at epoch %d (%s); stepping on local gradients", self.epoch, error)
-        await trio.to_thread.run_sync(self._apply_gradients)
+        async with self.state_averager.locked_tensors():  # a donor never sends half a step
+            await trio.to_thread.run_sync(self._apply_gradients)
         self.epoch += 1
         self._reset_accumulators()
         self.last_averaging = record
+        now = trio.current_time()
+        if self._epoch_started is not None and now > self._epoch_started:
+            self.samples_per_s = samples / (now - self._epoch_started)  # including the averaging time
+        self._epoch_started = now
         await self.tracker.publish(self._progress)
+        await self.state_averager.state_sharing.announce(self.epoch)  # newcomers may load from us
         if self.average_state_every and self.epoch % self.average_state_every == 0:
             try:
                 await self.state_averager.step()

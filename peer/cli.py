@@ -1,9 +1,15 @@
-"""The ``peerd`` command line."""
+"""The ``peerd`` command line.
+
+Configuration comes from flags first, then ``PEERD_*`` environment variables (what docker compose
+sets), then built-in defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,21 +18,24 @@ import trio
 
 from . import __version__
 from .address import PeerAddress
-from .daemon import BootstrapError, DaemonConfig, run_daemon
+from .daemon import DaemonConfig, run_daemon
 from .identity import Identity, IdentityError, default_identity_path
 
 EXIT_BAD_INPUT = 1
 EXIT_UNREACHABLE = 2
 
 
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(f"PEERD_{name}")
+    return value if value not in (None, "") else default
+
+
 def _listen(text: str) -> tuple[str, int]:
-    try:
-        address = PeerAddress.parse(text)
-    except ValueError as error:
-        if text.endswith(":0"):  # port 0: let the OS choose
-            return text[:-2].strip("[]"), 0
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return address.host, address.port
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT (port 0 = any free port)")
+    return host, int(port)
 
 
 def _peer(text: str) -> PeerAddress:
@@ -36,30 +45,84 @@ def _peer(text: str) -> PeerAddress:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+        raise argparse.ArgumentTypeError(f"--data-shard wants I/N with 0 <= I < N, got {text!r}")
+    return int(index), int(count)
+
+
+def _env_peers() -> list[PeerAddress]:
+    text = _env("INITIAL_PEERS", "") or ""
+    return [_peer(item) for item in text.replace(",", " ").split()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peerd", description="Decentralized volunteer-training peer daemon")
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID")
-    keygen.add_argument("--identity", type=Path, default=None, help="key file (default: user data dir)")
+    keygen.add_argument("--identity", type=Path, default=_env("IDENTITY"), help="key file (default: user data dir)")
 
-    join = commands.add_parser("join", help="start a peer and join the swarm")
-    join.add_argument("--listen", type=_listen, default=("0.0.0.0", 31337), metavar="HOST:PORT")
-    join.add_argument("--identity", type=Path, default=None, help="key file, created on first use")
-    join.add_argument("--initial-peer", type=_peer, action="append", default=[], metavar="ADDR")
-    join.add_argument("--run-id", default="default", help="peers only talk to peers of the same run")
-    join.add_argument("--bootstrap-timeout", type=float, default=15.0, metavar="SECONDS")
+    join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train")
+    add_join_arguments(join)
+
+    status = commands.add_parser("status", help="show a running peer's /status for humans")
+    status.add_argument("--status-port", type=int, default=int(_env("STATUS_PORT", "8080")))
+    status.add_argument("--status-host", default="127.0.0.1")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+
+    swarm = commands.add_parser("swarm", help="run N local peers training a task until a target accuracy")
+    swarm.add_argument("--peers", type=int, default=3)
+    swarm.add_argument("--task", default="digits")
+    swarm.add_argument("--mode", choices=["collaborative", "local-updates"], default="collaborative")
+    swarm.add_argument("--target-accuracy", type=float, default=0.9)
+    swarm.add_argument("--max-epochs", type=int, default=200)
+    swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS")
+    swarm.add_argument("--log-dir", type=Path, default=None, help="keep each peer's log here")
+
+    try:
+        from dht.cli import add_dht_commands
+
+        add_dht_commands(commands)
+    except ImportError:  # pragma: no cover - the dht package ships with peerd
+        pass
+    try:
+        from moe.cli import add_serve_experts_command
+
+        add_serve_experts_command(commands)
+    except ImportError:
+        pass
     return parser
 
 
-def _load_identity(path: Path | None) -> Identity:
-    return Identity.load_or_create(path or default_identity_path())
+def add_join_arguments(join: argparse.ArgumentParser) -> None:
+    join.add_argument("--listen", type=_listen, default=_listen(_env("LISTEN", "0.0.0.0:31337")), metavar="HOST:PORT")
+    join.add_argument("--identity", type=Path, default=_env("IDENTITY"), help="key file, created on first use")
+    join.add_argument("--initial-peer", type=_peer, action="append", default=None, metavar="ADDR")
+    join.add_argument("--run-id", default=_env("RUN_ID", "default"), help="peers only talk within one run")
+    join.add_argument("--bootstrap-timeout", type=float, default=float(_env("BOOTSTRAP_TIMEOUT", "15")))
+    join.add_argument("--client-mode", action="store_true", default=_env("CLIENT_MODE") == "1")
+    join.add_argument("--task", default=_env("TASK"), help="train this task: a built-in name or package.module:factory")
+    join.add_argument("--mode", choices=["collaborative", "local-updates"], default=_env("MODE", "collaborative"))
+    join.add_argument("--local-steps", type=int, default=int(_env("LOCAL_STEPS", "20")))
+    join.add_argument("--target-batch-size", type=int, default=None)
+    join.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
+    join.add_argument("--data-shard", type=_shard, default=_shard(_env("DATA_SHARD", "0/1")), metavar="I/N")
+    join.add_argument("--status-port", type=int, default=_int_or_none(_env("STATUS_PORT")), metavar="PORT")
+    join.add_argument("--status-host", default=_env("STATUS_HOST", "127.0.0.1"))
+    join.add_argument("--serve-experts", default=_env("SERVE_EXPERTS"), metavar="SPEC", help="e.g. 'ffn.[0:4].[0:4]'")
+    join.add_argument("--hidden-dim", type=int, default=int(_env("HIDDEN_DIM", "256")))
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text is not None else None
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    path = args.identity or default_identity_path()
+    path = Path(args.identity) if args.identity else default_identity_path()
     if path.exists():
         print(f"peerd: {path} already exists; refusing to overwrite an identity", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -80,29 +143,78 @@ async def _join_main(config: DaemonConfig) -> None:
                     return
 
             nursery.start_soon(stop_on_signal)
-            address = await nursery.start(run_daemon, config)
-            print(f"peerd listening on {address}", flush=True)
+            daemon = await nursery.start(run_daemon, config)
+            address = daemon.host.listen_address
+            if address is not None:
+                print(f"peerd listening on {address}", flush=True)
+            else:
+                print("peerd running in client mode (accepting no connections)", flush=True)
+            if daemon.status_port is not None:
+                print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
+
+
+def _experts_spec(args: argparse.Namespace):
+    if not args.serve_experts:
+        return None
+    from moe.cli import experts_spec_from_args
+
+    return experts_spec_from_args(args)
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    identity = _load_identity(args.identity)
+    shard = None
+    if args.task is not None:
+        from .tasks import ShardSpec, load_task  # torch is imported only by peers that train
+
+        shard = ShardSpec(*args.data_shard)
+        load_task(args.task, shard=shard, device="cpu")  # fail now, with a clear message
+    identity = Identity.load_or_create(Path(args.identity) if args.identity else default_identity_path())
     host, port = args.listen
     config = DaemonConfig(
         identity=identity,
         listen_host=host,
         listen_port=port,
-        initial_peers=args.initial_peer,
+        initial_peers=args.initial_peer if args.initial_peer is not None else _env_peers(),
         run_id=args.run_id,
         bootstrap_timeout=args.bootstrap_timeout,
+        client_mode=args.client_mode,
+        task=args.task,
+        mode=args.mode,
+        device=args.device,
+        shard=shard,
+        target_batch_size=args.target_batch_size,
+        local_steps=args.local_steps,
+        status_host=args.status_host,
+        status_port=args.status_port,
+        experts=_experts_spec(args),
     )
+    from dht.node import DHTBootstrapError
+
     try:
         trio.run(_join_main, config)
     except Exception as error:
-        bootstrap_error = find_exception(error, BootstrapError)
+        bootstrap_error = find_exception(error, DHTBootstrapError)
         if bootstrap_error is None:
             raise
         print(f"peerd: {bootstrap_error}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .status_server import fetch_status
+
+    try:
+        status = json.loads(fetch_status(args.status_port, args.status_host))
+    except OSError as error:
+        print(f"peerd: no peer answers on {args.status_host}:{args.status_port} ({error})", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    width = max(len(key) for key in status)
+    for key, value in status.items():
+        print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
 
 
@@ -129,7 +241,21 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_keygen(args)
         if args.command == "join":
             return _cmd_join(args)
-    except IdentityError as error:
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "swarm":
+            from .swarm import run_swarm
+
+            return run_swarm(args)
+        if args.command == "dht":
+            from dht.cli import run_dht_command
+
+            return run_dht_command(args)
+        if args.command == "serve-experts":
+            from moe.cli import run_serve_experts
+
+            return run_serve_experts(args)
+    except (IdentityError, ValueError) as error:  # TaskError is a ValueError
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as error:

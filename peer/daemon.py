@@ -1,5 +1,10 @@
-"""The peerd daemon: composes the wire layer (and, as they land, DHT, averaging, experts) into one
-trio program. Nothing here knows about argparse; ``peer/cli.py`` turns flags into a config.
+"""The peerd daemon: composes the layers into one trio program.
+
+    host (listener + connection pool)  ->  DHT node  ->  trainer (optional)  ->  status server
+
+Nothing here knows about argparse; ``peer/cli.py`` turns flags and ``PEERD_*`` variables into a
+``DaemonConfig``. Everything the daemon starts lives in its nursery, so cancelling ``run_daemon``
+(SIGINT/SIGTERM in the CLI) stops it all.
 """
 
 from __future__ import annotations
@@ -8,31 +13,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from .address import PeerAddress
-from .host import ConnectError, PeerHost, open_peer_host
+from .host import PeerHost, open_peer_host
 from .identity import Identity
 from .rpc import Request, Router
+from .status_server import prometheus_text, serve_status
 
-__all__ = ["DaemonConfig", "BootstrapError", "bootstrap", "run_daemon", "add_builtin_methods"]
+__all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
 
 log = logging.getLogger("peerd")
-
-# Retrying an initial peer that refused or timed out: start fast (a swarm starting together has
-# peers a few hundred ms apart), back off to avoid hammering a dead host.
-BOOTSTRAP_RETRY_INITIAL = 0.2
-BOOTSTRAP_RETRY_MAX = 2.0
-
-
-class BootstrapError(Exception):
-    """No initial peer could be reached and authenticated; ``failures`` maps address -> reason."""
-
-    def __init__(self, failures: dict[str, str], timeout: float):
-        self.failures = failures
-        lines = "\n".join(f"  {address}: {reason}" for address, reason in failures.items())
-        super().__init__(f"could not reach any initial peer within {timeout:g} s:\n{lines}")
 
 
 @dataclass
@@ -43,6 +36,16 @@ class DaemonConfig:
     initial_peers: list[PeerAddress] = field(default_factory=list)
     run_id: str = "default"
     bootstrap_timeout: float = 15.0
+    client_mode: bool = False
+    task: str | None = None
+    mode: str = "collaborative"  # or "local-updates"
+    device: str | None = None  # None: CUDA when available
+    shard: Any = None  # peer.tasks.ShardSpec; None = the whole data set
+    target_batch_size: int | None = None
+    local_steps: int = 20
+    status_host: str = "127.0.0.1"
+    status_port: int | None = None
+    experts: Any = None  # an experts spec object handed to moe (see peer/cli.py)
 
 
 def add_builtin_methods(router: Router, host_getter) -> None:
@@ -54,63 +57,130 @@ def add_builtin_methods(router: Router, host_getter) -> None:
         return {"peer_id": str(host.peer_id), "time": time.time()}
 
 
-async def bootstrap(host: PeerHost, initial_peers: list[PeerAddress], timeout: float) -> list[PeerAddress]:
-    """Connect to every initial peer we can within ``timeout``; return the ones reached.
+class Daemon:
+    """One running peer; ``status()`` and ``metrics()`` describe it for humans and Prometheus."""
 
-    Each address is retried with backoff until the deadline, because peers of a swarm often start
-    at the same moment. Raises BootstrapError naming each address and its last failure if none
-    answered.
-    """
-    reached: list[PeerAddress] = []
-    failures: dict[str, str] = {}
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.host: PeerHost | None = None
+        self.dht = None
+        self.trainer = None
+        self.status_port: int | None = None
+        self.started = time.time()
 
-    async def reach(address: PeerAddress) -> None:
-        delay = BOOTSTRAP_RETRY_INITIAL
-        while True:
-            try:
-                connection = await host.connect(address)
-                await connection.call("peer.ping", timeout=host.connect_timeout)
-            except (ConnectError, OSError) as error:
-                failures[str(address)] = str(error).removeprefix(f"{address}: ")
-                if "mismatch" in str(error):
-                    return  # a wrong identity, run or version will not fix itself by retrying
-            except Exception as error:  # a peer answering garbage to ping is as bad as none
-                failures[str(address)] = f"{type(error).__name__}: {error}"
-            else:
-                failures.pop(str(address), None)
-                reached.append(address.with_peer_id(connection.remote_peer_id))
-                log.info("met peer %s at %s", connection.remote_peer_id, address.endpoint)
-                return
-            await trio.sleep(delay)
-            delay = min(delay * 2, BOOTSTRAP_RETRY_MAX)
+    def status(self) -> dict[str, Any]:
+        host = self.host
+        status: dict[str, Any] = {
+            "peer_id": str(self.config.identity.peer_id),
+            "address": str(host.listen_address) if host and host.listen_address else None,
+            "run_id": self.config.run_id,
+            "uptime_s": round(time.time() - self.started, 1),
+            "connected_peers": len(host.connected_peers) if host else 0,
+            "bytes_sent": host.traffic.bytes_sent if host else 0,
+            "bytes_received": host.traffic.bytes_received if host else 0,
+            "task": self.config.task,
+            "epoch": None,
+            "samples_per_s": None,
+            "loss": None,
+            "accuracy": None,
+            "peers_known": len(host.connected_peers) + 1 if host else 1,
+            "last_averaging": None,
+        }
+        if self.trainer is not None:
+            training = self.trainer.status
+            status.update(
+                epoch=training.epoch,
+                samples=training.samples,
+                samples_per_s=round(training.samples_per_s, 2),
+                loss=None if math.isnan(training.loss) else round(training.loss, 5),
+                accuracy=training.accuracy,
+                peers_known=training.peers_known,
+                last_averaging=training.last_averaging,
+            )
+        return status
 
-    with trio.move_on_after(timeout):
-        async with trio.open_nursery() as nursery:
-            for address in initial_peers:
-                failures[str(address)] = "no answer yet"
-                nursery.start_soon(reach, address)
-    if initial_peers and not reached:
-        raise BootstrapError(failures, timeout)
-    return reached
+    def metrics(self) -> str:
+        status = self.status()
+        averaging = status.get("last_averaging") or {}
+        return prometheus_text(
+            {
+                "peerd_epoch": ("gauge", "Epoch (optimizer steps) of this peer", status["epoch"]),
+                "peerd_samples_per_second": ("gauge", "Training throughput of this peer", status["samples_per_s"]),
+                "peerd_loss": ("gauge", "Training loss (moving average)", status["loss"]),
+                "peerd_accuracy": ("gauge", "Held-out accuracy at the last evaluation", status["accuracy"]),
+                "peerd_peers_known": ("gauge", "Peers seen in the swarm's progress records", status["peers_known"]),
+                "peerd_connected_peers": ("gauge", "Open connections to other peers", status["connected_peers"]),
+                "peerd_bytes_sent_total": ("counter", "Bytes sent to other peers", status["bytes_sent"]),
+                "peerd_bytes_received_total": ("counter", "Bytes received from peers", status["bytes_received"]),
+                "peerd_last_round_group_size": ("gauge", "Peers in the last averaging group", averaging.get("group")),
+                "peerd_uptime_seconds": ("gauge", "Seconds since the peer started", status["uptime_s"]),
+            }
+        )
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from dht.node import DHTConfig, DHTNode  # the daemon composes the layers above peer/
+
+        config = self.config
+        router = Router()
+        add_builtin_methods(router, lambda: self.host)
+        listen = None if config.client_mode else (config.listen_host, config.listen_port)
+        async with open_peer_host(
+            config.identity, listen=listen, router=router, run_id=config.run_id, client_mode=config.client_mode
+        ) as host:
+            self.host = host
+            host.on_connection.append(_log_connection)
+            async with trio.open_nursery() as nursery:
+                if config.status_port is not None:
+                    port = await nursery.start(serve_status, config.status_port, self.status, self.metrics)
+                    log.info("status on http://%s:%d/status", config.status_host, port)
+                    self.status_port = port
+                task_status.started(self)
+                dht_config = DHTConfig(bootstrap_timeout=config.bootstrap_timeout)
+                async with DHTNode.open(host=host, initial_peers=config.initial_peers, config=dht_config) as dht:
+                    self.dht = dht
+                    if config.experts is not None:
+                        nursery.start_soon(self._serve_experts, dht)
+                    if config.task is not None:
+                        await self._train(dht)
+                    await trio.sleep(math.inf)
+
+    async def _serve_experts(self, dht) -> None:
+        from moe.cli import serve_experts_on  # experts are optional; import only when asked
+
+        await serve_experts_on(dht, self.config.experts)
+
+    async def _train(self, dht) -> None:
+        import torch
+
+        from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
+
+        from .tasks import ShardSpec, load_task
+        from .training import Trainer
+
+        config = self.config
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        shard = config.shard or ShardSpec()
+        task = await trio.to_thread.run_sync(lambda: load_task(config.task, shard=shard, device=device))
+        inner = task.make_optimizer(list(task.model.parameters()))
+        prefix = f"{config.run_id}.{task.name}"
+        if config.mode == "local-updates":
+            optimizer = LocalUpdatesOptimizer(inner, dht, prefix=prefix, local_steps=config.local_steps)
+        else:
+            optimizer = CollaborativeOptimizer(
+                inner, dht, prefix=prefix, target_batch_size=config.target_batch_size or task.target_batch_size
+            )
+        self.trainer = Trainer(task, optimizer)
+        log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
+        await self.trainer.run()
+
+
+def _log_connection(connection, incoming: bool) -> None:
+    if incoming:
+        log.info("peer %s connected", connection.remote_peer_id)
+    else:
+        log.info("met peer %s at %s", connection.remote_peer_id, connection.remote_listen_address)
 
 
 async def run_daemon(config: DaemonConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run a peer until cancelled. ``task_status.started`` gets the listening address."""
-    router = Router()
-    holder: list[PeerHost] = []
-    add_builtin_methods(router, lambda: holder[0])
-    async with open_peer_host(
-        config.identity, listen=(config.listen_host, config.listen_port), router=router, run_id=config.run_id
-    ) as host:
-        holder.append(host)
-
-        def on_connection(connection, incoming: bool) -> None:
-            if incoming:
-                log.info("peer %s connected", connection.remote_peer_id)
-
-        host.on_connection.append(on_connection)
-        assert host.listen_address is not None
-        task_status.started(host.listen_address)
-        if config.initial_peers:
-            await bootstrap(host, config.initial_peers, config.bootstrap_timeout)
-        await trio.sleep(math.inf)
+    """Run a peer until cancelled. ``task_status.started`` gets the ``Daemon`` once it listens."""
+    await Daemon(config).run(task_status=task_status)

@@ -16,10 +16,10 @@ PEERD = [sys.executable, "-m", "peer.cli"]
 class PeerdProcess:
     """A ``peerd`` subprocess whose stdout is read line by line and stderr goes to a file."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             PEERD + args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env
         )

@@ -1,0 +1,119 @@
+"""``peerd dht store|get``: join as a short-lived client, do one operation, print JSON.
+
+Exit status: 0 done; 1 key not found (get) or store refused by every peer; 2 the swarm cannot be
+reached. ``peer/cli.py`` wires these in with ``add_dht_commands(subparsers)`` and dispatches
+``args.command == "dht"`` to ``run_dht_command(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import time
+from typing import Any
+
+import trio
+
+from peer import Identity, PeerAddress
+
+from .node import DHTBootstrapError, DHTConfig, DHTNode
+from .records import MAX_TTL, DHTValue
+
+__all__ = ["add_dht_commands", "run_dht_command", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
+
+EXIT_NOT_FOUND = 1
+EXIT_UNREACHABLE = 2
+DEFAULT_TTL = 300.0  # five minutes: long enough to look at, short enough not to litter the swarm
+
+
+def _peer(text: str) -> PeerAddress:
+    try:
+        return PeerAddress.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _ttl(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_TTL:
+        raise argparse.ArgumentTypeError(f"--ttl must be in (0, {MAX_TTL:.0f}] seconds")
+    return value
+
+
+def _literal(text: str) -> Any:
+    """JSON if it parses (numbers, lists, objects, quoted strings), otherwise the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def add_dht_commands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``dht store`` and ``dht get`` to the ``peerd`` parser's subcommands."""
+    dht = subparsers.add_parser("dht", help="store or get one DHT record as a short-lived client")
+    actions = dht.add_subparsers(dest="dht_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--initial-peer", type=_peer, action="append", required=True, metavar="ADDR")
+    common.add_argument("--run-id", default="default", help="the swarm's run ID")
+    common.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="joining deadline")
+
+    store = actions.add_parser("store", parents=[common], help="store KEY = VALUE (JSON or text)")
+    store.add_argument("key", type=_literal, metavar="KEY")
+    store.add_argument("value", type=_literal, metavar="VALUE")
+    store.add_argument("--ttl", type=_ttl, default=DEFAULT_TTL, metavar="SECONDS")
+    store.add_argument("--subkey", type=_literal, default=None, metavar="SK")
+
+    get = actions.add_parser("get", parents=[common], help="print the value under KEY")
+    get.add_argument("key", type=_literal, metavar="KEY")
+    get.add_argument("--latest", action="store_true", help="ask all k nearest peers for the newest value")
+    return dht
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, DHTValue):
+        return {"value": _jsonable(obj.value), "expiration_time": obj.expiration_time}
+    if isinstance(obj, dict):
+        return {k if isinstance(k, str) else json.dumps(_jsonable(k)): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(item) for item in obj]
+    if isinstance(obj, bytes):
+        return {"base64": base64.b64encode(obj).decode()}
+    return obj
+
+
+async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    config = DHTConfig(bootstrap_timeout=args.timeout)
+    async with DHTNode.open(
+        identity=Identity.generate(),
+        initial_peers=args.initial_peer,
+        client_mode=True,
+        run_id=args.run_id,
+        config=config,
+    ) as node:
+        if args.dht_command == "store":
+            expiration = time.time() + args.ttl
+            stored = await node.store(args.key, args.value, expiration, subkey=args.subkey)
+            result = {"key": _jsonable(args.key), "stored": stored, "expiration_time": expiration}
+            if args.subkey is not None:
+                result["subkey"] = _jsonable(args.subkey)
+            return (0 if stored else EXIT_NOT_FOUND), result
+        found = await node.get(args.key, latest=args.latest)
+        if found is None:
+            return EXIT_NOT_FOUND, {"key": _jsonable(args.key), "found": False}
+        return 0, {"key": _jsonable(args.key), "found": True, **_jsonable(found)}
+
+
+def run_dht_command(args: argparse.Namespace) -> int:
+    """Run ``peerd dht store|get``; prints one JSON object (stdout) or an error (stderr)."""
+    try:
+        status, result = trio.run(_run, args)
+    except DHTBootstrapError as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (TypeError, ValueError) as error:  # unserialisable or oversized input
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    print(json.dumps(result))
+    return status

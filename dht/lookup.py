@@ -1,0 +1,166 @@
+"""Iterative Kademlia lookup bookkeeping, sans I/O.
+
+``IterativeLookup`` decides whom to ask next and when a lookup is done; the trio driver in
+``dht/node.py`` sends the requests and feeds back responses and failures. Tests drive it with plain
+objects and no sockets.
+
+The rules (Maymounkov & Mazieres, section 2.3):
+- Keep the candidates ordered by XOR distance to the target; ask the nearest ones not yet asked,
+  with at most ``alpha`` requests in flight.
+- "If a round of FIND_NODEs fails to return a node any closer than the closest already seen, the
+  initiator resends the FIND_NODE to all of the k closest nodes it has not already queried": after
+  a response that does not improve the closest node, up to ``k`` requests may be in flight.
+- A peer that fails (timeout, refused, bad reply) drops out of the candidates.
+- Done when each of the k nearest live candidates has answered.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from kademlia.node import Node, NodeHeap
+
+from .routing import ALPHA, Contact, K
+
+__all__ = ["CandidateHeap", "IterativeLookup"]
+
+
+class CandidateHeap(NodeHeap):
+    """The package's ``NodeHeap`` with O(1) membership (its ``__contains__`` and ``push`` scan the
+    whole heap, which made every response cost O(n^2) in the candidate count)."""
+
+    def __init__(self, node: Node, maxsize: int):
+        super().__init__(node, maxsize)
+        self._ids: set[bytes] = set()
+
+    def push(self, nodes: Node | list[Node]) -> None:
+        for node in nodes if isinstance(nodes, list) else [nodes]:
+            if node.id not in self._ids:
+                self._ids.add(node.id)
+                heapq.heappush(self.heap, (self.node.distance_to(node), node))
+
+    def remove(self, peers: Iterable[bytes]) -> None:
+        peers = set(peers) & self._ids
+        if peers:
+            self._ids -= peers
+            self.heap = [entry for entry in self.heap if entry[1].id not in peers]
+            heapq.heapify(self.heap)
+
+    def __contains__(self, node: object) -> bool:
+        return isinstance(node, Node) and node.id in self._ids
+
+
+class IterativeLookup:
+    """One lookup toward ``target``. Feed it ``on_response``/``on_failure``; ask ``next_queries``."""
+
+    def __init__(
+        self,
+        target: int,
+        initial: Iterable[Contact],
+        *,
+        k: int = K,
+        alpha: int = ALPHA,
+        self_id: int | None = None,
+    ):
+        self.target = target
+        self.k, self.alpha = k, alpha
+        self._heap = CandidateHeap(Contact.for_id(target), maxsize=k)
+        self._self_id = self_id
+        self._hops: dict[bytes, int] = {}
+        self._in_flight: set[bytes] = set()
+        self._responded: set[bytes] = set()
+        self._failed: set[bytes] = set()
+        self._widened = False
+        self._narrow = False
+        self.rpcs = 0
+        self._add(initial, hop=1)
+        self._closest_distance = self._best_distance()
+
+    # ------------------------------------------------------------------ driving
+    def start_narrow(self) -> None:
+        """Hedged start for value lookups: one request in flight until it answers, fails, or the
+        driver calls ``hedge()`` after a delay. The nearest peer holds the value almost always, and
+        the other alpha - 1 requests would only add load (The Tail at Scale, Dean & Barroso 2013)."""
+        self._narrow = True
+
+    def hedge(self) -> None:
+        """Lift the narrow start: up to alpha requests in flight from now on."""
+        self._narrow = False
+
+    def next_queries(self) -> list[Contact]:
+        """Contacts to query now (marked in flight); empty while enough requests are pending."""
+        if self._narrow:
+            limit = 1 - len(self._in_flight)
+        else:
+            limit = (self.k if self._widened else self.alpha) - len(self._in_flight)
+        chosen: list[Contact] = []
+        if limit <= 0:
+            return chosen
+        for contact in self._heap:  # the k nearest live candidates, nearest first
+            if contact.id not in self._in_flight and contact.id not in self._responded:
+                chosen.append(contact)
+                if len(chosen) == limit:
+                    break
+        for contact in chosen:
+            self._in_flight.add(contact.id)
+        self.rpcs += len(chosen)
+        return chosen
+
+    def on_response(self, contact: Contact, neighbours: Iterable[Contact]) -> None:
+        if contact.id not in self._in_flight:
+            return  # not ours, or already failed
+        self._in_flight.discard(contact.id)
+        self._responded.add(contact.id)
+        self._narrow = False
+        self._add(neighbours, hop=self._hops.get(contact.id, 1) + 1)
+        best = self._best_distance()
+        self._widened = best >= self._closest_distance  # no closer node: widen to the k nearest
+        self._closest_distance = min(best, self._closest_distance)
+
+    def on_failure(self, contact: Contact) -> None:
+        self._in_flight.discard(contact.id)
+        self._failed.add(contact.id)
+        self._narrow = False
+        self._heap.remove([contact.id])
+
+    # ------------------------------------------------------------------ state
+    @property
+    def done(self) -> bool:
+        """Every one of the k nearest live candidates has answered (or there are none)."""
+        return all(contact.id in self._responded for contact in self._heap)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def closest(self, k: int | None = None) -> list[Contact]:
+        """The nearest contacts that answered, nearest first."""
+        k = k or self.k
+        return [contact for contact in self._heap if contact.id in self._responded][:k]
+
+    def among_nearest(self, contact: Contact) -> bool:
+        """Whether ``contact`` is currently one of the k nearest live candidates."""
+        return any(candidate.id == contact.id for candidate in self._heap)
+
+    def responded(self, contact: Contact) -> bool:
+        return contact.id in self._responded
+
+    @property
+    def hops(self) -> int:
+        """Hop depth of the nearest answering node: 1 if our routing table already knew it."""
+        closest = self.closest(1)
+        return self._hops.get(closest[0].id, 0) if closest else 0
+
+    # ------------------------------------------------------------------ internals
+    def _add(self, contacts: Iterable[Contact], hop: int) -> None:
+        fresh = []
+        for contact in contacts:
+            if contact.long_id == self._self_id or contact.id in self._failed or contact in self._heap:
+                continue
+            self._hops[contact.id] = hop
+            fresh.append(contact)
+        self._heap.push(fresh)
+
+    def _best_distance(self) -> int:
+        return self._heap.heap[0][0] if self._heap.heap else 2**160

@@ -1,0 +1,125 @@
+"""The routing table: the ``kademlia`` package's k-buckets with its three defects corrected.
+
+- ``get_bucket_for``: bucket ranges are inclusive (``KBucket.split`` makes ``[lo, mid]`` and
+  ``[mid + 1, hi]``), but the package compares ``long_id < range[1]``, so an ID equal to a bucket's
+  upper bound lands in the next bucket. Here: ``<=``, found by bisection.
+- ``add_contact``: on a full bucket the package calls ``asyncio.ensure_future(protocol.call_ping(...))``,
+  which needs a running asyncio loop. Here it returns the bucket's least-recently-seen contact and the
+  trio node decides whether and when to ping it (the newcomer waits in the replacement list).
+- ``find_neighbors``: the package walks buckets outward from the target's bucket and stops at k
+  nodes, which is not the k nearest by XOR distance (neighbouring buckets in list order are not the
+  nearest in XOR space). Here: exact, over every contact.
+
+Contacts carry the pinned ``PeerAddress`` that reaches them; only peers we have talked to over an
+authenticated connection are ever added (never addresses that a third party claimed).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from collections.abc import Callable, Iterator
+
+from kademlia.node import Node
+from kademlia.routing import KBucket
+from kademlia.routing import RoutingTable as _PackageRoutingTable
+
+from peer import PeerAddress, PeerID
+
+__all__ = ["Contact", "RoutingTable", "K", "ALPHA", "KEYSPACE_BITS"]
+
+# Kademlia's parameters (Maymounkov & Mazieres, 2002): k = 20 replicas/bucket size, alpha = 3.
+K = 20
+ALPHA = 3
+KEYSPACE_BITS = 160
+
+
+class Contact(Node):
+    """A ``kademlia.node.Node`` that knows its peer ID and the pinned address that reaches it."""
+
+    def __init__(self, peer_id: PeerID, address: PeerAddress):
+        super().__init__(peer_id.to_bytes(), address.host, address.port)
+        self.peer_id = peer_id
+        self.address = address if address.peer_id == peer_id else address.with_peer_id(peer_id)
+
+    @classmethod
+    def for_id(cls, node_id: int) -> Node:
+        """A bare keyspace position (a lookup target), not a reachable peer."""
+        return Node(node_id.to_bytes(KEYSPACE_BITS // 8, "big"))
+
+    def __repr__(self) -> str:
+        return f"Contact({self.peer_id}, {self.address.endpoint})"
+
+
+class RoutingTable(_PackageRoutingTable):
+    """k-buckets around ``node`` (our own position), usable from trio."""
+
+    def __init__(self, node: Node, ksize: int = K):
+        super().__init__(protocol=None, ksize=ksize, node=node)
+
+    def flush(self) -> None:
+        # Ranges are inclusive, so the whole keyspace is [0, 2**160 - 1].
+        self.buckets = [KBucket(0, 2**KEYSPACE_BITS - 1, self.ksize)]
+
+    def get_bucket_for(self, node: Node) -> int:
+        uppers = [bucket.range[1] for bucket in self.buckets]
+        index = bisect.bisect_left(uppers, node.long_id)
+        if index == len(self.buckets):
+            raise ValueError(f"node ID {node.long_id} is outside the keyspace")
+        return index
+
+    def add_contact(self, node: Node) -> Node | None:
+        """Add or refresh ``node``. Returns the bucket's least-recently-seen contact when the bucket
+        is full (the newcomer is kept as a replacement); the caller should ping it and report a
+        failure with ``remove_contact`` (which promotes the newest replacement) or a success with
+        another ``add_contact`` (which moves it to the tail)."""
+        if node.long_id == self.node.long_id:
+            return None
+        index = self.get_bucket_for(node)
+        bucket = self.buckets[index]
+        if bucket.add_node(node):
+            return None
+        # Section 4.2 of the paper: split the bucket holding our own ID, and (relaxed) others whose
+        # depth is not a multiple of 5, as the package does.
+        if bucket.has_in_range(self.node) or bucket.depth() % 5 != 0:
+            self.split_bucket(index)
+            return self.add_contact(node)
+        return bucket.head()
+
+    def find_neighbors(
+        self, node: Node, k: int | None = None, exclude: Callable[[Contact], bool] | None = None
+    ) -> list[Contact]:
+        """The exact k nearest contacts to ``node`` by XOR distance (never ``node`` itself), skipping
+        those for which ``exclude(contact)`` is true."""
+        k = k or self.ksize
+        target = node.long_id
+        candidates = (
+            contact
+            for contact in self.contacts()
+            if contact.long_id != target and (exclude is None or not exclude(contact))
+        )
+        return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
+
+    def contacts(self) -> Iterator[Contact]:
+        for bucket in self.buckets:
+            yield from bucket.nodes.values()
+
+    def get(self, peer_id: PeerID) -> Contact | None:
+        node = Contact.for_id(peer_id.to_int())
+        return self.buckets[self.get_bucket_for(node)][node.id]
+
+    def __contains__(self, peer_id: object) -> bool:
+        return isinstance(peer_id, PeerID) and self.get(peer_id) is not None
+
+    def __len__(self) -> int:
+        return sum(len(bucket) for bucket in self.buckets)
+
+    def touch(self, target: int) -> None:
+        """Mark the bucket covering ``target`` as refreshed (a lookup went there)."""
+        self.buckets[self.get_bucket_for(Contact.for_id(target))].touch_last_updated()
+
+    def stale_buckets(self, max_age: float) -> list[KBucket]:
+        """Buckets no lookup has touched for ``max_age`` seconds (the package hard-codes an hour)."""
+        cutoff = time.monotonic() - max_age
+        return [bucket for bucket in self.buckets if bucket.last_updated < cutoff]

@@ -1,0 +1,219 @@
+"""Record validators: who may write a record, and what shape its value must have.
+
+A validator sees records in wire form (``DHTRecord``: encoded key, subkey, value, expiration). It
+can wrap a value before it is stored (``sign``), check a record that arrives (``validate``) and
+unwrap the value for the reader (``strip``). Every node runs the same validators on every record it
+stores and on every record it returns or receives, so one dishonest node cannot make a forged record
+reach an honest reader.
+
+Composition (``CompositeValidator``) nests them by priority: lower-priority validators wrap first
+(innermost), so the signature, which has the highest priority, covers what the others produced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import msgpack
+
+from peer import Identity
+from peer.identity import verify_signature
+
+from .records import DHTRecord, RecordError, pack, unpack
+
+__all__ = [
+    "RecordValidator",
+    "SignatureValidator",
+    "SchemaValidator",
+    "CompositeValidator",
+    "owner_marker",
+    "ValidationError",
+]
+
+
+class ValidationError(ValueError):
+    """Raised by ``sign`` when a record cannot be made valid (e.g. it names someone else's key)."""
+
+
+class RecordValidator:
+    """Base: accepts everything and changes nothing."""
+
+    priority: int = 0
+
+    def sign(self, record: DHTRecord) -> bytes:
+        """The value to put on the wire for ``record`` (default: unchanged)."""
+        return record.value
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    def strip(self, record: DHTRecord) -> bytes:
+        """The inner value of a record that passed ``validate``."""
+        return record.value
+
+
+# ---------------------------------------------------------------------- signed records
+_OWNER_PATTERN = re.compile(rb"\[owner:([0-9a-f]{64})\]")
+
+
+def owner_marker(public_key: bytes) -> str:
+    """Put this string in a key or subkey (``f"experts.{owner_marker(pk)}"``) to make it writable only
+    with the signature of ``public_key``'s owner."""
+    if len(public_key) != 32:
+        raise ValueError("an Ed25519 public key has 32 bytes")
+    return f"[owner:{public_key.hex()}]"
+
+
+def _owners(record: DHTRecord) -> set[bytes]:
+    found = _OWNER_PATTERN.findall(record.key)
+    if record.subkey is not None:
+        found += _OWNER_PATTERN.findall(record.subkey)
+    return {bytes.fromhex(text.decode()) for text in found}
+
+
+def _signed_message(record: DHTRecord, inner: bytes) -> bytes:
+    # The expiration is signed too: nobody can extend the life of someone else's record.
+    return pack([b"peerd-dht-record", record.key, record.subkey, inner, record.expiration_time])
+
+
+class SignatureValidator(RecordValidator):
+    """Records whose key or subkey contains an owner marker must carry that owner's Ed25519
+    signature over (key, subkey, value, expiration). Other records pass untouched.
+
+    The wire value of a signed record is ``msgpack([inner_value, signature])``.
+    """
+
+    priority = 100  # outermost: signs what every other validator produced
+
+    def __init__(self, identity: Identity | None = None):
+        self.identity = identity
+
+    def sign(self, record: DHTRecord) -> bytes:
+        owners = _owners(record)
+        if not owners:
+            return record.value
+        if self.identity is None or owners != {self.identity.public_key}:
+            raise ValidationError("the record names an owner key that is not ours; it cannot be signed")
+        return pack([record.value, self.identity.sign(_signed_message(record, record.value))])
+
+    def validate(self, record: DHTRecord) -> bool:
+        owners = _owners(record)
+        if not owners:
+            return True
+        if len(owners) != 1:
+            return False
+        envelope = _envelope(record.value)
+        if envelope is None:
+            return False
+        inner, signature = envelope
+        return verify_signature(next(iter(owners)), signature, _signed_message(record, inner))
+
+    def strip(self, record: DHTRecord) -> bytes:
+        if not _owners(record):
+            return record.value
+        envelope = _envelope(record.value)
+        if envelope is None:
+            raise RecordError("signed record without a signature envelope")
+        return envelope[0]
+
+
+def _envelope(value: bytes) -> tuple[bytes, bytes] | None:
+    try:
+        decoded = msgpack.unpackb(value, raw=False, max_array_len=2, max_map_len=0, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if (
+        isinstance(decoded, list)
+        and len(decoded) == 2
+        and isinstance(decoded[0], bytes)
+        and isinstance(decoded[1], bytes)
+        and len(decoded[1]) == 64
+    ):
+        return decoded[0], decoded[1]
+    return None
+
+
+# ---------------------------------------------------------------------- schemas
+class SchemaValidator(RecordValidator):
+    """Values (and optionally subkeys) under keys that are strings starting with ``prefix`` must pass
+    ``value_check`` (a type, a tuple of types, or a predicate on the decoded object)."""
+
+    priority = 10
+
+    def __init__(self, prefix: str, value_check: Any, subkey_check: Any = None):
+        self.prefix = prefix
+        self.value_check = _as_predicate(value_check)
+        self.subkey_check = _as_predicate(subkey_check) if subkey_check is not None else None
+
+    def _applies(self, record: DHTRecord) -> bool:
+        try:
+            key = unpack(record.key)
+        except RecordError:
+            return False
+        return isinstance(key, str) and key.startswith(self.prefix)
+
+    def validate(self, record: DHTRecord) -> bool:
+        if not self._applies(record):
+            return True
+        try:
+            if not self.value_check(unpack(record.value)):
+                return False
+            if self.subkey_check is not None:
+                if record.subkey is None or not self.subkey_check(unpack(record.subkey, hashable=True)):
+                    return False
+        except RecordError:
+            return False
+        except Exception:  # a user predicate that raises rejects, it does not crash the handler
+            return False
+        return True
+
+
+def _as_predicate(check: Any) -> Callable[[Any], bool]:
+    if isinstance(check, type) or (isinstance(check, tuple) and all(isinstance(t, type) for t in check)):
+        return lambda obj: isinstance(obj, check)
+    if callable(check):
+        return check
+    raise TypeError(f"a schema check is a type, a tuple of types or a predicate, not {check!r}")
+
+
+# ---------------------------------------------------------------------- composition
+class CompositeValidator(RecordValidator):
+    """Several validators as one: sign in ascending priority, validate and strip in descending."""
+
+    def __init__(self, validators: Iterable[RecordValidator] = ()):
+        self.validators: list[RecordValidator] = []
+        for validator in validators:
+            self.add(validator)
+
+    def add(self, validator: RecordValidator) -> None:
+        if isinstance(validator, CompositeValidator):
+            for inner in validator.validators:
+                self.add(inner)
+            return
+        self.validators.append(validator)
+        self.validators.sort(key=lambda v: v.priority)
+
+    def sign(self, record: DHTRecord) -> bytes:
+        value = record.value
+        for validator in self.validators:
+            value = validator.sign(replace(record, value=value))
+        return value
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            for validator in reversed(self.validators):
+                if not validator.validate(record):
+                    return False
+                record = replace(record, value=validator.strip(record))
+        except RecordError:
+            return False
+        return True
+
+    def strip(self, record: DHTRecord) -> bytes:
+        value = record.value
+        for validator in reversed(self.validators):
+            value = validator.strip(replace(record, value=value))
+        return value

@@ -1,0 +1,166 @@
+"""DHT message bodies: encoding, and strict parsing of everything that arrives from the network.
+
+Requests and replies are checked field by field (types, sizes, counts, expirations); anything else
+raises ``BadRequest`` on the serving side, or ``RecordError`` on the calling side, before any of it
+touches storage or the routing table.
+
+    dht.ping   body: None                              reply: None
+    dht.find   body: [target(20 bytes), key | None]    reply: body [[peer_id, host, port], ...],
+                                                              payload msgpack(found) or empty
+    dht.store  body: [[key, subkey|None, value, expiration], ...]   reply: [accepted: bool, ...]
+
+``found`` is ``[0, value, expiration]`` for a plain value, ``[1, [[subkey, value, expiration], ...]]``
+for a dictionary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peer import BadRequest, PeerAddress, PeerID
+
+from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, RecordError, check_expiration, pack, unpack
+from .routing import Contact
+from .storage import Found, StoredValue
+
+__all__ = [
+    "MAX_RECORDS_PER_STORE",
+    "MAX_CONTACTS_PER_REPLY",
+    "parse_find_request",
+    "parse_store_request",
+    "encode_contacts",
+    "parse_contacts",
+    "encode_found",
+    "parse_found",
+]
+
+# One store request stays far below the RPC layer's 1 MiB header limit even with maximal values.
+MAX_RECORDS_PER_STORE = 12
+# A reply names at most k contacts; a little slack for a peer configured with a larger k.
+MAX_CONTACTS_PER_REPLY = 64
+# Reply payload: MAX_SUBKEYS records of maximal size plus framing.
+MAX_FOUND_BYTES = 256 * (MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64)
+_MAX_HOST = 255
+# Contacts named in replies repeat constantly; reusing their objects skips re-deriving the peer ID
+# text and integer ID on every reply. Bounded: cleared when full.
+_CONTACT_CACHE: dict[tuple[bytes, str, int], Contact] = {}
+_CONTACT_CACHE_SIZE = 100_000
+
+
+def _bytes_field(value: Any, limit: int, name: str) -> bytes:
+    if not isinstance(value, bytes):
+        raise BadRequest(f"{name} must be bytes, got {type(value).__name__}")
+    if not 0 < len(value) <= limit:
+        raise BadRequest(f"{name} of {len(value)} bytes is outside 1..{limit}")
+    return value
+
+
+def _check_encoded(data: bytes, name: str) -> None:
+    try:
+        unpack(data, max_size=max(MAX_KEY_BYTES, MAX_VALUE_BYTES))
+    except RecordError as error:
+        raise BadRequest(f"{name}: {error}") from None
+
+
+def parse_find_request(body: Any) -> tuple[int, bytes | None]:
+    if not isinstance(body, list) or len(body) != 2:
+        raise BadRequest("dht.find takes [target, key or None]")
+    target = body[0]
+    if not isinstance(target, bytes) or len(target) != 20:
+        raise BadRequest("target must be 20 bytes")
+    key = None if body[1] is None else _bytes_field(body[1], MAX_KEY_BYTES, "key")
+    return int.from_bytes(target, "big"), key
+
+
+def parse_store_request(body: Any, now: float) -> list[DHTRecord]:
+    if not isinstance(body, list) or not 0 < len(body) <= MAX_RECORDS_PER_STORE:
+        raise BadRequest(f"dht.store takes a list of 1..{MAX_RECORDS_PER_STORE} records")
+    records = []
+    for item in body:
+        if not isinstance(item, list) or len(item) != 4:
+            raise BadRequest("a record is [key, subkey or None, value, expiration]")
+        key = _bytes_field(item[0], MAX_KEY_BYTES, "key")
+        subkey = None if item[1] is None else _bytes_field(item[1], MAX_KEY_BYTES, "subkey")
+        value = _bytes_field(item[2], MAX_VALUE_BYTES, "value")
+        try:
+            expiration = check_expiration(item[3], now)
+        except RecordError as error:
+            raise BadRequest(str(error)) from None
+        _check_encoded(key, "key")
+        if subkey is not None:
+            _check_encoded(subkey, "subkey")
+        _check_encoded(value, "value")
+        records.append(DHTRecord(key, subkey, value, expiration))
+    return records
+
+
+def encode_record(record: DHTRecord) -> list:
+    return [record.key, record.subkey, record.value, record.expiration_time]
+
+
+# ---------------------------------------------------------------------- contacts
+def encode_contacts(contacts: list[Contact]) -> list:
+    return [[contact.id, contact.ip, contact.port] for contact in contacts]
+
+
+def parse_contacts(body: Any) -> list[Contact]:
+    """Contacts from a find reply; malformed entries are skipped, too many is an error."""
+    if not isinstance(body, list) or len(body) > MAX_CONTACTS_PER_REPLY:
+        raise RecordError("a find reply is a list of at most 64 contacts")
+    contacts = []
+    for item in body:
+        if (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], bytes)
+            and len(item[0]) == 20
+            and isinstance(item[1], str)
+            and 0 < len(item[1]) <= _MAX_HOST
+            and isinstance(item[2], int)
+            and not isinstance(item[2], bool)
+            and 0 < item[2] < 65536
+        ):
+            cache_key = (item[0], item[1], item[2])
+            contact = _CONTACT_CACHE.get(cache_key)
+            if contact is None:
+                if len(_CONTACT_CACHE) >= _CONTACT_CACHE_SIZE:
+                    _CONTACT_CACHE.clear()
+                peer_id = PeerID(item[0])
+                contact = _CONTACT_CACHE[cache_key] = Contact(peer_id, PeerAddress(item[1], item[2], peer_id))
+            contacts.append(contact)
+    return contacts
+
+
+# ---------------------------------------------------------------------- found values
+def encode_found(found: Found) -> bytes:
+    if isinstance(found, StoredValue):
+        return pack([0, found.value, found.expiration_time])
+    return pack([1, [[subkey, item.value, item.expiration_time] for subkey, item in found.items()]])
+
+
+def parse_found(key: bytes, payload: bytes, now: float) -> list[DHTRecord]:
+    """Records from a find reply's payload (unvalidated: the caller runs its validators)."""
+    if not payload:
+        return []
+    decoded = unpack(bytes(payload), max_size=MAX_FOUND_BYTES)
+    if not isinstance(decoded, list) or len(decoded) not in (2, 3) or decoded[0] not in (0, 1):
+        raise RecordError("malformed found value")
+    if decoded[0] == 0:
+        entries = [[None, *decoded[1:]]]
+    else:
+        entries = decoded[1]
+        if not isinstance(entries, list):
+            raise RecordError("malformed dictionary value")
+    records = []
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise RecordError("malformed record")
+        subkey, value, expiration = entry
+        if subkey is not None and not (isinstance(subkey, bytes) and 0 < len(subkey) <= MAX_KEY_BYTES):
+            raise RecordError("malformed subkey")
+        if not isinstance(value, bytes) or len(value) > MAX_VALUE_BYTES:
+            raise RecordError("malformed value")
+        expiration = check_expiration(expiration, now)
+        if expiration > now:
+            records.append(DHTRecord(key, subkey, value, expiration))
+    return records

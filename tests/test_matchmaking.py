@@ -1,0 +1,149 @@
+"""Matchmaking through a real in-process DHT, Moshpit rounds, schemas, and state sharing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trio
+
+from averaging.averager import GroupAverager
+from averaging.matchmaking import MatchmakingError
+from averaging.matchmaking_rules import Candidate, grid_dimensions, propose_group
+from dht.node import DHTNode
+
+
+def test_grid_rule_pairs_like_a_hypercube():
+    ids = [bytes([i]) * 20 for i in range(8)]
+    candidates = [Candidate(i, True) for i in ids]
+    assert grid_dimensions(8, 2) == 3
+    seen_partners = {i: set() for i in ids}
+    for round_number in range(3):
+        groups = {propose_group(candidates, me, round_number, 2, 2).members for me in ids}
+        assert all(len(g) == 2 for g in groups) and len(groups) == 4
+        for group in groups:
+            for member in group:
+                seen_partners[member] |= set(group) - {member}
+    assert all(len(partners) == 3 for partners in seen_partners.values())
+
+
+def test_ragged_groups_merge_and_clients_never_lead():
+    ids = [bytes([i]) * 20 for i in range(5)]
+    candidates = [Candidate(i, can_lead=(i != ids[0])) for i in ids]
+    proposals = {me: propose_group(candidates, me, 0, 2, 2) for me in ids}
+    assert all(len(p.members) >= 2 for p in proposals.values())
+    assert sorted(len(set(p.members)) for p in {p.members: p for p in proposals.values()}.values()) == [2, 3]
+    assert all(p.leader != ids[0] for p in proposals.values())
+
+
+async def open_swarm(nursery, count: int):
+    """``count`` DHT nodes on 127.0.0.1, each bootstrapped from the first."""
+    nodes = []
+
+    async def run_node(initial, task_status=trio.TASK_STATUS_IGNORED):
+        async with DHTNode.open(initial_peers=initial) as node:
+            task_status.started(node)
+            await trio.sleep(math.inf)
+
+    first = await nursery.start(run_node, [])
+    nodes.append(first)
+    for _ in range(count - 1):
+        nodes.append(await nursery.start(run_node, [first.address]))
+    return nodes
+
+
+def make_averagers(nodes, values, **options):
+    options = {"prefix": "test", "matchmaking_timeout": 4.0, "sender_timeout": 3.0, "reducer_timeout": 5.0, **options}
+    return [GroupAverager([torch.tensor([float(v)])], node, **options) for node, v in zip(nodes, values, strict=True)]
+
+
+async def step_all(averagers, results=None, **kwargs):
+    results = results if results is not None else {}
+
+    async def one(i, averager):
+        results[i] = await averager.step(**kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for i, averager in enumerate(averagers):
+            nursery.start_soon(one, i, averager)
+    return results
+
+
+async def test_moshpit_rounds_converge_to_the_mean_with_pairs():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 8)
+        values = [float(i * i) for i in range(8)]
+        averagers = make_averagers(nodes, values, target_group_size=2, min_group_size=2)
+        mean = sum(values) / len(values)
+        spreads = []
+        for _ in range(5):
+            results = await step_all(averagers)
+            assert all(len(r.group.members) == 2 for r in results.values())
+            current = [a.tensors[0].item() for a in averagers]
+            spreads.append(max(current) - min(current))
+            assert sum(current) / len(current) == pytest.approx(mean, abs=1e-4)
+        assert spreads[-1] < 1e-4 * (max(values) - min(values)), spreads
+        nursery.cancel_scope.cancel()
+
+
+async def test_group_of_four_averages_exactly_and_respects_target_size():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        averagers = make_averagers(nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4)
+        results = await step_all(averagers)
+        assert {len(r.group.members) for r in results.values()} == {4}
+        assert len({r.group.group_id for r in results.values()}) == 1
+        for averager in averagers:
+            assert averager.tensors[0].item() == pytest.approx(3.0, abs=1e-6)
+        nursery.cancel_scope.cancel()
+
+
+async def test_mismatched_schemas_are_never_grouped():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        options = {"prefix": "mixed", "matchmaking_timeout": 3.0, "target_group_size": 4}
+        a = [GroupAverager([torch.ones(3) * i], node, **options) for i, node in enumerate(nodes[:2])]
+        b = [GroupAverager([torch.ones(5) * (10 + i)], node, **options) for i, node in enumerate(nodes[2:])]
+        results = await step_all(a + b)
+        for r in results.values():
+            assert len(r.group.members) == 2
+        assert torch.allclose(a[0].tensors[0], torch.full((3,), 0.5))
+        assert torch.allclose(b[0].tensors[0], torch.full((5,), 10.5))
+        nursery.cancel_scope.cancel()
+
+
+async def test_too_few_peers_raise_a_clear_error_after_the_deadline():
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        [averager] = make_averagers([node], [1.0], matchmaking_timeout=1.0)
+        start = trio.current_time()
+        with pytest.raises(MatchmakingError, match="within 1 s"):
+            await averager.step()
+        assert trio.current_time() - start < 2.5
+        nursery.cancel_scope.cancel()
+
+
+async def test_newcomer_loads_state_from_peers():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes[:2], [4.0, 8.0])
+        await step_all(averagers)
+        newcomer = GroupAverager([torch.tensor([0.0])], nodes[2], prefix="test")
+        metadata = await newcomer.load_state_from_peers(timeout=5)
+        assert newcomer.tensors[0].item() == pytest.approx(6.0)
+        assert metadata["round"] == averagers[0].round
+        assert newcomer.round == averagers[0].round
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_behind_in_rounds_catches_up_and_joins_the_group():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [0.0, 3.0, 6.0], target_group_size=3, settle_time=0.2)
+        averagers[1].round = averagers[2].round = 7  # these two have averaged before; the first is new
+        results = await step_all(averagers)
+        assert {len(r.group.members) for r in results.values()} == {3}
+        assert all(a.round == 8 for a in averagers)
+        assert all(a.tensors[0].item() == pytest.approx(3.0) for a in averagers)
+        nursery.cancel_scope.cancel()

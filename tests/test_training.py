@@ -1,0 +1,141 @@
+"""Collaborative training of the digits task by in-process peers over a real DHT."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trio
+
+from averaging.optimizer import CollaborativeOptimizer
+from dht.node import DHTNode
+from peer.tasks import ShardSpec, TaskError, digits_task, load_task
+from peer.training import Trainer
+
+FAST = {"settle_time": 0.1, "matchmaking_timeout": 2.0, "averaging_timeout": 6.0, "progress_interval": 0.1}
+
+
+async def run_node(initial, task_status=trio.TASK_STATUS_IGNORED):
+    async with DHTNode.open(initial_peers=initial) as node:
+        task_status.started(node)
+        await trio.sleep(math.inf)
+
+
+async def open_swarm(nursery, count):
+    first = await nursery.start(run_node, [])
+    return [first] + [await nursery.start(run_node, [first.address]) for _ in range(count - 1)]
+
+
+def make_trainer(node, index, count, **options):
+    task = digits_task(shard=ShardSpec(index, count))
+    optimizer = CollaborativeOptimizer(
+        task.make_optimizer(list(task.model.parameters())),
+        node,
+        prefix="digits-test",
+        target_batch_size=task.target_batch_size,
+        target_group_size=count,
+        **{**FAST, **options},
+    )
+    return Trainer(task, optimizer)
+
+
+async def test_three_peers_reach_target_accuracy_on_digits():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        trainers = [make_trainer(node, i, 3) for i, node in enumerate(nodes)]
+        statuses = {}
+
+        async def train(i):
+            statuses[i] = await trainers[i].run(max_epochs=60, target_accuracy=0.9)
+
+        with trio.fail_after(90):
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(train, i)
+        assert max(s.accuracy for s in statuses.values()) >= 0.9
+        averaged = [t.optimizer.last_averaging for t in trainers]
+        assert any(record and record["averaged"] and record["group"] >= 2 for record in averaged)
+        # The swarm stepped together: every peer ended within one epoch of the others.
+        epochs = [t.optimizer.epoch for t in trainers]
+        assert max(epochs) - min(epochs) <= 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_late_joiner_starts_at_the_swarm_epoch_with_its_parameters():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        early = [make_trainer(node, i, 2, average_state_every=2) for i, node in enumerate(nodes[:2])]
+        async with trio.open_nursery() as inner:
+            for trainer in early:
+                inner.start_soon(lambda t=trainer: t.run(max_epochs=6))
+        swarm_epoch = early[0].optimizer.epoch
+        assert swarm_epoch >= 5
+        late = make_trainer(nodes[2], 0, 1)
+        assert late.optimizer.epoch == 0
+        await late.optimizer.step(1)  # one batch is enough to see the swarm is ahead and catch up
+        assert late.optimizer.epoch >= swarm_epoch
+        reference = early[0].task.model.state_dict()
+        for name, value in late.task.model.state_dict().items():
+            assert torch.allclose(value, reference[name], atol=1e-6), name
+        nursery.cancel_scope.cancel()
+
+
+def test_bad_task_names_give_clear_errors():
+    with pytest.raises(TaskError, match="unknown task 'nope'.*digits"):
+        load_task("nope")
+    with pytest.raises(TaskError, match="cannot load task factory 'no_such_module:f'"):
+        load_task("no_such_module:f")
+    with pytest.raises(TaskError, match="shard index 3"):
+        ShardSpec(3, 2)
+
+
+async def train_to_target(nodes, make, target=0.9, max_epochs=80):
+    trainers = [make(node, i, len(nodes)) for i, node in enumerate(nodes)]
+    statuses = {}
+
+    async def train(i):
+        statuses[i] = await trainers[i].run(max_epochs=max_epochs, target_accuracy=target)
+
+    async with trio.open_nursery() as inner:
+        for i in range(len(trainers)):
+            inner.start_soon(train, i)
+    return trainers, statuses
+
+
+def make_local_updates_trainer(node, index, count):
+    from averaging.local_updates import LocalUpdatesOptimizer
+
+    task = digits_task(shard=ShardSpec(index, count))
+    optimizer = LocalUpdatesOptimizer(
+        task.make_optimizer(list(task.model.parameters())),
+        node,
+        prefix="digits-local",
+        local_steps=20,
+        codec="uint8",
+        target_group_size=count,
+        settle_time=0.1,
+        matchmaking_timeout=3.0,
+        averaging_timeout=6.0,
+    )
+    return Trainer(task, optimizer)
+
+
+async def test_local_updates_reach_the_target_with_ten_times_fewer_bytes():
+    async with trio.open_nursery() as nursery:
+        grad_nodes = await open_swarm(nursery, 3)
+        with trio.fail_after(90):
+            _, grad_statuses = await train_to_target(grad_nodes, make_trainer)
+        grad_bytes = sum(node.host.traffic.bytes_sent for node in grad_nodes)
+        assert max(s.accuracy for s in grad_statuses.values()) >= 0.9
+
+        local_nodes = await open_swarm(nursery, 3)
+        with trio.fail_after(90):
+            local_trainers, local_statuses = await train_to_target(
+                local_nodes, make_local_updates_trainer, max_epochs=30
+            )
+        local_bytes = sum(node.host.traffic.bytes_sent for node in local_nodes)
+        assert max(s.accuracy for s in local_statuses.values()) >= 0.9
+        assert any(t.optimizer.last_averaging and t.optimizer.last_averaging["averaged"] for t in local_trainers)
+        assert local_bytes * 10 <= grad_bytes, (local_bytes, grad_bytes)
+        nursery.cancel_scope.cancel()
