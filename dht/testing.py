@@ -1,12 +1,4 @@
-"""Helpers for tests and benchmarks that run many DHT nodes in one process.
-
-``lazy_send_buffers()`` works around a cost of the current wire layer: every ``peer.rpc.Connection``
-allocates (and zeroes) a 4 MiB send buffer up front, i.e. ~2 ms and 4 MiB of RSS per connection.
-A 50-node swarm in one process holds ~2,500 connections (10 GB). The shim starts each buffer at
-64 KiB and grows it only when one record does not fit: the same wire bytes, a fraction of the memory.
-It is idempotent and process-wide; use it only in tests and benchmarks (the proper fix belongs in
-``peer/rpc.py``; see the DHT report).
-"""
+"""Helpers for tests and benchmarks that run many DHT nodes in one process."""
 
 from __future__ import annotations
 
@@ -17,59 +9,9 @@ from typing import Any
 
 import trio
 
-import peer.rpc as _rpc
-
 from .node import DHTConfig, DHTNode
 
-__all__ = ["lazy_send_buffers", "open_swarm", "Swarm", "jaccard"]
-
-_INITIAL_SEND_BUFFER = 64 * 1024
-_patched = False
-
-
-async def _growing_write_loop(self: Any) -> None:
-    buffer = self._send_buffer
-    view = memoryview(buffer)
-    cipher, stream = self.channel.send_cipher, self.channel.stream
-    overhead = _rpc._RECORD_OVERHEAD
-    while True:
-        while not self._outgoing:
-            self._wakeup_writer = trio.Event()
-            await self._wakeup_writer.wait()
-        position = 0
-        while self._outgoing:
-            item = self._outgoing.popleft()
-            chunks = [item.header]
-            if item.payload is not None:
-                payload, step = item.payload, _rpc.MAX_RECORD_PLAINTEXT
-                chunks.extend(payload[i : i + step] for i in range(0, len(payload), step))
-            for chunk in chunks:
-                needed = len(chunk) + overhead
-                if position + needed > len(buffer):
-                    if position:
-                        await stream.send_all(view[:position])
-                        position = 0
-                    if needed > len(buffer):
-                        view.release()
-                        buffer = self._send_buffer = bytearray(max(needed, 2 * len(buffer)))
-                        view = memoryview(buffer)
-                position += cipher.seal_into(chunk, view[position:])
-            if item.encrypted is not None:
-                item.encrypted.set()
-            if position >= len(buffer) // 2:
-                break
-        if position:
-            await stream.send_all(view[:position])
-
-
-def lazy_send_buffers() -> None:
-    """Make new connections start with a small, growing send buffer (see the module docstring)."""
-    global _patched
-    if _patched:
-        return
-    _rpc.SEND_BUFFER_SIZE = _INITIAL_SEND_BUFFER
-    _rpc.Connection._write_loop = _growing_write_loop  # type: ignore[method-assign]
-    _patched = True
+__all__ = ["open_swarm", "Swarm", "jaccard"]
 
 
 class Swarm:
@@ -118,7 +60,6 @@ async def open_swarm(
     validators: Sequence[Any] = (),
 ) -> AsyncIterator[Swarm]:
     """``count`` nodes on 127.0.0.1, each bootstrapped from a random earlier one."""
-    lazy_send_buffers()
     rng = random.Random(seed)
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, config, validators)

@@ -57,7 +57,7 @@ class PeerID:
         if len(digest) != PEER_ID_BYTES:
             raise ValueError(f"a peer ID has {PEER_ID_BYTES} bytes, got {len(digest)}")
         self._digest = bytes(digest)
-        self._text = _b58encode(self._digest)
+        self._text: str | None = None  # base58 on first use: the DHT makes many IDs it never prints
 
     @classmethod
     def from_public_key(cls, public_key: bytes) -> PeerID:
@@ -77,10 +77,12 @@ class PeerID:
         return int.from_bytes(self._digest, "big")
 
     def __str__(self) -> str:
+        if self._text is None:
+            self._text = _b58encode(self._digest)
         return self._text
 
     def __repr__(self) -> str:
-        return f"PeerID({self._text})"
+        return f"PeerID({self})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PeerID) and other._digest == self._digest

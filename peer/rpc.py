@@ -58,6 +58,10 @@ log = logging.getLogger("peerd.rpc")
 # One send buffer: large enough to batch many small messages and several 1 MiB records per
 # syscall, small enough to stay in L2/L3-friendly territory.
 SEND_BUFFER_SIZE = 4 * (MAX_RECORD_PLAINTEXT + HEADER.size + AEAD_TAG_SIZE)
+# Most connections (DHT, matchmaking) only ever carry small messages: start small, grow to
+# SEND_BUFFER_SIZE on the first large payload. A 50-node swarm in one process otherwise holds
+# 50 x 49 x 4 MiB of zeroed buffers.
+INITIAL_SEND_BUFFER_SIZE = 64 * 1024
 _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 
 
@@ -311,7 +315,6 @@ class Connection:
         self._handler_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self._cancel_scope = trio.CancelScope()
-        self._send_buffer = bytearray(SEND_BUFFER_SIZE)
         self._close_reason: str = "connection closed"
 
     @property
@@ -457,7 +460,8 @@ class Connection:
         self._wakeup_writer.set()
 
     async def _write_loop(self) -> None:
-        buffer, view = self._send_buffer, memoryview(self._send_buffer)
+        buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
+        view = memoryview(buffer)
         cipher, stream = self.channel.send_cipher, self.channel.stream
         while True:
             while not self._outgoing:
@@ -474,9 +478,14 @@ class Connection:
                     )
                 for chunk in chunks:
                     if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                        await stream.send_all(view[:position])
-                        self.traffic.bytes_sent += position
-                        position = 0
+                        if position:
+                            await stream.send_all(view[:position])
+                            self.traffic.bytes_sent += position
+                            position = 0
+                        if len(chunk) + _RECORD_OVERHEAD > len(buffer):
+                            view.release()
+                            buffer = bytearray(SEND_BUFFER_SIZE)
+                            view = memoryview(buffer)
                     position += cipher.seal_into(chunk, view[position:])
                 if item.encrypted is not None:
                     item.encrypted.set()

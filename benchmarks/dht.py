@@ -1,0 +1,272 @@
+"""DHT benchmark: our trio/RPC Kademlia against the ``kademlia`` package (asyncio/UDP), then churn
+and scale runs of ours. Everything binds 127.0.0.1.
+
+    python benchmarks/dht.py [--quick]
+
+Both swarms have the same number of storing nodes and are measured from one extra reader node that
+stores nothing itself (ours: a client-mode node; kademlia: a server whose storage drops writes), so
+every get and store goes over the network. The ``kademlia`` swarm runs in its own OS process
+(``--kademlia-worker``) so the two event loops never share a CPU slice. The last line printed is
+one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import trio
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dht.node import DHTConfig, DHTNode  # noqa: E402
+from dht.testing import open_swarm  # noqa: E402
+
+NODES = 20
+IN_FLIGHT = 32
+
+
+def percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(store_s: list[float], get_s: list[float]) -> dict[str, float]:
+    return {
+        "store_p50_ms": percentile(store_s, 0.5) * 1e3,
+        "store_p99_ms": percentile(store_s, 0.99) * 1e3,
+        "get_p50_ms": percentile(get_s, 0.5) * 1e3,
+        "get_p99_ms": percentile(get_s, 0.99) * 1e3,
+    }
+
+
+# ---------------------------------------------------------------------- the kademlia package
+def kademlia_worker(nodes: int, keys: int, gets: int) -> None:
+    """Runs in a subprocess: a kademlia swarm plus a non-storing reader; prints one JSON line."""
+    import logging
+
+    from kademlia.network import Server
+    from kademlia.storage import ForgetfulStorage
+
+    logging.getLogger("kademlia").setLevel(logging.CRITICAL)
+
+    class DropWrites(ForgetfulStorage):
+        def __setitem__(self, key: Any, value: Any) -> None:
+            pass
+
+    async def main() -> dict[str, Any]:
+        servers = []
+        for _ in range(nodes):
+            server = Server()
+            await server.listen(0, interface="127.0.0.1")
+            servers.append(server)
+        ports = [s.transport.get_extra_info("sockname")[1] for s in servers]
+        for index, server in enumerate(servers[1:], 1):
+            await server.bootstrap([("127.0.0.1", ports[random.randrange(index)])])
+        reader = Server(storage=DropWrites())
+        await reader.listen(0, interface="127.0.0.1")
+        await reader.bootstrap([("127.0.0.1", port) for port in ports[:3]])
+        for server in servers:  # let every node learn the others, as ours do by their join lookups
+            await server.bootstrap([("127.0.0.1", port) for port in ports[:3]])
+        store_s, get_s = [], []
+        stored = 0
+        for i in range(keys):
+            start = time.perf_counter()
+            stored += bool(await reader.set(f"key-{i}", f"value-{i}"))
+            store_s.append(time.perf_counter() - start)
+        ok = 0
+        for i in range(gets):
+            start = time.perf_counter()
+            ok += await reader.get(f"key-{i % keys}") == f"value-{i % keys}"
+            get_s.append(time.perf_counter() - start)
+        sequential = gets / sum(get_s)
+        semaphore = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(i: int) -> bool:
+            async with semaphore:
+                return await reader.get(f"key-{i % keys}") == f"value-{i % keys}"
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(gets)))
+        parallel = gets / (time.perf_counter() - start)
+        for server in [*servers, reader]:
+            server.stop()
+        return {
+            **summarize(store_s, get_s),
+            "store_success": stored / keys,
+            "get_success": (ok + sum(results)) / (2 * gets),
+            "gets_per_s": sequential,
+            "gets_per_s_parallel": parallel,
+        }
+
+    print(json.dumps(asyncio.run(main())))
+
+
+def run_kademlia(nodes: int, keys: int, gets: int) -> dict[str, Any]:
+    command = [sys.executable, os.path.abspath(__file__), "--kademlia-worker", str(nodes), str(keys), str(gets)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"kademlia worker failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- ours
+async def run_ours(nodes: int, keys: int, gets: int) -> dict[str, Any]:
+    async with open_swarm(nodes, seed=1) as swarm:
+        async with DHTNode.open(client_mode=True, initial_peers=[n.address for n in swarm.nodes[:3]]) as reader:
+            expiration = time.time() + 600
+            store_s, get_s = [], []
+            stored = 0
+            for i in range(keys):
+                start = time.perf_counter()
+                stored += await reader.store(f"key-{i}", f"value-{i}", expiration)
+                store_s.append(time.perf_counter() - start)
+            ok = 0
+            for i in range(gets):
+                start = time.perf_counter()
+                found = await reader.get(f"key-{i % keys}")
+                get_s.append(time.perf_counter() - start)
+                ok += found is not None and found.value == f"value-{i % keys}"
+            sequential = gets / sum(get_s)
+            parallel_ok = 0
+            limiter = trio.CapacityLimiter(IN_FLIGHT)
+
+            async def one(i: int) -> None:
+                nonlocal parallel_ok
+                async with limiter:
+                    found = await reader.get(f"key-{i % keys}")
+                parallel_ok += found is not None and found.value == f"value-{i % keys}"
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(gets):
+                    nursery.start_soon(one, i)
+            parallel = gets / (time.perf_counter() - start)
+            return {
+                **summarize(store_s, get_s),
+                "store_success": stored / keys,
+                "get_success": (ok + parallel_ok) / (2 * gets),
+                "gets_per_s": sequential,
+                "gets_per_s_parallel": parallel,
+            }
+
+
+async def run_churn(nodes: int, keys: int, fraction: float) -> dict[str, Any]:
+    async with open_swarm(nodes, seed=2) as swarm:
+        async with DHTNode.open(client_mode=True, initial_peers=[n.address for n in swarm.nodes[:3]]) as reader:
+            expiration = time.time() + 600
+            for i in range(keys):
+                await reader.store(f"churn-{i}", i, expiration)
+            victims = random.Random(3).sample(swarm.nodes, int(len(swarm.nodes) * fraction))
+            async with trio.open_nursery() as nursery:
+                for victim in victims:
+                    nursery.start_soon(swarm.kill, victim)
+            ok = 0
+            start = time.perf_counter()
+            for i in range(keys):
+                found = await reader.get(f"churn-{i}")
+                ok += found is not None and found.value == i
+            return {"killed": len(victims), "get_success": ok / keys, "seconds": time.perf_counter() - start}
+
+
+async def run_scale(nodes: int, lookups: int) -> dict[str, Any]:
+    config = DHTConfig(refresh_on_join=False)  # join = one self-lookup: a 500-node swarm starts in seconds
+    start = time.perf_counter()
+    async with open_swarm(nodes, seed=4, config=config) as swarm:
+        join_s = time.perf_counter() - start
+        rng = random.Random(5)
+        ids = [n.peer_id for n in swarm.nodes]
+        hops, rpcs, overlap = [], [], []
+        for _ in range(lookups):
+            target = rng.getrandbits(160)
+            result = await rng.choice(swarm.nodes).lookup(target)
+            hops.append(result.hops)
+            rpcs.append(result.rpcs)
+            truth = set(sorted(ids, key=lambda p: p.to_int() ^ target)[:20])
+            found = {c.peer_id for c in result.nearest} | ({swarm.nodes[0].peer_id} & truth)
+            overlap.append(len(truth & {c.peer_id for c in result.nearest}) / len(truth))
+            del found
+        return {
+            "join_s": join_s,
+            "hops_p50": statistics.median(hops),
+            "hops_max": max(hops),
+            "rpcs_p50": statistics.median(rpcs),
+            "recall": statistics.mean(overlap),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller runs (under 50 s on 2 cores)")
+    parser.add_argument("--kademlia-worker", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.kademlia_worker:
+        kademlia_worker(*args.kademlia_worker)
+        return
+    keys, gets = (100, 300) if args.quick else (300, 1000)
+    churn_nodes, churn_keys = (40, 200) if args.quick else (60, 300)
+    scale_nodes, scale_lookups = (200, 50) if args.quick else (500, 100)
+
+    theirs = run_kademlia(NODES, keys, gets)
+    ours = trio.run(run_ours, NODES, keys, gets)
+    churn = trio.run(run_churn, churn_nodes, churn_keys, 0.25)
+    scale = trio.run(run_scale, scale_nodes, scale_lookups)
+
+    print(f"{'':24}{'peerd (trio, Noise/TCP)':>26}{'kademlia 2.2.3 (UDP)':>24}")
+    for label, field, unit in [
+        ("store p50", "store_p50_ms", "ms"),
+        ("store p99", "store_p99_ms", "ms"),
+        ("get p50", "get_p50_ms", "ms"),
+        ("get p99", "get_p99_ms", "ms"),
+        ("gets/s sequential", "gets_per_s", ""),
+        (f"gets/s {IN_FLIGHT} in flight", "gets_per_s_parallel", ""),
+        ("store success", "store_success", ""),
+        ("get success", "get_success", ""),
+    ]:
+        print(f"{label + (' (' + unit + ')' if unit else ''):24}{ours[field]:>26.3f}{theirs[field]:>24.3f}")
+    print(
+        f"churn: {churn_nodes} nodes, killed {churn['killed']}, "
+        f"{churn_keys} keys readable: {churn['get_success']:.3f} ({churn['seconds']:.1f} s)"
+    )
+    print(
+        f"scale: {scale_nodes} nodes joined in {scale['join_s']:.1f} s; lookup hops p50 {scale['hops_p50']} "
+        f"(max {scale['hops_max']}), RPCs/lookup p50 {scale['rpcs_p50']}, k-nearest recall {scale['recall']:.3f}"
+    )
+    result = {
+        "nodes": NODES,
+        "get_p50_ms": round(ours["get_p50_ms"], 4),
+        "get_p99_ms": round(ours["get_p99_ms"], 4),
+        "store_p50_ms": round(ours["store_p50_ms"], 4),
+        "kademlia_get_p50_ms": round(theirs["get_p50_ms"], 4),
+        "kademlia_store_p50_ms": round(theirs["store_p50_ms"], 4),
+        "get_ratio": round(theirs["get_p50_ms"] / ours["get_p50_ms"], 3),
+        "store_ratio": round(theirs["store_p50_ms"] / ours["store_p50_ms"], 3),
+        "gets_per_s": round(ours["gets_per_s"], 1),
+        "gets_per_s_parallel": round(ours["gets_per_s_parallel"], 1),
+        "kademlia_gets_per_s": round(theirs["gets_per_s"], 1),
+        "kademlia_gets_per_s_parallel": round(theirs["gets_per_s_parallel"], 1),
+        "get_success": ours["get_success"],
+        "store_success": ours["store_success"],
+        "kademlia_get_success": theirs["get_success"],
+        "churn_nodes": churn_nodes,
+        "churn_get_success": churn["get_success"],
+        "scale_nodes": scale_nodes,
+        "scale_lookup_hops_p50": scale["hops_p50"],
+        "scale_rpcs_per_lookup_p50": scale["rpcs_p50"],
+        "scale_recall": round(scale["recall"], 4),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""DHT rules without sockets: routing table, lookup bookkeeping, storage, validators, wire parsing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kademlia.routing import RoutingTable as PackageRoutingTable
+
+from dht.liveness import PeerHealth
+from dht.lookup import IterativeLookup
+from dht.records import MAX_TTL, DHTRecord, RecordError, check_expiration, pack, unpack
+from dht.routing import Contact, RoutingTable
+from dht.storage import RecordStore, StoredValue
+from dht.validation import CompositeValidator, SchemaValidator, SignatureValidator, ValidationError, owner_marker
+from dht.wire import parse_contacts, parse_found, parse_store_request
+from peer import BadRequest, Identity, PeerAddress, PeerID
+
+NOW = 1_000_000.0
+
+
+def contact(number: int, port: int = 1000) -> Contact:
+    peer_id = PeerID(number.to_bytes(20, "big"))
+    return Contact(peer_id, PeerAddress("127.0.0.1", port, peer_id))
+
+
+# ---------------------------------------------------------------------- routing
+def test_bucket_boundary_is_inclusive():
+    table = RoutingTable(Contact.for_id(0), ksize=2)
+    table.split_bucket(0)  # [0, mid] and [mid + 1, max]
+    low, high = table.buckets
+    edge = Contact.for_id(low.range[1])
+    assert table.get_bucket_for(edge) == 0
+    # The package puts an ID equal to a bucket's upper bound in the next bucket:
+    package = PackageRoutingTable(None, 2, Contact.for_id(0))
+    package.buckets = [low, high]
+    assert package.get_bucket_for(edge) == 1
+
+
+def test_find_neighbors_is_exact():
+    rng = random.Random(7)
+    me = rng.getrandbits(160)
+    table = RoutingTable(Contact.for_id(me), ksize=20)
+    contacts = [contact(rng.getrandbits(160), 1000 + i) for i in range(400)]
+    for c in contacts:
+        table.add_contact(c)
+    kept = list(table.contacts())
+    for _ in range(50):
+        target = rng.getrandbits(160)
+        truth = sorted(kept, key=lambda c: c.long_id ^ target)[:20]
+        assert table.find_neighbors(Contact.for_id(target), 20) == truth
+
+
+def test_full_bucket_returns_head_to_ping_instead_of_asyncio():
+    table = RoutingTable(Contact.for_id(0), ksize=2)
+    # Three IDs in the far half whose first two share exactly 5 leading bits: a full bucket of depth
+    # 5 (a multiple of 5) not holding our ID does not split.
+    base = 0b10000 << 155
+    far = [contact(base), contact(base | 1 << 154), contact(base | 1)]
+    table.add_contact(contact(1))
+    assert table.add_contact(far[0]) is None
+    assert table.add_contact(far[1]) is None
+    head = table.add_contact(far[2])
+    assert head is not None and head.id == far[0].id  # least recently seen
+    table.remove_contact(head)  # the ping failed: the newest replacement takes its place
+    assert far[2].peer_id in table
+
+
+def test_peer_health_backoff_then_evict():
+    clock = [0.0]
+    health = PeerHealth(base=1.0, evict_after=3, clock=lambda: clock[0])
+    peer = PeerID(b"\1" * 20)
+    assert not health.failed(peer)  # one lost reply: backoff, no eviction
+    assert health.backing_off(peer)
+    clock[0] = 1.5
+    assert not health.backing_off(peer)
+    assert not health.failed(peer)
+    assert health.failed(peer)
+    health.succeeded(peer)
+    assert not health.backing_off(peer) and health.failures(peer) == 0
+
+
+# ---------------------------------------------------------------------- lookup
+def test_lookup_alpha_in_flight_and_exact_result():
+    rng = random.Random(1)
+    world = [contact(rng.getrandbits(160), i + 1) for i in range(200)]
+    target = rng.getrandbits(160)
+
+    def neighbours_of(c: Contact) -> list[Contact]:  # every peer knows its 8 nearest to the target
+        rng_local = random.Random(c.long_id)
+        return sorted(rng_local.sample(world, 30), key=lambda x: x.long_id ^ target)[:8]
+
+    search = IterativeLookup(target, world[:3], k=20, alpha=3)
+    max_in_flight = 0
+    while not search.done:
+        batch = search.next_queries()
+        max_in_flight = max(max_in_flight, search.in_flight)
+        if not batch and search.in_flight == 0:
+            break
+        for c in batch:
+            search.on_response(c, neighbours_of(c))
+    assert max_in_flight <= 20
+    assert search.done
+    assert search.rpcs >= 20
+    answered = search.closest()
+    assert answered == sorted(answered, key=lambda c: c.long_id ^ target)
+
+
+def test_lookup_respects_alpha_until_stalled():
+    target = 0
+    initial = [contact(1 << i) for i in range(100, 130)]
+    search = IterativeLookup(target, initial, k=20, alpha=3)
+    first = search.next_queries()
+    assert len(first) == 3 and search.next_queries() == []
+    closer = [contact(i) for i in range(1, 6)]
+    search.on_response(first[0], closer)  # progress: stays at alpha
+    assert len(search.next_queries()) == 1
+    search.on_response(first[1], [])  # no closer node: widen to k (the paper's final round)
+    assert len(search.next_queries()) > 1
+
+
+def test_lookup_failures_drop_out_and_narrow_start():
+    initial = [contact(i) for i in range(1, 6)]
+    search = IterativeLookup(0, initial, k=3, alpha=3)
+    search.start_narrow()
+    (first,) = search.next_queries()
+    assert search.next_queries() == []
+    search.on_failure(first)
+    batch = search.next_queries()
+    assert len(batch) == 3 and first not in batch
+    for c in batch:
+        search.on_response(c, [first])  # a failed peer named again is not retried
+    assert search.done and first.id not in {c.id for c in search.closest()}
+
+
+# ---------------------------------------------------------------------- storage
+def test_storage_newer_wins_and_expiry():
+    clock = [NOW]
+    store = RecordStore(clock=lambda: clock[0])
+    assert store.store(b"k", None, b"v1", NOW + 10)
+    assert not store.store(b"k", None, b"v0", NOW + 5)  # older: refused
+    assert store.store(b"k", None, b"v1", NOW + 10)  # same record again: idempotent
+    assert not store.store(b"k", None, b"v2", NOW + 10)  # same time, other value: refused
+    assert store.store(b"k", None, b"v3", NOW + 20)
+    assert store.get(b"k") == StoredValue(b"v3", NOW + 20)
+    assert not store.store(b"x", None, b"v", NOW - 1)  # already expired
+    clock[0] = NOW + 21
+    assert store.get(b"k") is None and len(store) == 0
+
+
+def test_storage_dictionary_values():
+    clock = [NOW]
+    store = RecordStore(clock=lambda: clock[0])
+    assert store.store(b"k", b"a", b"1", NOW + 10)
+    assert store.store(b"k", b"b", b"2", NOW + 20)
+    assert not store.store(b"k", b"a", b"0", NOW + 5)
+    assert store.get(b"k") == {b"a": StoredValue(b"1", NOW + 10), b"b": StoredValue(b"2", NOW + 20)}
+    assert not store.store(b"k", None, b"plain", NOW + 15)  # older than the newest subkey
+    clock[0] = NOW + 11
+    assert store.get(b"k") == {b"b": StoredValue(b"2", NOW + 20)}
+    assert store.store(b"k", None, b"plain", NOW + 30)  # newer than the whole dictionary
+    assert store.get(b"k") == StoredValue(b"plain", NOW + 30)
+    assert len(store) == 1
+
+
+def test_storage_caps_evict_soonest_expiring_only_for_longer_lived():
+    store = RecordStore(max_records=3, max_subkeys=2, clock=lambda: NOW)
+    for i in range(3):
+        assert store.store(b"k%d" % i, None, b"v", NOW + 10 + i)
+    assert not store.store(b"short", None, b"v", NOW + 5)  # would outlive nothing: refused
+    assert store.store(b"long", None, b"v", NOW + 100)  # evicts k0 (soonest)
+    assert store.get(b"k0") is None and store.get(b"long") is not None and len(store) == 3
+    store = RecordStore(max_subkeys=2, clock=lambda: NOW)
+    assert store.store(b"d", b"1", b"v", NOW + 10) and store.store(b"d", b"2", b"v", NOW + 20)
+    assert not store.store(b"d", b"3", b"v", NOW + 5)
+    assert store.store(b"d", b"3", b"v", NOW + 30)
+    assert set(store.get(b"d")) == {b"2", b"3"}
+
+
+# ---------------------------------------------------------------------- validators
+def signed_record(identity: Identity, signer: Identity, value: object = 1) -> tuple[DHTRecord, bytes]:
+    key = pack(f"state{owner_marker(identity.public_key)}")
+    record = DHTRecord(key, None, pack(value), NOW + 60)
+    return record, SignatureValidator(signer).sign(record) if signer is identity else b""
+
+
+def test_signed_records_accept_owner_refuse_forgery():
+    owner, mallory = Identity.generate(), Identity.generate()
+    validator = SignatureValidator()
+    record, signed = signed_record(owner, owner)
+    good = DHTRecord(record.key, None, signed, record.expiration_time)
+    assert validator.validate(good) and unpack(validator.strip(good)) == 1
+    with pytest.raises(ValidationError):  # mallory's node refuses to sign for the owner's key
+        SignatureValidator(mallory).sign(record)
+    forged_signature = mallory.sign(b"anything")
+    assert not validator.validate(DHTRecord(record.key, None, pack([record.value, forged_signature]), NOW + 60))
+    assert not validator.validate(DHTRecord(record.key, None, record.value, NOW + 60))  # unsigned
+    assert not validator.validate(DHTRecord(record.key, None, signed, NOW + 600))  # extended expiration
+    # A signed subkey under a public key: only the subkey's owner may write it.
+    subkey = pack(owner_marker(owner.public_key))
+    entry = DHTRecord(pack("group"), subkey, pack("addr"), NOW + 60)
+    assert validator.validate(replace_value(entry, SignatureValidator(owner).sign(entry)))
+    assert not validator.validate(entry)
+
+
+def replace_value(record: DHTRecord, value: bytes) -> DHTRecord:
+    return DHTRecord(record.key, record.subkey, value, record.expiration_time)
+
+
+def test_schema_and_composition():
+    owner = Identity.generate()
+    schema = SchemaValidator("progress.", {"step": int}.__class__, subkey_check=str)
+    composite = CompositeValidator([SignatureValidator(owner), schema])
+    assert [type(v) for v in composite.validators] == [SchemaValidator, SignatureValidator]
+    record = DHTRecord(pack("progress.run1"), pack(owner_marker(owner.public_key)), pack({"step": 3}), NOW + 60)
+    wire_value = composite.sign(record)
+    assert composite.validate(replace_value(record, wire_value))
+    assert unpack(composite.strip(replace_value(record, wire_value))) == {"step": 3}
+    bad = DHTRecord(record.key, record.subkey, pack([1, 2]), NOW + 60)
+    assert not composite.validate(replace_value(bad, composite.sign(bad)))  # signed, but wrong schema
+    other_prefix = DHTRecord(pack("other"), None, pack([1, 2]), NOW + 60)
+    assert composite.validate(other_prefix)
+
+
+# ---------------------------------------------------------------------- limits and wire
+def test_records_limits():
+    with pytest.raises(RecordError):
+        check_expiration(NOW + MAX_TTL * 2, NOW)
+    for bad in (float("nan"), float("inf"), True, "soon", None):
+        with pytest.raises(RecordError):
+            check_expiration(bad, NOW)
+    deep: object = 1
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(RecordError, match="nesting"):
+        unpack(pack(deep))
+    with pytest.raises(RecordError):
+        unpack(b"\xc1")  # never-used msgpack byte
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        "x",
+        [],
+        [[b"k", None, b"v"]],
+        [[b"\xa1k", None, b"\xa1v", "tomorrow"]],
+        [[b"\xa1k", None, b"\xa1v", 1e300]],
+        [[b"\xa1k" + b"x" * 5000, None, b"\xa1v", NOW + 5]],
+        [[b"\xa1k", None, b"\xc4" + b"x" * 100_000, NOW + 5]],
+        [[b"\xa1k", None, b"\x91" * 100 + b"\x01", NOW + 5]],
+        [[b"\xa1k", 7, b"\xa1v", NOW + 5]],
+        [[b"\xa1k", None, b"\xa1v", NOW + 5]] * 100,
+    ],
+)
+def test_store_request_parsing_refuses_bad_bodies(body):
+    with pytest.raises(BadRequest):
+        parse_store_request(body, NOW)
+
+
+def test_reply_parsing_skips_or_refuses_garbage():
+    good = [b"\2" * 20, "127.0.0.1", 5]
+    parsed = parse_contacts([good, [b"\3" * 19, "h", 5], [b"\4" * 20, "h", 0], "junk", [b"\5" * 20, "h", True]])
+    assert [c.peer_id for c in parsed] == [PeerID(b"\2" * 20)]
+    with pytest.raises(RecordError):
+        parse_contacts([good] * 1000)
+    assert parse_found(b"k", pack([0, b"v", NOW + 5]), NOW)[0].value == b"v"
+    assert parse_found(b"k", pack([0, b"v", NOW - 5]), NOW) == []  # expired: dropped
+    for garbage in (pack("x"), pack([2, 1]), pack([1, "no"]), pack([0, 5, NOW + 5]), b"\xc1"):
+        with pytest.raises(RecordError):
+            parse_found(b"k", garbage, NOW)
