@@ -113,8 +113,10 @@ def add_join_arguments(join: argparse.ArgumentParser) -> None:
     join.add_argument("--data-shard", type=_shard, default=_shard(_env("DATA_SHARD", "0/1")), metavar="I/N")
     join.add_argument("--status-port", type=int, default=_int_or_none(_env("STATUS_PORT")), metavar="PORT")
     join.add_argument("--status-host", default=_env("STATUS_HOST", "127.0.0.1"))
-    join.add_argument("--serve-experts", default=_env("SERVE_EXPERTS"), metavar="SPEC", help="e.g. 'ffn.[0:4].[0:4]'")
-    join.add_argument("--hidden-dim", type=int, default=int(_env("HIDDEN_DIM", "256")))
+    from moe.cli import add_expert_arguments
+
+    add_expert_arguments(join, flag="--serve-experts", device=False)
+    join.set_defaults(experts=_env("SERVE_EXPERTS"))
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -153,12 +155,14 @@ async def _join_main(config: DaemonConfig) -> None:
                 print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
 
 
-def _experts_spec(args: argparse.Namespace):
-    if not args.serve_experts:
+def _experts(args: argparse.Namespace):
+    """``(hosting config, built experts)`` for ``--serve-experts``, validated before joining."""
+    if not args.experts:
         return None
-    from moe.cli import experts_spec_from_args
+    from moe.cli import config_from_args
 
-    return experts_spec_from_args(args)
+    config = config_from_args(args)
+    return config, config.build_experts()
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -186,7 +190,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         local_steps=args.local_steps,
         status_host=args.status_host,
         status_port=args.status_port,
-        experts=_experts_spec(args),
+        experts=_experts(args),
     )
     from dht.node import DHTBootstrapError
 

@@ -45,7 +45,7 @@ class DaemonConfig:
     local_steps: int = 20
     status_host: str = "127.0.0.1"
     status_port: int | None = None
-    experts: Any = None  # an experts spec object handed to moe (see peer/cli.py)
+    experts: Any = None  # (moe.cli.ExpertHostingConfig, built experts) for --serve-experts
 
 
 def add_builtin_methods(router: Router, host_getter) -> None:
@@ -145,9 +145,15 @@ class Daemon:
                     await trio.sleep(math.inf)
 
     async def _serve_experts(self, dht) -> None:
-        from moe.cli import serve_experts_on  # experts are optional; import only when asked
+        from moe.cli import host_experts  # experts are optional; import only when asked
 
-        await serve_experts_on(dht, self.config.experts)
+        hosting, experts = self.config.experts
+        if hosting.device is None:
+            hosting.device = self.config.device
+        address = self.host.listen_address
+        if address is not None and address.host in ("0.0.0.0", "::"):
+            address = PeerAddress(_reachable_host(), address.port, address.peer_id)
+        await host_experts(self.host, dht, hosting, experts=experts, announce_address=address)
 
     async def _train(self, dht) -> None:
         import torch
@@ -172,6 +178,16 @@ class Daemon:
         self.trainer = Trainer(task, optimizer)
         log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
         await self.trainer.run()
+
+
+def _reachable_host() -> str:
+    """This machine's address as others on its network see it (a container's IP under compose)."""
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _log_connection(connection, incoming: bool) -> None:

@@ -73,8 +73,11 @@ class RecordDecoder:
                 grown[:pending] = tail
                 self._buffer, self._view = grown, memoryview(grown)
             else:
-                # Slice assignment does not promise memmove semantics for overlapping views.
-                self._buffer[:pending] = tail if pending <= self._start else bytes(tail)
+                # Assign through the memoryview: bytearray slice assignment from any object other
+                # than a bytearray first copies it into a temporary bytearray (a fresh allocation
+                # of up to a record, page faults included). Overlapping views are not promised
+                # memmove semantics, so that rare case goes through one temporary copy.
+                self._view[:pending] = tail if pending <= self._start else bytes(tail)
             self._start, self._end = 0, pending
         return self._view[self._end :]
 

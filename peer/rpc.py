@@ -504,8 +504,8 @@ class Connection:
                 self.traffic.bytes_received += len(record) + HEADER.size
                 if protocol.awaiting_payload:
                     if len(record) - AEAD_TAG_SIZE == protocol.payload_remaining and protocol.payload_remaining:
-                        # One record holds the rest: if it is the whole payload, decrypting into a
-                        # fresh bytes object skips allocating (and zeroing) a buffer first.
+                        # One record holds the rest: if it is the whole payload, let the AEAD
+                        # allocate the plaintext itself (one allocation, no separate buffer to fill).
                         if len(record) - AEAD_TAG_SIZE == protocol._payload_len:
                             events = protocol.payload_whole(cipher.open(record))
                         else:

@@ -1,0 +1,274 @@
+"""``peerd serve-experts`` and the pieces ``peerd join --serve-experts`` uses.
+
+The daemon's CLI (``peer/cli.py``) adds the subcommand with ``add_serve_experts_command`` and runs
+it with ``run_serve_experts``; ``peerd join`` can host experts on its own peer with
+``add_expert_arguments`` (flags without the network options) and ``host_experts``. This module
+never imports the daemon (layers import downward only), so it parses addresses itself. It can also
+run on its own: ``python -m moe.cli serve-experts ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from peer import Identity, PeerAddress, PeerHost
+
+from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL
+
+if TYPE_CHECKING:
+    from dht.node import DHTNode
+
+    from .experts import ExpertBackend
+
+# Mirrors moe.server.DEFAULT_MAX_BATCH_SIZE (checked by a test): importing the server here would pull
+# torch into every ``peerd`` start-up, which only needs these flags' defaults.
+DEFAULT_MAX_BATCH_SIZE = 4096
+
+__all__ = [
+    "ExpertHostingConfig",
+    "add_expert_arguments",
+    "add_serve_experts_command",
+    "config_from_args",
+    "host_experts",
+    "run_serve_experts",
+    "main",
+]
+
+log = logging.getLogger("peerd.moe")
+
+EXIT_BAD_INPUT = 1
+EXIT_UNREACHABLE = 2
+
+
+@dataclass
+class ExpertHostingConfig:
+    """What to host: ``pattern`` like ``ffn.[0:4].[0:4]``, of ``expert_type`` blocks."""
+
+    pattern: str
+    expert_type: str = "ffn"
+    hidden_dim: int = 256
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    device: str | None = None
+    checkpoint_dir: Path | None = None
+    heartbeat_period: float = HEARTBEAT_PERIOD
+    seed: int | None = None
+
+    def build_experts(self) -> dict[str, ExpertBackend]:
+        """Validates everything (pattern, type, optimizer) before any network activity."""
+        import torch
+
+        from .experts import ExpertBackend, resolve_block_type
+        from .protocol import expand_expert_pattern
+
+        uids = expand_expert_pattern(self.pattern)
+        resolve_block_type(self.expert_type)
+        optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+        if self.optimizer not in optimizers:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {sorted(optimizers)}")
+        make = optimizers[self.optimizer]
+        return {
+            uid: ExpertBackend.create(
+                self.expert_type,
+                self.hidden_dim,
+                optimizer=lambda params: make(params, lr=self.lr),
+                device=self.device,
+                seed=None if self.seed is None else self.seed + i,
+            )
+            for i, uid in enumerate(uids)
+        }
+
+
+def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--experts", device: bool = True) -> None:
+    """The expert flags (shared by ``serve-experts`` and ``join``, which names the pattern flag
+    ``--serve-experts`` and has its own ``--device`` for training and experts alike)."""
+    parser.add_argument(flag, dest="experts", metavar="PATTERN", help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'")
+    parser.add_argument("--expert-type", default="ffn", help="ffn, transformer or package.module:Class")
+    parser.add_argument("--hidden-dim", type=int, default=256)
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE)
+    parser.add_argument("--expert-optimizer", choices=["adam", "sgd"], default="adam")
+    parser.add_argument("--expert-lr", type=float, default=1e-3)
+    if device:
+        parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="load experts from and save them to DIR")
+    parser.add_argument("--heartbeat-period", type=float, default=HEARTBEAT_PERIOD, metavar="SECONDS")
+    parser.add_argument("--seed", type=int, default=None, help="initialise experts reproducibly")
+
+
+def _peer(text: str) -> PeerAddress:
+    try:
+        return PeerAddress.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def add_serve_experts_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve-experts`` to an ``add_subparsers()`` object; returns the subparser."""
+    parser = subparsers.add_parser("serve-experts", help="host mixture-of-experts experts for the swarm")
+    add_expert_arguments(parser)
+    parser.add_argument("--listen", type=_listen, default=("0.0.0.0", 0), metavar="HOST:PORT")
+    parser.add_argument("--announce-host", default=None, help="host to advertise (default: the listen host, "
+                        "or for 0.0.0.0 the local address that reaches the first initial peer)")  # fmt: skip
+    parser.add_argument("--initial-peer", type=_peer, action="append", default=[], metavar="ADDR")
+    parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
+    parser.add_argument("--run-id", default="default")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ExpertHostingConfig:
+    return ExpertHostingConfig(
+        pattern=args.experts,
+        expert_type=args.expert_type,
+        hidden_dim=args.hidden_dim,
+        max_batch_size=args.max_batch_size,
+        optimizer=args.expert_optimizer,
+        lr=args.expert_lr,
+        device=args.device,
+        checkpoint_dir=args.checkpoint_dir,
+        heartbeat_period=args.heartbeat_period,
+        seed=args.seed,
+    )
+
+
+async def host_experts(
+    host: PeerHost,
+    dht: DHTNode | None,
+    config: ExpertHostingConfig,
+    *,
+    experts: dict[str, ExpertBackend] | None = None,
+    announce_address: PeerAddress | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the configured experts on an existing peer until cancelled (the daemon's entry point).
+
+    ``task_status.started`` receives the hosted expert IDs once they are served and announced.
+    Build ``experts`` beforehand with ``config.build_experts()`` to report bad configuration early.
+    """
+    from .server import open_expert_server
+
+    if experts is None:
+        experts = await trio.to_thread.run_sync(config.build_experts)
+    async with open_expert_server(
+        host,
+        experts,
+        dht=dht,
+        max_batch_size=config.max_batch_size,
+        checkpoint_dir=config.checkpoint_dir,
+        heartbeat_period=config.heartbeat_period,
+        heartbeat_ttl=max(HEARTBEAT_TTL, 3 * config.heartbeat_period),
+        announce_address=announce_address,
+    ) as server:
+        task_status.started(sorted(server.experts))
+        await trio.sleep(math.inf)
+
+
+def _announce_host(args: argparse.Namespace) -> str | None:
+    host = args.listen[0]
+    if args.announce_host:
+        return args.announce_host
+    if host not in ("0.0.0.0", "::", ""):
+        return None
+    if not args.initial_peer:
+        return "127.0.0.1"
+    # The local address of the route to the first initial peer (UDP connect sends nothing).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((args.initial_peer[0].host, args.initial_peer[0].port))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+async def _serve_main(args: argparse.Namespace, config: ExpertHostingConfig, experts: dict) -> None:
+    from dht.node import DHTNode
+
+    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with DHTNode.open(
+            identity=identity, listen=args.listen, initial_peers=args.initial_peer, run_id=args.run_id
+        ) as node:
+            announce = _announce_host(args)
+            address = node.host.listen_address
+            if announce is not None:  # advertise a reachable host instead of the wildcard we bound
+                address = PeerAddress(announce, address.port, node.peer_id)
+            async with trio.open_nursery() as nursery:
+                uids = await nursery.start(
+                    lambda task_status: host_experts(
+                        node.host, node, config, experts=experts, announce_address=address, task_status=task_status
+                    )
+                )
+                first, last = uids[0], uids[-1]
+                print(f"peerd serving {len(uids)} experts {first}..{last} at {address}", flush=True)
+                async for signum in signals:
+                    log.info("received %s, saving and shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+
+
+def run_serve_experts(args: argparse.Namespace) -> int:
+    """Run ``serve-experts`` with parsed ``args``; returns the exit status."""
+    if not args.experts:
+        print("peerd: serve-experts needs --experts PATTERN, e.g. 'ffn.[0:4].[0:4]'", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    config = config_from_args(args)
+    try:
+        experts = config.build_experts()
+    except (ValueError, ImportError) as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        trio.run(_serve_main, args, config, experts)
+    except Exception as error:
+        from dht.node import DHTBootstrapError
+
+        found = _find(error, DHTBootstrapError)
+        if found is None:
+            raise
+        print(f"peerd: {found}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    return 0
+
+
+def _find(error: BaseException, wanted: type[BaseException]) -> BaseException | None:
+    if isinstance(error, wanted):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = _find(inner, wanted)
+        if found is not None:
+            return found
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe.cli")
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_experts_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_serve_experts(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

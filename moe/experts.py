@@ -1,0 +1,216 @@
+"""Expert block types and the backend that owns one expert's module, optimizer and compute.
+
+An expert maps a batch ``[batch, *sample_shape]`` to a batch of the same shape. Built-in types are
+``ffn`` (a transformer feed-forward block) and ``transformer`` (one encoder layer over
+``[batch, seq, hidden]``); any other ``nn.Module`` class can be named by import path
+(``package.module:ClassName``) and is built as ``ClassName(hidden_dim)``.
+
+``ExpertBackend`` methods are synchronous and meant to run in a worker thread
+(``trio.to_thread.run_sync``) under the server's compute limiter, so at most one of them touches an
+expert at a time and the event loop never waits on torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BLOCK_TYPES",
+    "BlockType",
+    "ExpertBackend",
+    "resolve_block_type",
+    "default_device",
+]
+
+# Saved forward graphs kept for the backward that follows (see ExpertBackend.forward). Each holds a
+# batch's activations; 32 covers many concurrent clients while bounding memory to a few batches'
+# worth of activations per expert.
+MAX_SAVED_FORWARDS = 32
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """How to build one kind of expert: ``build(hidden_dim)`` and the shape of one sample
+    (``None`` = any length, e.g. a sequence dimension)."""
+
+    build: Callable[[int], nn.Module]
+    sample_shape: Callable[[int], tuple[int | None, ...]]
+
+
+class FeedForward(nn.Module):
+    """The transformer FFN block (hidden -> 4 hidden -> hidden), the classic MoE expert."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.up = nn.Linear(hidden_dim, 4 * hidden_dim)
+        self.down = nn.Linear(4 * hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _transformer(hidden_dim: int) -> nn.Module:
+    # 64-dimensional heads as in BERT/GPT; at least one head for tiny test models.
+    heads = max(1, hidden_dim // 64)
+    while hidden_dim % heads:
+        heads -= 1
+    return nn.TransformerEncoderLayer(hidden_dim, heads, dim_feedforward=4 * hidden_dim, dropout=0.0, batch_first=True)
+
+
+BLOCK_TYPES: dict[str, BlockType] = {
+    "ffn": BlockType(FeedForward, lambda hidden: (hidden,)),
+    "transformer": BlockType(_transformer, lambda hidden: (None, hidden)),
+}
+
+
+def resolve_block_type(name: str) -> BlockType:
+    """A built-in block type, or ``module:Class`` imported (the operator's own code, never the network's).
+
+    A custom class may define ``sample_shape(hidden_dim)`` as a static method; otherwise samples are
+    vectors of ``hidden_dim``.
+    """
+    if name in BLOCK_TYPES:
+        return BLOCK_TYPES[name]
+    module_name, sep, class_name = name.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"unknown expert type {name!r}: use one of {sorted(BLOCK_TYPES)} or 'package.module:Class'")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{name!r} does not name an nn.Module class")
+    shape = getattr(cls, "sample_shape", None)
+    return BlockType(cls, shape if callable(shape) else (lambda hidden: (hidden,)))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ExpertBackend:
+    """One expert: module + optimizer + the rules for what input it accepts.
+
+    Forward passes that will be followed by a backward keep their autograd graph (bounded, see
+    MAX_SAVED_FORWARDS) so the backward does not recompute the forward: recomputing costs a third
+    more compute than a local module pays. A saved graph is only valid until the next optimizer
+    step changes the parameters in place, so every step drops them and a backward without one
+    recomputes from its inputs.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        sample_shape: tuple[int | None, ...],
+        device: torch.device | str | None = None,
+    ):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.module = module.to(self.device)
+        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(self.module.parameters(), lr=1e-3)
+        self.sample_shape = tuple(sample_shape)
+        self.dtype = next(self.module.parameters()).dtype
+        self.steps = 0
+        self._saved: OrderedDict[Any, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    @classmethod
+    def create(
+        cls,
+        block_type: str,
+        hidden_dim: int,
+        *,
+        optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+    ) -> ExpertBackend:
+        block = resolve_block_type(block_type)
+        if seed is not None:
+            torch.manual_seed(seed)
+        module = block.build(hidden_dim)
+        opt = optimizer(module.parameters()) if optimizer is not None else None
+        return cls(module, opt, sample_shape=block.sample_shape(hidden_dim), device=device)
+
+    def check_input(self, tensor: torch.Tensor, what: str = "inputs") -> None:
+        """Raise ValueError (a BadRequest on the wire) unless ``tensor`` is a batch of samples."""
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"{what} must be {str(self.dtype).removeprefix('torch.')}, got {tensor.dtype}")
+        shape = tuple(tensor.shape[1:])
+        expected = self.sample_shape
+        if tensor.dim() != len(expected) + 1 or any(
+            e is not None and e != s for e, s in zip(expected, shape, strict=True)
+        ):
+            wanted = ", ".join("*" if e is None else str(e) for e in expected)
+            raise ValueError(f"{what} must have shape [batch, {wanted}], got {list(tensor.shape)}")
+        if tensor.shape[0] == 0:
+            raise ValueError(f"{what} is an empty batch")
+
+    # ------------------------------------------------------------------ compute (worker thread)
+    def forward(self, inputs: torch.Tensor, keep_graph_as: list[Any] | None = None) -> torch.Tensor:
+        """Outputs for ``inputs``. With ``keep_graph_as`` (one token per job, all sharing this batch
+        only if there is one), the graph is saved for ``backward(token=...)``."""
+        x = inputs.to(self.device, non_blocking=True)
+        if keep_graph_as and len(keep_graph_as) == 1:
+            x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self.module(x)
+            self._saved[keep_graph_as[0]] = (x, y)
+            while len(self._saved) > MAX_SAVED_FORWARDS:
+                self._saved.popitem(last=False)
+            return y.detach().to("cpu")
+        with torch.no_grad():
+            return self.module(x).to("cpu")
+
+    def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, token: Any = None) -> torch.Tensor:
+        """Gradient w.r.t. ``inputs``; also accumulates parameter gradients and takes one optimizer step."""
+        saved = self._saved.pop(token, None) if token is not None else None
+        if saved is not None and saved[0].shape == inputs.shape:
+            x, y = saved
+        else:
+            x = inputs.to(self.device, non_blocking=True).detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self.module(x)
+        grad = grad_outputs.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(y, grad)
+        self.optimizer.step()
+        self.steps += 1
+        self._saved.clear()  # parameters changed in place: the saved graphs are stale
+        return x.grad.to("cpu")
+
+    def forget(self, token: Any) -> None:
+        """Drop a saved graph whose backward will never come (the caller gave up)."""
+        self._saved.pop(token, None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state.get("steps", 0))
+        self._saved.clear()
+
+    def save(self, path: Path) -> None:
+        """Write atomically (temporary file, then rename) so a crash never leaves half a checkpoint."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                torch.save(self.state_dict(), file)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load(self, path: Path) -> None:
+        # weights_only: a checkpoint file is still parsed without executing code from it.
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))

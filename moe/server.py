@@ -1,0 +1,287 @@
+"""The expert server: serves forward and backward of its experts over RPC, in batches.
+
+Each request is validated (expert, dtype, shape, batch size) on the event loop and queued in its
+expert's ``BatchQueue``; one runner task per expert takes batches and computes them in a worker
+thread behind one shared ``trio.CapacityLimiter`` (one batch at a time per server, as Hivemind's
+runtime does: torch already spreads one batch over every core, and one-at-a-time means a backward's
+optimizer step never races another batch of the same expert). Requests that arrive while a batch
+is computing form the next batch, so concurrent callers are batched without any waiting timer.
+
+``open_expert_server`` owns everything it starts (runners, the DHT heartbeat, periodic checkpoints)
+in one nursery: leaving the block stops them all and writes a final checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from peer import BadRequest, Message, PeerAddress, PeerHost, Request, Router
+
+from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
+from .batching import BatchQueue, Job
+from .experts import ExpertBackend
+from .protocol import pack_tensors, unpack_tensors
+
+__all__ = ["ExpertServer", "open_expert_server", "DEFAULT_MAX_BATCH_SIZE", "ExpertFailed"]
+
+log = logging.getLogger("peerd.moe")
+
+# Hivemind's default: large enough that batching pays off, small enough that one batch of 1024-wide
+# FFN activations stays well under a GiB.
+DEFAULT_MAX_BATCH_SIZE = 4096
+# A sequence dimension (``None`` in a sample shape) is bounded by this when sizing the receive limit.
+MAX_SEQUENCE_LENGTH = 8192
+# Periodic checkpoints: a crash loses at most this much training of the hosted experts.
+CHECKPOINT_PERIOD = 300.0
+# Writing the final checkpoint at shutdown: large experts on a slow disk take seconds, not minutes.
+FINAL_CHECKPOINT_TIMEOUT = 60.0
+
+
+class ExpertFailed(Exception):
+    """The expert's own computation raised (reaches the caller as a RemoteError named ExpertFailed)."""
+
+
+@dataclass(eq=False)
+class _Work:
+    tensors: list[torch.Tensor]
+    token: Any
+    keep_graph: bool
+    done: trio.Event
+
+
+class ExpertServer:
+    """Request validation, batch queues and compute for a set of experts. Use ``open_expert_server``."""
+
+    def __init__(self, experts: Mapping[str, ExpertBackend], *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE):
+        if not experts:
+            raise ValueError("an expert server needs at least one expert")
+        self.experts = dict(experts)
+        self.max_batch_size = max_batch_size
+        self.queues = {uid: BatchQueue(max_batch_size) for uid in self.experts}
+        self.compute_limiter = trio.CapacityLimiter(1)
+        self.stats = {"requests": 0, "batches": 0, "samples": 0}
+        self._wakeups = {uid: trio.Event() for uid in self.experts}
+
+    def register(self, router: Router) -> None:
+        router.add_unary("moe.forward", self._handle_forward)
+        router.add_unary("moe.backward", self._handle_backward)
+        router.add_unary("moe.info", self._handle_info)
+
+    # ------------------------------------------------------------------ requests
+    def _expert(self, body: Any) -> tuple[str, ExpertBackend]:
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a map")
+        uid = body.get("uid")
+        backend = self.experts.get(uid) if isinstance(uid, str) else None
+        if backend is None:
+            hosted = sorted(self.experts)
+            listing = ", ".join(hosted[:8]) + (", ..." if len(hosted) > 8 else "")
+            raise BadRequest(f"unknown expert {str(uid)[:100]!r}; this server hosts {listing}")
+        return uid, backend
+
+    def _tensors(self, body: dict, payload: Any, backend: ExpertBackend, count: int) -> list[torch.Tensor]:
+        per_sample = math.prod(MAX_SEQUENCE_LENGTH if d is None else d for d in backend.sample_shape)
+        headers = body.get("tensors")
+        batch = _claimed_batch_size(headers)
+        if batch is not None and batch > self.max_batch_size:
+            raise BadRequest(f"batch of {batch} samples exceeds max_batch_size {self.max_batch_size}")
+        try:
+            tensors = unpack_tensors(headers, payload, max_numel=self.max_batch_size * per_sample)
+            if len(tensors) != count:
+                raise ValueError(f"expected {count} tensor(s), got {len(tensors)}")
+            for name, tensor in zip(("inputs", "grad_outputs"), tensors, strict=False):
+                backend.check_input(tensor, name)
+            if count == 2 and tensors[0].shape != tensors[1].shape:
+                raise ValueError(f"grad_outputs shape {list(tensors[1].shape)} != inputs {list(tensors[0].shape)}")
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        return tensors
+
+    @staticmethod
+    def _token(request: Request) -> Any:
+        token = request.body.get("token")
+        if token is None:
+            return None
+        if type(token) is not int:
+            raise BadRequest("token must be an integer")
+        return (request.peer, token)  # scoped to the caller: nobody can consume another peer's graph
+
+    async def _handle_forward(self, request: Request) -> Message:
+        uid, backend = self._expert(request.body)
+        tensors = self._tensors(request.body, request.payload, backend, 1)
+        token = self._token(request)
+        keep_graph = request.body.get("grad") is True and token is not None
+        return await self._submit(uid, "forward", _Work(tensors, token, keep_graph, trio.Event()))
+
+    async def _handle_backward(self, request: Request) -> Message:
+        uid, backend = self._expert(request.body)
+        tensors = self._tensors(request.body, request.payload, backend, 2)
+        return await self._submit(uid, "backward", _Work(tensors, self._token(request), False, trio.Event()))
+
+    async def _handle_info(self, request: Request) -> dict:
+        uid, backend = self._expert(request.body)
+        return {
+            "uid": uid,
+            "sample_shape": list(backend.sample_shape),
+            "dtype": str(backend.dtype).removeprefix("torch."),
+            "max_batch_size": self.max_batch_size,
+        }
+
+    async def _submit(self, uid: str, kind: str, work: _Work) -> Message:
+        job = Job(kind, work.tensors[0].shape[0], work)
+        queue = self.queues[uid]
+        queue.add(job)
+        self._wakeups[uid].set()
+        try:
+            await work.done.wait()
+        finally:
+            if not job.started:
+                queue.remove(job)  # the caller gave up before we got to it
+        self.stats["requests"] += 1
+        if job.error is not None:
+            raise ExpertFailed(f"expert {uid} failed: {job.error!r}")
+        headers, payload = pack_tensors([job.result])
+        return Message({"tensors": headers}, payload)
+
+    # ------------------------------------------------------------------ compute
+    async def run_expert(self, uid: str) -> None:
+        """Take and compute batches of one expert until cancelled."""
+        queue, backend = self.queues[uid], self.experts[uid]
+        while True:
+            if not len(queue):
+                self._wakeups[uid] = trio.Event()
+                await self._wakeups[uid].wait()
+                continue
+            # Take the batch only once the compute slot is ours: requests that arrive while another
+            # batch computes join this one.
+            async with self.compute_limiter:
+                batch = queue.next_batch()
+                if not batch:
+                    continue  # their callers gave up while we waited
+                try:
+                    results = await trio.to_thread.run_sync(_compute, backend, batch)
+                except Exception as error:
+                    log.warning("expert %s failed on a %s batch: %r", uid, batch[0].kind, error)
+                    for job in batch:
+                        job.error = error
+                else:
+                    for job, result in zip(batch, results, strict=True):
+                        job.result = result
+                    self.stats["batches"] += 1
+                    self.stats["samples"] += sum(job.size for job in batch)
+            for job in batch:
+                job.data.done.set()
+
+    # ------------------------------------------------------------------ checkpoints
+    async def save_checkpoint(self, directory: Path) -> None:
+        """One file per expert (``UID.pt``), written between batches, never during one."""
+        directory = Path(directory)
+        for uid, backend in self.experts.items():
+            await trio.to_thread.run_sync(backend.save, directory / f"{uid}.pt", limiter=self.compute_limiter)
+
+    async def load_checkpoint(self, directory: Path) -> list[str]:
+        """Load every expert that has a checkpoint file; returns their IDs."""
+        loaded = []
+        for uid, backend in self.experts.items():
+            path = Path(directory) / f"{uid}.pt"
+            if path.exists():
+                await trio.to_thread.run_sync(backend.load, path, limiter=self.compute_limiter)
+                loaded.append(uid)
+        return loaded
+
+
+def _claimed_batch_size(headers: Any) -> int | None:
+    """The batch size the first header claims, read before sizes are validated so that an oversized
+    batch is reported as such rather than as a generic size limit."""
+    try:
+        first = headers[0]["shape"][0]
+    except (TypeError, KeyError, IndexError):
+        return None
+    return first if type(first) is int else None
+
+
+def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor]:
+    """Concatenate the batch, run it, split the result (views, no copies) back per job."""
+    sizes = [job.size for job in batch]
+    columns = list(zip(*(job.data.tensors for job in batch), strict=True))
+    stacked = [column[0] if len(column) == 1 else torch.cat(column) for column in columns]
+    tokens = [job.data.token for job in batch if job.data.keep_graph]
+    if batch[0].kind == "forward":
+        out = backend.forward(stacked[0], keep_graph_as=tokens if len(batch) == 1 else None)
+    else:
+        out = backend.backward(stacked[0], stacked[1], token=batch[0].data.token if len(batch) == 1 else None)
+    return list(out.split(sizes))
+
+
+@asynccontextmanager
+async def open_expert_server(
+    host: PeerHost,
+    experts: Mapping[str, ExpertBackend],
+    *,
+    dht: Any = None,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    checkpoint_dir: Path | str | None = None,
+    checkpoint_period: float = CHECKPOINT_PERIOD,
+    heartbeat_period: float = HEARTBEAT_PERIOD,
+    heartbeat_ttl: float = HEARTBEAT_TTL,
+    announce_address: PeerAddress | None = None,
+) -> AsyncIterator[ExpertServer]:
+    """Serve ``experts`` on ``host`` for the duration of the block.
+
+    With ``checkpoint_dir``, experts start from their checkpoints there (if any) and are saved every
+    ``checkpoint_period`` seconds and on exit. With ``dht`` (a ``DHTNode``), the experts are
+    announced before the block starts and re-announced every ``heartbeat_period`` seconds, under
+    ``announce_address`` (default: the host's listen address; set it when that is a wildcard).
+    """
+    server = ExpertServer(experts, max_batch_size=max_batch_size)
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if directory is not None:
+        loaded = await server.load_checkpoint(directory)
+        if loaded:
+            log.info("loaded %d expert checkpoints from %s", len(loaded), directory)
+    server.register(host.router)
+    try:
+        async with trio.open_nursery() as nursery:
+            for uid in server.experts:
+                nursery.start_soon(server.run_expert, uid)
+            if directory is not None:
+                nursery.start_soon(_checkpoint_loop, server, directory, checkpoint_period)
+            if dht is not None:
+                address = announce_address or host.listen_address
+                assert address is not None, "announced experts need a listening host"
+                await nursery.start(
+                    lambda task_status: run_heartbeat(
+                        dht,
+                        sorted(server.experts),
+                        address,
+                        period=heartbeat_period,
+                        ttl=heartbeat_ttl,
+                        task_status=task_status,
+                    )
+                )
+            try:
+                yield server
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        if directory is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(FINAL_CHECKPOINT_TIMEOUT):
+                await server.save_checkpoint(directory)
+
+
+async def _checkpoint_loop(server: ExpertServer, directory: Path, period: float) -> None:
+    while True:
+        await trio.sleep(period)
+        try:
+            await server.save_checkpoint(directory)
+        except OSError as error:  # a full disk must not take the experts offline
+            log.warning("checkpoint to %s failed: %r", directory, error)

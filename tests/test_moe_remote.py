@@ -1,0 +1,187 @@
+"""A remote expert behaves like the same module called locally, and the server rejects bad calls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trio
+
+from moe.client import MoEClient
+from moe.experts import ExpertBackend
+from moe.protocol import pack_tensors
+from moe.remote import RemoteExpert
+from moe.server import open_expert_server
+from peer import BadRequestError, Identity, RemoteError, open_peer_host
+
+HIDDEN = 16
+
+
+def make_backend(kind: str = "ffn", seed: int = 0, lr: float = 0.1) -> ExpertBackend:
+    return ExpertBackend.create(
+        kind, HIDDEN, optimizer=lambda params: torch.optim.SGD(params, lr=lr), device="cpu", seed=seed
+    )
+
+
+@pytest.mark.parametrize("kind", ["ffn", "transformer"])
+async def test_remote_expert_matches_local_module(kind: str) -> None:
+    backend = make_backend(kind)
+    local = copy.deepcopy(backend.module)
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}, max_batch_size=64):
+            client = MoEClient.current(client_host)
+            expert = RemoteExpert("ffn.0.0", server_host.listen_address, client, timeout=10)
+            shape = (5, HIDDEN) if kind == "ffn" else (3, 4, HIDDEN)
+            x = torch.randn(*shape)
+
+            def remote_step():
+                xr = x.clone().requires_grad_(True)
+                out = expert(xr)
+                (out * out).sum().backward()
+                return out.detach(), xr.grad
+
+            out_remote, grad_remote = await trio.to_thread.run_sync(remote_step)
+
+    xl = x.clone().requires_grad_(True)
+    out_local = local(xl)
+    (out_local * out_local).sum().backward()
+    torch.testing.assert_close(out_remote, out_local.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad_remote, xl.grad, atol=1e-5, rtol=0)
+    # The server applied one SGD step with the same parameter gradients the local module got.
+    for remote_param, local_param in zip(backend.module.parameters(), local.parameters(), strict=True):
+        torch.testing.assert_close(
+            remote_param.detach(), local_param.detach() - 0.1 * local_param.grad, atol=1e-5, rtol=0
+        )
+    assert backend.steps == 1
+
+
+async def test_inference_does_not_train() -> None:
+    backend = make_backend()
+    before = copy.deepcopy(backend.module.state_dict())
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}):
+            expert = RemoteExpert("ffn.0.0", server_host.listen_address, MoEClient.current(client_host))
+
+            def infer():
+                with torch.no_grad():
+                    return expert(torch.randn(3, HIDDEN))
+
+            out = await trio.to_thread.run_sync(infer)
+    assert out.shape == (3, HIDDEN)
+    assert backend.steps == 0
+    assert all(torch.equal(before[name], value) for name, value in backend.module.state_dict().items())
+
+
+async def test_malformed_requests_get_clear_errors_and_server_keeps_serving() -> None:
+    backend = make_backend()
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}, max_batch_size=8):
+            address = server_host.listen_address
+
+            async def forward(uid: str, tensor: torch.Tensor, **extra):
+                headers, payload = pack_tensors([tensor])
+                body = {"uid": uid, "tensors": headers, **extra}
+                return await client_host.call(address, "moe.forward", body, payload=payload, timeout=5)
+
+            cases = [
+                ("ffn.0.0", torch.randn(2, HIDDEN + 1), "shape [batch, 16]"),
+                ("ffn.0.0", torch.randn(2, 2, HIDDEN), "shape [batch, 16]"),
+                ("ffn.0.0", torch.randn(2, HIDDEN, dtype=torch.float64), "must be float32"),
+                ("ffn.0.0", torch.randint(0, 5, (2, HIDDEN)), "must be float32"),
+                ("ffn.0.0", torch.randn(9, HIDDEN), "exceeds max_batch_size 8"),
+                ("ffn.9.9", torch.randn(2, HIDDEN), "unknown expert 'ffn.9.9'"),
+            ]
+            for uid, tensor, expected in cases:
+                with pytest.raises(BadRequestError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+                    await forward(uid, tensor)
+            # Garbage bodies and payloads.
+            with pytest.raises(BadRequestError, match="body must be a map"):
+                await client_host.call(address, "moe.forward", [1, 2], timeout=5)
+            with pytest.raises(BadRequestError, match="payload has"):
+                headers, _ = pack_tensors([torch.randn(2, HIDDEN)])
+                await client_host.call(
+                    address, "moe.forward", {"uid": "ffn.0.0", "tensors": headers}, payload=b"x" * 7, timeout=5
+                )
+            with pytest.raises(BadRequestError, match="expected 2 tensor"):
+                headers, payload = pack_tensors([torch.randn(2, HIDDEN)])
+                await client_host.call(
+                    address, "moe.backward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload, timeout=5
+                )
+            with pytest.raises(BadRequestError, match="grad_outputs shape"):
+                headers, payload = pack_tensors([torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)])
+                await client_host.call(
+                    address, "moe.backward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload, timeout=5
+                )
+            # Still serving: a good call succeeds.
+            reply = await forward("ffn.0.0", torch.randn(2, HIDDEN))
+            assert reply.body["tensors"][0]["shape"] == [2, HIDDEN]
+            info = await client_host.call(address, "moe.info", {"uid": "ffn.0.0"}, timeout=5)
+            assert info.body["sample_shape"] == [HIDDEN] and info.body["max_batch_size"] == 8
+
+
+async def test_concurrent_requests_are_batched() -> None:
+    backend = make_backend()
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}, max_batch_size=32) as server:
+            address = server_host.listen_address
+            inputs = [torch.randn(i + 1, HIDDEN) for i in range(6)]  # 21 samples in 6 requests
+            outputs: dict[int, torch.Tensor] = {}
+
+            async def forward(i: int) -> None:
+                headers, payload = pack_tensors([inputs[i]])
+                reply = await client_host.call(
+                    address, "moe.forward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload, timeout=10
+                )
+                outputs[i] = torch.frombuffer(bytearray(reply.payload), dtype=torch.float32).view(i + 1, HIDDEN)
+
+            async with trio.open_nursery() as nursery:
+                # Hold the compute slot until every request is queued: the expert then takes them
+                # all as one batch (the same happens naturally while another batch is computing).
+                async with server.compute_limiter:
+                    for i in range(len(inputs)):
+                        nursery.start_soon(forward, i)
+                    with trio.fail_after(5):
+                        while len(server.queues["ffn.0.0"]) < len(inputs):
+                            await trio.sleep(0.001)
+        assert server.stats == {"requests": 6, "batches": 1, "samples": 21}
+    with torch.no_grad():
+        for i, x in enumerate(inputs):
+            torch.testing.assert_close(outputs[i], backend.module(x), atol=1e-5, rtol=0)
+
+
+async def test_expert_failure_is_reported_and_server_survives() -> None:
+    class Fragile(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            if (x > 100).any():
+                raise RuntimeError("input out of range")
+            return self.linear(x)
+
+    backend = ExpertBackend(Fragile(), sample_shape=(HIDDEN,), device="cpu")
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"x.0": backend}):
+            expert = RemoteExpert("x.0", server_host.listen_address, MoEClient.current(client_host), timeout=5)
+            with pytest.raises(RemoteError, match="input out of range"):
+                await trio.to_thread.run_sync(lambda: expert(torch.full((1, HIDDEN), 1000.0)))
+            out = await trio.to_thread.run_sync(lambda: expert(torch.zeros(1, HIDDEN)))
+            assert out.shape == (1, HIDDEN)
+
+
+async def test_checkpoints_are_saved_and_reloaded(tmp_path) -> None:
+    backend = make_backend()
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}, checkpoint_dir=tmp_path):
+            expert = RemoteExpert("ffn.0.0", server_host.listen_address, MoEClient.current(client_host))
+            await trio.to_thread.run_sync(lambda: expert(torch.randn(4, HIDDEN)).sum().backward())
+    assert (tmp_path / "ffn.0.0.pt").exists() and backend.steps == 1
+    fresh = make_backend(seed=123)
+    async with open_peer_host(Identity.generate()) as server_host:
+        async with open_expert_server(server_host, {"ffn.0.0": fresh}, checkpoint_dir=tmp_path):
+            pass
+    assert fresh.steps == 1
+    for name, value in backend.module.state_dict().items():
+        assert torch.equal(fresh.module.state_dict()[name], value)
