@@ -90,7 +90,7 @@ def test_bad_task_names_give_clear_errors():
         ShardSpec(3, 2)
 
 
-async def train_to_target(nodes, make, target=0.9, max_epochs=80):
+async def train_to_target(nodes, make, target: float | None = 0.9, max_epochs=80):
     trainers = [make(node, i, len(nodes)) for i, node in enumerate(nodes)]
     statuses = {}
 
@@ -139,3 +139,24 @@ async def test_local_updates_reach_the_target_with_ten_times_fewer_bytes():
         assert any(t.optimizer.last_averaging and t.optimizer.last_averaging["averaged"] for t in local_trainers)
         assert local_bytes * 10 <= grad_bytes, (local_bytes, grad_bytes)
         nursery.cancel_scope.cancel()
+
+
+async def test_convergence_parity_with_one_process_at_the_same_batch_size():
+    epochs = 40
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        with trio.fail_after(120):
+            trainers, _ = await train_to_target(nodes, make_trainer, target=None, max_epochs=epochs)
+        swarm_accuracy = max(t.task.evaluate(t.task.model)["accuracy"] for t in trainers)
+        nursery.cancel_scope.cancel()
+
+    single = digits_task(shard=ShardSpec(0, 1), batch_size=trainers[0].task.target_batch_size)
+    optimizer = single.make_optimizer(list(single.model.parameters()))
+    for _ in range(epochs):
+        loss = single.loss_fn(single.model, next(single.batches))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    single_accuracy = single.evaluate(single.model)["accuracy"]
+    assert single_accuracy > 0.85  # both actually learned; parity of two untrained models proves nothing
+    assert abs(swarm_accuracy - single_accuracy) <= 0.02, (swarm_accuracy, single_accuracy)

@@ -1,0 +1,99 @@
+"""Training swarms of real ``peerd`` processes: the main job, a peer killed mid-run, the status
+endpoints, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from peer.status_server import fetch_status
+
+from .processes import PEERD, PeerdProcess
+
+STATUS_FIELDS = {"peer_id", "address", "run_id", "epoch", "samples_per_s", "loss", "peers_known", "last_averaging"}
+
+
+def start_peer(tmp_path, index: int, count: int, initial: str | None) -> tuple[PeerdProcess, int]:
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / f"p{index}.key"), "--run-id", "kill"]
+    args += ["--task", "digits", "--data-shard", f"{index}/{count}", "--status-port", "0"]
+    if initial:
+        args += ["--initial-peer", initial]
+    process = PeerdProcess(args, tmp_path / f"p{index}.log")
+    process.read_line(timeout=60)  # listening
+    port = int(process.read_line(timeout=60).rsplit(":", 1)[1].split("/")[0])
+    return process, port
+
+
+def status_of(port: int) -> dict | None:
+    try:
+        return json.loads(fetch_status(port, timeout=2))
+    except OSError:
+        return None
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_killing_one_of_three_peers_mid_run(tmp_path):
+    processes = []
+    try:
+        first, port0 = start_peer(tmp_path, 0, 3, None)
+        processes.append(first)
+        address = status_of(port0)["address"]
+        ports = [port0]
+        for index in (1, 2):
+            process, port = start_peer(tmp_path, index, 3, address)
+            processes.append(process)
+            ports.append(port)
+        wait_until(lambda: all(((status_of(p) or {}).get("epoch") or 0) >= 3 for p in ports), 90, "epoch 3 everywhere")
+
+        status = status_of(ports[0])
+        assert STATUS_FIELDS <= set(status)
+        assert status["peers_known"] == 3 and status["last_averaging"]["averaged"] is True
+        metrics = fetch_status(ports[0], path="/metrics")
+        for name in ("peerd_epoch", "peerd_samples_per_second", "peerd_loss", "peerd_peers_known"):
+            assert f"# TYPE {name} " in metrics and f"\n{name} " in metrics
+
+        processes[2].process.send_signal(signal.SIGKILL)  # a volunteer's laptop vanishes
+        killed_at = status_of(ports[0])["epoch"]
+        wait_until(
+            lambda: max((status_of(p) or {}).get("accuracy") or 0 for p in ports[:2]) >= 0.9,
+            120,
+            "the two survivors to reach 0.9 accuracy",
+        )
+        survivors = [status_of(p) for p in ports[:2]]
+        assert all(s is not None and s["epoch"] > killed_at for s in survivors)
+        assert any(s["last_averaging"]["averaged"] for s in survivors)
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
+    result = subprocess.run(
+        PEERD + ["swarm", "--peers", "3", "--timeout", "150", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert summary["reached"] is True and summary["accuracy"] >= 0.9
+    assert summary["peers_alive"] == 3 and summary["epochs"] > 0 and summary["seconds"] > 0
+    assert "samples/s" in result.stdout  # the live table was shown
+
+
+def test_bad_task_name_is_a_clear_error(tmp_path):
+    for command in (["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k")], ["swarm"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "peer.cli", *command, "--task", "nope"], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 1
+        assert "unknown task 'nope'" in result.stderr and "digits" in result.stderr
