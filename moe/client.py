@@ -10,6 +10,7 @@ the calls.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -19,8 +20,8 @@ import trio
 
 from dht.node import DHTNode
 from peer import CallTimeoutError, Identity, PeerAddress, PeerHost
+from peer.background import ServiceHandle, get_loop
 
-from .background import BackgroundLoop
 from .protocol import pack_tensors, unpack_tensors
 
 __all__ = ["MoEClient", "ExpertCallError", "call_forward", "call_backward", "DEFAULT_TIMEOUT"]
@@ -109,18 +110,19 @@ class MoEClient:
         host: PeerHost,
         *,
         dht: DHTNode | None = None,
-        trio_token: trio.lowlevel.TrioToken,
-        loop: BackgroundLoop | None = None,
+        runner: Callable[..., Any],
+        service: ServiceHandle | None = None,
     ):
         self.host = host
         self.dht = dht
-        self._token = trio_token
-        self._loop = loop
+        self._runner = runner
+        self._service = service
 
     @classmethod
     def current(cls, host: PeerHost, *, dht: DHTNode | None = None) -> MoEClient:
         """A client on the calling trio loop; call its experts from worker threads only."""
-        return cls(host, dht=dht, trio_token=trio.lowlevel.current_trio_token())
+        token = trio.lowlevel.current_trio_token()
+        return cls(host, dht=dht, runner=functools.partial(trio.from_thread.run, trio_token=token))
 
     @classmethod
     def start(
@@ -130,30 +132,32 @@ class MoEClient:
         identity: Identity | None = None,
         run_id: str = "default",
     ) -> MoEClient:
-        """A client on its own background loop: a client-mode DHT node joined through
-        ``initial_peers`` (or just a host when there are none). Close it with ``close()``."""
-        loop = BackgroundLoop()
-        try:
-            peers = list(initial_peers)
-            if peers:
-                node = loop.enter(DHTNode.open(identity=identity, initial_peers=peers, client_mode=True, run_id=run_id))
-                return cls(node.host, dht=node, trio_token=loop.token, loop=loop)
-            from peer import open_peer_host
+        """A client in the process-wide background loop (``peer.background``, shared with the DHT
+        and averager facades): a client-mode DHT node joined through ``initial_peers``, or just a
+        host when there are none. Close it with ``close()``."""
+        loop = get_loop()
+        peers = list(initial_peers)
+        if peers:
+            service = loop.start_service(
+                lambda: DHTNode.open(identity=identity, initial_peers=peers, client_mode=True, run_id=run_id)
+            )
+            return cls(service.value.host, dht=service.value, runner=loop.run, service=service)
+        from peer import open_peer_host
 
-            host = loop.enter(open_peer_host(identity or Identity.generate(), listen=None, run_id=run_id))
-            return cls(host, trio_token=loop.token, loop=loop)
-        except BaseException:
-            loop.close()
-            raise
+        service = loop.start_service(
+            lambda: open_peer_host(identity or Identity.generate(), listen=None, run_id=run_id)
+        )
+        return cls(service.value, runner=loop.run, service=service)
 
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``async_fn(*args)`` on the client's loop; blocks this (non-loop) thread until done."""
-        return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+        return self._runner(async_fn, *args)
 
     def close(self) -> None:
-        """Stop the background loop started by ``start`` (a no-op for ``current`` clients)."""
-        if self._loop is not None:
-            self._loop.close()
+        """Leave the swarm (for ``start`` clients; a no-op for ``current`` clients)."""
+        if self._service is not None:
+            self._service.close()
+            self._service = None
 
     def __enter__(self) -> MoEClient:
         return self
