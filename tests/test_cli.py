@@ -42,7 +42,9 @@ def test_join_refuses_a_key_readable_by_others(tmp_path):
 
 
 def test_two_peers_meet_and_stop_cleanly_on_signals(tmp_path):
-    with PeerdProcess(["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "a.key")], tmp_path / "a.log") as a:
+    with PeerdProcess(
+        ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "a.key")], tmp_path / "a.log"
+    ) as a:
         line = a.read_line(timeout=20)
         assert line.startswith("peerd listening on 127.0.0.1:")
         address_a = PeerAddress.parse(line.removeprefix("peerd listening on "))
