@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,7 +24,7 @@ from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .state_sharing import StateSharing
 
-__all__ = ["GroupAverager", "tensor_schema", "MatchmakingError"]
+__all__ = ["GroupAverager", "EpochStateAverager", "tensor_schema", "MatchmakingError"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -152,3 +152,15 @@ class GroupAverager:
                 self.round = max(self.round, metadata["round"])
         log.info("loaded state from peers (round %d)", self.round)
         return metadata
+
+
+class EpochStateAverager(GroupAverager):
+    """A GroupAverager over model state that also tells newcomers the training epoch, read from
+    ``epoch_of()`` (the optimizer that owns it) whenever a newcomer asks."""
+
+    def __init__(self, epoch_of: Callable[[], int], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.epoch_of = epoch_of
+
+    def state_metadata(self) -> Any:
+        return {"round": self.round, "epoch": self.epoch_of()}

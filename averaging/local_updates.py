@@ -20,7 +20,7 @@ import torch
 import trio
 
 from .allreduce import AllReduceError
-from .averager import GroupAverager
+from .averager import EpochStateAverager, GroupAverager
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
@@ -28,17 +28,6 @@ from .state_sharing import StateUnavailable
 __all__ = ["LocalUpdatesOptimizer"]
 
 log = logging.getLogger("peerd.training")
-
-
-class _SnapshotSharing(GroupAverager):
-    """Shares the round's starting parameters and the round number with newcomers."""
-
-    def __init__(self, owner: LocalUpdatesOptimizer, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.owner = owner
-
-    def state_metadata(self) -> Any:
-        return {"round": self.round, "epoch": self.owner.epoch}
 
 
 class LocalUpdatesOptimizer:
@@ -81,7 +70,7 @@ class LocalUpdatesOptimizer:
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
-        self.state = _SnapshotSharing(self, self.snapshot, dht, prefix=f"{prefix}.state", **averaging)
+        self.state = EpochStateAverager(lambda: self.epoch, self.snapshot, dht, prefix=f"{prefix}.state", **averaging)
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0  # outer rounds completed
         self.inner_steps = 0

@@ -21,7 +21,7 @@ import torch
 import trio
 
 from .allreduce import AllReduceError
-from .averager import GroupAverager
+from .averager import EpochStateAverager, GroupAverager
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
@@ -29,17 +29,6 @@ from .state_sharing import StateUnavailable
 __all__ = ["CollaborativeOptimizer"]
 
 log = logging.getLogger("peerd.training")
-
-
-class _ModelStateAverager(GroupAverager):
-    """Averages parameters; tells newcomers the epoch along with them."""
-
-    def __init__(self, owner: CollaborativeOptimizer, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.owner = owner
-
-    def state_metadata(self) -> Any:
-        return {"round": self.round, "epoch": self.owner.epoch}
 
 
 class CollaborativeOptimizer:
@@ -88,7 +77,9 @@ class CollaborativeOptimizer:
         self.grad_averager = GroupAverager(
             self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, **averaging
         )
-        self.state_averager = _ModelStateAverager(self, self.params, dht, prefix=f"{prefix}.state", **averaging)
+        self.state_averager = EpochStateAverager(
+            lambda: self.epoch, self.params, dht, prefix=f"{prefix}.state", **averaging
+        )
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0
         self.local_samples = 0

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peer import Identity, PeerAddress, PeerHost
+from peer.exception_groups import find_exception
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL
 
@@ -239,22 +240,12 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     except Exception as error:
         from dht.node import DHTBootstrapError
 
-        found = _find(error, DHTBootstrapError)
+        found = find_exception(error, DHTBootstrapError)
         if found is None:
             raise
         print(f"peerd: {found}", file=sys.stderr)
         return EXIT_UNREACHABLE
     return 0
-
-
-def _find(error: BaseException, wanted: type[BaseException]) -> BaseException | None:
-    if isinstance(error, wanted):
-        return error
-    for inner in getattr(error, "exceptions", ()):
-        found = _find(inner, wanted)
-        if found is not None:
-            return found
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import trio
 from . import __version__
 from .address import PeerAddress
 from .daemon import DaemonConfig, run_daemon
+from .exception_groups import find_exception
 from .identity import Identity, IdentityError, default_identity_path
 
 EXIT_BAD_INPUT = 1
@@ -220,17 +221,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for key, value in status.items():
         print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
-
-
-def find_exception(error: BaseException, wanted: type[BaseException]) -> BaseException | None:
-    """The first ``wanted`` inside ``error`` or the exception groups that nurseries wrap it in."""
-    if isinstance(error, wanted):
-        return error
-    for inner in getattr(error, "exceptions", ()):
-        found = find_exception(inner, wanted)
-        if found is not None:
-            return found
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
