@@ -84,3 +84,24 @@ def test_dead_initial_peer_exits_2_within_the_bootstrap_timeout(tmp_path):
     assert result.returncode == 2
     assert f"127.0.0.1:{dead_port}: " in result.stderr and "refused" in result.stderr
     assert elapsed < 2 + 5  # the timeout plus interpreter start-up and shutdown
+
+
+async def test_join_can_host_experts_that_the_swarm_finds_and_calls(tmp_path):
+    import torch
+    import trio
+
+    from dht.node import DHTNode
+    from moe.announce import get_expert_addresses
+    from moe.client import call_forward
+
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "e.key"), "--device", "cpu"]
+    args += ["--serve-experts", "ffn.[0:2]", "--hidden-dim", "16", "--heartbeat-period", "1"]
+    with PeerdProcess(args, tmp_path / "e.log") as peer:
+        address = PeerAddress.parse(peer.read_line(timeout=60).removeprefix("peerd listening on "))
+        async with DHTNode.open(initial_peers=[address], client_mode=True) as client:
+            with trio.fail_after(30):
+                while None in (found := await get_expert_addresses(client, ["ffn.0", "ffn.1"])).values():
+                    await trio.sleep(0.2)  # the peer announces right after it starts serving
+            assert set(found.values()) == {address}
+            outputs = await call_forward(client.host, address, "ffn.1", torch.randn(3, 16))
+            assert outputs.shape == (3, 16) and torch.isfinite(outputs).all()
