@@ -14,19 +14,23 @@ the same stream (all-gather). Deadlines make it fault tolerant:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 import trio
 
 from peer import ConnectError, PeerHost, PeerID, Router, RPCError
 
-from .compression import get_codec
+from .compression import NoCompression, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
-from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
+from .reduction import ContributionRejected, ReductionOutcome, ShardReduction, all_finite
 
 __all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "run_allreduce", "tensor_work_limiter"]
 
@@ -38,6 +42,11 @@ REDUCE_METHOD = "avg.reduce"
 SESSION_WAIT = 5.0
 
 _limiter: trio.CapacityLimiter | None = None
+
+# Uncompressed float32 parts ("none") skip the codec calls and their worker threads: a part is sent
+# as a byte view of the flattened tensor (already checked finite as a whole) and received by one
+# copy into a reused buffer; finiteness is checked where the values are used.
+RAW_META = {"codec": NoCompression.name}
 
 
 def tensor_work_limiter() -> trio.CapacityLimiter:
@@ -101,6 +110,10 @@ class _Session:
         self.senders_done = trio.Event()  # every sender committed or dropped
         self.outcome_ready = trio.Event()  # the average is computed; replies may go out
         self.outcome: ReductionOutcome | None = None
+        # The averaged shard, encoded once for all senders (codecs are deterministic), or why not
+        self.reply_parts: list[tuple[dict, Any]] = []
+        self.reply_error: Exception | None = None
+        self.raw = codec == NoCompression.name or isinstance(codec, NoCompression)
 
     def prepare(self, total: int) -> None:
         reducers = self.group.reducers
@@ -113,11 +126,35 @@ class _Session:
             self.reduction = ShardReduction(part_sizes, [m.peer_id for m in self.group.senders])
 
 
+class _PartBuffers:
+    """Float32 buffers for received parts, reused from round to round.
+
+    A received part is kept until its whole shard is in (a sender's contribution, a reducer's
+    average). Keeping the RPC layer's payload buffers for that long made the heap grow and shrink
+    by about 1.5x the tensor size every round, and the page faults cost more CPU than decrypting
+    the data did. So each part is copied out of its payload at once (the payload buffer is freed
+    and the next one reuses its memory warm) into a buffer from here; buffers come back when their
+    round no longer needs them. What is kept is bounded by what one round held at a time.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, numel: int) -> torch.Tensor:
+        free = self._free.get(numel)
+        return free.pop() if free else torch.empty(numel, dtype=torch.float32)
+
+    def give(self, buffers) -> None:
+        for buffer in buffers:
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+
 class AllReduceService:
     """Serves ``avg.reduce`` for every all-reduce this peer takes part in."""
 
     def __init__(self, host: PeerHost, router: Router | None = None):
         self.host = host
+        self._buffers = _PartBuffers()
         self._sessions: dict[bytes, _Session] = {}
         self._sessions_changed = trio.Event()
         (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce)
@@ -160,6 +197,16 @@ class AllReduceService:
     async def _receive_parts(self, session: _Session, stream, sender: PeerID) -> None:
         reduction = session.reduction
         assert reduction is not None and session.plan is not None
+        staged: list[torch.Tensor] = []  # our buffers that the reduction holds for this sender
+        try:
+            await self._stage_parts(session, stream, sender, staged)
+        finally:
+            if sender not in reduction.pending:  # committed or dropped: the reduction let go of them
+                self._buffers.give(staged)
+
+    async def _stage_parts(self, session: _Session, stream, sender: PeerID, staged: list[torch.Tensor]) -> None:
+        reduction = session.reduction
+        assert reduction is not None
         try:
             async for message in stream:
                 body = message.body
@@ -168,11 +215,12 @@ class AllReduceService:
                 index = body["part"]
                 if not 0 <= index < len(reduction.part_sizes):
                     raise ContributionRejected(f"part index {index} out of range")
-                values = await _in_thread(_decode, body.get("meta"), message.payload, reduction.part_sizes[index])
-                async with session.reduction_lock:
+                values = await self._decode_part(body.get("meta"), message.payload, reduction.part_sizes[index])
+                staged.append(values)
+                async with session.reduction_lock:  # add_part checks that the values are finite
                     await _in_thread(reduction.add_part, sender, index, values)
             async with session.reduction_lock:
-                reduction.finish_sender(sender)
+                await _in_thread(reduction.finish_sender, sender)  # adds the whole contribution
         except (ContributionRejected, ValueError, TypeError) as error:
             log.warning("refusing contribution of %s: %s", sender, error)
             await self._drop(session, sender, str(error))
@@ -199,14 +247,11 @@ class AllReduceService:
         if outcome.averaged is None:
             await stream.send({"contributors": contributors, "averaged": False})
             return
+        if session.reply_error is not None:
+            raise session.reply_error
         await stream.send({"contributors": contributors, "averaged": True})
-        codec = get_codec(session.codec)
-        offset = 0
-        for index, size in enumerate(session.reduction.part_sizes):
-            part = outcome.averaged[offset : offset + size]
-            meta, payload = await _in_thread(codec.encode, part)
+        for index, (meta, payload) in enumerate(session.reply_parts):
             await stream.send({"part": index, "meta": meta}, payload)
-            offset += size
 
     # ------------------------------------------------------------------ one round
     async def run(
@@ -220,14 +265,17 @@ class AllReduceService:
         reducer_timeout: float = 20.0,
         part_size: int = DEFAULT_PART_SIZE,
     ) -> AllReduceResult:
-        """Average ``tensors`` in place with the other members of ``group``."""
+        """Average ``tensors`` in place with the other members of ``group``.
+
+        The tensors are read while the round runs (a single contiguous float32 CPU tensor is sent
+        straight from its memory, without a copy) and written only when it is over, so they must
+        not change in between; a cancelled round leaves them as they were."""
         me = self.host.peer_id
         member = group.member(me)
         if member is None:
             raise AllReduceError("this peer is not a member of the group")
-        flat = await _in_thread(_flatten, list(tensors)) if member.mode.sends else None
-        if flat is not None and not bool(torch.isfinite(flat).all()):
-            raise AllReduceError("local tensors contain NaN or infinite values; refusing to average them")
+        tensors = list(tensors)
+        flat = await _in_thread(_checked_flat, tensors) if member.mode.sends else None
         session = _Session(group, me, flat, weight, codec, sender_timeout, part_size)
         total = flat.numel() if flat is not None else sum(t.numel() for t in tensors)
         session.total = total
@@ -236,7 +284,10 @@ class AllReduceService:
         self._sessions_changed.set()
         self._sessions_changed = trio.Event()
         result = AllReduceResult(group)
-        output = flat.clone() if flat is not None else None
+        # (flat offset, averaged values) of every shard that was averaged: written into the caller's
+        # tensors only when the round is over, so a cancelled round leaves them untouched
+        averaged: list[tuple[int, torch.Tensor]] = []
+        local: list[tuple[int, torch.Tensor]] = []  # our own shard's average
         try:
             async with trio.open_nursery() as nursery:
                 if session.reduction is not None:
@@ -245,7 +296,7 @@ class AllReduceService:
                     for index, reducer in enumerate(group.reducers):
                         if reducer.peer_id != me:
                             nursery.start_soon(
-                                self._exchange_with, session, index, reducer, output, result, reducer_timeout
+                                self._exchange_with, session, index, reducer, result, averaged, reducer_timeout
                             )
         finally:
             del self._sessions[group.group_id]
@@ -258,12 +309,16 @@ class AllReduceService:
             result.failed_peers.update(outcome.dropped)
             if flat is not None:
                 start, end = session.plan.shard_bounds(session.my_shard)
-                if outcome.averaged is not None:
-                    output[start:end] = outcome.averaged
+                if session.reply_error is not None:  # the other senders keep their values: so do we
+                    result.local_shards[session.my_shard] = str(session.reply_error)
+                elif outcome.averaged is not None:
+                    # (not a buffer of ours: replies to other senders may still be reading it)
+                    local = [(start, outcome.averaged)]
                 else:
                     result.local_shards[session.my_shard] = "no contribution arrived"
-        if output is not None:
-            await _in_thread(_unflatten_into, output, list(tensors))
+        if flat is not None:
+            await _in_thread(_write_back, tensors, averaged + local)
+            self._buffers.give(values for _start, values in averaged)
         return result
 
     async def _send_part(self, stream, part_index: int, meta: dict, payload) -> None:
@@ -286,7 +341,13 @@ class AllReduceService:
             if not reduction.done:
                 log.info("dropping senders that did not finish in time: %s", [str(p) for p in reduction.pending])
                 reduction.drop_pending("did not finish sending before the sender deadline")
-        session.outcome = await _in_thread(reduction.outcome)
+        outcome = session.outcome = await _in_thread(reduction.outcome)
+        if outcome.averaged is not None:
+            try:
+                parts = await _in_thread(_encode_shard, session.codec, outcome.averaged, reduction.part_sizes)
+                session.reply_parts = parts
+            except ValueError as error:  # e.g. weighted values overflowed to inf: senders keep theirs
+                session.reply_error = error
         session.outcome_ready.set()
 
     async def _exchange_with(
@@ -294,14 +355,18 @@ class AllReduceService:
         session: _Session,
         index: int,
         reducer: GroupMember,
-        output: torch.Tensor,
         result: AllReduceResult,
+        averaged: list[tuple[int, torch.Tensor]],
         reducer_timeout: float,
     ) -> None:
+        """Send shard ``index`` of our values to its reducer and take back the average.
+
+        The averaged parts are kept (in ``averaged``) only once the whole shard has arrived and
+        been checked: a reducer that fails half-way leaves the shard wholly local."""
         assert session.plan is not None and session.flat is not None and reducer.address is not None
         parts = session.plan.parts(index)
         codec = get_codec(session.codec)
-        received = 0
+        values: list[torch.Tensor] = []
         try:
             with trio.fail_after(reducer_timeout):
                 connection = await self.host.connect(reducer.address)
@@ -309,7 +374,11 @@ class AllReduceService:
                     header = {"group_id": session.group.group_id, "weight": session.weight, "total": session.total}
                     await stream.send(header)
                     for part_index, (start, end) in enumerate(parts):
-                        meta, payload = await _in_thread(codec.encode, session.flat[start:end])
+                        part = session.flat[start:end]
+                        if session.raw:  # the flattened tensor was checked finite as a whole
+                            meta, payload = RAW_META, _bytes_view(part)
+                        else:
+                            meta, payload = await _in_thread(codec.encode, part)
                         await self._send_part(stream, part_index, meta, payload)
                     await stream.end()
                     summary = (await stream.receive()).body
@@ -323,19 +392,52 @@ class AllReduceService:
                         body = reply.body
                         if not (isinstance(body, dict) and body.get("part") == part_index):
                             raise AllReduceError("reducer sent parts out of order")
-                        values = await _in_thread(_decode, body.get("meta"), reply.payload, end - start)
-                        await _in_thread(_copy_into, output, start, values)
-                        received += 1
+                        values.append(await self._decode_part(body.get("meta"), reply.payload, end - start))
+                await _in_thread(_check_finite, values)
+            averaged.extend((start, part) for (start, _end), part in zip(parts, values, strict=True))
             result.contributors[index] = contributors
             result.failed_peers.update(p.peer_id for p in session.group.senders if p.peer_id not in contributors)
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
             reason = "timed out" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
             log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
-            start, end = session.plan.shard_bounds(index)
-            if received:  # restore the parts already overwritten: the shard stays wholly local
-                await _in_thread(_copy_into, output, start, session.flat[start:end])
             result.local_shards[index] = reason
             result.failed_peers.add(reducer.peer_id)
+            self._buffers.give(values)
+
+    async def _decode_part(self, meta, payload, numel: int) -> torch.Tensor:
+        """A received part as float32 values that nobody else modifies (finiteness is checked by
+        whoever uses them). An uncompressed part is one copy into a reused buffer, on the event
+        loop: a thread hop would cost about as much as the copy; anything else goes through its
+        codec in a worker thread."""
+        if meta == RAW_META and 0 < numel and isinstance(payload, (bytes, bytearray)) and len(payload) == 4 * numel:
+            values = self._buffers.take(numel)
+            values.numpy()[:] = np.frombuffer(payload, dtype=np.float32)
+            return values
+        return await _in_thread(_decode, meta, payload, numel)
+
+
+def _encode_shard(codec_name: str, averaged: torch.Tensor, part_sizes: list[int]) -> list[tuple[dict, Any]]:
+    """The averaged shard as parts ready to send (raises ValueError for non-finite values)."""
+    codec = get_codec(codec_name)
+    raw = isinstance(codec, NoCompression)
+    if raw and not all_finite(averaged):
+        raise ValueError("the average contains NaN or infinite values")
+    parts, offset = [], 0
+    for size in part_sizes:
+        part = averaged[offset : offset + size]
+        parts.append((RAW_META, _bytes_view(part)) if raw else codec.encode(part))
+        offset += size
+    return parts
+
+
+def _check_finite(parts: list[torch.Tensor]) -> None:
+    if not all(all_finite(values) for values in parts):
+        raise ContributionRejected("the reducer sent NaN or infinite values")
+
+
+def _bytes_view(part: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous float32 part, shared, not copied."""
+    return memoryview(part.view(torch.uint8).numpy())
 
 
 def _decode(meta, payload, numel: int) -> torch.Tensor:
@@ -347,10 +449,55 @@ def _decode(meta, payload, numel: int) -> torch.Tensor:
     return values
 
 
+def _checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Our values as one flat float32 vector, refused if any is NaN or infinite.
+
+    A single contiguous float32 CPU tensor is used as it is (a view, no copy): the round only reads
+    it until it is over, and then writes the averages into it. Anything else is copied."""
+    flat = _flat_view(tensors)
+    if flat is None:
+        flat = _flatten(tensors)
+    if not all_finite(flat):
+        raise AllReduceError("local tensors contain NaN or infinite values; refusing to average them")
+    return flat
+
+
+def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    if len(tensors) != 1:
+        return None
+    tensor = tensors[0].detach()
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return tensor.view(-1)
+
+
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.empty(0, dtype=torch.float32)
     return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
+
+
+def _write_back(tensors: list[torch.Tensor], averaged: list[tuple[int, torch.Tensor]]) -> None:
+    """Copy averaged ``(flat offset, values)`` pieces straight into the caller's tensors (converting
+    the dtype if needed); what no piece covers keeps its local values."""
+    if not all(t.is_contiguous() for t in tensors):  # no flat views of these: go through a flat copy
+        flat = _flatten(tensors)
+        for start, values in averaged:
+            _copy_into(flat, start, values)
+        _unflatten_into(flat, tensors)
+        return
+    ends = list(itertools.accumulate(t.numel() for t in tensors))
+    with torch.no_grad():
+        for start, values in averaged:
+            done = 0
+            index = bisect.bisect_right(ends, start)
+            while done < values.numel():
+                tensor = tensors[index]
+                offset = start + done - (ends[index] - tensor.numel())
+                count = min(values.numel() - done, tensor.numel() - offset)
+                tensor.detach().view(-1)[offset : offset + count].copy_(values[done : done + count])
+                done += count
+                index += 1
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

@@ -3,8 +3,9 @@
 Each sender's parts are staged until the sender has delivered its whole shard; only then is its
 weighted contribution added to the sum. A sender that dies or stalls half-way is therefore
 dropped cleanly: the result is exactly the weighted average of the contributions that arrived
-whole, never a mix of some parts with and some parts without it. Staging costs one shard-sized
-buffer per sender in flight, which bounds memory at group size x shard size.
+whole, never a mix of some parts with and some parts without it. Staging keeps the part tensors
+the caller hands over, not a copy of them: one shard's worth of memory per sender in flight, which
+bounds memory at group size x shard size, and no extra pass over the data.
 
 The methods do tensor work and are meant to be called from a worker thread, one call at a time
 per ``ShardReduction`` (the trio driver serialises them).
@@ -18,11 +19,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT"]
+__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "all_finite"]
 
 # Weights are sample counts or similar; anything beyond 2^40 is a bug or an attack, and would
 # swamp every honest contribution.
 MAX_WEIGHT = float(1 << 40)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no value is NaN or infinite, in one read-only pass.
+
+    torch's min/max reductions propagate NaN, so two finite extremes prove every value finite
+    without the temporary mask of ``torch.isfinite(values).all()``, which was measured ~15x slower
+    on 16M values (it dominated a 4-peer all-reduce of 16M floats)."""
+    if values.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(values)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 class ContributionRejected(ValueError):
@@ -43,13 +56,13 @@ class ShardReduction:
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.shard_size = sum(self.part_sizes)
         self.expected = list(senders)
-        self._sum = torch.zeros(self.shard_size, dtype=torch.float32)
+        self._sum: torch.Tensor | None = None  # allocated by the first weighted contribution
         self._total_weight = 0.0
-        self._staged: dict[Hashable, torch.Tensor] = {}
-        self._received: dict[Hashable, set[int]] = {}
+        self._staged: dict[Hashable, dict[int, torch.Tensor]] = {}  # sender -> part index -> values
         self._weights: dict[Hashable, float] = {}
         self.contributors: list[Hashable] = []
         self.dropped: dict[Hashable, str] = {}
+        self._outcome: ReductionOutcome | None = None
 
     @property
     def pending(self) -> list[Hashable]:
@@ -67,71 +80,83 @@ class ShardReduction:
         self._weights[sender] = float(weight)
 
     def add_part(self, sender: Hashable, part_index: int, values: torch.Tensor) -> None:
-        """Stage one part; raises ContributionRejected (the caller then drops the sender)."""
+        """Stage one part; raises ContributionRejected (the caller then drops the sender).
+
+        ``values`` is kept, not copied, until the sender finishes: pass a tensor nobody modifies."""
         self._check_sender(sender)
         if sender not in self._weights:
             raise ContributionRejected("a part arrived before the sender's weight")
         if not (isinstance(part_index, int) and 0 <= part_index < len(self.part_sizes)):
             raise ContributionRejected(f"part index {part_index!r} out of range")
-        received = self._received.setdefault(sender, set())
-        if part_index in received:
+        staged = self._staged.setdefault(sender, {})
+        if part_index in staged:
             raise ContributionRejected(f"part {part_index} sent twice")
         if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != self.part_sizes[part_index]:
             raise ContributionRejected(
                 f"part {part_index} must be {self.part_sizes[part_index]} float32 values, "
                 f"got {values.numel()} {values.dtype}"
             )
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise ContributionRejected(f"part {part_index} contains NaN or infinite values")
-        staged = self._staged.get(sender)
-        if staged is None:
-            staged = self._staged[sender] = torch.empty(self.shard_size, dtype=torch.float32)
-        offset = self.part_offsets[part_index]
-        staged[offset : offset + values.numel()].copy_(values)
-        received.add(part_index)
+        staged[part_index] = values
 
     def add_local(self, sender: Hashable, values: torch.Tensor, weight: float) -> None:
         """A reducer's own contribution: the whole shard at once, no staging."""
         self.set_weight(sender, weight)
-        if values.numel() != self.shard_size or not bool(torch.isfinite(values).all()):
+        if values.numel() != self.shard_size or not all_finite(values):
             raise ContributionRejected("local shard has the wrong size or non-finite values")
-        self._commit(sender, values.reshape(-1).to(torch.float32))
+        self._commit(sender, [(0, values.reshape(-1).to(torch.float32))])
 
     def finish_sender(self, sender: Hashable) -> None:
         """The sender says it sent everything; commit it if that is true, else drop it."""
         self._check_sender(sender)
-        missing = len(self.part_sizes) - len(self._received.get(sender, ()))
+        missing = len(self.part_sizes) - len(self._staged.get(sender, ()))
         if sender not in self._weights:
             self.drop(sender, "finished without sending a weight")
         elif missing:
             self.drop(sender, f"finished with {missing} parts missing")
         else:
-            staged = self._staged.pop(sender, torch.empty(0, dtype=torch.float32))
-            self._commit(sender, staged)
+            staged = self._staged.pop(sender, {})
+            self._commit(sender, [(self.part_offsets[index], values) for index, values in staged.items()])
 
     def drop(self, sender: Hashable, reason: str) -> None:
         if sender in self.contributors or sender in self.dropped:
             return
         self.dropped[sender] = reason
         self._staged.pop(sender, None)
-        self._received.pop(sender, None)
 
     def drop_pending(self, reason: str) -> None:
         for sender in self.pending:
             self.drop(sender, reason)
 
     def outcome(self) -> ReductionOutcome:
-        averaged = self._sum / self._total_weight if self._total_weight > 0 else None
-        return ReductionOutcome(averaged, list(self.contributors), dict(self.dropped), self._total_weight)
+        """The average of the contributions committed so far. Taking it closes the reduction: the
+        sum is divided in place (no second shard-sized buffer), so nothing may be added afterwards."""
+        if self._outcome is None:
+            averaged = None
+            if self._total_weight > 0:
+                # (no sum only when the shard is empty)
+                averaged = self._sum.div_(self._total_weight) if self._sum is not None else torch.zeros(0)
+            self._outcome = ReductionOutcome(averaged, list(self.contributors), dict(self.dropped), self._total_weight)
+        return self._outcome
 
-    def _commit(self, sender: Hashable, values: torch.Tensor) -> None:
+    def _commit(self, sender: Hashable, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        """Add a whole contribution (``(offset, values)`` pieces tiling the shard) to the sum."""
         weight = self._weights[sender]
-        if weight > 0 and values.numel():
-            self._sum.add_(values, alpha=weight)
+        if weight > 0 and self.shard_size:
+            if self._sum is None:  # the first contribution writes every value: no zeroing pass
+                self._sum = torch.empty(self.shard_size, dtype=torch.float32)
+                for offset, values in pieces:
+                    torch.mul(values, weight, out=self._sum[offset : offset + values.numel()])
+            else:
+                for offset, values in pieces:
+                    self._sum[offset : offset + values.numel()].add_(values, alpha=weight)
         self._total_weight += weight
         self.contributors.append(sender)
 
     def _check_sender(self, sender: Hashable) -> None:
+        if self._outcome is not None:
+            raise ContributionRejected("this shard is already averaged")
         if sender not in self.expected:
             raise ContributionRejected(f"{sender} is not a sender of this group")
         if sender in self.dropped or sender in self.contributors:
