@@ -56,7 +56,15 @@ def test_killing_one_of_three_peers_mid_run(tmp_path):
 
         status = status_of(ports[0])
         assert STATUS_FIELDS <= set(status)
-        assert status["peers_known"] == 3 and status["last_averaging"]["averaged"] is True
+        assert status["run_id"] == "kill" and status["address"] == address
+        # A round can fail under load (the peer then steps alone and says so), so look for a
+        # successful one over time instead of insisting the latest one was.
+        wait_until(
+            lambda: any(((status_of(p) or {}).get("last_averaging") or {}).get("averaged") for p in ports),
+            60,
+            "an averaged round",
+        )
+        assert 2 <= status_of(ports[0])["peers_known"] <= 3
         metrics = fetch_status(ports[0], path="/metrics")
         for name in ("peerd_epoch", "peerd_samples_per_second", "peerd_loss", "peerd_peers_known"):
             assert f"# TYPE {name} " in metrics and f"\n{name} " in metrics
@@ -70,7 +78,11 @@ def test_killing_one_of_three_peers_mid_run(tmp_path):
         )
         survivors = [status_of(p) for p in ports[:2]]
         assert all(s is not None and s["epoch"] > killed_at for s in survivors)
-        assert any(s["last_averaging"]["averaged"] for s in survivors)
+        wait_until(  # and they still average with each other, not each alone
+            lambda: any(((status_of(p) or {}).get("last_averaging") or {}).get("group") == 2 for p in ports[:2]),
+            60,
+            "a round of the two survivors",
+        )
     finally:
         for process in processes:
             process.stop()
