@@ -24,16 +24,16 @@ import trio
 from peer import Identity, PeerAddress, PeerHost
 from peer.exception_groups import find_exception
 
-from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL
-
 if TYPE_CHECKING:
     from dht.node import DHTNode
 
     from .experts import ExpertBackend
 
-# Mirrors moe.server.DEFAULT_MAX_BATCH_SIZE (checked by a test): importing the server here would pull
-# torch into every ``peerd`` start-up, which only needs these flags' defaults.
+# Mirror moe.server.DEFAULT_MAX_BATCH_SIZE and moe.announce.HEARTBEAT_PERIOD (checked by a test):
+# importing those modules here would pull torch into every ``peerd`` start-up, which only needs
+# these flags' defaults.
 DEFAULT_MAX_BATCH_SIZE = 4096
+HEARTBEAT_PERIOD = 15.0
 
 __all__ = [
     "ExpertHostingConfig",
@@ -163,6 +163,7 @@ async def host_experts(
     ``task_status.started`` receives the hosted expert IDs once they are served and announced.
     Build ``experts`` beforehand with ``config.build_experts()`` to report bad configuration early.
     """
+    from .announce import HEARTBEAT_TTL
     from .server import open_expert_server
 
     if experts is None:

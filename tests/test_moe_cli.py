@@ -45,6 +45,7 @@ async def test_host_experts_on_an_existing_peer() -> None:
 
 
 def test_cli_default_batch_size_mirrors_the_server() -> None:
-    from moe import cli, server
+    from moe import announce, cli, server
 
     assert cli.DEFAULT_MAX_BATCH_SIZE == server.DEFAULT_MAX_BATCH_SIZE
+    assert cli.HEARTBEAT_PERIOD == announce.HEARTBEAT_PERIOD
