@@ -16,7 +16,8 @@ from typing import Any
 
 import trio
 
-from peer import Identity, PeerAddress
+from peer import Identity
+from peer.cli_types import peer_address
 
 from .node import DHTBootstrapError, DHTConfig, DHTNode
 from .records import MAX_TTL, DHTValue
@@ -26,13 +27,6 @@ __all__ = ["add_dht_commands", "run_dht_command", "EXIT_NOT_FOUND", "EXIT_UNREAC
 EXIT_NOT_FOUND = 1
 EXIT_UNREACHABLE = 2
 DEFAULT_TTL = 300.0  # five minutes: long enough to look at, short enough not to litter the swarm
-
-
-def _peer(text: str) -> PeerAddress:
-    try:
-        return PeerAddress.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _ttl(text: str) -> float:
@@ -55,7 +49,7 @@ def add_dht_commands(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     dht = subparsers.add_parser("dht", help="store or get one DHT record as a short-lived client")
     actions = dht.add_subparsers(dest="dht_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--initial-peer", type=_peer, action="append", required=True, metavar="ADDR")
+    common.add_argument("--initial-peer", type=peer_address, action="append", required=True, metavar="ADDR")
     common.add_argument("--run-id", default="default", help="the swarm's run ID")
     common.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="joining deadline")
 

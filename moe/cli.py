@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peer import Identity, PeerAddress, PeerHost
+from peer.cli_types import listen_address, peer_address
 from peer.exception_groups import find_exception
 
 if TYPE_CHECKING:
@@ -107,28 +108,14 @@ def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--expe
     parser.add_argument("--seed", type=int, default=None, help="initialise experts reproducibly")
 
 
-def _peer(text: str) -> PeerAddress:
-    try:
-        return PeerAddress.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def add_serve_experts_command(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve-experts`` to an ``add_subparsers()`` object; returns the subparser."""
     parser = subparsers.add_parser("serve-experts", help="host mixture-of-experts experts for the swarm")
     add_expert_arguments(parser)
-    parser.add_argument("--listen", type=_listen, default=("0.0.0.0", 0), metavar="HOST:PORT")
+    parser.add_argument("--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT")
     parser.add_argument("--announce-host", default=None, help="host to advertise (default: the listen host, "
                         "or for 0.0.0.0 the local address that reaches the first initial peer)")  # fmt: skip
-    parser.add_argument("--initial-peer", type=_peer, action="append", default=[], metavar="ADDR")
+    parser.add_argument("--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR")
     parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
     parser.add_argument("--run-id", default="default")
     return parser

@@ -18,6 +18,7 @@ import trio
 
 from . import __version__
 from .address import PeerAddress
+from .cli_types import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .exception_groups import find_exception
 from .identity import Identity, IdentityError, default_identity_path
@@ -31,21 +32,6 @@ def _env(name: str, default: str | None = None) -> str | None:
     return value if value not in (None, "") else default
 
 
-def _listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT (port 0 = any free port)")
-    return host, int(port)
-
-
-def _peer(text: str) -> PeerAddress:
-    try:
-        return PeerAddress.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _shard(text: str) -> tuple[int, int]:
     index, _, count = text.partition("/")
     if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
@@ -55,7 +41,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 def _env_peers() -> list[PeerAddress]:
     text = _env("INITIAL_PEERS", "") or ""
-    return [_peer(item) for item in text.replace(",", " ").split()]
+    return [peer_address(item) for item in text.replace(",", " ").split()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_join_arguments(join: argparse.ArgumentParser) -> None:
-    join.add_argument("--listen", type=_listen, default=_listen(_env("LISTEN", "0.0.0.0:31337")), metavar="HOST:PORT")
+    join.add_argument(
+        "--listen", type=listen_address, default=listen_address(_env("LISTEN", "0.0.0.0:31337")), metavar="HOST:PORT"
+    )
     join.add_argument("--identity", type=Path, default=_env("IDENTITY"), help="key file, created on first use")
-    join.add_argument("--initial-peer", type=_peer, action="append", default=None, metavar="ADDR")
+    join.add_argument("--initial-peer", type=peer_address, action="append", default=None, metavar="ADDR")
     join.add_argument("--run-id", default=_env("RUN_ID", "default"), help="peers only talk within one run")
     join.add_argument("--bootstrap-timeout", type=float, default=float(_env("BOOTSTRAP_TIMEOUT", "15")))
     join.add_argument("--client-mode", action="store_true", default=_env("CLIENT_MODE") == "1")

@@ -1,0 +1,25 @@
+"""argparse types shared by every ``peerd`` subcommand (the daemon's, the DHT's, the experts')."""
+
+from __future__ import annotations
+
+import argparse
+
+from .address import PeerAddress
+
+__all__ = ["peer_address", "listen_address"]
+
+
+def peer_address(text: str) -> PeerAddress:
+    """``HOST:PORT`` or ``HOST:PORT/PEERID``."""
+    try:
+        return PeerAddress.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` to bind; port 0 lets the OS choose, an empty host means every interface."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT (port 0 = any free port)")
+    return host.strip("[]") or "0.0.0.0", int(port)
