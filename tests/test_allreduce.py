@@ -4,6 +4,7 @@ the contributions that arrived."""
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -13,6 +14,7 @@ import trio
 
 from averaging.allreduce import AllReduceService
 from averaging.group import AveragingMode, GroupInfo, GroupMember
+from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, open_peer_host
 
 SENDER_TIMEOUT = 1.0
@@ -255,4 +257,60 @@ async def test_nan_contribution_is_refused():
 
         with pytest.raises(AllReduceError, match="NaN"):
             await peers[2].service.run(group, tensors[2])
+        nursery.cancel_scope.cancel()
+
+
+async def measure_loop_lag(stop: trio.Event, lags: list[float], period: float = 0.005) -> None:
+    while not stop.is_set():
+        start = trio.current_time()
+        await trio.sleep(period)
+        lags.append(trio.current_time() - start - period)
+
+
+async def test_event_loop_stays_responsive_during_a_large_allreduce():
+    size = 3
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size)
+        group = make_group(peers)
+        tensors = [[torch.randn(8 << 20, generator=torch.Generator().manual_seed(i))] for i in range(size)]
+        expected = sum(t[0] for t in tensors) / size
+        stop, lags = trio.Event(), []
+        nursery.start_soon(measure_loop_lag, stop, lags)
+        big_parts = {"sender_timeout": 60.0, "reducer_timeout": 120.0, "part_size": DEFAULT_PART_SIZE}
+        await run_round(peers, group, tensors, [1.0] * size, {}, **big_parts)
+        stop.set()
+        lags.sort()
+        p99 = lags[int(len(lags) * 0.99)]
+        assert p99 < 0.050, f"loop lag p99 {p99 * 1000:.1f} ms over {len(lags)} ticks"
+        assert len(lags) > 20  # the round took long enough for the measurement to mean something
+        assert torch.allclose(tensors[0][0], expected, atol=1e-5)
+        nursery.cancel_scope.cancel()
+
+
+def resident_memory_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_fifty_rounds_in_a_row_do_not_grow_memory():
+    size = 3
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size)
+        tensors = [[torch.randn(1 << 20, generator=torch.Generator().manual_seed(i))] for i in range(size)]
+        usage = []
+        for round_number in range(50):
+            group = make_group(peers)  # a fresh group ID each round, as matchmaking would give
+            results = {}
+            options = {"sender_timeout": 30.0, "reducer_timeout": 60.0, "part_size": DEFAULT_PART_SIZE}
+            await run_round(peers, group, tensors, [1.0] * size, results, **options)
+            assert all(r.succeeded for r in results.values())
+            if round_number in (14, 49):
+                gc.collect()
+                usage.append(resident_memory_bytes())
+        # After warm-up, resident memory wanders by about +-8 MiB (allocator arenas; measured over
+        # 200 rounds with no trend). Leaking even one 1.4 MB shard per round would add ~50 MiB over
+        # these 35 rounds, a whole round's buffers ~250 MiB.
+        assert usage[1] - usage[0] < 24 << 20, f"grew by {(usage[1] - usage[0]) >> 20} MiB"
+        for service in (p.service for p in peers):
+            assert not service._sessions  # every round's session was released
         nursery.cancel_scope.cancel()
