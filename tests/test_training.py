@@ -160,3 +160,35 @@ async def test_convergence_parity_with_one_process_at_the_same_batch_size():
     single_accuracy = single.evaluate(single.model)["accuracy"]
     assert single_accuracy > 0.85  # both actually learned; parity of two untrained models proves nothing
     assert abs(swarm_accuracy - single_accuracy) <= 0.02, (swarm_accuracy, single_accuracy)
+
+
+async def test_scheduler_steps_per_epoch_and_gradients_are_clipped():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        trainers = []
+        for i, node in enumerate(nodes):
+            task = digits_task(shard=ShardSpec(i, 2))
+            inner = torch.optim.SGD(task.model.parameters(), lr=1.0)
+            optimizer = CollaborativeOptimizer(
+                inner,
+                node,
+                prefix="digits-clip",
+                target_batch_size=128,
+                target_group_size=2,
+                scheduler=torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5),
+                clip_grad_norm=1e-3,
+                average_state_every=0,
+                **FAST,
+            )
+            trainers.append(Trainer(task, optimizer))
+        before = [torch.cat([p.detach().reshape(-1).clone() for p in t.task.model.parameters()]) for t in trainers]
+        async with trio.open_nursery() as inner_nursery:
+            for trainer in trainers:
+                inner_nursery.start_soon(lambda t=trainer: t.run(max_epochs=4))
+        for trainer, start in zip(trainers, before, strict=True):
+            assert trainer.optimizer.epoch == 4
+            assert trainer.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)  # 1.0 * 0.5 ** (4 // 2)
+            after = torch.cat([p.detach().reshape(-1) for p in trainer.task.model.parameters()])
+            # each step moved the parameters by at most lr * clip norm: 1.0 + 1.0 + 0.5 + 0.5 times 1e-3
+            assert 0 < (after - start).norm().item() <= 3e-3 + 1e-6
+        nursery.cancel_scope.cancel()
