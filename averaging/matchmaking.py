@@ -34,6 +34,9 @@ JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
 # of the deadline (at most 1 s) lets stragglers' stores land while leaving most of it for joining.
 MAX_SETTLE = 0.5
+# A leader answers this long before its own deadline or a follower's: enough for the answer to
+# cross a continent before the follower stops listening.
+ANSWER_MARGIN = 0.1
 
 
 class MatchmakingError(RuntimeError):
@@ -82,16 +85,33 @@ class _Gathering:
         self.expected = expected
         self.target = target
         self.joined: dict[PeerID, Declaration] = {}
+        self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
         self.changed = trio.Event()
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
 
-    def admit(self, declaration: Declaration) -> None:
+    def admit(self, declaration: Declaration, gives_up_at: float) -> None:
         if self.formed is not None or len(self.joined) + 1 >= self.target:
             raise ValueError("group is already full or formed")
         self.joined[declaration.peer_id] = declaration
+        self.patience[declaration.peer_id] = gives_up_at
+        self._changed()
+
+    def withdraw(self, peer: PeerID) -> None:
+        """A follower stopped waiting before the group formed: it must not become a member that
+        never shows up (the others would wait a whole sender deadline for it)."""
+        if self.formed is None and self.joined.pop(peer, None) is not None:
+            self.patience.pop(peer, None)
+            self._changed()
+
+    def _changed(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    @property
+    def answer_by(self) -> float:
+        """Form the group before the most impatient follower gives up on us."""
+        return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
 
     @property
     def complete(self) -> bool:
@@ -124,8 +144,15 @@ class Matchmaker:
             raise ValueError("not gathering a group now")
         if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
             raise ValueError("schema differs from this group's, or the joiner is a round ahead")
-        gathering.admit(declaration)
-        await gathering.closed.wait()
+        patience = request.body.get("patience")
+        if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
+            raise ValueError("a join needs the follower's patience in seconds")
+        gathering.admit(declaration, trio.current_time() + patience)
+        try:
+            await gathering.closed.wait()
+        finally:
+            if gathering.formed is None:  # the follower gave up, or its connection died
+                gathering.withdraw(request.peer)
         if gathering.formed is None or gathering.formed.member(request.peer) is None:
             raise ValueError("the group did not form")
         return gathering.formed.to_wire()
@@ -178,7 +205,7 @@ class Matchmaker:
                 try:
                     if proposal.leader == me.peer_id.to_bytes():
                         return await self._lead(me, expected, target_group_size, min_group_size, deadline)
-                    return await self._follow(me, candidates[PeerID(proposal.leader)])
+                    return await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
                 except (MatchmakingError, RPCError, ConnectError, ValueError) as error:
                     last_error = str(error)
                     log.debug("matchmaking attempt failed: %s", error)
@@ -210,9 +237,11 @@ class Matchmaker:
         try:
             # Wait for the expected members, but not for the whole deadline: leave the followers
             # time to receive the answer and the all-reduce time to start.
-            with trio.move_on_after(max(0.0, deadline - trio.current_time() - 0.1)):
-                while not gathering.complete:
+            while not gathering.complete:
+                with trio.move_on_at(min(deadline - ANSWER_MARGIN, gathering.answer_by)) as scope:
                     await gathering.changed.wait()
+                if scope.cancelled_caught:
+                    break
             members = [me, *sorted(gathering.joined.values(), key=lambda d: d.peer_id.to_bytes())]
             if len(members) < min_size:
                 raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size})")
@@ -222,10 +251,11 @@ class Matchmaker:
             self._gathering = None
             gathering.closed.set()
 
-    async def _follow(self, me: Declaration, leader: Declaration) -> GroupInfo:
+    async def _follow(self, me: Declaration, leader: Declaration, deadline: float) -> GroupInfo:
         if leader.address is None:
             raise MatchmakingError("the leader has no address")
-        reply = await self.host.call(leader.address, self._join_method, me.to_wire())
+        body = {**me.to_wire(), "patience": max(deadline - trio.current_time(), 1e-3)}
+        reply = await self.host.call(leader.address, self._join_method, body)
         group = GroupInfo.from_wire(reply.body)
         if group.member(me.peer_id) is None:
             raise MatchmakingError("the leader's group does not include this peer")

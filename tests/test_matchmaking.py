@@ -147,3 +147,40 @@ async def test_a_peer_behind_in_rounds_catches_up_and_joins_the_group():
         assert all(a.round == 8 for a in averagers)
         assert all(a.tensors[0].item() == pytest.approx(3.0) for a in averagers)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_follower_that_gives_up_is_not_left_in_the_group():
+    from averaging.group import AveragingMode
+    from averaging.matchmaking import Declaration, Matchmaker
+    from peer import Identity, open_peer_host
+
+    async with (
+        open_peer_host(Identity.generate()) as leader_host,
+        open_peer_host(Identity.generate()) as quitter,
+        open_peer_host(Identity.generate()) as stayer,
+    ):
+        matchmaker = Matchmaker(leader_host, None, "p")
+
+        def declaration(host):
+            return Declaration(host.peer_id, host.listen_address, 1.0, AveragingMode.NODE, "schema", 0)
+
+        expected = {quitter.peer_id, stayer.peer_id}
+        result = {}
+
+        async def lead():
+            deadline = trio.current_time() + 1.5
+            result["group"] = await matchmaker._lead(declaration(leader_host), expected, 3, 2, deadline)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            while matchmaker._gathering is None:  # the leader has opened its invitation
+                await trio.sleep(0)
+            join = {**declaration(quitter).to_wire(), "patience": 10.0}
+            with trio.move_on_after(0.3):  # the quitter's process dies while waiting for the answer
+                await quitter.call(leader_host.listen_address, "avg.join.p", join)
+            reply = await stayer.call(
+                leader_host.listen_address, "avg.join.p", {**declaration(stayer).to_wire(), "patience": 10.0}
+            )
+        members = {m.peer_id for m in result["group"].members}
+        assert members == {leader_host.peer_id, stayer.peer_id}
+        assert {m[0] for m in reply.body["members"]} == {p.to_bytes() for p in members}
