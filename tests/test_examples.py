@@ -29,9 +29,13 @@ def test_embed_averager_copies_average_with_each_other(tmp_path):
             process.kill()
             process.wait()
     assert all(p.returncode == 0 for p in [first, *others]), outputs
-    weights = []
+    # A copy that starts a little late may miss the first round (the others then average in a pair,
+    # as min_group_size=2 allows) and run one round behind; what must hold is that the three copies
+    # did average together: some round left all three holding the same averaged weight.
+    shared = None
     for output in outputs:
-        assert "averaged with 3 peers" in output, output
-        weights.append([line for line in output.splitlines() if "weight[0]" in line])
-    # after each round all copies hold the same averaged weight (printed under the tensor lock)
-    assert weights[0][-1] == weights[1][-1] == weights[2][-1], weights
+        lines = output.splitlines()
+        after_full_rounds = {lines[i + 1] for i, line in enumerate(lines[:-1]) if "averaged with 3 peers" in line}
+        assert after_full_rounds, output
+        shared = after_full_rounds if shared is None else shared & after_full_rounds
+    assert shared, outputs
