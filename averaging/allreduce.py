@@ -32,7 +32,7 @@ from .group import GroupInfo, GroupMember
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction, all_finite
 
-__all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "run_allreduce", "tensor_work_limiter"]
+__all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "tensor_work_limiter"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -511,8 +511,3 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 def _copy_into(output: torch.Tensor, start: int, values: torch.Tensor) -> None:
     output[start : start + values.numel()].copy_(values)
-
-
-async def run_allreduce(service: AllReduceService, group: GroupInfo, tensors, **options) -> AllReduceResult:
-    """Convenience wrapper: ``await service.run(group, tensors, **options)``."""
-    return await service.run(group, tensors, **options)
