@@ -9,20 +9,16 @@ __version__ = "0.1.0"
 from .address import PeerAddress
 from .host import ConnectError, PeerHost, open_peer_host
 from .identity import Identity, IdentityError, PeerID
-from .rpc import (
+from .router import Message, Request, Router
+from .rpc import ClientStream, Connection, ServerStream
+from .rpc_errors import (
     BadRequest,
     BadRequestError,
     BusyError,
     CallTimeoutError,
-    ClientStream,
-    Connection,
     ConnectionLost,
-    Message,
     RemoteError,
-    Request,
-    Router,
     RPCError,
-    ServerStream,
     StreamClosed,
     UnknownMethodError,
 )

@@ -20,7 +20,7 @@ import trio
 from .address import PeerAddress
 from .host import PeerHost, open_peer_host
 from .identity import Identity
-from .rpc import Request, Router
+from .router import Request, Router
 from .status_server import prometheus_text, serve_status
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]

@@ -18,7 +18,8 @@ import trio
 
 from .address import PeerAddress
 from .identity import Identity, PeerID
-from .rpc import Connection, Message, Router, TrafficCounter
+from .router import Message, Router
+from .rpc import Connection, TrafficCounter
 from .secure_channel import HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, HandshakeError, Hello, secure_handshake
 
 __all__ = ["PeerHost", "ConnectError", "open_peer_host"]

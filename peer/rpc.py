@@ -15,7 +15,6 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -23,6 +22,13 @@ import trio
 from .address import PeerAddress
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .identity import PeerID
+from .router import Message, Request, Router
+from .rpc_errors import (
+    CallTimeoutError,
+    ConnectionLost,
+    StreamClosed,
+    remote_error,
+)
 from .rpc_protocol import (
     CallCancelled,
     CallFailed,
@@ -35,23 +41,7 @@ from .rpc_protocol import (
 )
 from .secure_channel import SecureChannel
 
-__all__ = [
-    "Message",
-    "Request",
-    "Router",
-    "Connection",
-    "ClientStream",
-    "ServerStream",
-    "RPCError",
-    "RemoteError",
-    "UnknownMethodError",
-    "BadRequestError",
-    "BusyError",
-    "CallTimeoutError",
-    "ConnectionLost",
-    "StreamClosed",
-    "TrafficCounter",
-]
+__all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
 
 log = logging.getLogger("peerd.rpc")
 
@@ -63,119 +53,6 @@ SEND_BUFFER_SIZE = 4 * (MAX_RECORD_PLAINTEXT + HEADER.size + AEAD_TAG_SIZE)
 # 50 x 49 x 4 MiB of zeroed buffers.
 INITIAL_SEND_BUFFER_SIZE = 64 * 1024
 _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
-
-
-class RPCError(Exception):
-    """Base class of everything a call can fail with."""
-
-
-class RemoteError(RPCError):
-    """The remote handler raised; ``type_name`` and ``remote_message`` say what it raised."""
-
-    def __init__(self, method: str, peer: PeerID, type_name: str, remote_message: str):
-        self.method, self.peer, self.type_name, self.remote_message = method, peer, type_name, remote_message
-        super().__init__(f"{method} on peer {peer} failed: {type_name}: {remote_message}")
-
-
-class UnknownMethodError(RemoteError):
-    pass
-
-
-class BadRequestError(RemoteError):
-    """The handler rejected the request's arguments (wrong types, sizes or values)."""
-
-
-class BusyError(RemoteError):
-    pass
-
-
-class CallTimeoutError(RPCError, TimeoutError):
-    pass
-
-
-class ConnectionLost(RPCError):
-    pass
-
-
-class StreamClosed(RPCError):
-    """The other side ended the stream; nothing more can be sent on it."""
-
-
-# Remote exception types that mean "your arguments were wrong" map to BadRequestError; the original
-# type name is kept in ``type_name``.
-_ERROR_TYPES = {
-    "UnknownMethod": UnknownMethodError,
-    "BadRequest": BadRequestError,
-    "TypeError": BadRequestError,
-    "ValueError": BadRequestError,
-    "Busy": BusyError,
-}
-
-
-class BadRequest(Exception):
-    """Raise from a handler to tell the caller its arguments are wrong (reaches it as BadRequestError)."""
-
-
-@dataclass(frozen=True)
-class Message:
-    body: Any = None
-    payload: bytes | bytearray | memoryview = b""
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a unary handler receives."""
-
-    peer: PeerID
-    body: Any
-    payload: bytes | bytearray
-    connection: Connection
-
-
-UnaryHandler = Callable[[Request], Awaitable[Any]]
-StreamHandler = Callable[["ServerStream"], Awaitable[None]]
-
-
-class Router:
-    """Method name -> handler. Unary handlers return a body or a ``Message``; stream handlers
-    receive a ``ServerStream`` and return when done."""
-
-    def __init__(self) -> None:
-        self._unary: dict[str, UnaryHandler] = {}
-        self._stream: dict[str, StreamHandler] = {}
-
-    def add_unary(self, name: str, handler: UnaryHandler) -> None:
-        self._check_free(name)
-        self._unary[name] = handler
-
-    def add_stream(self, name: str, handler: StreamHandler) -> None:
-        self._check_free(name)
-        self._stream[name] = handler
-
-    def _check_free(self, name: str) -> None:
-        if name in self._unary or name in self._stream:
-            raise ValueError(f"RPC method {name!r} is already registered")
-
-    def unary(self, name: str) -> Callable[[UnaryHandler], UnaryHandler]:
-        def register(handler: UnaryHandler) -> UnaryHandler:
-            self.add_unary(name, handler)
-            return handler
-
-        return register
-
-    def stream(self, name: str) -> Callable[[StreamHandler], StreamHandler]:
-        def register(handler: StreamHandler) -> StreamHandler:
-            self.add_stream(name, handler)
-            return handler
-
-        return register
-
-    def lookup(self, name: str, unary: bool) -> UnaryHandler | StreamHandler | None:
-        return (self._unary if unary else self._stream).get(name)
-
-    @property
-    def methods(self) -> list[str]:
-        return sorted([*self._unary, *self._stream])
 
 
 def _as_bytes_view(payload: Any) -> memoryview:
@@ -548,8 +425,7 @@ class Connection:
         elif isinstance(event, CallFailed):
             state = self._pending.pop(event.call_id, None)
             if state is not None:
-                error_type = _ERROR_TYPES.get(event.type_name, RemoteError)
-                state.error = error_type(state.method, self.remote_peer_id, event.type_name, event.message)
+                state.error = remote_error(state.method, self.remote_peer_id, event.type_name, event.message)
                 state.done.set()
                 state.arrived.set()
                 state.credit.set()

@@ -1,0 +1,76 @@
+"""Method name -> handler, and what handlers receive and return."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .identity import PeerID
+
+if TYPE_CHECKING:
+    from .rpc import Connection, ServerStream
+
+__all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler"]
+
+
+@dataclass(frozen=True)
+class Message:
+    body: Any = None
+    payload: bytes | bytearray | memoryview = b""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a unary handler receives."""
+
+    peer: PeerID
+    body: Any
+    payload: bytes | bytearray
+    connection: Connection
+
+
+UnaryHandler = Callable[[Request], Awaitable[Any]]
+StreamHandler = Callable[["ServerStream"], Awaitable[None]]
+
+
+class Router:
+    """Method name -> handler. Unary handlers return a body or a ``Message``; stream handlers
+    receive a ``ServerStream`` and return when done."""
+
+    def __init__(self) -> None:
+        self._unary: dict[str, UnaryHandler] = {}
+        self._stream: dict[str, StreamHandler] = {}
+
+    def add_unary(self, name: str, handler: UnaryHandler) -> None:
+        self._check_free(name)
+        self._unary[name] = handler
+
+    def add_stream(self, name: str, handler: StreamHandler) -> None:
+        self._check_free(name)
+        self._stream[name] = handler
+
+    def _check_free(self, name: str) -> None:
+        if name in self._unary or name in self._stream:
+            raise ValueError(f"RPC method {name!r} is already registered")
+
+    def unary(self, name: str) -> Callable[[UnaryHandler], UnaryHandler]:
+        def register(handler: UnaryHandler) -> UnaryHandler:
+            self.add_unary(name, handler)
+            return handler
+
+        return register
+
+    def stream(self, name: str) -> Callable[[StreamHandler], StreamHandler]:
+        def register(handler: StreamHandler) -> StreamHandler:
+            self.add_stream(name, handler)
+            return handler
+
+        return register
+
+    def lookup(self, name: str, unary: bool) -> UnaryHandler | StreamHandler | None:
+        return (self._unary if unary else self._stream).get(name)
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted([*self._unary, *self._stream])
