@@ -20,7 +20,14 @@ from .address import PeerAddress
 from .identity import Identity, PeerID
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
-from .secure_channel import HANDSHAKE_TIMEOUT, PROTOCOL_VERSION, HandshakeError, Hello, secure_handshake
+from .secure_channel import (
+    HANDSHAKE_TIMEOUT,
+    PROTOCOL_VERSION,
+    HandshakeError,
+    Hello,
+    HelloMismatch,
+    secure_handshake,
+)
 
 __all__ = ["PeerHost", "ConnectError", "open_peer_host"]
 
@@ -107,7 +114,10 @@ class PeerHost:
             )
         except Exception as error:  # whatever a stranger sends, it costs them the connection only
             reason = "handshake timed out" if isinstance(error, trio.TooSlowError) else str(error)
-            log.info("refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
+            # A peer of another run or version is worth telling the user about; scanners and junk
+            # are not (a flood of them must not flood the log either).
+            level = logging.INFO if isinstance(error, HelloMismatch) else logging.DEBUG
+            log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
             await trio.aclose_forcefully(stream)
             return
         finally:
