@@ -14,8 +14,6 @@ the same stream (all-gather). Deadlines make it fault tolerant:
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ import trio
 from peer import ConnectError, PeerHost, PeerID, Router, RPCError
 
 from .compression import NoCompression, get_codec
+from .flat_parts import RAW_META, bytes_view, check_finite, decode, encode_shard, flat_view, flatten, write_back
 from .group import GroupInfo, GroupMember
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction, all_finite
@@ -42,11 +41,6 @@ REDUCE_METHOD = "avg.reduce"
 SESSION_WAIT = 5.0
 
 _limiter: trio.CapacityLimiter | None = None
-
-# Uncompressed float32 parts ("none") skip the codec calls and their worker threads: a part is sent
-# as a byte view of the flattened tensor (already checked finite as a whole) and received by one
-# copy into a reused buffer; finiteness is checked where the values are used.
-RAW_META = {"codec": NoCompression.name}
 
 
 def tensor_work_limiter() -> trio.CapacityLimiter:
@@ -275,7 +269,7 @@ class AllReduceService:
         if member is None:
             raise AllReduceError("this peer is not a member of the group")
         tensors = list(tensors)
-        flat = await _in_thread(_checked_flat, tensors) if member.mode.sends else None
+        flat = await _in_thread(checked_flat, tensors) if member.mode.sends else None
         session = _Session(group, me, flat, weight, codec, sender_timeout, part_size)
         total = flat.numel() if flat is not None else sum(t.numel() for t in tensors)
         session.total = total
@@ -317,7 +311,7 @@ class AllReduceService:
                 else:
                     result.local_shards[session.my_shard] = "no contribution arrived"
         if flat is not None:
-            await _in_thread(_write_back, tensors, averaged + local)
+            await _in_thread(write_back, tensors, averaged + local)
             self._buffers.give(values for _start, values in averaged)
         return result
 
@@ -344,7 +338,7 @@ class AllReduceService:
         outcome = session.outcome = await _in_thread(reduction.outcome)
         if outcome.averaged is not None:
             try:
-                parts = await _in_thread(_encode_shard, session.codec, outcome.averaged, reduction.part_sizes)
+                parts = await _in_thread(encode_shard, session.codec, outcome.averaged, reduction.part_sizes)
                 session.reply_parts = parts
             except ValueError as error:  # e.g. weighted values overflowed to inf: senders keep theirs
                 session.reply_error = error
@@ -376,7 +370,7 @@ class AllReduceService:
                     for part_index, (start, end) in enumerate(parts):
                         part = session.flat[start:end]
                         if session.raw:  # the flattened tensor was checked finite as a whole
-                            meta, payload = RAW_META, _bytes_view(part)
+                            meta, payload = RAW_META, bytes_view(part)
                         else:
                             meta, payload = await _in_thread(codec.encode, part)
                         await self._send_part(stream, part_index, meta, payload)
@@ -393,7 +387,7 @@ class AllReduceService:
                         if not (isinstance(body, dict) and body.get("part") == part_index):
                             raise AllReduceError("reducer sent parts out of order")
                         values.append(await self._decode_part(body.get("meta"), reply.payload, end - start))
-                await _in_thread(_check_finite, values)
+                await _in_thread(check_finite, values)
             averaged.extend((start, part) for (start, _end), part in zip(parts, values, strict=True))
             result.contributors[index] = contributors
             result.failed_peers.update(p.peer_id for p in session.group.senders if p.peer_id not in contributors)
@@ -413,101 +407,17 @@ class AllReduceService:
             values = self._buffers.take(numel)
             values.numpy()[:] = np.frombuffer(payload, dtype=np.float32)
             return values
-        return await _in_thread(_decode, meta, payload, numel)
+        return await _in_thread(decode, meta, payload, numel)
 
 
-def _encode_shard(codec_name: str, averaged: torch.Tensor, part_sizes: list[int]) -> list[tuple[dict, Any]]:
-    """The averaged shard as parts ready to send (raises ValueError for non-finite values)."""
-    codec = get_codec(codec_name)
-    raw = isinstance(codec, NoCompression)
-    if raw and not all_finite(averaged):
-        raise ValueError("the average contains NaN or infinite values")
-    parts, offset = [], 0
-    for size in part_sizes:
-        part = averaged[offset : offset + size]
-        parts.append((RAW_META, _bytes_view(part)) if raw else codec.encode(part))
-        offset += size
-    return parts
-
-
-def _check_finite(parts: list[torch.Tensor]) -> None:
-    if not all(all_finite(values) for values in parts):
-        raise ContributionRejected("the reducer sent NaN or infinite values")
-
-
-def _bytes_view(part: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous float32 part, shared, not copied."""
-    return memoryview(part.view(torch.uint8).numpy())
-
-
-def _decode(meta, payload, numel: int) -> torch.Tensor:
-    if not (isinstance(meta, dict) and isinstance(meta.get("codec"), str)):
-        raise ContributionRejected("part metadata must name its codec")
-    values = get_codec(meta["codec"]).decode(meta, payload, numel)
-    if values.numel() != numel:
-        raise ContributionRejected(f"part decoded to {values.numel()} values, expected {numel}")
-    return values
-
-
-def _checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Our values as one flat float32 vector, refused if any is NaN or infinite.
 
     A single contiguous float32 CPU tensor is used as it is (a view, no copy): the round only reads
     it until it is over, and then writes the averages into it. Anything else is copied."""
-    flat = _flat_view(tensors)
+    flat = flat_view(tensors)
     if flat is None:
-        flat = _flatten(tensors)
+        flat = flatten(tensors)
     if not all_finite(flat):
         raise AllReduceError("local tensors contain NaN or infinite values; refusing to average them")
     return flat
-
-
-def _flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    if len(tensors) != 1:
-        return None
-    tensor = tensors[0].detach()
-    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return None
-    return tensor.view(-1)
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.empty(0, dtype=torch.float32)
-    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
-
-
-def _write_back(tensors: list[torch.Tensor], averaged: list[tuple[int, torch.Tensor]]) -> None:
-    """Copy averaged ``(flat offset, values)`` pieces straight into the caller's tensors (converting
-    the dtype if needed); what no piece covers keeps its local values."""
-    if not all(t.is_contiguous() for t in tensors):  # no flat views of these: go through a flat copy
-        flat = _flatten(tensors)
-        for start, values in averaged:
-            _copy_into(flat, start, values)
-        _unflatten_into(flat, tensors)
-        return
-    ends = list(itertools.accumulate(t.numel() for t in tensors))
-    with torch.no_grad():
-        for start, values in averaged:
-            done = 0
-            index = bisect.bisect_right(ends, start)
-            while done < values.numel():
-                tensor = tensors[index]
-                offset = start + done - (ends[index] - tensor.numel())
-                count = min(values.numel() - done, tensor.numel() - offset)
-                tensor.detach().view(-1)[offset : offset + count].copy_(values[done : done + count])
-                done += count
-                index += 1
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            n = tensor.numel()
-            tensor.copy_(flat[offset : offset + n].view(tensor.shape).to(tensor.dtype))
-            offset += n
-
-
-def _copy_into(output: torch.Tensor, start: int, values: torch.Tensor) -> None:
-    output[start : start + values.numel()].copy_(values)
