@@ -18,11 +18,12 @@ import trio
 
 from peer import Identity
 from peer.cli_types import peer_address
+from peer.exception_groups import find_exception
 
 from .node import DHTBootstrapError, DHTConfig, DHTNode
 from .records import MAX_TTL, DHTValue
 
-__all__ = ["add_dht_commands", "run_dht_command", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
+__all__ = ["add_dht_commands", "run_dht_command", "run_joining", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
 
 EXIT_NOT_FOUND = 1
 EXIT_UNREACHABLE = 2
@@ -111,3 +112,17 @@ def run_dht_command(args: argparse.Namespace) -> int:
         return EXIT_NOT_FOUND
     print(json.dumps(result))
     return status
+
+
+def run_joining(async_fn: Any, *args: Any) -> int:
+    """``trio.run`` a command that joins the swarm: 0 when it returns, ``EXIT_UNREACHABLE`` (with the
+    reason for each initial peer on stderr) when no initial peer answered."""
+    try:
+        trio.run(async_fn, *args)
+    except Exception as error:
+        unreachable = find_exception(error, DHTBootstrapError)
+        if unreachable is None:
+            raise
+        print(f"peerd: {unreachable}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    return 0

@@ -23,7 +23,6 @@ import trio
 
 from peer import Identity, PeerAddress, PeerHost
 from peer.cli_types import listen_address, peer_address
-from peer.exception_groups import find_exception
 
 if TYPE_CHECKING:
     from dht.node import DHTNode
@@ -223,17 +222,9 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    try:
-        trio.run(_serve_main, args, config, experts)
-    except Exception as error:
-        from dht.node import DHTBootstrapError
+    from dht.cli import run_joining
 
-        found = find_exception(error, DHTBootstrapError)
-        if found is None:
-            raise
-        print(f"peerd: {found}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    return 0
+    return run_joining(_serve_main, args, config, experts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ from . import __version__
 from .address import PeerAddress
 from .cli_types import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
-from .exception_groups import find_exception
 from .identity import Identity, IdentityError, default_identity_path
 
 EXIT_BAD_INPUT = 1
@@ -181,17 +180,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
         status_port=args.status_port,
         experts=_experts(args),
     )
-    from dht.node import DHTBootstrapError
+    from dht.cli import run_joining
 
-    try:
-        trio.run(_join_main, config)
-    except Exception as error:
-        bootstrap_error = find_exception(error, DHTBootstrapError)
-        if bootstrap_error is None:
-            raise
-        print(f"peerd: {bootstrap_error}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    return 0
+    return run_joining(_join_main, config)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
