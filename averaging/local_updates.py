@@ -20,7 +20,7 @@ import torch
 import trio
 
 from .allreduce import AllReduceError
-from .averager import EpochStateAverager, GroupAverager
+from .averager import EpochStateAverager, GroupAverager, averaging_options
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
@@ -59,14 +59,13 @@ class LocalUpdatesOptimizer:
         self.outer = torch.optim.SGD(self.params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         self.snapshot = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.deltas = [torch.zeros_like(s) for s in self.snapshot]
-        averaging = {
-            "target_group_size": target_group_size,
-            "min_group_size": min_group_size,
-            "matchmaking_timeout": matchmaking_timeout,
-            "sender_timeout": averaging_timeout / 2,
-            "reducer_timeout": averaging_timeout,
-            "settle_time": settle_time,
-        }
+        averaging = averaging_options(
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            matchmaking_timeout=matchmaking_timeout,
+            averaging_timeout=averaging_timeout,
+            settle_time=settle_time,
+        )
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )

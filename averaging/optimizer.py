@@ -21,7 +21,7 @@ import torch
 import trio
 
 from .allreduce import AllReduceError
-from .averager import EpochStateAverager, GroupAverager
+from .averager import EpochStateAverager, GroupAverager, averaging_options
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
@@ -70,18 +70,17 @@ class CollaborativeOptimizer:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.gradients = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
         self._numel = sum(p.numel() for p in self.params)
-        averaging = {
-            "target_group_size": target_group_size,
-            "min_group_size": min_group_size,
-            "matchmaking_timeout": matchmaking_timeout,
-            "sender_timeout": averaging_timeout / 2,
-            "reducer_timeout": averaging_timeout,
-            # Peers see the swarm reach the target within one progress refresh of each other, so
-            # that is all the time declarations need to meet (the 0.5 s generic default was a fixed
-            # cost per epoch).
-            "settle_time": settle_time if settle_time is not None else max(progress_interval, 0.05),
-            "codec": codec,
-        }
+        # Peers see the swarm reach the target within one progress refresh of each other, so
+        # that is all the time declarations need to meet (the 0.5 s generic default was a fixed
+        # cost per epoch).
+        averaging = averaging_options(
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            matchmaking_timeout=matchmaking_timeout,
+            averaging_timeout=averaging_timeout,
+            settle_time=settle_time if settle_time is not None else max(progress_interval, 0.05),
+        )
+        averaging["codec"] = codec
         self.grad_averager = GroupAverager(
             self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, **averaging
         )
