@@ -172,7 +172,9 @@ class RPCProtocol:
         self._remote_calls = 0
         self._outbox: list[bytes] = []
         self._pending: tuple | None = None  # header awaiting its payload
-        self._payload: bytearray | None = None  # allocated only for payloads spanning records
+        # allocated only for payloads spanning records, unless the application supplied a buffer
+        self._payload: Any = None
+        self._payload_view: memoryview | None = None
         self._payload_len = 0
         self._payload_filled = 0
         self._header_size = 0
@@ -265,9 +267,36 @@ class RPCProtocol:
     def payload_remaining(self) -> int:
         return self._payload_len - self._payload_filled
 
+    @property
+    def announced_data(self) -> tuple[int, Any] | None:
+        """``(call_id, body)`` of the stream message whose payload is awaited (None otherwise), so
+        that the driver can ask the application where the payload should go."""
+        header = self._pending
+        if header is None or header[0] != DATA or self._payload is not None:
+            return None
+        return header[1], header[2]
+
+    def payload_fits_record(self, size: int) -> bool:
+        """Whether a record of ``size`` plaintext bytes is the whole awaited payload and no buffer
+        was supplied: the driver may then let the AEAD allocate the payload (``payload_whole``)."""
+        return self._payload is None and size == self._payload_len
+
+    def supply_payload_buffer(self, buffer: Any) -> None:
+        """Receive the awaited payload into ``buffer`` (a writable buffer of exactly the announced
+        length) instead of a fresh allocation; the delivered payload is then ``buffer`` itself."""
+        if self._pending is None or self._payload is not None or self._payload_filled:
+            raise RuntimeError("no payload is awaiting a buffer")
+        view = memoryview(buffer)
+        if view.readonly or not view.contiguous:
+            raise ValueError("a payload buffer must be writable and contiguous")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if len(view) != self._payload_len:
+            raise ValueError(f"payload buffer holds {len(view)} bytes, the payload has {self._payload_len}")
+        self._payload, self._payload_view = buffer, view
+
     def payload_whole(self, payload: bytes) -> list:
         """Deliver a payload that arrived in one piece (no buffer to allocate and fill)."""
-        if self._pending is None or self._payload_filled or len(payload) != self._payload_len:
+        if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
             raise ProtocolError("payload record does not match the announced payload length")
         header = self._pending
         self._pending = None
@@ -278,7 +307,9 @@ class RPCProtocol:
         assert self._pending is not None
         if self._payload is None:
             self._payload = bytearray(self._payload_len)
-        return memoryview(self._payload)[self._payload_filled :]
+            self._payload_view = memoryview(self._payload)
+        assert self._payload_view is not None
+        return self._payload_view[self._payload_filled :]
 
     def payload_received(self, nbytes: int) -> list:
         assert self._payload is not None and self._pending is not None
@@ -286,7 +317,7 @@ class RPCProtocol:
         if self._payload_filled < self._payload_len:
             return []
         header, payload = self._pending, self._payload
-        self._pending = self._payload = None
+        self._pending = self._payload = self._payload_view = None
         return self._dispatch(header, payload)
 
     def receive_header(self, plaintext: bytes | memoryview) -> list:
@@ -335,7 +366,7 @@ class RPCProtocol:
             return payload_len
         return 0
 
-    def _dispatch(self, header: list, payload: bytes | bytearray) -> list:
+    def _dispatch(self, header: list, payload: Any) -> list:
         kind, call_id = header[0], header[1]
         if kind in (OPEN, UNARY):
             return self._remote_open(kind, call_id, header, payload)
@@ -348,7 +379,7 @@ class RPCProtocol:
             # its view of the credit never exceeds ours, so data arriving at <= 0 is a violation.
             if call.receive_credit <= 0:
                 raise ProtocolError("peer sent more stream data than its credit allows")
-            cost = self._header_size + len(payload)
+            cost = self._header_size + header[3]  # the announced payload length, delivered whole
             call.receive_credit -= cost
             return [StreamData(call_id, header[2], payload, cost)]
         if kind == END:
@@ -370,7 +401,7 @@ class RPCProtocol:
             return [CallResult(call_id, header[2], payload)]
         return [CallFailed(call_id, header[2], header[3])]
 
-    def _remote_open(self, kind: int, call_id: int, header: list, payload: bytes | bytearray) -> list:
+    def _remote_open(self, kind: int, call_id: int, header: list, payload: Any) -> list:
         _check(call_id % 2 == (0 if self.initiator else 1), "call ID of the wrong parity")
         _check(call_id not in self._calls, f"call ID {call_id} reused while live")
         if self._remote_calls >= self.max_concurrent_calls:

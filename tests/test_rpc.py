@@ -69,6 +69,12 @@ def make_router(probe: Probe) -> Router:
                 await stream.send(i, bytes([i % 256]) * 1000)
             return
 
+    @router.stream("blobs")
+    async def blobs(stream):
+        count, size = (await stream.receive()).body
+        for i in range(count):
+            await stream.send(i, bytes([i]) * size)
+
     @router.stream("sum")
     async def sum_stream(stream):
         total = 0
@@ -314,3 +320,30 @@ async def test_traffic_counters_count_what_crossed_the_wire(peers):
     assert 3 << 20 < sent < (3 << 20) + 4096  # payload plus a few record headers and tags
     assert server.traffic.bytes_received - received_before == sent
     assert client.traffic.bytes_received >= 3 << 20  # the echo came back
+
+
+@pytest.mark.parametrize("size", [1000, 1536 * 1024])  # within one record, and spanning two
+async def test_payloads_are_received_into_buffers_the_caller_supplies(peers, size):
+    _, _, connection, _ = peers
+    supplied: dict[int, bytearray] = {}
+
+    def provider(body, nbytes):
+        assert nbytes == size
+        if body % 4 == 0:
+            supplied[body] = bytearray(nbytes)
+            return supplied[body]
+        if body % 4 == 1:
+            return None  # receive into a fresh buffer as usual
+        if body % 4 == 2:
+            raise KeyError("a provider bug costs a copy, not the stream")
+        return bytearray(nbytes - 1)  # the wrong size: refused, a fresh buffer instead
+
+    async with connection.stream("blobs") as stream:
+        stream.set_buffer_provider(provider)
+        await stream.send((8, size))
+        received = [message async for message in stream]
+    assert [m.body for m in received] == list(range(8))
+    for message in received:
+        assert bytes(message.payload) == bytes([message.body]) * size
+        assert (message.payload is supplied.get(message.body)) == (message.body % 4 == 0)
+    assert sorted(supplied) == [0, 4]

@@ -145,3 +145,34 @@ def test_reusing_a_live_call_id_is_a_protocol_error():
     server.receive_header(packb([7, 1, "m", None, None, 0]))
     with pytest.raises(ProtocolError, match="reused"):
         server.receive_header(packb([7, 1, "m", None, None, 0]))
+
+
+def test_stream_payload_goes_into_a_supplied_buffer():
+    client, server = pair()
+    call_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    assert server.receive_header(client.send_data(call_id, {"part": 3}, 6)) == []
+    assert server.announced_data == (call_id, {"part": 3})
+    assert server.payload_fits_record(6)  # one record could be delivered whole, until a buffer is given
+    buffer = bytearray(6)
+    with pytest.raises(ValueError, match="holds 5 bytes"):
+        server.supply_payload_buffer(bytearray(5))
+    with pytest.raises(ValueError, match="writable"):
+        server.supply_payload_buffer(b"\0" * 6)
+    server.supply_payload_buffer(buffer)
+    assert server.announced_data is None and not server.payload_fits_record(6)
+    target = server.payload_target()
+    target[:4] = b"abcd"
+    assert server.payload_received(4) == []
+    server.payload_target()[:2] = b"ef"
+    [data] = server.payload_received(2)
+    assert data.payload is buffer and buffer == b"abcdef"
+    assert data.cost == len(client.send_data(call_id, {"part": 3}, 6)) + 6  # credit as announced
+
+
+def test_only_stream_data_asks_for_a_buffer():
+    client, server = pair()
+    call_id, header = client.open_unary("m", None, 4, timeout=None)
+    server.receive_header(header)
+    assert server.awaiting_payload and server.announced_data is None
+    assert server.payload_fits_record(4) and not server.payload_fits_record(3)
