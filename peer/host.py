@@ -197,8 +197,12 @@ class PeerHost:
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise
         connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
+        try:
+            self._nursery.start_soon(self._run_connection, connection, False)
+        except RuntimeError:  # the host is shutting down; callers running outside it see a clean error
+            await channel.aclose()
+            raise ConnectError(f"{address}: this peer's host is shutting down") from None
         self._endpoint_peer[(address.host, address.port)] = connection.remote_peer_id
-        self._nursery.start_soon(self._run_connection, connection, False)
         log.debug("connected to %s at %s", connection.remote_peer_id, address.endpoint)
         return connection
 

@@ -347,3 +347,13 @@ async def test_payloads_are_received_into_buffers_the_caller_supplies(peers, siz
         assert bytes(message.payload) == bytes([message.body]) * size
         assert (message.payload is supplied.get(message.body)) == (message.body % 4 == 0)
     assert sorted(supplied) == [0, 4]
+
+
+async def test_dialing_from_a_host_that_has_shut_down_is_a_clean_connect_error():
+    from peer import ConnectError
+
+    async with open_peer_host(Identity.generate(), router=Router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            pass  # a task that outlives its host (e.g. an all-reduce round) may still try to dial
+        with pytest.raises(ConnectError, match="shutting down"):
+            await client.connect(server.listen_address)
