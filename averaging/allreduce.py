@@ -108,8 +108,13 @@ class _Session:
         self.reply_parts: list[tuple[dict, Any]] = []
         self.reply_error: Exception | None = None
         self.raw = codec == NoCompression.name or isinstance(codec, NoCompression)
+        # The reduction's sum (then the average) comes from the buffer pool and goes back to it
+        # once the round is over and no reducer handler can still be sending replies from it.
+        self.sum_buffer: torch.Tensor | None = None
+        self.handlers = 0  # reducer handlers attached to this session
+        self.finished = False
 
-    def prepare(self, total: int) -> None:
+    def prepare(self, total: int, buffers: _PartBuffers) -> None:
         reducers = self.group.reducers
         self.plan = AllReducePlan.build(total, [m.bandwidth for m in reducers], self.part_size)
         for index, member in enumerate(reducers):
@@ -117,7 +122,14 @@ class _Session:
                 self.my_shard = index
         if self.my_shard is not None:
             part_sizes = [end - start for start, end in self.plan.parts(self.my_shard)]
-            self.reduction = ShardReduction(part_sizes, [m.peer_id for m in self.group.senders])
+            if sum(part_sizes):
+                self.sum_buffer = buffers.take(sum(part_sizes))
+            self.reduction = ShardReduction(part_sizes, [m.peer_id for m in self.group.senders], self.sum_buffer)
+
+    def release_sum_buffer(self, buffers: _PartBuffers) -> None:
+        if self.finished and self.handlers == 0 and self.sum_buffer is not None:
+            buffers.give([self.sum_buffer])
+            self.sum_buffer = None
 
 
 class _PartBuffers:
@@ -143,6 +155,43 @@ class _PartBuffers:
             self._free.setdefault(buffer.numel(), []).append(buffer)
 
 
+class _RawPartSink:
+    """Receives uncompressed parts straight into pooled float32 buffers: the stream decrypts each
+    part into the buffer it will be reduced or written back from, with no copy and no allocation.
+
+    A buffer lent to the stream but never claimed (the stream failed while it was being filled) is
+    not returned to the pool: the connection's reader may still write into it."""
+
+    def __init__(self, buffers: _PartBuffers, part_sizes: list[int]):
+        self._buffers = buffers
+        self._part_sizes = part_sizes
+        self._lent: dict[int, tuple[memoryview, torch.Tensor]] = {}
+
+    def provide(self, body: Any, nbytes: int) -> memoryview | None:
+        """The stream's buffer provider (``body`` comes from the network: anything unexpected gets
+        a fresh buffer, and the normal checks refuse it later)."""
+        if not (isinstance(body, dict) and body.get("meta") == RAW_META):
+            return None
+        index = body.get("part")
+        if type(index) is not int or not 0 <= index < len(self._part_sizes) or index in self._lent:
+            return None
+        numel = self._part_sizes[index]
+        if nbytes != 4 * numel or numel == 0:
+            return None
+        values = self._buffers.take(numel)
+        view = bytes_view(values)
+        self._lent[index] = (view, values)
+        return view
+
+    def claim(self, index: int, payload: Any) -> torch.Tensor | None:
+        """The values of part ``index`` if its payload arrived in our buffer, else None."""
+        lent = self._lent.get(index)
+        if lent is None or payload is not lent[0]:
+            return None
+        del self._lent[index]
+        return lent[1]
+
+
 class AllReduceService:
     """Serves ``avg.reduce`` for every all-reduce this peer takes part in."""
 
@@ -160,6 +209,10 @@ class AllReduceService:
         return self._sessions.get(group_id)
 
     async def _handle_reduce(self, stream) -> None:
+        # Set before anything is awaited: parts may follow the header at once. The part sizes are
+        # known only once the header names the session; until then payloads arrive as usual.
+        sink: list[_RawPartSink] = []
+        stream.set_buffer_provider(lambda body, nbytes: sink[0].provide(body, nbytes) if sink else None)
         header = (await stream.receive()).body
         if not (isinstance(header, dict) and isinstance(header.get("group_id"), bytes)):
             raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
@@ -171,15 +224,26 @@ class AllReduceService:
         total = header.get("total")
         if total != session.total:
             raise ValueError(f"tensor size mismatch: this group averages {session.total} values, got {total!r}")
+        sink.append(_RawPartSink(self._buffers, reduction.part_sizes))
+        session.handlers += 1
+        try:
+            await self._serve_sender(session, stream, sender, header.get("weight"), sink[0])
+        finally:
+            session.handlers -= 1
+            session.release_sum_buffer(self._buffers)
+
+    async def _serve_sender(self, session: _Session, stream, sender: PeerID, weight: Any, sink: _RawPartSink) -> None:
+        reduction = session.reduction
+        assert reduction is not None
         try:
             async with session.reduction_lock:
-                reduction.set_weight(sender, header.get("weight"))
+                reduction.set_weight(sender, weight)
         except ContributionRejected as error:
             await self._drop(session, sender, str(error))
             raise
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._receive_parts, session, stream, sender)
+                nursery.start_soon(self._receive_parts, session, stream, sender, sink)
                 await session.outcome_ready.wait()
                 nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
         finally:
@@ -188,17 +252,19 @@ class AllReduceService:
                     await self._drop(session, sender, "the sender abandoned the stream")
         await self._reply(session, stream)
 
-    async def _receive_parts(self, session: _Session, stream, sender: PeerID) -> None:
+    async def _receive_parts(self, session: _Session, stream, sender: PeerID, sink: _RawPartSink) -> None:
         reduction = session.reduction
         assert reduction is not None and session.plan is not None
         staged: list[torch.Tensor] = []  # our buffers that the reduction holds for this sender
         try:
-            await self._stage_parts(session, stream, sender, staged)
+            await self._stage_parts(session, stream, sender, staged, sink)
         finally:
             if sender not in reduction.pending:  # committed or dropped: the reduction let go of them
                 self._buffers.give(staged)
 
-    async def _stage_parts(self, session: _Session, stream, sender: PeerID, staged: list[torch.Tensor]) -> None:
+    async def _stage_parts(
+        self, session: _Session, stream, sender: PeerID, staged: list[torch.Tensor], sink: _RawPartSink
+    ) -> None:
         reduction = session.reduction
         assert reduction is not None
         try:
@@ -209,10 +275,14 @@ class AllReduceService:
                 index = body["part"]
                 if not 0 <= index < len(reduction.part_sizes):
                     raise ContributionRejected(f"part index {index} out of range")
-                values = await self._decode_part(body.get("meta"), message.payload, reduction.part_sizes[index])
+                values = sink.claim(index, message.payload)
+                if values is None:
+                    values = await self._decode_part(body.get("meta"), message.payload, reduction.part_sizes[index])
                 staged.append(values)
-                async with session.reduction_lock:  # add_part checks that the values are finite
-                    await _in_thread(reduction.add_part, sender, index, values)
+                async with session.reduction_lock:
+                    # On the event loop: add_part checks one part for NaN/inf (a fraction of a
+                    # millisecond, while it is still in cache); a thread hop costs more than that.
+                    reduction.add_part(sender, index, values)
             async with session.reduction_lock:
                 await _in_thread(reduction.finish_sender, sender)  # adds the whole contribution
         except (ContributionRejected, ValueError, TypeError) as error:
@@ -273,7 +343,17 @@ class AllReduceService:
         session = _Session(group, me, flat, weight, codec, sender_timeout, part_size)
         total = flat.numel() if flat is not None else sum(t.numel() for t in tensors)
         session.total = total
-        session.prepare(total)
+        session.prepare(total, self._buffers)
+        try:
+            return await self._run_session(session, tensors, flat, reducer_timeout)
+        finally:
+            session.finished = True
+            session.release_sum_buffer(self._buffers)
+
+    async def _run_session(
+        self, session: _Session, tensors: list[torch.Tensor], flat: torch.Tensor | None, reducer_timeout: float
+    ) -> AllReduceResult:
+        group, me = session.group, session.me
         self._sessions[group.group_id] = session
         self._sessions_changed.set()
         self._sessions_changed = trio.Event()
@@ -306,7 +386,6 @@ class AllReduceService:
                 if session.reply_error is not None:  # the other senders keep their values: so do we
                     result.local_shards[session.my_shard] = str(session.reply_error)
                 elif outcome.averaged is not None:
-                    # (not a buffer of ours: replies to other senders may still be reading it)
                     local = [(start, outcome.averaged)]
                 else:
                     result.local_shards[session.my_shard] = "no contribution arrived"
@@ -361,10 +440,12 @@ class AllReduceService:
         parts = session.plan.parts(index)
         codec = get_codec(session.codec)
         values: list[torch.Tensor] = []
+        sink = _RawPartSink(self._buffers, [end - start for start, end in parts])
         try:
             with trio.fail_after(reducer_timeout):
                 connection = await self.host.connect(reducer.address)
                 async with connection.stream(REDUCE_METHOD) as stream:
+                    stream.set_buffer_provider(sink.provide)
                     header = {"group_id": session.group.group_id, "weight": session.weight, "total": session.total}
                     await stream.send(header)
                     for part_index, (start, end) in enumerate(parts):
@@ -386,8 +467,11 @@ class AllReduceService:
                         body = reply.body
                         if not (isinstance(body, dict) and body.get("part") == part_index):
                             raise AllReduceError("reducer sent parts out of order")
-                        values.append(await self._decode_part(body.get("meta"), reply.payload, end - start))
-                await _in_thread(check_finite, values)
+                        part = sink.claim(part_index, reply.payload)
+                        if part is None:
+                            part = await self._decode_part(body.get("meta"), reply.payload, end - start)
+                        values.append(part)
+                        check_finite([part])  # on the loop, while the part is in cache (see add_part)
             averaged.extend((start, part) for (start, _end), part in zip(parts, values, strict=True))
             result.contributors[index] = contributors
             result.failed_peers.update(p.peer_id for p in session.group.senders if p.peer_id not in contributors)

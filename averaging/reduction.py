@@ -51,12 +51,17 @@ class ReductionOutcome:
 
 
 class ShardReduction:
-    def __init__(self, part_sizes: list[int], senders: list[Hashable]):
+    def __init__(self, part_sizes: list[int], senders: list[Hashable], sum_buffer: torch.Tensor | None = None):
+        """``sum_buffer``: float32 storage for the running sum (and then the average) of the
+        shard, e.g. reused from an earlier round; a fresh one is allocated if it is None."""
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.shard_size = sum(self.part_sizes)
         self.expected = list(senders)
-        self._sum: torch.Tensor | None = None  # allocated by the first weighted contribution
+        if sum_buffer is not None and (sum_buffer.dtype != torch.float32 or sum_buffer.numel() != self.shard_size):
+            raise ValueError(f"the sum buffer must hold {self.shard_size} float32 values")
+        self._sum_buffer = sum_buffer
+        self._sum: torch.Tensor | None = None  # set by the first weighted contribution
         self._total_weight = 0.0
         self._staged: dict[Hashable, dict[int, torch.Tensor]] = {}  # sender -> part index -> values
         self._weights: dict[Hashable, float] = {}
@@ -145,7 +150,7 @@ class ShardReduction:
         weight = self._weights[sender]
         if weight > 0 and self.shard_size:
             if self._sum is None:  # the first contribution writes every value: no zeroing pass
-                self._sum = torch.empty(self.shard_size, dtype=torch.float32)
+                self._sum = self._sum_buffer if self._sum_buffer is not None else torch.empty(self.shard_size)
                 for offset, values in pieces:
                     torch.mul(values, weight, out=self._sum[offset : offset + values.numel()])
             else:

@@ -112,8 +112,10 @@ def worker_main(config: WorkerConfig) -> None:
         timeout=timedelta(seconds=STARTUP_TIMEOUT),
     )
     import gc, collections
+
     stats = collections.defaultdict(lambda: [0, 0.0])
     starts = {}
+
     def cb(phase, info):
         if phase == "start":
             starts[0] = time.perf_counter()
@@ -121,10 +123,18 @@ def worker_main(config: WorkerConfig) -> None:
             s = stats[info["generation"]]
             s[0] += 1
             s[1] += time.perf_counter() - starts[0]
+
     gc.callbacks.append(cb)
     try:
         report = trio.run(_worker_rounds, config)
-        print("GCSTATS", config.rank, dict(stats), len(gc.get_objects()), file=open(f"/tmp/gcstats{config.rank}", "w"), flush=True)
+        print(
+            "GCSTATS",
+            config.rank,
+            dict(stats),
+            len(gc.get_objects()),
+            file=open(f"/tmp/gcstats{config.rank}", "w"),
+            flush=True,
+        )
     finally:
         dist.destroy_process_group()
     print(RESULT_PREFIX + json.dumps(report), flush=True)
