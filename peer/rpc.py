@@ -362,7 +362,8 @@ class Connection:
     async def _write_loop(self) -> None:
         buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
         view = memoryview(buffer)
-        cipher, stream = self.channel.send_cipher, self.channel.stream
+        channel = self.channel
+        cipher = channel.send_cipher
         while True:
             while not self._outgoing:
                 self._wakeup_writer = trio.Event()
@@ -379,7 +380,7 @@ class Connection:
                 for chunk in chunks:
                     if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
                         if position:
-                            await stream.send_all(view[:position])
+                            await channel.send_all(view[:position])
                             self.traffic.bytes_sent += position
                             position = 0
                         if len(chunk) + _RECORD_OVERHEAD > len(buffer):
@@ -392,7 +393,7 @@ class Connection:
                 if position >= len(buffer) // 2:
                     break  # flush what we have; the rest goes in the next batch
             if position:
-                await stream.send_all(view[:position])
+                await channel.send_all(view[:position])
                 self.traffic.bytes_sent += position
 
     # ------------------------------------------------------------------ reading
