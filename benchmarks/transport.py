@@ -13,11 +13,15 @@ What is measured, in one run, client (this process) -> server (a child process, 
                 buffer (``set_buffer_provider``, the stream's ``recv_into``), counts the bytes and
                 replies with the count, which is checked;
   - ``trio_raw``: plain trio sockets (no framing, no encryption): separates event-loop cost from
-                crypto/framing cost.
+                crypto/framing cost;
+  - ``raw_tuned``: ``raw`` with the one socket option peerd sets on loopback connections (a
+                non-pacing congestion control where the system default is BBR, see
+                ``peer/tcp_options.py``), so that the stream can also be compared with a baseline
+                that makes the same choice (``stream_ratio_vs_tuned_raw``).
 
   The stream chunk size is picked first (1 MiB vs 4 MiB, best of two short runs each), and the same
-  chunk size is used for every transfer. The three transfers then run interleaved (raw, stream,
-  trio_raw, raw, ...) for several rounds; the ratio uses the *best* round of each (a noisy neighbour
+  chunk size is used for every transfer. The four transfers then run interleaved (raw, stream,
+  trio_raw, raw_tuned, raw, ...) for several rounds; the ratio uses the *best* round of each (a noisy neighbour
   only ever slows a round down), and the median is shown too. Every transfer is timed from its
   first byte until the receiver's acknowledgement (byte count) is back at the sender. CPU seconds
   and minor page faults of both processes are recorded per transfer to show where the time goes.
@@ -51,11 +55,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import trio
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from peer import Identity, PeerAddress, Router, open_peer_host
+from peer.tcp_options import tune_connection
 
 MiB = 1 << 20
 HOST = "127.0.0.1"
@@ -100,6 +106,13 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+def congestion_control(sock: socket.socket) -> str:
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return "unknown"
+    return sock.getsockopt(socket.IPPROTO_TCP, option, 16).rstrip(b"\0").decode()
+
+
 def percentile(sorted_values: list[float], fraction: float) -> float:
     index = min(len(sorted_values) - 1, round(fraction * (len(sorted_values) - 1)))
     return sorted_values[index]
@@ -107,26 +120,31 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
 
 # ---------------------------------------------------------------------------- server (child process)
 def _raw_receiver(listener: socket.socket) -> None:
-    """Blocking baseline receiver (a thread): recv_into one reused buffer, ack each transfer."""
-    buffer = memoryview(bytearray(max(CHUNK_CANDIDATES)))
+    """Accepts baseline connections (a thread), each served by a thread of its own."""
     while True:
         conn, _ = listener.accept()
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                try:
-                    (total,) = LENGTH.unpack(recv_exact(conn, LENGTH.size))
-                except ConnectionError:
+        threading.Thread(target=_raw_receive, args=(conn,), daemon=True).start()
+
+
+def _raw_receive(conn: socket.socket) -> None:
+    """Blocking baseline receiver: recv_into one reused buffer, ack each transfer."""
+    buffer = memoryview(bytearray(max(CHUNK_CANDIDATES)))
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            try:
+                (total,) = LENGTH.unpack(recv_exact(conn, LENGTH.size))
+            except ConnectionError:
+                break
+            cpu, faults = usage()
+            received = 0
+            while received < total:
+                n = conn.recv_into(buffer[: min(len(buffer), total - received)])
+                if not n:
                     break
-                cpu, faults = usage()
-                received = 0
-                while received < total:
-                    n = conn.recv_into(buffer[: min(len(buffer), total - received)])
-                    if not n:
-                        break
-                    received += n
-                cpu_end, faults_end = usage()
-                conn.sendall(ACK.pack(received, cpu_end - cpu, faults_end - faults))
+                received += n
+            cpu_end, faults_end = usage()
+            conn.sendall(ACK.pack(received, cpu_end - cpu, faults_end - faults))
 
 
 async def _trio_raw_receiver(stream: trio.SocketStream) -> None:
@@ -287,17 +305,27 @@ async def pick_chunk_size(conn, total: int) -> tuple[int, dict[int, float]]:
 
 async def throughput_rounds(conn, servers: dict, chunk: bytes, total: int, rounds: int) -> dict[str, list[Transfer]]:
     """Interleave raw, stream and trio_raw transfers so that noise hits them alike."""
-    results: dict[str, list[Transfer]] = {"raw": [], "stream": [], "trio_raw": []}
+    results: dict[str, list[Transfer]] = {"raw": [], "stream": [], "trio_raw": [], "raw_tuned": []}
     raw_sock = socket.create_connection((HOST, servers["raw_port"]))
     raw_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # The same plain socket with the option peerd sets on loopback connections (see
+    # peer/tcp_options.py): what part of the stream's speed is that choice, not the framing.
+    tuned_sock = socket.create_connection((HOST, servers["raw_port"]))
+    tuned_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune_connection(SimpleNamespace(socket=tuned_sock))
+    servers["loopback_congestion"] = (
+        congestion_control(tuned_sock) + " (system default: " + congestion_control(raw_sock) + ")"
+    )
     trio_stream = await trio.open_tcp_stream(HOST, servers["trio_raw_port"])
     try:
         for _ in range(rounds):
             results["raw"].append(await trio.to_thread.run_sync(raw_transfer, raw_sock, chunk, total))
             results["stream"].append(await stream_transfer(conn, chunk, total))
             results["trio_raw"].append(await trio_raw_transfer(trio_stream, chunk, total))
+            results["raw_tuned"].append(await trio.to_thread.run_sync(raw_transfer, tuned_sock, chunk, total))
     finally:
         raw_sock.close()
+        tuned_sock.close()
         await trio_stream.aclose()
     return results
 
@@ -378,7 +406,7 @@ def print_table(args, chunk_size: int, chunk_probe: dict[int, float], throughput
     print(header)
     print("-" * len(header))
     raw_best = throughput["raw"]["best"]
-    for name in ("raw", "stream", "trio_raw"):
+    for name in ("raw", "stream", "trio_raw", "raw_tuned"):
         s = throughput[name]
         print(
             f"{name:<10} {s['best']:>10.2f} {s['median']:>12.2f} {s['best'] / raw_best:>7.2f}"
@@ -387,6 +415,10 @@ def print_table(args, chunk_size: int, chunk_probe: dict[int, float], throughput
         )
     print("(ratio from the best round of each; CPU time and page faults are those of the best round)")
     print(f"stream_ratio (best/best) {result['stream_ratio']:.2f}, median/median {result['stream_ratio_median']:.2f}")
+    print(
+        f"raw_tuned: raw with peerd's loopback congestion control ({result['loopback_congestion']}); "
+        f"stream / raw_tuned (best/best) {result['stream_ratio_vs_tuned_raw']:.2f}"
+    )
     cpu_ratio = result["stream_cpu_ratio"]
     print(f"stream_cpu_ratio (raw CPU s/GB over stream CPU s/GB, both processes, medians) {cpu_ratio:.2f}")
     print(f"AES-GCM in-process, encrypt+decrypt of 1 MiB records: {result['aead_gbps']:.2f} GB/s")
@@ -418,6 +450,9 @@ async def run_benchmark(args, servers: dict) -> dict:
         "rpc_calls_per_s": round(rate, 1),
         "stream_ratio_median": round(stream["median"] / raw["median"], 3),
         "trio_raw_gbps": round(trio_raw["best"], 3),
+        "raw_tuned_gbps": round(throughput["raw_tuned"]["best"], 3),
+        "stream_ratio_vs_tuned_raw": round(stream["best"] / throughput["raw_tuned"]["best"], 3),
+        "loopback_congestion": servers.get("loopback_congestion", "?"),
         # CPU seconds per GB of both processes together, raw over stream (medians over rounds): what
         # the throughput ratio tends to when the two cores are contended.
         "stream_cpu_ratio": round(raw["median_cpu_per_gb"] / stream["median_cpu_per_gb"], 3),

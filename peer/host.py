@@ -28,6 +28,7 @@ from .secure_channel import (
     HelloMismatch,
     secure_handshake,
 )
+from .tcp_options import tune_connection
 
 __all__ = ["PeerHost", "ConnectError", "open_peer_host"]
 
@@ -109,6 +110,7 @@ class PeerHost:
     async def _handle_incoming(self, stream: trio.SocketStream) -> None:
         self._pending_handshakes += 1
         try:
+            tune_connection(stream)
             channel = await secure_handshake(
                 stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout
             )
@@ -178,6 +180,7 @@ class PeerHost:
             raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
         except OSError as error:
             raise ConnectError(f"{address}: {_os_reason(error)}") from None
+        tune_connection(stream)
         try:
             channel = await secure_handshake(
                 stream,
