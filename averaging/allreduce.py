@@ -159,12 +159,20 @@ class _RawPartSink:
     """Receives uncompressed parts straight into pooled float32 buffers: the stream decrypts each
     part into the buffer it will be reduced or written back from, with no copy and no allocation.
 
-    A buffer lent to the stream but never claimed (the stream failed while it was being filled) is
-    not returned to the pool: the connection's reader may still write into it."""
+    The part sizes may be unknown when the first parts arrive (a reducer's handler learns them
+    from its session, which may be announced after the sender started streaming): until then any
+    raw part gets a buffer of its own size, and ``claim`` checks the size once it is known. A
+    buffer is returned to the pool only by whoever claimed it with the right size; one lent but
+    never claimed is dropped, since the connection's reader may still write into it.
+    """
 
-    def __init__(self, buffers: _PartBuffers, part_sizes: list[int]):
+    # What one part may make us lend before its size can be checked (the stream's credit window
+    # bounds how many such parts are in flight).
+    MAX_UNCHECKED_PART = 64 << 20
+
+    def __init__(self, buffers: _PartBuffers, part_sizes: list[int] | None = None):
         self._buffers = buffers
-        self._part_sizes = part_sizes
+        self.part_sizes = part_sizes
         self._lent: dict[int, tuple[memoryview, torch.Tensor]] = {}
 
     def provide(self, body: Any, nbytes: int) -> memoryview | None:
@@ -173,20 +181,23 @@ class _RawPartSink:
         if not (isinstance(body, dict) and body.get("meta") == RAW_META):
             return None
         index = body.get("part")
-        if type(index) is not int or not 0 <= index < len(self._part_sizes) or index in self._lent:
+        if type(index) is not int or index < 0 or index in self._lent or nbytes <= 0 or nbytes % 4:
             return None
-        numel = self._part_sizes[index]
-        if nbytes != 4 * numel or numel == 0:
+        if self.part_sizes is None:
+            if nbytes > self.MAX_UNCHECKED_PART:
+                return None
+        elif index >= len(self.part_sizes) or nbytes != 4 * self.part_sizes[index]:
             return None
-        values = self._buffers.take(numel)
+        values = self._buffers.take(nbytes // 4)
         view = bytes_view(values)
         self._lent[index] = (view, values)
         return view
 
-    def claim(self, index: int, payload: Any) -> torch.Tensor | None:
-        """The values of part ``index`` if its payload arrived in our buffer, else None."""
+    def claim(self, index: int, payload: Any, numel: int) -> torch.Tensor | None:
+        """The values of part ``index`` if its payload arrived in our buffer with the expected
+        ``numel``, else None."""
         lent = self._lent.get(index)
-        if lent is None or payload is not lent[0]:
+        if lent is None or payload is not lent[0] or lent[1].numel() != numel:
             return None
         del self._lent[index]
         return lent[1]
@@ -209,10 +220,10 @@ class AllReduceService:
         return self._sessions.get(group_id)
 
     async def _handle_reduce(self, stream) -> None:
-        # Set before anything is awaited: parts may follow the header at once. The part sizes are
-        # known only once the header names the session; until then payloads arrive as usual.
-        sink: list[_RawPartSink] = []
-        stream.set_buffer_provider(lambda body, nbytes: sink[0].provide(body, nbytes) if sink else None)
+        # Set before anything is awaited: parts may follow the header at once, even before our
+        # own session is announced; their sizes are checked once the header names the session.
+        sink = _RawPartSink(self._buffers)
+        stream.set_buffer_provider(sink.provide)
         header = (await stream.receive()).body
         if not (isinstance(header, dict) and isinstance(header.get("group_id"), bytes)):
             raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
@@ -224,10 +235,10 @@ class AllReduceService:
         total = header.get("total")
         if total != session.total:
             raise ValueError(f"tensor size mismatch: this group averages {session.total} values, got {total!r}")
-        sink.append(_RawPartSink(self._buffers, reduction.part_sizes))
+        sink.part_sizes = reduction.part_sizes
         session.handlers += 1
         try:
-            await self._serve_sender(session, stream, sender, header.get("weight"), sink[0])
+            await self._serve_sender(session, stream, sender, header.get("weight"), sink)
         finally:
             session.handlers -= 1
             session.release_sum_buffer(self._buffers)
@@ -275,7 +286,7 @@ class AllReduceService:
                 index = body["part"]
                 if not 0 <= index < len(reduction.part_sizes):
                     raise ContributionRejected(f"part index {index} out of range")
-                values = sink.claim(index, message.payload)
+                values = sink.claim(index, message.payload, reduction.part_sizes[index])
                 if values is None:
                     values = await self._decode_part(body.get("meta"), message.payload, reduction.part_sizes[index])
                 staged.append(values)
@@ -467,7 +478,7 @@ class AllReduceService:
                         body = reply.body
                         if not (isinstance(body, dict) and body.get("part") == part_index):
                             raise AllReduceError("reducer sent parts out of order")
-                        part = sink.claim(part_index, reply.payload)
+                        part = sink.claim(part_index, reply.payload, end - start)
                         if part is None:
                             part = await self._decode_part(body.get("meta"), reply.payload, end - start)
                         values.append(part)

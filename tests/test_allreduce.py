@@ -247,6 +247,45 @@ async def _run_victim(peer, group, tensors, weight):
         )
 
 
+class SendsAShortPart(AllReduceService):
+    """Announces its first raw part one value short (the receiver lends buffers by announced size)."""
+
+    async def _send_part(self, stream, part_index, meta, payload):
+        await super()._send_part(stream, part_index, meta, payload[:-4] if part_index == 0 else payload)
+
+
+class SendsAPartTwice(AllReduceService):
+    async def _send_part(self, stream, part_index, meta, payload):
+        await super()._send_part(stream, part_index, meta, payload)
+        if part_index == 0:
+            await super()._send_part(stream, part_index, meta, payload)
+
+
+@pytest.mark.parametrize("hostile", [SendsAShortPart, SendsAPartTwice])
+async def test_malformed_raw_parts_drop_their_sender_and_nobody_else(hostile):
+    size = 4
+    classes = [AllReduceService] * (size - 1) + [hostile]
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size, service_class=classes)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(size)]
+        weights = [1.0, 2.0, 0.5, 1.0]
+        results = {}
+        with trio.fail_after(SENDER_TIMEOUT + REDUCER_TIMEOUT + 2):
+            await run_round(peers, group, tensors, weights, results)
+        hostile_id = peers[-1].host.peer_id
+        honest_ids = {p.host.peer_id for p in peers[:-1]}
+        for i in range(size - 1):
+            result = results[i]
+            assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=1e-6)
+            assert hostile_id in result.failed_peers and not (honest_ids & result.failed_peers)
+            for shard, contributors in result.contributors.items():
+                assert honest_ids <= set(contributors)
+                # every honest reducer refused the hostile contribution (its own shard is local)
+                assert hostile_id not in contributors or shard == size - 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_nan_contribution_is_refused():
     async with trio.open_nursery() as nursery:
         peers = await start_peers(nursery, 3)
