@@ -28,6 +28,7 @@ from peer import ConnectError, PeerHost, PeerID, Router, RPCError
 from .compression import NoCompression, get_codec
 from .flat_parts import RAW_META, bytes_view, check_finite, decode, encode_shard, flat_view, flatten, write_back
 from .group import GroupInfo, GroupMember
+from .part_buffers import PartBuffers, RawPartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction, all_finite
 
@@ -114,7 +115,7 @@ class _Session:
         self.handlers = 0  # reducer handlers attached to this session
         self.finished = False
 
-    def prepare(self, total: int, buffers: _PartBuffers) -> None:
+    def prepare(self, total: int, buffers: PartBuffers) -> None:
         reducers = self.group.reducers
         self.plan = AllReducePlan.build(total, [m.bandwidth for m in reducers], self.part_size)
         for index, member in enumerate(reducers):
@@ -126,81 +127,10 @@ class _Session:
                 self.sum_buffer = buffers.take(sum(part_sizes))
             self.reduction = ShardReduction(part_sizes, [m.peer_id for m in self.group.senders], self.sum_buffer)
 
-    def release_sum_buffer(self, buffers: _PartBuffers) -> None:
+    def release_sum_buffer(self, buffers: PartBuffers) -> None:
         if self.finished and self.handlers == 0 and self.sum_buffer is not None:
             buffers.give([self.sum_buffer])
             self.sum_buffer = None
-
-
-class _PartBuffers:
-    """Float32 buffers for received parts, reused from round to round.
-
-    A received part is kept until its whole shard is in (a sender's contribution, a reducer's
-    average). Keeping the RPC layer's payload buffers for that long made the heap grow and shrink
-    by about 1.5x the tensor size every round, and the page faults cost more CPU than decrypting
-    the data did. So each part is copied out of its payload at once (the payload buffer is freed
-    and the next one reuses its memory warm) into a buffer from here; buffers come back when their
-    round no longer needs them. What is kept is bounded by what one round held at a time.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-
-    def take(self, numel: int) -> torch.Tensor:
-        free = self._free.get(numel)
-        return free.pop() if free else torch.empty(numel, dtype=torch.float32)
-
-    def give(self, buffers) -> None:
-        for buffer in buffers:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
-
-
-class _RawPartSink:
-    """Receives uncompressed parts straight into pooled float32 buffers: the stream decrypts each
-    part into the buffer it will be reduced or written back from, with no copy and no allocation.
-
-    The part sizes may be unknown when the first parts arrive (a reducer's handler learns them
-    from its session, which may be announced after the sender started streaming): until then any
-    raw part gets a buffer of its own size, and ``claim`` checks the size once it is known. A
-    buffer is returned to the pool only by whoever claimed it with the right size; one lent but
-    never claimed is dropped, since the connection's reader may still write into it.
-    """
-
-    # What one part may make us lend before its size can be checked (the stream's credit window
-    # bounds how many such parts are in flight).
-    MAX_UNCHECKED_PART = 64 << 20
-
-    def __init__(self, buffers: _PartBuffers, part_sizes: list[int] | None = None):
-        self._buffers = buffers
-        self.part_sizes = part_sizes
-        self._lent: dict[int, tuple[memoryview, torch.Tensor]] = {}
-
-    def provide(self, body: Any, nbytes: int) -> memoryview | None:
-        """The stream's buffer provider (``body`` comes from the network: anything unexpected gets
-        a fresh buffer, and the normal checks refuse it later)."""
-        if not (isinstance(body, dict) and body.get("meta") == RAW_META):
-            return None
-        index = body.get("part")
-        if type(index) is not int or index < 0 or index in self._lent or nbytes <= 0 or nbytes % 4:
-            return None
-        if self.part_sizes is None:
-            if nbytes > self.MAX_UNCHECKED_PART:
-                return None
-        elif index >= len(self.part_sizes) or nbytes != 4 * self.part_sizes[index]:
-            return None
-        values = self._buffers.take(nbytes // 4)
-        view = bytes_view(values)
-        self._lent[index] = (view, values)
-        return view
-
-    def claim(self, index: int, payload: Any, numel: int) -> torch.Tensor | None:
-        """The values of part ``index`` if its payload arrived in our buffer with the expected
-        ``numel``, else None."""
-        lent = self._lent.get(index)
-        if lent is None or payload is not lent[0] or lent[1].numel() != numel:
-            return None
-        del self._lent[index]
-        return lent[1]
 
 
 class AllReduceService:
@@ -208,7 +138,7 @@ class AllReduceService:
 
     def __init__(self, host: PeerHost, router: Router | None = None):
         self.host = host
-        self._buffers = _PartBuffers()
+        self._buffers = PartBuffers()
         self._sessions: dict[bytes, _Session] = {}
         self._sessions_changed = trio.Event()
         (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce)
@@ -222,7 +152,7 @@ class AllReduceService:
     async def _handle_reduce(self, stream) -> None:
         # Set before anything is awaited: parts may follow the header at once, even before our
         # own session is announced; their sizes are checked once the header names the session.
-        sink = _RawPartSink(self._buffers)
+        sink = RawPartSink(self._buffers)
         stream.set_buffer_provider(sink.provide)
         header = (await stream.receive()).body
         if not (isinstance(header, dict) and isinstance(header.get("group_id"), bytes)):
@@ -243,7 +173,7 @@ class AllReduceService:
             session.handlers -= 1
             session.release_sum_buffer(self._buffers)
 
-    async def _serve_sender(self, session: _Session, stream, sender: PeerID, weight: Any, sink: _RawPartSink) -> None:
+    async def _serve_sender(self, session: _Session, stream, sender: PeerID, weight: Any, sink: RawPartSink) -> None:
         reduction = session.reduction
         assert reduction is not None
         try:
@@ -263,7 +193,7 @@ class AllReduceService:
                     await self._drop(session, sender, "the sender abandoned the stream")
         await self._reply(session, stream)
 
-    async def _receive_parts(self, session: _Session, stream, sender: PeerID, sink: _RawPartSink) -> None:
+    async def _receive_parts(self, session: _Session, stream, sender: PeerID, sink: RawPartSink) -> None:
         reduction = session.reduction
         assert reduction is not None and session.plan is not None
         staged: list[torch.Tensor] = []  # our buffers that the reduction holds for this sender
@@ -274,7 +204,7 @@ class AllReduceService:
                 self._buffers.give(staged)
 
     async def _stage_parts(
-        self, session: _Session, stream, sender: PeerID, staged: list[torch.Tensor], sink: _RawPartSink
+        self, session: _Session, stream, sender: PeerID, staged: list[torch.Tensor], sink: RawPartSink
     ) -> None:
         reduction = session.reduction
         assert reduction is not None
@@ -451,7 +381,7 @@ class AllReduceService:
         parts = session.plan.parts(index)
         codec = get_codec(session.codec)
         values: list[torch.Tensor] = []
-        sink = _RawPartSink(self._buffers, [end - start for start, end in parts])
+        sink = RawPartSink(self._buffers, [end - start for start, end in parts])
         try:
             with trio.fail_after(reducer_timeout):
                 connection = await self.host.connect(reducer.address)

@@ -21,12 +21,10 @@ import trio
 
 from .address import PeerAddress
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
-from .identity import PeerID
 from .router import Message, Request, Router
 from .rpc_errors import (
     CallTimeoutError,
     ConnectionLost,
-    StreamClosed,
     remote_error,
 )
 from .rpc_protocol import (
@@ -39,6 +37,7 @@ from .rpc_protocol import (
     StreamData,
     StreamEnd,
 )
+from .rpc_streams import ClientStream, PendingCall, ServerStream, as_bytes_view
 from .secure_channel import SecureChannel
 
 __all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
@@ -57,13 +56,6 @@ INITIAL_SEND_BUFFER_SIZE = 64 * 1024
 _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 
 
-def _as_bytes_view(payload: Any) -> memoryview:
-    view = memoryview(payload)
-    if not view.contiguous:
-        raise ValueError("payload must be a contiguous buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
 class _Outgoing:
     __slots__ = ("header", "payload", "encrypted")
 
@@ -71,112 +63,6 @@ class _Outgoing:
         self.header = header
         self.payload = payload
         self.encrypted = encrypted
-
-
-class _PendingCall:
-    """Caller-side state of one call: a result slot (unary) or a queue of messages (stream)."""
-
-    __slots__ = ("method", "done", "result", "error", "queue", "arrived", "credit", "ended", "buffer_provider")
-
-    def __init__(self, method: str) -> None:
-        self.method = method
-        self.done = trio.Event()
-        self.result: Message | None = None
-        self.error: BaseException | None = None
-        self.queue: deque[StreamData] = deque()
-        self.arrived = trio.Event()
-        self.credit = trio.Event()
-        self.ended = False  # the other side will send nothing more
-        self.buffer_provider: BufferProvider | None = None
-
-
-# ``provider(body, nbytes)``: a writable buffer of exactly ``nbytes`` for the payload of the stream
-# message whose body is ``body``, or None for a fresh one.
-BufferProvider = Callable[[Any, int], Any]
-
-
-class _StreamBase:
-    """Shared by both ends of a stream call: credit-limited sends and an ordered receive queue."""
-
-    def __init__(self, connection: Connection, call_id: int, method: str, state: _PendingCall):
-        self._connection = connection
-        self._call_id = call_id
-        self.method = method
-        self._state = state
-
-    @property
-    def peer(self) -> PeerID:
-        return self._connection.remote_peer_id
-
-    async def send(self, body: Any = None, payload: Any = None) -> None:
-        """Send one message; waits while the receiver's window is full. Returns once the payload
-        has been encrypted, so the caller may reuse its buffer."""
-        connection, protocol, state = self._connection, self._connection.protocol, self._state
-        while True:
-            if state.error is not None:
-                raise state.error
-            if not protocol.is_live(self._call_id):
-                raise StreamClosed(f"stream {self.method} to {self.peer} is closed")
-            if protocol.send_credit(self._call_id) > 0:
-                break
-            state.credit = trio.Event()
-            await state.credit.wait()
-        view = _as_bytes_view(payload) if payload is not None else None
-        header = protocol.send_data(self._call_id, body, len(view) if view is not None else 0)
-        encrypted = trio.Event() if view is not None else None
-        connection._enqueue(header, view, encrypted)
-        if encrypted is not None:
-            await encrypted.wait()
-
-    def set_buffer_provider(self, provider: BufferProvider | None) -> None:
-        """Decrypt the payloads of incoming messages straight into buffers of the caller's choosing.
-
-        ``provider(body, nbytes)`` is called on the connection's reader as soon as a message's
-        header arrives (so it must be quick and must not block) with the message's body as the peer
-        sent it (validate it: it comes from the network) and its payload size. It returns a
-        writable, contiguous buffer of exactly ``nbytes`` bytes, which then becomes the payload of
-        that message, or None to receive that payload into a fresh buffer as usual. This saves an
-        allocation and a copy per message when the receiver has somewhere to put the bytes (a
-        reused receive buffer, the tensor a part belongs in), as ``recv_into`` does for sockets.
-
-        A buffer handed out belongs to the connection until its message is received: if the stream
-        fails first, the reader may still write into it, so do not reuse such a buffer."""
-        self._state.buffer_provider = provider
-
-    async def receive(self) -> Message:
-        """The next message; raises ``trio.EndOfChannel`` when the other side has ended."""
-        state = self._state
-        while not state.queue:
-            if state.error is not None:
-                raise state.error
-            if state.ended:
-                raise trio.EndOfChannel
-            state.arrived = trio.Event()
-            await state.arrived.wait()
-        item = state.queue.popleft()
-        self._connection._grant(self._call_id, item.cost)
-        return Message(item.body, item.payload)
-
-    def __aiter__(self) -> AsyncIterator[Message]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Message]:
-        while True:
-            try:
-                yield await self.receive()
-            except trio.EndOfChannel:
-                return
-
-
-class ClientStream(_StreamBase):
-    async def end(self) -> None:
-        """Half-close: tell the handler no more messages will come (responses may still arrive)."""
-        if self._connection.protocol.is_live(self._call_id) and not self._state.ended:
-            self._connection._enqueue(self._connection.protocol.end_stream(self._call_id))
-
-
-class ServerStream(_StreamBase):
-    pass
 
 
 class TrafficCounter:
@@ -211,7 +97,7 @@ class Connection:
         self.closed = trio.Event()
         self._outgoing: deque[_Outgoing] = deque()
         self._wakeup_writer = trio.Event()
-        self._pending: dict[int, _PendingCall] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self._cancel_scope = trio.CancelScope()
@@ -303,11 +189,11 @@ class Connection:
     ) -> Message:
         """A unary call. Raises RemoteError (and subclasses), CallTimeoutError or ConnectionLost."""
         self._check_open()
-        view = _as_bytes_view(payload) if payload is not None else None
+        view = as_bytes_view(payload) if payload is not None else None
         call_id, header = self.protocol.open_unary(
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
-        state = self._pending[call_id] = _PendingCall(method)
+        state = self._pending[call_id] = PendingCall(method)
         self._enqueue(header, view)
         try:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
@@ -327,7 +213,7 @@ class Connection:
         """Open a stream call; leaving the block early cancels it at the peer."""
         self._check_open()
         call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout))
-        state = self._pending[call_id] = _PendingCall(method)
+        state = self._pending[call_id] = PendingCall(method)
         self._enqueue(header)
         stream = ClientStream(self, call_id, method, state)
         try:
@@ -487,7 +373,7 @@ class Connection:
         self._handler_scopes[event.call_id] = scope
         if not event.unary:
             # Registered now, not in the handler task: stream data may arrive before the task runs.
-            self._pending[event.call_id] = _PendingCall(event.method)
+            self._pending[event.call_id] = PendingCall(event.method)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_handler, event, handler, scope)
 
@@ -499,7 +385,7 @@ class Connection:
                     result = await handler(Request(self.remote_peer_id, event.body, event.payload, self))
                     if not isinstance(result, Message):
                         result = Message(result)
-                    view = _as_bytes_view(result.payload) if len(result.payload) else None
+                    view = as_bytes_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
                     self._enqueue(header, view)
                 else:

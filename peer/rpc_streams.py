@@ -1,0 +1,136 @@
+"""The application's side of RPC streams, and the per-call state the connection keeps for them.
+
+``Connection`` (``peer/rpc.py``) creates these; a stream only asks its connection to enqueue
+headers and grant credit, and waits on the call's events, so it holds no I/O of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .identity import PeerID
+from .router import Message
+from .rpc_errors import StreamClosed
+from .rpc_protocol import StreamData
+
+if TYPE_CHECKING:
+    from .rpc import Connection
+
+__all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream", "as_bytes_view"]
+
+
+def as_bytes_view(payload: Any) -> memoryview:
+    view = memoryview(payload)
+    if not view.contiguous:
+        raise ValueError("payload must be a contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class PendingCall:
+    """Caller-side state of one call: a result slot (unary) or a queue of messages (stream)."""
+
+    __slots__ = ("method", "done", "result", "error", "queue", "arrived", "credit", "ended", "buffer_provider")
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.done = trio.Event()
+        self.result: Message | None = None
+        self.error: BaseException | None = None
+        self.queue: deque[StreamData] = deque()
+        self.arrived = trio.Event()
+        self.credit = trio.Event()
+        self.ended = False  # the other side will send nothing more
+        self.buffer_provider: BufferProvider | None = None
+
+
+# ``provider(body, nbytes)``: a writable buffer of exactly ``nbytes`` for the payload of the stream
+# message whose body is ``body``, or None for a fresh one.
+BufferProvider = Callable[[Any, int], Any]
+
+
+class _StreamBase:
+    """Shared by both ends of a stream call: credit-limited sends and an ordered receive queue."""
+
+    def __init__(self, connection: Connection, call_id: int, method: str, state: PendingCall):
+        self._connection = connection
+        self._call_id = call_id
+        self.method = method
+        self._state = state
+
+    @property
+    def peer(self) -> PeerID:
+        return self._connection.remote_peer_id
+
+    async def send(self, body: Any = None, payload: Any = None) -> None:
+        """Send one message; waits while the receiver's window is full. Returns once the payload
+        has been encrypted, so the caller may reuse its buffer."""
+        connection, protocol, state = self._connection, self._connection.protocol, self._state
+        while True:
+            if state.error is not None:
+                raise state.error
+            if not protocol.is_live(self._call_id):
+                raise StreamClosed(f"stream {self.method} to {self.peer} is closed")
+            if protocol.send_credit(self._call_id) > 0:
+                break
+            state.credit = trio.Event()
+            await state.credit.wait()
+        view = as_bytes_view(payload) if payload is not None else None
+        header = protocol.send_data(self._call_id, body, len(view) if view is not None else 0)
+        encrypted = trio.Event() if view is not None else None
+        connection._enqueue(header, view, encrypted)
+        if encrypted is not None:
+            await encrypted.wait()
+
+    def set_buffer_provider(self, provider: BufferProvider | None) -> None:
+        """Decrypt the payloads of incoming messages straight into buffers of the caller's choosing.
+
+        ``provider(body, nbytes)`` is called on the connection's reader as soon as a message's
+        header arrives (so it must be quick and must not block) with the message's body as the peer
+        sent it (validate it: it comes from the network) and its payload size. It returns a
+        writable, contiguous buffer of exactly ``nbytes`` bytes, which then becomes the payload of
+        that message, or None to receive that payload into a fresh buffer as usual. This saves an
+        allocation and a copy per message when the receiver has somewhere to put the bytes (a
+        reused receive buffer, the tensor a part belongs in), as ``recv_into`` does for sockets.
+
+        A buffer handed out belongs to the connection until its message is received: if the stream
+        fails first, the reader may still write into it, so do not reuse such a buffer."""
+        self._state.buffer_provider = provider
+
+    async def receive(self) -> Message:
+        """The next message; raises ``trio.EndOfChannel`` when the other side has ended."""
+        state = self._state
+        while not state.queue:
+            if state.error is not None:
+                raise state.error
+            if state.ended:
+                raise trio.EndOfChannel
+            state.arrived = trio.Event()
+            await state.arrived.wait()
+        item = state.queue.popleft()
+        self._connection._grant(self._call_id, item.cost)
+        return Message(item.body, item.payload)
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.receive()
+            except trio.EndOfChannel:
+                return
+
+
+class ClientStream(_StreamBase):
+    async def end(self) -> None:
+        """Half-close: tell the handler no more messages will come (responses may still arrive)."""
+        if self._connection.protocol.is_live(self._call_id) and not self._state.ended:
+            self._connection._enqueue(self._connection.protocol.end_stream(self._call_id))
+
+
+class ServerStream(_StreamBase):
+    pass
