@@ -141,7 +141,7 @@ class AllReduceService:
         self._buffers = PartBuffers()
         self._sessions: dict[bytes, _Session] = {}
         self._sessions_changed = trio.Event()
-        (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce)
+        (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce, prepare=self._prepare_reduce)
 
     async def _find_session(self, group_id: bytes) -> _Session | None:
         with trio.move_on_after(SESSION_WAIT):
@@ -149,11 +149,14 @@ class AllReduceService:
                 await self._sessions_changed.wait()
         return self._sessions.get(group_id)
 
+    def _prepare_reduce(self, stream) -> None:
+        # Before any message is processed: parts follow the header at once, often before our own
+        # session is announced; their sizes are checked once the header names the session.
+        stream.set_buffer_provider(RawPartSink(self._buffers))
+
     async def _handle_reduce(self, stream) -> None:
-        # Set before anything is awaited: parts may follow the header at once, even before our
-        # own session is announced; their sizes are checked once the header names the session.
-        sink = RawPartSink(self._buffers)
-        stream.set_buffer_provider(sink.provide)
+        sink = stream.buffer_provider
+        assert isinstance(sink, RawPartSink)
         header = (await stream.receive()).body
         if not (isinstance(header, dict) and isinstance(header.get("group_id"), bytes)):
             raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
@@ -386,7 +389,7 @@ class AllReduceService:
             with trio.fail_after(reducer_timeout):
                 connection = await self.host.connect(reducer.address)
                 async with connection.stream(REDUCE_METHOD) as stream:
-                    stream.set_buffer_provider(sink.provide)
+                    stream.set_buffer_provider(sink)
                     header = {"group_id": session.group.group_id, "weight": session.weight, "total": session.total}
                     await stream.send(header)
                     for part_index, (start, end) in enumerate(parts):

@@ -73,6 +73,8 @@ class RawPartSink:
         self._lent[index] = (view, values)
         return view
 
+    __call__ = provide  # a sink is its stream's buffer provider
+
     def claim(self, index: int, payload: Any, numel: int) -> torch.Tensor | None:
         """The values of part ``index`` if its payload arrived in our buffer with the expected
         ``numel``, else None."""

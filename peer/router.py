@@ -11,7 +11,7 @@ from .identity import PeerID
 if TYPE_CHECKING:
     from .rpc import Connection, ServerStream
 
-__all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler"]
+__all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Request:
 
 UnaryHandler = Callable[[Request], Awaitable[Any]]
 StreamHandler = Callable[["ServerStream"], Awaitable[None]]
+# Called with a stream as soon as its call opens, before any of its messages is processed (the
+# handler task itself starts a little later, by which time data may have arrived).
+StreamPrepare = Callable[["ServerStream"], None]
 
 
 class Router:
@@ -41,14 +44,20 @@ class Router:
     def __init__(self) -> None:
         self._unary: dict[str, UnaryHandler] = {}
         self._stream: dict[str, StreamHandler] = {}
+        self._prepare: dict[str, StreamPrepare] = {}
 
     def add_unary(self, name: str, handler: UnaryHandler) -> None:
         self._check_free(name)
         self._unary[name] = handler
 
-    def add_stream(self, name: str, handler: StreamHandler) -> None:
+    def add_stream(self, name: str, handler: StreamHandler, *, prepare: StreamPrepare | None = None) -> None:
+        """``prepare(stream)``, if given, runs synchronously when a call opens, before any of its
+        messages is processed: the place to ``set_buffer_provider`` so that even the first
+        payloads land in the handler's buffers."""
         self._check_free(name)
         self._stream[name] = handler
+        if prepare is not None:
+            self._prepare[name] = prepare
 
     def _check_free(self, name: str) -> None:
         if name in self._unary or name in self._stream:
@@ -70,6 +79,9 @@ class Router:
 
     def lookup(self, name: str, unary: bool) -> UnaryHandler | StreamHandler | None:
         return (self._unary if unary else self._stream).get(name)
+
+    def preparation(self, name: str) -> StreamPrepare | None:
+        return self._prepare.get(name)
 
     @property
     def methods(self) -> list[str]:

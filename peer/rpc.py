@@ -371,13 +371,26 @@ class Connection:
         if event.timeout is not None:
             scope.deadline = trio.current_time() + event.timeout
         self._handler_scopes[event.call_id] = scope
+        stream = None
         if not event.unary:
             # Registered now, not in the handler task: stream data may arrive before the task runs.
-            self._pending[event.call_id] = PendingCall(event.method)
+            state = self._pending[event.call_id] = PendingCall(event.method)
+            stream = ServerStream(self, event.call_id, event.method, state)
+            prepare = self.router.preparation(event.method)
+            if prepare is not None:
+                try:
+                    prepare(stream)
+                except Exception as error:  # a bug of the handler's: it fails this call only
+                    log.exception("preparing a %s stream failed", event.method)
+                    del self._pending[event.call_id], self._handler_scopes[event.call_id]
+                    self._reply_error(event.call_id, type(error).__name__, str(error))
+                    return
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_handler, event, handler, scope)
+        self._nursery.start_soon(self._run_handler, event, handler, scope, stream)
 
-    async def _run_handler(self, event: CallOpened, handler: Any, scope: trio.CancelScope) -> None:
+    async def _run_handler(
+        self, event: CallOpened, handler: Any, scope: trio.CancelScope, stream: ServerStream | None
+    ) -> None:
         call_id = event.call_id
         try:
             with scope:
@@ -389,9 +402,8 @@ class Connection:
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
                     self._enqueue(header, view)
                 else:
-                    state = self._pending[call_id]
                     try:
-                        await handler(ServerStream(self, call_id, event.method, state))
+                        await handler(stream)
                     finally:
                         self._pending.pop(call_id, None)
                     if self.protocol.is_live(call_id):

@@ -97,8 +97,14 @@ class _StreamBase:
         reused receive buffer, the tensor a part belongs in), as ``recv_into`` does for sockets.
 
         A buffer handed out belongs to the connection until its message is received: if the stream
-        fails first, the reader may still write into it, so do not reuse such a buffer."""
+        fails first, the reader may still write into it, so do not reuse such a buffer. A server
+        handler sets its provider in the ``prepare`` hook of ``Router.add_stream``: the handler
+        task itself may start after the first messages have been received."""
         self._state.buffer_provider = provider
+
+    @property
+    def buffer_provider(self) -> BufferProvider | None:
+        return self._state.buffer_provider
 
     async def receive(self) -> Message:
         """The next message; raises ``trio.EndOfChannel`` when the other side has ended."""

@@ -357,3 +357,45 @@ async def test_dialing_from_a_host_that_has_shut_down_is_a_clean_connect_error()
             pass  # a task that outlives its host (e.g. an all-reduce round) may still try to dial
         with pytest.raises(ConnectError, match="shutting down"):
             await client.connect(server.listen_address)
+
+
+async def test_a_prepare_hook_supplies_buffers_before_the_first_message_arrives():
+    seen: list[bool] = []
+    lent: list[bytearray] = []
+
+    def prepare(stream):
+        stream.set_buffer_provider(lambda body, nbytes: lent.append(bytearray(nbytes)) or lent[-1])
+
+    async def collect(stream):
+        seen.extend([message.payload is lent[i] async for i, message in _enumerate(stream)])
+        await stream.send(len(seen))
+
+    def broken_prepare(stream):
+        raise RuntimeError("prepare is broken")
+
+    router = Router()
+    router.add_stream("collect", collect, prepare=prepare)
+    router.add_stream("broken", collect, prepare=broken_prepare)
+    async with open_peer_host(Identity.generate(), router=router) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            async with connection.stream("collect") as stream:
+                for i in range(5):  # sent at once: they arrive before the handler task runs
+                    await stream.send(i, bytes([i]) * 3000)
+                await stream.end()
+                assert (await stream.receive()).body == 5
+            assert seen == [True] * 5 and [bytes(b) for b in lent] == [bytes([i]) * 3000 for i in range(5)]
+            with pytest.raises(RemoteError, match="prepare is broken"):
+                async with connection.stream("broken") as stream:
+                    await stream.send(0)
+                    await stream.receive()
+            async with connection.stream("collect") as stream:  # the connection still serves
+                await stream.end()
+                assert (await stream.receive()).body == 5
+
+
+async def _enumerate(stream):
+    i = 0
+    async for message in stream:
+        yield i, message
+        i += 1
