@@ -7,8 +7,12 @@ from the shared starting point. Peers exchange one model-sized message per ``loc
 batches instead of one per swarm batch, which is what makes training across continents work
 (DiLoCo: ~500x less communication at equal quality; INTELLECT-1: 83-96% compute utilisation).
 
-The averaging happens between inner phases, not overlapped with them: overlapping (applying
-round t's outer step during round t+1) is a known refinement left for later.
+Given a nursery (``background=``), the averaging of round t runs there while round t+1's inner
+steps proceed, and round t's outer step is applied one round late, carrying the local progress
+made meanwhile (``params = outer_step(start_t, avg delta_t) + (params_now - params_at_end_of_t)``):
+the swarm's communication then hides behind computation instead of stalling it, at the price of
+outer updates that are one round stale (the "delayed" variant of overlapped DiLoCo). Without a
+nursery each round averages before the next begins.
 """
 
 from __future__ import annotations
@@ -50,8 +54,15 @@ class LocalUpdatesOptimizer:
         averaging_timeout: float = 30.0,
         settle_time: float | None = None,
         load_state_timeout: float = 30.0,
+        background: trio.Nursery | None = None,
     ):
         self.inner = inner_optimizer
+        self.background = background
+        # Overlapped mode: where the averaging in flight started (our parameters when its delta
+        # was taken), and the event set when it is over.
+        self._anchor: list[torch.Tensor] | None = None
+        self._averaging_done: trio.Event | None = None
+        self._averaging_record: dict[str, Any] | None = None
         self.dht = dht
         self.local_steps = local_steps
         self.load_state_timeout = load_state_timeout
@@ -78,6 +89,7 @@ class LocalUpdatesOptimizer:
         self.swarm = SwarmProgress({})
         self.last_averaging: dict[str, Any] | None = None
         self._round_started: float | None = None
+        self._phase_samples = 0
 
     async def step(self, batch_size: int) -> bool:
         if self._round_started is None:
@@ -90,8 +102,8 @@ class LocalUpdatesOptimizer:
             return False
         elapsed = max(trio.current_time() - self._round_started, 1e-9)
         self.samples_per_s = self.local_samples / elapsed
-        await self._outer_round()
-        return True
+        self._phase_samples = self.local_samples
+        return await self._outer_round()
 
     def _inner_step(self) -> None:
         self.inner.step()
@@ -117,17 +129,53 @@ class LocalUpdatesOptimizer:
                 param.copy_(start)
         log.info("joined the swarm at outer round %d with its parameters", self.epoch)
 
-    async def _outer_round(self) -> None:
+    async def _outer_round(self) -> bool:
+        if self.background is not None:
+            return await self._overlapped_round()
         await trio.to_thread.run_sync(self._compute_deltas)
-        record: dict[str, Any] = {"epoch": self.epoch, "averaged": False, "group": 0, "failed": []}
+        record = await self._average(self.epoch, float(self.local_samples))
+        await trio.to_thread.run_sync(self._apply_outer_step)
+        await self._finish_round(record)
+        return True
+
+    async def _overlapped_round(self) -> bool:
+        """Apply the previous round's outer step (if one is averaging), then start averaging the
+        progress since the last outer step in the background."""
+        stepped = False
+        if self._averaging_done is not None:
+            await self._averaging_done.wait()  # bounded by the averager's own deadlines
+            await trio.to_thread.run_sync(self._apply_delayed_outer_step)
+            await self._finish_round(self._averaging_record)
+            stepped = True
+        else:
+            self.inner_steps = 0
+            self.local_samples = 0
+            self._round_started = trio.current_time()
+        await trio.to_thread.run_sync(self._compute_deltas)
+        self._anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        done = self._averaging_done = trio.Event()
+        self.background.start_soon(self._average_in_background, self.epoch, float(self._phase_samples), done)
+        return stepped
+
+    async def _average_in_background(self, epoch: int, weight: float, done: trio.Event) -> None:
         try:
-            result = await self.delta_averager.step(weight=float(self.local_samples))
+            self._averaging_record = await self._average(epoch, weight)
+        finally:
+            done.set()
+
+    async def _average(self, epoch: int, weight: float) -> dict[str, Any]:
+        """Average ``self.deltas`` with the swarm; on failure they stay this peer's own."""
+        record: dict[str, Any] = {"epoch": epoch, "averaged": False, "group": 0, "failed": []}
+        try:
+            result = await self.delta_averager.step(weight=weight)
             record.update(averaged=True, group=len(result.group.members), failed=sorted(map(str, result.failed_peers)))
         except Exception as error:  # whatever went wrong with the others, this peer keeps training
             if not isinstance(error, (MatchmakingError, AllReduceError)):
                 log.exception("unexpected failure while averaging")
-            log.warning("outer round %d: averaging failed (%s); applying the local delta alone", self.epoch, error)
-        await trio.to_thread.run_sync(self._apply_outer_step)
+            log.warning("outer round %d: averaging failed (%s); applying the local delta alone", epoch, error)
+        return record
+
+    async def _finish_round(self, record: dict[str, Any] | None) -> None:
         self.epoch += 1
         self.inner_steps = 0
         self.local_samples = 0
@@ -142,6 +190,18 @@ class LocalUpdatesOptimizer:
         with torch.no_grad():
             for delta, start, param in zip(self.deltas, self.snapshot, self.params, strict=True):
                 torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
+
+    def _apply_delayed_outer_step(self) -> None:
+        """The outer step of the averaged round, applied from its start, plus whatever this peer
+        learned since that round's delta was taken (``params - anchor``)."""
+        assert self._anchor is not None
+        with torch.no_grad():
+            pairs = zip(self.params, self._anchor, strict=True)
+            progress = [param.detach().to("cpu", torch.float32) - anchor for param, anchor in pairs]
+        self._apply_outer_step()
+        with torch.no_grad():
+            for param, extra in zip(self.params, progress, strict=True):
+                param.add_(extra.to(param.device, param.dtype))
 
     def _apply_outer_step(self) -> None:
         """From the shared start, step along the averaged pseudo-gradient with Nesterov momentum."""

@@ -169,15 +169,20 @@ class Daemon:
         task = await trio.to_thread.run_sync(lambda: load_task(config.task, shard=shard, device=device))
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{config.run_id}.{task.name}"
-        if config.mode == "local-updates":
-            optimizer = LocalUpdatesOptimizer(inner, dht, prefix=prefix, local_steps=config.local_steps)
-        else:
-            optimizer = CollaborativeOptimizer(
-                inner, dht, prefix=prefix, target_batch_size=config.target_batch_size or task.target_batch_size
-            )
-        self.trainer = Trainer(task, optimizer)
-        log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
-        await self.trainer.run()
+        async with trio.open_nursery() as background:
+            if config.mode == "local-updates":
+                # (averaging of each round overlaps the next round's local steps, in `background`)
+                optimizer = LocalUpdatesOptimizer(
+                    inner, dht, prefix=prefix, local_steps=config.local_steps, background=background
+                )
+            else:
+                optimizer = CollaborativeOptimizer(
+                    inner, dht, prefix=prefix, target_batch_size=config.target_batch_size or task.target_batch_size
+                )
+            self.trainer = Trainer(task, optimizer)
+            log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
+            await self.trainer.run()
+            background.cancel_scope.cancel()
 
 
 def _reachable_host() -> str:

@@ -103,7 +103,7 @@ async def train_to_target(nodes, make, target: float | None = 0.9, max_epochs=80
     return trainers, statuses
 
 
-def make_local_updates_trainer(node, index, count):
+def make_local_updates_trainer(node, index, count, background=None):
     from averaging.local_updates import LocalUpdatesOptimizer
 
     task = digits_task(shard=ShardSpec(index, count))
@@ -117,8 +117,65 @@ def make_local_updates_trainer(node, index, count):
         settle_time=0.1,
         matchmaking_timeout=3.0,
         averaging_timeout=6.0,
+        background=background,
     )
     return Trainer(task, optimizer)
+
+
+async def test_overlapped_local_updates_reach_the_target_while_averaging_in_the_background():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        async with trio.open_nursery() as background:
+
+            def make(node, index, count):
+                return make_local_updates_trainer(node, index, count, background=background)
+
+            with trio.fail_after(90):
+                trainers, statuses = await train_to_target(nodes, make, max_epochs=30)
+            background.cancel_scope.cancel()
+        assert max(s.accuracy for s in statuses.values()) >= 0.9
+        assert any(t.optimizer.last_averaging and t.optimizer.last_averaging["averaged"] for t in trainers)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
+    """One lone peer (its averaging fails: no partner), so every delta is its own and the math can
+    be checked exactly: after round 1, params = outer_step(start, delta_0) + (progress in round 1)."""
+    from averaging.local_updates import LocalUpdatesOptimizer
+
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        async with trio.open_nursery() as background:
+            weight = torch.nn.Parameter(torch.zeros(3))
+            inner = torch.optim.SGD([weight], lr=1.0)
+            optimizer = LocalUpdatesOptimizer(
+                inner,
+                node,
+                prefix="lone",
+                local_steps=1,
+                outer_lr=0.5,
+                outer_momentum=0.9,
+                codec="none",
+                min_group_size=2,
+                matchmaking_timeout=0.2,
+                averaging_timeout=1.0,
+                settle_time=0.05,
+                background=background,
+            )
+
+            async def inner_step(grad):
+                weight.grad = torch.tensor(grad)
+                return await optimizer.step(1)
+
+            assert await inner_step([1.0, 0.0, 0.0]) is False  # round 0 ends: averaging starts, no outer step yet
+            assert weight.tolist() == [-1.0, 0.0, 0.0] and optimizer.epoch == 0
+            assert await inner_step([0.0, 2.0, 0.0]) is True  # round 1 ends: round 0's outer step lands
+            # outer step from start 0 along delta_0 = +1 (lr 0.5, first Nesterov step: 1.9 x the
+            # gradient): -0.95; plus round 1's own progress (-2), which a plain outer step would lose
+            assert torch.allclose(weight.detach(), torch.tensor([-0.95, -2.0, 0.0])) and optimizer.epoch == 1
+            assert optimizer.last_averaging is not None and optimizer.last_averaging["averaged"] is False
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
 
 
 async def test_local_updates_reach_the_target_with_ten_times_fewer_bytes():
