@@ -428,9 +428,9 @@ class AllReduceService:
 
     async def _decode_part(self, meta, payload, numel: int) -> torch.Tensor:
         """A received part as float32 values that nobody else modifies (finiteness is checked by
-        whoever uses them). An uncompressed part is one copy into a reused buffer, on the event
-        loop: a thread hop would cost about as much as the copy; anything else goes through its
-        codec in a worker thread."""
+        whoever uses them). An uncompressed part that did not arrive in a lent buffer is one copy
+        into a reused buffer, on the event loop: a thread hop would cost about as much as the
+        copy; anything else goes through its codec in a worker thread."""
         if meta == RAW_META and 0 < numel and isinstance(payload, (bytes, bytearray)) and len(payload) == 4 * numel:
             values = self._buffers.take(numel)
             values.numpy()[:] = np.frombuffer(payload, dtype=np.float32)

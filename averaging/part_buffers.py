@@ -16,11 +16,11 @@ class PartBuffers:
     """Float32 buffers for received parts, reused from round to round.
 
     A received part is kept until its whole shard is in (a sender's contribution, a reducer's
-    average). Keeping the RPC layer's payload buffers for that long made the heap grow and shrink
-    by about 1.5x the tensor size every round, and the page faults cost more CPU than decrypting
-    the data did. So each part is copied out of its payload at once (the payload buffer is freed
-    and the next one reuses its memory warm) into a buffer from here; buffers come back when their
-    round no longer needs them. What is kept is bounded by what one round held at a time.
+    average). Fresh buffers for that made the heap grow and shrink by about 1.5x the tensor size
+    every round, and the page faults cost more CPU than decrypting the data did. So parts are
+    decrypted straight into buffers from here (``RawPartSink``; compressed parts come out of
+    their codec), a reducer's running sum is one of them too, and buffers come back when their round no
+    longer needs them. What is kept is bounded by what one round held at a time.
     """
 
     def __init__(self) -> None:
