@@ -19,8 +19,8 @@ class PartBuffers:
     average). Fresh buffers for that made the heap grow and shrink by about 1.5x the tensor size
     every round, and the page faults cost more CPU than decrypting the data did. So parts are
     decrypted straight into buffers from here (``RawPartSink``; compressed parts come out of
-    their codec), a reducer's running sum is one of them too, and buffers come back when their round no
-    longer needs them. What is kept is bounded by what one round held at a time.
+    their codec), a reducer's running sum is one of them too, and buffers come back when their
+    round no longer needs them. What is kept is bounded by what one round held at a time.
     """
 
     def __init__(self) -> None:
