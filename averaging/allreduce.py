@@ -114,6 +114,7 @@ class _Session:
         self.sum_buffer: torch.Tensor | None = None
         self.handlers = 0  # reducer handlers attached to this session
         self.finished = False
+        self.sum_buffer_in_flight = False  # then it is left to the garbage collector, not pooled
 
     def prepare(self, total: int, buffers: PartBuffers) -> None:
         reducers = self.group.reducers
@@ -129,7 +130,8 @@ class _Session:
 
     def release_sum_buffer(self, buffers: PartBuffers) -> None:
         if self.finished and self.handlers == 0 and self.sum_buffer is not None:
-            buffers.give([self.sum_buffer])
+            if not self.sum_buffer_in_flight:
+                buffers.give([self.sum_buffer])
             self.sum_buffer = None
 
 
@@ -170,10 +172,14 @@ class AllReduceService:
             raise ValueError(f"tensor size mismatch: this group averages {session.total} values, got {total!r}")
         sink.part_sizes = reduction.part_sizes
         session.handlers += 1
+        served = False
         try:
             await self._serve_sender(session, stream, sender, header.get("weight"), sink)
+            served = True
         finally:
             session.handlers -= 1
+            if not served:  # a reply cut short may still sit in the connection's send queue
+                session.sum_buffer_in_flight = True
             session.release_sum_buffer(self._buffers)
 
     async def _serve_sender(self, session: _Session, stream, sender: PeerID, weight: Any, sink: RawPartSink) -> None:
@@ -287,6 +293,7 @@ class AllReduceService:
         session = _Session(group, me, flat, weight, codec, sender_timeout, part_size)
         total = flat.numel() if flat is not None else sum(t.numel() for t in tensors)
         session.total = total
+        self._buffers.start_round()
         session.prepare(total, self._buffers)
         try:
             return await self._run_session(session, tensors, flat, reducer_timeout)

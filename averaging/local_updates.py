@@ -12,7 +12,8 @@ steps proceed, and round t's outer step is applied one round late, carrying the 
 made meanwhile (``params = outer_step(start_t, avg delta_t) + (params_now - params_at_end_of_t)``):
 the swarm's communication then hides behind computation instead of stalling it, at the price of
 outer updates that are one round stale (the "delayed" variant of overlapped DiLoCo). Without a
-nursery each round averages before the next begins.
+nursery each round averages before the next begins. (When training stops, the averaging still
+in flight is cancelled with the nursery and its outer step is not applied.)
 """
 
 from __future__ import annotations
@@ -151,8 +152,7 @@ class LocalUpdatesOptimizer:
             self.inner_steps = 0
             self.local_samples = 0
             self._round_started = trio.current_time()
-        await trio.to_thread.run_sync(self._compute_deltas)
-        self._anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        await trio.to_thread.run_sync(self._compute_deltas_and_anchor)
         done = self._averaging_done = trio.Event()
         self.background.start_soon(self._average_in_background, self.epoch, float(self._phase_samples), done)
         return stepped
@@ -190,6 +190,10 @@ class LocalUpdatesOptimizer:
         with torch.no_grad():
             for delta, start, param in zip(self.deltas, self.snapshot, self.params, strict=True):
                 torch.sub(start, param.detach().to("cpu", torch.float32), out=delta)
+
+    def _compute_deltas_and_anchor(self) -> None:
+        self._compute_deltas()
+        self._anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
 
     def _apply_delayed_outer_step(self) -> None:
         """The outer step of the averaged round, applied from its start, plus whatever this peer

@@ -25,14 +25,32 @@ class PartBuffers:
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._round = 0
+        self._last_taken: dict[int, int] = {}  # buffer size -> round it was last taken in
+
+    def start_round(self) -> None:
+        """Forget buffer sizes that neither this round nor the last one took. Sizes follow the
+        group (its members, their order, their declared bandwidths), so without this every new
+        shard size would stay pooled for good, and a peer changing its bandwidth every round
+        could grow our memory without bound."""
+        self._round += 1
+        for numel in [n for n, last in self._last_taken.items() if last < self._round - 1]:
+            del self._last_taken[numel]
+            self._free.pop(numel, None)
 
     def take(self, numel: int) -> torch.Tensor:
+        self._last_taken[numel] = self._round
         free = self._free.get(numel)
         return free.pop() if free else torch.empty(numel, dtype=torch.float32)
 
     def give(self, buffers) -> None:
         for buffer in buffers:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+            if buffer.numel() in self._last_taken:  # else a size nobody has asked for lately
+                self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(4 * buffer.numel() for free in self._free.values() for buffer in free)
 
 
 class RawPartSink:

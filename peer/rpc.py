@@ -54,6 +54,11 @@ SEND_BUFFER_SIZE = MAX_RECORD_PLAINTEXT + 64 * 1024 + 2 * (HEADER.size + AEAD_TA
 # 50 x 49 x 4 MiB of zeroed buffers.
 INITIAL_SEND_BUFFER_SIZE = 64 * 1024
 _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
+# The reader lets other tasks run after this much work, counting each record as its bytes plus a
+# fixed cost: a bulk stream yields once per MiB, a flood of tiny records once per 64 records
+# (a per-byte budget alone let 24-byte records hold the loop for ~0.5 s).
+READ_BUDGET = 1 << 20
+RECORD_COST = READ_BUDGET // 64
 
 
 class _Outgoing:
@@ -286,9 +291,11 @@ class Connection:
     async def _read_loop(self) -> None:
         channel, protocol = self.channel, self.protocol
         decoder, cipher = channel.decoder, channel.receive_cipher
+        budget = READ_BUDGET
         while True:
             while (record := decoder.next_record()) is not None:
                 self.traffic.bytes_received += len(record) + HEADER.size
+                budget -= len(record) + RECORD_COST
                 if protocol.awaiting_payload:
                     if protocol.payload_fits_record(len(record) - AEAD_TAG_SIZE):
                         # The whole payload in one record and nowhere in particular to put it: let
@@ -304,6 +311,9 @@ class Connection:
                     self._enqueue(header)
                 for event in events:
                     self._handle_event(event)
+                if budget <= 0:
+                    budget = READ_BUDGET
+                    await trio.lowlevel.cancel_shielded_checkpoint()
             if not await channel.fill():
                 self._close_reason = f"peer {self.remote_peer_id} closed the connection"
                 return

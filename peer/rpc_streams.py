@@ -93,8 +93,10 @@ class _StreamBase:
         sent it (validate it: it comes from the network) and its payload size. It returns a
         writable, contiguous buffer of exactly ``nbytes`` bytes, which then becomes the payload of
         that message, or None to receive that payload into a fresh buffer as usual. This saves an
-        allocation and a copy per message when the receiver has somewhere to put the bytes (a
-        reused receive buffer, the tensor a part belongs in), as ``recv_into`` does for sockets.
+        allocation and a copy per message when the receiver has somewhere to put the bytes (the
+        tensor a part belongs in, a buffer from a pool), as ``recv_into`` does for sockets. Up to a
+        credit window of messages may be received before the application reads them, so a buffer
+        must not be handed out again while its message may still be unread.
 
         A buffer handed out belongs to the connection until its message is received: if the stream
         fails first, the reader may still write into it, so do not reuse such a buffer. A server

@@ -72,11 +72,10 @@ _NOISE_FAILURES = (
     IndexError,
 )
 _COUNTER = struct.Struct(">Q")
+_DIRECT_IO = os.name == "posix" and hasattr(os, "readv")
 # Receive low-water marks while a large record is in flight (see SecureChannel.fill).
 _MIN_LOW_WATER = 128 * 1024
 _MAX_LOW_WATER = 512 * 1024
-# A reader that always finds more bytes waiting still lets other tasks run this often.
-_YIELD_EVERY = 1 << 20
 
 
 class HandshakeError(Exception):
@@ -198,9 +197,9 @@ class SecureChannel:
         # With a real socket, bytes are read straight into the decoder's buffer and written
         # straight from the caller's, by plain non-blocking syscalls on the descriptor (see
         # send_all and fill); any other trio stream (tests) goes through the stream API.
-        self._socket = getattr(stream, "socket", None)
+        # (os.readv/os.write on a socket descriptor are POSIX only; elsewhere trio's API is used)
+        self._socket = getattr(stream, "socket", None) if _DIRECT_IO else None
         self._low_water = 1
-        self._received_since_yield = 0
 
     async def send_all(self, data: memoryview) -> None:
         """Send every byte of ``data``.
@@ -258,21 +257,15 @@ class SecureChannel:
 
     async def _read_into(self, view: memoryview) -> int:
         """One non-blocking read into ``view``, waiting only when nothing is there. Like send_all,
-        this skips trio's scheduler pass per read (~10% of a bulk receiver's CPU, measured) and
-        yields once per _YIELD_EVERY bytes instead, so a fast sender cannot starve other tasks."""
+        this skips trio's scheduler pass per read (~10% of a bulk receiver's CPU, measured). It
+        does not yield when bytes are waiting: the caller, which knows how much work the bytes
+        made, must (``Connection._read_loop`` yields by records and bytes processed)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                nbytes = os.readv(self._descriptor(), [view])
-                break
+                return os.readv(self._descriptor(), [view])
             except BlockingIOError:
-                self._received_since_yield = 0
                 await trio.lowlevel.wait_readable(self._socket)
-        self._received_since_yield += nbytes
-        if self._received_since_yield >= _YIELD_EVERY:
-            self._received_since_yield = 0
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        return nbytes
 
     async def send_record(self, plaintext: bytes) -> None:
         out = bytearray(HEADER.size + len(plaintext) + AEAD_TAG_SIZE)

@@ -106,3 +106,20 @@ def test_bad_weights_and_duplicates_are_rejected():
     reduction.add_part("a", 0, torch.ones(2))
     with pytest.raises(ContributionRejected, match="twice"):
         reduction.add_part("a", 0, torch.ones(2))
+
+
+def test_part_buffers_reuse_buffers_and_forget_sizes_no_recent_round_took():
+    from averaging.part_buffers import PartBuffers
+
+    pool = PartBuffers()
+    pool.start_round()
+    first = pool.take(10)
+    pool.give([first])
+    assert pool.take(10) is first  # reused, not reallocated
+    pool.give([first])
+    for size in (11, 12, 13):  # shard sizes follow the group, which may change every round
+        pool.start_round()
+        pool.give([pool.take(size) for _ in range(3)])
+    assert pool.pooled_bytes == 4 * 3 * (12 + 13)  # only this round's and the last round's sizes
+    pool.give([torch.empty(10)])  # a size nobody asked for lately is not kept either
+    assert pool.pooled_bytes == 4 * 3 * (12 + 13)

@@ -10,7 +10,7 @@ import trio
 
 from peer import Identity, Router, open_peer_host
 from peer.framing import HEADER
-from peer.rpc_protocol import packb
+from peer.rpc_protocol import packb, unpackb
 from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
 
 HANDSHAKE_TIMEOUT = 0.5
@@ -131,3 +131,33 @@ async def test_flood_of_connections(server):
         for stream in idle + junk:
             await trio.aclose_forcefully(stream)
     await assert_still_serving(server)
+
+
+async def test_a_flood_of_tiny_records_does_not_stall_the_event_loop(server):
+    """An authenticated peer sends ~120,000 tiny (ignored) records back to back; the server's event
+    loop, shared with this test, must keep ticking while the flood is processed."""
+    stream, channel = await authenticated_raw(server)
+    record = packb([6, 99, 1])  # CREDIT for a call that does not exist: late traffic, ignored
+    flood = bytearray(120_000 * (HEADER.size + len(record) + 16))
+    view, position = memoryview(flood), 0
+    while position < len(flood):
+        position += channel.send_cipher.seal_into(record, view[position:])
+    gaps: list[float] = []
+    done = trio.Event()
+
+    async def ticker() -> None:
+        last = trio.current_time()
+        while not done.is_set():
+            await trio.sleep(0)
+            now = trio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await stream.send_all(flood)
+        await channel.send_record(packb([7, 1, "echo", None, "after the flood", 0]))
+        with trio.fail_after(30):  # answered only once the whole flood ahead of it is processed
+            assert unpackb(await channel.receive_record()) == [8, 1, "after the flood", 0]
+        done.set()
+    assert max(gaps) < 0.1, f"the event loop stalled for {max(gaps) * 1e3:.0f} ms"
