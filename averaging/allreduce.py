@@ -57,6 +57,16 @@ async def _in_thread(fn, *args):
     return await trio.to_thread.run_sync(fn, *args, limiter=tensor_work_limiter())
 
 
+# Tensor work on at most this many values runs on the event loop (~0.4 ms), larger in a thread.
+INLINE_WORK_LIMIT = 1 << 20
+
+
+async def _small_inline(numel: int, fn, *args):
+    if numel <= INLINE_WORK_LIMIT:
+        return fn(*args)
+    return await _in_thread(fn, *args)
+
+
 class AllReduceError(RuntimeError):
     pass
 
@@ -230,9 +240,10 @@ class AllReduceService:
                     values = await self._decode_part(body.get("meta"), message.payload, reduction.part_sizes[index])
                 staged.append(values)
                 async with session.reduction_lock:
-                    # On the event loop: add_part checks one part for NaN/inf (a fraction of a
-                    # millisecond, while it is still in cache); a thread hop costs more than that.
-                    reduction.add_part(sender, index, values)
+                    # add_part checks the part for NaN/inf: on the event loop for parts of the
+                    # usual size (a fraction of a millisecond, while the part is still in cache; a
+                    # thread hop costs more), in a worker thread for unusually large ones.
+                    await _small_inline(values.numel(), reduction.add_part, sender, index, values)
             async with session.reduction_lock:
                 await _in_thread(reduction.finish_sender, sender)  # adds the whole contribution
         except (ContributionRejected, ValueError, TypeError) as error:
@@ -422,7 +433,7 @@ class AllReduceService:
                         if part is None:
                             part = await self._decode_part(body.get("meta"), reply.payload, end - start)
                         values.append(part)
-                        check_finite([part])  # on the loop, while the part is in cache (see add_part)
+                        await _small_inline(part.numel(), check_finite, [part])  # (see add_part)
             averaged.extend((start, part) for (start, _end), part in zip(parts, values, strict=True))
             result.contributors[index] = contributors
             result.failed_peers.update(p.peer_id for p in session.group.senders if p.peer_id not in contributors)
@@ -436,13 +447,17 @@ class AllReduceService:
     async def _decode_part(self, meta, payload, numel: int) -> torch.Tensor:
         """A received part as float32 values that nobody else modifies (finiteness is checked by
         whoever uses them). An uncompressed part that did not arrive in a lent buffer is one copy
-        into a reused buffer, on the event loop: a thread hop would cost about as much as the
-        copy; anything else goes through its codec in a worker thread."""
+        into a reused buffer (on the event loop unless it is unusually large: a thread hop would
+        cost about as much as the copy); anything else goes through its codec in a worker thread."""
         if meta == RAW_META and 0 < numel and isinstance(payload, (bytes, bytearray)) and len(payload) == 4 * numel:
             values = self._buffers.take(numel)
-            values.numpy()[:] = np.frombuffer(payload, dtype=np.float32)
+            await _small_inline(numel, _copy_raw_part, values, payload)
             return values
         return await _in_thread(decode, meta, payload, numel)
+
+
+def _copy_raw_part(values: torch.Tensor, payload) -> None:
+    values.numpy()[:] = np.frombuffer(payload, dtype=np.float32)
 
 
 def checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from averaging.allreduce import AllReduceService
+from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceService
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, open_peer_host
@@ -283,6 +283,21 @@ async def test_malformed_raw_parts_drop_their_sender_and_nobody_else(hostile):
                 assert honest_ids <= set(contributors)
                 # every honest reducer refused the hostile contribution (its own shard is local)
                 assert hostile_id not in contributors or shard == size - 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_huge_parts_are_checked_off_the_event_loop_and_still_averaged_exactly():
+    size = 3
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size)
+        group = make_group(peers)
+        numel = 3 * 2 * INLINE_WORK_LIMIT  # one part per shard, each over the inline limit
+        tensors = [[torch.randn(numel, generator=torch.Generator().manual_seed(i))] for i in range(size)]
+        expected = sum(t[0] for t in tensors) / size
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * size, results, part_size=numel, reducer_timeout=60.0)
+        for i in range(size):
+            assert results[i].succeeded and torch.allclose(tensors[i][0], expected, atol=1e-5)
         nursery.cancel_scope.cancel()
 
 
