@@ -90,7 +90,6 @@ class LocalUpdatesOptimizer:
         self.swarm = SwarmProgress({})
         self.last_averaging: dict[str, Any] | None = None
         self._round_started: float | None = None
-        self._phase_samples = 0
 
     async def step(self, batch_size: int) -> bool:
         if self._round_started is None:
@@ -103,8 +102,7 @@ class LocalUpdatesOptimizer:
             return False
         elapsed = max(trio.current_time() - self._round_started, 1e-9)
         self.samples_per_s = self.local_samples / elapsed
-        self._phase_samples = self.local_samples
-        return await self._outer_round()
+        return await self._outer_round(float(self.local_samples))
 
     def _inner_step(self) -> None:
         self.inner.step()
@@ -130,16 +128,16 @@ class LocalUpdatesOptimizer:
                 param.copy_(start)
         log.info("joined the swarm at outer round %d with its parameters", self.epoch)
 
-    async def _outer_round(self) -> bool:
+    async def _outer_round(self, weight: float) -> bool:
         if self.background is not None:
-            return await self._overlapped_round()
+            return await self._overlapped_round(weight)
         await trio.to_thread.run_sync(self._compute_deltas)
-        record = await self._average(self.epoch, float(self.local_samples))
+        record = await self._average(self.epoch, weight)
         await trio.to_thread.run_sync(self._apply_outer_step)
         await self._finish_round(record)
         return True
 
-    async def _overlapped_round(self) -> bool:
+    async def _overlapped_round(self, weight: float) -> bool:
         """Apply the previous round's outer step (if one is averaging), then start averaging the
         progress since the last outer step in the background."""
         stepped = False
@@ -154,7 +152,7 @@ class LocalUpdatesOptimizer:
             self._round_started = trio.current_time()
         await trio.to_thread.run_sync(self._compute_deltas_and_anchor)
         done = self._averaging_done = trio.Event()
-        self.background.start_soon(self._average_in_background, self.epoch, float(self._phase_samples), done)
+        self.background.start_soon(self._average_in_background, self.epoch, weight, done)
         return stepped
 
     async def _average_in_background(self, epoch: int, weight: float, done: trio.Event) -> None:
