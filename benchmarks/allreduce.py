@@ -20,6 +20,9 @@ float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its
 * ``ours_cpu_s`` / ``gloo_cpu_s`` and ``*_page_faults``: CPU seconds (all threads) and minor page
   faults of all peers together per round, from the round's start until every peer is done. They
   say where time goes and, unlike wall time, hardly depend on what else the machine is running.
+  ``*_kernel_cpu_s`` is the part of the CPU seconds spent in the kernel: both sides move the same
+  bytes through loopback TCP, so the difference between them is what framing, encryption and
+  Python add, not the socket copies.
 
 Each repetition starts from the peers' original tensors at a gloo barrier; a peer's time runs from
 the barrier's release to its own completion, and a round's time is the slowest peer's (the round
@@ -197,6 +200,8 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
         "ours_s": ours_s,
         "gloo_cpu_s": [u.cpu_s for u in gloo_usage],
         "ours_cpu_s": [u.cpu_s for u in ours_usage],
+        "gloo_kernel_cpu_s": [u.kernel_cpu_s for u in gloo_usage],
+        "ours_kernel_cpu_s": [u.kernel_cpu_s for u in ours_usage],
         "gloo_faults": [u.faults for u in gloo_usage],
         "ours_faults": [u.faults for u in ours_usage],
         "max_abs_error": ours_error,
@@ -209,15 +214,16 @@ class Usage:
     """CPU seconds (all threads) and minor page faults of this process."""
 
     cpu_s: float
+    kernel_cpu_s: float  # the part of cpu_s spent in the kernel (socket copies, TCP, scheduling)
     faults: int
 
     @classmethod
     def now(cls) -> Usage:
         r = resource.getrusage(resource.RUSAGE_SELF)
-        return cls(r.ru_utime + r.ru_stime, r.ru_minflt)
+        return cls(r.ru_utime + r.ru_stime, r.ru_stime, r.ru_minflt)
 
     def __sub__(self, other: Usage) -> Usage:
-        return Usage(self.cpu_s - other.cpu_s, self.faults - other.faults)
+        return Usage(self.cpu_s - other.cpu_s, self.kernel_cpu_s - other.kernel_cpu_s, self.faults - other.faults)
 
 
 def _timed_all_reduce(tensor: torch.Tensor) -> float:
@@ -332,6 +338,8 @@ def summarize(world: int, numel: int, reps: int, reports: list[dict[str, Any]]) 
         "gloo_max_abs_error": max(r["gloo_max_abs_error"] for r in reports),
         "ours_cpu_s": per_round("ours_cpu_s"),
         "gloo_cpu_s": per_round("gloo_cpu_s"),
+        "ours_kernel_cpu_s": per_round("ours_kernel_cpu_s"),
+        "gloo_kernel_cpu_s": per_round("gloo_kernel_cpu_s"),
         "ours_page_faults": int(per_round("ours_faults")),
         "gloo_page_faults": int(per_round("gloo_faults")),
         "reps": reps,
@@ -344,7 +352,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
     print(f"all-reduce of float32 tensors, codec none, {os.cpu_count()} cores; median of the slowest peer per round")
     header = (
         f"{'peers':>5} {'numel':>10} {'gloo s':>8} {'ours s':>8} {'gloo/ours':>9} {'match s':>8} {'max err':>9}"
-        f" {'gloo cpu':>9} {'ours cpu':>9} {'gloo flt':>9} {'ours flt':>9}"
+        f" {'gloo cpu':>9} {'ours cpu':>9} {'gloo sys':>9} {'ours sys':>9} {'gloo flt':>9} {'ours flt':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -353,6 +361,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
             f"{run['peers']:>5} {run['numel']:>10} {run['gloo_s']:>8.3f} {run['ours_s']:>8.3f} "
             f"{run['gloo_ratio']:>9.2f} {run['matchmaking_s']:>8.2f} {run['max_abs_error']:>9.2e}"
             f" {run['gloo_cpu_s']:>9.3f} {run['ours_cpu_s']:>9.3f}"
+            f" {run['gloo_kernel_cpu_s']:>9.3f} {run['ours_kernel_cpu_s']:>9.3f}"
             f" {run['gloo_page_faults']:>9} {run['ours_page_faults']:>9}"
         )
     for run in runs:
