@@ -1,7 +1,8 @@
 """The ``peerd`` command line.
 
 Configuration comes from flags first, then ``PEERD_*`` environment variables (what docker compose
-sets), then built-in defaults.
+sets), then a TOML file (``--config PATH`` or ``PEERD_CONFIG``; see ``peer/settings.py``), then
+built-in defaults.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -21,14 +21,10 @@ from .address import PeerAddress
 from .cli_types import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .identity import Identity, IdentityError, default_identity_path
+from .settings import Settings, SettingsError, parse_bool
 
 EXIT_BAD_INPUT = 1
 EXIT_UNREACHABLE = 2
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(f"PEERD_{name}")
-    return value if value not in (None, "") else default
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -38,25 +34,31 @@ def _shard(text: str) -> tuple[int, int]:
     return int(index), int(count)
 
 
-def _env_peers() -> list[PeerAddress]:
-    text = _env("INITIAL_PEERS", "") or ""
+def _peer_list(text: str) -> list[PeerAddress]:
     return [peer_address(item) for item in text.replace(",", " ").split()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
+    """The ``peerd`` parser; defaults that no flag overrides come from ``settings`` (by default
+    the ``PEERD_*`` environment variables alone). Raises SettingsError for a value it cannot use."""
+    settings = settings if settings is not None else Settings()
+    env = settings.get
     parser = argparse.ArgumentParser(prog="peerd", description="Decentralized volunteer-training peer daemon")
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
-    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--config", metavar="FILE", default=settings.source, help="TOML file of settings (also PEERD_CONFIG)"
+    )
+    parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID")
-    keygen.add_argument("--identity", type=Path, default=_env("IDENTITY"), help="key file (default: user data dir)")
+    keygen.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file (default: user data dir)")
 
     join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train")
-    add_join_arguments(join)
+    add_join_arguments(join, settings)
 
     status = commands.add_parser("status", help="show a running peer's /status for humans")
-    status.add_argument("--status-port", type=int, default=int(_env("STATUS_PORT", "8080")))
+    status.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int, 8080))
     status.add_argument("--status-host", default="127.0.0.1")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
@@ -84,31 +86,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_join_arguments(join: argparse.ArgumentParser) -> None:
+def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
+    env = settings.get
+    join.add_argument("--config", metavar="FILE", default=settings.source, help="TOML file of settings")
     join.add_argument(
-        "--listen", type=listen_address, default=listen_address(_env("LISTEN", "0.0.0.0:31337")), metavar="HOST:PORT"
+        "--listen",
+        type=listen_address,
+        default=settings.parsed("LISTEN", listen_address, listen_address("0.0.0.0:31337")),
+        metavar="HOST:PORT",
     )
-    join.add_argument("--identity", type=Path, default=_env("IDENTITY"), help="key file, created on first use")
-    join.add_argument("--initial-peer", type=peer_address, action="append", default=None, metavar="ADDR")
-    join.add_argument("--run-id", default=_env("RUN_ID", "default"), help="peers only talk within one run")
-    join.add_argument("--bootstrap-timeout", type=float, default=float(_env("BOOTSTRAP_TIMEOUT", "15")))
-    join.add_argument("--client-mode", action="store_true", default=_env("CLIENT_MODE") == "1")
-    join.add_argument("--task", default=_env("TASK"), help="train this task: a built-in name or package.module:factory")
-    join.add_argument("--mode", choices=["collaborative", "local-updates"], default=_env("MODE", "collaborative"))
-    join.add_argument("--local-steps", type=int, default=int(_env("LOCAL_STEPS", "20")))
-    join.add_argument("--target-batch-size", type=int, default=None)
-    join.add_argument("--device", default=_env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
-    join.add_argument("--data-shard", type=_shard, default=_shard(_env("DATA_SHARD", "0/1")), metavar="I/N")
-    join.add_argument("--status-port", type=int, default=_int_or_none(_env("STATUS_PORT")), metavar="PORT")
-    join.add_argument("--status-host", default=_env("STATUS_HOST", "127.0.0.1"))
+    join.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file, created on first use")
+    join.add_argument(
+        "--initial-peer",
+        type=peer_address,
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help="repeatable; without it, PEERD_INITIAL_PEERS / initial_peers",
+    )
+    # Parsed only by ``join``, so that a bad address does not break every other command.
+    join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
+    join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run")
+    join.add_argument("--bootstrap-timeout", type=float, default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0))
+    join.add_argument("--client-mode", action="store_true", default=settings.parsed("CLIENT_MODE", parse_bool, False))
+    join.add_argument("--task", default=env("TASK"), help="train this task: a built-in name or package.module:factory")
+    join.add_argument("--mode", choices=["collaborative", "local-updates"], default=env("MODE", "collaborative"))
+    join.add_argument("--local-steps", type=int, default=settings.parsed("LOCAL_STEPS", int, 20))
+    join.add_argument("--target-batch-size", type=int, default=settings.parsed("TARGET_BATCH_SIZE", int))
+    join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
+    join.add_argument("--data-shard", type=_shard, default=settings.parsed("DATA_SHARD", _shard, (0, 1)), metavar="I/N")
+    join.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int), metavar="PORT")
+    join.add_argument("--status-host", default=env("STATUS_HOST", "127.0.0.1"))
     from moe.cli import add_expert_arguments
 
     add_expert_arguments(join, flag="--serve-experts", device=False)
-    join.set_defaults(experts=_env("SERVE_EXPERTS"))
-
-
-def _int_or_none(text: str | None) -> int | None:
-    return int(text) if text is not None else None
+    join.set_defaults(experts=env("SERVE_EXPERTS"))
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -153,6 +165,14 @@ def _experts(args: argparse.Namespace):
     return config, config.build_experts()
 
 
+def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
+    text, origin = args.initial_peers_setting
+    try:
+        return _peer_list(text)
+    except argparse.ArgumentTypeError as error:
+        raise SettingsError(f"{origin}: {error}") from None
+
+
 def _cmd_join(args: argparse.Namespace) -> int:
     shard = None
     if args.task is not None:
@@ -166,7 +186,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         identity=identity,
         listen_host=host,
         listen_port=port,
-        initial_peers=args.initial_peer if args.initial_peer is not None else _env_peers(),
+        initial_peers=args.initial_peer if args.initial_peer is not None else _setting_peers(args),
         run_id=args.run_id,
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
@@ -203,7 +223,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.load(_config_path(argv))
+        parser = build_parser(settings)
+        settings.check_all_known()  # every setting has been looked up by now
+    except SettingsError as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -235,6 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _config_path(argv: list[str] | None) -> str | None:
+    """``--config FILE`` from the command line (the parser's defaults depend on it, so it is read
+    before the parser is built)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early.add_argument("--config")
+    known, _rest = early.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return known.config
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""Settings from flags, ``PEERD_*`` variables and a TOML file, in that order."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from peer.cli import build_parser, main
+from peer.settings import Settings, SettingsError
+
+from .processes import PEERD
+
+CONFIG = """
+run_id = "from-file"
+initial_peers = ["127.0.0.1:4001", "127.0.0.1:4002"]
+local_steps = 7
+client_mode = true
+data_shard = "1/3"
+target_batch_size = 512
+"""
+
+
+def write_config(tmp_path, text: str = CONFIG):
+    path = tmp_path / "peer.toml"
+    path.write_text(text)
+    return path
+
+
+def join_args(settings: Settings, *flags: str):
+    args = build_parser(settings).parse_args(["join", *flags])
+    settings.check_all_known()
+    return args
+
+
+def test_the_file_fills_what_neither_flags_nor_environment_give(tmp_path):
+    settings = Settings.load(write_config(tmp_path), environ={})
+    args = join_args(settings)
+    assert args.run_id == "from-file"
+    assert args.local_steps == 7 and args.client_mode is True
+    assert args.data_shard == (1, 3) and args.target_batch_size == 512
+    assert args.initial_peers_setting[0] == "127.0.0.1:4001 127.0.0.1:4002"
+    assert args.mode == "collaborative"  # not in the file: the built-in default
+
+
+def test_environment_beats_the_file_and_flags_beat_both(tmp_path):
+    environ = {"PEERD_RUN_ID": "from-env", "PEERD_LOCAL_STEPS": "9", "PEERD_CLIENT_MODE": "0"}
+    settings = Settings.load(write_config(tmp_path), environ=environ)
+    args = join_args(settings, "--local-steps", "11")
+    assert args.run_id == "from-env"
+    assert args.client_mode is False
+    assert args.local_steps == 11
+
+
+def test_peerd_config_variable_names_the_file(tmp_path):
+    path = write_config(tmp_path)
+    settings = Settings.load(None, environ={"PEERD_CONFIG": str(path)})
+    assert join_args(settings).run_id == "from-file"
+    assert Settings.load(None, environ={}).get("RUN_ID") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("run_idd = 'typo'\n", "unknown setting run_idd"),
+        ("run_id = \n", "not valid TOML"),
+        ("[join]\nrun_id = 'x'\n", "'join' must be a string, number, boolean or list of strings"),
+        ("local_steps = 'many'\n", "local_steps in "),
+        ("client_mode = 'maybe'\n", "expected a boolean"),
+        ("listen = 'nowhere'\n", "listen in "),
+    ],
+)
+def test_a_bad_file_is_refused_with_a_clear_error(tmp_path, text, message):
+    with pytest.raises(SettingsError, match=message):
+        join_args(Settings.load(write_config(tmp_path, text), environ={}))
+
+
+def test_a_missing_file_is_refused(tmp_path):
+    with pytest.raises(SettingsError, match="cannot read config file"):
+        Settings.load(tmp_path / "absent.toml", environ={})
+
+
+def test_the_command_exits_1_naming_the_bad_setting(tmp_path, capsys):
+    path = write_config(tmp_path, "run_id = 'x'\nstatus_prot = 8080\n")
+    assert main(["--config", str(path), "keygen", "--identity", str(tmp_path / "k.key")]) == 1
+    error = capsys.readouterr().err
+    assert "unknown setting status_prot" in error and "status_port" in error
+    assert not (tmp_path / "k.key").exists()
+
+
+def test_join_reads_its_initial_peers_from_the_file(tmp_path):
+    """End to end: a real ``peerd join --config`` whose only initial peer (from the file) is dead
+    exits 2 naming that address, within the file's bootstrap timeout."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    path = write_config(
+        tmp_path,
+        f'listen = "127.0.0.1:0"\ninitial_peers = ["127.0.0.1:{dead_port}"]\nbootstrap_timeout = 2\n'
+        f'identity = "{tmp_path / "id.key"}"\n',
+    )
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("PEERD_")}
+    start = time.monotonic()
+    result = subprocess.run(
+        PEERD + ["join", "--config", str(path)], capture_output=True, text=True, timeout=30, env=environ
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"127.0.0.1:{dead_port}: " in result.stderr
+    assert time.monotonic() - start < 2 + 5
+    assert (tmp_path / "id.key").exists()
