@@ -4,9 +4,11 @@ Each peer accumulates gradients over its own batches and publishes its progress 
 the swarm together has seen ``target_batch_size`` samples for the current epoch, every peer
 averages its mean gradient with a group (weighted by its sample count, so the result is the
 gradient of the whole swarm batch), steps the wrapped optimizer, and moves to the next epoch.
-Every ``average_state_every`` epochs the parameters themselves are averaged too, which pulls
-back together peers that stepped alone after a failed round. A peer more than one epoch behind
-(a late joiner, or one that was stalled) loads parameters and epoch from a peer instead.
+Every ``average_state_every`` epochs the parameters and the optimizer's state (Adam's moments,
+momentum buffers, step counts: see ``optimizer_state.py``) are averaged too, which pulls back
+together peers that stepped alone after a failed round. A peer more than one epoch behind (a late
+joiner, or one that was stalled) loads parameters, optimizer state and epoch from a peer instead,
+and moves its learning-rate scheduler forward to that epoch.
 
 If averaging fails, the peer steps on its own gradients and says so: training never stops
 because another peer misbehaved.
@@ -15,6 +17,7 @@ because another peer misbehaved.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ import trio
 from .allreduce import AllReduceError
 from .averager import EpochStateAverager, GroupAverager, averaging_options
 from .matchmaking import MatchmakingError
+from .optimizer_state import materialize_state, state_tensors
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
 
@@ -33,6 +37,7 @@ log = logging.getLogger("peerd.training")
 # Below ~1M parameters, adding gradients into the accumulators takes well under a millisecond:
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
+MAX_SCHEDULER_CATCH_UP = 100_000
 
 
 class CollaborativeOptimizer:
@@ -84,8 +89,11 @@ class CollaborativeOptimizer:
         self.grad_averager = GroupAverager(
             self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, **averaging
         )
+        # Created now (as a fresh optimizer's would be) so that peers list the same tensors from
+        # the start and a newcomer has somewhere to load a donor's state into.
+        self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
         self.state_averager = EpochStateAverager(
-            lambda: self.epoch, self.params, dht, prefix=f"{prefix}.state", **averaging
+            lambda: self.epoch, self.params + self.optimizer_state, dht, prefix=f"{prefix}.state", **averaging
         )
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0
@@ -127,7 +135,7 @@ class CollaborativeOptimizer:
         return True
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
-        """Adopt a peer's parameters and epoch (we fell behind or just joined).
+        """Adopt a peer's parameters, optimizer state and epoch (we fell behind or just joined).
 
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
@@ -136,17 +144,37 @@ class CollaborativeOptimizer:
         except StateUnavailable as error:
             if swarm_epoch is not None and swarm_epoch > self.epoch:
                 log.warning("%s; continuing from the swarm's epoch %d with local parameters", error, swarm_epoch)
-                self.epoch = swarm_epoch
+                await self._move_to_epoch(swarm_epoch)
                 self._reset_accumulators()
             else:
                 log.warning("%s", error)
             return
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if type(epoch) is int and epoch >= 0:
-            self.epoch = max(self.epoch, epoch)
+            await self._move_to_epoch(epoch)
         self._reset_accumulators()
         log.info("joined the swarm at epoch %d with its parameters", self.epoch)
         await self.tracker.publish(self._progress)
+
+    async def _move_to_epoch(self, epoch: int) -> None:
+        """Jump forward to ``epoch``, with the learning-rate schedule where the swarm's is (the
+        scheduler steps once per epoch, as in ``_apply_gradients``). The epoch came from another
+        peer: the scheduler catches up at most MAX_SCHEDULER_CATCH_UP epochs (~0.3 s of work, in a
+        thread), so a forged epoch cannot hang this peer."""
+        if epoch <= self.epoch:
+            return
+        if self.scheduler is not None:
+            steps = min(epoch - self.epoch, MAX_SCHEDULER_CATCH_UP)
+            if steps < epoch - self.epoch:
+                log.warning("the swarm is %d epochs ahead; moving the scheduler %d only", epoch - self.epoch, steps)
+            await trio.to_thread.run_sync(self._step_scheduler, steps)
+        self.epoch = epoch
+
+    def _step_scheduler(self, steps: int) -> None:
+        with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(steps):
+                self.scheduler.step()
 
     def _accumulate(self, batch_size: int) -> None:
         with torch.no_grad():

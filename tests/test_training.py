@@ -78,6 +78,35 @@ async def test_late_joiner_starts_at_the_swarm_epoch_with_its_parameters():
         reference = early[0].task.model.state_dict()
         for name, value in late.task.model.state_dict().items():
             assert torch.allclose(value, reference[name], atol=1e-6), name
+        # ... and the optimizer's state (Adam's moments and step counts), not a restart from zero
+        donor_state = early[0].optimizer.optimizer_state
+        assert donor_state and len(late.optimizer.optimizer_state) == len(donor_state)
+        for ours, theirs in zip(late.optimizer.optimizer_state, donor_state, strict=True):
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+        assert late.optimizer.optimizer.state[next(late.task.model.parameters())]["step"] >= 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_moves_to_the_swarm_epoch_moves_its_lr_schedule_with_it():
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        task = digits_task(shard=ShardSpec(0, 1))
+        inner = torch.optim.SGD(task.model.parameters(), lr=1.0)
+        optimizer = CollaborativeOptimizer(
+            inner,
+            node,
+            prefix="digits-schedule",
+            target_batch_size=128,
+            scheduler=torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5),
+            load_state_timeout=0.5,
+            **FAST,
+        )
+        await optimizer.load_state_from_peers(swarm_epoch=6)  # no donor: local parameters, swarm epoch
+        assert optimizer.epoch == 6
+        assert inner.param_groups[0]["lr"] == pytest.approx(0.125)  # 1.0 * 0.5 ** (6 // 2)
+        with trio.fail_after(10):  # an absurd epoch from the network costs a bounded catch-up
+            await optimizer.load_state_from_peers(swarm_epoch=10**15)
+        assert optimizer.epoch == 10**15
         nursery.cancel_scope.cancel()
 
 

@@ -1,0 +1,101 @@
+"""A ``torch.optim`` optimizer's state as a fixed list of tensors, so it can be averaged with
+peers and handed to newcomers like the parameters are.
+
+Optimizers create their state lazily, on the first step, but matchmaking needs every peer's tensor
+list (and its schema) from the start, and a newcomer needs it to download a donor's state into.
+``materialize_state`` creates the state up front, for the optimizers whose fresh state is all
+zeros (moments, buffers, step counts): it takes one step that moves nothing (learning rates zero,
+zero gradients) to get the state's structure, then zeroes it. Each of them then takes its first
+real step exactly as a fresh optimizer would. Optimizers whose first step builds state from the
+learning rate or the gradient in other ways (NAdam, Rprop, ASGD, SGD with dampening, ...) are not
+in that list: unless their state already exists, a peer shares their parameters only.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["materialize_state", "state_tensors"]
+
+log = logging.getLogger("peerd.training")
+
+# Exact types (a subclass may build its state differently).
+_ZERO_STATE_OPTIMIZERS = (
+    torch.optim.SGD,  # momentum_buffer: zeros * momentum + grad == grad, its fresh value, if dampening is 0
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.RAdam,
+)
+
+
+def materialize_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Make the optimizer's per-parameter state exist now, as a fresh optimizer's would be, without
+    changing any parameter. Returns whether the state exists afterwards."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and all(optimizer.state.get(p) for p in params):
+        return True  # built at construction (Adagrad) or already stepped or loaded
+    if type(optimizer) not in _ZERO_STATE_OPTIMIZERS or any(g.get("dampening", 0) for g in optimizer.param_groups):
+        log.info("%s state is not shared with peers (only the parameters are)", type(optimizer).__name__)
+        return False
+    before = [p.detach().clone() for p in params]
+    saved_grads = [p.grad for p in params]
+    try:
+        with _zero_learning_rates(optimizer), torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+        moved = any(not torch.equal(p, old) for p, old in zip(params, before, strict=True))
+    except Exception as error:  # e.g. an option this cannot honour: keep the optimizer as it was
+        log.warning("cannot create %s state up front (%s); sharing parameters only", type(optimizer).__name__, error)
+        moved = True
+    with torch.no_grad():
+        for p, old, grad in zip(params, before, saved_grads, strict=True):
+            if moved:
+                p.copy_(old)
+            p.grad = grad
+    if moved:
+        optimizer.state.clear()
+        return False
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                state[key] = type(value)(0)
+    return True
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The floating-point tensors of the optimizer's state, in a fixed order (parameter order,
+    then state key), so that peers with the same model and optimizer list the same tensors."""
+    tensors = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    tensors.append(value)
+    return tensors
+
+
+@contextmanager
+def _zero_learning_rates(optimizer: torch.optim.Optimizer):
+    saved = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = torch.zeros_like(group["lr"])
+            elif "lr" in group:
+                group["lr"] = 0.0
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            if lr is not None:
+                group["lr"] = lr

@@ -1,0 +1,79 @@
+"""Optimizer state made to exist up front, exactly as a fresh optimizer's first step would have it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from averaging.optimizer_state import materialize_state, state_tensors
+
+
+def model_pair():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    return model, copy.deepcopy(model)
+
+
+def train(model, optimizer, steps=4):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 6)).pow(2).sum().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(
+    ("make", "options"),
+    [
+        (torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.01}),
+        (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}),
+        (torch.optim.AdamW, {"lr": 0.05}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+        (torch.optim.Adamax, {}),
+        (torch.optim.Adadelta, {}),
+        (torch.optim.RAdam, {}),
+        (torch.optim.Adagrad, {}),  # (builds its state at construction)
+    ],
+)
+def test_materialized_state_trains_bit_for_bit_like_a_fresh_optimizer(make, options):
+    fresh_model, model = model_pair()
+    fresh, optimizer = make(fresh_model.parameters(), **options), make(model.parameters(), **options)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert materialize_state(optimizer)
+    assert all(torch.equal(p, old) for p, old in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert state_tensors(optimizer), "the state exists before the first step"
+    assert optimizer.param_groups[0]["lr"] == options.get("lr", fresh.param_groups[0]["lr"])
+    train(fresh_model, fresh)
+    train(model, optimizer)
+    for ours, theirs in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    assert [t.shape for t in state_tensors(optimizer)] == [t.shape for t in state_tensors(fresh)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.NAdam(params),  # its fresh state is not all zeros
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5),
+    ],
+)
+def test_optimizers_whose_fresh_state_is_not_zero_are_left_alone(make):
+    model, _ = model_pair()
+    optimizer = make(model.parameters())
+    assert not materialize_state(optimizer)
+    assert state_tensors(optimizer) == [] and not optimizer.state
+
+
+def test_state_tensors_are_the_live_state_in_a_fixed_order():
+    model_a, model_b = model_pair()
+    a, b = torch.optim.Adam(model_a.parameters()), torch.optim.Adam(model_b.parameters())
+    materialize_state(a)
+    train(model_b, b, steps=1)  # stepped rather than materialized: same list
+    assert [t.shape for t in state_tensors(a)] == [t.shape for t in state_tensors(b)]
+    exp_avg = state_tensors(a)[0]
+    train(model_a, a, steps=1)
+    assert exp_avg.abs().sum() > 0  # the optimizer updated the very tensor we hold
