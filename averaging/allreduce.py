@@ -26,7 +26,17 @@ import trio
 from peer import ConnectError, PeerHost, PeerID, Router, RPCError
 
 from .compression import NoCompression, get_codec
-from .flat_parts import RAW_META, bytes_view, check_finite, decode, encode_shard, flat_view, flatten, write_back
+from .flat_parts import (
+    RAW_META,
+    bytes_view,
+    check_finite,
+    decode,
+    decode_shard,
+    encode_shard,
+    flat_view,
+    flatten,
+    write_back,
+)
 from .group import GroupInfo, GroupMember
 from .part_buffers import PartBuffers, RawPartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
@@ -118,6 +128,7 @@ class _Session:
         # The averaged shard, encoded once for all senders (codecs are deterministic), or why not
         self.reply_parts: list[tuple[dict, Any]] = []
         self.reply_error: Exception | None = None
+        self.own_average: torch.Tensor | None = None  # with a lossy codec: our shard as others get it
         self.raw = codec == NoCompression.name or isinstance(codec, NoCompression)
         # The reduction's sum (then the average) comes from the buffer pool and goes back to it
         # once the round is over and no reducer handler can still be sending replies from it.
@@ -348,7 +359,7 @@ class AllReduceService:
                 if session.reply_error is not None:  # the other senders keep their values: so do we
                     result.local_shards[session.my_shard] = str(session.reply_error)
                 elif outcome.averaged is not None:
-                    local = [(start, outcome.averaged)]
+                    local = [(start, session.own_average if session.own_average is not None else outcome.averaged)]
                 else:
                     result.local_shards[session.my_shard] = "no contribution arrived"
         if flat is not None:
@@ -381,6 +392,10 @@ class AllReduceService:
             try:
                 parts = await _in_thread(encode_shard, session.codec, outcome.averaged, reduction.part_sizes)
                 session.reply_parts = parts
+                if not session.raw and session.flat is not None:
+                    # Keep what the other peers will decode, not the unrounded average: replicas
+                    # that differ by a rounding error each round would drift apart for good.
+                    session.own_average = await _in_thread(decode_shard, parts, reduction.part_sizes)
             except ValueError as error:  # e.g. weighted values overflowed to inf: senders keep theirs
                 session.reply_error = error
         session.outcome_ready.set()

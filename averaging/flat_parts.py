@@ -34,6 +34,12 @@ def encode_shard(codec_name: str, averaged: torch.Tensor, part_sizes: list[int])
     return parts
 
 
+def decode_shard(parts: list[tuple[dict, Any]], part_sizes: list[int]) -> torch.Tensor:
+    """The values that receivers of ``encode_shard``'s parts end up with."""
+    values = [decode(meta, payload, size) for (meta, payload), size in zip(parts, part_sizes, strict=True)]
+    return torch.cat(values) if values else torch.empty(0, dtype=torch.float32)
+
+
 def check_finite(parts: list[torch.Tensor]) -> None:
     if not all(all_finite(values) for values in parts):
         raise ContributionRejected("the reducer sent NaN or infinite values")

@@ -107,6 +107,25 @@ async def test_weighted_average():
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(("codec", "tolerance"), [("float16", 2e-3), ("uint8", 0.1), ("blockwise_8bit", 0.1)])
+async def test_lossy_codecs_leave_every_peer_with_the_same_average(codec, tolerance):
+    """With a lossy codec every peer must hold the very same values afterwards, the reducer of a
+    shard included (it keeps what it sent, not its unrounded sum): replicas that differ by a
+    rounding error every round drift apart for good."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        expected = sum(flat(t) for t in tensors) / 3
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 3, results, codec=codec)
+        assert all(results[i].succeeded for i in range(3))
+        for t in tensors[1:]:
+            assert torch.equal(flat(t), flat(tensors[0]))
+        assert (flat(tensors[0]) - expected).abs().max() <= tolerance * expected.abs().max()
+        nursery.cancel_scope.cancel()
+
+
 async def test_mixed_node_client_and_auxiliary_peers():
     modes = [AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX, AveragingMode.NODE, AveragingMode.CLIENT]
     async with trio.open_nursery() as nursery:
