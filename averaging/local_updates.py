@@ -14,6 +14,12 @@ the swarm's communication then hides behind computation instead of stalling it, 
 outer updates that are one round stale (the "delayed" variant of overlapped DiLoCo). Without a
 nursery each round averages before the next begins. (When training stops, the averaging still
 in flight is cancelled with the nursery and its outer step is not applied.)
+
+Averaging deltas keeps replicas together only while every peer applies the same average from the
+same start. Groups smaller than the swarm, failed rounds and newcomers break that, and nothing in
+delta averaging pulls replicas back. So every ``average_state_every`` rounds the peers also
+average the shared start itself and the outer momentum, and move their parameters by the same
+correction; newcomers load both.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import trio
 from .allreduce import AllReduceError
 from .averager import EpochStateAverager, GroupAverager, averaging_options
 from .matchmaking import MatchmakingError
+from .optimizer_state import materialize_state, state_tensors
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
 
@@ -56,6 +63,7 @@ class LocalUpdatesOptimizer:
         settle_time: float | None = None,
         load_state_timeout: float = 30.0,
         background: trio.Nursery | None = None,
+        average_state_every: int = 5,
     ):
         self.inner = inner_optimizer
         self.background = background
@@ -81,7 +89,11 @@ class LocalUpdatesOptimizer:
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
-        self.state = EpochStateAverager(lambda: self.epoch, self.snapshot, dht, prefix=f"{prefix}.state", **averaging)
+        self.average_state_every = average_state_every
+        self.outer_state = state_tensors(self.outer) if materialize_state(self.outer) else []
+        self.state = EpochStateAverager(
+            lambda: self.epoch, self.snapshot + self.outer_state, dht, prefix=f"{prefix}.state", **averaging
+        )
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0  # outer rounds completed
         self.inner_steps = 0
@@ -179,10 +191,28 @@ class LocalUpdatesOptimizer:
         self.local_samples = 0
         self._round_started = trio.current_time()
         self.last_averaging = record
+        if self.average_state_every and self.epoch % self.average_state_every == 0:
+            await self._average_state()
         mine = PeerProgress(self.epoch, 0, self.samples_per_s)
         await self.tracker.publish(mine)
         await self.state.state_sharing.announce(self.epoch)
         self.swarm = await self.tracker.fetch(mine)
+
+    async def _average_state(self) -> None:
+        """Average the shared start and the outer momentum with a group; parameters move by the
+        same correction as the start, keeping whatever local progress they carry."""
+        before = await trio.to_thread.run_sync(lambda: [s.clone() for s in self.snapshot])
+        try:
+            await self.state.step()
+        except (MatchmakingError, AllReduceError) as error:
+            log.info("state averaging skipped at outer round %d: %s", self.epoch, error)
+            return
+        await trio.to_thread.run_sync(self._shift_params, before)
+
+    def _shift_params(self, before: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for param, start, old in zip(self.params, self.snapshot, before, strict=True):
+                param.add_((start - old).to(param.device, param.dtype))
 
     def _compute_deltas(self) -> None:
         with torch.no_grad():

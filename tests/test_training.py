@@ -207,6 +207,58 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
         nursery.cancel_scope.cancel()
 
 
+async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_the_momentum():
+    """Averaging deltas alone never brings apart replicas back together; averaging the shared start
+    (and outer momentum) every few rounds does. Exact arithmetic with one inner step per round."""
+    from averaging.local_updates import LocalUpdatesOptimizer
+
+    def make(node, start):
+        weight = torch.nn.Parameter(torch.tensor(start))
+        optimizer = LocalUpdatesOptimizer(
+            torch.optim.SGD([weight], lr=1.0),
+            node,
+            prefix="replicas",
+            local_steps=1,
+            outer_lr=0.5,
+            outer_momentum=0.9,
+            codec="none",
+            target_group_size=2,
+            settle_time=0.05,
+            matchmaking_timeout=3.0,
+            averaging_timeout=6.0,
+            average_state_every=1,
+        )
+        return weight, optimizer
+
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        (weight_a, a), (weight_b, b) = make(nodes[0], [0.0, 0.0, 0.0]), make(nodes[1], [2.0, 2.0, 2.0])
+        assert len(a.state.tensors) == 2  # the shared start and the outer momentum buffer
+
+        async def one_round(weight, optimizer, grad):
+            weight.grad = torch.tensor(grad)
+            assert await optimizer.step(1) is True
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as rounds:
+                rounds.start_soon(one_round, weight_a, a, [1.0, 0.0, 0.0])
+                rounds.start_soon(one_round, weight_b, b, [0.0, 1.0, 0.0])
+        assert a.last_averaging["averaged"] and b.last_averaging["averaged"]
+        # averaged delta (0.5, 0.5, 0); first Nesterov step 1.9 x that at lr 0.5 from each start;
+        # then the starts are averaged: ((0, 0, 0) + (2, 2, 2)) / 2 - (0.475, 0.475, 0)
+        expected = torch.tensor([0.525, 0.525, 1.0])
+        assert torch.allclose(weight_a.detach(), expected) and torch.allclose(weight_b.detach(), expected)
+        assert torch.allclose(a.outer_state[0], torch.tensor([0.5, 0.5, 0.0]))
+
+        weight_c, c = make(nodes[2], [9.0, 9.0, 9.0])
+        with trio.fail_after(30):
+            await c.load_state_from_peers()
+        assert torch.allclose(weight_c.detach(), expected)
+        assert torch.allclose(c.outer_state[0], torch.tensor([0.5, 0.5, 0.0]))
+        assert c.epoch == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_local_updates_reach_the_target_with_ten_times_fewer_bytes():
     async with trio.open_nursery() as nursery:
         grad_nodes = await open_swarm(nursery, 3)
