@@ -16,10 +16,12 @@ nursery each round averages before the next begins. (When training stops, the av
 in flight is cancelled with the nursery and its outer step is not applied.)
 
 Averaging deltas keeps replicas together only while every peer applies the same average from the
-same start. Groups smaller than the swarm, failed rounds and newcomers break that, and nothing in
-delta averaging pulls replicas back. So every ``average_state_every`` rounds the peers also
-average the shared start itself and the outer momentum, and move their parameters by the same
-correction; newcomers load both.
+same start. Groups smaller than the swarm and failed rounds break that, and nothing in delta
+averaging pulls replicas back: their differences add up round after round. So every
+``average_state_every`` rounds the peers also average the shared start itself (in float32, one
+more model-sized message per that many rounds) and move their parameters by the same correction.
+The outer momentum is not averaged: differences in it decay by the momentum factor each round.
+Newcomers load both the start and the momentum.
 """
 
 from __future__ import annotations
@@ -91,8 +93,13 @@ class LocalUpdatesOptimizer:
         )
         self.average_state_every = average_state_every
         self.outer_state = state_tensors(self.outer) if materialize_state(self.outer) else []
+        # What newcomers download (the start and the outer momentum), and what is averaged now and
+        # then to pull replicas together (the start).
         self.state = EpochStateAverager(
             lambda: self.epoch, self.snapshot + self.outer_state, dht, prefix=f"{prefix}.state", **averaging
+        )
+        self.start_averager = GroupAverager(
+            self.snapshot, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging
         )
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0  # outer rounds completed
@@ -199,11 +206,12 @@ class LocalUpdatesOptimizer:
         self.swarm = await self.tracker.fetch(mine)
 
     async def _average_state(self) -> None:
-        """Average the shared start and the outer momentum with a group; parameters move by the
-        same correction as the start, keeping whatever local progress they carry."""
+        """Average the shared start with a group; parameters move by the same correction, keeping
+        whatever local progress they carry."""
         before = await trio.to_thread.run_sync(lambda: [s.clone() for s in self.snapshot])
         try:
-            await self.state.step()
+            async with self.state.locked_tensors():  # a donor never sends a half-averaged start
+                await self.start_averager.step()
         except (MatchmakingError, AllReduceError) as error:
             log.info("state averaging skipped at outer round %d: %s", self.epoch, error)
             return

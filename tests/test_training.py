@@ -209,7 +209,7 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
 
 async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_the_momentum():
     """Averaging deltas alone never brings apart replicas back together; averaging the shared start
-    (and outer momentum) every few rounds does. Exact arithmetic with one inner step per round."""
+    every few rounds does. Exact arithmetic with one inner step per round."""
     from averaging.local_updates import LocalUpdatesOptimizer
 
     def make(node, start):
