@@ -98,8 +98,9 @@ class LocalUpdatesOptimizer:
         self.state = EpochStateAverager(
             lambda: self.epoch, self.snapshot + self.outer_state, dht, prefix=f"{prefix}.state", **averaging
         )
+        self._start_average = [s.clone() for s in self.snapshot]
         self.start_averager = GroupAverager(
-            self.snapshot, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging
+            self._start_average, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging
         )
         self.tracker = ProgressTracker(dht, prefix)
         self.epoch = 0  # outer rounds completed
@@ -152,7 +153,7 @@ class LocalUpdatesOptimizer:
             return await self._overlapped_round(weight)
         await trio.to_thread.run_sync(self._compute_deltas)
         record = await self._average(self.epoch, weight)
-        await trio.to_thread.run_sync(self._apply_outer_step)
+        await self._step_and_advance(self._apply_outer_step)
         await self._finish_round(record)
         return True
 
@@ -162,7 +163,7 @@ class LocalUpdatesOptimizer:
         stepped = False
         if self._averaging_done is not None:
             await self._averaging_done.wait()  # bounded by the averager's own deadlines
-            await trio.to_thread.run_sync(self._apply_delayed_outer_step)
+            await self._step_and_advance(self._apply_delayed_outer_step)
             await self._finish_round(self._averaging_record)
             stepped = True
         else:
@@ -192,8 +193,14 @@ class LocalUpdatesOptimizer:
             log.warning("outer round %d: averaging failed (%s); applying the local delta alone", epoch, error)
         return record
 
+    async def _step_and_advance(self, outer_step) -> None:
+        """Apply an outer step and count the round, as one change for anyone downloading our
+        state (start, momentum and epoch must belong together)."""
+        async with self.state.locked_tensors():
+            await trio.to_thread.run_sync(outer_step)
+            self.epoch += 1
+
     async def _finish_round(self, record: dict[str, Any] | None) -> None:
-        self.epoch += 1
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started = trio.current_time()
@@ -207,20 +214,22 @@ class LocalUpdatesOptimizer:
 
     async def _average_state(self) -> None:
         """Average the shared start with a group; parameters move by the same correction, keeping
-        whatever local progress they carry."""
-        before = await trio.to_thread.run_sync(lambda: [s.clone() for s in self.snapshot])
+        whatever local progress they carry. A copy is averaged, so newcomers can still download
+        our state meanwhile."""
+        await trio.to_thread.run_sync(_copy_all, self._start_average, self.snapshot)
         try:
-            async with self.state.locked_tensors():  # a donor never sends a half-averaged start
-                await self.start_averager.step()
+            await self.start_averager.step()
         except (MatchmakingError, AllReduceError) as error:
             log.info("state averaging skipped at outer round %d: %s", self.epoch, error)
             return
-        await trio.to_thread.run_sync(self._shift_params, before)
+        async with self.state.locked_tensors():
+            await trio.to_thread.run_sync(self._move_to_averaged_start)
 
-    def _shift_params(self, before: list[torch.Tensor]) -> None:
+    def _move_to_averaged_start(self) -> None:
         with torch.no_grad():
-            for param, start, old in zip(self.params, self.snapshot, before, strict=True):
-                param.add_((start - old).to(param.device, param.dtype))
+            for param, start, averaged in zip(self.params, self.snapshot, self._start_average, strict=True):
+                param.add_((averaged - start).to(param.device, param.dtype))
+                start.copy_(averaged)
 
     def _compute_deltas(self) -> None:
         with torch.no_grad():
@@ -254,3 +263,9 @@ class LocalUpdatesOptimizer:
         with torch.no_grad():
             for start, param in zip(self.snapshot, self.params, strict=True):
                 start.copy_(param.detach())
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)

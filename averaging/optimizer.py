@@ -26,7 +26,7 @@ import trio
 from .allreduce import AllReduceError
 from .averager import EpochStateAverager, GroupAverager, averaging_options
 from .matchmaking import MatchmakingError
-from .optimizer_state import materialize_state, state_tensors
+from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 from .state_sharing import StateUnavailable
 
@@ -85,9 +85,10 @@ class CollaborativeOptimizer:
             averaging_timeout=averaging_timeout,
             settle_time=settle_time if settle_time is not None else max(progress_interval, 0.05),
         )
-        averaging["codec"] = codec
+        # Only gradients go through ``codec``: parameters and optimizer state are averaged exactly
+        # (8-bit Adam moments or step counts would wreck the next steps).
         self.grad_averager = GroupAverager(
-            self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, **averaging
+            self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, codec=codec, **averaging
         )
         # Created now (as a fresh optimizer's would be) so that peers list the same tensors from
         # the start and a newcomer has somewhere to load a donor's state into.
@@ -149,6 +150,7 @@ class CollaborativeOptimizer:
             else:
                 log.warning("%s", error)
             return
+        await self._sanitize_state()
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if type(epoch) is int and epoch >= 0:
             await self._move_to_epoch(epoch)
@@ -173,8 +175,19 @@ class CollaborativeOptimizer:
     def _step_scheduler(self, steps: int) -> None:
         with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
             warnings.simplefilter("ignore", UserWarning)
-            for _ in range(steps):
-                self.scheduler.step()
+            try:
+                for _ in range(steps):
+                    self.scheduler.step()
+            except Exception as error:  # e.g. OneCycleLR past its total_steps: the run's schedule is over
+                log.warning("the LR scheduler stopped catching up with the swarm: %s", error)
+
+    async def _sanitize_state(self) -> None:
+        """State that came from other peers is finite (the all-reduce refuses NaN) but may still
+        be impossible, e.g. a negative second moment from a hostile peer, which would turn our
+        parameters into NaN on the next step."""
+        if self.optimizer_state:
+            async with self.state_averager.locked_tensors():
+                await trio.to_thread.run_sync(sanitize_state, self.optimizer)
 
     def _accumulate(self, batch_size: int) -> None:
         with torch.no_grad():
@@ -228,6 +241,8 @@ class CollaborativeOptimizer:
                 await self.state_averager.step()
             except (MatchmakingError, AllReduceError) as error:
                 log.info("parameter averaging skipped at epoch %d: %s", self.epoch, error)
+            else:
+                await self._sanitize_state()
 
     def _apply_gradients(self) -> None:
         for accumulator, param in zip(self.gradients, self.params, strict=True):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["materialize_state", "state_tensors"]
+__all__ = ["materialize_state", "sanitize_state", "state_tensors"]
 
 log = logging.getLogger("peerd.training")
 
@@ -38,8 +38,13 @@ def materialize_state(optimizer: torch.optim.Optimizer) -> bool:
     """Make the optimizer's per-parameter state exist now, as a fresh optimizer's would be, without
     changing any parameter. Returns whether the state exists afterwards."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if params and all(optimizer.state.get(p) for p in params):
-        return True  # built at construction (Adagrad) or already stepped or loaded
+    if any(optimizer.state.get(p) for p in params):  # built at construction (Adagrad), stepped or loaded
+        if all(optimizer.state.get(p) for p in params):
+            return True
+        # Some parameters never had a gradient: creating their state would mean stepping (and
+        # here zeroing) everyone's, so this peer shares parameters only.
+        log.info("%s state exists for some parameters only; sharing parameters only", type(optimizer).__name__)
+        return False
     if type(optimizer) not in _ZERO_STATE_OPTIMIZERS or any(g.get("dampening", 0) for g in optimizer.param_groups):
         log.info("%s state is not shared with peers (only the parameters are)", type(optimizer).__name__)
         return False
@@ -99,3 +104,19 @@ def _zero_learning_rates(optimizer: torch.optim.Optimizer):
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             if lr is not None:
                 group["lr"] = lr
+
+
+# State entries that are non-negative by construction (step counts, second moments, accumulated
+# squares) in the optimizers above and in Adagrad.
+_NON_NEGATIVE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "exp_inf", "sum"})
+
+
+def sanitize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Clamp state entries that must be non-negative back to >= 0. Honest averages of such values
+    stay non-negative, so this only undoes what a hostile peer sent (or rounding made)."""
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key in _NON_NEGATIVE & state.keys():
+                value = state[key]
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.clamp_(min=0)

@@ -45,14 +45,13 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     env = settings.get
     parser = argparse.ArgumentParser(prog="peerd", description="Decentralized volunteer-training peer daemon")
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
-    parser.add_argument(
-        "--config", metavar="FILE", default=settings.source, help="TOML file of settings (also PEERD_CONFIG)"
-    )
+    _add_config_argument(parser, settings)
     parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
     keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID")
     keygen.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file (default: user data dir)")
+    _add_config_argument(keygen, None)
 
     join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train")
     add_join_arguments(join, settings)
@@ -61,6 +60,7 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     status.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int, 8080))
     status.add_argument("--status-host", default="127.0.0.1")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    _add_config_argument(status, None)
 
     swarm = commands.add_parser("swarm", help="run N local peers training a task until a target accuracy")
     swarm.add_argument("--peers", type=int, default=3)
@@ -86,9 +86,25 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_config_argument(parser: argparse.ArgumentParser, settings: Settings | None) -> None:
+    """``--config`` on the top-level parser (``settings`` given: its default) and on subcommands
+    (no default of their own, so they never hide a top-level ``--config``)."""
+    default = settings.source if settings is not None else argparse.SUPPRESS
+    parser.add_argument("--config", metavar="FILE", default=default, help="TOML file of settings (PEERD_CONFIG)")
+
+
+def _choice(*allowed: str):
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
     env = settings.get
-    join.add_argument("--config", metavar="FILE", default=settings.source, help="TOML file of settings")
+    _add_config_argument(join, None)
     join.add_argument(
         "--listen",
         type=listen_address,
@@ -108,9 +124,15 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
     join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run")
     join.add_argument("--bootstrap-timeout", type=float, default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0))
-    join.add_argument("--client-mode", action="store_true", default=settings.parsed("CLIENT_MODE", parse_bool, False))
+    join.add_argument(
+        "--client-mode",
+        action=argparse.BooleanOptionalAction,
+        default=settings.parsed("CLIENT_MODE", parse_bool, False),
+        help="behind NAT: make requests, accept none",
+    )
     join.add_argument("--task", default=env("TASK"), help="train this task: a built-in name or package.module:factory")
-    join.add_argument("--mode", choices=["collaborative", "local-updates"], default=env("MODE", "collaborative"))
+    modes = ("collaborative", "local-updates")
+    join.add_argument("--mode", choices=modes, default=settings.parsed("MODE", _choice(*modes), "collaborative"))
     join.add_argument("--local-steps", type=int, default=settings.parsed("LOCAL_STEPS", int, 20))
     join.add_argument("--target-batch-size", type=int, default=settings.parsed("TARGET_BATCH_SIZE", int))
     join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
@@ -222,15 +244,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags over ``PEERD_*`` variables over the config file; raises SettingsError for a bad file
+    or value (argparse exits on bad flags, as usual)."""
+    settings = Settings.load(_config_path(argv))
+    args = build_parser(settings).parse_args(argv)
+    if args.config != settings.source:  # e.g. an abbreviated --conf that the early look missed
+        settings = Settings.load(args.config)
+        args = build_parser(settings).parse_args(argv)
+    settings.check_all_known()  # every setting has been looked up by now
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = Settings.load(_config_path(argv))
-        parser = build_parser(settings)
-        settings.check_all_known()  # every setting has been looked up by now
+        args = parse_command_line(argv)
     except SettingsError as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

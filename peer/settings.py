@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -45,7 +44,8 @@ class Settings:
     def __init__(self, environ: Mapping[str, str] | None = None, file_values: Mapping[str, Any] | None = None,
                  source: str | None = None):  # fmt: skip
         self._environ = dict(os.environ if environ is None else environ)
-        self._file = {key: _as_text(key, value, source) for key, value in (file_values or {}).items()}
+        texts = {key: _as_text(key, value, source) for key, value in (file_values or {}).items()}
+        self._file = {key: text for key, text in texts.items() if text != ""}  # empty = unset, as in the environment
         self.source = source
         self._asked: set[str] = set()
 
@@ -65,7 +65,7 @@ class Settings:
             raise SettingsError(f"cannot read config file {path}: {error.strerror or error}") from None
         except tomllib.TOMLDecodeError as error:
             raise SettingsError(f"config file {path} is not valid TOML: {error}") from None
-        return cls(environ, values, str(Path(path)))
+        return cls(environ, values, os.fspath(path))
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """The setting ``name`` (upper case, as in ``PEERD_<NAME>``) as text, or ``default``."""

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from averaging.optimizer_state import materialize_state, state_tensors
+from averaging.optimizer_state import materialize_state, sanitize_state, state_tensors
 
 
 def model_pair():
@@ -72,8 +72,34 @@ def test_state_tensors_are_the_live_state_in_a_fixed_order():
     model_a, model_b = model_pair()
     a, b = torch.optim.Adam(model_a.parameters()), torch.optim.Adam(model_b.parameters())
     materialize_state(a)
-    train(model_b, b, steps=1)  # stepped rather than materialized: same list
-    assert [t.shape for t in state_tensors(a)] == [t.shape for t in state_tensors(b)]
-    exp_avg = state_tensors(a)[0]
-    train(model_a, a, steps=1)
-    assert exp_avg.abs().sum() > 0  # the optimizer updated the very tensor we hold
+    held = state_tensors(a)
+    train(model_a, a, steps=2)
+    train(model_b, b, steps=2)  # stepped rather than materialized: the same list, value for value
+    listed = state_tensors(b)
+    assert len(held) == len(listed) == 3 * len(list(model_a.parameters()))
+    for ours, theirs in zip(held, listed, strict=True):  # (exp_avg and exp_avg_sq differ in value)
+        assert torch.equal(ours, theirs)
+
+
+def test_partial_state_is_left_alone():
+    model, _ = model_pair()
+    optimizer = torch.optim.Adam(model.parameters())
+    first = next(model.parameters())
+    first.grad = torch.ones_like(first)
+    optimizer.step()  # only the first parameter had a gradient
+    saved = {key: value.clone() for key, value in optimizer.state[first].items()}
+    assert not materialize_state(optimizer)
+    assert all(torch.equal(optimizer.state[first][key], value) for key, value in saved.items())
+    assert len(optimizer.state) == 1
+
+
+def test_sanitize_undoes_impossible_state_that_would_poison_the_next_step():
+    model, _ = model_pair()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    materialize_state(optimizer)
+    for state in optimizer.state.values():  # finite, so the all-reduce lets it through
+        state["exp_avg_sq"].fill_(-1e-3)
+        state["step"].fill_(-1.0)
+    sanitize_state(optimizer)
+    train(model, optimizer, steps=1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from peer.cli import build_parser, main
+from peer.cli import build_parser, main, parse_command_line
 from peer.settings import Settings, SettingsError
 
 from .processes import PEERD
@@ -55,6 +55,28 @@ def test_environment_beats_the_file_and_flags_beat_both(tmp_path):
     assert args.local_steps == 11
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "{path}", "join"],
+        ["join", "--config", "{path}"],
+        ["--conf", "{path}", "join"],  # abbreviated, as argparse allows for every flag
+        ["join", "--conf={path}"],
+    ],
+)
+def test_config_is_read_wherever_the_flag_stands(tmp_path, monkeypatch, argv):
+    for name in [name for name in os.environ if name.startswith("PEERD_")]:
+        monkeypatch.delenv(name)
+    path = write_config(tmp_path)
+    args = parse_command_line([arg.format(path=path) for arg in argv])
+    assert args.run_id == "from-file" and args.local_steps == 7
+
+
+def test_a_flag_turns_off_what_the_file_turns_on(tmp_path):
+    settings = Settings.load(write_config(tmp_path), environ={})
+    assert join_args(settings, "--no-client-mode").client_mode is False
+
+
 def test_peerd_config_variable_names_the_file(tmp_path):
     path = write_config(tmp_path)
     settings = Settings.load(None, environ={"PEERD_CONFIG": str(path)})
@@ -71,6 +93,7 @@ def test_peerd_config_variable_names_the_file(tmp_path):
         ("local_steps = 'many'\n", "local_steps in "),
         ("client_mode = 'maybe'\n", "expected a boolean"),
         ("listen = 'nowhere'\n", "listen in "),
+        ("mode = 'local_updates'\n", "expected one of collaborative, local-updates"),
     ],
 )
 def test_a_bad_file_is_refused_with_a_clear_error(tmp_path, text, message):

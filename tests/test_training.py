@@ -106,7 +106,38 @@ async def test_a_peer_that_moves_to_the_swarm_epoch_moves_its_lr_schedule_with_i
         assert inner.param_groups[0]["lr"] == pytest.approx(0.125)  # 1.0 * 0.5 ** (6 // 2)
         with trio.fail_after(10):  # an absurd epoch from the network costs a bounded catch-up
             await optimizer.load_state_from_peers(swarm_epoch=10**15)
-        assert optimizer.epoch == 10**15
+        # a schedule that refuses to go past its end (OneCycleLR raises) does not stop training
+        inner.param_groups[0].pop("initial_lr", None)
+        optimizer.scheduler = torch.optim.lr_scheduler.OneCycleLR(inner, max_lr=1.0, total_steps=3)
+        await optimizer.load_state_from_peers(swarm_epoch=10**15 + 10)
+        assert optimizer.epoch == 10**15 + 10
+        nursery.cancel_scope.cancel()
+
+
+async def test_impossible_optimizer_state_from_a_donor_is_clamped():
+    """A donor's state is finite (the all-reduce refuses NaN) but can still be impossible: a
+    negative second moment would turn the next Adam step into NaN."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        weights = [torch.nn.Parameter(torch.ones(4)) for _ in nodes]
+        optimizers = [
+            CollaborativeOptimizer(
+                torch.optim.Adam([weight], lr=0.1), node, prefix="poison", target_batch_size=10**6, **FAST
+            )
+            for weight, node in zip(weights, nodes, strict=True)
+        ]
+        donor, joiner = optimizers
+        state = donor.optimizer.state[weights[0]]
+        state["exp_avg_sq"].fill_(-1.0)
+        state["step"].fill_(-1.0)
+        await donor.state_averager.state_sharing.announce(1)
+        with trio.fail_after(20):
+            await joiner.load_state_from_peers()
+        loaded = joiner.optimizer.state[weights[1]]
+        assert (loaded["exp_avg_sq"] >= 0).all() and loaded["step"] >= 0
+        weights[1].grad = torch.ones(4)
+        joiner.optimizer.step()
+        assert torch.isfinite(weights[1]).all()
         nursery.cancel_scope.cancel()
 
 
