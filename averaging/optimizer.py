@@ -68,6 +68,7 @@ class CollaborativeOptimizer:
         self.prefix = prefix
         self.target_batch_size = target_batch_size
         self.scheduler = scheduler
+        self._scheduler_done = False
         self.clip_grad_norm = clip_grad_norm
         self.average_state_every = average_state_every
         self.progress_interval = progress_interval
@@ -172,14 +173,20 @@ class CollaborativeOptimizer:
             await trio.to_thread.run_sync(self._step_scheduler, steps)
         self.epoch = epoch
 
-    def _step_scheduler(self, steps: int) -> None:
-        with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
+    def _step_scheduler(self, steps: int = 1) -> None:
+        """Step the LR scheduler; one that refuses (e.g. OneCycleLR past its total_steps, which an
+        epoch from another peer can make it reach) keeps its last learning rate and is not asked
+        again, rather than stopping training."""
+        if self.scheduler is None or self._scheduler_done:
+            return
+        with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended on catch-up
             warnings.simplefilter("ignore", UserWarning)
             try:
                 for _ in range(steps):
                     self.scheduler.step()
-            except Exception as error:  # e.g. OneCycleLR past its total_steps: the run's schedule is over
-                log.warning("the LR scheduler stopped catching up with the swarm: %s", error)
+            except Exception as error:
+                self._scheduler_done = True
+                log.warning("the LR scheduler refused to step (%s); keeping its last learning rate", error)
 
     async def _sanitize_state(self) -> None:
         """State that came from other peers is finite (the all-reduce refuses NaN) but may still
@@ -251,5 +258,4 @@ class CollaborativeOptimizer:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._step_scheduler()

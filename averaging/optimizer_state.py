@@ -36,24 +36,22 @@ _ZERO_STATE_OPTIMIZERS = (
 
 def materialize_state(optimizer: torch.optim.Optimizer) -> bool:
     """Make the optimizer's per-parameter state exist now, as a fresh optimizer's would be, without
-    changing any parameter. Returns whether the state exists afterwards."""
+    changing any parameter or any state that already exists (e.g. loaded from a checkpoint in
+    which some parameters never had a gradient). Returns whether every parameter has state."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(optimizer.state.get(p) for p in params):  # built at construction (Adagrad), stepped or loaded
-        if all(optimizer.state.get(p) for p in params):
-            return True
-        # Some parameters never had a gradient: creating their state would mean stepping (and
-        # here zeroing) everyone's, so this peer shares parameters only.
-        log.info("%s state exists for some parameters only; sharing parameters only", type(optimizer).__name__)
-        return False
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if not missing:  # built at construction (Adagrad), stepped or loaded
+        return True
     if type(optimizer) not in _ZERO_STATE_OPTIMIZERS or any(g.get("dampening", 0) for g in optimizer.param_groups):
         log.info("%s state is not shared with peers (only the parameters are)", type(optimizer).__name__)
         return False
     before = [p.detach().clone() for p in params]
     saved_grads = [p.grad for p in params]
+    lacking = {id(p) for p in missing}
     try:
         with _zero_learning_rates(optimizer), torch.no_grad():
-            for p in params:
-                p.grad = torch.zeros_like(p)
+            for p in params:  # optimizers skip parameters without a gradient: their state stays
+                p.grad = torch.zeros_like(p) if id(p) in lacking else None
             optimizer.step()
         moved = any(not torch.equal(p, old) for p, old in zip(params, before, strict=True))
     except Exception as error:  # e.g. an option this cannot honour: keep the optimizer as it was
@@ -65,9 +63,11 @@ def materialize_state(optimizer: torch.optim.Optimizer) -> bool:
                 p.copy_(old)
             p.grad = grad
     if moved:
-        optimizer.state.clear()
+        for p in missing:
+            optimizer.state.pop(p, None)
         return False
-    for state in optimizer.state.values():
+    for p in missing:
+        state = optimizer.state[p]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 value.zero_()
@@ -112,11 +112,17 @@ _NON_NEGATIVE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "square_avg",
 
 
 def sanitize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Clamp state entries that must be non-negative back to >= 0. Honest averages of such values
-    stay non-negative, so this only undoes what a hostile peer sent (or rounding made)."""
+    """Clamp state entries back into the range their optimizer can ever produce (non-negative
+    second moments and step counts, centered RMSprop's variance). Honest averages stay in range,
+    so this only undoes what a hostile peer sent."""
     with torch.no_grad():
         for state in optimizer.state.values():
             for key in _NON_NEGATIVE & state.keys():
                 value = state[key]
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     value.clamp_(min=0)
+            # Centered RMSprop takes sqrt(square_avg - grad_avg**2): a mean of squares is never
+            # below the square of the mean, and honest averages keep it that way.
+            square_avg, grad_avg = state.get("square_avg"), state.get("grad_avg")
+            if isinstance(square_avg, torch.Tensor) and isinstance(grad_avg, torch.Tensor):
+                torch.maximum(square_avg, grad_avg * grad_avg, out=square_avg)

@@ -247,7 +247,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags over ``PEERD_*`` variables over the config file; raises SettingsError for a bad file
     or value (argparse exits on bad flags, as usual)."""
-    settings = Settings.load(_config_path(argv))
+    try:
+        settings = Settings.load(_config_path(argv))
+    except SettingsError:  # PEERD_CONFIG may name a bad file that an abbreviated --conf overrides
+        named = build_parser(Settings(environ={})).parse_args(argv).config
+        if named is None or named == _config_path(argv):
+            raise
+        settings = Settings.load(named)
     args = build_parser(settings).parse_args(argv)
     if args.config != settings.source:  # e.g. an abbreviated --conf that the early look missed
         settings = Settings.load(args.config)

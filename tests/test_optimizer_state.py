@@ -81,16 +81,18 @@ def test_state_tensors_are_the_live_state_in_a_fixed_order():
         assert torch.equal(ours, theirs)
 
 
-def test_partial_state_is_left_alone():
+def test_existing_state_is_kept_and_only_missing_state_is_created():
     model, _ = model_pair()
     optimizer = torch.optim.Adam(model.parameters())
-    first = next(model.parameters())
+    first, *others = model.parameters()
     first.grad = torch.ones_like(first)
-    optimizer.step()  # only the first parameter had a gradient
+    optimizer.step()  # only the first parameter had a gradient (e.g. a resumed checkpoint)
     saved = {key: value.clone() for key, value in optimizer.state[first].items()}
-    assert not materialize_state(optimizer)
+    assert materialize_state(optimizer)
     assert all(torch.equal(optimizer.state[first][key], value) for key, value in saved.items())
-    assert len(optimizer.state) == 1
+    for p in others:
+        assert all(not value.any() for value in optimizer.state[p].values())
+    assert len(state_tensors(optimizer)) == 3 * (1 + len(others))
 
 
 def test_sanitize_undoes_impossible_state_that_would_poison_the_next_step():
@@ -100,6 +102,18 @@ def test_sanitize_undoes_impossible_state_that_would_poison_the_next_step():
     for state in optimizer.state.values():  # finite, so the all-reduce lets it through
         state["exp_avg_sq"].fill_(-1e-3)
         state["step"].fill_(-1.0)
+    sanitize_state(optimizer)
+    train(model, optimizer, steps=1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_sanitize_keeps_centered_rmsprop_variance_non_negative():
+    model, _ = model_pair()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, centered=True)
+    materialize_state(optimizer)
+    for state in optimizer.state.values():  # mean of squares below the square of the mean
+        state["square_avg"].fill_(0.0)
+        state["grad_avg"].fill_(1.0)
     sanitize_state(optimizer)
     train(model, optimizer, steps=1)
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -134,3 +134,11 @@ def test_join_reads_its_initial_peers_from_the_file(tmp_path):
     assert f"127.0.0.1:{dead_port}: " in result.stderr
     assert time.monotonic() - start < 2 + 5
     assert (tmp_path / "id.key").exists()
+
+
+def test_an_abbreviated_config_flag_overrides_a_bad_peerd_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEERD_CONFIG", str(tmp_path / "missing.toml"))
+    path = write_config(tmp_path)
+    assert parse_command_line(["join", "--conf", str(path)]).run_id == "from-file"
+    with pytest.raises(SettingsError, match="missing.toml"):
+        parse_command_line(["join"])

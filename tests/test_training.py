@@ -111,6 +111,12 @@ async def test_a_peer_that_moves_to_the_swarm_epoch_moves_its_lr_schedule_with_i
         optimizer.scheduler = torch.optim.lr_scheduler.OneCycleLR(inner, max_lr=1.0, total_steps=3)
         await optimizer.load_state_from_peers(swarm_epoch=10**15 + 10)
         assert optimizer.epoch == 10**15 + 10
+        # ... nor at the next epoch's step (alone, so averaging fails and it steps on its own)
+        for batch in task.batches:
+            task.loss_fn(task.model, batch).backward()
+            if await optimizer.step(len(batch[1])):
+                break
+        assert optimizer.epoch == 10**15 + 11
         nursery.cancel_scope.cancel()
 
 
