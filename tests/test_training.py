@@ -204,29 +204,25 @@ async def test_overlapped_local_updates_reach_the_target_while_averaging_in_the_
         nursery.cancel_scope.cancel()
 
 
+def tiny_local_updates(node, weight, **options):
+    """One inner SGD step (lr 1) per round on one small tensor, outer Nesterov at lr 0.5 and
+    momentum 0.9, exact averaging: small enough to check the arithmetic by hand."""
+    from averaging.local_updates import LocalUpdatesOptimizer
+
+    defaults = {"local_steps": 1, "outer_lr": 0.5, "outer_momentum": 0.9, "codec": "none", "target_group_size": 2}
+    return LocalUpdatesOptimizer(torch.optim.SGD([weight], lr=1.0), node, settle_time=0.05, **{**defaults, **options})
+
+
 async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
     """One lone peer (its averaging fails: no partner), so every delta is its own and the math can
     be checked exactly: after round 1, params = outer_step(start, delta_0) + (progress in round 1)."""
-    from averaging.local_updates import LocalUpdatesOptimizer
 
     async with trio.open_nursery() as nursery:
         [node] = await open_swarm(nursery, 1)
         async with trio.open_nursery() as background:
             weight = torch.nn.Parameter(torch.zeros(3))
-            inner = torch.optim.SGD([weight], lr=1.0)
-            optimizer = LocalUpdatesOptimizer(
-                inner,
-                node,
-                prefix="lone",
-                local_steps=1,
-                outer_lr=0.5,
-                outer_momentum=0.9,
-                codec="none",
-                min_group_size=2,
-                matchmaking_timeout=0.2,
-                averaging_timeout=1.0,
-                settle_time=0.05,
-                background=background,
+            optimizer = tiny_local_updates(
+                node, weight, prefix="lone", matchmaking_timeout=0.2, averaging_timeout=1.0, background=background
             )
 
             async def inner_step(grad):
@@ -247,23 +243,11 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
 async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_the_momentum():
     """Averaging deltas alone never brings apart replicas back together; averaging the shared start
     every few rounds does. Exact arithmetic with one inner step per round."""
-    from averaging.local_updates import LocalUpdatesOptimizer
 
     def make(node, start):
         weight = torch.nn.Parameter(torch.tensor(start))
-        optimizer = LocalUpdatesOptimizer(
-            torch.optim.SGD([weight], lr=1.0),
-            node,
-            prefix="replicas",
-            local_steps=1,
-            outer_lr=0.5,
-            outer_momentum=0.9,
-            codec="none",
-            target_group_size=2,
-            settle_time=0.05,
-            matchmaking_timeout=3.0,
-            averaging_timeout=6.0,
-            average_state_every=1,
+        optimizer = tiny_local_updates(
+            node, weight, prefix="replicas", matchmaking_timeout=3.0, averaging_timeout=6.0, average_state_every=1
         )
         return weight, optimizer
 
