@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 
@@ -16,3 +18,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection loaded (every test module, torch, ...), as ``peerd join`` freezes
+    its start-up heap: otherwise each full garbage collection walks all of it, ~0.1-0.3 s with
+    every event loop in the process stopped, and timing tests fail for reasons outside the code
+    they test."""
+    gc.collect()
+    gc.freeze()
