@@ -87,20 +87,20 @@ async def test_late_joiner_starts_at_the_swarm_epoch_with_its_parameters():
         nursery.cancel_scope.cancel()
 
 
+def scheduled_sgd(node, shard: ShardSpec, **options):
+    """The digits task under SGD at lr 1.0 halved every 2 epochs (StepLR), swarm batch 128:
+    ``(task, inner optimizer, CollaborativeOptimizer)``."""
+    task = digits_task(shard=shard)
+    inner = torch.optim.SGD(task.model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5)
+    optimizer = CollaborativeOptimizer(inner, node, target_batch_size=128, scheduler=scheduler, **{**FAST, **options})
+    return task, inner, optimizer
+
+
 async def test_a_peer_that_moves_to_the_swarm_epoch_moves_its_lr_schedule_with_it():
     async with trio.open_nursery() as nursery:
         [node] = await open_swarm(nursery, 1)
-        task = digits_task(shard=ShardSpec(0, 1))
-        inner = torch.optim.SGD(task.model.parameters(), lr=1.0)
-        optimizer = CollaborativeOptimizer(
-            inner,
-            node,
-            prefix="digits-schedule",
-            target_batch_size=128,
-            scheduler=torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5),
-            load_state_timeout=0.5,
-            **FAST,
-        )
+        task, inner, optimizer = scheduled_sgd(node, ShardSpec(0, 1), prefix="digits-schedule", load_state_timeout=0.5)
         await optimizer.load_state_from_peers(swarm_epoch=6)  # no donor: local parameters, swarm epoch
         assert optimizer.epoch == 6
         assert inner.param_groups[0]["lr"] == pytest.approx(0.125)  # 1.0 * 0.5 ** (6 // 2)
@@ -326,19 +326,10 @@ async def test_scheduler_steps_per_epoch_and_gradients_are_clipped():
         nodes = await open_swarm(nursery, 2)
         trainers = []
         for i, node in enumerate(nodes):
-            task = digits_task(shard=ShardSpec(i, 2))
-            inner = torch.optim.SGD(task.model.parameters(), lr=1.0)
-            optimizer = CollaborativeOptimizer(
-                inner,
-                node,
-                prefix="digits-clip",
-                target_batch_size=128,
-                target_group_size=2,
-                scheduler=torch.optim.lr_scheduler.StepLR(inner, step_size=2, gamma=0.5),
-                clip_grad_norm=1e-3,
+            task, _inner, optimizer = scheduled_sgd(
+                node, ShardSpec(i, 2), prefix="digits-clip", target_group_size=2, clip_grad_norm=1e-3,
                 average_state_every=0,
-                **FAST,
-            )
+            )  # fmt: skip
             trainers.append(Trainer(task, optimizer))
         before = [torch.cat([p.detach().reshape(-1).clone() for p in t.task.model.parameters()]) for t in trainers]
         async with trio.open_nursery() as inner_nursery:
