@@ -1,6 +1,6 @@
 """Remote experts against the same experts in-process: forward+backward throughput and small-call latency.
 
-An expert server runs as a separate OS process (``python -m moe.cli serve-experts``) on 127.0.0.1;
+An expert server runs as a separate OS process (``peerd serve-experts``) on 127.0.0.1;
 this process calls it through ``RemoteExpert`` (forward, then backward with the server's optimizer
 step) and, as the baseline in the same run, calls an identical FFN expert with the same optimizer
 in-process. Prints a table, then one JSON line.
@@ -32,7 +32,16 @@ SERVER_START_TIMEOUT = 60.0
 
 
 def start_server(hidden: int, batch: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "moe.cli", "--log-level", "WARNING", "serve-experts", "--experts", "bench.0"]
+    command = [
+        sys.executable,
+        "-m",
+        "peer.daemon.cli",
+        "--log-level",
+        "WARNING",
+        "serve-experts",
+        "--experts",
+        "bench.0",
+    ]
     command += ["--hidden-dim", str(hidden), "--max-batch-size", str(batch), "--listen", "127.0.0.1:0", "--seed", "0"]
     process = subprocess.Popen(
         command,

@@ -31,14 +31,8 @@ HIDDEN = 32
 
 
 def peerd_command() -> list[str]:
-    """``peerd serve-experts`` when the daemon's CLI has it, else the same command from ``moe.cli``."""
-    from peer import cli
-
-    try:
-        cli.build_parser().parse_args(["serve-experts", "--experts", "x.0"])
-        return [sys.executable, "-m", "peer.cli"]
-    except SystemExit:
-        return [sys.executable, "-m", "moe.cli"]
+    """``peerd``, run by this interpreter so that it uses this checkout."""
+    return [sys.executable, "-m", "peer.daemon.cli"]
 
 
 def start_server(pattern: str, initial_peer: str | None, checkpoint_dir: Path) -> tuple[subprocess.Popen, str]:

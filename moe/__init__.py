@@ -10,7 +10,7 @@ experts found by beam search in the DHT).
 import importlib
 from typing import Any
 
-# Attributes load on first use (PEP 562): ``peerd`` imports ``moe.cli`` to build its argument
+# Attributes load on first use (PEP 562): ``peerd`` imports ``moe.hosting`` to build its argument
 # parser, and importing torch for ``peerd --version`` would cost seconds.
 _LAZY = {
     "GridBeamSearch": "beam_search",

@@ -19,7 +19,7 @@ import torch
 import trio
 
 from dht.node import DHTNode
-from peer import CallTimeoutError, Identity, PeerAddress, PeerHost
+from peer import CallTimeoutError, Identity, PeerAddress, PeerHost, open_peer_host
 from peer.background import ServiceHandle, get_loop
 
 from .protocol import pack_tensors, unpack_tensors
@@ -142,8 +142,6 @@ class MoEClient:
                 lambda: DHTNode.open(identity=identity, initial_peers=peers, client_mode=True, run_id=run_id)
             )
             return cls(service.value.host, dht=service.value, runner=loop.run, service=service)
-        from peer import open_peer_host
-
         service = loop.start_service(
             lambda: open_peer_host(identity or Identity.generate(), listen=None, run_id=run_id)
         )

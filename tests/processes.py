@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-PEERD = [sys.executable, "-m", "peer.cli"]
+PEERD = [sys.executable, "-m", "peer.daemon.cli"]
 
 
 class PeerdProcess:

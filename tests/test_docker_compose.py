@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from peer.status_server import fetch_status
+from peer.daemon.status_server import fetch_status
 
 from .processes import PeerdProcess
 
@@ -98,7 +98,7 @@ def test_compose_services_run_as_local_processes_and_train(tmp_path):
         assert min(epochs) >= 3, (epochs, [p.log()[-2000:] for p in processes])
         # the healthcheck command, as compose would run it
         health = subprocess.run(
-            [sys.executable, "-m", "peer.cli", "status", "--status-port", str(status_ports[1])],
+            [sys.executable, "-m", "peer.daemon.cli", "status", "--status-port", str(status_ports[1])],
             capture_output=True,
             text=True,
             timeout=30,

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from peer.cli import build_parser, main, parse_command_line
-from peer.settings import Settings, SettingsError
+from peer.daemon.cli import build_parser, main, parse_command_line
+from peer.daemon.settings import Settings, SettingsError
 
 from .processes import PEERD
 

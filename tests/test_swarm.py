@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from peer.status_server import fetch_status
+from peer.daemon.status_server import fetch_status
 
 from .processes import PEERD, PeerdProcess
 
@@ -105,7 +105,10 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
 def test_bad_task_name_is_a_clear_error(tmp_path):
     for command in (["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k")], ["swarm"]):
         result = subprocess.run(
-            [sys.executable, "-m", "peer.cli", *command, "--task", "nope"], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "peer.daemon.cli", *command, "--task", "nope"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 1
         assert "unknown task 'nope'" in result.stderr and "digits" in result.stderr

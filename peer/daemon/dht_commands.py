@@ -1,7 +1,7 @@
 """``peerd dht store|get``: join as a short-lived client, do one operation, print JSON.
 
 Exit status: 0 done; 1 key not found (get) or store refused by every peer; 2 the swarm cannot be
-reached. ``peer/cli.py`` wires these in with ``add_dht_commands(subparsers)`` and dispatches
+reached. ``peer/daemon/cli.py`` wires these in with ``add_dht_commands(subparsers)`` and dispatches
 ``args.command == "dht"`` to ``run_dht_command(args)``.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import gc
 import json
 import sys
 import time
@@ -17,17 +16,16 @@ from typing import Any
 
 import trio
 
+from dht.node import DHTBootstrapError, DHTConfig, DHTNode
+from dht.records import MAX_TTL, DHTValue
 from peer import Identity
-from peer.cli_types import peer_address
-from peer.exception_groups import find_exception
 
-from .node import DHTBootstrapError, DHTConfig, DHTNode
-from .records import MAX_TTL, DHTValue
+from .arguments import peer_address
+from .runner import EXIT_UNREACHABLE
 
-__all__ = ["add_dht_commands", "run_dht_command", "run_joining", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
+__all__ = ["add_dht_commands", "run_dht_command", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
 
 EXIT_NOT_FOUND = 1
-EXIT_UNREACHABLE = 2
 DEFAULT_TTL = 300.0  # five minutes: long enough to look at, short enough not to litter the swarm
 
 
@@ -113,22 +111,3 @@ def run_dht_command(args: argparse.Namespace) -> int:
         return EXIT_NOT_FOUND
     print(json.dumps(result))
     return status
-
-
-def run_joining(async_fn: Any, *args: Any) -> int:
-    """``trio.run`` a command that joins the swarm: 0 when it returns, ``EXIT_UNREACHABLE`` (with the
-    reason for each initial peer on stderr) when no initial peer answered."""
-    # What is loaded by now (torch, the task, ~250k objects) lives as long as the process. Without
-    # this, every full garbage collection walks all of it: ~0.1 s with the event loop stopped,
-    # long enough to miss network deadlines; after it, a full collection takes ~1 ms.
-    gc.collect()
-    gc.freeze()
-    try:
-        trio.run(async_fn, *args)
-    except Exception as error:
-        unreachable = find_exception(error, DHTBootstrapError)
-        if unreachable is None:
-            raise
-        print(f"peerd: {unreachable}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    return 0

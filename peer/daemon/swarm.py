@@ -36,7 +36,7 @@ class SwarmPeer:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *args],
+            [sys.executable, "-m", "peer.daemon.cli", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
@@ -106,7 +106,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     if args.peers < 1:
         print("peerd: --peers must be at least 1", file=sys.stderr)
         return 1
-    from .tasks import load_task
+    from .tasks import load_task  # torch loads only once a swarm is really started
 
     load_task(args.task)  # a bad task name fails here, before any process starts
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))

@@ -8,7 +8,8 @@ import trio
 
 from dht.node import DHTNode
 from moe.announce import get_expert_addresses
-from moe.cli import ExpertHostingConfig, add_serve_experts_command, config_from_args, host_experts, run_serve_experts
+from moe.hosting import ExpertHostingConfig, host_experts
+from peer.daemon.expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -44,8 +45,8 @@ async def test_host_experts_on_an_existing_peer() -> None:
             nursery.cancel_scope.cancel()
 
 
-def test_cli_default_batch_size_mirrors_the_server() -> None:
-    from moe import announce, cli, server
+def test_hosting_defaults_mirror_the_server() -> None:
+    from moe import announce, hosting, server
 
-    assert cli.DEFAULT_MAX_BATCH_SIZE == server.DEFAULT_MAX_BATCH_SIZE
-    assert cli.HEARTBEAT_PERIOD == announce.HEARTBEAT_PERIOD
+    assert hosting.DEFAULT_MAX_BATCH_SIZE == server.DEFAULT_MAX_BATCH_SIZE
+    assert hosting.HEARTBEAT_PERIOD == announce.HEARTBEAT_PERIOD

@@ -116,5 +116,5 @@ def load_task(spec: str, shard: ShardSpec = ShardSpec(), device: torch.device | 
         raise TaskError(f"cannot load task factory {spec!r}: {error}") from None
     task = factory(shard=shard, device=torch.device(device))
     if not isinstance(task, Task):
-        raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, not peer.tasks.Task")
+        raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, not peer.daemon.tasks.Task")
     return task

@@ -1,94 +1,39 @@
-"""``peerd serve-experts`` and the pieces ``peerd join --serve-experts`` uses.
+"""``peerd serve-experts`` and the expert flags ``peerd join --serve-experts`` shares.
 
-The daemon's CLI (``peer/cli.py``) adds the subcommand with ``add_serve_experts_command`` and runs
-it with ``run_serve_experts``; ``peerd join`` can host experts on its own peer with
-``add_expert_arguments`` (flags without the network options) and ``host_experts``. This module
-never imports the daemon (layers import downward only), so it parses addresses itself. It can also
-run on its own: ``python -m moe.cli serve-experts ...``.
+``peer/daemon/cli.py`` adds the subcommand with ``add_serve_experts_command`` and runs it with
+``run_serve_experts``; ``peerd join`` adds ``add_expert_arguments`` (flags without the network
+options) and hosts experts on its own peer through ``moe.hosting.host_experts``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from peer import Identity, PeerAddress, PeerHost
-from peer.cli_types import listen_address, peer_address
+from dht import DHTNode
+from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingConfig, host_experts
+from peer import Identity, PeerAddress
 
-if TYPE_CHECKING:
-    from dht.node import DHTNode
-
-    from .experts import ExpertBackend
-
-# Mirror moe.server.DEFAULT_MAX_BATCH_SIZE and moe.announce.HEARTBEAT_PERIOD (checked by a test):
-# importing those modules here would pull torch into every ``peerd`` start-up, which only needs
-# these flags' defaults.
-DEFAULT_MAX_BATCH_SIZE = 4096
-HEARTBEAT_PERIOD = 15.0
+from .arguments import listen_address, peer_address
+from .runner import run_joining
 
 __all__ = [
-    "ExpertHostingConfig",
     "add_expert_arguments",
     "add_serve_experts_command",
     "config_from_args",
-    "host_experts",
     "run_serve_experts",
-    "main",
 ]
 
 log = logging.getLogger("peerd.moe")
 
 EXIT_BAD_INPUT = 1
-EXIT_UNREACHABLE = 2
-
-
-@dataclass
-class ExpertHostingConfig:
-    """What to host: ``pattern`` like ``ffn.[0:4].[0:4]``, of ``expert_type`` blocks."""
-
-    pattern: str
-    expert_type: str = "ffn"
-    hidden_dim: int = 256
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    device: str | None = None
-    checkpoint_dir: Path | None = None
-    heartbeat_period: float = HEARTBEAT_PERIOD
-    seed: int | None = None
-
-    def build_experts(self) -> dict[str, ExpertBackend]:
-        """Validates everything (pattern, type, optimizer) before any network activity."""
-        import torch
-
-        from .experts import ExpertBackend, resolve_block_type
-        from .protocol import expand_expert_pattern
-
-        uids = expand_expert_pattern(self.pattern)
-        resolve_block_type(self.expert_type)
-        optimizers = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-        if self.optimizer not in optimizers:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {sorted(optimizers)}")
-        make = optimizers[self.optimizer]
-        return {
-            uid: ExpertBackend.create(
-                self.expert_type,
-                self.hidden_dim,
-                optimizer=lambda params: make(params, lr=self.lr),
-                device=self.device,
-                seed=None if self.seed is None else self.seed + i,
-            )
-            for i, uid in enumerate(uids)
-        }
 
 
 def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--experts", device: bool = True) -> None:
@@ -135,39 +80,6 @@ def config_from_args(args: argparse.Namespace) -> ExpertHostingConfig:
     )
 
 
-async def host_experts(
-    host: PeerHost,
-    dht: DHTNode | None,
-    config: ExpertHostingConfig,
-    *,
-    experts: dict[str, ExpertBackend] | None = None,
-    announce_address: PeerAddress | None = None,
-    task_status=trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve the configured experts on an existing peer until cancelled (the daemon's entry point).
-
-    ``task_status.started`` receives the hosted expert IDs once they are served and announced.
-    Build ``experts`` beforehand with ``config.build_experts()`` to report bad configuration early.
-    """
-    from .announce import HEARTBEAT_TTL
-    from .server import open_expert_server
-
-    if experts is None:
-        experts = await trio.to_thread.run_sync(config.build_experts)
-    async with open_expert_server(
-        host,
-        experts,
-        dht=dht,
-        max_batch_size=config.max_batch_size,
-        checkpoint_dir=config.checkpoint_dir,
-        heartbeat_period=config.heartbeat_period,
-        heartbeat_ttl=max(HEARTBEAT_TTL, 3 * config.heartbeat_period),
-        announce_address=announce_address,
-    ) as server:
-        task_status.started(sorted(server.experts))
-        await trio.sleep(math.inf)
-
-
 def _announce_host(args: argparse.Namespace) -> str | None:
     host = args.listen[0]
     if args.announce_host:
@@ -186,8 +98,6 @@ def _announce_host(args: argparse.Namespace) -> str | None:
 
 
 async def _serve_main(args: argparse.Namespace, config: ExpertHostingConfig, experts: dict) -> None:
-    from dht.node import DHTNode
-
     identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with DHTNode.open(
@@ -222,23 +132,4 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from dht.cli import run_joining
-
     return run_joining(_serve_main, args, config, experts)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe.cli")
-    parser.add_argument("--log-level", default="INFO")
-    add_serve_experts_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return run_serve_experts(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

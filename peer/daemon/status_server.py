@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,6 @@ async def serve_status(
 
 def fetch_status(port: int, host: str = "127.0.0.1", path: str = "/status", timeout: float = 5.0) -> str:
     """A blocking GET for the ``peerd status`` command and health checks."""
-    import socket
-
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
         data = b""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .address import PeerAddress
+from peer import PeerAddress
 
 __all__ = ["peer_address", "listen_address"]
 

@@ -2,7 +2,7 @@
 
     host (listener + connection pool)  ->  DHT node  ->  trainer (optional)  ->  status server
 
-Nothing here knows about argparse; ``peer/cli.py`` turns flags and ``PEERD_*`` variables into a
+Nothing here knows about argparse; ``peer/daemon/cli.py`` turns flags and ``PEERD_*`` variables into a
 ``DaemonConfig``. Everything the daemon starts lives in its nursery, so cancelling ``run_daemon``
 (SIGINT/SIGTERM in the CLI) stops it all.
 """
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from .address import PeerAddress
-from .host import PeerHost, open_peer_host
-from .identity import Identity
-from .router import Request, Router
+from dht import DHTConfig, DHTNode
+from moe.hosting import host_experts
+from peer import Identity, PeerAddress, PeerHost, Request, Router, open_peer_host
+
 from .status_server import prometheus_text, serve_status
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
@@ -40,12 +41,12 @@ class DaemonConfig:
     task: str | None = None
     mode: str = "collaborative"  # or "local-updates"
     device: str | None = None  # None: CUDA when available
-    shard: Any = None  # peer.tasks.ShardSpec; None = the whole data set
+    shard: Any = None  # peer.daemon.tasks.ShardSpec; None = the whole data set
     target_batch_size: int | None = None
     local_steps: int = 20
     status_host: str = "127.0.0.1"
     status_port: int | None = None
-    experts: Any = None  # (moe.cli.ExpertHostingConfig, built experts) for --serve-experts
+    experts: Any = None  # (moe.hosting.ExpertHostingConfig, built experts) for --serve-experts
 
 
 def add_builtin_methods(router: Router, host_getter) -> None:
@@ -118,8 +119,6 @@ class Daemon:
         )
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        from dht.node import DHTConfig, DHTNode  # the daemon composes the layers above peer/
-
         config = self.config
         router = Router()
         add_builtin_methods(router, lambda: self.host)
@@ -145,8 +144,6 @@ class Daemon:
                     await trio.sleep(math.inf)
 
     async def _serve_experts(self, dht) -> None:
-        from moe.cli import host_experts  # experts are optional; import only when asked
-
         hosting, experts = self.config.experts
         if hosting.device is None:
             hosting.device = self.config.device
@@ -156,6 +153,7 @@ class Daemon:
         await host_experts(self.host, dht, hosting, experts=experts, announce_address=address)
 
     async def _train(self, dht) -> None:
+        # torch (through averaging and the task) loads only in peers that train
         import torch
 
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
@@ -187,8 +185,6 @@ class Daemon:
 
 def _reachable_host() -> str:
     """This machine's address as others on its network see it (a container's IP under compose)."""
-    import socket
-
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

@@ -1,7 +1,7 @@
 """The ``peerd`` command line.
 
 Configuration comes from flags first, then ``PEERD_*`` environment variables (what docker compose
-sets), then a TOML file (``--config PATH`` or ``PEERD_CONFIG``; see ``peer/settings.py``), then
+sets), then a TOML file (``--config PATH`` or ``PEERD_CONFIG``; see ``peer/daemon/settings.py``), then
 built-in defaults.
 """
 
@@ -16,15 +16,19 @@ from pathlib import Path
 
 import trio
 
-from . import __version__
-from .address import PeerAddress
-from .cli_types import listen_address, peer_address
+from peer import PeerAddress, __version__
+from peer.identity import Identity, IdentityError, default_identity_path
+
+from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
-from .identity import Identity, IdentityError, default_identity_path
+from .dht_commands import add_dht_commands, run_dht_command
+from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
+from .runner import EXIT_UNREACHABLE, run_joining
 from .settings import Settings, SettingsError, parse_bool
+from .status_server import fetch_status
+from .swarm import run_swarm
 
 EXIT_BAD_INPUT = 1
-EXIT_UNREACHABLE = 2
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -71,18 +75,8 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS")
     swarm.add_argument("--log-dir", type=Path, default=None, help="keep each peer's log here")
 
-    try:
-        from dht.cli import add_dht_commands
-
-        add_dht_commands(commands)
-    except ImportError:  # pragma: no cover - the dht package ships with peerd
-        pass
-    try:
-        from moe.cli import add_serve_experts_command
-
-        add_serve_experts_command(commands)
-    except ImportError:
-        pass
+    add_dht_commands(commands)
+    add_serve_experts_command(commands)
     return parser
 
 
@@ -139,8 +133,6 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     join.add_argument("--data-shard", type=_shard, default=settings.parsed("DATA_SHARD", _shard, (0, 1)), metavar="I/N")
     join.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int), metavar="PORT")
     join.add_argument("--status-host", default=env("STATUS_HOST", "127.0.0.1"))
-    from moe.cli import add_expert_arguments
-
     add_expert_arguments(join, flag="--serve-experts", device=False)
     join.set_defaults(experts=env("SERVE_EXPERTS"))
 
@@ -181,8 +173,6 @@ def _experts(args: argparse.Namespace):
     """``(hosting config, built experts)`` for ``--serve-experts``, validated before joining."""
     if not args.experts:
         return None
-    from moe.cli import config_from_args
-
     config = config_from_args(args)
     return config, config.build_experts()
 
@@ -198,7 +188,7 @@ def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
 def _cmd_join(args: argparse.Namespace) -> int:
     shard = None
     if args.task is not None:
-        from .tasks import ShardSpec, load_task  # torch is imported only by peers that train
+        from .tasks import ShardSpec, load_task  # torch loads only in peers that train
 
         shard = ShardSpec(*args.data_shard)
         load_task(args.task, shard=shard, device="cpu")  # fail now, with a clear message
@@ -222,14 +212,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
         status_port=args.status_port,
         experts=_experts(args),
     )
-    from dht.cli import run_joining
-
     return run_joining(_join_main, config)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .status_server import fetch_status
-
     try:
         status = json.loads(fetch_status(args.status_port, args.status_host))
     except OSError as error:
@@ -281,16 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _cmd_status(args)
         if args.command == "swarm":
-            from .swarm import run_swarm
-
             return run_swarm(args)
         if args.command == "dht":
-            from dht.cli import run_dht_command
-
             return run_dht_command(args)
         if args.command == "serve-experts":
-            from moe.cli import run_serve_experts
-
             return run_serve_experts(args)
     except (IdentityError, ValueError) as error:  # TaskError is a ValueError
         print(f"peerd: {error}", file=sys.stderr)
