@@ -24,11 +24,11 @@ import torch
 import trio
 
 from peer import ConnectError, PeerHost, PeerID, Router, RPCError
+from peer.tensors import all_finite, tensor_bytes
 
 from .compression import NoCompression, get_codec
 from .flat_parts import (
     RAW_META,
-    bytes_view,
     check_finite,
     decode,
     decode_shard,
@@ -40,7 +40,7 @@ from .flat_parts import (
 from .group import GroupInfo, GroupMember
 from .part_buffers import PartBuffers, RawPartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
-from .reduction import ContributionRejected, ReductionOutcome, ShardReduction, all_finite
+from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
 
 __all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "tensor_work_limiter"]
 
@@ -428,7 +428,7 @@ class AllReduceService:
                     for part_index, (start, end) in enumerate(parts):
                         part = session.flat[start:end]
                         if session.raw:  # the flattened tensor was checked finite as a whole
-                            meta, payload = RAW_META, bytes_view(part)
+                            meta, payload = RAW_META, tensor_bytes(part)
                         else:
                             meta, payload = await _in_thread(codec.encode, part)
                         await self._send_part(stream, part_index, meta, payload)

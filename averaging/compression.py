@@ -26,6 +26,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from peer.buffers import byte_view
+from peer.tensors import all_finite, tensor_bytes
+
 __all__ = [
     "AdaptiveCodec",
     "Blockwise8BitCodec",
@@ -122,11 +125,11 @@ class NoCompression(Codec):
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         part = _prepare(tensor)
-        return {"codec": self.name}, _bytes_of(part)
+        return {"codec": self.name}, tensor_bytes(part)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = _payload(payload, self.payload_size(_check_numel(numel)))
+        view = byte_view(payload, self.payload_size(_check_numel(numel)))
         return _finite_or_raise(_float32_copy(_from_buffer(view, np.float32, numel, 0)), self.name)
 
     def payload_size(self, numel: int) -> int:
@@ -142,11 +145,11 @@ class Float16Codec(Codec):
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         part = _prepare(tensor)
         half = part.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
-        return {"codec": self.name}, _bytes_of(half)
+        return {"codec": self.name}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = _payload(payload, self.payload_size(_check_numel(numel)))
+        view = byte_view(payload, self.payload_size(_check_numel(numel)))
         return _finite_or_raise(_float32_copy(_from_buffer(view, np.float16, numel, 0)), self.name)
 
     def payload_size(self, numel: int) -> int:
@@ -176,14 +179,14 @@ class ScaledFloat16Codec(Codec):
         # A constant part has std 0: every standardised value is 0 and decodes to the mean.
         normalised = (part - mean_f) / (std_f if std_f > 0 else 1.0)
         half = normalised.clamp_(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
-        return {"codec": self.name, "mean": mean_f, "std": std_f}, _bytes_of(half)
+        return {"codec": self.name, "mean": mean_f, "std": std_f}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         _check_meta(meta, self.name, {"mean": float, "std": float})
         mean, std = meta["mean"], meta["std"]
         _check_scalar(self.name, "mean", mean, minimum=-FLOAT32_MAX)
         _check_scalar(self.name, "std", std, minimum=0.0)
-        view = _payload(payload, self.payload_size(_check_numel(numel)))
+        view = byte_view(payload, self.payload_size(_check_numel(numel)))
         part = _float32_copy(_from_buffer(view, np.float16, numel, 0))
         return _finite_or_raise(part.mul_(std).add_(mean), self.name)
 
@@ -210,7 +213,7 @@ class Uniform8BitCodec(Codec):
         scale = _to_float32((hi - lo) / UINT8_STEPS)
         work = part.double() if _needs_float64(hi - lo) else part
         levels = (work - lo).div_(scale if scale > 0 else 1.0).round_().clamp_(0, UINT8_STEPS)
-        return {"codec": self.name, "min": lo, "scale": scale}, _bytes_of(levels.to(torch.uint8))
+        return {"codec": self.name, "min": lo, "scale": scale}, tensor_bytes(levels.to(torch.uint8))
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         _check_meta(meta, self.name, {"min": float, "scale": float})
@@ -219,7 +222,7 @@ class Uniform8BitCodec(Codec):
         _check_scalar(self.name, "scale", scale, minimum=0.0)
         if lo + UINT8_STEPS * scale > FLOAT32_MAX:
             raise ValueError(f"{self.name}: min + 255 * scale exceeds the float32 range")
-        view = _payload(payload, self.payload_size(_check_numel(numel)))
+        view = byte_view(payload, self.payload_size(_check_numel(numel)))
         levels = _float32_copy(_from_buffer(view, np.uint8, numel, 0))
         if _needs_float64(UINT8_STEPS * scale):
             # Only for parts spanning more than float32's range: q * scale would overflow in float32.
@@ -261,15 +264,15 @@ class Blockwise8BitCodec(Codec):
         values[: full * BLOCK_SIZE].view(full, BLOCK_SIZE).copy_(_quantise_int8(head / divisors[:full, None]))
         if tail.numel():
             values[full * BLOCK_SIZE :].copy_(_quantise_int8(tail / divisors[full]))
-        return {"codec": self.name}, _bytes_of(out)
+        return {"codec": self.name}, tensor_bytes(out)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = _payload(payload, self.payload_size(_check_numel(numel)))
+        view = byte_view(payload, self.payload_size(_check_numel(numel)))
         n_blocks = _n_blocks(numel)
         scales = _float32_copy(_from_buffer(view, np.float32, n_blocks, 0))
         # Negative scales are refused too: the encoder never makes them, and they would hide a bug.
-        if not _all_finite(scales) or bool((scales < 0).any()):
+        if not all_finite(scales) or bool((scales < 0).any()):
             raise ValueError(f"{self.name}: block scales must be finite and non-negative")
         if n_blocks and float(scales.max()) * (INT8_LEVEL + 1) > FLOAT32_MAX:
             raise ValueError(f"{self.name}: a block scale exceeds the float32 range")
@@ -338,19 +341,13 @@ def _prepare(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_floating_point():
         raise ValueError(f"a part must be floating point, got {tensor.dtype}")
     part = tensor.detach().to("cpu", torch.float32).contiguous()
-    if not _all_finite(part):
+    if not all_finite(part):
         raise ValueError("cannot encode a part with NaN or infinite values")
     return part
 
 
 def _quantise_int8(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.round_().clamp_(-INT8_LEVEL, INT8_LEVEL).to(torch.int8)
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A byte view of a contiguous CPU tensor, sharing its memory (numpy has no bfloat16 but all
-    dtypes here view as uint8 for free)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _n_blocks(numel: int) -> int:
@@ -391,19 +388,6 @@ def _check_scalar(name: str, key: str, value: float, *, minimum: float) -> None:
         raise ValueError(f"{name}: meta field {key!r} = {value!r} is not a finite float32 value >= {minimum}")
 
 
-def _payload(payload: Any, expected: int) -> memoryview:
-    try:
-        view = memoryview(payload)
-    except TypeError:
-        raise ValueError(f"payload must be a bytes-like object, not {type(payload).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("payload must be a contiguous buffer")
-    view = view.cast("B")
-    if view.nbytes != expected:
-        raise ValueError(f"payload has {view.nbytes} bytes, expected exactly {expected}")
-    return view
-
-
 def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.ndarray:
     """A read-only numpy view of ``count`` values at ``offset``; callers copy out of it."""
     return np.frombuffer(view, dtype=dtype, count=count, offset=offset)
@@ -420,19 +404,7 @@ def _float32_copy(values: np.ndarray) -> torch.Tensor:
     return out
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether no value is NaN or infinite.
-
-    torch's min/max reductions propagate NaN, so two finite extremes prove every value finite in
-    one pass without a temporary; measured ~25x faster than ``torch.isfinite(t).all()``.
-    """
-    if tensor.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(tensor)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
-
-
 def _finite_or_raise(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    if not _all_finite(tensor):
+    if not all_finite(tensor):
         raise ValueError(f"{name}: payload decodes to NaN or infinite values")
     return tensor

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from peer.tensors import all_finite, tensor_bytes
+
 from .compression import NoCompression, get_codec
-from .reduction import ContributionRejected, all_finite
+from .reduction import ContributionRejected
 
 # Uncompressed float32 parts ("none") skip the codec calls and their worker threads: a part is sent
 # as a byte view of the flattened tensor (already checked finite as a whole) and received by one
@@ -29,7 +31,7 @@ def encode_shard(codec_name: str, averaged: torch.Tensor, part_sizes: list[int])
     parts, offset = [], 0
     for size in part_sizes:
         part = averaged[offset : offset + size]
-        parts.append((RAW_META, bytes_view(part)) if raw else codec.encode(part))
+        parts.append((RAW_META, tensor_bytes(part)) if raw else codec.encode(part))
         offset += size
     return parts
 
@@ -43,11 +45,6 @@ def decode_shard(parts: list[tuple[dict, Any]], part_sizes: list[int]) -> torch.
 def check_finite(parts: list[torch.Tensor]) -> None:
     if not all(all_finite(values) for values in parts):
         raise ContributionRejected("the reducer sent NaN or infinite values")
-
-
-def bytes_view(part: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous float32 part, shared, not copied."""
-    return memoryview(part.view(torch.uint8).numpy())
 
 
 def decode(meta, payload, numel: int) -> torch.Tensor:

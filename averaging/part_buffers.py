@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from .flat_parts import RAW_META, bytes_view
+from peer.tensors import tensor_bytes
+
+from .flat_parts import RAW_META
 
 __all__ = ["PartBuffers", "RawPartSink"]
 
@@ -87,7 +89,7 @@ class RawPartSink:
         elif index >= len(self.part_sizes) or nbytes != 4 * self.part_sizes[index]:
             return None
         values = self._buffers.take(nbytes // 4)
-        view = bytes_view(values)
+        view = tensor_bytes(values)
         self._lent[index] = (view, values)
         return view
 

@@ -19,23 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "all_finite"]
+from peer.tensors import all_finite
+
+__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT"]
 
 # Weights are sample counts or similar; anything beyond 2^40 is a bug or an attack, and would
 # swamp every honest contribution.
 MAX_WEIGHT = float(1 << 40)
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether no value is NaN or infinite, in one read-only pass.
-
-    torch's min/max reductions propagate NaN, so two finite extremes prove every value finite
-    without the temporary mask of ``torch.isfinite(values).all()``, which was measured ~15x slower
-    on 16M values (it dominated a 4-peer all-reduce of 16M floats)."""
-    if values.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(values)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 class ContributionRejected(ValueError):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from peer.buffers import byte_view
 from peer.tensors import DTYPES, MAX_NDIM, tensor_from_wire, tensor_to_wire
 
 __all__ = [
@@ -66,7 +67,7 @@ def unpack_tensors(headers: Any, payload: Any, *, max_numel: int) -> list[torch.
     """Tensors from untrusted headers and payload; ValueError says what is wrong."""
     if not isinstance(headers, list) or not 1 <= len(headers) <= MAX_TENSORS:
         raise ValueError(f"'tensors' must be a list of 1 to {MAX_TENSORS} tensor headers")
-    view = memoryview(payload).cast("B")
+    view = byte_view(payload)
     if len(headers) == 1:
         return [tensor_from_wire(headers[0], view, max_numel=max_numel)]
     tensors, offset = [], 0

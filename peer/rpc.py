@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from .address import PeerAddress
+from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .router import Message, Request, Router
 from .rpc_errors import (
@@ -37,7 +38,7 @@ from .rpc_protocol import (
     StreamData,
     StreamEnd,
 )
-from .rpc_streams import ClientStream, PendingCall, ServerStream, as_bytes_view
+from .rpc_streams import ClientStream, PendingCall, ServerStream
 from .secure_channel import SecureChannel
 
 __all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
@@ -194,7 +195,7 @@ class Connection:
     ) -> Message:
         """A unary call. Raises RemoteError (and subclasses), CallTimeoutError or ConnectionLost."""
         self._check_open()
-        view = as_bytes_view(payload) if payload is not None else None
+        view = byte_view(payload) if payload is not None else None
         call_id, header = self.protocol.open_unary(
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
@@ -408,7 +409,7 @@ class Connection:
                     result = await handler(Request(self.remote_peer_id, event.body, event.payload, self))
                     if not isinstance(result, Message):
                         result = Message(result)
-                    view = as_bytes_view(result.payload) if len(result.payload) else None
+                    view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
                     self._enqueue(header, view)
                 else:

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from .buffers import byte_view
 from .framing import MAX_RECORD_PLAINTEXT, ProtocolError
 
 __all__ = [
@@ -286,10 +287,9 @@ class RPCProtocol:
         length) instead of a fresh allocation; the delivered payload is then ``buffer`` itself."""
         if self._pending is None or self._payload is not None or self._payload_filled:
             raise RuntimeError("no payload is awaiting a buffer")
-        view = memoryview(buffer)
-        if view.readonly or not view.contiguous:
-            raise ValueError("a payload buffer must be writable and contiguous")
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        view = byte_view(buffer)
+        if view.readonly:
+            raise ValueError("a payload buffer must be writable")
         if len(view) != self._payload_len:
             raise ValueError(f"payload buffer holds {len(view)} bytes, the payload has {self._payload_len}")
         self._payload, self._payload_view = buffer, view

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .buffers import byte_view
 from .identity import PeerID
 from .router import Message
 from .rpc_errors import StreamClosed
@@ -20,14 +21,7 @@ from .rpc_protocol import StreamData
 if TYPE_CHECKING:
     from .rpc import Connection
 
-__all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream", "as_bytes_view"]
-
-
-def as_bytes_view(payload: Any) -> memoryview:
-    view = memoryview(payload)
-    if not view.contiguous:
-        raise ValueError("payload must be a contiguous buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+__all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream"]
 
 
 class PendingCall:
@@ -78,7 +72,7 @@ class _StreamBase:
                 break
             state.credit = trio.Event()
             await state.credit.wait()
-        view = as_bytes_view(payload) if payload is not None else None
+        view = byte_view(payload) if payload is not None else None
         header = protocol.send_data(self._call_id, body, len(view) if view is not None else 0)
         encrypted = trio.Event() if view is not None else None
         connection._enqueue(header, view, encrypted)
