@@ -1,4 +1,5 @@
-"""Shared fixtures: in-process peers on 127.0.0.1 with a router of test methods."""
+"""Suite-wide pytest hooks: slow soak/scale tests run only with ``--run-slow``, and the heap that
+collection loaded is frozen before the first test (see ``pytest_collection_finish``)."""
 
 from __future__ import annotations
 
