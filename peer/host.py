@@ -39,10 +39,24 @@ CONNECT_TIMEOUT = 5.0
 # Connections still in their handshake. Each costs a socket and a few KiB; this bounds what a flood
 # of silent connections can hold (each is dropped after HANDSHAKE_TIMEOUT anyway).
 MAX_PENDING_HANDSHAKES = 512
+# Endpoints whose identity we learned by dialing them. Contacts come from other peers, so this map
+# is bounded: past the cap the oldest entries go (they only save a lookup in the pool).
+MAX_KNOWN_ENDPOINTS = 4096
 
 
 class ConnectError(OSError):
     """Could not reach or authenticate a peer; the message says which address and why."""
+
+
+class _Dial:
+    """One dial in flight, shared by every caller that wants the same endpoint and identity."""
+
+    __slots__ = ("done", "connection", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.connection: Connection | None = None
+        self.error: ConnectError | None = None
 
 
 class PeerHost:
@@ -72,7 +86,7 @@ class PeerHost:
         self._nursery = nursery
         self._connections: dict[PeerID, Connection] = {}
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
-        self._dialing: dict[tuple[str, int], trio.Event] = {}
+        self._dialing: dict[tuple[str, int, PeerID | None], _Dial] = {}
         self._pending_handshakes = 0
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
@@ -151,26 +165,40 @@ class PeerHost:
         return [peer for peer, conn in self._connections.items() if not conn.is_closed]
 
     async def connect(self, address: PeerAddress) -> Connection:
-        """A live connection to ``address``, reused from the pool or dialed (then pooled)."""
-        key = (address.host, address.port)
+        """A live connection to ``address``, reused from the pool or dialed (then pooled).
+
+        Addresses come from other peers (contact lists, records), so any of them may be wrong or
+        hostile: every failure is a ``ConnectError`` for this address alone. Concurrent calls for
+        the same endpoint and expected identity share one dial and its outcome; calls that pin
+        different identities at one endpoint dial separately, so each gets its own answer.
+        """
+        endpoint = (address.host, address.port)
+        key = (address.host, address.port, address.peer_id)
         while True:
-            known = address.peer_id or self._endpoint_peer.get(key)
+            known = address.peer_id or self._endpoint_peer.get(endpoint)
             if known is not None and (connection := self.connection_to(known)) is not None:
                 if address.peer_id is None or address.peer_id == connection.remote_peer_id:
                     return connection
-            dialing = self._dialing.get(key)
-            if dialing is None:
+            dial = self._dialing.get(key)
+            if dial is None:
                 break
-            await dialing.wait()  # someone else is dialing this endpoint: share their connection
-            if self._endpoint_peer.get(key) is None:
-                break  # their dial failed; try ourselves so the caller gets the error
-        done = self._dialing[key] = trio.Event()
+            await dial.done.wait()
+            if dial.error is not None:
+                raise ConnectError(str(dial.error))
+            # Their connection is pooled now, unless it already closed: then look (and dial) again.
+        dial = self._dialing[key] = _Dial()
         try:
-            connection = await self._dial(address)
+            dial.connection = await self._dial(address)
+        except ConnectError as error:
+            dial.error = error
+            raise
+        except BaseException:
+            dial.error = ConnectError(f"{address}: the dial was cancelled")
+            raise
         finally:
             del self._dialing[key]
-            done.set()
-        return connection
+            dial.done.set()
+        return dial.connection
 
     async def _dial(self, address: PeerAddress) -> Connection:
         try:
@@ -205,7 +233,11 @@ class PeerHost:
         except RuntimeError:  # the host is shutting down; callers running outside it see a clean error
             await channel.aclose()
             raise ConnectError(f"{address}: this peer's host is shutting down") from None
-        self._endpoint_peer[(address.host, address.port)] = connection.remote_peer_id
+        endpoint = (address.host, address.port)
+        self._endpoint_peer.pop(endpoint, None)
+        self._endpoint_peer[endpoint] = connection.remote_peer_id
+        while len(self._endpoint_peer) > MAX_KNOWN_ENDPOINTS:
+            del self._endpoint_peer[next(iter(self._endpoint_peer))]
         log.debug("connected to %s at %s", connection.remote_peer_id, address.endpoint)
         return connection
 
