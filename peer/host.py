@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from .address import PeerAddress
+from .admission import Admission, address_group
 from .identity import Identity, PeerID
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
@@ -36,9 +37,6 @@ log = logging.getLogger("peerd.host")
 
 # Dialing: a peer that does not accept within 5 s on a LAN or across the internet is as good as dead.
 CONNECT_TIMEOUT = 5.0
-# Connections still in their handshake. Each costs a socket and a few KiB; this bounds what a flood
-# of silent connections can hold (each is dropped after HANDSHAKE_TIMEOUT anyway).
-MAX_PENDING_HANDSHAKES = 512
 # Endpoints whose identity we learned by dialing them. Contacts come from other peers, so this map
 # is bounded: past the cap the oldest entries go (they only save a lookup in the pool).
 MAX_KNOWN_ENDPOINTS = 4096
@@ -87,7 +85,7 @@ class PeerHost:
         self._connections: dict[PeerID, Connection] = {}
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
         self._dialing: dict[tuple[str, int, PeerID | None], _Dial] = {}
-        self._pending_handshakes = 0
+        self.admission = Admission()  # fair limits on pending handshakes and incoming connections
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
 
@@ -116,30 +114,47 @@ class PeerHost:
                         await trio.sleep(0.1)
                         continue
                     raise
-                if self._pending_handshakes >= MAX_PENDING_HANDSHAKES:
-                    await trio.aclose_forcefully(stream)
-                    continue
                 self._nursery.start_soon(self._handle_incoming, stream)
 
     async def _handle_incoming(self, stream: trio.SocketStream) -> None:
-        self._pending_handshakes += 1
-        try:
-            tune_connection(stream)
-            channel = await secure_handshake(
-                stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout
-            )
-        except Exception as error:  # whatever a stranger sends, it costs them the connection only
-            reason = "handshake timed out" if isinstance(error, trio.TooSlowError) else str(error)
-            # A peer of another run or version is worth telling the user about; scanners and junk
-            # are not (a flood of them must not flood the log either).
-            level = logging.INFO if isinstance(error, HelloMismatch) else logging.DEBUG
-            log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
+        group = address_group(_remote_host(stream))
+        with trio.CancelScope() as pending:
+            for older in self.admission.handshake_started(pending, group):
+                older.cancel()  # the oldest pending handshake of this address (or overall) yields
+            try:
+                tune_connection(stream)
+                channel = await secure_handshake(
+                    stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout
+                )
+            except Exception as error:  # whatever a stranger sends, it costs them the connection only
+                await self._refuse(stream, error)
+                return
+            finally:
+                self.admission.handshake_ended(pending)
+        if pending.cancelled_caught:
+            log.debug("dropped a pending handshake from %s to make room", group)
             await trio.aclose_forcefully(stream)
             return
-        finally:
-            self._pending_handshakes -= 1
         connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
-        await self._run_connection(connection, incoming=True)
+        older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
+        if older_connections is None:
+            log.debug("refused a connection from %s: too many from that address", group)
+            await channel.aclose()
+            return
+        for older in older_connections:
+            older.close()  # the same identity's oldest connection makes room for its newest
+        try:
+            await self._run_connection(connection, incoming=True)
+        finally:
+            self.admission.connection_closed(connection)
+
+    async def _refuse(self, stream: trio.SocketStream, error: Exception) -> None:
+        reason = "handshake timed out" if isinstance(error, trio.TooSlowError) else str(error)
+        # A peer of another run or version is worth telling the user about; scanners and junk
+        # are not (a flood of them must not flood the log either).
+        level = logging.INFO if isinstance(error, HelloMismatch) else logging.DEBUG
+        log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
+        await trio.aclose_forcefully(stream)
 
     async def _run_connection(self, connection: Connection, incoming: bool) -> None:
         peer = connection.remote_peer_id
@@ -257,6 +272,13 @@ def _os_reason(error: OSError) -> str:
         if isinstance(exception, OSError) and exception.strerror:
             return exception.strerror.lower()
     return (error.strerror or str(error)).lower()
+
+
+def _remote_host(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 def _remote_endpoint(stream: trio.SocketStream) -> str:
