@@ -25,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from .buffers import byte_view
-from .framing import MAX_RECORD_PLAINTEXT, ProtocolError
+from .framing import ProtocolError
+from .packing import packb, unpackb
 
 __all__ = [
     "RPCProtocol",
@@ -39,8 +38,6 @@ __all__ = [
     "CallFailed",
     "CallCancelled",
     "CreditGranted",
-    "packb",
-    "unpackb",
 ]
 
 OPEN, DATA, END, ERROR, CANCEL, CREDIT, UNARY, RESULT = 1, 2, 3, 4, 5, 6, 7, 8
@@ -56,27 +53,6 @@ MAX_CONCURRENT_CALLS = 4096
 STREAM_WINDOW = 16 << 20
 MAX_METHOD_NAME = 256
 MAX_ERROR_TEXT = 4096
-
-
-def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpackb(data: bytes | memoryview, max_size: int = MAX_RECORD_PLAINTEXT) -> Any:
-    """Unpack msgpack from an untrusted peer with explicit limits on every container."""
-    if len(data) > max_size:
-        raise ValueError(f"msgpack document of {len(data)} bytes exceeds the limit of {max_size}")
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        max_str_len=max_size,
-        max_bin_len=max_size,
-        max_array_len=max_size // 2,
-        max_map_len=max_size // 4,
-        max_ext_len=0,
-    )
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import msgpack
 import pytest
 
 from peer.framing import ProtocolError
+from peer.packing import packb
 from peer.rpc_protocol import (
     CallCancelled,
     CallFailed,
@@ -14,7 +15,6 @@ from peer.rpc_protocol import (
     RPCProtocol,
     StreamData,
     StreamEnd,
-    packb,
 )
 
 
