@@ -24,8 +24,11 @@ from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .router import Message, Request, Router
 from .rpc_errors import (
+    DEADLINE_EXCEEDED,
+    UNKNOWN_METHOD,
     CallTimeoutError,
     ConnectionLost,
+    error_code,
     remote_error,
 )
 from .rpc_protocol import (
@@ -376,7 +379,7 @@ class Connection:
                 reason = f"method {event.method!r} is a {actual} method; call it with {use}"
             else:
                 reason = f"no such method {event.method!r}"
-            self._enqueue(self.protocol.send_error(event.call_id, "UnknownMethod", reason))
+            self._enqueue(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
             return
         scope = trio.CancelScope()
         if event.timeout is not None:
@@ -394,7 +397,7 @@ class Connection:
                 except Exception as error:  # a bug of the handler's: it fails this call only
                     log.exception("preparing a %s stream failed", event.method)
                     del self._pending[event.call_id], self._handler_scopes[event.call_id]
-                    self._reply_error(event.call_id, type(error).__name__, str(error))
+                    self._reply_error(event.call_id, error_code(error), str(error))
                     return
         assert self._nursery is not None
         self._nursery.start_soon(self._run_handler, event, handler, scope, stream)
@@ -420,10 +423,10 @@ class Connection:
                     if self.protocol.is_live(call_id):
                         self._enqueue(self.protocol.end_stream(call_id))
             if scope.cancelled_caught and self.protocol.is_live(call_id):
-                self._enqueue(self.protocol.send_error(call_id, "DeadlineExceeded", "the handler ran out of time"))
+                self._enqueue(self.protocol.send_error(call_id, DEADLINE_EXCEEDED, "the handler ran out of time"))
         except Exception as error:
             log.debug("handler %s failed for %s", event.method, self.remote_peer_id, exc_info=True)
-            self._reply_error(call_id, type(error).__name__, str(error))
+            self._reply_error(call_id, error_code(error), str(error))
         finally:
             self._handler_scopes.pop(call_id, None)
 

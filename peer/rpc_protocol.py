@@ -28,6 +28,7 @@ from typing import Any
 from .buffers import byte_view
 from .framing import ProtocolError
 from .packing import packb, unpackb
+from .rpc_errors import BUSY
 
 __all__ = [
     "RPCProtocol",
@@ -382,7 +383,7 @@ class RPCProtocol:
         _check(call_id not in self._calls, f"call ID {call_id} reused while live")
         if self._remote_calls >= self.max_concurrent_calls:
             self._outbox.append(
-                packb([ERROR, call_id, "Busy", f"too many concurrent calls (limit {self.max_concurrent_calls})"])
+                packb([ERROR, call_id, BUSY, f"too many concurrent calls (limit {self.max_concurrent_calls})"])
             )
             return []
         call = _Call(local=False, window=self.window)
