@@ -128,9 +128,9 @@ class RPCProtocol:
 
     Outgoing methods return header bytes to send (followed by the payload, if any). Incoming records
     go to ``receive_header``; when it announces a payload, the driver fills ``payload_target()`` and
-    calls ``payload_received``. Protocol violations raise ``ProtocolError`` and leave the object
-    failed; late messages for calls that already ended are ignored, since they race with
-    cancellation in normal operation.
+    calls ``payload_received``. A protocol violation on any of these paths raises ``ProtocolError``
+    and leaves the object failed: every later input raises that same error. Late messages for calls
+    that already ended are ignored, since they race with cancellation in normal operation.
     """
 
     def __init__(
@@ -156,6 +156,8 @@ class RPCProtocol:
         self._payload_len = 0
         self._payload_filled = 0
         self._header_size = 0
+        # Set by the first protocol error on any incoming path; every incoming method (headers,
+        # payloads, payload buffers) then raises it again, as h11's ERROR state: nothing half-works.
         self._failed: ProtocolError | None = None
 
     # ----------------------------------------------------------------- outgoing
@@ -262,6 +264,8 @@ class RPCProtocol:
     def supply_payload_buffer(self, buffer: Any) -> None:
         """Receive the awaited payload into ``buffer`` (a writable buffer of exactly the announced
         length) instead of a fresh allocation; the delivered payload is then ``buffer`` itself."""
+        if self._failed is not None:
+            raise self._failed
         if self._pending is None or self._payload is not None or self._payload_filled:
             raise RuntimeError("no payload is awaiting a buffer")
         view = byte_view(buffer)
@@ -273,14 +277,22 @@ class RPCProtocol:
 
     def payload_whole(self, payload: bytes) -> list:
         """Deliver a payload that arrived in one piece (no buffer to allocate and fill)."""
-        if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
-            raise ProtocolError("payload record does not match the announced payload length")
-        header = self._pending
-        self._pending = None
-        return self._dispatch(header, payload)
+        if self._failed is not None:
+            raise self._failed
+        try:
+            if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
+                raise ProtocolError("payload record does not match the announced payload length")
+            header = self._pending
+            self._pending = None
+            return self._dispatch(header, payload)
+        except ProtocolError as error:
+            self._failed = error
+            raise
 
     def payload_target(self) -> memoryview:
         """The part of the announced payload not yet received, to decrypt or copy into."""
+        if self._failed is not None:
+            raise self._failed
         assert self._pending is not None
         if self._payload is None:
             self._payload = bytearray(self._payload_len)
@@ -289,13 +301,19 @@ class RPCProtocol:
         return self._payload_view[self._payload_filled :]
 
     def payload_received(self, nbytes: int) -> list:
+        if self._failed is not None:
+            raise self._failed
         assert self._payload is not None and self._pending is not None
         self._payload_filled += nbytes
         if self._payload_filled < self._payload_len:
             return []
         header, payload = self._pending, self._payload
         self._pending = self._payload = self._payload_view = None
-        return self._dispatch(header, payload)
+        try:
+            return self._dispatch(header, payload)  # its checks (credit, state) fail the protocol too
+        except ProtocolError as error:
+            self._failed = error
+            raise
 
     def receive_header(self, plaintext: bytes | memoryview) -> list:
         if self._failed is not None:
