@@ -64,8 +64,9 @@ class Router:
             self._prepare[name] = prepare
 
     def _check_free(self, name: str) -> None:
+        # A silent replacement or skip would leave one of two registrants without its calls.
         if name in self._unary or name in self._stream:
-            raise ValueError(f"RPC method {name!r} is already registered")
+            raise ValueError(f"RPC method {name!r} is already registered on this peer; a method has one handler")
 
     def unary(self, name: str) -> Callable[[UnaryHandler], UnaryHandler]:
         def register(handler: UnaryHandler) -> UnaryHandler:
