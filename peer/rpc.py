@@ -261,7 +261,6 @@ class Connection:
         self._wakeup_writer.set()
 
     # ------------------------------------------------------------------ writing
-
     async def _write_loop(self) -> None:
         buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
         view = memoryview(buffer)
