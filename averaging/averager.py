@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,15 +27,10 @@ __all__ = ["GroupAverager", "EpochStateAverager", "averaging_options", "tensor_s
 
 log = logging.getLogger("peerd.averaging")
 
-_services: weakref.WeakKeyDictionary[PeerHost, AllReduceService] = weakref.WeakKeyDictionary()
-
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
     """The one all-reduce service of a host (several averagers on one peer share its RPC method)."""
-    service = _services.get(host)
-    if service is None:
-        service = _services[host] = AllReduceService(host)
-    return service
+    return host.service(AllReduceService)
 
 
 def tensor_schema(tensors: Sequence[torch.Tensor]) -> str:

@@ -129,8 +129,12 @@ class Matchmaker:
         self.last_round = 0  # the round the last form_group used (it may have caught up)
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
-        if router.lookup(method, unary=True) is None:
+        try:
             router.add_unary(method, self._handle_join)
+        except ValueError as error:  # two on one peer would share its peer ID, declarations and joins
+            raise ValueError(
+                f"this peer already averages under prefix {prefix!r}; each averager on a peer needs its own prefix"
+            ) from error
         self._join_method = method
 
     @property

@@ -44,8 +44,7 @@ class StateSharing:
         self.prefix = prefix
         self.owner = owner  # has .tensors, .state_metadata(), .state_version and an async lock
         self.method = f"avg.state.{prefix}"
-        if host.router.lookup(self.method, unary=False) is None:
-            host.router.add_stream(self.method, self._serve_state)
+        host.router.add_stream(self.method, self._serve_state)
 
     @property
     def key(self) -> str:

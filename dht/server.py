@@ -42,7 +42,7 @@ class DHTServer:
             raise DHTServiceStopped("this peer's DHT node has stopped")
 
     def _note_caller(self, request: Request) -> None:
-        address = request.connection.remote_listen_address
+        address = request.listen_address
         if address is not None and address.peer_id is not None:
             self.node.peer_alive(Contact(address.peer_id, address))
 

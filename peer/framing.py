@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "encode_record_header", "HEADER"]
+__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "HEADER"]
 
 HEADER = struct.Struct(">I")
 # A record carries at most 1 MiB of plaintext plus the 16-byte AEAD tag. 1 MiB is large enough that
@@ -27,10 +27,6 @@ class ProtocolError(Exception):
 
 class FrameTooLarge(ProtocolError):
     pass
-
-
-def encode_record_header(length: int) -> bytes:
-    return HEADER.pack(length)
 
 
 class RecordDecoder:

@@ -12,7 +12,7 @@ import errno
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -44,6 +44,9 @@ MAX_KNOWN_ENDPOINTS = 4096
 
 class ConnectError(OSError):
     """Could not reach or authenticate a peer; the message says which address and why."""
+
+
+Service = TypeVar("Service")
 
 
 class _Dial:
@@ -88,6 +91,18 @@ class PeerHost:
         self.admission = Admission()  # fair limits on pending handshakes and incoming connections
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
+        self._services: dict[type, Any] = {}
+
+    def service(self, kind: type[Service]) -> Service:
+        """This host's one ``kind(self)``, created on first use.
+
+        For a component that serves RPC methods for every user of the host (all averagers share
+        one all-reduce service and its ``avg.reduce``): it lives as long as the host, and its
+        methods reach the host's router once, which refuses any second registration of a name."""
+        service = self._services.get(kind)
+        if service is None:
+            service = self._services[kind] = kind(self)
+        return service
 
     # ------------------------------------------------------------------ listening
     def _hello(self) -> Hello:

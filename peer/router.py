@@ -6,10 +6,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .address import PeerAddress
 from .identity import PeerID
 
 if TYPE_CHECKING:
-    from .rpc import Connection, ServerStream
+    from .rpc import ServerStream
 
 __all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
 
@@ -22,12 +23,15 @@ class Message:
 
 @dataclass(frozen=True)
 class Request:
-    """What a unary handler receives."""
+    """What a unary handler receives: who called, what it sent, and where the caller accepts
+    connections (``listen_address``, as it announced it at the handshake; None for a client-mode
+    peer). Not the connection itself: a handler answers by returning, and calls back through the
+    host's pool like any other call."""
 
     peer: PeerID
     body: Any
     payload: bytes | bytearray
-    connection: Connection
+    listen_address: PeerAddress | None
 
 
 UnaryHandler = Callable[[Request], Awaitable[Any]]
@@ -60,8 +64,9 @@ class Router:
             self._prepare[name] = prepare
 
     def _check_free(self, name: str) -> None:
+        # A silent replacement or skip would leave one of two registrants without its calls.
         if name in self._unary or name in self._stream:
-            raise ValueError(f"RPC method {name!r} is already registered")
+            raise ValueError(f"RPC method {name!r} is already registered on this peer; a method has one handler")
 
     def unary(self, name: str) -> Callable[[UnaryHandler], UnaryHandler]:
         def register(handler: UnaryHandler) -> UnaryHandler:

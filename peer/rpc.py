@@ -10,6 +10,7 @@ before one ``send_all``: 64 concurrent callers cost a handful of syscalls, not 6
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
@@ -24,8 +25,11 @@ from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
 from .router import Message, Request, Router
 from .rpc_errors import (
+    DEADLINE_EXCEEDED,
+    UNKNOWN_METHOD,
     CallTimeoutError,
     ConnectionLost,
+    error_code,
     remote_error,
 )
 from .rpc_protocol import (
@@ -109,10 +113,11 @@ class Connection:
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
 
-    @property
+    @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
         """Where the peer accepts connections (None for client-mode peers). An advertised wildcard
-        host (0.0.0.0, ::) is replaced by the address we see the peer connecting from."""
+        host (0.0.0.0, ::) is replaced by the address we see the peer connecting from. Worked out
+        once: every request a handler receives carries it."""
         if self.remote_hello.client_mode or not self.remote_hello.listen_addresses:
             return None
         try:
@@ -200,7 +205,7 @@ class Connection:
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
         state = self._pending[call_id] = PendingCall(method)
-        self._enqueue(header, view)
+        self.enqueue(header, view)
         try:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
                 await state.done.wait()
@@ -220,7 +225,7 @@ class Connection:
         self._check_open()
         call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout))
         state = self._pending[call_id] = PendingCall(method)
-        self._enqueue(header)
+        self.enqueue(header)
         stream = ClientStream(self, call_id, method, state)
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
@@ -239,18 +244,23 @@ class Connection:
         if not self.is_closed:
             header = self.protocol.cancel(call_id)
             if header is not None:
-                self._enqueue(header)
+                self.enqueue(header)
 
-    def _grant(self, call_id: int, cost: int) -> None:
-        header = self.protocol.consumed(call_id, cost)
+    # ------------------------------------------------------------------ what streams use
+    # (``StreamTransport`` in rpc_streams.py: the connection as its streams see it)
+    def grant(self, call_id: int, nbytes: int) -> None:
+        """The application took ``nbytes`` of a stream's data; re-grant credit when enough has."""
+        header = self.protocol.consumed(call_id, nbytes)
         if header is not None and not self.is_closed:
-            self._enqueue(header)
+            self.enqueue(header)
 
-    # ------------------------------------------------------------------ writing
-    def _enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
+    def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
+        """Queue a header built by ``self.protocol`` (and its payload) for the writer; ``encrypted``
+        is set once the payload has been encrypted, so its buffer may be reused."""
         self._outgoing.append(_Outgoing(header, payload, encrypted))
         self._wakeup_writer.set()
 
+    # ------------------------------------------------------------------ writing
     async def _write_loop(self) -> None:
         buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
         view = memoryview(buffer)
@@ -309,7 +319,7 @@ class Connection:
                     if protocol.announced_data is not None:
                         self._supply_payload_buffer(*protocol.announced_data)
                 for header in protocol.take_outbox():
-                    self._enqueue(header)
+                    self.enqueue(header)
                 for event in events:
                     self._handle_event(event)
                 if budget <= 0:
@@ -376,7 +386,7 @@ class Connection:
                 reason = f"method {event.method!r} is a {actual} method; call it with {use}"
             else:
                 reason = f"no such method {event.method!r}"
-            self._enqueue(self.protocol.send_error(event.call_id, "UnknownMethod", reason))
+            self.enqueue(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
             return
         scope = trio.CancelScope()
         if event.timeout is not None:
@@ -394,7 +404,7 @@ class Connection:
                 except Exception as error:  # a bug of the handler's: it fails this call only
                     log.exception("preparing a %s stream failed", event.method)
                     del self._pending[event.call_id], self._handler_scopes[event.call_id]
-                    self._reply_error(event.call_id, type(error).__name__, str(error))
+                    self._reply_error(event.call_id, error_code(error), str(error))
                     return
         assert self._nursery is not None
         self._nursery.start_soon(self._run_handler, event, handler, scope, stream)
@@ -406,27 +416,28 @@ class Connection:
         try:
             with scope:
                 if event.unary:
-                    result = await handler(Request(self.remote_peer_id, event.body, event.payload, self))
+                    request = Request(self.remote_peer_id, event.body, event.payload, self.remote_listen_address)
+                    result = await handler(request)
                     if not isinstance(result, Message):
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._enqueue(header, view)
+                    self.enqueue(header, view)
                 else:
                     try:
                         await handler(stream)
                     finally:
                         self._pending.pop(call_id, None)
                     if self.protocol.is_live(call_id):
-                        self._enqueue(self.protocol.end_stream(call_id))
+                        self.enqueue(self.protocol.end_stream(call_id))
             if scope.cancelled_caught and self.protocol.is_live(call_id):
-                self._enqueue(self.protocol.send_error(call_id, "DeadlineExceeded", "the handler ran out of time"))
+                self.enqueue(self.protocol.send_error(call_id, DEADLINE_EXCEEDED, "the handler ran out of time"))
         except Exception as error:
             log.debug("handler %s failed for %s", event.method, self.remote_peer_id, exc_info=True)
-            self._reply_error(call_id, type(error).__name__, str(error))
+            self._reply_error(call_id, error_code(error), str(error))
         finally:
             self._handler_scopes.pop(call_id, None)
 
     def _reply_error(self, call_id: int, type_name: str, message: str) -> None:
         if self.protocol.is_live(call_id) and not self.is_closed:
-            self._enqueue(self.protocol.send_error(call_id, type_name, message))
+            self.enqueue(self.protocol.send_error(call_id, type_name, message))

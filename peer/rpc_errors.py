@@ -1,4 +1,10 @@
-"""What an RPC can fail with, and how remote failures map to local exception types."""
+"""What an RPC can fail with, and how remote failures map to local exception types.
+
+An ERROR header names what failed with a type name: one of the codes below, each of which arrives
+as its own exception type, or the class name of whatever else a handler raised, which arrives as
+``RemoteError`` carrying that name (``TypeError`` and ``ValueError`` as ``BadRequestError``: in a
+handler they mean the arguments were wrong).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,24 @@ __all__ = [
     "UnknownMethodError",
     "BadRequestError",
     "BusyError",
+    "DeadlineExceededError",
     "CallTimeoutError",
     "ConnectionLost",
     "StreamClosed",
     "BadRequest",
     "remote_error",
+    "error_code",
+    "UNKNOWN_METHOD",
+    "BAD_REQUEST",
+    "BUSY",
+    "DEADLINE_EXCEEDED",
 ]
+
+# The wire's error codes (the type_name of an ERROR header).
+UNKNOWN_METHOD = "UnknownMethod"  # no handler of that name and kind, or a client-mode peer
+BAD_REQUEST = "BadRequest"  # the handler raised BadRequest: the arguments were wrong
+BUSY = "Busy"  # the connection already has its limit of concurrent incoming calls
+DEADLINE_EXCEEDED = "DeadlineExceeded"  # the handler ran past the time budget the caller sent
 
 
 class RPCError(Exception):
@@ -42,6 +60,13 @@ class BusyError(RemoteError):
     pass
 
 
+class DeadlineExceededError(RemoteError, TimeoutError):
+    """The handler ran out of the time budget the call carried and was cancelled there.
+
+    A ``TimeoutError`` like ``CallTimeoutError``: whichever side's clock ran out first, the call
+    took too long."""
+
+
 class CallTimeoutError(RPCError, TimeoutError):
     pass
 
@@ -56,17 +81,23 @@ class StreamClosed(RPCError):
 
 # Remote exception types that mean "your arguments were wrong" map to BadRequestError; the original
 # type name is kept in ``type_name``.
-_ERROR_TYPES = {
-    "UnknownMethod": UnknownMethodError,
-    "BadRequest": BadRequestError,
-    "TypeError": BadRequestError,
-    "ValueError": BadRequestError,
-    "Busy": BusyError,
+_ERROR_TYPES: dict[str, type[RemoteError]] = {
+    UNKNOWN_METHOD: UnknownMethodError,
+    BAD_REQUEST: BadRequestError,
+    TypeError.__name__: BadRequestError,
+    ValueError.__name__: BadRequestError,
+    BUSY: BusyError,
+    DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 
 class BadRequest(Exception):
     """Raise from a handler to tell the caller its arguments are wrong (reaches it as BadRequestError)."""
+
+
+def error_code(error: BaseException) -> str:
+    """The type name an ERROR header carries for an exception a handler raised."""
+    return BAD_REQUEST if isinstance(error, BadRequest) else type(error).__name__
 
 
 def remote_error(method: str, peer: PeerID, type_name: str, message: str) -> RemoteError:

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from .buffers import byte_view
-from .framing import MAX_RECORD_PLAINTEXT, ProtocolError
+from .framing import ProtocolError
+from .packing import packb, unpackb
+from .rpc_errors import BUSY
 
 __all__ = [
     "RPCProtocol",
@@ -39,8 +39,6 @@ __all__ = [
     "CallFailed",
     "CallCancelled",
     "CreditGranted",
-    "packb",
-    "unpackb",
 ]
 
 OPEN, DATA, END, ERROR, CANCEL, CREDIT, UNARY, RESULT = 1, 2, 3, 4, 5, 6, 7, 8
@@ -56,27 +54,6 @@ MAX_CONCURRENT_CALLS = 4096
 STREAM_WINDOW = 16 << 20
 MAX_METHOD_NAME = 256
 MAX_ERROR_TEXT = 4096
-
-
-def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpackb(data: bytes | memoryview, max_size: int = MAX_RECORD_PLAINTEXT) -> Any:
-    """Unpack msgpack from an untrusted peer with explicit limits on every container."""
-    if len(data) > max_size:
-        raise ValueError(f"msgpack document of {len(data)} bytes exceeds the limit of {max_size}")
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        use_list=True,
-        strict_map_key=False,
-        max_str_len=max_size,
-        max_bin_len=max_size,
-        max_array_len=max_size // 2,
-        max_map_len=max_size // 4,
-        max_ext_len=0,
-    )
 
 
 @dataclass(frozen=True)
@@ -151,9 +128,9 @@ class RPCProtocol:
 
     Outgoing methods return header bytes to send (followed by the payload, if any). Incoming records
     go to ``receive_header``; when it announces a payload, the driver fills ``payload_target()`` and
-    calls ``payload_received``. Protocol violations raise ``ProtocolError`` and leave the object
-    failed; late messages for calls that already ended are ignored, since they race with
-    cancellation in normal operation.
+    calls ``payload_received``. A protocol violation on any of these paths raises ``ProtocolError``
+    and leaves the object failed: every later input raises that same error. Late messages for calls
+    that already ended are ignored, since they race with cancellation in normal operation.
     """
 
     def __init__(
@@ -179,6 +156,8 @@ class RPCProtocol:
         self._payload_len = 0
         self._payload_filled = 0
         self._header_size = 0
+        # Set by the first protocol error on any incoming path; every incoming method (headers,
+        # payloads, payload buffers) then raises it again, as h11's ERROR state: nothing half-works.
         self._failed: ProtocolError | None = None
 
     # ----------------------------------------------------------------- outgoing
@@ -285,6 +264,8 @@ class RPCProtocol:
     def supply_payload_buffer(self, buffer: Any) -> None:
         """Receive the awaited payload into ``buffer`` (a writable buffer of exactly the announced
         length) instead of a fresh allocation; the delivered payload is then ``buffer`` itself."""
+        if self._failed is not None:
+            raise self._failed
         if self._pending is None or self._payload is not None or self._payload_filled:
             raise RuntimeError("no payload is awaiting a buffer")
         view = byte_view(buffer)
@@ -296,14 +277,22 @@ class RPCProtocol:
 
     def payload_whole(self, payload: bytes) -> list:
         """Deliver a payload that arrived in one piece (no buffer to allocate and fill)."""
-        if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
-            raise ProtocolError("payload record does not match the announced payload length")
-        header = self._pending
-        self._pending = None
-        return self._dispatch(header, payload)
+        if self._failed is not None:
+            raise self._failed
+        try:
+            if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
+                raise ProtocolError("payload record does not match the announced payload length")
+            header = self._pending
+            self._pending = None
+            return self._dispatch(header, payload)
+        except ProtocolError as error:
+            self._failed = error
+            raise
 
     def payload_target(self) -> memoryview:
         """The part of the announced payload not yet received, to decrypt or copy into."""
+        if self._failed is not None:
+            raise self._failed
         assert self._pending is not None
         if self._payload is None:
             self._payload = bytearray(self._payload_len)
@@ -312,13 +301,19 @@ class RPCProtocol:
         return self._payload_view[self._payload_filled :]
 
     def payload_received(self, nbytes: int) -> list:
+        if self._failed is not None:
+            raise self._failed
         assert self._payload is not None and self._pending is not None
         self._payload_filled += nbytes
         if self._payload_filled < self._payload_len:
             return []
         header, payload = self._pending, self._payload
         self._pending = self._payload = self._payload_view = None
-        return self._dispatch(header, payload)
+        try:
+            return self._dispatch(header, payload)  # its checks (credit, state) fail the protocol too
+        except ProtocolError as error:
+            self._failed = error
+            raise
 
     def receive_header(self, plaintext: bytes | memoryview) -> list:
         if self._failed is not None:
@@ -406,7 +401,7 @@ class RPCProtocol:
         _check(call_id not in self._calls, f"call ID {call_id} reused while live")
         if self._remote_calls >= self.max_concurrent_calls:
             self._outbox.append(
-                packb([ERROR, call_id, "Busy", f"too many concurrent calls (limit {self.max_concurrent_calls})"])
+                packb([ERROR, call_id, BUSY, f"too many concurrent calls (limit {self.max_concurrent_calls})"])
             )
             return []
         call = _Call(local=False, window=self.window)

@@ -1,14 +1,15 @@
 """The application's side of RPC streams, and the per-call state the connection keeps for them.
 
-``Connection`` (``peer/rpc.py``) creates these; a stream only asks its connection to enqueue
-headers and grant credit, and waits on the call's events, so it holds no I/O of its own.
+``Connection`` (``peer/rpc.py``) creates these. A stream sees its connection only through
+``StreamTransport``: the call rules to build headers with, a queue to hand them to, and a way to
+return credit. It waits on the call's events and holds no I/O of its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -16,12 +17,23 @@ from .buffers import byte_view
 from .identity import PeerID
 from .router import Message
 from .rpc_errors import StreamClosed
-from .rpc_protocol import StreamData
+from .rpc_protocol import RPCProtocol, StreamData
 
-if TYPE_CHECKING:
-    from .rpc import Connection
+__all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream", "StreamTransport"]
 
-__all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream"]
+
+class StreamTransport(Protocol):
+    """The part of a connection that its streams use (``Connection`` provides it)."""
+
+    remote_peer_id: PeerID
+    protocol: RPCProtocol  # the call's state: liveness, credit, and the headers to send
+
+    def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
+        """Queue ``header`` (then ``payload``) for sending; set ``encrypted`` once the payload has
+        been encrypted, after which its buffer may be reused."""
+
+    def grant(self, call_id: int, nbytes: int) -> None:
+        """The application has taken ``nbytes`` of the call's stream data: let the peer send more."""
 
 
 class PendingCall:
@@ -49,20 +61,20 @@ BufferProvider = Callable[[Any, int], Any]
 class _StreamBase:
     """Shared by both ends of a stream call: credit-limited sends and an ordered receive queue."""
 
-    def __init__(self, connection: Connection, call_id: int, method: str, state: PendingCall):
-        self._connection = connection
+    def __init__(self, transport: StreamTransport, call_id: int, method: str, state: PendingCall):
+        self._transport = transport
         self._call_id = call_id
         self.method = method
         self._state = state
 
     @property
     def peer(self) -> PeerID:
-        return self._connection.remote_peer_id
+        return self._transport.remote_peer_id
 
     async def send(self, body: Any = None, payload: Any = None) -> None:
         """Send one message; waits while the receiver's window is full. Returns once the payload
         has been encrypted, so the caller may reuse its buffer."""
-        connection, protocol, state = self._connection, self._connection.protocol, self._state
+        transport, protocol, state = self._transport, self._transport.protocol, self._state
         while True:
             if state.error is not None:
                 raise state.error
@@ -75,7 +87,7 @@ class _StreamBase:
         view = byte_view(payload) if payload is not None else None
         header = protocol.send_data(self._call_id, body, len(view) if view is not None else 0)
         encrypted = trio.Event() if view is not None else None
-        connection._enqueue(header, view, encrypted)
+        transport.enqueue(header, view, encrypted)
         if encrypted is not None:
             await encrypted.wait()
 
@@ -113,7 +125,7 @@ class _StreamBase:
             state.arrived = trio.Event()
             await state.arrived.wait()
         item = state.queue.popleft()
-        self._connection._grant(self._call_id, item.cost)
+        self._transport.grant(self._call_id, item.cost)
         return Message(item.body, item.payload)
 
     def __aiter__(self) -> AsyncIterator[Message]:
@@ -130,8 +142,9 @@ class _StreamBase:
 class ClientStream(_StreamBase):
     async def end(self) -> None:
         """Half-close: tell the handler no more messages will come (responses may still arrive)."""
-        if self._connection.protocol.is_live(self._call_id) and not self._state.ended:
-            self._connection._enqueue(self._connection.protocol.end_stream(self._call_id))
+        protocol = self._transport.protocol
+        if protocol.is_live(self._call_id) and not self._state.ended:
+            self._transport.enqueue(protocol.end_stream(self._call_id))
 
 
 class ServerStream(_StreamBase):

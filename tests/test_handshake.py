@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from peer import ConnectError, Identity, PeerAddress, UnknownMethodError, open_peer_host
+from peer import ConnectError, Identity, PeerAddress, Request, Router, UnknownMethodError, open_peer_host
 from peer.secure_channel import PROTOCOL_VERSION
 
 
@@ -73,3 +73,21 @@ async def test_client_mode_peer_serves_no_calls():
             assert back is not None and back.remote_listen_address is None
             with pytest.raises(UnknownMethodError, match="client mode"):
                 await back.call("anything", timeout=2)
+
+
+async def test_a_handler_learns_who_called_and_where_the_caller_listens():
+    router = Router()
+
+    @router.unary("whoami")
+    async def whoami(request: Request) -> list:
+        address = request.listen_address
+        return [str(request.peer), str(address) if address is not None else None]
+
+    async with open_peer_host(Identity.generate(), router=router) as server:
+        async with (
+            open_peer_host(Identity.generate()) as listening,
+            open_peer_host(Identity.generate(), listen=None) as silent,
+        ):
+            for client, expected in ((listening, str(listening.listen_address)), (silent, None)):
+                reply = await client.call(server.listen_address, "whoami", timeout=5)
+                assert reply.body == [str(client.peer_id), expected]

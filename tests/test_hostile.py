@@ -10,7 +10,7 @@ import trio
 
 from peer import Identity, Router, open_peer_host
 from peer.framing import HEADER
-from peer.rpc_protocol import packb, unpackb
+from peer.packing import packb, unpackb
 from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
 
 HANDSHAKE_TIMEOUT = 0.5

@@ -184,3 +184,19 @@ async def test_a_follower_that_gives_up_is_not_left_in_the_group():
         members = {m.peer_id for m in result["group"].members}
         assert members == {leader_host.peer_id, stayer.peer_id}
         assert {m[0] for m in reply.body["members"]} == {p.to_bytes() for p in members}
+
+
+async def test_averagers_on_one_peer_share_its_all_reduce_and_need_their_own_prefixes():
+    """As an optimizer averages gradients and state side by side: distinct prefixes both work at
+    once, while a second averager on a taken prefix fails at construction (it used to be built
+    without its join handler, so its peers' joins reached the first averager instead)."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        grads = make_averagers(nodes, [1.0, 3.0], prefix="run.grads", target_group_size=2)
+        state = make_averagers(nodes, [10.0, 30.0], prefix="run.state", target_group_size=2)
+        assert grads[0]._service is state[0]._service  # one avg.reduce handler per peer
+        with pytest.raises(ValueError, match="already averages under prefix 'run.grads'"):
+            GroupAverager([torch.zeros(1)], nodes[0], prefix="run.grads")
+        await step_all(grads + state)
+        assert [a.tensors[0].item() for a in grads + state] == pytest.approx([2.0, 2.0, 20.0, 20.0])
+        nursery.cancel_scope.cancel()

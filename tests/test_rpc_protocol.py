@@ -5,6 +5,7 @@ import msgpack
 import pytest
 
 from peer.framing import ProtocolError
+from peer.packing import packb
 from peer.rpc_protocol import (
     CallCancelled,
     CallFailed,
@@ -14,7 +15,6 @@ from peer.rpc_protocol import (
     RPCProtocol,
     StreamData,
     StreamEnd,
-    packb,
 )
 
 
@@ -176,3 +176,72 @@ def test_only_stream_data_asks_for_a_buffer():
     server.receive_header(header)
     assert server.awaiting_payload and server.announced_data is None
     assert server.payload_fits_record(4) and not server.payload_fits_record(3)
+
+
+# Each returns a protocol object and the input that breaks the protocol, by path: a header, a
+# payload delivered whole, a payload's own checks once its records are in.
+def _undecodable_header():
+    protocol = RPCProtocol(initiator=True)
+    return protocol, lambda: protocol.receive_header(b"\xc1")
+
+
+def _payload_record_of_the_wrong_length():
+    client, server = pair()
+    server.receive_header(client.open_unary("m", None, 4, timeout=None)[1])
+    return server, lambda: server.payload_whole(b"abc")
+
+
+def _stream_payload_beyond_credit():
+    client = RPCProtocol(initiator=True, window=10)
+    server = RPCProtocol(initiator=False, window=10)
+    call_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    deliver(server, packb([2, call_id, None, 100]), b"x" * 100)  # overshoots the window: allowed once
+    server.receive_header(packb([2, call_id, None, 100]))
+    server.payload_target()[:100] = b"x" * 100
+    return server, lambda: server.payload_received(100)  # sent with no credit left
+
+
+def _stream_payload_after_end():
+    client, server = pair()
+    call_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    deliver(server, client.end_stream(call_id))
+    server.receive_header(packb([2, call_id, None, 3]))
+    server.payload_target()[:3] = b"abc"
+    return server, lambda: server.payload_received(3)
+
+
+def _cancel_of_a_call_we_opened():
+    client, _ = pair()
+    call_id, _ = client.open_unary("m", None, 0, timeout=None)
+    return client, lambda: client.receive_header(packb([5, call_id]))
+
+
+@pytest.mark.parametrize(
+    "violation",
+    [
+        _undecodable_header,
+        _payload_record_of_the_wrong_length,
+        _stream_payload_beyond_credit,
+        _stream_payload_after_end,
+        _cancel_of_a_call_we_opened,
+    ],
+)
+def test_a_protocol_error_on_any_path_fails_every_later_input(violation):
+    """Whichever path found the violation, the object stays failed, like h11's ERROR state: each
+    incoming method raises that same error from then on, even for input that would be valid."""
+    protocol, break_it = violation()
+    with pytest.raises(ProtocolError) as caught:
+        break_it()
+    later_inputs = [
+        lambda: protocol.receive_header(packb([3, 2])),
+        lambda: protocol.payload_whole(b""),
+        lambda: protocol.payload_target(),
+        lambda: protocol.payload_received(0),
+        lambda: protocol.supply_payload_buffer(bytearray()),
+    ]
+    for later in later_inputs:
+        with pytest.raises(ProtocolError) as again:
+            later()
+        assert again.value is caught.value
