@@ -119,7 +119,8 @@ class RecordStore:
         self._held: dict[_Slot, tuple[int, Writer]] = {}  # slot -> (sequence of its heap entries, writer)
         self._expiry: list[_Entry] = []  # lazy: entries whose sequence is no longer held are skipped
         self._writer_expiry: dict[Writer, list[_Entry]] = {}  # the same, per writer (for eviction)
-        self._usage: dict[Writer, list[int]] = {}  # writer -> [records, bytes]
+        self._usage: dict[Writer, list[int]] = {}  # writer -> [records, bytes, sequence of its share entry]
+        self._shares: list[tuple[float, int, Writer]] = []  # lazy max-heap of (-share, sequence, writer)
         self._replay_guard: dict[_Slot, tuple[int, float]] = {}  # slot -> (newest version, horizon)
         self._guard_expiry: list[tuple[float, _Slot]] = []
         self._sequence = itertools.count()
@@ -136,7 +137,7 @@ class RecordStore:
 
     def usage(self, writer: Writer) -> tuple[int, int]:
         """(records, bytes) held that ``writer`` stored."""
-        records, nbytes = self._usage.get(writer, (0, 0))
+        records, nbytes, _ = self._usage.get(writer, (0, 0, 0))
         return records, nbytes
 
     # ------------------------------------------------------------------ reading
@@ -232,9 +233,10 @@ class RecordStore:
         size = self._size(key, subkey, item.value)
         self._records += 1
         self._bytes += size
-        usage = self._usage.setdefault(writer, [0, 0])
+        usage = self._usage.setdefault(writer, [0, 0, 0])
         usage[0] += 1
         usage[1] += size
+        self._note_share(writer, usage)
         entry = (item.expiration_time, sequence, key, subkey)
         heapq.heappush(self._expiry, entry)
         own = self._writer_expiry.setdefault(writer, [])
@@ -263,6 +265,8 @@ class RecordStore:
         if usage[0] == 0:
             del self._usage[writer]
             del self._writer_expiry[writer]
+        else:
+            self._note_share(writer, usage)
 
     def _is_held(self, entry: _Entry) -> bool:
         held = self._held.get((entry[2], entry[3]))
@@ -290,21 +294,36 @@ class RecordStore:
             return
         self._replay_guard[slot] = (version, horizon)
         heapq.heappush(self._guard_expiry, (horizon, slot))
+        if len(self._guard_expiry) > 2 * len(self._replay_guard) + 1024:  # entries of extended guards
+            self._guard_expiry = [(end, s) for s, (_, end) in self._replay_guard.items()]
+            heapq.heapify(self._guard_expiry)
         # Full: forget the guards that end soonest (their replays could only live briefly anyway).
         while len(self._replay_guard) > self.max_replay_guards and self._guard_expiry:
             end, oldest = heapq.heappop(self._guard_expiry)
             if self._replay_guard.get(oldest, (0, None))[1] == end:
                 del self._replay_guard[oldest]
 
+    def _share(self, usage: list[int]) -> float:
+        return max(usage[0] / self.max_records, usage[1] / self.max_bytes)
+
+    def _note_share(self, writer: Writer, usage: list[int]) -> None:
+        usage[2] = next(self._sequence)
+        heapq.heappush(self._shares, (-self._share(usage), usage[2], writer))
+        if len(self._shares) > 2 * len(self._usage) + 1024:  # entries of shares that changed since
+            self._shares = [(-self._share(u), u[2], w) for w, u in self._usage.items()]
+            heapq.heapify(self._shares)
+
     def _largest_writer(self, incoming: Writer) -> Writer:
         """The writer holding the largest share of the store (records or bytes, whichever is more);
         on a tie the incoming writer, so writers with equal shares never evict each other."""
-
-        def share(writer: Writer) -> tuple[float, bool]:
-            records, nbytes = self._usage[writer]
-            return max(records / self.max_records, nbytes / self.max_bytes), writer == incoming
-
-        return max(self._usage, key=share)
+        while True:
+            negative_share, sequence, writer = self._shares[0]
+            usage = self._usage.get(writer)
+            if usage is not None and usage[2] == sequence:
+                break
+            heapq.heappop(self._shares)
+        own = self._usage.get(incoming)
+        return incoming if own is not None and self._share(own) >= -negative_share else writer
 
     def _make_room(self, extra_bytes: int, expiration_time: float, writer: Writer) -> bool:
         while self._records + 1 > self.max_records or self._bytes + extra_bytes > self.max_bytes:

@@ -301,3 +301,11 @@ async def test_flood_through_real_nodes_does_not_lock_out_short_records():
             short = DHTRecord(pack("run.matchmaking"), pack("honest"), pack(1), time.time() + 4)
             assert await send(honest, target, short) == [True]
             assert unpack(target.storage.get(pack("run.matchmaking"))[pack("honest")].value) == 1
+
+
+def test_an_owner_refreshing_one_record_does_not_grow_the_store():
+    store = RecordStore(clock=Clock())
+    for version in range(1, 5000):
+        assert store.store(b"k", b"s", b"v%d" % version, NOW + 10, version=version, replay_horizon=NOW + version)
+    assert len(store) == 1 and len(store._guard_expiry) <= 2 * len(store._replay_guard) + 1024
+    assert len(store._expiry) <= 2 * len(store) + 1024
