@@ -1,17 +1,23 @@
-"""What one node keeps and trusts: its ``RecordStore`` behind its validators.
+"""What one node keeps and trusts: its ``RecordStore`` behind its validators and lifetime caps.
 
 Every record is validated when it is stored and again when it is read out (for a reply or for the
 node's own get), so a record that slipped in before a validator existed, or was planted by a bug,
 still never reaches a reader. Also turns wire-form answers into the ``DHTValue`` a caller sees.
+
+Lifetimes: a record may expire at most its namespace's cap (``lifetimes``, the validators'
+``max_ttl``, ``MAX_TTL``) ahead of now. An owner-signed record is bounded from its signing time
+(its version) as well: then every older version of it has expired by ``signed at + cap + skew``,
+which tells storage how long to keep refusing replays of them after the newest has gone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .records import DHTRecord, DHTValue, RecordError, unpack
-from .storage import Found, RecordStore, StoredValue, merge_found
-from .validation import RecordValidator
+from .lifetimes import DEFAULT_TTL_CAPS
+from .records import CLOCK_SKEW, MAX_TTL, DHTRecord, DHTValue, RecordError, unpack
+from .storage import Found, RecordStore, StoredValue, Writer, merge_found
+from .validation import CompositeValidator, RecordValidator, signed_version
 
 __all__ = ["LocalRecords", "as_records"]
 
@@ -20,16 +26,57 @@ class LocalRecords:
     def __init__(self, validator: RecordValidator, storage: RecordStore | None = None):
         self.validator = validator
         self.storage = storage if storage is not None else RecordStore()
+        self.lifetimes = CompositeValidator(DEFAULT_TTL_CAPS)
 
-    def store(self, record: DHTRecord) -> bool:
-        """Validate and store one wire-form record; False if invalid, stale or out of room."""
+    def max_ttl(self, record: DHTRecord) -> float:
+        """The longest lifetime ``record``'s namespace allows (seconds)."""
+        limits = (self.validator.max_ttl(record), self.lifetimes.max_ttl(record))
+        return min([MAX_TTL, *(limit for limit in limits if limit is not None)])
+
+    def lifetime_error(self, record: DHTRecord, now: float) -> str | None:
+        """Why ``record`` may not live as long as it asks (None if it may)."""
+        limit = self.max_ttl(record)
+        if record.expiration_time > now + limit + CLOCK_SKEW:
+            ahead = record.expiration_time - now
+            return f"expires {ahead:.0f} s ahead; records under this key live at most {limit:g} s"
+        version = signed_version(record)
+        if version is not None:
+            signed_at = version / 1e9
+            # A version from the future would lock its owner out of its own record until then.
+            if signed_at > now + CLOCK_SKEW:
+                return "signed in the future"
+            if record.expiration_time > signed_at + limit + CLOCK_SKEW:
+                return f"expires more than {limit:g} s after it was signed"
+        return None
+
+    def check_lifetime(self, record: DHTRecord, now: float) -> None:
+        """Raise ValueError if no node would accept ``record``'s expiration (for our own stores)."""
+        error = self.lifetime_error(record, now)
+        if error is not None:
+            raise ValueError(error)
+
+    def store(self, record: DHTRecord, writer: Writer = None) -> bool:
+        """Validate and store one wire-form record sent by ``writer`` (None: this node); False if
+        invalid, too long-lived, outranked, a replay, or out of room."""
         if not self.validator.validate(record):
             return False
         try:
             unpack(self.validator.strip(record))  # the inner value obeys the limits too
         except RecordError:
             return False
-        return self.storage.store(record.key, record.subkey, record.value, record.expiration_time)
+        if self.lifetime_error(record, self.storage.clock()) is not None:
+            return False
+        version = signed_version(record)
+        horizon = None if version is None else version / 1e9 + self.max_ttl(record) + CLOCK_SKEW
+        return self.storage.store(
+            record.key,
+            record.subkey,
+            record.value,
+            record.expiration_time,
+            version=version,
+            replay_horizon=horizon,
+            writer=writer,
+        )
 
     def found(self, key: bytes) -> Found | None:
         """What storage holds for ``key``, re-validated."""
@@ -39,9 +86,10 @@ class LocalRecords:
     def validated(self, records: list[DHTRecord]) -> Found | None:
         """The valid ones among ``records`` (all of one key), merged."""
         result: Found | None = None
+        now = self.storage.clock()
         for record in records:
-            if self.validator.validate(record):
-                item = StoredValue(record.value, record.expiration_time)
+            if self.validator.validate(record) and self.lifetime_error(record, now) is None:
+                item = StoredValue(record.value, record.expiration_time, signed_version(record))
                 result = merge_found(result, item if record.subkey is None else {record.subkey: item})
         return result
 
@@ -58,7 +106,7 @@ class LocalRecords:
 
 
 def as_records(key: bytes, found: Found) -> list[DHTRecord]:
-    if isinstance(found, StoredValue):
+    if isinstance(found, StoredValue):  # versions travel inside signed values: nothing is lost
         return [DHTRecord(key, None, found.value, found.expiration_time)]
     return [DHTRecord(key, subkey, item.value, item.expiration_time) for subkey, item in found.items()]
 

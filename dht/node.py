@@ -415,6 +415,7 @@ class DHTNode:
         record = replace(record, value=self.validator.sign(record))
         if len(record.value) > MAX_VALUE_BYTES:
             raise ValueError(f"values are limited to {MAX_VALUE_BYTES} bytes (got {len(record.value)})")
+        self.records.check_lifetime(record, time.time())  # other nodes would refuse it silently
         if record.expiration_time <= time.time():
             return False
         target = key_id(record.key)

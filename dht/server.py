@@ -71,4 +71,5 @@ class DHTServer:
         self._begin(request)
         records = wire.parse_store_request(request.body, time.time())
         self._note_caller(request)
-        return [self.node.records.store(record) for record in records]
+        writer = request.peer.to_bytes()  # the authenticated caller: storage evicts by fair share per writer
+        return [self.node.records.store(record, writer) for record in records]

@@ -1,16 +1,25 @@
-"""A node's local record store: expirations, newer-wins, dictionary values and hard caps.
+"""A node's local record store: which record wins, what expires, and who loses room when full.
 
 Plain object, no I/O: the clock is passed in, so tests drive expiry without sleeping.
 
-Rules (the same for every node, so replicas converge):
-- A store whose expiration is later than what is held replaces it; an earlier or equal one is
-  refused (storing the very same record again is accepted, so retries are idempotent).
-- Under one key, either a plain value or a dictionary of subkeys lives. A subkey store competes with
-  a plain value by expiration, and a plain store competes with the dictionary's latest subkey.
-- Expired records disappear (lazily on access, and in expiration order on every store).
-- Caps on records, bytes and subkeys per key: when full, the soonest-expiring record is evicted if
-  the new one outlives it, otherwise the new one is refused. A flood of short-lived junk therefore
-  cannot push out long-lived records.
+Which record wins (the same rule on every node, so replicas converge; ``precedence``):
+- Unsigned records: a later expiration replaces an earlier one; an earlier or equal one is refused
+  (storing the very same record again is accepted, so retries are idempotent).
+- Owner-signed records (their key or subkey names an owner; ``version`` is the signed version): the
+  higher version wins whatever the expirations, so an owner can always replace, shorten or refresh
+  what it signed. An older version is refused even after the newer one has gone (expired or
+  evicted) until ``replay_horizon``: the time by which every older version has expired too.
+- A signed record outranks an unsigned one. Under one key, either a plain value or a dictionary of
+  subkeys lives; the two kinds compete by the same rule (a dictionary ranks as its best subkey), so
+  nobody can lock a dictionary of signed subkeys with an unsigned plain value of long expiration.
+
+Who loses room (caps on records and bytes in total, on subkeys per key):
+- The writer (the peer that sent the store; None is this node itself) with the largest share of the
+  store gives up its soonest-expiring record. A writer that floods the store is therefore always the
+  largest and only ever evicts its own records; everyone else keeps being admitted.
+- A writer evicting its own records keeps the old rule: a new record that would outlive none of them
+  is refused, so a flood of short-lived junk cannot push out one's long-lived records.
+The same rule applies within one dictionary when it is at ``max_subkeys``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["StoredValue", "Found", "RecordStore", "merge_found", "found_expiration"]
+__all__ = [
+    "StoredValue",
+    "Found",
+    "Writer",
+    "RecordStore",
+    "merge_found",
+    "found_expiration",
+    "precedence",
+]
 
 # 100k records of ~100 bytes is ~10 MB: a laptop volunteer does not notice; the byte cap bounds the
 # worst case of large values.
@@ -31,15 +48,36 @@ MAX_STORAGE_BYTES = 64 << 20
 # bounds one get reply to MAX_SUBKEYS * MAX_VALUE_BYTES.
 MAX_SUBKEYS = 256
 
+# The peer ID (bytes) of whoever sent a store request; None for this node's own stores.
+Writer = bytes | None
+_Slot = tuple[bytes, bytes | None]  # (key, subkey or None)
+_Entry = tuple[float, int, bytes, bytes | None]  # (time, sequence, key, subkey) in a heap
+
 
 @dataclass(frozen=True, slots=True)
 class StoredValue:
     value: bytes
     expiration_time: float
+    # The owner's signed version of an owner-signed record (higher is newer); None if unsigned.
+    version: int | None = None
 
 
 # What a get yields: a plain value, or a dictionary subkey -> value.
 Found = StoredValue | dict[bytes, StoredValue]
+
+
+def precedence(item: StoredValue) -> tuple:
+    """Sort key of competing records: signed above unsigned, then newest version or expiration.
+    A record that does not rank strictly higher than the one held is refused."""
+    if item.version is None:
+        return (0, item.expiration_time)
+    return (1, item.version, item.expiration_time)
+
+
+def found_precedence(found: Found) -> tuple:
+    if isinstance(found, StoredValue):
+        return precedence(found)
+    return max((precedence(item) for item in found.values()), default=(-1,))
 
 
 def found_expiration(found: Found) -> float:
@@ -49,16 +87,17 @@ def found_expiration(found: Found) -> float:
 
 
 def merge_found(a: Found | None, b: Found | None) -> Found | None:
-    """Combine two answers for one key the way storage would: newest plain value, merged subkeys."""
+    """Combine two answers for one key the way storage would: the winning plain value, or the
+    dictionaries merged subkey by subkey."""
     if a is None or b is None:
         return a if b is None else b
     if isinstance(a, dict) and isinstance(b, dict):
         merged = dict(a)
         for subkey, item in b.items():
-            if subkey not in merged or merged[subkey].expiration_time < item.expiration_time:
+            if subkey not in merged or precedence(merged[subkey]) < precedence(item):
                 merged[subkey] = item
         return merged
-    return a if found_expiration(a) >= found_expiration(b) else b
+    return a if found_precedence(a) >= found_precedence(b) else b
 
 
 class RecordStore:
@@ -71,10 +110,19 @@ class RecordStore:
         clock: Callable[[], float] = time.time,
     ):
         self.max_records, self.max_bytes, self.max_subkeys = max_records, max_bytes, max_subkeys
+        # Replay guards are far smaller than records and live at most a record's lifetime longer;
+        # one per record slot the store can hold bounds them with the same number.
+        self.max_replay_guards = max_records
         self.clock = clock
         self._plain: dict[bytes, StoredValue] = {}
         self._dicts: dict[bytes, dict[bytes, StoredValue]] = {}
-        self._expiry: list[tuple[float, int, bytes, bytes | None]] = []  # lazy: stale entries skipped
+        self._held: dict[_Slot, tuple[int, Writer]] = {}  # slot -> (sequence of its heap entries, writer)
+        self._expiry: list[_Entry] = []  # lazy: entries whose sequence is no longer held are skipped
+        self._writer_expiry: dict[Writer, list[_Entry]] = {}  # the same, per writer (for eviction)
+        self._usage: dict[Writer, list[int]] = {}  # writer -> [records, bytes, sequence of its share entry]
+        self._shares: list[tuple[float, int, Writer]] = []  # lazy max-heap of (-share, sequence, writer)
+        self._replay_guard: dict[_Slot, tuple[int, float]] = {}  # slot -> (newest version, horizon)
+        self._guard_expiry: list[tuple[float, _Slot]] = []
         self._sequence = itertools.count()
         self._records = 0
         self._bytes = 0
@@ -86,6 +134,11 @@ class RecordStore:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def usage(self, writer: Writer) -> tuple[int, int]:
+        """(records, bytes) held that ``writer`` stored."""
+        records, nbytes, _ = self._usage.get(writer, (0, 0, 0))
+        return records, nbytes
 
     # ------------------------------------------------------------------ reading
     def get(self, key: bytes) -> Found | None:
@@ -105,47 +158,58 @@ class RecordStore:
         return dict(live) if live else None
 
     # ------------------------------------------------------------------ writing
-    def store(self, key: bytes, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
-        """Store one record; False if refused (expired, older than held, or no room)."""
+    def store(
+        self,
+        key: bytes,
+        subkey: bytes | None,
+        value: bytes,
+        expiration_time: float,
+        *,
+        version: int | None = None,
+        replay_horizon: float | None = None,
+        writer: Writer = None,
+    ) -> bool:
+        """Store one record; False if refused (expired, outranked, a replay, or no room).
+
+        ``version`` marks an owner-signed record (the caller has checked the signature);
+        ``replay_horizon`` (default: ``expiration_time``) is when every older version of it has
+        expired; ``writer`` is who sent it, for fair eviction.
+        """
         now = self.clock()
         self._purge_expired(now)
         if expiration_time <= now:
             return False
+        new = StoredValue(value, expiration_time, version)
+        slot = (key, subkey)
         current = self._current(key, subkey)
-        if current is not None:
-            if current.expiration_time == expiration_time and current.value == value:
-                return True
-            if current.expiration_time >= expiration_time:
+        if current == new:
+            return True
+        if version is not None:
+            guard = self._replay_guard.get(slot)
+            if guard is not None and version < guard[0]:
                 return False
-        # The other kind under the same key must be older than the new record.
-        if subkey is None and key in self._dicts:
-            if found_expiration(self._dicts[key]) >= expiration_time:
-                return False
-        if subkey is not None and key in self._plain:
-            if self._plain[key].expiration_time >= expiration_time:
+        rank = precedence(new)
+        if current is not None and precedence(current) >= rank:
+            return False
+        other: Found | None = self._dicts.get(key) if subkey is None else self._plain.get(key)
+        if other and found_precedence(other) >= rank:
+            return False
+        # Outranked records go first, so the room they held counts for the new one.
+        if subkey is None:
+            for old in list(self._dicts.get(key, ())):
+                self._remove(key, old)
+        else:
+            self._remove(key, None)
+        self._remove(key, subkey)
+        if subkey is not None and len(self._dicts.get(key, ())) >= self.max_subkeys:
+            if not self._evict_from_key(key, expiration_time, writer):
                 return False
         size = self._size(key, subkey, value)
-        if subkey is not None and current is None and len(self._dicts.get(key, ())) >= self.max_subkeys:
-            if not self._evict_from_key(key, expiration_time):
-                return False
-        if not self._make_room(size - (self._size(key, subkey, current.value) if current else 0), expiration_time):
+        if not self._make_room(size, expiration_time, writer):
             return False
-        if subkey is None:
-            if key in self._dicts:
-                for old in list(self._dicts[key]):
-                    self._remove(key, old)
-            if current is not None:
-                self._remove(key, None)
-            self._plain[key] = StoredValue(value, expiration_time)
-        else:
-            if key in self._plain:
-                self._remove(key, None)
-            if current is not None:
-                self._remove(key, subkey)
-            self._dicts.setdefault(key, {})[subkey] = StoredValue(value, expiration_time)
-        self._records += 1
-        self._bytes += size
-        heapq.heappush(self._expiry, (expiration_time, next(self._sequence), key, subkey))
+        self._insert(slot, new, writer)
+        if version is not None:
+            self._guard_replays(slot, version, expiration_time if replay_horizon is None else replay_horizon)
         return True
 
     # ------------------------------------------------------------------ internals
@@ -158,6 +222,29 @@ class RecordStore:
             return self._plain.get(key)
         return self._dicts.get(key, {}).get(subkey)
 
+    def _insert(self, slot: _Slot, item: StoredValue, writer: Writer) -> None:
+        key, subkey = slot
+        if subkey is None:
+            self._plain[key] = item
+        else:
+            self._dicts.setdefault(key, {})[subkey] = item
+        sequence = next(self._sequence)
+        self._held[slot] = (sequence, writer)
+        size = self._size(key, subkey, item.value)
+        self._records += 1
+        self._bytes += size
+        usage = self._usage.setdefault(writer, [0, 0, 0])
+        usage[0] += 1
+        usage[1] += size
+        self._note_share(writer, usage)
+        entry = (item.expiration_time, sequence, key, subkey)
+        heapq.heappush(self._expiry, entry)
+        own = self._writer_expiry.setdefault(writer, [])
+        heapq.heappush(own, entry)
+        if len(own) > 2 * usage[0] + 64:  # stale entries of replaced records
+            own[:] = [e for e in own if self._is_held(e)]
+            heapq.heapify(own)
+
     def _remove(self, key: bytes, subkey: bytes | None) -> None:
         if subkey is None:
             item = self._plain.pop(key, None)
@@ -166,38 +253,102 @@ class RecordStore:
             item = subkeys.pop(subkey, None) if subkeys is not None else None
             if subkeys is not None and not subkeys:
                 del self._dicts[key]
-        if item is not None:
-            self._records -= 1
-            self._bytes -= self._size(key, subkey, item.value)
+        if item is None:
+            return
+        _, writer = self._held.pop((key, subkey))
+        size = self._size(key, subkey, item.value)
+        self._records -= 1
+        self._bytes -= size
+        usage = self._usage[writer]
+        usage[0] -= 1
+        usage[1] -= size
+        if usage[0] == 0:
+            del self._usage[writer]
+            del self._writer_expiry[writer]
+        else:
+            self._note_share(writer, usage)
 
-    def _is_live_entry(self, entry: tuple[float, int, bytes, bytes | None]) -> bool:
-        expiration_time, _, key, subkey = entry
-        current = self._current(key, subkey)
-        return current is not None and current.expiration_time == expiration_time
+    def _is_held(self, entry: _Entry) -> bool:
+        held = self._held.get((entry[2], entry[3]))
+        return held is not None and held[0] == entry[1]
 
     def _purge_expired(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
             entry = heapq.heappop(self._expiry)
-            if self._is_live_entry(entry):
+            if self._is_held(entry):
                 self._remove(entry[2], entry[3])
         if len(self._expiry) > 2 * self._records + 1024:  # stale entries from replaced records
-            self._expiry = [entry for entry in self._expiry if self._is_live_entry(entry)]
+            self._expiry = [entry for entry in self._expiry if self._is_held(entry)]
             heapq.heapify(self._expiry)
+        while self._guard_expiry and self._guard_expiry[0][0] <= now:
+            horizon, slot = heapq.heappop(self._guard_expiry)
+            guard = self._replay_guard.get(slot)
+            if guard is not None and guard[1] == horizon:
+                del self._replay_guard[slot]
 
-    def _make_room(self, extra_bytes: int, expiration_time: float) -> bool:
+    def _guard_replays(self, slot: _Slot, version: int, horizon: float) -> None:
+        # Only called for an accepted record, so ``version`` is the newest seen for the slot.
+        old = self._replay_guard.get(slot)
+        if old is not None and old[1] >= horizon:
+            self._replay_guard[slot] = (version, old[1])  # its heap entry stays valid
+            return
+        self._replay_guard[slot] = (version, horizon)
+        heapq.heappush(self._guard_expiry, (horizon, slot))
+        if len(self._guard_expiry) > 2 * len(self._replay_guard) + 1024:  # entries of extended guards
+            self._guard_expiry = [(end, s) for s, (_, end) in self._replay_guard.items()]
+            heapq.heapify(self._guard_expiry)
+        # Full: forget the guards that end soonest (their replays could only live briefly anyway).
+        while len(self._replay_guard) > self.max_replay_guards and self._guard_expiry:
+            end, oldest = heapq.heappop(self._guard_expiry)
+            if self._replay_guard.get(oldest, (0, None))[1] == end:
+                del self._replay_guard[oldest]
+
+    def _share(self, usage: list[int]) -> float:
+        return max(usage[0] / self.max_records, usage[1] / self.max_bytes)
+
+    def _note_share(self, writer: Writer, usage: list[int]) -> None:
+        usage[2] = next(self._sequence)
+        heapq.heappush(self._shares, (-self._share(usage), usage[2], writer))
+        if len(self._shares) > 2 * len(self._usage) + 1024:  # entries of shares that changed since
+            self._shares = [(-self._share(u), u[2], w) for w, u in self._usage.items()]
+            heapq.heapify(self._shares)
+
+    def _largest_writer(self, incoming: Writer) -> Writer:
+        """The writer holding the largest share of the store (records or bytes, whichever is more);
+        on a tie the incoming writer, so writers with equal shares never evict each other."""
+        while True:
+            negative_share, sequence, writer = self._shares[0]
+            usage = self._usage.get(writer)
+            if usage is not None and usage[2] == sequence:
+                break
+            heapq.heappop(self._shares)
+        own = self._usage.get(incoming)
+        return incoming if own is not None and self._share(own) >= -negative_share else writer
+
+    def _make_room(self, extra_bytes: int, expiration_time: float, writer: Writer) -> bool:
         while self._records + 1 > self.max_records or self._bytes + extra_bytes > self.max_bytes:
-            while self._expiry and not self._is_live_entry(self._expiry[0]):
-                heapq.heappop(self._expiry)
-            if not self._expiry or self._expiry[0][0] >= expiration_time:
+            if not self._usage:
+                return False  # larger than the whole store
+            victim = self._largest_writer(writer)
+            own = self._writer_expiry[victim]
+            while not self._is_held(own[0]):
+                heapq.heappop(own)
+            if victim == writer and own[0][0] >= expiration_time:
                 return False
-            _, _, key, subkey = heapq.heappop(self._expiry)
+            _, _, key, subkey = own[0]
             self._remove(key, subkey)
         return True
 
-    def _evict_from_key(self, key: bytes, expiration_time: float) -> bool:
+    def _evict_from_key(self, key: bytes, expiration_time: float, writer: Writer) -> bool:
         subkeys = self._dicts[key]
-        victim = min(subkeys, key=lambda s: subkeys[s].expiration_time)
-        if subkeys[victim].expiration_time >= expiration_time:
+        counts: dict[Writer, int] = {}
+        for subkey in subkeys:
+            held_by = self._held[(key, subkey)][1]
+            counts[held_by] = counts.get(held_by, 0) + 1
+        victim = max(counts, key=lambda w: (counts[w], w == writer))
+        victim_subkeys = [s for s in subkeys if self._held[(key, s)][1] == victim]
+        soonest = min(victim_subkeys, key=lambda s: subkeys[s].expiration_time)
+        if victim == writer and subkeys[soonest].expiration_time >= expiration_time:
             return False
-        self._remove(key, victim)
+        self._remove(key, soonest)
         return True

@@ -13,6 +13,7 @@ Composition (``CompositeValidator``) nests them by priority: lower-priority vali
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "SchemaValidator",
     "CompositeValidator",
     "owner_marker",
+    "signed_version",
     "ValidationError",
 ]
 
@@ -54,6 +56,13 @@ class RecordValidator:
         """The inner value of a record that passed ``validate``."""
         return record.value
 
+    def max_ttl(self, record: DHTRecord) -> float | None:
+        """The longest lifetime (seconds) this validator allows ``record``; None: no opinion.
+
+        Every node refuses a record whose expiration lies further ahead than the smallest of these
+        (and ``MAX_TTL``), so a key namespace declares how long its records may live."""
+        return None
+
 
 # ---------------------------------------------------------------------- signed records
 _OWNER_PATTERN = re.compile(rb"\[owner:([0-9a-f]{64})\]")
@@ -74,22 +83,33 @@ def _owners(record: DHTRecord) -> set[bytes]:
     return {bytes.fromhex(text.decode()) for text in found}
 
 
-def _signed_message(record: DHTRecord, inner: bytes) -> bytes:
-    # The expiration is signed too: nobody can extend the life of someone else's record.
-    return pack([b"peerd-dht-record", record.key, record.subkey, inner, record.expiration_time])
+def _signed_message(record: DHTRecord, inner: bytes, version: int) -> bytes:
+    # The expiration is signed too: nobody can extend the life of someone else's record. The version
+    # orders the owner's records (storage keeps the highest), so it is signed as well.
+    return pack([b"peerd-dht-record/2", record.key, record.subkey, inner, record.expiration_time, version])
 
 
 class SignatureValidator(RecordValidator):
     """Records whose key or subkey contains an owner marker must carry that owner's Ed25519
-    signature over (key, subkey, value, expiration). Other records pass untouched.
+    signature over (key, subkey, value, expiration, version). Other records pass untouched.
 
-    The wire value of a signed record is ``msgpack([inner_value, signature])``.
+    The wire value of a signed record is ``msgpack([inner_value, version, signature])``. The version
+    is the signing time in nanoseconds, raised by one when the clock has not moved (or went back), so
+    one signer's versions only grow: storage replaces an owner's record by its newer version whatever
+    the expirations, and refuses replays of older ones. Being a time, it also tells every node when
+    any older version must have expired (see ``LocalRecords``).
     """
 
     priority = 100  # outermost: signs what every other validator produced
 
-    def __init__(self, identity: Identity | None = None):
+    def __init__(self, identity: Identity | None = None, *, clock: Callable[[], float] = time.time):
         self.identity = identity
+        self.clock = clock
+        self._last_version = 0
+
+    def next_version(self) -> int:
+        self._last_version = max(int(self.clock() * 1e9), self._last_version + 1)
+        return self._last_version
 
     def sign(self, record: DHTRecord) -> bytes:
         owners = _owners(record)
@@ -97,7 +117,8 @@ class SignatureValidator(RecordValidator):
             return record.value
         if self.identity is None or owners != {self.identity.public_key}:
             raise ValidationError("the record names an owner key that is not ours; it cannot be signed")
-        return pack([record.value, self.identity.sign(_signed_message(record, record.value))])
+        version = self.next_version()
+        return pack([record.value, version, self.identity.sign(_signed_message(record, record.value, version))])
 
     def validate(self, record: DHTRecord) -> bool:
         owners = _owners(record)
@@ -108,8 +129,8 @@ class SignatureValidator(RecordValidator):
         envelope = _envelope(record.value)
         if envelope is None:
             return False
-        inner, signature = envelope
-        return verify_signature(next(iter(owners)), signature, _signed_message(record, inner))
+        inner, version, signature = envelope
+        return verify_signature(next(iter(owners)), signature, _signed_message(record, inner, version))
 
     def strip(self, record: DHTRecord) -> bytes:
         if not _owners(record):
@@ -120,19 +141,33 @@ class SignatureValidator(RecordValidator):
         return envelope[0]
 
 
-def _envelope(value: bytes) -> tuple[bytes, bytes] | None:
+def signed_version(record: DHTRecord) -> int | None:
+    """The signed version of an owner-marked record in wire form (check ``validate`` first), else None."""
+    if not _owners(record):
+        return None
+    envelope = _envelope(record.value)
+    return None if envelope is None else envelope[1]
+
+
+# A version is a time in ns: 0 up to 2**63 (the year 2262) keeps it a msgpack int64 on every node.
+_MAX_VERSION = 2**63 - 1
+
+
+def _envelope(value: bytes) -> tuple[bytes, int, bytes] | None:
     try:
-        decoded = msgpack.unpackb(value, raw=False, max_array_len=2, max_map_len=0, max_ext_len=0)
+        decoded = msgpack.unpackb(value, raw=False, max_array_len=3, max_map_len=0, max_ext_len=0)
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
     if (
         isinstance(decoded, list)
-        and len(decoded) == 2
+        and len(decoded) == 3
         and isinstance(decoded[0], bytes)
-        and isinstance(decoded[1], bytes)
-        and len(decoded[1]) == 64
+        and type(decoded[1]) is int
+        and 0 <= decoded[1] <= _MAX_VERSION
+        and isinstance(decoded[2], bytes)
+        and len(decoded[2]) == 64
     ):
-        return decoded[0], decoded[1]
+        return decoded[0], decoded[1], decoded[2]
     return None
 
 
@@ -217,3 +252,7 @@ class CompositeValidator(RecordValidator):
         for validator in reversed(self.validators):
             value = validator.strip(replace(record, value=value))
         return value
+
+    def max_ttl(self, record: DHTRecord) -> float | None:
+        limits = [limit for v in self.validators if (limit := v.max_ttl(record)) is not None]
+        return min(limits, default=None)
