@@ -1,8 +1,8 @@
 """Iterative Kademlia lookup bookkeeping, sans I/O.
 
 ``IterativeLookup`` decides whom to ask next and when a lookup is done; the trio driver in
-``dht/node.py`` sends the requests and feeds back responses and failures. Tests drive it with plain
-objects and no sockets.
+``dht/lookup_driver.py`` sends the requests and feeds back responses and failures. Tests drive it
+with plain objects and no sockets.
 
 The rules (Maymounkov & Mazieres, section 2.3):
 - Keep the candidates ordered by XOR distance to the target; ask the nearest ones not yet asked,

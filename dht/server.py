@@ -4,24 +4,40 @@ Each handler parses its body strictly (``wire``), records the caller as alive if
 address comes from the caller's authenticated hello, never from the body), and answers from the
 routing table and validated local records. Bad input raises ``BadRequest``; nothing a caller sends
 can do more than waste one request.
+
+The server sees only what answering needs, as two small protocols: ``ServedRecords`` (a node's
+``LocalRecords``) and ``ServedContacts`` (its ``Contacts``); it never sees the node.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from peer import Message, Request, Router
 
 from . import wire
+from .records import DHTRecord
 from .routing import Contact
+from .storage import Found
 
-if TYPE_CHECKING:
-    from .node import DHTNode
+__all__ = ["DHTServer", "DHTServiceStopped", "ServedContacts", "ServedRecords"]
 
-__all__ = ["DHTServer", "METHODS"]
 
-METHODS = ("dht.ping", "dht.find", "dht.store")
+class ServedRecords(Protocol):
+    def found(self, key: bytes) -> Found | None:
+        """Valid live records under ``key``."""
+
+    def store(self, record: DHTRecord) -> bool:
+        """Validate and keep ``record``; False if refused."""
+
+
+class ServedContacts(Protocol):
+    def alive(self, contact: Contact) -> None:
+        """``contact`` just reached us over an authenticated connection."""
+
+    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
+        """The k known contacts nearest to ``target``, without the peer ``excluding``."""
 
 
 class DHTServiceStopped(Exception):
@@ -29,47 +45,47 @@ class DHTServiceStopped(Exception):
 
 
 class DHTServer:
-    def __init__(self, node: DHTNode):
-        self.node = node
+    def __init__(self, records: ServedRecords, contacts: ServedContacts, *, k: int):
+        self.records = records
+        self.contacts = contacts
+        self.k = k
+        self.stopped = False
 
     def register(self, router: Router) -> None:
         router.add_unary("dht.ping", self.ping)
         router.add_unary("dht.find", self.find)
         router.add_unary("dht.store", self.store)
 
-    def _begin(self, request: Request) -> None:
-        if self.node.stopped:
+    def stop(self) -> None:
+        """Refuse every later call: the handlers stay registered on a host that may outlive us."""
+        self.stopped = True
+
+    def _begin(self) -> None:
+        if self.stopped:
             raise DHTServiceStopped("this peer's DHT node has stopped")
 
     def _note_caller(self, request: Request) -> None:
         address = request.listen_address
         if address is not None and address.peer_id is not None:
-            self.node.peer_alive(Contact(address.peer_id, address))
+            self.contacts.alive(Contact(address.peer_id, address))
 
     async def ping(self, request: Request) -> None:
-        self._begin(request)
+        self._begin()
         self._note_caller(request)
 
     async def find(self, request: Request) -> Message:
-        self._begin(request)
+        self._begin()
         target, key = wire.parse_find_request(request.body)
         self._note_caller(request)
-        node = self.node
-        found = node.records.found(key) if key is not None else None
+        found = self.records.found(key) if key is not None else None
         if found is not None:  # as Kademlia's FIND_VALUE: the value instead of contacts
             return Message([], wire.encode_found(found))
-        caller = request.peer.to_bytes()
-        excluded = node.excluded()
-        neighbours = node.routing_table.find_neighbors(
-            Contact.for_id(target),
-            node.config.k,
-            exclude=(lambda c: c.id == caller or excluded(c)) if excluded else (lambda c: c.id == caller),
-        )
+        neighbours = self.contacts.nearest(target, self.k, excluding=request.peer.to_bytes())
         return Message(wire.encode_contacts(neighbours))
 
     async def store(self, request: Request) -> list[bool]:
-        self._begin(request)
+        self._begin()
         records = wire.parse_store_request(request.body, time.time())
         self._note_caller(request)
         writer = request.peer.to_bytes()  # the authenticated caller: storage evicts by fair share per writer
-        return [self.node.records.store(record, writer) for record in records]
+        return [self.records.store(record, writer) for record in records]

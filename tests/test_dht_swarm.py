@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from dht.node import DHTBootstrapError, DHTConfig, DHTNode
-from dht.records import pack
+from dht.records import DHTRecord, key_id, pack
 from dht.testing import jaccard, open_swarm
 from dht.validation import SchemaValidator, SignatureValidator, owner_marker
 from dht.wire import encode_record
@@ -34,8 +34,6 @@ async def test_50_node_swarm_exact_lookups_and_all_stores_and_gets():
             found = await rng.choice(nodes).get(f"key-{i}")
             assert found is not None and found.value == {"i": i}
         # Replicas live on the k nearest nodes to the key.
-        from dht.records import key_id
-
         key = pack("key-7")
         holders = {node.peer_id for node in nodes if node.storage.get(key) is not None}
         nearest = set(sorted(ids, key=lambda peer: peer.to_int() ^ key_id(key))[:20])
@@ -52,9 +50,11 @@ async def test_expiration_and_newer_wins():
         assert await writer.store("config", "v2", now + 90)
         assert (await reader.get("config", latest=True)).value == "v2"
         assert not await writer.store("gone", 1, now - 1)
-        assert await writer.store("brief", 1, time.time() + 0.3)
+        # 1 s to live: a store and a get take ~20 ms here, so the record is surely still live when
+        # read back, even on a loaded machine; then it must vanish from every node.
+        assert await writer.store("brief", 1, time.time() + 1.0)
         assert (await reader.get("brief")) is not None
-        with trio.fail_after(5):
+        with trio.fail_after(1.0 + 5):  # expired records read as absent at once; 5 s for slow polls
             while await reader.get("brief") is not None:
                 await trio.sleep(0.05)
         assert all(node.storage.get(pack("brief")) is None for node in swarm.nodes)
@@ -87,8 +87,9 @@ async def test_forged_signed_record_refused_everywhere_and_never_returned():
         async with DHTNode.open(identity=owner, initial_peers=[swarm.nodes[0].address]) as owner_node:
             assert await owner_node.store(key, "genuine", time.time() + 60)
             assert (await swarm.nodes[3].get(key)).value == "genuine"
-        # Mallory signs a record naming the owner's key with her own key, and sends it to every node.
         record_key = pack(key)
+        assert all(node.storage.get(record_key) is not None for node in swarm.nodes)  # k = 20 > 10 nodes
+        # Mallory signs a record naming the owner's key with her own key, and sends it to every node.
         expiration = time.time() + 120
         forged_value = pack([pack("forged"), mallory.sign(pack([b"peerd-dht-record", record_key, None, b"x", 0]))])
         async with DHTNode.open(identity=mallory, initial_peers=[swarm.nodes[0].address]) as mallory_node:
@@ -99,10 +100,13 @@ async def test_forged_signed_record_refused_everywhere_and_never_returned():
             # Even a dishonest node that bypasses validation cannot get it to honest readers.
             liar = swarm.nodes[0]
             liar.storage.store(record_key, None, forged_value, expiration + 1)
+            # Every node but the liar still holds the genuine record, so each reader must find it.
             for node in swarm.nodes[1:]:
                 found = await node.get(key, latest=True)
-                assert found is None or found.value == "genuine"
-            assert (await liar.get(key)) is None or (await liar.get(key)).value == "genuine"
+                assert found is not None and found.value == "genuine", node.peer_id
+            # The liar's own copy fails validation on the way out; a lookup finds the genuine one.
+            found = await liar.get(key)
+            assert found is not None and found.value == "genuine"
 
 
 async def test_schema_validator_applies_to_prefix():
@@ -154,6 +158,8 @@ async def test_dead_initial_peer_fails_clearly_within_deadline():
     with pytest.raises(DHTBootstrapError, match=f"{address.endpoint}.*refused"):
         async with DHTNode.open(initial_peers=[address], config=DHTConfig(bootstrap_timeout=1.0)):
             pass  # pragma: no cover
+    # The bootstrap deadline (1 s) bounds the wait although the peer refuses every retry; the other
+    # 2 s are margin for a loaded machine.
     assert trio.current_time() - start < 3.0
 
 
@@ -185,9 +191,7 @@ async def test_bad_rpc_payloads_refused_and_node_keeps_serving():
                     await attacker.host.call(target.address, "dht.find", body, timeout=5)
             assert len(target.storage) == 0
             # Still serving, and still correct.
-            good = encode_record(
-                __import__("dht.records", fromlist=["DHTRecord"]).DHTRecord(pack("k"), None, pack("v"), now + 30)
-            )
+            good = encode_record(DHTRecord(pack("k"), None, pack("v"), now + 30))
             assert (await attacker.host.call(target.address, "dht.store", [good], timeout=5)).body == [True]
             assert await swarm.nodes[2].store("after", "attack", now + 60)
             assert (await swarm.nodes[0].get("after")).value == "attack"

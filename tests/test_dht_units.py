@@ -9,6 +9,7 @@ from kademlia.routing import RoutingTable as PackageRoutingTable
 
 from dht.liveness import PeerHealth
 from dht.lookup import IterativeLookup
+from dht.lookup_driver import INITIAL_RTT, MIN_HEDGE_DELAY, HedgeTimer
 from dht.records import MAX_TTL, DHTRecord, RecordError, check_expiration, pack, unpack
 from dht.routing import Contact, RoutingTable
 from dht.storage import RecordStore, StoredValue
@@ -270,3 +271,15 @@ def test_reply_parsing_skips_or_refuses_garbage():
     for garbage in (pack("x"), pack([2, 1]), pack([1, "no"]), pack([0, 5, NOW + 5]), b"\xc1"):
         with pytest.raises(RecordError):
             parse_found(b"k", garbage, NOW)
+
+
+# ---------------------------------------------------------------------- hedging
+def test_hedge_delay_follows_smoothed_rtt_within_floor_and_ceiling():
+    timer = HedgeTimer(ceiling=2.0)
+    assert timer.delay() == pytest.approx(3 * INITIAL_RTT)
+    for _ in range(100):
+        timer.observe(0.0001)  # loopback-fast answers: the floor keeps scheduling noise from hedging
+    assert timer.delay() == MIN_HEDGE_DELAY
+    timer.observe(10.0)  # one slow answer moves the estimate by a tenth of the difference only
+    assert timer.rtt == pytest.approx(1.0, rel=0.01)
+    assert timer.delay() == 2.0  # never longer than one request may take

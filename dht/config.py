@@ -1,0 +1,35 @@
+"""A DHT node's settings and the errors its callers see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .routing import ALPHA, K
+
+__all__ = ["DHTConfig", "DHTError", "DHTBootstrapError"]
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    k: int = K
+    alpha: int = ALPHA
+    # One request: a live peer on a continent-wide path answers a small find in well under a second.
+    rpc_timeout: float = 2.0
+    # A whole lookup: log2(n) rounds of rpc_timeout in the worst case of silent peers.
+    lookup_timeout: float = 10.0
+    bootstrap_timeout: float = 15.0
+    # Paper: refresh buckets not looked up within an hour; 10 min suits a churny volunteer swarm.
+    refresh_interval: float = 600.0
+    refresh_check_period: float = 60.0
+    # Join the paper's way (refresh every bucket farther than our closest neighbour) or only look up
+    # our own ID (cheaper for huge one-process test swarms).
+    refresh_on_join: bool = True
+    cache_on_path: bool = True
+
+
+class DHTError(Exception):
+    """Base class of DHT failures."""
+
+
+class DHTBootstrapError(DHTError):
+    """No initial peer answered within the bootstrap deadline; the message names each and why."""

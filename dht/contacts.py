@@ -1,0 +1,120 @@
+"""Whom a DHT node knows and how they have answered: the routing table, each peer's health, and the
+requests the node sends them.
+
+Kademlia updates a k-bucket on every message to or from a peer (Maymounkov & Mazieres, section 2.2),
+so the object that sends requests also records how they went: an answer (a refusal is an answer too)
+re-adds the peer, silence counts a failure, and enough failures evict it (``PeerHealth``). A full
+bucket's least-recently-seen contact is pinged before a newcomer may take its place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from peer import Message, PeerHost, RemoteError, RPCError
+
+from .background import Background
+from .liveness import PeerHealth
+from .routing import Contact, RoutingTable
+
+__all__ = ["Contacts"]
+
+log = logging.getLogger("peerd.dht")
+
+
+class Contacts:
+    def __init__(
+        self,
+        host: PeerHost,
+        table: RoutingTable,
+        background: Background,
+        *,
+        rpc_timeout: float,
+        health: PeerHealth | None = None,
+    ):
+        self.host = host
+        self.table = table
+        self.health = health if health is not None else PeerHealth()
+        self._background = background
+        self._rpc_timeout = rpc_timeout
+        self._pinging: set[bytes] = set()
+
+    # ------------------------------------------------------------------ what we learn
+    def alive(self, contact: Contact) -> None:
+        """An authenticated exchange with ``contact`` succeeded: (re)add it to the routing table."""
+        self.health.succeeded(contact.peer_id)
+        connection = self.host.connection_to(contact.peer_id)
+        if connection is not None:
+            # Prefer the address the peer itself announced in the authenticated hello over one that
+            # a third party told us; a client-mode peer announces none and never enters the table.
+            announced = connection.remote_listen_address
+            if announced is None:
+                return
+            if announced != contact.address:
+                contact = Contact(contact.peer_id, announced)
+        if contact.peer_id == self.host.peer_id:
+            return
+        head = self.table.add_contact(contact)
+        if head is not None and head.id not in self._pinging and self._background.running:
+            self._pinging.add(head.id)
+            self._background.start_soon(self._ping_head, head)
+
+    def failed(self, contact: Contact) -> None:
+        if self.health.failed(contact.peer_id):
+            self.table.remove_contact(contact)
+
+    async def _ping_head(self, head: Contact) -> None:
+        """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old
+        contacts, which are likelier to stay), otherwise count a failure."""
+        try:
+            await self.call(head, "dht.ping", None)
+        finally:
+            self._pinging.discard(head.id)
+
+    # ------------------------------------------------------------------ whom to ask
+    def excluded(self) -> Callable[[Contact], bool] | None:
+        """Contacts to route around: those in failure backoff (None when there are none)."""
+        if not self.health:
+            return None
+        backing_off = self.health.backing_off
+        return lambda contact: backing_off(contact.peer_id)
+
+    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
+        """The k known contacts nearest to ``target``, skipping those in backoff and the peer whose
+        ID is ``excluding`` (a caller never needs to be told about itself)."""
+        excluded = self.excluded()
+        position = Contact.for_id(target)
+        if excluding is None:
+            return self.table.find_neighbors(position, k, exclude=excluded)
+        if excluded is None:
+            return self.table.find_neighbors(position, k, exclude=lambda c: c.id == excluding)
+        return self.table.find_neighbors(position, k, exclude=lambda c: c.id == excluding or excluded(c))
+
+    def routable(self, contacts: list[Contact]) -> list[Contact]:
+        """``contacts`` (named by another peer) without those we are backing off from."""
+        if not self.health:
+            return contacts
+        backing_off = self.health.backing_off
+        return [contact for contact in contacts if not backing_off(contact.peer_id)]
+
+    def touch(self, target: int) -> None:
+        """A lookup toward ``target`` starts: its bucket counts as refreshed."""
+        self.table.touch(target)
+
+    # ------------------------------------------------------------------ asking
+    async def call(self, contact: Contact, method: str, body: Any) -> Message | None:
+        """One request with the RPC deadline; None (and a failure counted) if the peer did not answer."""
+        try:
+            reply = await self.host.call(contact.address, method, body, timeout=self._rpc_timeout)
+        except RemoteError as error:  # it answered, but refused: alive, yet no use to this request
+            log.debug("%s refused %s: %s", contact.peer_id, method, error)
+            self.alive(contact)
+            return None
+        except (OSError, RPCError) as error:
+            log.debug("%s to %s failed: %s", method, contact.peer_id, error)
+            self.failed(contact)
+            return None
+        self.alive(contact)
+        return reply

@@ -1,0 +1,139 @@
+"""The trio side of an iterative lookup: sends the ``dht.find`` requests that ``IterativeLookup``
+asks for, feeds back answers and failures, and hedges value lookups.
+
+A value lookup starts with one request to the nearest known peer, which holds the value almost
+always; if it has not answered within a few smoothed round trips (``HedgeTimer``), the lookup opens up
+to alpha requests (The Tail at Scale, Dean & Barroso 2013).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from . import wire
+from .config import DHTConfig
+from .contacts import Contacts
+from .local import LocalRecords
+from .lookup import IterativeLookup
+from .records import RecordError
+from .routing import Contact
+from .storage import Found, merge_found
+
+__all__ = ["LookupDriver", "LookupResult", "HedgeTimer"]
+
+log = logging.getLogger("peerd.dht")
+
+# Before any measurement assume a LAN-ish 10 ms; never hedge sooner than 2 ms (below that, scheduling
+# noise rather than a slow peer delays the answer).
+INITIAL_RTT = 0.01
+MIN_HEDGE_DELAY = 0.002
+
+
+@dataclass
+class LookupResult:
+    nearest: list[Contact]  # nearest live peers that answered, nearest first (never ourselves)
+    found: Found | None  # validated records for the key, if a key was searched
+    hops: int
+    rpcs: int
+    timed_out: bool
+    missing: list[Contact]  # answered without the value (for caching on the path)
+
+
+class HedgeTimer:
+    """How long a value lookup waits for its nearest peer alone: three smoothed times to a lookup's
+    first answer; on a healthy path that answer is back well before. The smoothing is TCP's SRTT
+    (RFC 6298) with a gain of 1/10 instead of 1/8."""
+
+    def __init__(self, ceiling: float):
+        self.rtt = INITIAL_RTT
+        self.ceiling = ceiling  # never wait longer than one request may take
+
+    def delay(self) -> float:
+        return min(max(3 * self.rtt, MIN_HEDGE_DELAY), self.ceiling)
+
+    def observe(self, seconds: float) -> None:
+        self.rtt += 0.1 * (seconds - self.rtt)
+
+
+class LookupDriver:
+    def __init__(self, contacts: Contacts, records: LocalRecords, *, node_id: int, config: DHTConfig):
+        self.contacts = contacts
+        self.records = records
+        self.node_id = node_id
+        self.config = config
+        self.hedging = HedgeTimer(config.rpc_timeout)
+
+    async def run(
+        self,
+        target: int,
+        key: bytes | None = None,
+        *,
+        stop_on_value: bool = False,
+        on_answer: Callable[[Contact, IterativeLookup], None] | None = None,
+    ) -> LookupResult:
+        """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records).
+
+        ``on_answer(contact, search)`` runs after each answer (stores use it to pipeline)."""
+        config, contacts = self.config, self.contacts
+        initial = contacts.nearest(target, config.k)
+        contacts.touch(target)
+        search = IterativeLookup(target, initial, k=config.k, alpha=config.alpha, self_id=self.node_id)
+        body = [target.to_bytes(20, "big"), key]
+        found: Found | None = None
+        missing: list[Contact] = []
+        send, receive = trio.open_memory_channel(math.inf)
+        narrow = stop_on_value
+        if narrow:
+            search.start_narrow()
+        started, first_answer = trio.current_time(), True
+
+        async def query(contact: Contact) -> None:
+            reply = await contacts.call(contact, "dht.find", body)
+            parsed = None
+            if reply is not None:
+                try:
+                    neighbours = contacts.routable(wire.parse_contacts(reply.body))
+                    records = wire.parse_found(key, reply.payload, time.time()) if key is not None else []
+                    parsed = neighbours, self.records.validated(records) if records else None
+                except RecordError as error:
+                    log.debug("bad find reply from %s: %s", contact.peer_id, error)
+            send.send_nowait((contact, parsed))
+
+        with trio.move_on_after(config.lookup_timeout) as scope:
+            async with trio.open_nursery() as nursery:
+                while not (stop_on_value and found is not None):
+                    for contact in search.next_queries():
+                        nursery.start_soon(query, contact)
+                    if search.done or search.in_flight == 0:
+                        break
+                    if narrow:
+                        with trio.move_on_after(self.hedging.delay()):
+                            contact, parsed = await receive.receive()
+                            narrow = False
+                        if narrow:  # the nearest peer is slow: open up to alpha requests
+                            narrow = False
+                            search.hedge()
+                            continue
+                    else:
+                        contact, parsed = await receive.receive()
+                    if parsed is not None and first_answer:
+                        first_answer = False
+                        self.hedging.observe(trio.current_time() - started)
+                    if parsed is None:
+                        search.on_failure(contact)
+                        continue
+                    search.on_response(contact, parsed[0])
+                    if on_answer is not None:
+                        on_answer(contact, search)
+                    if parsed[1] is not None:
+                        found = merge_found(found, parsed[1])
+                    elif key is not None:
+                        missing.append(contact)
+                nursery.cancel_scope.cancel()
+        return LookupResult(search.closest(), found, search.hops, search.rpcs, scope.cancelled_caught, missing)

@@ -1,0 +1,96 @@
+"""Keeping a node's routing table filled: bootstrap from initial peers, then refresh stale buckets.
+
+Joining follows the paper (section 2.3): reach a known peer, look up our own ID, then refresh every
+bucket farther away than our closest neighbour. Afterwards any bucket that no lookup has touched for
+``refresh_interval`` gets a lookup of a random ID in its range.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import trio
+
+from peer import PeerAddress, PeerHost, RPCError
+
+from .config import DHTBootstrapError, DHTConfig
+from .contacts import Contacts
+from .lookup_driver import LookupDriver
+from .routing import Contact, RoutingTable
+
+__all__ = ["TableMaintenance"]
+
+# Bootstrap retries, 0.2 s doubling up to 2 s: peers of a swarm often start together, so an initial
+# peer may not be listening yet when we first dial it.
+RETRY_INITIAL, RETRY_MAX = 0.2, 2.0
+
+
+class TableMaintenance:
+    def __init__(
+        self,
+        host: PeerHost,
+        table: RoutingTable,
+        contacts: Contacts,
+        lookups: LookupDriver,
+        *,
+        node_id: int,
+        config: DHTConfig,
+    ):
+        self.host = host
+        self.table = table
+        self.contacts = contacts
+        self.lookups = lookups
+        self.node_id = node_id
+        self.config = config
+
+    async def bootstrap(self, initial_peers: Sequence[PeerAddress], timeout: float) -> None:
+        """Meet the initial peers (retrying until the deadline), then fill the routing table."""
+        reached: list[Contact] = []
+        failures: dict[str, str] = {str(address): "no answer yet" for address in initial_peers}
+
+        async def reach(address: PeerAddress) -> None:
+            delay = RETRY_INITIAL
+            while True:
+                try:
+                    # Not ``contacts.call``: the address may not name a peer ID, and the connection's
+                    # handshake is what tells us whom we reached.
+                    connection = await self.host.connect(address)
+                    await connection.call("dht.ping", timeout=self.config.rpc_timeout)
+                except (OSError, RPCError) as error:
+                    failures[str(address)] = str(error).removeprefix(f"{address}: ")
+                    if reached or "mismatch" in str(error):
+                        return
+                else:
+                    contact = Contact(connection.remote_peer_id, address)
+                    reached.append(contact)
+                    self.contacts.alive(contact)
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX)
+
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for address in initial_peers:
+                    nursery.start_soon(reach, address)
+        if not reached:
+            lines = "\n".join(f"  {address}: {reason}" for address, reason in failures.items())
+            raise DHTBootstrapError(f"could not reach any initial DHT peer within {timeout:g} s:\n{lines}")
+        await self.lookups.run(self.node_id)
+        if self.config.refresh_on_join:
+            await self._refresh_beyond_closest()
+
+    async def _refresh_beyond_closest(self) -> None:
+        table = self.table
+        closest = table.find_neighbors(Contact.for_id(self.node_id), 1)
+        own_bucket = table.get_bucket_for(Contact.for_id(self.node_id))
+        async with trio.open_nursery() as nursery:
+            for index, bucket in enumerate(table.buckets):
+                if index != own_bucket and not (closest and bucket.has_in_range(closest[0])):
+                    nursery.start_soon(self.lookups.run, random.randint(*bucket.range))
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.refresh_check_period)
+            for bucket in self.table.stale_buckets(self.config.refresh_interval):
+                await self.lookups.run(random.randint(*bucket.range))

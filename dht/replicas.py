@@ -1,0 +1,112 @@
+"""Store and get: a record's replicas live on the k peers nearest to its key.
+
+A store looks up the key's k nearest peers and sends each the record, pipelined: a peer that answers
+while it is among the k nearest known gets the record at once instead of after the whole lookup. A
+get returns the local copy or looks the key up, and with ``cache_on_path`` sends what it found to the
+nearest peer on the path that lacked it (Kademlia's caching, section 2.3 of the paper).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import trio
+
+from . import wire
+from .background import Background
+from .config import DHTConfig
+from .contacts import Contacts
+from .local import LocalRecords, as_records
+from .lookup_driver import LookupDriver
+from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, DHTValue, key_id, pack
+from .routing import Contact
+from .storage import merge_found
+
+__all__ = ["Replicas"]
+
+
+class Replicas:
+    def __init__(
+        self,
+        lookups: LookupDriver,
+        contacts: Contacts,
+        records: LocalRecords,
+        background: Background,
+        *,
+        node_id: int,
+        config: DHTConfig,
+        client_mode: bool,
+    ):
+        self.lookups = lookups
+        self.contacts = contacts
+        self.records = records
+        self._background = background
+        self.node_id = node_id
+        self.config = config
+        self.client_mode = client_mode  # a client keeps no records, not even its own
+
+    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        """Store ``value`` under ``key`` (or under ``subkey`` of the dictionary at ``key``) on the k
+        nearest peers until ``expiration_time`` (wall-clock seconds). True if at least one accepted."""
+        record = DHTRecord(pack(key), None if subkey is None else pack(subkey), pack(value), float(expiration_time))
+        if len(record.key) > MAX_KEY_BYTES or len(record.subkey or b"") > MAX_KEY_BYTES:
+            raise ValueError(f"keys and subkeys are limited to {MAX_KEY_BYTES} bytes")
+        record = replace(record, value=self.records.validator.sign(record))
+        if len(record.value) > MAX_VALUE_BYTES:
+            raise ValueError(f"values are limited to {MAX_VALUE_BYTES} bytes (got {len(record.value)})")
+        self.records.check_lifetime(record, time.time())  # other nodes would refuse it silently
+        if record.expiration_time <= time.time():
+            return False
+        target = key_id(record.key)
+        k = self.config.k
+        outcomes: list[bool] = []
+        sent: set[bytes] = set()
+        async with trio.open_nursery() as nursery:
+
+            def send_to(contact: Contact) -> None:
+                if contact.id not in sent:
+                    sent.add(contact.id)
+                    nursery.start_soon(self.send, contact, [record], outcomes)
+
+            # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
+            result = await self.lookups.run(
+                target, on_answer=lambda contact, search: send_to(contact) if search.among_nearest(contact) else None
+            )
+            nearest = result.nearest[:k]
+            for contact in nearest:
+                send_to(contact)
+            if not self.client_mode and (len(nearest) < k or self.node_id ^ target < nearest[-1].long_id ^ target):
+                outcomes.append(self.records.store(record))
+        return any(outcomes)
+
+    async def send(self, contact: Contact, records: list[DHTRecord], outcomes: list[bool]) -> None:
+        """``dht.store`` ``records`` on ``contact`` in batches; one outcome per batch (False once one
+        gets no answer, and the rest are not sent)."""
+        for start in range(0, len(records), wire.MAX_RECORDS_PER_STORE):
+            batch = records[start : start + wire.MAX_RECORDS_PER_STORE]
+            reply = await self.contacts.call(contact, "dht.store", [wire.encode_record(r) for r in batch])
+            if reply is None or not isinstance(reply.body, list):
+                outcomes.append(False)
+                return
+            outcomes.append(any(result is True for result in reply.body))
+
+    async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
+        """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged
+        across all k nearest peers for dictionaries). None if nobody holds a live value."""
+        key_bytes = pack(key)
+        if len(key_bytes) > MAX_KEY_BYTES:
+            raise ValueError(f"keys are limited to {MAX_KEY_BYTES} bytes")
+        local = None if self.client_mode else self.records.found(key_bytes)
+        if local is not None and not latest:
+            return self.records.decode(key_bytes, local)
+        target = key_id(key_bytes)
+        result = await self.lookups.run(target, key_bytes, stop_on_value=not latest)
+        found = merge_found(local, result.found)
+        if found is None:
+            return None
+        if result.found is not None and self.config.cache_on_path and result.missing:
+            nearest_missing = min(result.missing, key=lambda c: c.long_id ^ target)
+            self._background.start_soon(self.send, nearest_missing, as_records(key_bytes, found), [])
+        return self.records.decode(key_bytes, found)

@@ -1,0 +1,91 @@
+"""The ``dht.*`` handlers built from records and contacts alone, without a ``DHTNode``: real hosts on
+127.0.0.1 carry the calls, and a recording stand-in plays the routing side."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from dht.local import LocalRecords
+from dht.records import DHTRecord, key_id, pack
+from dht.routing import Contact
+from dht.server import DHTServer, ServedContacts
+from dht.validation import SignatureValidator
+from dht.wire import encode_record, parse_contacts, parse_found
+from peer import BadRequestError, Identity, PeerAddress, PeerHost, PeerID, RemoteError, Router, open_peer_host
+
+
+class RecordingContacts:
+    """Knows a fixed set of contacts and remembers whom the server reported alive."""
+
+    def __init__(self, known: list[Contact]):
+        self.known = known
+        self.seen: list[PeerID] = []
+        self.asked: list[tuple[int, int, bytes | None]] = []
+
+    def alive(self, contact: Contact) -> None:
+        self.seen.append(contact.peer_id)
+
+    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
+        self.asked.append((target, k, excluding))
+        return [c for c in self.known if c.id != excluding][:k]
+
+
+def contact(number: int) -> Contact:
+    peer_id = PeerID(number.to_bytes(20, "big"))
+    return Contact(peer_id, PeerAddress("127.0.0.1", 4000 + number, peer_id))
+
+
+@asynccontextmanager
+async def serving(server: DHTServer) -> AsyncIterator[tuple[PeerHost, PeerHost]]:
+    """A host serving ``server`` and a second, dialable host to call it from."""
+    router = Router()
+    server.register(router)
+    async with open_peer_host(Identity.generate(), router=router, run_id="s") as host:
+        async with open_peer_host(Identity.generate(), router=Router(), run_id="s") as caller:
+            yield host, caller
+
+
+async def test_server_answers_from_records_and_contacts_alone():
+    records = LocalRecords(SignatureValidator())
+    contacts = RecordingContacts([contact(n) for n in range(1, 6)])
+    served: ServedContacts = contacts  # the narrow protocol is all the server gets
+    server = DHTServer(records, served, k=3)
+    async with serving(server) as (host, caller):
+        address = host.listen_address
+        await caller.call(address, "dht.ping", None, timeout=5)
+        assert contacts.seen == [caller.peer_id]  # a dialable caller is noted as alive
+
+        record = DHTRecord(pack("k"), None, pack("v"), time.time() + 30)
+        assert (await caller.call(address, "dht.store", [encode_record(record)], timeout=5)).body == [True]
+        assert records.found(record.key) is not None
+
+        target = key_id(record.key)
+        reply = await caller.call(address, "dht.find", [target.to_bytes(20, "big"), record.key], timeout=5)
+        assert reply.body == []  # the value instead of contacts
+        assert [r.value for r in parse_found(record.key, reply.payload, time.time())] == [record.value]
+
+        reply = await caller.call(address, "dht.find", [target.to_bytes(20, "big"), pack("other")], timeout=5)
+        assert [c.peer_id for c in parse_contacts(reply.body)] == [c.peer_id for c in contacts.known[:3]]
+        assert contacts.asked == [(target, 3, caller.peer_id.to_bytes())]  # never told about itself
+
+        with pytest.raises(BadRequestError):
+            await caller.call(address, "dht.store", "not a list", timeout=5)
+        assert len(records.storage) == 1
+
+
+async def test_stopped_server_refuses_while_its_host_lives_on():
+    records = LocalRecords(SignatureValidator())
+    contacts = RecordingContacts([])
+    server = DHTServer(records, contacts, k=20)
+    async with serving(server) as (host, caller):
+        await caller.call(host.listen_address, "dht.ping", None, timeout=5)
+        server.stop()
+        record = DHTRecord(pack("k"), None, pack("v"), time.time() + 30)
+        for method, body in [("dht.ping", None), ("dht.store", [encode_record(record)])]:
+            with pytest.raises(RemoteError, match="stopped"):
+                await caller.call(host.listen_address, method, body, timeout=5)
+        assert len(records.storage) == 0 and contacts.seen == [caller.peer_id]
