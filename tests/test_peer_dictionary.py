@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import pytest
+import trio
 
+from averaging.progress import PeerProgress, ProgressTracker
+from averaging.state_sharing import DonorOffer
+from dht.node import DHTNode
 from dht.peer_dictionary import dictionary_entries, peer_entries
 from dht.records import DHTValue
 from peer import PeerID
@@ -95,3 +101,36 @@ def test_other_subkey_types_with_their_own_parser():
 def test_the_wall_clock_is_the_default():
     found = dictionary({ALICE.to_bytes(): (1, 1.0), BOB.to_bytes(): (2, 4e9)})  # 1970 and 2096
     assert dict(peer_entries(found, positive)) == {BOB: 2}
+
+
+# The readers built on it: each one's parser, fed what a hostile or stale peer could store.
+
+
+def test_a_donor_offering_another_peers_address_is_not_a_donor():
+    found = dictionary(
+        {
+            ALICE.to_bytes(): ({"address": f"127.0.0.1:5/{ALICE}", "version": 3}, NOW + 5),
+            BOB.to_bytes(): ({"address": f"127.0.0.1:6/{CAROL}", "version": 9}, NOW + 5),  # not its own
+            CAROL.to_bytes(): ({"address": "127.0.0.1:7", "version": 9}, NOW + 5),  # unpinned
+            PeerID(bytes([4]) * 20).to_bytes(): ({"address": f"127.0.0.1:8/{ALICE}"}, NOW + 5),  # no version
+        }
+    )
+    offers = dict(peer_entries(found, DonorOffer.from_wire, now=NOW))
+    assert list(offers) == [ALICE] and offers[ALICE].version == 3 and offers[ALICE].address.port == 5
+
+
+async def test_progress_fetch_keeps_sane_records_and_this_peers_own_view():
+    async with DHTNode.open(initial_peers=[]) as node:
+        tracker = ProgressTracker(node, "junk")
+        expires = time.time() + 30
+        await node.store(tracker.key, {"epoch": 4, "samples": 10, "sps": 2.5}, expires, subkey=ALICE.to_bytes())
+        await node.store(tracker.key, {"epoch": -1, "samples": 10, "sps": 1.0}, expires, subkey=BOB.to_bytes())
+        await node.store(tracker.key, "not a record", expires, subkey=CAROL.to_bytes())
+        await node.store(tracker.key, {"epoch": 9, "samples": 1, "sps": 1.0}, expires, subkey=b"no peer")
+        # a record of ours from the past must not override what we know now
+        await node.store(tracker.key, {"epoch": 7, "samples": 1, "sps": 1.0}, expires, subkey=tracker.me.to_bytes())
+        mine = PeerProgress(2, 5, 1.0)
+        with trio.fail_after(10):
+            swarm = await tracker.fetch(mine)
+        assert swarm.peers == {tracker.me: mine, ALICE: PeerProgress(4, 10, 2.5)}
+        assert swarm.epoch == 4 and not math.isnan(swarm.samples_per_s)
