@@ -78,8 +78,12 @@ class OverlappedRounds:
         self._done: trio.Event | None = None  # set when the averaging in flight is over
         self._record: AveragingRecord | None = None
         self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
+        self._run: LocalRound | None = None
 
     async def end_round(self, run: LocalRound, weight: float) -> bool:
+        if self._run is not None and self._run is not run:
+            raise RuntimeError("an OverlappedRounds schedule holds one optimizer's round: make one per optimizer")
+        self._run = run
         stepped = False
         if self._done is not None:
             await self._done.wait()  # bounded by the averager's own deadlines
