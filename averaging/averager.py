@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .state_sharing import StateSharing
 
-__all__ = ["GroupAverager", "EpochStateAverager", "averaging_options", "tensor_schema", "MatchmakingError"]
+__all__ = ["GroupAverager", "tensor_schema", "MatchmakingError"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -146,35 +146,3 @@ class GroupAverager:
                 self.round = max(self.round, metadata["round"])
         log.info("loaded state from peers (round %d)", self.round)
         return metadata
-
-
-class EpochStateAverager(GroupAverager):
-    """A GroupAverager over model state that also tells newcomers the training epoch, read from
-    ``epoch_of()`` (the optimizer that owns it) whenever a newcomer asks."""
-
-    def __init__(self, epoch_of: Callable[[], int], *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.epoch_of = epoch_of
-
-    def state_metadata(self) -> Any:
-        return {"round": self.round, "epoch": self.epoch_of()}
-
-
-def averaging_options(
-    *,
-    target_group_size: int,
-    min_group_size: int,
-    matchmaking_timeout: float,
-    averaging_timeout: float,
-    settle_time: float | None,
-) -> dict[str, Any]:
-    """GroupAverager options from an optimizer's knobs: senders get half the round's deadline, so a
-    dead sender is dropped while the reducers still have time to answer."""
-    return {
-        "target_group_size": target_group_size,
-        "min_group_size": min_group_size,
-        "matchmaking_timeout": matchmaking_timeout,
-        "sender_timeout": averaging_timeout / 2,
-        "reducer_timeout": averaging_timeout,
-        "settle_time": settle_time,
-    }

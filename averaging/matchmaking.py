@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import trio
 
+from dht.peer_dictionary import peer_entries
 from peer import ConnectError, PeerAddress, PeerHost, PeerID, Router, RPCError
 
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember
@@ -32,7 +33,7 @@ log = logging.getLogger("peerd.averaging")
 
 JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
-# of the deadline (at most 1 s) lets stragglers' stores land while leaving most of it for joining.
+# of the deadline (at most 0.5 s) lets stragglers' stores land while leaving most of it for joining.
 MAX_SETTLE = 0.5
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
@@ -173,7 +174,7 @@ class Matchmaker:
         """Declare, agree on a group and return it; raises MatchmakingError after ``timeout``.
 
         ``settle_time`` is how long to let declarations spread before reading them (default: a
-        quarter of the timeout, at most 1 s; on a LAN or loopback 0.1-0.2 s is plenty)."""
+        quarter of the timeout, at most MAX_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty)."""
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
         deadline = trio.current_time() + timeout
@@ -181,16 +182,15 @@ class Matchmaker:
         await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
         while trio.current_time() < deadline:
-            declared = await self._read_candidates(me)
-            newest = max(d.round for d in declared.values())
+            # Peers declared at an older round are in the middle of catching up, as we may be about
+            # to: they belong in this round's grid, or the leader would not wait for them.
+            candidates = await self._read_candidates(me)
+            newest = max(d.round for d in candidates.values())
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me = replace(me, round=newest)
-                declared[me.peer_id] = me
+                candidates[me.peer_id] = me
                 await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
             self.last_round = me.round
-            # Peers declared at an older round are in the middle of catching up, exactly as we just
-            # did: they belong in this round's grid, or the leader would not wait for them.
-            candidates = declared
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
                 await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
@@ -219,18 +219,9 @@ class Matchmaker:
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)
         candidates = {me.peer_id: me}
-        if found is None or not isinstance(found.value, dict):
-            return candidates
-        now = time.time()
-        for subkey, item in found.value.items():
-            try:
-                peer = PeerID(subkey)
-                declaration = Declaration.from_wire(peer, item.value)
-            except (ValueError, TypeError):
-                continue
-            if item.expiration_time < now or declaration.schema != me.schema:
-                continue
-            candidates[peer] = declaration
+        for peer, declaration in peer_entries(found, Declaration.from_wire):
+            if declaration.schema == me.schema:
+                candidates[peer] = declaration
         return candidates
 
     async def _lead(

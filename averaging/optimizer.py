@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import trio
 
-from .allreduce import AllReduceError
-from .averager import EpochStateAverager, GroupAverager, averaging_options
-from .matchmaking import MatchmakingError
+from .averager import GroupAverager
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
-from .progress import PeerProgress, ProgressTracker, SwarmProgress
+from .progress import SwarmProgress
+from .replica import EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state, averaging_options
 from .state_sharing import StateUnavailable
 
 __all__ = ["CollaborativeOptimizer"]
@@ -40,7 +39,7 @@ INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(ReplicaOptimizer):
     """Wraps any ``torch.optim`` optimizer. Call ``await opt.step(batch_size)`` after each
     ``loss.backward()``; it returns True when the swarm stepped (an epoch passed)."""
 
@@ -77,8 +76,8 @@ class CollaborativeOptimizer:
         self.gradients = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
         self._numel = sum(p.numel() for p in self.params)
         # Peers see the swarm reach the target within one progress refresh of each other, so
-        # that is all the time declarations need to meet (the 0.5 s generic default was a fixed
-        # cost per epoch).
+        # that is all the time declarations need to meet (matchmaking's own default would be a
+        # fixed cost per epoch).
         averaging = averaging_options(
             target_group_size=target_group_size,
             min_group_size=min_group_size,
@@ -94,22 +93,17 @@ class CollaborativeOptimizer:
         # Created now (as a fresh optimizer's would be) so that peers list the same tensors from
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
-        self.state_averager = EpochStateAverager(
-            lambda: self.epoch, self.params + self.optimizer_state, dht, prefix=f"{prefix}.state", **averaging
-        )
-        self.tracker = ProgressTracker(dht, prefix)
-        self.epoch = 0
+        self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging)
         self.local_samples = 0
-        self.samples_per_s = 0.0
-        self.last_averaging: dict[str, Any] | None = None
-        self.swarm = SwarmProgress({})
         self._last_fetch = -float("inf")
         self._epoch_started: float | None = None
         self._first_step = True
 
     @property
-    def _progress(self) -> PeerProgress:
-        return PeerProgress(self.epoch, self.local_samples, self.samples_per_s)
+    def state_averager(self) -> EpochStateAverager:
+        """Parameters and optimizer state: averaged every ``average_state_every`` epochs, and what
+        newcomers download."""
+        return self.replica.state
 
     async def step(self, batch_size: int) -> bool:
         if self._numel <= INLINE_ACCUMULATE_NUMEL:
@@ -118,20 +112,21 @@ class CollaborativeOptimizer:
             await trio.to_thread.run_sync(self._accumulate, batch_size)
         self.local_samples += batch_size
         self._update_throughput(batch_size)
+        replica = self.replica
         now = trio.current_time()
         if now - self._last_fetch >= self.progress_interval:
             self._last_fetch = now
-            await self.tracker.publish(self._progress)
-            self.swarm = await self.tracker.fetch(self._progress)
-        view = SwarmProgress({**self.swarm.peers, self.tracker.me: self._progress})
+            await replica.publish(self.local_samples)
+            await replica.fetch(self.local_samples)
+        view = SwarmProgress({**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)})
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
         # progress: our parameters are stale, take the swarm's.
-        if view.epoch > self.epoch + 1 or (self._first_step and view.epoch > self.epoch):
+        if view.epoch > replica.epoch + 1 or (self._first_step and view.epoch > replica.epoch):
             self._first_step = False
             await self.load_state_from_peers(swarm_epoch=view.epoch)
             return False
         self._first_step = False
-        if not view.ready_to_step(self.epoch, self.target_batch_size):
+        if not view.ready_to_step(replica.epoch, self.target_batch_size):
             return False
         await self._averaged_step()
         return True
@@ -141,37 +136,33 @@ class CollaborativeOptimizer:
 
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
+        replica = self.replica
         try:
-            metadata = await self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
+            await replica.load_state_from_peers(self.load_state_timeout, catch_up=self._catch_up_schedule)
         except StateUnavailable as error:
-            if swarm_epoch is not None and swarm_epoch > self.epoch:
+            if swarm_epoch is not None and swarm_epoch > replica.epoch:
                 log.warning("%s; continuing from the swarm's epoch %d with local parameters", error, swarm_epoch)
-                await self._move_to_epoch(swarm_epoch)
+                await replica.move_to_epoch(swarm_epoch, catch_up=self._catch_up_schedule)
                 self._reset_accumulators()
             else:
                 log.warning("%s", error)
             return
         await self._sanitize_state()
-        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if type(epoch) is int and epoch >= 0:
-            await self._move_to_epoch(epoch)
         self._reset_accumulators()
-        log.info("joined the swarm at epoch %d with its parameters", self.epoch)
-        await self.tracker.publish(self._progress)
+        log.info("joined the swarm at epoch %d with its parameters", replica.epoch)
+        await replica.publish(self.local_samples)
 
-    async def _move_to_epoch(self, epoch: int) -> None:
-        """Jump forward to ``epoch``, with the learning-rate schedule where the swarm's is (the
-        scheduler steps once per epoch, as in ``_apply_gradients``). The epoch came from another
-        peer: the scheduler catches up at most MAX_SCHEDULER_CATCH_UP epochs (~0.3 s of work, in a
-        thread), so a forged epoch cannot hang this peer."""
-        if epoch <= self.epoch:
+    async def _catch_up_schedule(self, epochs: int) -> None:
+        """Move the learning-rate schedule as far as the epoch jumps (the scheduler steps once per
+        epoch, as in ``_apply_gradients``). The epoch came from another peer: the scheduler
+        catches up at most MAX_SCHEDULER_CATCH_UP epochs (~0.3 s of work, in a thread), so a
+        forged epoch cannot hang this peer."""
+        if self.scheduler is None:
             return
-        if self.scheduler is not None:
-            steps = min(epoch - self.epoch, MAX_SCHEDULER_CATCH_UP)
-            if steps < epoch - self.epoch:
-                log.warning("the swarm is %d epochs ahead; moving the scheduler %d only", epoch - self.epoch, steps)
-            await trio.to_thread.run_sync(self._step_scheduler, steps)
-        self.epoch = epoch
+        steps = min(epochs, MAX_SCHEDULER_CATCH_UP)
+        if steps < epochs:
+            log.warning("the swarm is %d epochs ahead; moving the scheduler %d only", epochs, steps)
+        await trio.to_thread.run_sync(self._step_scheduler, steps)
 
     def _step_scheduler(self, steps: int = 1) -> None:
         """Step the LR scheduler; one that refuses (e.g. OneCycleLR past its total_steps, which an
@@ -193,7 +184,7 @@ class CollaborativeOptimizer:
         be impossible, e.g. a negative second moment from a hostile peer, which would turn our
         parameters into NaN on the next step."""
         if self.optimizer_state:
-            async with self.state_averager.locked_tensors():
+            async with self.replica.state.locked_tensors():
                 await trio.to_thread.run_sync(sanitize_state, self.optimizer)
 
     def _accumulate(self, batch_size: int) -> None:
@@ -208,8 +199,8 @@ class CollaborativeOptimizer:
         now = trio.current_time()
         if self._epoch_started is None:
             self._epoch_started = now
-        elif self.epoch == 0 and now > self._epoch_started:
-            self.samples_per_s = self.local_samples / (now - self._epoch_started)
+        elif self.replica.epoch == 0 and now > self._epoch_started:
+            self.replica.samples_per_s = self.local_samples / (now - self._epoch_started)
 
     def _reset_accumulators(self) -> None:
         for accumulator in self.gradients:
@@ -217,38 +208,29 @@ class CollaborativeOptimizer:
         self.local_samples = 0
 
     async def _averaged_step(self) -> None:
+        replica = self.replica
         samples = max(self.local_samples, 1)
         for accumulator in self.gradients:
             accumulator.div_(samples)
-        record: dict[str, Any] = {"epoch": self.epoch, "averaged": False, "group": 0, "failed": []}
-        try:
-            result = await self.grad_averager.step(weight=float(self.local_samples))
-            record.update(
-                averaged=True,
-                group=len(result.group.members),
-                failed=sorted(str(p) for p in result.failed_peers),
-            )
-        except Exception as error:  # whatever went wrong with the others, this peer keeps training
-            if not isinstance(error, (MatchmakingError, AllReduceError)):
-                log.exception("unexpected failure while averaging")
-            log.warning("gradient averaging failed at epoch %d (%s); stepping on local gradients", self.epoch, error)
-        async with self.state_averager.locked_tensors():  # a donor never sends half a step
+        record = await average_once(
+            self.grad_averager,
+            epoch=replica.epoch,
+            weight=float(self.local_samples),
+            fallback="stepping on local gradients",
+        )
+        async with replica.state.locked_tensors():  # a donor never sends half a step
             await trio.to_thread.run_sync(self._apply_gradients)
-        self.epoch += 1
+        replica.epoch += 1
         self._reset_accumulators()
-        self.last_averaging = record
+        replica.last_round = record
         now = trio.current_time()
         if self._epoch_started is not None and now > self._epoch_started:
-            self.samples_per_s = samples / (now - self._epoch_started)  # including the averaging time
+            replica.samples_per_s = samples / (now - self._epoch_started)  # including the averaging time
         self._epoch_started = now
-        await self.tracker.publish(self._progress)
-        await self.state_averager.state_sharing.announce(self.epoch)  # newcomers may load from us
-        if self.average_state_every and self.epoch % self.average_state_every == 0:
-            try:
-                await self.state_averager.step()
-            except (MatchmakingError, AllReduceError) as error:
-                log.info("parameter averaging skipped at epoch %d: %s", self.epoch, error)
-            else:
+        await replica.publish(self.local_samples)
+        await replica.announce_state()
+        if self.average_state_every and replica.epoch % self.average_state_every == 0:
+            if await average_state(replica.state, replica.epoch):
                 await self._sanitize_state()
 
     def _apply_gradients(self) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from dht.peer_dictionary import peer_entries
 from peer import PeerID
 
 __all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
@@ -30,14 +32,15 @@ class PeerProgress:
         return {"epoch": self.epoch, "samples": self.samples, "sps": self.samples_per_s}
 
     @classmethod
-    def from_wire(cls, body) -> PeerProgress | None:
+    def from_wire(cls, body: Any) -> PeerProgress:
+        """Raises ValueError for anything but a sane record (the DHT is open to everyone)."""
         if not isinstance(body, dict):
-            return None
+            raise ValueError("a progress record is a map")
         epoch, samples, sps = body.get("epoch"), body.get("samples"), body.get("sps")
         if type(epoch) is not int or type(samples) is not int or not isinstance(sps, (int, float)):
-            return None
+            raise ValueError("a progress record needs integer epoch and samples and a numeric rate")
         if epoch < 0 or samples < 0 or not 0 <= sps < 1e12:
-            return None
+            raise ValueError("progress out of range")
         return cls(epoch, samples, float(sps))
 
 
@@ -64,6 +67,8 @@ class SwarmProgress:
 
 
 class ProgressTracker:
+    """Publishes this peer's progress record and reads everyone's."""
+
     def __init__(self, dht, prefix: str):
         self.dht = dht
         self.key = f"{prefix}.progress"
@@ -75,14 +80,9 @@ class ProgressTracker:
     async def fetch(self, mine: PeerProgress) -> SwarmProgress:
         found = await self.dht.get(self.key, latest=True)
         peers = {self.me: mine}
-        if found is not None and isinstance(found.value, dict):
-            now = time.time()
-            for subkey, item in found.value.items():
-                try:
-                    peer = PeerID(subkey)
-                except (ValueError, TypeError):
-                    continue
-                progress = PeerProgress.from_wire(item.value)
-                if progress is not None and item.expiration_time > now and peer != self.me:
-                    peers[peer] = progress
+        peers.update((peer, progress) for peer, progress in peer_entries(found, _parse) if peer != self.me)
         return SwarmProgress(peers)
+
+
+def _parse(peer: PeerID, body: Any) -> PeerProgress:
+    return PeerProgress.from_wire(body)

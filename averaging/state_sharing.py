@@ -16,15 +16,18 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import trio
 
+from dht.peer_dictionary import peer_entries
 from peer import ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
-__all__ = ["StateSharing", "StateUnavailable"]
+__all__ = ["DonorOffer", "StateOwner", "StateSharing", "StateUnavailable"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -37,12 +40,37 @@ class StateUnavailable(RuntimeError):
     """No donor could send state before the deadline."""
 
 
+class StateOwner(Protocol):
+    """What a donor serves from: its tensors, held still while they are copied, and the metadata
+    a newcomer learns with them. The version it announces is passed to ``announce``."""
+
+    def locked_tensors(self) -> AbstractAsyncContextManager[Sequence[torch.Tensor]]: ...
+
+    def state_metadata(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class DonorOffer:
+    """One donor's announcement: where to download from, and the version of its state."""
+
+    address: PeerAddress
+    version: int
+
+    @classmethod
+    def from_wire(cls, peer: PeerID, body: Any) -> DonorOffer:
+        """Raises ValueError, TypeError or KeyError unless ``body`` is an offer made by ``peer``."""
+        address, version = PeerAddress.parse(body["address"]), body["version"]
+        if address.peer_id != peer or type(version) is not int:
+            raise ValueError("a donor offers its own address and an integer version")
+        return cls(address, version)
+
+
 class StateSharing:
-    def __init__(self, host: PeerHost, dht, prefix: str, owner):
+    def __init__(self, host: PeerHost, dht, prefix: str, owner: StateOwner):
         self.host = host
         self.dht = dht
         self.prefix = prefix
-        self.owner = owner  # has .tensors, .state_metadata(), .state_version and an async lock
+        self.owner = owner
         self.method = f"avg.state.{prefix}"
         host.router.add_stream(self.method, self._serve_state)
 
@@ -68,23 +96,11 @@ class StateSharing:
 
     async def _donors(self) -> list[PeerAddress]:
         found = await self.dht.get(self.key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        offers: list[tuple[int, PeerAddress]] = []
-        for subkey, item in found.value.items():
-            try:
-                peer = PeerID(subkey)
-                address = PeerAddress.parse(item.value["address"])
-                version = item.value["version"]
-            except (ValueError, TypeError, KeyError):
-                continue
-            if peer == self.host.peer_id or address.peer_id != peer or type(version) is not int:
-                continue
-            offers.append((version, address))
+        offers = [offer for peer, offer in peer_entries(found, DonorOffer.from_wire) if peer != self.host.peer_id]
         if not offers:
             return []
-        newest = max(version for version, _ in offers)
-        donors = [address for version, address in offers if version == newest]
+        newest = max(offer.version for offer in offers)
+        donors = [offer.address for offer in offers if offer.version == newest]
         random.shuffle(donors)
         return donors
 

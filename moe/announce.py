@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import trio
 
+from dht.peer_dictionary import dictionary_entries
 from peer import PeerAddress
 
 from .protocol import UID_DELIMITER, split_uid
@@ -125,15 +127,16 @@ async def fetch_children(dht, key: str) -> dict[int, PeerAddress]:
     except Exception as error:
         log.debug("DHT get %s failed: %r", key, error)
         return {}
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    now = time.time()
-    children: dict[int, PeerAddress] = {}
-    for subkey, item in found.value.items():
-        if type(subkey) is not int or subkey < 0 or item.expiration_time < now or not isinstance(item.value, str):
-            continue
-        try:
-            children[subkey] = PeerAddress.parse(item.value)
-        except ValueError:
-            continue
-    return children
+    return dict(dictionary_entries(found, _coordinate, _address))
+
+
+def _coordinate(subkey: Any) -> int:
+    if type(subkey) is not int or subkey < 0:
+        raise ValueError("an expert grid coordinate is a non-negative integer")
+    return subkey
+
+
+def _address(coordinate: int, value: Any) -> PeerAddress:
+    if not isinstance(value, str):
+        raise TypeError("an expert announcement is an address string")
+    return PeerAddress.parse(value)

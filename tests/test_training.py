@@ -240,6 +240,37 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
         nursery.cancel_scope.cancel()
 
 
+async def test_sequential_rounds_step_at_once_and_the_overlapped_schedule_can_be_passed_explicitly():
+    """The same lone peer and gradients as above: a sequential round lands its own outer step at
+    the end of the round; ``rounds=OverlappedRounds(nursery)`` is what ``background=`` means."""
+    from averaging.local_rounds import OverlappedRounds, SequentialRounds
+
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        lone = {"matchmaking_timeout": 0.2, "averaging_timeout": 1.0}
+        weight = torch.nn.Parameter(torch.zeros(3))
+        optimizer = tiny_local_updates(node, weight, prefix="lone-seq", rounds=SequentialRounds(), **lone)
+        weight.grad = torch.tensor([1.0, 0.0, 0.0])
+        assert await optimizer.step(1) is True and optimizer.epoch == 1
+        assert torch.allclose(weight.detach(), torch.tensor([-0.95, 0.0, 0.0]))
+        assert optimizer.last_averaging == {"epoch": 0, "averaged": False, "group": 0, "failed": []}
+
+        async with trio.open_nursery() as background:
+            weight = torch.nn.Parameter(torch.zeros(3))
+            overlapped = tiny_local_updates(
+                node, weight, prefix="lone-overlap", rounds=OverlappedRounds(background), **lone
+            )
+            weight.grad = torch.tensor([1.0, 0.0, 0.0])
+            assert await overlapped.step(1) is False and overlapped.epoch == 0  # averaging in flight
+            weight.grad = torch.tensor([0.0, 2.0, 0.0])
+            assert await overlapped.step(1) is True and overlapped.epoch == 1
+            assert torch.allclose(weight.detach(), torch.tensor([-0.95, -2.0, 0.0]))
+            with pytest.raises(ValueError, match="not both"):
+                tiny_local_updates(node, weight, prefix="both", rounds=SequentialRounds(), background=background)
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+
+
 async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_the_momentum():
     """Averaging deltas alone never brings apart replicas back together; averaging the shared start
     every few rounds does. Exact arithmetic with one inner step per round."""

@@ -1,0 +1,105 @@
+"""How a local-updates round ends: average, then step (``SequentialRounds``), or step on the
+previous round's average while this round's averages in the background (``OverlappedRounds``).
+
+Both drive a ``LocalRound`` (the optimizer) through the same few moves; they differ only in
+when the averaging runs and which outer step lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import trio
+
+from .outer_step import OuterStep
+from .replica import AveragingRecord
+
+__all__ = ["LocalRound", "RoundSchedule", "SequentialRounds", "OverlappedRounds"]
+
+
+class LocalRound(Protocol):
+    """What a schedule needs from the optimizer whose rounds it ends."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def outer_step(self) -> OuterStep: ...
+
+    async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
+        """Average ``outer_step.deltas`` with the swarm (on failure they stay this peer's own)."""
+        ...
+
+    async def advance(self, apply: Callable[[], None]) -> None:
+        """Run ``apply`` (an outer step) in a thread and count the round, as one change."""
+        ...
+
+    async def finish_round(self, record: AveragingRecord | None) -> None:
+        """Start the next round's local steps; publish progress; average the start if it is time."""
+        ...
+
+    def restart_round(self) -> None:
+        """Start the next round's local steps without an outer step."""
+        ...
+
+
+class RoundSchedule(Protocol):
+    async def end_round(self, run: LocalRound, weight: float) -> bool:
+        """End the round whose local steps just finished; True if an outer step landed."""
+        ...
+
+
+class SequentialRounds:
+    """Each round averages before the next begins: the outer step is never stale, and the swarm's
+    communication stalls local training for as long as it takes."""
+
+    async def end_round(self, run: LocalRound, weight: float) -> bool:
+        await trio.to_thread.run_sync(run.outer_step.compute_deltas)
+        record = await run.average_deltas(run.epoch, weight)
+        await run.advance(run.outer_step.apply)
+        await run.finish_round(record)
+        return True
+
+
+class OverlappedRounds:
+    """The averaging of round t runs in ``background`` while round t+1's local steps proceed; round
+    t's outer step lands at the end of round t+1, carrying the local progress made meanwhile
+    (``params = outer_step(start_t, avg delta_t) + (params_now - params_at_end_of_t)``): the swarm's
+    communication hides behind computation, at the price of outer steps one round stale (the
+    "delayed" variant of overlapped DiLoCo). When training stops, the averaging in flight is
+    cancelled with the nursery and its outer step never lands.
+
+    Holds the round in flight, so each optimizer needs its own."""
+
+    def __init__(self, background: trio.Nursery):
+        self.background = background
+        self._done: trio.Event | None = None  # set when the averaging in flight is over
+        self._record: AveragingRecord | None = None
+        self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
+        self._run: LocalRound | None = None
+
+    async def end_round(self, run: LocalRound, weight: float) -> bool:
+        if self._run is not None and self._run is not run:
+            raise RuntimeError("an OverlappedRounds schedule holds one optimizer's round: make one per optimizer")
+        self._run = run
+        stepped = False
+        if self._done is not None:
+            await self._done.wait()  # bounded by the averager's own deadlines
+            anchor = self._anchor
+            await run.advance(lambda: run.outer_step.apply_delayed(anchor))
+            await run.finish_round(self._record)
+            stepped = True
+        else:
+            run.restart_round()
+        self._anchor = await trio.to_thread.run_sync(run.outer_step.compute_deltas_and_anchor)
+        done = self._done = trio.Event()
+        self.background.start_soon(self._average, run, run.epoch, weight, done)
+        return stepped
+
+    async def _average(self, run: LocalRound, epoch: int, weight: float, done: trio.Event) -> None:
+        try:
+            self._record = await run.average_deltas(epoch, weight)
+        finally:
+            done.set()

@@ -1,0 +1,182 @@
+"""What both optimizers share: this peer's replica of the swarm's model, as the swarm sees it.
+
+A replica has an epoch (swarm steps, or outer rounds, completed), a state that newcomers download
+from it (parameters and optimizer state, or the shared start and outer momentum), a progress record
+in the DHT, and a record of how its last averaging round went. ``CollaborativeOptimizer`` and
+``LocalUpdatesOptimizer`` differ in what they average and when; each composes one ``Replica`` for
+the rest, and ``ReplicaOptimizer`` gives both the same read-only face for the daemon's trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .allreduce import AllReduceError
+from .averager import GroupAverager
+from .matchmaking import MatchmakingError
+from .progress import PeerProgress, ProgressTracker, SwarmProgress
+
+__all__ = [
+    "AveragingRecord",
+    "EpochStateAverager",
+    "Replica",
+    "ReplicaOptimizer",
+    "average_once",
+    "average_state",
+    "averaging_options",
+]
+
+log = logging.getLogger("peerd.training")
+
+
+@dataclass(frozen=True)
+class AveragingRecord:
+    """How the averaging of one epoch went: with how many peers (this one included) and which of
+    them failed; ``averaged`` False means the peer went on with its own tensors."""
+
+    epoch: int
+    averaged: bool = False
+    group: int = 0
+    failed: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form the daemon's ``/status`` reports as ``last_averaging``."""
+        return {"epoch": self.epoch, "averaged": self.averaged, "group": self.group, "failed": list(self.failed)}
+
+
+class EpochStateAverager(GroupAverager):
+    """A GroupAverager over model state that also tells newcomers the training epoch, read from
+    ``epoch_of()`` (the replica that owns it) whenever a newcomer asks."""
+
+    def __init__(self, epoch_of: Callable[[], int], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.epoch_of = epoch_of
+
+    def state_metadata(self) -> Any:
+        return {"round": self.round, "epoch": self.epoch_of()}
+
+
+def averaging_options(
+    *,
+    target_group_size: int,
+    min_group_size: int,
+    matchmaking_timeout: float,
+    averaging_timeout: float,
+    settle_time: float | None,
+) -> dict[str, Any]:
+    """GroupAverager options from an optimizer's knobs: senders get half the round's deadline, so a
+    dead sender is dropped while the reducers still have time to answer."""
+    return {
+        "target_group_size": target_group_size,
+        "min_group_size": min_group_size,
+        "matchmaking_timeout": matchmaking_timeout,
+        "sender_timeout": averaging_timeout / 2,
+        "reducer_timeout": averaging_timeout,
+        "settle_time": settle_time,
+    }
+
+
+async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fallback: str) -> AveragingRecord:
+    """Average the averager's tensors with a group, or leave them this peer's own and say so
+    (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
+    keeps training, so nothing raises out of here but cancellation."""
+    try:
+        result = await averager.step(weight=weight)
+    except Exception as error:
+        if not isinstance(error, (MatchmakingError, AllReduceError)):
+            log.exception("unexpected failure while averaging")
+        log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
+        return AveragingRecord(epoch)
+    failed = tuple(sorted(str(peer) for peer in result.failed_peers))
+    return AveragingRecord(epoch, averaged=True, group=len(result.group.members), failed=failed)
+
+
+async def average_state(averager: GroupAverager, epoch: int) -> bool:
+    """One periodic round of state averaging; False if no group formed or the round failed (it
+    only pulls replicas together, so the next period will do)."""
+    try:
+        await averager.step()
+    except (MatchmakingError, AllReduceError) as error:
+        log.info("state averaging skipped at epoch %d: %s", epoch, error)
+        return False
+    return True
+
+
+class Replica:
+    """This peer's epoch, the state newcomers download from it, and its progress records."""
+
+    def __init__(self, dht, prefix: str, state: Sequence[torch.Tensor], averaging: dict[str, Any]):
+        self.epoch = 0
+        self.samples_per_s = 0.0
+        self.swarm = SwarmProgress({})  # the last view fetched from the DHT
+        self.last_round: AveragingRecord | None = None
+        self.tracker = ProgressTracker(dht, prefix)
+        # Averaged now and then to pull replicas together, and what newcomers download.
+        self.state = EpochStateAverager(lambda: self.epoch, state, dht, prefix=f"{prefix}.state", **averaging)
+
+    def progress(self, samples: int) -> PeerProgress:
+        return PeerProgress(self.epoch, samples, self.samples_per_s)
+
+    async def publish(self, samples: int) -> None:
+        await self.tracker.publish(self.progress(samples))
+
+    async def fetch(self, samples: int) -> SwarmProgress:
+        """The swarm's progress as the DHT has it, with this peer's own as of now."""
+        self.swarm = await self.tracker.fetch(self.progress(samples))
+        return self.swarm
+
+    async def announce_state(self) -> None:
+        """Newcomers may load from us, at our epoch."""
+        await self.state.state_sharing.announce(self.epoch)
+
+    async def load_state_from_peers(
+        self, timeout: float, catch_up: Callable[[int], Awaitable[None]] | None = None
+    ) -> None:
+        """Load a donor's state into ours and adopt its epoch, if it sent a sane one; raises
+        StateUnavailable if no donor answered within ``timeout``."""
+        metadata = await self.state.load_state_from_peers(timeout=timeout)
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if type(epoch) is int and epoch >= 0:
+            await self.move_to_epoch(epoch, catch_up)
+
+    async def move_to_epoch(self, epoch: int, catch_up: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """Jump forward (never back) to ``epoch``; ``catch_up(skipped)`` first moves along whatever
+        else counts epochs (a learning-rate schedule)."""
+        if epoch <= self.epoch:
+            return
+        if catch_up is not None:
+            await catch_up(epoch - self.epoch)
+        self.epoch = epoch
+
+
+class ReplicaOptimizer:
+    """What the daemon's trainer, the status endpoint and scripts read from either optimizer."""
+
+    replica: Replica
+
+    @property
+    def epoch(self) -> int:
+        return self.replica.epoch
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.replica.samples_per_s
+
+    @property
+    def swarm(self) -> SwarmProgress:
+        return self.replica.swarm
+
+    @property
+    def tracker(self) -> ProgressTracker:
+        return self.replica.tracker
+
+    @property
+    def last_averaging(self) -> dict[str, Any] | None:
+        """How the last round's averaging went (``AveragingRecord.to_dict``), None before the first."""
+        record = self.replica.last_round
+        return None if record is None else record.to_dict()
