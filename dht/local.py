@@ -55,14 +55,23 @@ class LocalRecords:
         if error is not None:
             raise ValueError(error)
 
-    def store(self, record: DHTRecord, writer: Writer = None) -> bool:
-        """Validate and store one wire-form record sent by ``writer`` (None: this node); False if
-        invalid, too long-lived, outranked, a replay, or out of room."""
+    def acceptable(self, record: DHTRecord) -> bool:
+        """Valid under the validators, and its inner value and subkey decode within the limits:
+        what a reader will ``decode`` must not be able to fail, wherever the record came from."""
         if not self.validator.validate(record):
             return False
         try:
-            unpack(self.validator.strip(record))  # the inner value obeys the limits too
+            unpack(self.validator.strip(record))
+            if record.subkey is not None:
+                unpack(record.subkey, hashable=True)
         except RecordError:
+            return False
+        return True
+
+    def store(self, record: DHTRecord, writer: Writer = None) -> bool:
+        """Validate and store one wire-form record sent by ``writer`` (None: this node); False if
+        invalid, too long-lived, outranked, a replay, or out of room."""
+        if not self.acceptable(record):
             return False
         if self.lifetime_error(record, self.storage.clock()) is not None:
             return False
@@ -88,7 +97,7 @@ class LocalRecords:
         result: Found | None = None
         now = self.storage.clock()
         for record in records:
-            if self.validator.validate(record) and self.lifetime_error(record, now) is None:
+            if self.acceptable(record) and self.lifetime_error(record, now) is None:
                 item = StoredValue(record.value, record.expiration_time, signed_version(record))
                 result = merge_found(result, item if record.subkey is None else {record.subkey: item})
         return result

@@ -238,6 +238,8 @@ class PeerHost:
             raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
         except OSError as error:
             raise ConnectError(f"{address}: {_os_reason(error)}") from None
+        except ValueError as error:  # a host name that cannot even be encoded (IDNA), from a contact
+            raise ConnectError(f"{address}: not a usable host name ({error})") from None
         tune_connection(stream)
         try:
             channel = await secure_handshake(

@@ -21,6 +21,8 @@ _B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 _B58_INDEX = {char: index for index, char in enumerate(_B58_ALPHABET)}
 # 160 bits: the Kademlia keyspace size, and plenty against accidental collisions of volunteers.
 PEER_ID_BYTES = 20
+# 20 bytes in base58 take at most 28 characters; leading zero bytes add one '1' each.
+MAX_PEER_ID_TEXT = 40
 
 
 class IdentityError(Exception):
@@ -65,6 +67,10 @@ class PeerID:
 
     @classmethod
     def from_string(cls, text: str) -> PeerID:
+        # Base58 decoding is quadratic in the text's length and peer IDs arrive in records and
+        # addresses from other peers: a 60 KB "ID" would stop the event loop for seconds.
+        if len(text) > MAX_PEER_ID_TEXT:
+            raise ValueError(f"not a peer ID: {len(text)} characters is longer than any ({MAX_PEER_ID_TEXT})")
         try:
             return cls(_b58decode(text))
         except ValueError as error:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
 import trio
 
 from dht import DHTConfig, DHTNode
-from peer import ConnectError, Identity, PeerAddress, Router, open_peer_host
+from dht.records import pack
+from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
 
 
 async def test_concurrent_dials_of_one_endpoint_with_different_identities_fail_alone() -> None:
@@ -72,10 +74,77 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-async def _run_liar(task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _run_liar(endpoint: tuple[str, int] | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A DHT peer whose find replies list contacts at ``endpoint`` (default: a closed port)."""
     router = Router()
     async with open_peer_host(Identity.generate(), router=router) as liar:
         address = liar.listen_address
-        serve_lying_finds(router, ("127.0.0.1", closed_port()), 6)
+        serve_lying_finds(router, endpoint or ("127.0.0.1", closed_port()), 6)
         task_status.started(address)
         await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("host", ["x..y", "a" * 64, "."])
+async def test_a_contact_whose_host_cannot_be_encoded_is_a_failed_contact(host) -> None:
+    """Host names that IDNA refuses made the dial raise UnicodeError (a ValueError, not an
+    OSError) out of every lookup, and the poisoned contact was never evicted."""
+    async with trio.open_nursery() as nursery:
+        liar_address = await nursery.start(_run_liar, (host, 1234))
+        with trio.fail_after(30):
+            async with DHTNode.open(initial_peers=[liar_address], config=DHTConfig(bootstrap_timeout=5)) as victim:
+                assert await victim.get("some key") is None
+                assert await victim.get("some key") is None  # and again: nothing is left poisoned
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_listen_address_that_cannot_be_dialed_does_not_poison_the_routing_table() -> None:
+    """A caller's hello announces an unusable listen address, so the victim files it as a contact."""
+    async with DHTNode.open() as victim:
+        async with open_peer_host(Identity.generate(), listen=("127.0.0.1", 0)) as liar:
+            liar.listen_address = PeerAddress("x..y", 1, liar.peer_id)  # what its hello announces
+            connection = await liar.connect(victim.address)
+            await connection.call("dht.ping", None, timeout=5)
+        with trio.fail_after(30):
+            assert await victim.get("some key") is None
+
+
+@pytest.mark.parametrize("entry", ["value", "subkey"])
+async def test_a_found_record_that_is_not_msgpack_is_dropped_not_raised(entry) -> None:
+    """A liar answers a get with a record whose value (or dictionary subkey) is not msgpack:
+    decoding it raised RecordError out of ``get`` and killed the trainer reading progress."""
+    async with trio.open_nursery() as nursery:
+        liar_address = await nursery.start(_run_record_liar, entry)
+        with trio.fail_after(30):
+            async with DHTNode.open(initial_peers=[liar_address], config=DHTConfig(bootstrap_timeout=5)) as victim:
+                assert await victim.get("run.progress", latest=True) is None
+        nursery.cancel_scope.cancel()
+
+
+async def _run_record_liar(entry: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    router = Router()
+
+    @router.unary("dht.find")
+    async def find(request):
+        if request.body[1] is None:
+            return []
+        if entry == "value":
+            found = [0, b"\xc1", time.time() + 30]
+        else:
+            found = [1, [[b"\xc1", pack({"epoch": 1}), time.time() + 30]]]
+        return Message([], pack(found))
+
+    @router.unary("dht.ping")
+    async def ping(request):
+        return None
+
+    async with open_peer_host(Identity.generate(), router=router) as liar:
+        task_status.started(liar.listen_address)
+        await trio.sleep_forever()
+
+
+def test_a_peer_id_text_of_60_kb_is_refused_at_once() -> None:
+    """Base58 decoding is quadratic: such a text in a record froze the event loop for seconds."""
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="longer than any"):
+        PeerAddress.parse("h:1/" + "2" * 60_000)
+    assert time.perf_counter() - started < 0.01  # the old decoder needed ~1.4 s here
