@@ -18,7 +18,7 @@ import trio
 from peer import PeerHost
 
 from .allreduce import AllReduceResult, AllReduceService
-from .group import AveragingMode
+from .group import AveragingMode, is_counter
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .state_sharing import StateSharing
@@ -142,7 +142,7 @@ class GroupAverager:
             with torch.no_grad():
                 for ours, theirs in zip(self.tensors, tensors, strict=True):
                     ours.copy_(theirs)
-            if isinstance(metadata, dict) and type(metadata.get("round")) is int and metadata["round"] >= 0:
+            if isinstance(metadata, dict) and is_counter(metadata.get("round")):
                 self.round = max(self.round, metadata["round"])
         log.info("loaded state from peers (round %d)", self.round)
         return metadata

@@ -13,11 +13,23 @@ from typing import Any
 
 from peer import PeerAddress, PeerID
 
-__all__ = ["AveragingMode", "GroupMember", "GroupInfo", "MAX_GROUP_SIZE"]
+__all__ = ["AveragingMode", "GroupMember", "GroupInfo", "MAX_GROUP_SIZE", "MAX_BANDWIDTH", "MAX_COUNTER", "is_counter"]
 
 # Butterfly all-reduce opens (n-1) streams per peer; beyond ~64 peers the per-part overhead
 # dominates and a Moshpit round of smaller groups averages faster anyway.
 MAX_GROUP_SIZE = 64
+# Bandwidths are relative shares (bytes/s by convention); 1e12 is a terabyte per second. Larger
+# values only serve to overflow the shard arithmetic (total * bandwidth became inf).
+MAX_BANDWIDTH = 1e12
+# Epochs, rounds, versions and sample counts that other peers claim: 2**53 is a step per
+# microsecond for 285 years, keeps float conversions exact, and leaves +1 far from the 2**64 that
+# msgpack cannot pack (a claimed 2**64 - 1, adopted and incremented, broke every later store).
+MAX_COUNTER = 1 << 53
+
+
+def is_counter(value: Any) -> bool:
+    """A plain int in 0..MAX_COUNTER (not a bool, not a float)."""
+    return type(value) is int and 0 <= value <= MAX_COUNTER
 
 
 class AveragingMode(str, enum.Enum):
@@ -57,8 +69,8 @@ class GroupMember:
             raise ValueError("address must be a string or null")
         if parsed is not None and parsed.peer_id != peer_id:
             raise ValueError("a member's address must pin the member's own peer ID")
-        if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth >= 0):
-            raise ValueError("bandwidth must be a non-negative number")
+        if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and 0 <= bandwidth <= MAX_BANDWIDTH):
+            raise ValueError(f"bandwidth must be a number in 0..{MAX_BANDWIDTH:g}")
         member = cls(peer_id, parsed, float(bandwidth), AveragingMode(mode))
         if member.mode.reduces and member.address is None:
             raise ValueError("a reducing member needs an address")

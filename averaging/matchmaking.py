@@ -24,7 +24,7 @@ import trio
 from dht.peer_dictionary import peer_entries
 from peer import ConnectError, PeerAddress, PeerHost, PeerID, Router, RPCError
 
-from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember
+from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 from .matchmaking_rules import Candidate, propose_group
 
 __all__ = ["Matchmaker", "MatchmakingError", "Declaration"]
@@ -70,7 +70,7 @@ class Declaration:
             [peer_id.to_bytes(), body.get("address"), body.get("bandwidth"), body.get("mode")]
         )
         schema, round_number = body.get("schema"), body.get("round")
-        if not (isinstance(schema, str) and len(schema) <= 128 and type(round_number) is int and round_number >= 0):
+        if not (isinstance(schema, str) and len(schema) <= 128 and is_counter(round_number)):
             raise ValueError("declaration needs a schema string and a round number")
         return cls(peer_id, member.address, member.bandwidth, member.mode, schema, round_number)
 

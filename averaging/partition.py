@@ -28,7 +28,7 @@ def split_by_bandwidth(total: int, bandwidths: list[float]) -> list[int]:
     if not bandwidths or any(b < 0 for b in bandwidths) or sum(bandwidths) <= 0:
         raise ValueError(f"need at least one positive bandwidth, got {bandwidths}")
     weight = sum(bandwidths)
-    exact = [total * b / weight for b in bandwidths]
+    exact = [b / weight * total for b in bandwidths]  # share first: total * b may overflow
     sizes = [int(x) for x in exact]
     leftover = total - sum(sizes)
     by_remainder = sorted(range(len(bandwidths)), key=lambda i: (exact[i] - sizes[i], bandwidths[i]), reverse=True)

@@ -15,6 +15,8 @@ from typing import Any
 from dht.peer_dictionary import peer_entries
 from peer import PeerID
 
+from .group import is_counter
+
 __all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
 
 # A record outlives a few missed refreshes (peers publish at least every second while training),
@@ -39,7 +41,7 @@ class PeerProgress:
         epoch, samples, sps = body.get("epoch"), body.get("samples"), body.get("sps")
         if type(epoch) is not int or type(samples) is not int or not isinstance(sps, (int, float)):
             raise ValueError("a progress record needs integer epoch and samples and a numeric rate")
-        if epoch < 0 or samples < 0 or not 0 <= sps < 1e12:
+        if not (is_counter(epoch) and is_counter(samples)) or not 0 <= sps < 1e12:
             raise ValueError("progress out of range")
         return cls(epoch, samples, float(sps))
 

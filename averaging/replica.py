@@ -18,6 +18,7 @@ import torch
 
 from .allreduce import AllReduceError
 from .averager import GroupAverager
+from .group import is_counter
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 
@@ -141,7 +142,7 @@ class Replica:
         StateUnavailable if no donor answered within ``timeout``."""
         metadata = await self.state.load_state_from_peers(timeout=timeout)
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if type(epoch) is int and epoch >= 0:
+        if is_counter(epoch):
             await self.move_to_epoch(epoch, catch_up)
 
     async def move_to_epoch(self, epoch: int, catch_up: Callable[[int], Awaitable[None]] | None = None) -> None:

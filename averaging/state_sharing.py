@@ -27,6 +27,8 @@ from dht.peer_dictionary import peer_entries
 from peer import ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
+from .group import is_counter
+
 __all__ = ["DonorOffer", "StateOwner", "StateSharing", "StateUnavailable"]
 
 log = logging.getLogger("peerd.averaging")
@@ -60,7 +62,7 @@ class DonorOffer:
     def from_wire(cls, peer: PeerID, body: Any) -> DonorOffer:
         """Raises ValueError, TypeError or KeyError unless ``body`` is an offer made by ``peer``."""
         address, version = PeerAddress.parse(body["address"]), body["version"]
-        if address.peer_id != peer or type(version) is not int:
+        if address.peer_id != peer or not is_counter(version):
             raise ValueError("a donor offers its own address and an integer version")
         return cls(address, version)
 
