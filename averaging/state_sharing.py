@@ -24,7 +24,7 @@ import torch
 import trio
 
 from dht.peer_dictionary import peer_entries
-from peer import ConnectError, PeerAddress, PeerHost, PeerID, RPCError
+from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
 from .group import is_counter
@@ -36,6 +36,13 @@ log = logging.getLogger("peerd.averaging")
 # A donor that has not averaged for this long is probably gone; the announcement expires with it.
 DONOR_TTL = 120.0
 MAX_TENSORS = 10_000
+# Each download being served pins a full copy of the state until it is sent. A newcomer needs one
+# download at a time; a few donors' worth in total keeps a popular donor's memory bounded.
+MAX_SERVES_PER_PEER = 1
+MAX_SERVES = 4
+# A serve that has not finished by then is dropped with its copy: a reader that stops reading must
+# not pin it. Ten minutes moves several GB even over a 100 Mbit/s link.
+SERVE_DEADLINE = 600.0
 
 
 class StateUnavailable(RuntimeError):
@@ -74,6 +81,7 @@ class StateSharing:
         self.prefix = prefix
         self.owner = owner
         self.method = f"avg.state.{prefix}"
+        self._serving: dict[PeerID, int] = {}
         host.router.add_stream(self.method, self._serve_state)
 
     @property
@@ -87,6 +95,19 @@ class StateSharing:
         await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=self.host.peer_id.to_bytes())
 
     async def _serve_state(self, stream) -> None:
+        peer = stream.peer
+        if self._serving.get(peer, 0) >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
+            raise Busy("this donor is serving as many state downloads as it can; try another donor")
+        self._serving[peer] = self._serving.get(peer, 0) + 1
+        try:
+            with trio.move_on_after(SERVE_DEADLINE):
+                await self._send_state(stream)
+        finally:
+            self._serving[peer] -= 1
+            if not self._serving[peer]:
+                del self._serving[peer]
+
+    async def _send_state(self, stream) -> None:
         async with self.owner.locked_tensors() as tensors:
             # Copy under the lock (in a thread: may be large) so a concurrent round cannot tear it.
             snapshot = await trio.to_thread.run_sync(lambda: [t.detach().to("cpu", copy=True) for t in tensors])
@@ -99,12 +120,16 @@ class StateSharing:
     async def _donors(self) -> list[PeerAddress]:
         found = await self.dht.get(self.key, latest=True)
         offers = [offer for peer, offer in peer_entries(found, DonorOffer.from_wire) if peer != self.host.peer_id]
-        if not offers:
-            return []
-        newest = max(offer.version for offer in offers)
-        donors = [offer.address for offer in offers if offer.version == newest]
-        random.shuffle(donors)
-        return donors
+        return [offer.address for offer in self.order_donors(offers)]
+
+    @staticmethod
+    def order_donors(offers: list[DonorOffer]) -> list[DonorOffer]:
+        """Newest state first, load spread randomly among equals; older donors remain as fallbacks,
+        so one offer claiming a huge version cannot leave a newcomer with no one else to try."""
+        offers = list(offers)
+        random.shuffle(offers)
+        offers.sort(key=lambda offer: offer.version, reverse=True)
+        return offers
 
     async def download(self, expected: Sequence[torch.Tensor], timeout: float) -> tuple[Any, list[torch.Tensor]]:
         """Metadata and tensors from some donor; raises StateUnavailable after ``timeout``."""

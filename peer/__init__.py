@@ -14,6 +14,7 @@ from .rpc import ClientStream, Connection, ServerStream
 from .rpc_errors import (
     BadRequest,
     BadRequestError,
+    Busy,
     BusyError,
     CallTimeoutError,
     ConnectionLost,
@@ -36,6 +37,7 @@ __all__ = [
     "PeerID",
     "BadRequest",
     "BadRequestError",
+    "Busy",
     "BusyError",
     "CallTimeoutError",
     "ClientStream",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .identity import PeerID
 
 __all__ = [
+    "Busy",
     "RPCError",
     "RemoteError",
     "UnknownMethodError",
@@ -32,7 +33,7 @@ __all__ = [
 # The wire's error codes (the type_name of an ERROR header).
 UNKNOWN_METHOD = "UnknownMethod"  # no handler of that name and kind, or a client-mode peer
 BAD_REQUEST = "BadRequest"  # the handler raised BadRequest: the arguments were wrong
-BUSY = "Busy"  # the connection already has its limit of concurrent incoming calls
+BUSY = "Busy"  # no room for the call now: the connection's call limit, or a handler raised Busy
 DEADLINE_EXCEEDED = "DeadlineExceeded"  # the handler ran past the time budget the caller sent
 
 
@@ -95,9 +96,17 @@ class BadRequest(Exception):
     """Raise from a handler to tell the caller its arguments are wrong (reaches it as BadRequestError)."""
 
 
+class Busy(Exception):
+    """Raise from a handler that has no room for this call now (reaches the caller as BusyError)."""
+
+
 def error_code(error: BaseException) -> str:
     """The type name an ERROR header carries for an exception a handler raised."""
-    return BAD_REQUEST if isinstance(error, BadRequest) else type(error).__name__
+    if isinstance(error, BadRequest):
+        return BAD_REQUEST
+    if isinstance(error, Busy):
+        return BUSY
+    return type(error).__name__
 
 
 def remote_error(method: str, peer: PeerID, type_name: str, message: str) -> RemoteError:
