@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import trio
 
-from peer import BadRequest, Message, PeerAddress, PeerHost, Request, Router
+from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Request, Router
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
 from .batching import BatchQueue, Job
@@ -38,6 +38,10 @@ log = logging.getLogger("peerd.moe")
 # Hivemind's default: large enough that batching pays off, small enough that one batch of 1024-wide
 # FFN activations stays well under a GiB.
 DEFAULT_MAX_BATCH_SIZE = 4096
+# Queued requests hold their tensors until computed (up to max_batch_size samples each, ~16 MiB at
+# width 1024). A caller keeps a few batches in flight to hide latency; the server a few callers'.
+PENDING_BATCHES_PER_PEER = 4
+PENDING_BATCHES = 16
 # A batch this small (e.g. one sample of hidden size 2048) computes in well under a millisecond on
 # a CPU: doing it on the event loop beats two thread hand-offs and GIL ping-pong, measured at
 # ~0.4 ms each way on a 2-core machine. Larger batches go to a worker thread so the loop stays free.
@@ -74,6 +78,10 @@ class ExpertServer:
         self.compute_limiter = trio.CapacityLimiter(1)
         self.stats = {"requests": 0, "batches": 0, "samples": 0}
         self._wakeups = {uid: trio.Event() for uid in self.experts}
+        # Samples waiting in the queues, per caller: each holds its request's tensors until computed.
+        self._pending: dict[PeerID, int] = {}
+        self.max_pending_per_peer = PENDING_BATCHES_PER_PEER * max_batch_size
+        self.max_pending = PENDING_BATCHES * max_batch_size
 
     def register(self, router: Router) -> None:
         router.add_unary("moe.forward", self._handle_forward)
@@ -124,12 +132,13 @@ class ExpertServer:
         tensors = self._tensors(request.body, request.payload, backend, 1)
         token = self._token(request)
         keep_graph = request.body.get("grad") is True and token is not None
-        return await self._submit(uid, "forward", _Work(tensors, token, keep_graph, trio.Event()))
+        return await self._submit(request.peer, uid, "forward", _Work(tensors, token, keep_graph, trio.Event()))
 
     async def _handle_backward(self, request: Request) -> Message:
         uid, backend = self._expert(request.body)
         tensors = self._tensors(request.body, request.payload, backend, 2)
-        return await self._submit(uid, "backward", _Work(tensors, self._token(request), False, trio.Event()))
+        work = _Work(tensors, self._token(request), False, trio.Event())
+        return await self._submit(request.peer, uid, "backward", work)
 
     async def _handle_info(self, request: Request) -> dict:
         uid, backend = self._expert(request.body)
@@ -140,8 +149,12 @@ class ExpertServer:
             "max_batch_size": self.max_batch_size,
         }
 
-    async def _submit(self, uid: str, kind: str, work: _Work) -> Message:
+    async def _submit(self, caller: PeerID, uid: str, kind: str, work: _Work) -> Message:
         job = Job(kind, work.tensors[0].shape[0], work)
+        mine = self._pending.get(caller, 0)
+        if mine + job.size > self.max_pending_per_peer or sum(self._pending.values()) + job.size > self.max_pending:
+            raise Busy(f"{mine} of your samples are already waiting on this server; retry when they are done")
+        self._pending[caller] = mine + job.size
         queue = self.queues[uid]
         queue.add(job)
         self._wakeups[uid].set()
@@ -150,6 +163,9 @@ class ExpertServer:
         finally:
             if not job.started:
                 queue.remove(job)  # the caller gave up before we got to it
+            self._pending[caller] -= job.size
+            if not self._pending[caller]:
+                del self._pending[caller]
         self.stats["requests"] += 1
         if job.error is not None:
             raise ExpertFailed(f"expert {uid} failed: {job.error!r}")

@@ -13,7 +13,7 @@ from moe.experts import ExpertBackend
 from moe.protocol import pack_tensors
 from moe.remote import RemoteExpert
 from moe.server import open_expert_server
-from peer import BadRequestError, Identity, RemoteError, open_peer_host
+from peer import BadRequestError, BusyError, Identity, RemoteError, open_peer_host
 
 HIDDEN = 16
 
@@ -185,3 +185,30 @@ async def test_checkpoints_are_saved_and_reloaded(tmp_path) -> None:
     assert fresh.steps == 1
     for name, value in backend.module.state_dict().items():
         assert torch.equal(fresh.module.state_dict()[name], value)
+
+
+async def test_one_caller_cannot_queue_more_than_its_share_of_samples() -> None:
+    """Queued requests hold their tensors until computed: beyond a few batches per caller the
+    server answers Busy at once instead of holding more."""
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": make_backend()}, max_batch_size=4) as server:
+            connection = await client_host.connect(server_host.listen_address)
+            headers, payload = pack_tensors([torch.randn(4, HIDDEN)])
+            outcomes: list[str] = []
+
+            async def call() -> None:
+                try:
+                    await connection.call("moe.forward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload)
+                    outcomes.append("done")
+                except BusyError:
+                    outcomes.append("busy")
+
+            calls = server.max_pending_per_peer // 4 + 2
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    async with server.compute_limiter:  # nothing computes: every request waits queued
+                        for _ in range(calls):
+                            nursery.start_soon(call)
+                        while outcomes.count("busy") < 2:
+                            await trio.sleep(0.01)
+            assert outcomes.count("busy") == 2 and outcomes.count("done") == calls - 2
