@@ -8,9 +8,11 @@ ciphertext. The decoder owns its receive buffer so that the socket can ``recv_in
 
 from __future__ import annotations
 
+import mmap
 import struct
+from typing import Any
 
-__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "HEADER"]
+__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "HEADER", "READ_SLACK"]
 
 HEADER = struct.Struct(">I")
 # A record carries at most 1 MiB of plaintext plus the 16-byte AEAD tag. 1 MiB is large enough that
@@ -19,6 +21,10 @@ HEADER = struct.Struct(">I")
 MAX_RECORD_PLAINTEXT = 1 << 20
 AEAD_TAG_SIZE = 16
 MAX_RECORD_SIZE = MAX_RECORD_PLAINTEXT + AEAD_TAG_SIZE
+# What one read may take beyond the record in progress: 64 KiB is the most a loopback or LAN socket
+# hands over per wakeup without SO_RCVLOWAT, so small records still arrive many per syscall, and it
+# is the room a large record may start at without the buffer having to move it (see writable()).
+READ_SLACK = 64 * 1024
 
 
 class ProtocolError(Exception):
@@ -35,47 +41,96 @@ class RecordDecoder:
     Use it as ``view = decoder.writable(); n = sock.recv_into(view); decoder.commit(n)`` then drain
     ``decoder.next_record()`` until it returns None. A returned view stays valid until the next call
     to ``writable`` (which may compact the buffer). ``receive_data`` does the same for tests.
+
+    Memory: the decoder holds at most one record plus ``READ_SLACK``. It starts with a small buffer
+    (an idle or handshaking connection costs little) and switches to one of the full size when a
+    record needs it; that large buffer is an anonymous mapping, so the pages a record has not reached
+    are never committed (a record left half-sent costs half a record) and ``release()`` returns all
+    of it to the OS, which the C heap would not reliably do for many freed 1 MiB blocks. The large
+    buffer is charged to ``budget`` (a ``ReceiveBudget``) while held.
     """
 
-    def __init__(self, max_record_size: int = MAX_RECORD_SIZE, initial_size: int = 64 * 1024):
+    def __init__(self, max_record_size: int = MAX_RECORD_SIZE, initial_size: int = READ_SLACK, budget: Any = None):
         self.max_record_size = max_record_size
-        # The buffer starts small (an idle or handshaking connection costs little) and grows to hold
-        # several maximal records, which keeps compaction (a copy of the partial record at the
-        # tail) to at most once per three records' worth of bytes.
-        self._max_buffer = 4 * (max_record_size + HEADER.size)
-        self._buffer = bytearray(min(initial_size, self._max_buffer))
+        self._capacity = HEADER.size + max_record_size + READ_SLACK
+        self._initial_size = min(initial_size, self._capacity)
+        self._budget = budget
+        self._charged = 0  # what the large buffer costs the budget while we hold it
+        self._buffer: Any = bytearray(self._initial_size)
         self._view = memoryview(self._buffer)
         self._start = 0  # first unconsumed byte
         self._end = 0  # one past the last received byte
         self._failed: ProtocolError | None = None
 
-    def writable(self, min_free: int = 64 * 1024) -> memoryview:
-        """A view of free buffer space to receive into; compacts or grows the buffer as needed."""
+    def writable(self, min_free: int = READ_SLACK) -> memoryview:
+        """A view of free buffer space to receive into; compacts or grows the buffer as needed.
+
+        While a record larger than ``READ_SLACK`` is incomplete the view ends where that record
+        does, and otherwise it holds at most ``READ_SLACK`` bytes: so a large record starts within
+        the first ``READ_SLACK`` bytes of the buffer and always fits without being moved (moving a
+        partial record is a copy of up to a record), at the cost of at most one extra read per large
+        record."""
+        if self._failed is not None:
+            raise self._failed
         if self._start == self._end:
             self._start = self._end = 0
         pending = self._end - self._start
-        needed = min_free
+        needed, limit = HEADER.size, max(1, min(min_free, READ_SLACK))
         if pending >= HEADER.size:
             (length,) = HEADER.unpack_from(self._buffer, self._start)
-            if length <= self.max_record_size:
-                needed = max(needed, HEADER.size + length - pending)
-        if len(self._buffer) - self._end < needed:
+            missing = HEADER.size + length - pending
+            if length <= self.max_record_size and missing > 0:
+                needed = missing
+                if HEADER.size + length > READ_SLACK:
+                    limit = missing
+        free = len(self._buffer) - self._end
+        if free < needed or free < min(limit, len(self._buffer) // 4):
             tail = self._view[self._start : self._end]
+            if pending + needed > self._capacity:
+                raise RuntimeError("complete records must be drained before more bytes are received")
             if pending + needed > len(self._buffer):
-                # Jump straight to room for several records of this size: growing by doubling
-                # would compact (copy) on nearly every large record.
-                size = max(2 * len(self._buffer), min(4 * (pending + needed), self._max_buffer), pending + needed)
-                grown = bytearray(size)
-                grown[:pending] = tail
-                self._buffer, self._view = grown, memoryview(grown)
+                self._grow(tail)
             else:
                 # Assign through the memoryview: bytearray slice assignment from any object other
-                # than a bytearray first copies it into a temporary bytearray (a fresh allocation
-                # of up to a record, page faults included). Overlapping views are not promised
-                # memmove semantics, so that rare case goes through one temporary copy.
+                # than a bytearray first copies it into a temporary bytearray. Overlapping views
+                # are not promised memmove semantics, so that case goes through one temporary copy.
                 self._view[:pending] = tail if pending <= self._start else bytes(tail)
             self._start, self._end = 0, pending
-        return self._view[self._end :]
+        return self._view[self._end : self._end + limit]
+
+    def _grow(self, tail: memoryview) -> None:
+        if self._budget is not None:
+            try:
+                self._budget.charge(self._capacity, "a record buffer")
+            except ProtocolError as error:
+                self._failed = error
+                raise
+            self._charged = self._capacity
+        grown = mmap.mmap(-1, self._capacity)
+        view = memoryview(grown)
+        view[: len(tail)] = tail
+        self._buffer, self._view = grown, view
+
+    def release(self, *, closing: bool = False) -> bool:
+        """Give the large buffer back if no partial record is in it (or ``closing``: the connection
+        is done and nothing in the buffer matters any more); True if memory was returned."""
+        if self._charged == 0 and not isinstance(self._buffer, mmap.mmap):
+            return False
+        if self._end > self._start and not closing:
+            return False
+        leftover = bytes(self._view[self._start : self._end]) if not closing else b""
+        self._buffer = bytearray(max(self._initial_size, len(leftover)))
+        self._view = memoryview(self._buffer)
+        self._view[: len(leftover)] = leftover
+        self._start, self._end = 0, len(leftover)
+        if self._charged and self._budget is not None:
+            self._budget.refund(self._charged)
+        self._charged = 0
+        return True
+
+    @property
+    def holds_large_buffer(self) -> bool:
+        return isinstance(self._buffer, mmap.mmap)
 
     def take_buffered(self) -> bytes:
         """Remove and return the unconsumed bytes (hand-over from the handshake decoder)."""
@@ -90,7 +145,7 @@ class RecordDecoder:
         """Copy ``data`` into the buffer (convenience for tests and handshakes)."""
         offset = 0
         while offset < len(data):
-            view = self.writable(min_free=min(len(data) - offset, self._max_buffer // 2))
+            view = self.writable(min_free=min(len(data) - offset, READ_SLACK))
             chunk = min(len(view), len(data) - offset)
             view[:chunk] = data[offset : offset + chunk]
             del view

@@ -33,6 +33,8 @@ from .rpc_errors import (
     remote_error,
 )
 from .rpc_protocol import (
+    MAX_PAYLOAD,
+    STREAM_WINDOW,
     CallCancelled,
     CallFailed,
     CallOpened,
@@ -64,15 +66,32 @@ _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 # (a per-byte budget alone let 24-byte records hold the loop for ~0.5 s).
 READ_BUDGET = 1 << 20
 RECORD_COST = READ_BUDGET // 64
+# A record or payload that has begun must keep arriving: with no byte for this long the connection
+# is dropped with its partial message. 30 s outlasts five lost segments in a row on a healthy path
+# (TCP's retransmission timeout doubles from 1 s: 1 + 2 + 4 + 8 + 16 s) and a volunteer's brief
+# Wi-Fi dropout, and an honest sender is never blocked mid-message by us (credit was granted first).
+STALLED_MESSAGE_TIMEOUT = 30.0
+# And a payload must arrive at 1 Mbit/s on average, plus the stall allowance: a peer slower than
+# that cannot take part in tensor traffic anyway, and a maximal payload gets about 35 minutes.
+MIN_PAYLOAD_RATE = 128 * 1024
+# A connection that has been quiet this long returns its 1 MiB record buffer to the OS: bulk streams
+# pause far less than a second between messages, so only connections between rounds pay one
+# re-allocation (an mmap) for their next large record.
+IDLE_BUFFER_RELEASE = 1.0
+# Replies (results, errors, refusals) queued for a peer that does not read them: one maximal
+# payload plus a window of small ones. Beyond that the peer is making us buffer what it asks for
+# faster than it takes it, and the connection is closed.
+MAX_QUEUED_REPLY_BYTES = MAX_PAYLOAD + STREAM_WINDOW
 
 
 class _Outgoing:
-    __slots__ = ("header", "payload", "encrypted")
+    __slots__ = ("header", "payload", "encrypted", "reply_bytes")
 
-    def __init__(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None):
+    def __init__(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None, reply_bytes: int):
         self.header = header
         self.payload = payload
         self.encrypted = encrypted
+        self.reply_bytes = reply_bytes  # counted against MAX_QUEUED_REPLY_BYTES until written
 
 
 class TrafficCounter:
@@ -106,6 +125,8 @@ class Connection:
         self.remote_hello = channel.remote_hello
         self.closed = trio.Event()
         self._outgoing: deque[_Outgoing] = deque()
+        self._queued_reply_bytes = 0
+        self._payload_deadline = math.inf  # when the payload being received must be complete
         self._wakeup_writer = trio.Event()
         self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
@@ -146,6 +167,7 @@ class Connection:
                     nursery.start_soon(self._until_failure, self._read_loop)
         finally:
             self._fail_all(ConnectionLost(self._close_reason))
+            self.protocol.close()
             self.closed.set()
             await self.channel.aclose()
 
@@ -248,16 +270,27 @@ class Connection:
 
     # ------------------------------------------------------------------ what streams use
     # (``StreamTransport`` in rpc_streams.py: the connection as its streams see it)
-    def grant(self, call_id: int, nbytes: int) -> None:
+    def grant(self, call_id: int, nbytes: int, drained: bool = False) -> None:
         """The application took ``nbytes`` of a stream's data; re-grant credit when enough has."""
-        header = self.protocol.consumed(call_id, nbytes)
+        header = self.protocol.consumed(call_id, nbytes, drained)
         if header is not None and not self.is_closed:
             self.enqueue(header)
 
     def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
         """Queue a header built by ``self.protocol`` (and its payload) for the writer; ``encrypted``
         is set once the payload has been encrypted, so its buffer may be reused."""
-        self._outgoing.append(_Outgoing(header, payload, encrypted))
+        self._outgoing.append(_Outgoing(header, payload, encrypted, 0))
+        self._wakeup_writer.set()
+
+    def _reply(self, header: bytes, payload: memoryview | None = None) -> None:
+        """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
+        size = len(header) + (len(payload) if payload is not None else 0)
+        if self._queued_reply_bytes + size > MAX_QUEUED_REPLY_BYTES:
+            self._close_reason = f"peer {self.remote_peer_id} left {self._queued_reply_bytes} bytes of replies unread"
+            log.warning("dropping connection: %s", self._close_reason)
+            return self._cancel_scope.cancel()
+        self._queued_reply_bytes += size
+        self._outgoing.append(_Outgoing(header, payload, None, size))
         self._wakeup_writer.set()
 
     # ------------------------------------------------------------------ writing
@@ -273,6 +306,7 @@ class Connection:
             position = 0
             while self._outgoing:
                 item = self._outgoing.popleft()
+                self._queued_reply_bytes -= item.reply_bytes
                 chunks = [item.header]
                 if item.payload is not None:
                     payload = item.payload
@@ -313,21 +347,43 @@ class Connection:
                         # the AEAD allocate the plaintext (one allocation, no buffer to fill).
                         events = protocol.payload_whole(cipher.open(record))
                     else:
-                        events = protocol.payload_received(cipher.open_into(record, protocol.payload_target()))
+                        target = protocol.payload_target(len(record) - AEAD_TAG_SIZE)
+                        events = protocol.payload_received(cipher.open_into(record, target))
+                        del target  # a fresh payload buffer may have to grow for the next record
                 else:
                     events = protocol.receive_header(cipher.open(record))
-                    if protocol.announced_data is not None:
-                        self._supply_payload_buffer(*protocol.announced_data)
+                    if protocol.awaiting_payload:
+                        size = protocol.payload_remaining
+                        self._payload_deadline = trio.current_time() + STALLED_MESSAGE_TIMEOUT + size / MIN_PAYLOAD_RATE
+                        if protocol.announced_data is not None:
+                            self._supply_payload_buffer(*protocol.announced_data)
                 for header in protocol.take_outbox():
-                    self.enqueue(header)
+                    self._reply(header)
                 for event in events:
                     self._handle_event(event)
                 if budget <= 0:
                     budget = READ_BUDGET
                     await trio.lowlevel.cancel_shielded_checkpoint()
-            if not await channel.fill():
+            if not await self._fill():
                 self._close_reason = f"peer {self.remote_peer_id} closed the connection"
                 return
+
+    async def _fill(self) -> bool:
+        """Receive more bytes, within the deadline of any message in progress; give the record
+        buffer back when the connection goes quiet between messages."""
+        channel, decoder = self.channel, self.channel.decoder
+        if self.protocol.awaiting_payload or decoder.buffered:
+            deadline = trio.current_time() + STALLED_MESSAGE_TIMEOUT
+            if self.protocol.awaiting_payload:
+                deadline = min(deadline, self._payload_deadline)
+            with trio.CancelScope(deadline=deadline):
+                return await channel.fill()
+            raise ProtocolError("a message stalled mid-way (no progress, or below the minimum rate)")
+        if decoder.holds_large_buffer:
+            with trio.move_on_after(IDLE_BUFFER_RELEASE):
+                return await channel.fill()
+            decoder.release()
+        return await channel.fill()
 
     def _supply_payload_buffer(self, call_id: int, body: Any) -> None:
         state = self._pending.get(call_id)
@@ -386,7 +442,7 @@ class Connection:
                 reason = f"method {event.method!r} is a {actual} method; call it with {use}"
             else:
                 reason = f"no such method {event.method!r}"
-            self.enqueue(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
+            self._reply(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
             return
         scope = trio.CancelScope()
         if event.timeout is not None:
@@ -422,7 +478,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self.enqueue(header, view)
+                    self._reply(header, view)
                 else:
                     try:
                         await handler(stream)
@@ -431,7 +487,7 @@ class Connection:
                     if self.protocol.is_live(call_id):
                         self.enqueue(self.protocol.end_stream(call_id))
             if scope.cancelled_caught and self.protocol.is_live(call_id):
-                self.enqueue(self.protocol.send_error(call_id, DEADLINE_EXCEEDED, "the handler ran out of time"))
+                self._reply(self.protocol.send_error(call_id, DEADLINE_EXCEEDED, "the handler ran out of time"))
         except Exception as error:
             log.debug("handler %s failed for %s", event.method, self.remote_peer_id, exc_info=True)
             self._reply_error(call_id, error_code(error), str(error))
@@ -440,4 +496,4 @@ class Connection:
 
     def _reply_error(self, call_id: int, type_name: str, message: str) -> None:
         if self.protocol.is_live(call_id) and not self.is_closed:
-            self.enqueue(self.protocol.send_error(call_id, type_name, message))
+            self._reply(self.protocol.send_error(call_id, type_name, message))

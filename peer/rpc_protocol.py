@@ -22,13 +22,22 @@ sides can open calls on one connection without colliding (as in HTTP/2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from .buffers import byte_view
 from .framing import ProtocolError
+from .incoming_payload import IncomingPayload
 from .packing import packb, unpackb
+from .receive_budget import ReceiveBudget, process_budget
 from .rpc_errors import BUSY
+from .rpc_events import (
+    CallCancelled,
+    CallFailed,
+    CallOpened,
+    CallResult,
+    CreditGranted,
+    StreamData,
+    StreamEnd,
+)
 
 __all__ = [
     "RPCProtocol",
@@ -52,60 +61,17 @@ MAX_CONCURRENT_CALLS = 4096
 # Per-direction stream window: 16 MiB keeps a loopback pipe of 1 MiB records full (measured) while
 # bounding what a slow reader makes the sender's peer buffer.
 STREAM_WINDOW = 16 << 20
+# Stream data received but not yet read by the application, summed over one connection's calls.
+# A call's window bounds it per call; this bounds a peer that opens many streams to handlers that
+# do not read (or read slowly): four full windows plus one maximal message larger than a window
+# (see ``_fits_credit``), which an honest peer reaches only with several bulk streams at once.
+MAX_UNREAD_PER_CONNECTION = 4 * STREAM_WINDOW + MAX_PAYLOAD
 MAX_METHOD_NAME = 256
 MAX_ERROR_TEXT = 4096
 
 
-@dataclass(frozen=True)
-class CallOpened:
-    call_id: int
-    method: str
-    timeout: float | None
-    unary: bool
-    body: Any = None
-    payload: bytes | bytearray = b""
-
-
-@dataclass(frozen=True)
-class StreamData:
-    call_id: int
-    body: Any
-    payload: bytes | bytearray
-    cost: int
-
-
-@dataclass(frozen=True)
-class StreamEnd:
-    call_id: int
-
-
-@dataclass(frozen=True)
-class CallResult:
-    call_id: int
-    body: Any
-    payload: bytes | bytearray
-
-
-@dataclass(frozen=True)
-class CallFailed:
-    call_id: int
-    type_name: str
-    message: str
-
-
-@dataclass(frozen=True)
-class CallCancelled:
-    call_id: int
-
-
-@dataclass(frozen=True)
-class CreditGranted:
-    call_id: int
-    nbytes: int
-
-
 class _Call:
-    __slots__ = ("local", "sent_done", "received_done", "send_credit", "receive_credit", "unacked")
+    __slots__ = ("local", "sent_done", "received_done", "send_credit", "receive_credit", "unacked", "unread")
     # A call the peer opened ends when we send END/RESULT/ERROR or it sends CANCEL; a call we opened
     # ends when the peer sends END/RESULT/ERROR or we cancel it.
 
@@ -116,6 +82,7 @@ class _Call:
         self.send_credit = window
         self.receive_credit = window
         self.unacked = 0  # bytes the application consumed but we have not re-granted yet
+        self.unread = 0  # bytes delivered to the application and not yet consumed
 
 
 def _check(condition: bool, what: str) -> None:
@@ -140,6 +107,8 @@ class RPCProtocol:
         max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
         max_payload: int = MAX_PAYLOAD,
         window: int = STREAM_WINDOW,
+        max_unread: int = MAX_UNREAD_PER_CONNECTION,
+        budget: ReceiveBudget | None = None,
     ):
         self.initiator = initiator
         self.max_concurrent_calls = max_concurrent_calls
@@ -149,12 +118,11 @@ class RPCProtocol:
         self._calls: dict[int, _Call] = {}
         self._remote_calls = 0
         self._outbox: list[bytes] = []
+        self.max_unread = max_unread
+        self.budget = budget if budget is not None else process_budget()
+        self._unread = 0  # stream bytes delivered to calls and not yet consumed, over all calls
         self._pending: tuple | None = None  # header awaiting its payload
-        # allocated only for payloads spanning records, unless the application supplied a buffer
-        self._payload: Any = None
-        self._payload_view: memoryview | None = None
-        self._payload_len = 0
-        self._payload_filled = 0
+        self._payload: IncomingPayload | None = None  # that payload, as its records arrive
         self._header_size = 0
         # Set by the first protocol error on any incoming path; every incoming method (headers,
         # payloads, payload buffers) then raises it again, as h11's ERROR state: nothing half-works.
@@ -180,13 +148,26 @@ class RPCProtocol:
         call = self._calls.get(call_id)
         return call.send_credit if call is not None else 0
 
-    def send_data(self, call_id: int, body: Any, payload_len: int) -> bytes:
+    def send_data(self, call_id: int, body: Any, payload_len: int) -> bytes | None:
+        """The header of a DATA message, or None if the message does not fit the credit the peer
+        has granted (nothing is charged then: wait for ``CreditGranted`` and try again)."""
         call = self._live(call_id)
         if call.sent_done:
             raise RuntimeError("cannot send on a stream after ending it")
         header = packb([DATA, call_id, body, payload_len])
-        call.send_credit -= len(header) + payload_len
+        cost = len(header) + payload_len
+        if not self._fits_credit(call.send_credit, cost):
+            return None
+        call.send_credit -= cost
         return header
+
+    def _fits_credit(self, credit: int, cost: int) -> bool:
+        """A DATA message must fit the remaining credit. One larger than the whole window (a big
+        tensor in state sharing) can never fit, so it may be sent into a full window instead: it
+        is then the only unread message of its call, and ``max_payload`` still bounds it. Both
+        sides apply the same rule, and the sender's credit never exceeds the receiver's view of
+        it, so an honest sender never trips the receiver's check."""
+        return cost <= credit or (cost > self.window and credit >= self.window)
 
     def end_stream(self, call_id: int) -> bytes:
         """End our half of a stream. From the caller this is a half-close (responses may still come);
@@ -208,19 +189,26 @@ class RPCProtocol:
 
     def cancel(self, call_id: int) -> bytes | None:
         """Abandon a call we opened; None if it already ended (nothing to tell the peer)."""
-        call = self._calls.pop(call_id, None)
-        if call is None:
+        if self._pop_call(call_id) is None:
             return None
         return packb([CANCEL, call_id])
 
-    def consumed(self, call_id: int, nbytes: int) -> bytes | None:
-        """The application took ``nbytes`` of stream data; maybe return a CREDIT header."""
+    def consumed(self, call_id: int, nbytes: int, drained: bool = False) -> bytes | None:
+        """The application took ``nbytes`` of stream data (``drained``: and has read everything
+        delivered so far); maybe return a CREDIT header."""
         call = self._calls.get(call_id)
-        if call is None or call.received_done:
+        if call is None:
+            return None
+        self._unread -= nbytes
+        call.unread -= nbytes
+        if call.received_done:
             return None
         call.unacked += nbytes
-        # Re-grant in halves of the window: one CREDIT per ~8 MiB instead of one per message.
-        if call.unacked < self.window // 2:
+        # Re-grant in halves of the window: one CREDIT per ~8 MiB instead of one per message. When
+        # the reader has caught up, grant all: a sender waiting for room for a message larger
+        # than the credit left (at most half a window short, or a whole window for a message
+        # larger than the window) would otherwise wait for a grant that never comes.
+        if call.unacked < self.window // 2 and not (drained and call.unacked):
             return None
         grant, call.unacked = call.unacked, 0
         call.receive_credit += grant
@@ -245,70 +233,83 @@ class RPCProtocol:
 
     @property
     def payload_remaining(self) -> int:
-        return self._payload_len - self._payload_filled
+        payload = self._payload
+        return 0 if payload is None else payload.length - payload.filled
+
+    @property
+    def receiving_payload(self) -> bool:
+        """Whether part of an awaited payload has arrived (for the driver's stall deadline)."""
+        return self._payload is not None and self._payload.filled > 0
+
+    def close(self) -> None:
+        """The connection is gone: refund what a half-received payload holds of the budget."""
+        if self._payload is not None:
+            self._payload.release()
 
     @property
     def announced_data(self) -> tuple[int, Any] | None:
         """``(call_id, body)`` of the stream message whose payload is awaited (None otherwise), so
         that the driver can ask the application where the payload should go."""
-        header = self._pending
-        if header is None or header[0] != DATA or self._payload is not None:
+        header, payload = self._pending, self._payload
+        if header is None or header[0] != DATA or payload is None or payload.started or payload.discard:
             return None
         return header[1], header[2]
 
     def payload_fits_record(self, size: int) -> bool:
         """Whether a record of ``size`` plaintext bytes is the whole awaited payload and no buffer
         was supplied: the driver may then let the AEAD allocate the payload (``payload_whole``)."""
-        return self._payload is None and size == self._payload_len
+        payload = self._payload
+        return payload is not None and not payload.started and not payload.discard and size == payload.length
 
     def supply_payload_buffer(self, buffer: Any) -> None:
         """Receive the awaited payload into ``buffer`` (a writable buffer of exactly the announced
         length) instead of a fresh allocation; the delivered payload is then ``buffer`` itself."""
         if self._failed is not None:
             raise self._failed
-        if self._pending is None or self._payload is not None or self._payload_filled:
+        if self.announced_data is None:
             raise RuntimeError("no payload is awaiting a buffer")
-        view = byte_view(buffer)
-        if view.readonly:
-            raise ValueError("a payload buffer must be writable")
-        if len(view) != self._payload_len:
-            raise ValueError(f"payload buffer holds {len(view)} bytes, the payload has {self._payload_len}")
-        self._payload, self._payload_view = buffer, view
+        assert self._payload is not None
+        self._payload.supply(buffer)
 
     def payload_whole(self, payload: bytes) -> list:
         """Deliver a payload that arrived in one piece (no buffer to allocate and fill)."""
         if self._failed is not None:
             raise self._failed
         try:
-            if self._pending is None or self._payload is not None or len(payload) != self._payload_len:
+            incoming = self._payload
+            if incoming is None or incoming.started or len(payload) != incoming.length:
                 raise ProtocolError("payload record does not match the announced payload length")
             header = self._pending
-            self._pending = None
-            return self._dispatch(header, payload)
+            self._pending = self._payload = None
+            return [] if incoming.discard else self._dispatch(header, payload)
         except ProtocolError as error:
             self._failed = error
             raise
 
-    def payload_target(self) -> memoryview:
-        """The part of the announced payload not yet received, to decrypt or copy into."""
+    def payload_target(self, nbytes: int | None = None) -> memoryview:
+        """Room for the next ``nbytes`` of the awaited payload (everything not yet received if
+        None), to decrypt or copy into. Fresh buffers grow as records arrive (see
+        ``incoming_payload.py``); a payload over the receive budget fails the protocol."""
         if self._failed is not None:
             raise self._failed
-        assert self._pending is not None
-        if self._payload is None:
-            self._payload = bytearray(self._payload_len)
-            self._payload_view = memoryview(self._payload)
-        assert self._payload_view is not None
-        return self._payload_view[self._payload_filled :]
+        assert self._payload is not None
+        try:
+            return self._payload.target(nbytes)
+        except ProtocolError as error:
+            self._failed = error
+            raise
 
     def payload_received(self, nbytes: int) -> list:
         if self._failed is not None:
             raise self._failed
         assert self._payload is not None and self._pending is not None
-        self._payload_filled += nbytes
-        if self._payload_filled < self._payload_len:
+        if not self._payload.received(nbytes):
             return []
-        header, payload = self._pending, self._payload
-        self._pending = self._payload = self._payload_view = None
+        header, incoming = self._pending, self._payload
+        self._pending = self._payload = None
+        payload = incoming.take()
+        if incoming.discard:
+            return []
         try:
             return self._dispatch(header, payload)  # its checks (credit, state) fail the protocol too
         except ProtocolError as error:
@@ -330,15 +331,37 @@ class RPCProtocol:
             kind, call_id = header[0], header[1]
             _check(type(call_id) is int and 0 < call_id < 1 << 63, "bad call ID")
             payload_len = self._validate(kind, header)
+            if kind == DATA:
+                self._check_credit(call_id, payload_len)
             if payload_len:
                 self._pending = header
-                self._payload_len = payload_len
-                self._payload_filled = 0
+                discard = not self._wants_payload(kind, call_id)
+                self._payload = IncomingPayload(payload_len, self.budget, discard=discard)
                 return []
             return self._dispatch(header, b"")
         except ProtocolError as error:
             self._failed = error
             raise
+
+    def _check_credit(self, call_id: int, payload_len: int) -> None:
+        """Checked when the header arrives, before any of the payload is received or allocated."""
+        call = self._calls.get(call_id)
+        if call is None:
+            return  # late traffic for an ended call: its payload is discarded as it arrives
+        _check(not call.received_done, "data after end of stream")
+        cost = self._header_size + payload_len
+        if not self._fits_credit(call.receive_credit, cost):
+            raise ProtocolError(
+                f"peer sent a stream message of {cost} bytes with {call.receive_credit} bytes of credit left"
+            )
+        call.receive_credit -= cost
+
+    def _wants_payload(self, kind: int, call_id: int) -> bool:
+        """Whether a payload will be delivered to anyone; if not it is dropped as it arrives."""
+        if kind == UNARY:
+            return self._remote_calls < self.max_concurrent_calls  # otherwise the call is refused
+        call = self._calls.get(call_id)
+        return call is not None and (kind == DATA or call.local)
 
     def _validate(self, kind: Any, header: list) -> int:
         """Check the shape of a header; return its payload length."""
@@ -369,17 +392,16 @@ class RPCProtocol:
         if call is None:
             return []  # a call that already ended here (cancelled, failed): late traffic is normal
         if kind == DATA:
-            _check(not call.received_done, "data after end of stream")
-            # The sender may send while its credit is positive (one message may overshoot), and
-            # its view of the credit never exceeds ours, so data arriving at <= 0 is a violation.
-            if call.receive_credit <= 0:
-                raise ProtocolError("peer sent more stream data than its credit allows")
-            cost = self._header_size + header[3]  # the announced payload length, delivered whole
-            call.receive_credit -= cost
+            # Credit was checked and charged when the header arrived (``_check_credit``).
+            cost = self._header_size + header[3]
+            self._unread += cost
+            call.unread += cost
+            if self._unread > self.max_unread:
+                raise ProtocolError(f"peer's unread stream data on this connection exceeds {self.max_unread} bytes")
             return [StreamData(call_id, header[2], payload, cost)]
         if kind == END:
             if call.local:
-                del self._calls[call_id]  # the handler returned: the call is over
+                self._pop_call(call_id)  # the handler returned: the call is over
             else:
                 call.received_done = True
             return [StreamEnd(call_id)]
@@ -391,7 +413,7 @@ class RPCProtocol:
             self._forget_remote(call_id)
             return [CallCancelled(call_id)]
         _check(call.local, "result or error for a call the peer opened")
-        del self._calls[call_id]
+        self._pop_call(call_id)
         if kind == RESULT:
             return [CallResult(call_id, header[2], payload)]
         return [CallFailed(call_id, header[2], header[3])]
@@ -419,7 +441,14 @@ class RPCProtocol:
             raise KeyError(f"call {call_id} is not live")
         return call
 
-    def _forget_remote(self, call_id: int) -> None:
+    def _pop_call(self, call_id: int) -> _Call | None:
+        """Remove a call; what it had delivered unread no longer counts (no more can arrive)."""
         call = self._calls.pop(call_id, None)
+        if call is not None:
+            self._unread -= call.unread
+        return call
+
+    def _forget_remote(self, call_id: int) -> None:
+        call = self._pop_call(call_id)
         if call is not None and not call.local:
             self._remote_calls -= 1

@@ -32,8 +32,9 @@ class StreamTransport(Protocol):
         """Queue ``header`` (then ``payload``) for sending; set ``encrypted`` once the payload has
         been encrypted, after which its buffer may be reused."""
 
-    def grant(self, call_id: int, nbytes: int) -> None:
-        """The application has taken ``nbytes`` of the call's stream data: let the peer send more."""
+    def grant(self, call_id: int, nbytes: int, drained: bool = False) -> None:
+        """The application has taken ``nbytes`` of the call's stream data (``drained``: and all
+        that had arrived): let the peer send more."""
 
 
 class PendingCall:
@@ -72,20 +73,22 @@ class _StreamBase:
         return self._transport.remote_peer_id
 
     async def send(self, body: Any = None, payload: Any = None) -> None:
-        """Send one message; waits while the receiver's window is full. Returns once the payload
-        has been encrypted, so the caller may reuse its buffer."""
+        """Send one message; waits until it fits the receiver's window (a message larger than the
+        whole window waits for all of it). Returns once the payload has been encrypted, so the
+        caller may reuse its buffer."""
         transport, protocol, state = self._transport, self._transport.protocol, self._state
+        view = byte_view(payload) if payload is not None else None
+        nbytes = len(view) if view is not None else 0
         while True:
             if state.error is not None:
                 raise state.error
             if not protocol.is_live(self._call_id):
                 raise StreamClosed(f"stream {self.method} to {self.peer} is closed")
-            if protocol.send_credit(self._call_id) > 0:
+            header = protocol.send_data(self._call_id, body, nbytes)
+            if header is not None:
                 break
             state.credit = trio.Event()
             await state.credit.wait()
-        view = byte_view(payload) if payload is not None else None
-        header = protocol.send_data(self._call_id, body, len(view) if view is not None else 0)
         encrypted = trio.Event() if view is not None else None
         transport.enqueue(header, view, encrypted)
         if encrypted is not None:
@@ -125,7 +128,7 @@ class _StreamBase:
             state.arrived = trio.Event()
             await state.arrived.wait()
         item = state.queue.popleft()
-        self._transport.grant(self._call_id, item.cost)
+        self._transport.grant(self._call_id, item.cost, drained=not state.queue)
         return Message(item.body, item.payload)
 
     def __aiter__(self) -> AsyncIterator[Message]:

@@ -38,6 +38,7 @@ from noise.exceptions import (
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError, RecordDecoder
 from .identity import Identity, PeerID, verify_signature
 from .packing import packb, unpackb
+from .receive_budget import ReceiveBudget, process_budget
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -273,6 +274,7 @@ class SecureChannel:
         return self.receive_cipher.open(record)
 
     async def aclose(self) -> None:
+        self.decoder.release(closing=True)  # a partial record's memory goes back at once
         with trio.CancelScope(shield=True):
             await trio.aclose_forcefully(self.stream)
 
@@ -327,6 +329,7 @@ async def secure_handshake(
     initiator: bool,
     expected_peer: PeerID | None = None,
     timeout: float = HANDSHAKE_TIMEOUT,
+    budget: ReceiveBudget | None = None,
 ) -> SecureChannel:
     """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError)."""
     noise = NoiseConnection.from_name(NOISE_PROTOCOL)
@@ -372,7 +375,7 @@ async def secure_handshake(
         if remote_id == identity.peer_id:
             raise HandshakeError("connected to itself")
         assert noise.handshake_finished
-        decoder = RecordDecoder()
+        decoder = RecordDecoder(budget=budget if budget is not None else process_budget())
         decoder.receive_data(handshake_decoder.take_buffered())
         channel = SecureChannel(
             stream,

@@ -62,13 +62,13 @@ def test_stream_with_half_close_and_credit():
     call_id, header = client.open_stream("sum", timeout=None)
     [opened] = deliver(server, header)
     assert not opened.unary
-    sent = 0
-    while client.send_credit(call_id) > 0:
-        [data] = deliver(server, client.send_data(call_id, sent, 30), b"z" * 30)
+    sent = consumed = 0
+    while (data_header := client.send_data(call_id, sent, 30)) is not None:
+        [data] = deliver(server, data_header, b"z" * 30)
         assert isinstance(data, StreamData) and data.body == sent
-        sent += 1
-    assert sent == 3  # 100 bytes of window, ~35 bytes per message
-    grant = server.consumed(call_id, 200)
+        sent, consumed = sent + 1, consumed + data.cost
+    assert sent == 2  # 100 bytes of window, ~35 bytes per message: a third would not fit
+    grant = server.consumed(call_id, consumed)
     [credit] = deliver(client, grant)
     assert isinstance(credit, CreditGranted) and client.send_credit(call_id) > 0
     assert deliver(server, client.end_stream(call_id)) == [StreamEnd(call_id)]
@@ -196,10 +196,9 @@ def _stream_payload_beyond_credit():
     server = RPCProtocol(initiator=False, window=10)
     call_id, header = client.open_stream("s", None)
     deliver(server, header)
-    deliver(server, packb([2, call_id, None, 100]), b"x" * 100)  # overshoots the window: allowed once
-    server.receive_header(packb([2, call_id, None, 100]))
-    server.payload_target()[:100] = b"x" * 100
-    return server, lambda: server.payload_received(100)  # sent with no credit left
+    deliver(server, packb([2, call_id, None, 0]))  # 5 bytes of the 10-byte window used
+    # 105 bytes with 5 of credit left: refused at the header, before any payload is taken in
+    return server, lambda: server.receive_header(packb([2, call_id, None, 100]))
 
 
 def _stream_payload_after_end():
@@ -207,9 +206,7 @@ def _stream_payload_after_end():
     call_id, header = client.open_stream("s", None)
     deliver(server, header)
     deliver(server, client.end_stream(call_id))
-    server.receive_header(packb([2, call_id, None, 3]))
-    server.payload_target()[:3] = b"abc"
-    return server, lambda: server.payload_received(3)
+    return server, lambda: server.receive_header(packb([2, call_id, None, 3]))
 
 
 def _cancel_of_a_call_we_opened():

@@ -22,7 +22,7 @@ class RecordingTransport:
         if encrypted is not None:
             encrypted.set()  # "encrypted" at once: the stream may return
 
-    def grant(self, call_id: int, nbytes: int) -> None:
+    def grant(self, call_id: int, nbytes: int, drained: bool = False) -> None:
         self.granted.append((call_id, nbytes))
 
 
