@@ -602,15 +602,19 @@ class Bench:
         async with self.watch(target, out) as memory:
             try:
                 limiter = trio.CapacityLimiter(16)
+                refused = [0]
 
                 async def one() -> None:
                     async with limiter:
                         if memory.over_safety_limit:
                             return
-                        peer = await RawPeer.connect(target.address)
-                        peers.append(peer)
-                        # A transport record of the maximal size announced; half of it sent.
-                        await peer.channel.send_all(memoryview(HEADER.pack(MAX_RECORD_SIZE) + half))
+                        try:
+                            peer = await RawPeer.connect(target.address)
+                            peers.append(peer)
+                            # A transport record of the maximal size announced; half of it sent.
+                            await peer.channel.send_all(memoryview(HEADER.pack(MAX_RECORD_SIZE) + half))
+                        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                            refused[0] += 1  # the target closed this connection (admission limits): its choice
 
                 async with trio.open_nursery() as nursery:
                     for _ in range(s.half_records):
@@ -622,6 +626,8 @@ class Bench:
                 memory.sample()
                 growth = (memory.last_kb - memory.baseline_kb) / 1024
                 out.notes.append(f"{len(peers)} conns; held +{growth:.0f} MiB = {growth / max(1, len(peers)):.1f}/conn")
+                if refused[0]:
+                    out.notes.append(f"{refused[0]} connections closed by the target")
             finally:
                 await close_all(peers)
         await trio.sleep(0.2)
@@ -633,9 +639,16 @@ class Bench:
         peers: list[RawPeer] = []
         async with self.watch(target, out) as memory:
             try:
+                closed = [0]
                 async with trio.open_nursery() as readers:
 
                     async def overshoot() -> None:
+                        try:
+                            await overshoot_once()
+                        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                            closed[0] += 1  # the target refused the overshoot by closing the connection
+
+                    async def overshoot_once() -> None:
                         peer = await RawPeer.connect(target.address)
                         peers.append(peer)
                         readers.start_soon(peer.read_replies)
@@ -669,6 +682,8 @@ class Bench:
                 )
                 if errors:
                     out.notes.append(f"target answered {errors[0][2]}: {str(errors[0][3])[:60]}")
+                if closed[0]:
+                    out.notes.append(f"{closed[0]} of {s.overshoot_streams} connections closed by the target")
             finally:
                 await close_all(peers)
 
