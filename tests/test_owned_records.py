@@ -228,3 +228,16 @@ async def test_a_record_the_attacker_signs_about_the_owner_reaches_no_reader(kin
             subkey = record.owned_subkey(attacker.host.identity)
             assert await attacker.store(record.key, claim, time.time() + 30, subkey=subkey)
             assert await everyone_sees(record, [storage, owner], reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
+
+
+async def test_a_node_signs_only_with_its_hosts_identity() -> None:
+    """Its own records are signed with the identity peers know it by; a second signer is refused (it
+    would wrap the envelope in another that no node verifies), and so is another peer's marker."""
+    other = Identity.generate()
+    with pytest.raises(ValueError, match="SignatureValidator"):
+        async with DHTNode.open(validators=[SignatureValidator(other)]):
+            pass
+    async with DHTNode.open() as node:
+        with pytest.raises(ValueError, match="not ours"):
+            await node.store("x.progress", 1, time.time() + 10, subkey=peer_subkey(other.public_key))
+        assert await node.store("x.progress", 1, time.time() + 10, subkey=peer_subkey(node.host.identity.public_key))
