@@ -241,3 +241,14 @@ async def test_a_node_signs_only_with_its_hosts_identity() -> None:
         with pytest.raises(ValueError, match="not ours"):
             await node.store("x.progress", 1, time.time() + 10, subkey=peer_subkey(other.public_key))
         assert await node.store("x.progress", 1, time.time() + 10, subkey=peer_subkey(node.host.identity.public_key))
+
+
+async def test_experts_are_announced_only_by_the_peer_that_serves_them() -> None:
+    """Readers drop an announcement whose address names another peer than its signer, so a server
+    whose DHT node runs on another identity would vanish from the grid; it is refused up front."""
+    from moe.server import open_expert_server
+
+    async with DHTNode.open() as node, open_peer_host(Identity.generate()) as other_host:
+        with pytest.raises(ValueError, match="DHT node of the peer that serves them"):
+            async with open_expert_server(other_host, {}, dht=node):
+                pass
