@@ -1,7 +1,9 @@
 """Forming an averaging group through the DHT.
 
 1. Every peer stores a declaration under ``{prefix}.matchmaking`` (a DHT dictionary; subkey = its
-   peer ID, value = address, bandwidth, mode, tensor schema, round), expiring with the deadline.
+   owner-signed ``peer_subkey``, value = address, bandwidth, mode, tensor schema, round), expiring
+   with the deadline. Readers take the peer ID from the signed subkey, so nobody can declare, or
+   squat on, another peer's place in a group.
 2. After a short settle time it reads all declarations, keeps those with its schema and round, and
    applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader.
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
@@ -21,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import trio
 
-from dht.peer_dictionary import peer_entries
+from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import ConnectError, PeerAddress, PeerHost, PeerID, Router, RPCError
 
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
@@ -178,7 +180,7 @@ class Matchmaker:
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
         deadline = trio.current_time() + timeout
-        await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
+        await self.declare(me, timeout)
         await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
         while trio.current_time() < deadline:
@@ -189,7 +191,7 @@ class Matchmaker:
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me = replace(me, round=newest)
                 candidates[me.peer_id] = me
-                await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=me.peer_id.to_bytes())
+                await self.declare(me, timeout)
             self.last_round = me.round
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
@@ -215,6 +217,11 @@ class Matchmaker:
                     log.debug("matchmaking attempt failed: %s", error)
             await trio.sleep(0.05)
         raise MatchmakingError(f"no averaging group formed within {timeout:g} s: {last_error}")
+
+    async def declare(self, me: Declaration, timeout: float) -> None:
+        """Store our declaration under our own signed subkey, to live as long as the round."""
+        subkey = peer_subkey(self.dht.host.identity.public_key)
+        await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=subkey)
 
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)

@@ -1,9 +1,10 @@
 """Swarm-wide training progress through the DHT.
 
 Each peer publishes ``{epoch, samples, samples_per_s}`` under ``{prefix}.progress`` (subkey = its
-peer ID) and reads everyone's. From that every peer decides on its own, and consistently with the
-others, when the swarm has accumulated ``target_batch_size`` samples for the current epoch (time
-to average and step) and whether it has fallen behind (time to load state from peers).
+owner-signed ``peer_subkey``, so nobody else can write or squat on its record) and reads
+everyone's. From that every peer decides on its own, and consistently with the others, when the
+swarm has accumulated ``target_batch_size`` samples for the current epoch (time to average and
+step) and whether it has fallen behind (time to load state from peers).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dht.peer_dictionary import peer_entries
+from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import PeerID
 
 from .group import is_counter
@@ -75,9 +76,10 @@ class ProgressTracker:
         self.dht = dht
         self.key = f"{prefix}.progress"
         self.me = dht.host.peer_id
+        self.subkey = peer_subkey(dht.host.identity.public_key)
 
     async def publish(self, progress: PeerProgress) -> None:
-        await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.me.to_bytes())
+        await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.subkey)
 
     async def fetch(self, mine: PeerProgress) -> SwarmProgress:
         found = await self.dht.get(self.key, latest=True)

@@ -1,9 +1,10 @@
 """State sharing: a newcomer downloads tensors and metadata from a peer that already has them.
 
-Donors announce themselves under ``{prefix}.state_donors`` in the DHT (subkey = peer ID, value =
-address and the version of their state) each time they finish an averaging round. A newcomer reads
-the donors, keeps those with the newest version, and tries them in random order: random, so that a
-wave of newcomers spreads over all donors instead of all hitting the first one.
+Donors announce themselves under ``{prefix}.state_donors`` in the DHT (subkey = the donor's
+owner-signed ``peer_subkey``, value = its own address and the version of its state) each time they
+finish an averaging round. A newcomer reads the donors, keeps those with the newest version, and
+tries them in random order: random, so that a wave of newcomers spreads over all donors instead of
+all hitting the first one.
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import trio
 
-from dht.peer_dictionary import peer_entries
+from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
@@ -92,7 +93,8 @@ class StateSharing:
         if self.host.listen_address is None:
             return  # client-mode peers cannot be dialed, so they cannot donate
         value = {"address": str(self.host.listen_address), "version": int(version)}
-        await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=self.host.peer_id.to_bytes())
+        subkey = peer_subkey(self.dht.host.identity.public_key)
+        await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=subkey)
 
     async def _serve_state(self, stream) -> None:
         peer = stream.peer

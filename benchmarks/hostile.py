@@ -13,16 +13,18 @@ Catalogue (the rows of the table):
   half_sent_records     many connections leave a 1 MiB transport record half sent
   idle_flood            1,000 idle TCP connections (held open, refilled) that never handshake
   connection_burst      2,000 quick connections that send a first Noise message and hang up
-  forge_matchmaking     rewrite another peer's matchmaking subkey with a 24 h expiration
+  forge_matchmaking     rewrite another peer's matchmaking declaration with a 24 h expiration, under
+                        its owner-signed subkey and under its plain peer ID (the old layout)
   store_flood           100 ``dht.store`` requests of 24 h records, then an honest short-lived store
   credit_overshoot      stream DATA past the granted credit window (training peer, ``avg.reduce``)
-  forge_progress        rewrite the training peer's own progress subkey with a 24 h expiration
+  forge_progress        rewrite the training peer's own progress record the same two ways
   sybil_placement       node-ID grinding rate on one core and the time to place 20 IDs near a key
 
 Scoring, per case: *crash* = the target exited, or neither its status endpoint nor ``peer.ping``
 answered; *degraded* = the target is alive but a legitimate peer could not get service (a
 connect + ``peer.ping`` during or after the attack, a join under a flood, an honest store);
-*forgery* = a forged record that a later read returns or that blocks its owner's re-store;
+*forgery* = a forged record that a reader accepts (read back and parsed the way peers parse it) or
+that blocks its owner's re-store;
 *rss growth* = peak VmRSS (and VmHWM, reset through /proc/PID/clear_refs) minus the case's
 baseline. Failures are results, reported as numbers; the benchmark itself never fails because an
 attack succeeded. Every process it starts is killed and reaped, every socket closed, also on
@@ -61,8 +63,13 @@ if sys.version_info < (3, 11):  # pragma: no cover
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from averaging.matchmaking import Declaration  # noqa: E402
+from averaging.progress import PeerProgress  # noqa: E402
 from dht import wire  # noqa: E402
-from dht.records import MAX_TTL, key_id, pack  # noqa: E402
+from dht.local import LocalRecords  # noqa: E402
+from dht.peer_dictionary import peer_entries, peer_subkey  # noqa: E402
+from dht.records import MAX_TTL, DHTRecord, DHTValue, key_id, pack  # noqa: E402
+from dht.validation import SignatureValidator  # noqa: E402
 from peer import Identity, Message, PeerAddress, Router, open_peer_host  # noqa: E402
 from peer.framing import HEADER, MAX_RECORD_SIZE  # noqa: E402
 from peer.rpc_protocol import STREAM_WINDOW, packb, unpackb  # noqa: E402
@@ -426,13 +433,42 @@ async def dht_store(connection, key: bytes, subkey: bytes | None, value: bytes, 
     return isinstance(reply.body, list) and reply.body[:1] == [True]
 
 
-async def dht_read(connection, key: bytes, subkey: bytes | None) -> tuple[bytes, float] | None:
-    """(value, expiration) of one record as the target returns it to a reader."""
+async def dht_read_as_peers_do(connection, key: bytes) -> DHTValue | None:
+    """The whole dictionary under ``key`` as the target answers it, checked and decoded the way a
+    reading peer's own DHT node does (signatures verified, envelopes removed)."""
     reply = await connection.call("dht.find", [key_id(key).to_bytes(20, "big"), key], timeout=10)
-    for record in wire.parse_found(key, reply.payload, time.time()):
-        if record.subkey == subkey:
-            return record.value, record.expiration_time
-    return None
+    local = LocalRecords(SignatureValidator())
+    found = local.validated(wire.parse_found(key, reply.payload, time.time()))
+    return None if found is None else local.decode(key, found)
+
+
+def signed_value(signer: Identity, key: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
+    """``value`` as ``signer``'s DHT node would put it on the wire under its own marked subkey."""
+    return SignatureValidator(signer).sign(DHTRecord(key, subkey, value, expiration))
+
+
+async def owner_store(connection, owner: Identity, key: bytes, value: bytes, ttl: float) -> bool:
+    """``owner``'s own record under its marked subkey, signed, as its DHT node stores it."""
+    subkey, expiration = pack(peer_subkey(owner.public_key)), time.time() + ttl
+    return await dht_store(connection, key, subkey, signed_value(owner, key, subkey, value, expiration), expiration)
+
+
+async def forge_both_layouts(
+    connection, key: bytes, owner: Identity, attacker: Identity, forged: bytes, cap_s: float
+) -> tuple[bool, bool]:
+    """The attacker's stores of ``forged`` as ``owner``'s record: (accepted under the owner's marked
+    subkey, accepted under its plain peer ID). Under the marked subkey: a day-long and a capped
+    expiration, signed by the attacker (a signature of its own marked subkey, moved over) and
+    unsigned. Under the plain peer ID (what readers read before they took owners from signed
+    subkeys): a day-long and a capped expiration."""
+    owned, plain = pack(peer_subkey(owner.public_key)), pack(owner.peer_id.to_bytes())
+    own = pack(peer_subkey(attacker.public_key))
+    marked = plain_taken = False
+    for expiration in (time.time() + MAX_TTL, time.time() + cap_s):
+        for value in (signed_value(attacker, key, own, forged, expiration), forged):
+            marked |= await dht_store(connection, key, owned, value, expiration)
+        plain_taken |= await dht_store(connection, key, plain, forged, expiration)
+    return marked, plain_taken
 
 
 # ---------------------------------------------------------------------- the benchmark
@@ -798,25 +834,33 @@ class Bench:
         target = await self.bootstrap()
         key = pack(f"{RUN_ID}.digits.grads.matchmaking")
         owner, attacker = Identity.generate(), Identity.generate()
-        subkey = pack(owner.peer_id.to_bytes())
-        honest = pack({"address": None, "bandwidth": 1.0, "mode": 0, "round": 1})
-        forged = pack({"address": f"{ATTACKER_HOST}:9", "bandwidth": 1e9, "mode": 0, "round": 1})
+
+        def declaration(bandwidth: float, address: str | None, mode: str) -> bytes:
+            return pack({"address": address, "bandwidth": bandwidth, "mode": mode, "schema": "s", "round": 1})
+
+        honest = declaration(0.0, None, "client")
+        forged = declaration(1e9, f"{ATTACKER_HOST}:9/{attacker.peer_id}", "node")
         async with self.watch(target, out):
             address = PeerAddress(target.address.host, target.address.port)
             async with open_peer_host(owner, listen=None, run_id=RUN_ID) as owner_host:
                 async with open_peer_host(attacker, listen=None, run_id=RUN_ID) as attacker_host:
                     owner_conn = await owner_host.connect(address)
                     attacker_conn = await attacker_host.connect(address)
-                    first = await dht_store(owner_conn, key, subkey, honest, time.time() + 10)
-                    took = await dht_store(attacker_conn, key, subkey, forged, time.time() + MAX_TTL)
-                    again = await dht_store(owner_conn, key, subkey, honest, time.time() + 10)
-                    read = await dht_read(owner_conn, key, subkey)
-        returned = read is not None and read[0] == forged
-        if took and (returned or not again):
+                    first = await owner_store(owner_conn, owner, key, honest, 10)
+                    # 300 s: the matchmaking cap (dht/lifetimes.py), a little less for the clock
+                    took, plain = await forge_both_layouts(attacker_conn, key, owner, attacker, forged, 290)
+                    again = await owner_store(owner_conn, owner, key, honest, 10)
+                    found = await dht_read_as_peers_do(owner_conn, key)
+        read = dict(peer_entries(found, Declaration.from_wire))
+        mine = read.get(owner.peer_id)
+        returned = any(declaration.bandwidth == 1e9 for declaration in read.values())
+        if took or returned or not again:
             out.forgeries += 1
         out.notes.append(
-            f"owner store {'ok' if first else 'refused'}; forged 24 h store {'accepted' if took else 'refused'}; "
-            f"owner re-store {'ok' if again else 'REFUSED'}; read returns {'FORGED' if returned else 'owner'} value"
+            f"owner store {'ok' if first else 'refused'}; forged stores under the owner's signed subkey "
+            f"{'ACCEPTED' if took else 'refused'}, under its plain peer ID {'accepted' if plain else 'refused'} "
+            f"(no reader looks there); owner re-store {'ok' if again else 'REFUSED'}; "
+            f"readers see {'the FORGED' if returned else 'the owner' if mine else 'no'} declaration"
         )
 
     async def case_store_flood(self, out: Outcome) -> None:
@@ -854,11 +898,12 @@ class Bench:
                             if ok is True:
                                 accepted += 1
                                 accepted_bytes += len(record[0]) + len(record[2])
-            async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID) as honest:
+            honest_identity = Identity.generate()
+            async with open_peer_host(honest_identity, listen=None, run_id=RUN_ID) as honest:
                 connection = await honest.connect(address)
-                key, subkey = pack(f"{RUN_ID}.digits.progress"), pack(honest.peer_id.to_bytes())
                 small = pack({"epoch": 0, "samples": 32, "sps": 10.0})
-                stored = await dht_store(connection, key, subkey, small, time.time() + 15)
+                # signed under its own marked subkey, as a training peer's progress is
+                stored = await owner_store(connection, honest_identity, pack(f"{RUN_ID}.digits.progress"), small, 15)
         out.notes.append(
             f"{accepted}/{total} 24 h junk records accepted ({accepted_bytes / MIB:.0f} MiB sent into a 64 MiB store)"
         )
@@ -868,18 +913,18 @@ class Bench:
         else:
             out.notes.append("honest 15 s progress store accepted afterwards")
 
-    async def _wait_for_progress(self, target: Target, out: Outcome, timeout: float = 90.0) -> bytes | None:
-        """Wait until the training target has published its progress record; its value."""
-        key, subkey = pack(f"{RUN_ID}.digits.progress"), pack(target.identity.peer_id.to_bytes())
+    async def _wait_for_progress(self, target: Target, out: Outcome, timeout: float = 90.0) -> PeerProgress | None:
+        """Wait until the training target has published its progress record; what readers see of it."""
+        key = pack(f"{RUN_ID}.digits.progress")
         address = PeerAddress(target.address.host, target.address.port)
         with trio.move_on_after(timeout):
             async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID) as reader:
                 while target.running:
                     try:
                         connection = await reader.connect(address)
-                        found = await dht_read(connection, key, subkey)
-                        if found is not None:
-                            return found[0]
+                        found = progress_records(await dht_read_as_peers_do(connection, key))
+                        if target.identity.peer_id in found:
+                            return found[target.identity.peer_id]
                     except Exception:
                         pass
                     await trio.sleep(0.5)
@@ -889,23 +934,28 @@ class Bench:
     async def case_forge_progress(self, out: Outcome) -> None:
         target = await self.training()
         before = await self._wait_for_progress(target, out)
-        key, subkey = pack(f"{RUN_ID}.digits.progress"), pack(target.identity.peer_id.to_bytes())
+        key = pack(f"{RUN_ID}.digits.progress")
         forged = pack({"epoch": 1_000_000, "samples": 0, "sps": 0.0})
         address = PeerAddress(target.address.host, target.address.port)
         async with self.watch(target, out):
-            async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID) as attacker:
-                connection = await attacker.connect(address)
-                took = await dht_store(connection, key, subkey, forged, time.time() + MAX_TTL)
+            attacker = Identity.generate()
+            async with open_peer_host(attacker, listen=None, run_id=RUN_ID) as attacker_host:
+                connection = await attacker_host.connect(address)
+                # 60 s: the progress cap (dht/lifetimes.py), a little less for the clock
+                took, plain = await forge_both_layouts(connection, key, target.identity, attacker, forged, 55)
             await trio.sleep(3.0)  # the owner republishes its progress about every second meanwhile
             async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID) as reader:
                 connection = await reader.connect(address)
-                read = await dht_read(connection, key, subkey)
-        returned = read is not None and read[0] == forged
-        if took and returned:
+                read = progress_records(await dht_read_as_peers_do(connection, key))
+        mine = read.get(target.identity.peer_id)
+        returned = any(progress.epoch == 1_000_000 for progress in read.values())
+        if took or returned:
             out.forgeries += 1
+        seen = "FORGED" if returned else "the owner's" if mine else "no"
         out.notes.append(
-            f"owner record {'seen' if before else 'missing'}; forged 24 h store {'accepted' if took else 'refused'}; "
-            f"3 s later read returns {'FORGED (owner blocked)' if returned else 'owner'} value"
+            f"owner record {'seen' if before else 'missing'}; forged stores under the owner's signed subkey "
+            f"{'ACCEPTED' if took else 'refused'}, under its plain peer ID {'accepted' if plain else 'refused'} "
+            f"(no reader looks there); 3 s later readers see {seen} progress for the owner"
         )
 
     # ------------------------------------------------------------------ 5. Sybil placement
@@ -925,6 +975,11 @@ class Bench:
         out.notes.append(f"20 IDs nearer than the 20 nearest of {n}: {result['seconds']:.2f} s ({how})")
         estimates = ", ".join(f"N={m:.0e}: {(m + 1) / result['rate']:.1f} s" for m in (1e4, 1e6, 1e8))
         out.notes.append(f"estimate (N+1)/rate: {estimates}")
+
+
+def progress_records(found: DHTValue | None) -> dict:
+    """Progress per peer, parsed as every training peer parses it."""
+    return dict(peer_entries(found, lambda peer, body: PeerProgress.from_wire(body)))
 
 
 def sybil_measurement(n: int, cap_s: float) -> dict[str, Any]:

@@ -104,9 +104,14 @@ class DHTNode:
         With ``host``, attach to that running host (its identity, listener and pool; ``client_mode``
         must match how it was opened). Otherwise open a host with ``identity`` (new if None) on
         ``listen``. Raises DHTBootstrapError if ``initial_peers`` are given and none answers.
-        A ``SignatureValidator`` for the node's identity is always included.
+        A ``SignatureValidator`` for the host's identity is always included (and no other may be): every
+        node refuses owner-marked records its owner did not sign, and signs its own with that identity.
         """
         config = config or DHTConfig()
+        validators = CompositeValidator(validators).validators
+        if any(isinstance(v, SignatureValidator) for v in validators):
+            # A second one would wrap the node's signed envelope in another, which no node verifies.
+            raise ValueError("a DHT node signs with its host's identity; pass no SignatureValidator of your own")
         peers = [PeerAddress.parse(p) if isinstance(p, str) else p for p in initial_peers]
         try:
             async with cls._open(host, identity, listen, peers, client_mode, run_id, validators, config) as node:

@@ -1,24 +1,32 @@
 """Expert announcements in the DHT: who serves which expert, kept alive by a heartbeat.
 
-Layout (Hivemind's): for an expert ``ffn.3.7`` served at ADDR, the dictionary at key ``ffn.`` gets
-subkey ``3`` and the dictionary at ``ffn.3.`` gets subkey ``7``, each with value ADDR and an
-expiration a few heartbeats ahead. A client can then walk the grid one dimension at a time
-(``beam_search``) asking only "which children of this prefix are alive?", and a server that
-vanishes drops out of the grid when its last announcement expires. Many servers write under the
-same keys with different subkeys; the DHT merges them.
+Layout (Hivemind's, with owners): for an expert ``ffn.3.7`` served at ADDR by peer P, the dictionary
+at key ``ffn.`` gets subkey ``[3, peer_subkey(P)]`` and the dictionary at ``ffn.3.`` gets subkey
+``[7, peer_subkey(P)]``, each with value ADDR and an expiration a few heartbeats ahead. A client can
+then walk the grid one dimension at a time (``beam_search``) asking only "which children of this
+prefix are alive?", and a server that vanishes drops out of the grid when its last announcement
+expires. Many servers write under the same keys with different subkeys; the DHT merges them.
+
+The owner marker in the subkey makes each announcement P's own: only P's signature can write it,
+and P's newest heartbeat replaces its older one whatever their expirations. Without it anyone could
+overwrite coordinate 7 with their own address for a day. An address that does not name P (pinned
+to another peer) is dropped; an unpinned one is pinned to P, so a client dialing it checks that P
+answers. Several servers may announce one coordinate (replicas, or an impostor of a free ID); a
+client picks among them at random, so none of them can draw all of its traffic by announcing often.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import trio
 
-from dht.peer_dictionary import dictionary_entries
-from peer import PeerAddress
+from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
+from peer import PeerAddress, PeerID
 
 from .protocol import UID_DELIMITER, split_uid
 
@@ -31,6 +39,10 @@ __all__ = [
     "declare_experts",
     "run_heartbeat",
     "get_expert_addresses",
+    "fetch_children",
+    "pick_servers",
+    "announcement_subkey",
+    "announced_address",
 ]
 
 log = logging.getLogger("peerd.moe")
@@ -61,15 +73,16 @@ def announcement_records(uids: Iterable[str], address: str) -> list[tuple[str, i
 async def declare_experts(dht, uids: Iterable[str], address: PeerAddress | str, expiration_time: float) -> int:
     """Store every announcement concurrently; returns how many the DHT accepted."""
     records = announcement_records(uids, str(address))
+    owner = peer_subkey(dht.host.identity.public_key)
     accepted = 0
 
-    async def store(key: str, subkey: int, value: str) -> None:
+    async def store(key: str, coordinate: int, value: str) -> None:
         nonlocal accepted
         try:
-            if await dht.store(key, value, expiration_time, subkey=subkey):
+            if await dht.store(key, value, expiration_time, subkey=[coordinate, owner]):
                 accepted += 1
         except Exception as error:  # one failed store must not stop the heartbeat
-            log.warning("announcing %s/%s failed: %r", key, subkey, error)
+            log.warning("announcing %s/%s failed: %r", key, coordinate, error)
 
     with trio.move_on_after(DHT_TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -127,16 +140,32 @@ async def fetch_children(dht, key: str) -> dict[int, PeerAddress]:
     except Exception as error:
         log.debug("DHT get %s failed: %r", key, error)
         return {}
-    return dict(dictionary_entries(found, _coordinate, _address))
+    return pick_servers(dictionary_entries(found, announcement_subkey, announced_address))
 
 
-def _coordinate(subkey: Any) -> int:
-    if type(subkey) is not int or subkey < 0:
+def pick_servers(entries: Iterable[tuple[tuple[int, PeerID], PeerAddress]]) -> dict[int, PeerAddress]:
+    """One server per coordinate, chosen at random among those that announced it."""
+    servers: dict[int, list[PeerAddress]] = {}
+    for (coordinate, _), address in entries:
+        servers.setdefault(coordinate, []).append(address)
+    return {coordinate: random.choice(addresses) for coordinate, addresses in servers.items()}
+
+
+def announcement_subkey(subkey: Any) -> tuple[int, PeerID]:
+    """``(coordinate, announcing peer)`` from a subkey ``[coordinate, peer_subkey]`` (a tuple once decoded)."""
+    if not isinstance(subkey, tuple) or len(subkey) != 2:
+        raise ValueError("an expert announcement's subkey is [coordinate, owner]")
+    coordinate, owner = subkey
+    if type(coordinate) is not int or coordinate < 0:
         raise ValueError("an expert grid coordinate is a non-negative integer")
-    return subkey
+    return coordinate, subkey_peer(owner)
 
 
-def _address(coordinate: int, value: Any) -> PeerAddress:
+def announced_address(subkey: tuple[int, PeerID], value: Any) -> PeerAddress:
+    """The announcing peer's address, pinned to it; an address of another peer raises ValueError."""
     if not isinstance(value, str):
         raise TypeError("an expert announcement is an address string")
-    return PeerAddress.parse(value)
+    address, owner = PeerAddress.parse(value), subkey[1]
+    if address.peer_id is not None and address.peer_id != owner:
+        raise ValueError("an expert server announces its own address")
+    return PeerAddress(address.host, address.port, owner)

@@ -265,6 +265,13 @@ async def open_expert_server(
     announced before the block starts and re-announced every ``heartbeat_period`` seconds, under
     ``announce_address`` (default: the host's listen address; set it when that is a wildcard).
     """
+    address = announce_address or host.listen_address
+    if dht is not None:
+        if address is None:
+            raise ValueError("announced experts need a listening host")
+        if address.peer_id not in (None, dht.host.peer_id):
+            # Readers take an announcement's address only from the peer it names (moe/announce.py).
+            raise ValueError("announce experts through the DHT node of the peer that serves them")
     server = ExpertServer(experts, max_batch_size=max_batch_size)
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if directory is not None:
@@ -278,9 +285,7 @@ async def open_expert_server(
                 nursery.start_soon(server.run_expert, uid)
             if directory is not None:
                 nursery.start_soon(_checkpoint_loop, server, directory, checkpoint_period)
-            if dht is not None:
-                address = announce_address or host.listen_address
-                assert address is not None, "announced experts need a listening host"
+            if dht is not None and address is not None:
                 await nursery.start(
                     lambda task_status: run_heartbeat(
                         dht,
