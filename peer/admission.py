@@ -16,6 +16,9 @@ Why these rules:
   the newest connection replaces the oldest (a restarted peer reconnects at once); per address,
   connections beyond the limit are refused.
 - IPv6 addresses are grouped by their /64 prefix: one subscriber gets a whole /64 for free.
+- Loopback addresses have no per-address limits (only the totals apply): a peer on this machine is
+  not a remote host taking seats from others, and one-host swarms (tests, `peerd swarm`, a
+  benchmark's 200 nodes) reach each other only through 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -44,15 +47,18 @@ MAX_CONNECTIONS_PER_ADDRESS = 64
 MAX_CONNECTIONS_PER_IDENTITY = 4
 
 
-def address_group(host: str) -> str:
-    """The unit limits apply to: the IPv4 address, or the /64 prefix of an IPv6 address."""
+def address_group(host: str) -> str | None:
+    """The unit per-address limits apply to: the IPv4 address, or the /64 prefix of an IPv6
+    address; None for loopback addresses, which only count toward the totals."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return None
     if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
 
@@ -86,10 +92,10 @@ class Admission:
         return len(self._connections)
 
     # ------------------------------------------------------------------ handshakes
-    def handshake_started(self, ticket: Any, group: str) -> list[Any]:
+    def handshake_started(self, ticket: Any, group: str | None) -> list[Any]:
         """Admit a new pending handshake; returns the older pending tickets to drop for it."""
         victims = []
-        same_group = self._pending_by_group.get(group)
+        same_group = self._pending_by_group.get(group) if group is not None else None
         if same_group is not None and len(same_group) >= self.max_pending_per_address:
             victims.append(next(iter(same_group)))
         elif len(self._pending) >= self.max_pending:
@@ -97,12 +103,15 @@ class Admission:
         for victim in victims:
             self.handshake_ended(victim)
         self._pending[ticket] = group
-        self._pending_by_group.setdefault(group, OrderedDict())[ticket] = None
+        if group is not None:
+            self._pending_by_group.setdefault(group, OrderedDict())[ticket] = None
         return victims
 
     def handshake_ended(self, ticket: Any) -> None:
         """The handshake finished, failed or was dropped (calling this twice is harmless)."""
-        group = self._pending.pop(ticket, None)
+        if ticket not in self._pending:
+            return
+        group = self._pending.pop(ticket)
         if group is None:
             return
         same_group = self._pending_by_group[group]
@@ -111,10 +120,10 @@ class Admission:
             del self._pending_by_group[group]
 
     # ------------------------------------------------------------------ connections
-    def connection_opened(self, ticket: Any, group: str, identity: Hashable) -> list[Any] | None:
+    def connection_opened(self, ticket: Any, group: str | None, identity: Hashable) -> list[Any] | None:
         """Admit an authenticated incoming connection. Returns the older connections of the same
         identity to close for it, or None when the address has no room (refuse this one)."""
-        if self._by_group.get(group, 0) >= self.max_connections_per_address:
+        if group is not None and self._by_group.get(group, 0) >= self.max_connections_per_address:
             return None
         victims = []
         same_identity = self._by_identity.get(identity)
@@ -123,7 +132,8 @@ class Admission:
         for victim in victims:
             self.connection_closed(victim)
         self._connections[ticket] = (group, identity)
-        self._by_group[group] = self._by_group.get(group, 0) + 1
+        if group is not None:
+            self._by_group[group] = self._by_group.get(group, 0) + 1
         self._by_identity.setdefault(identity, OrderedDict())[ticket] = None
         return victims
 
@@ -133,9 +143,10 @@ class Admission:
         if entry is None:
             return
         group, identity = entry
-        self._by_group[group] -= 1
-        if not self._by_group[group]:
-            del self._by_group[group]
+        if group is not None:
+            self._by_group[group] -= 1
+            if not self._by_group[group]:
+                del self._by_group[group]
         same_identity = self._by_identity[identity]
         del same_identity[ticket]
         if not same_identity:

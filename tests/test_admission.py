@@ -54,6 +54,17 @@ def test_ipv6_addresses_are_limited_per_64_prefix() -> None:
     assert address_group("10.0.0.1") != address_group("10.0.0.2")
 
 
+def test_loopback_peers_count_only_toward_the_totals() -> None:
+    """One-host swarms reach each other through 127.0.0.1: per-address limits would cap them."""
+    assert address_group("127.0.0.1") is None and address_group("::1") is None
+    assert address_group("::ffff:127.0.0.2") is None
+    admission = Admission(max_pending=3, max_pending_per_address=1, max_connections_per_address=1)
+    assert admission.handshake_started("a", None) == [] and admission.handshake_started("b", None) == []
+    assert admission.connection_opened("c1", None, "alice") == []
+    assert admission.connection_opened("c2", None, "bob") == []  # no per-address refusal
+    assert admission.handshake_started("c", None) == [] and admission.handshake_started("d", None) == ["a"]
+
+
 def echo_router() -> Router:
     router = Router()
 
