@@ -37,6 +37,7 @@ __all__ = [
     "NoCompression",
     "ScaledFloat16Codec",
     "Uniform8BitCodec",
+    "codec_of",
     "decode_part",
     "get_codec",
     "register_codec",
@@ -81,6 +82,28 @@ class Codec(ABC):
     def payload_size(self, numel: int) -> int:
         """Bytes of payload that ``encode`` produces for a part of ``numel`` values."""
 
+    # Whether ``encode_finite`` is only a view of the part (no pass over its values), so a caller
+    # may run it on the event loop instead of paying for a worker thread.
+    encodes_as_view: ClassVar[bool] = False
+
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        """``encode`` for a contiguous 1-D float32 CPU part the caller has already checked finite
+        (e.g. as part of a larger tensor): codecs that can skip their own finiteness pass do."""
+        return self.encode(tensor)
+
+    def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
+        """How many float32 values a payload of ``nbytes`` with this (untrusted) ``meta`` is, if
+        its bytes are exactly those values, so it can be received straight into the float32
+        buffer ``decode_into`` fills; None if it must be decoded from bytes received elsewhere."""
+        return None
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
+        """Decode an untrusted ``(meta, payload)`` into the float32 tensor ``out`` and return the
+        values (``out`` itself, or a tensor the caller owns). The values may still be non-finite:
+        the caller checks them where it uses them. A payload that was received into ``out``'s own
+        memory (see ``in_place_numel``) is validated without a copy."""
+        return self.decode(meta, payload, out.numel())
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -110,11 +133,16 @@ def get_codec(name_or_codec: str | Codec) -> Codec:
     return _REGISTRY[name_or_codec]()
 
 
-def decode_part(meta: Any, payload: Any, numel: int) -> torch.Tensor:
-    """Decode a part with the codec its (untrusted) meta names; see ``Codec.decode``."""
+def codec_of(meta: Any) -> Codec:
+    """The codec an (untrusted) part meta names: parts are decoded with the sender's choice."""
     if not isinstance(meta, dict):
         raise ValueError(f"codec meta must be a map, not {type(meta).__name__}")
-    return get_codec(meta.get("codec")).decode(meta, payload, numel)
+    return get_codec(meta.get("codec"))
+
+
+def decode_part(meta: Any, payload: Any, numel: int) -> torch.Tensor:
+    """Decode a part with the codec its (untrusted) meta names; see ``Codec.decode``."""
+    return codec_of(meta).decode(meta, payload, numel)
 
 
 @register_codec
@@ -122,15 +150,30 @@ class NoCompression(Codec):
     """Raw float32: exact, 4 bytes per value. The payload is a view of the part, not a copy."""
 
     name = "none"
+    encodes_as_view = True
+    META: ClassVar[dict[str, str]] = {"codec": name}
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
-        part = _prepare(tensor)
-        return {"codec": self.name}, tensor_bytes(part)
+        return self.encode_finite(_prepare(tensor))
+
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        return {"codec": self.name}, tensor_bytes(tensor)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        out = torch.empty(_check_numel(numel), dtype=torch.float32)
+        return _finite_or_raise(self.decode_into(meta, payload, out), self.name)
+
+    def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
+        if meta != self.META or nbytes <= 0 or nbytes % 4:
+            return None
+        return nbytes // 4
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        return _finite_or_raise(_float32_copy(_from_buffer(view, np.float32, numel, 0)), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        if out.numel() and _address(view) != out.data_ptr():  # else the payload already is ``out``
+            out.numpy()[:] = _from_buffer(view, np.float32, out.numel(), 0)
+        return out
 
     def payload_size(self, numel: int) -> int:
         return 4 * numel
@@ -317,6 +360,9 @@ class AdaptiveCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         return self.choose(tensor.numel()).encode(tensor)
 
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        return self.choose(tensor.numel()).encode_finite(tensor)
+
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         if not isinstance(meta, dict):
             raise ValueError(f"codec meta must be a map, not {type(meta).__name__}")
@@ -386,6 +432,10 @@ def _check_meta(meta: Any, name: str, fields: dict[str, type]) -> None:
 def _check_scalar(name: str, key: str, value: float, *, minimum: float) -> None:
     if not (math.isfinite(value) and minimum <= value <= FLOAT32_MAX):
         raise ValueError(f"{name}: meta field {key!r} = {value!r} is not a finite float32 value >= {minimum}")
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
 def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.ndarray:
