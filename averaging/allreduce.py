@@ -136,16 +136,10 @@ class _ReducerRole:
         except ContributionRejected as error:
             await self._drop(sender, str(error))
             raise
-        inbox = self.shard.inbox(sender, sink)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._receive, inbox, stream)
-                await self.replied.wait()
-                nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
-        finally:
-            if sender in reduction.pending:  # the sender cancelled its call or its stream broke
-                with trio.CancelScope(shield=True):
-                    await self._drop(sender, "the sender abandoned the stream")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive, self.shard.inbox(sender, sink), stream)
+            await self.replied.wait()
+            nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
         reply = self.reply
         if reply is None:
             raise AllReduceError("the all-reduce was cancelled on this peer")
@@ -156,6 +150,18 @@ class _ReducerRole:
             await stream.send(body, payload)
 
     async def _receive(self, inbox: ContributionInbox, stream) -> None:
+        # The sink's lease holds this sender's staged parts: they go back to the pool as soon as
+        # the sender is committed (its values are in the sum) or dropped, so the averages this
+        # peer receives next can reuse them.
+        with inbox.sink.lease, inbox.sink:
+            try:
+                await self._receive_parts(inbox, stream)
+            finally:
+                if inbox.sender in self.shard.reduction.pending:  # cancelled: the round moved on
+                    with trio.CancelScope(shield=True):
+                        await self._drop(inbox.sender, "the sender abandoned the stream")
+
+    async def _receive_parts(self, inbox: ContributionInbox, stream) -> None:
         try:
             async for message in stream:
                 part = inbox.part(message.body, message.payload)
@@ -274,22 +280,23 @@ class AllReduceService:
     async def _handle_reduce(self, stream) -> None:
         sink = stream.buffer_provider
         assert isinstance(sink, PartSink)
-        # The lease holds the parts staged for this sender; the sink's exit (first) forfeits the
-        # buffers lent for parts that never arrived.
-        with sink.lease, sink:
+        try:
             header = ReduceHeader.parse((await stream.receive()).body)
             role = await self._find_reducer(header.group_id)
             if role is None:
                 raise ValueError("this peer reduces no shard in that group")
             if header.total != role.total:
                 raise ValueError(f"tensor size mismatch: this group averages {role.total} values, got {header.total}")
-            sink.part_sizes = role.shard.reduction.part_sizes
-            with role.lease:
-                try:
-                    await role.serve(stream, sink, header.weight)
-                except BaseException:
-                    role.lease.forfeit_all()  # a reply cut short may still sit in the send queue
-                    raise
+        except BaseException:
+            sink.close()  # nothing was claimed yet: whatever was lent is forfeited
+            raise
+        sink.part_sizes = role.shard.reduction.part_sizes
+        with role.lease:
+            try:
+                await role.serve(stream, sink, header.weight)
+            except BaseException:
+                role.lease.forfeit_all()  # a reply cut short may still sit in the send queue
+                raise
 
     async def _find_reducer(self, group_id: bytes) -> _ReducerRole | None:
         with trio.move_on_after(SESSION_WAIT):

@@ -113,8 +113,8 @@ class PartSink:
     The part sizes may be unknown when the first parts arrive (a reducer's handler learns them
     from its session, which may be announced after the sender started streaming): until then any
     such part gets a buffer of its own size, and ``target`` checks the size once it is known.
-    Closing the sink forfeits every buffer lent but never claimed: the connection's reader may
-    still write into it.
+    Closing the sink forfeits every buffer lent but never claimed (the connection's reader may
+    still write into it) and lends nothing more.
     """
 
     # What one part may make us lend before its size can be checked (the stream's credit window
@@ -125,11 +125,12 @@ class PartSink:
         self.lease = lease
         self.part_sizes = part_sizes
         self._lent: dict[int, tuple[memoryview, torch.Tensor]] = {}
+        self._closed = False
 
     def provide(self, body: Any, nbytes: int) -> memoryview | None:
         """The stream's buffer provider (``body`` comes from the network: anything unexpected gets
         a fresh buffer, and the normal checks refuse it later)."""
-        if not isinstance(body, dict):
+        if self._closed or not isinstance(body, dict):
             return None
         index, meta = body.get("part"), body.get("meta")
         if type(index) is not int or index < 0 or index in self._lent:
@@ -163,6 +164,7 @@ class PartSink:
         return self.lease.take(numel), False
 
     def close(self) -> None:
+        self._closed = True
         for _view, values in self._lent.values():
             self.lease.forfeit(values)
         self._lent.clear()
