@@ -405,3 +405,28 @@ def test_concurrent_use_from_threads() -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         parallel = list(pool.map(work, jobs))
     assert all(torch.equal(a, b) for a, b in zip(serial, parallel, strict=True))
+
+
+def test_none_decodes_into_a_supplied_buffer_and_skips_the_copy_when_the_payload_is_that_buffer() -> None:
+    codec = NoCompression()
+    x = normal(100)
+    out = torch.empty(100)
+    assert codec.decode_into({"codec": "none"}, x.numpy().tobytes(), out) is out
+    assert torch.equal(out, x)
+    assert codec.in_place_numel({"codec": "none"}, 400) == 100
+    assert codec.in_place_numel({"codec": "none"}, 402) is None  # not whole float32 values
+    assert get_codec("float16").in_place_numel({"codec": "float16"}, 400) is None
+    landed = torch.empty(100)
+    landed.numpy()[:] = x.numpy()  # what the connection does when it decrypts into the buffer
+    view = memoryview(landed.numpy()).cast("B")
+    assert codec.decode_into({"codec": "none"}, view, landed) is landed and torch.equal(landed, x)
+    with pytest.raises(ValueError, match="expected exactly 400"):
+        codec.decode_into({"codec": "none"}, x.numpy().tobytes()[:-4], out)
+
+
+def test_encode_finite_is_encode_without_a_second_finiteness_pass() -> None:
+    x = normal(100)
+    meta, payload = NoCompression().encode_finite(x)
+    assert meta == {"codec": "none"} and bytes(payload) == x.numpy().tobytes()
+    for name in ["float16", "uint8", "adaptive"]:
+        assert get_codec(name).encode_finite(x)[0] == get_codec(name).encode(x)[0]
