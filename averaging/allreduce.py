@@ -10,6 +10,11 @@ the same stream (all-gather). Deadlines make it fault tolerant:
   died or stalled, that shard keeps the sender's own local values.
 
 ``AllReduceResult`` says what happened, so a caller can log it and decide what to do.
+
+The messages and what each side does with them are sans-I/O objects in ``allreduce_protocol.py``.
+Here a round is two small roles driven by trio: ``_ReducerRole`` (one shard's reduction, fed by a
+handler per sender stream) and ``_SenderRole`` (one exchange per reducer); buffers come from a
+per-service pool under leases (``part_buffers.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +52,9 @@ __all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "tensor_work
 
 log = logging.getLogger("peerd.averaging")
 
-# How long a reducer's handler waits for its own session to appear: the leader's announcement can
+# How long a reducer's handler waits for its own round to start: the leader's announcement can
 # reach a follower a little after another follower has started sending to it.
-SESSION_WAIT = 5.0
+ROUND_WAIT = 5.0
 
 _limiter: trio.CapacityLimiter | None = None
 
@@ -249,7 +254,7 @@ class _SenderRole:
             result.local_shards[index] = reason
             result.failed_peers.add(reducer.peer_id)
 
-    async def _encode(self, part: torch.Tensor):
+    async def _encode(self, part: torch.Tensor) -> tuple[dict[str, Any], Any]:
         # Our flattened values were checked finite as a whole, so parts skip that pass; a codec
         # whose payload is a view of the part needs no worker thread.
         if self.codec.encodes_as_view:
@@ -280,26 +285,23 @@ class AllReduceService:
     async def _handle_reduce(self, stream) -> None:
         sink = stream.buffer_provider
         assert isinstance(sink, PartSink)
-        try:
+        with sink:  # however the handler ends, buffers lent for parts that never came are forfeited
             header = ReduceHeader.parse((await stream.receive()).body)
             role = await self._find_reducer(header.group_id)
             if role is None:
                 raise ValueError("this peer reduces no shard in that group")
             if header.total != role.total:
                 raise ValueError(f"tensor size mismatch: this group averages {role.total} values, got {header.total}")
-        except BaseException:
-            sink.close()  # nothing was claimed yet: whatever was lent is forfeited
-            raise
-        sink.part_sizes = role.shard.reduction.part_sizes
-        with role.lease:
-            try:
-                await role.serve(stream, sink, header.weight)
-            except BaseException:
-                role.lease.forfeit_all()  # a reply cut short may still sit in the send queue
-                raise
+            sink.part_sizes = role.shard.reduction.part_sizes
+            with role.lease:
+                try:
+                    await role.serve(stream, sink, header.weight)
+                except BaseException:
+                    role.lease.forfeit_all()  # a reply cut short may still sit in the send queue
+                    raise
 
     async def _find_reducer(self, group_id: bytes) -> _ReducerRole | None:
-        with trio.move_on_after(SESSION_WAIT):
+        with trio.move_on_after(ROUND_WAIT):
             while group_id not in self._rounds:
                 await self._rounds_changed.wait()
         return self._rounds.get(group_id)
@@ -340,11 +342,9 @@ class AllReduceService:
         with self._buffers.lease() as received, contextlib.ExitStack() as holds:
             reducer = None
             if my_shard is not None:
-                lease = holds.enter_context(self._buffers.lease())
-                part_sizes = [end - start for start, end in plan.parts(my_shard)]
-                sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
-                shard = ReducerShard(part_sizes, [m.peer_id for m in group.senders], sum_buffer)
-                reducer = _ReducerRole(shard, lease, total, the_codec)
+                reducer = self._reducer_role(
+                    group, plan, my_shard, the_codec, holds.enter_context(self._buffers.lease())
+                )
             sender = None
             if flat is not None:
                 sender = _SenderRole(self.host, plan, flat, ReduceHeader(group.group_id, weight, total), the_codec)
@@ -365,23 +365,42 @@ class AllReduceService:
                 del self._rounds[group.group_id]
                 if reducer is not None and not reducer.replied.is_set():  # cancelled: free waiting handlers
                     reducer.replied.set()
-            local_average: list[tuple[int, torch.Tensor]] = []
+            own_average = []
             if reducer is not None:
-                assert my_shard is not None and reducer.reply is not None
-                outcome = reducer.shard.reduction.outcome()
-                result.contributors[my_shard] = list(outcome.contributors)
-                result.failed_peers.update(outcome.dropped)
-                if sender is not None:
-                    if reducer.reply.error is not None:  # the other senders keep their values: so do we
-                        result.local_shards[my_shard] = str(reducer.reply.error)
-                    elif outcome.averaged is not None:
-                        own = await _in_thread(reducer.shard.own_average, reducer.reply, the_codec)
-                        local_average = [(plan.shard_bounds(my_shard)[0], own)]
-                    else:
-                        result.local_shards[my_shard] = "no contribution arrived"
+                assert my_shard is not None
+                own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
             if sender is not None:
-                await _in_thread(write_back, tensors, sender.averaged + local_average)
+                await _in_thread(write_back, tensors, sender.averaged + own_average)
             return result
+
+    def _reducer_role(
+        self, group: GroupInfo, plan: AllReducePlan, my_shard: int, codec: Codec, lease: BufferLease
+    ) -> _ReducerRole:
+        part_sizes = [end - start for start, end in plan.parts(my_shard)]
+        sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
+        shard = ReducerShard(part_sizes, [m.peer_id for m in group.senders], sum_buffer)
+        return _ReducerRole(shard, lease, plan.total, codec)
+
+    async def _own_shard(
+        self, reducer: _ReducerRole, my_shard: int, plan: AllReducePlan, result: AllReduceResult, *, wanted: bool
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Record how our shard's reduction went, and return its average as ``write_back`` takes
+        it if we have values to write it into (``wanted``) and there is one."""
+        reply = reducer.reply
+        assert reply is not None
+        outcome = reducer.shard.reduction.outcome()
+        result.contributors[my_shard] = list(outcome.contributors)
+        result.failed_peers.update(outcome.dropped)
+        if not wanted:
+            return []
+        if reply.error is not None:  # the other senders keep their values: so do we
+            result.local_shards[my_shard] = str(reply.error)
+            return []
+        if outcome.averaged is None:
+            result.local_shards[my_shard] = "no contribution arrived"
+            return []
+        own = await _in_thread(reducer.shard.own_average, reply, reducer.codec)
+        return [(plan.shard_bounds(my_shard)[0], own)]
 
 
 def checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -111,7 +111,7 @@ class PartSink:
     and no allocation; ``target`` then hands out the buffer each part's values belong in.
 
     The part sizes may be unknown when the first parts arrive (a reducer's handler learns them
-    from its session, which may be announced after the sender started streaming): until then any
+    from its round, which may start after the sender started streaming): until then any
     such part gets a buffer of its own size, and ``target`` checks the size once it is known.
     Closing the sink forfeits every buffer lent but never claimed (the connection's reader may
     still write into it) and lends nothing more.
