@@ -7,8 +7,10 @@ selects, not with its own configured default, so peers configured differently st
 
 Decoding treats meta and payload as hostile: the codec must be known, the meta must have exactly
 the expected keys with the expected types, the payload must be exactly as long as ``numel``
-implies, and every scale must be finite. A decoded part is always finite float32, so a lying peer
-can shift an average but never poison it with NaN or inf.
+implies, and every scale must be finite. ``decode`` returns finite float32 only, so a lying peer
+can shift an average but never poison it with NaN or inf; ``decode_into`` (which fills a buffer
+the caller supplies, e.g. one reused from round to round) leaves that one check to its caller,
+which makes it once where it uses the values instead of twice.
 
 All work is vectorised torch/numpy code without Python loops over elements or blocks, and codecs
 hold no mutable state, so parts can be encoded and decoded concurrently in worker threads
@@ -160,8 +162,7 @@ class NoCompression(Codec):
         return {"codec": self.name}, tensor_bytes(tensor)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
-        out = torch.empty(_check_numel(numel), dtype=torch.float32)
-        return _finite_or_raise(self.decode_into(meta, payload, out), self.name)
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
 
     def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
         if meta != self.META or nbytes <= 0 or nbytes % 4:
@@ -191,9 +192,12 @@ class Float16Codec(Codec):
         return {"codec": self.name}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        return _finite_or_raise(_float32_copy(_from_buffer(view, np.float16, numel, 0)), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        return _fill(out, _from_buffer(view, np.float16, out.numel(), 0))
 
     def payload_size(self, numel: int) -> int:
         return 2 * numel
@@ -225,13 +229,15 @@ class ScaledFloat16Codec(Codec):
         return {"codec": self.name, "mean": mean_f, "std": std_f}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {"mean": float, "std": float})
         mean, std = meta["mean"], meta["std"]
         _check_scalar(self.name, "mean", mean, minimum=-FLOAT32_MAX)
         _check_scalar(self.name, "std", std, minimum=0.0)
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        part = _float32_copy(_from_buffer(view, np.float16, numel, 0))
-        return _finite_or_raise(part.mul_(std).add_(mean), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        return _fill(out, _from_buffer(view, np.float16, out.numel(), 0)).mul_(std).add_(mean)
 
     def payload_size(self, numel: int) -> int:
         return 2 * numel
@@ -259,19 +265,22 @@ class Uniform8BitCodec(Codec):
         return {"codec": self.name, "min": lo, "scale": scale}, tensor_bytes(levels.to(torch.uint8))
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        # Finite by the checks in decode_into, up to a rounding at the very edge of the float32 range.
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {"min": float, "scale": float})
         lo, scale = meta["min"], meta["scale"]
         _check_scalar(self.name, "min", lo, minimum=-FLOAT32_MAX)
         _check_scalar(self.name, "scale", scale, minimum=0.0)
         if lo + UINT8_STEPS * scale > FLOAT32_MAX:
             raise ValueError(f"{self.name}: min + 255 * scale exceeds the float32 range")
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        levels = _float32_copy(_from_buffer(view, np.uint8, numel, 0))
+        view = byte_view(payload, self.payload_size(out.numel()))
+        levels = _fill(out, _from_buffer(view, np.uint8, out.numel(), 0))
         if _needs_float64(UINT8_STEPS * scale):
             # Only for parts spanning more than float32's range: q * scale would overflow in float32.
-            return _finite_or_raise(levels.double().mul_(scale).add_(lo).float(), self.name)
-        # Finite by the checks above, up to a rounding at the very edge of the float32 range.
-        return _finite_or_raise(levels.mul_(scale).add_(lo), self.name)
+            return out.copy_(levels.double().mul_(scale).add_(lo))
+        return levels.mul_(scale).add_(lo)
 
     def payload_size(self, numel: int) -> int:
         return numel
@@ -310,20 +319,26 @@ class Blockwise8BitCodec(Codec):
         return {"codec": self.name}, tensor_bytes(out)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        # Finite by construction: int8 levels times scales checked to stay within float32.
+        return self.decode_into(meta, payload, _empty(numel))
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        n_blocks = _n_blocks(numel)
-        scales = _float32_copy(_from_buffer(view, np.float32, n_blocks, 0))
+        numel = out.numel()
+        view = byte_view(payload, self.payload_size(numel))
+        n_blocks, full = _n_blocks(numel), numel // BLOCK_SIZE
+        scales = _fill(_empty(n_blocks), _from_buffer(view, np.float32, n_blocks, 0))
         # Negative scales are refused too: the encoder never makes them, and they would hide a bug.
         if not all_finite(scales) or bool((scales < 0).any()):
             raise ValueError(f"{self.name}: block scales must be finite and non-negative")
         if n_blocks and float(scales.max()) * (INT8_LEVEL + 1) > FLOAT32_MAX:
             raise ValueError(f"{self.name}: a block scale exceeds the float32 range")
-        values = _from_buffer(view, np.int8, numel, 4 * n_blocks)
-        out = torch.zeros(n_blocks * BLOCK_SIZE, dtype=torch.float32)
-        out.numpy()[:numel] = values  # numpy casts int8 -> float32 while copying, no temporary
-        out.view(n_blocks, BLOCK_SIZE).mul_(scales[:, None])
-        return out[:numel]
+        _fill(out, _from_buffer(view, np.int8, numel, 4 * n_blocks))
+        # Full blocks as one 2-D view, the ragged tail (if any) as one more block, as in encode.
+        out[: full * BLOCK_SIZE].view(full, BLOCK_SIZE).mul_(scales[:full, None])
+        if numel > full * BLOCK_SIZE:
+            out[full * BLOCK_SIZE :].mul_(scales[full])
+        return out
 
     def payload_size(self, numel: int) -> int:
         return 4 * _n_blocks(numel) + numel
@@ -435,7 +450,7 @@ def _check_scalar(name: str, key: str, value: float, *, minimum: float) -> None:
 
 
 def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.ndarray:
@@ -443,13 +458,16 @@ def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.n
     return np.frombuffer(view, dtype=dtype, count=count, offset=offset)
 
 
-def _float32_copy(values: np.ndarray) -> torch.Tensor:
-    """A new float32 tensor holding ``values`` (numpy converts while it copies).
+def _empty(numel: Any) -> torch.Tensor:
+    return torch.empty(_check_numel(numel), dtype=torch.float32)
 
-    Allocating with torch and filling through a numpy view is one pass; ``ndarray.astype`` was
-    measured 5-10x slower for multi-MiB parts because every fresh numpy allocation page-faults.
+
+def _fill(out: torch.Tensor, values: np.ndarray) -> torch.Tensor:
+    """``out`` (contiguous float32) holding ``values``: numpy converts while it copies.
+
+    Filling a torch tensor through a numpy view is one pass; ``ndarray.astype`` was measured 5-10x
+    slower for multi-MiB parts because every fresh numpy allocation page-faults.
     """
-    out = torch.empty(len(values), dtype=torch.float32)
     out.numpy()[:] = values
     return out
 

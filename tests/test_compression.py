@@ -430,3 +430,22 @@ def test_encode_finite_is_encode_without_a_second_finiteness_pass() -> None:
     assert meta == {"codec": "none"} and bytes(payload) == x.numpy().tobytes()
     for name in ["float16", "uint8", "adaptive"]:
         assert get_codec(name).encode_finite(x)[0] == get_codec(name).encode(x)[0]
+
+
+@pytest.mark.parametrize("codec", ["none", "float16", "scaled_float16", "uint8", "blockwise_8bit"])
+@pytest.mark.parametrize("numel", [0, 1, 2047, 2048, 5000])
+def test_decode_into_fills_the_supplied_buffer_with_what_decode_returns(codec: str, numel: int) -> None:
+    x = normal(numel)
+    meta, payload = get_codec(codec).encode(x)
+    out = torch.full((numel,), 7.0)
+    assert get_codec(codec).decode_into(meta, bytes(payload), out) is out
+    assert torch.equal(out, decode_part(meta, bytes(payload), numel))
+
+
+def test_decode_into_leaves_the_finiteness_check_to_its_caller() -> None:
+    payload = np.array([1.0, np.inf], dtype=np.float16).tobytes()
+    out = torch.empty(2)
+    get_codec("float16").decode_into({"codec": "float16"}, payload, out)
+    assert not torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        decode_part({"codec": "float16"}, payload, 2)
