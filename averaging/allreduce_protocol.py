@@ -109,8 +109,8 @@ class IncomingPart:
     meta: Any
     payload: Any
     out: torch.Tensor  # where the values go
-    # The payload was received straight into ``out``: decoding it only checks sizes, work for the
-    # event loop rather than a worker thread.
+    # The payload was received straight into ``out``, and its codec says such bytes are the values
+    # themselves (``Codec.in_place_numel``, checked when the buffer was lent): nothing to decode.
     landed: bool
 
     @property
@@ -119,6 +119,8 @@ class IncomingPart:
 
     def decode(self) -> torch.Tensor:
         """The part's float32 values, not yet checked finite (raises ValueError)."""
+        if self.landed:
+            return self.out
         values = self.codec.decode_into(self.meta, self.payload, self.out)
         if values.dtype != torch.float32 or values.numel() != self.numel:
             raise ContributionRejected(f"part {self.index} decoded to {values.numel()} values, expected {self.numel}")

@@ -95,15 +95,14 @@ class Codec(ABC):
 
     def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
         """How many float32 values a payload of ``nbytes`` with this (untrusted) ``meta`` is, if
-        its bytes are exactly those values, so it can be received straight into the float32
-        buffer ``decode_into`` fills; None if it must be decoded from bytes received elsewhere."""
+        its bytes are exactly those values: then it can be received straight into the float32
+        buffer the values belong in and needs no decoding at all. None if it must be decoded."""
         return None
 
     def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
-        """Decode an untrusted ``(meta, payload)`` into the float32 tensor ``out`` and return the
-        values (``out`` itself, or a tensor the caller owns). The values may still be non-finite:
-        the caller checks them where it uses them. A payload that was received into ``out``'s own
-        memory (see ``in_place_numel``) is validated without a copy."""
+        """Decode an untrusted ``(meta, payload)`` into the contiguous float32 tensor ``out`` and
+        return the values (``out`` itself, or a tensor the caller owns). The values may still be
+        non-finite: the caller checks them where it uses them."""
         return self.decode(meta, payload, out.numel())
 
     def __repr__(self) -> str:
@@ -172,9 +171,7 @@ class NoCompression(Codec):
     def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
         view = byte_view(payload, self.payload_size(out.numel()))
-        if out.numel() and _address(view) != out.data_ptr():  # else the payload already is ``out``
-            out.numpy()[:] = _from_buffer(view, np.float32, out.numel(), 0)
-        return out
+        return _fill(out, _from_buffer(view, np.float32, out.numel(), 0))
 
     def payload_size(self, numel: int) -> int:
         return 4 * numel
@@ -447,10 +444,6 @@ def _check_meta(meta: Any, name: str, fields: dict[str, type]) -> None:
 def _check_scalar(name: str, key: str, value: float, *, minimum: float) -> None:
     if not (math.isfinite(value) and minimum <= value <= FLOAT32_MAX):
         raise ValueError(f"{name}: meta field {key!r} = {value!r} is not a finite float32 value >= {minimum}")
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.ndarray:
