@@ -7,8 +7,10 @@ selects, not with its own configured default, so peers configured differently st
 
 Decoding treats meta and payload as hostile: the codec must be known, the meta must have exactly
 the expected keys with the expected types, the payload must be exactly as long as ``numel``
-implies, and every scale must be finite. A decoded part is always finite float32, so a lying peer
-can shift an average but never poison it with NaN or inf.
+implies, and every scale must be finite. ``decode`` returns finite float32 only, so a lying peer
+can shift an average but never poison it with NaN or inf; ``decode_into`` (which fills a buffer
+the caller supplies, e.g. one reused from round to round) leaves that one check to its caller,
+which makes it once where it uses the values instead of twice.
 
 All work is vectorised torch/numpy code without Python loops over elements or blocks, and codecs
 hold no mutable state, so parts can be encoded and decoded concurrently in worker threads
@@ -37,6 +39,7 @@ __all__ = [
     "NoCompression",
     "ScaledFloat16Codec",
     "Uniform8BitCodec",
+    "codec_of",
     "decode_part",
     "get_codec",
     "register_codec",
@@ -81,6 +84,27 @@ class Codec(ABC):
     def payload_size(self, numel: int) -> int:
         """Bytes of payload that ``encode`` produces for a part of ``numel`` values."""
 
+    # Whether ``encode_finite`` is only a view of the part (no pass over its values), so a caller
+    # may run it on the event loop instead of paying for a worker thread.
+    encodes_as_view: ClassVar[bool] = False
+
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        """``encode`` for a contiguous 1-D float32 CPU part the caller has already checked finite
+        (e.g. as part of a larger tensor): codecs that can skip their own finiteness pass do."""
+        return self.encode(tensor)
+
+    def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
+        """How many float32 values a payload of ``nbytes`` with this (untrusted) ``meta`` is, if
+        its bytes are exactly those values: then it can be received straight into the float32
+        buffer the values belong in and needs no decoding at all. None if it must be decoded."""
+        return None
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
+        """Decode an untrusted ``(meta, payload)`` into the contiguous float32 tensor ``out`` and
+        return the values (``out`` itself, or a tensor the caller owns). The values may still be
+        non-finite: the caller checks them where it uses them."""
+        return self.decode(meta, payload, out.numel())
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -110,11 +134,16 @@ def get_codec(name_or_codec: str | Codec) -> Codec:
     return _REGISTRY[name_or_codec]()
 
 
-def decode_part(meta: Any, payload: Any, numel: int) -> torch.Tensor:
-    """Decode a part with the codec its (untrusted) meta names; see ``Codec.decode``."""
+def codec_of(meta: Any) -> Codec:
+    """The codec an (untrusted) part meta names: parts are decoded with the sender's choice."""
     if not isinstance(meta, dict):
         raise ValueError(f"codec meta must be a map, not {type(meta).__name__}")
-    return get_codec(meta.get("codec")).decode(meta, payload, numel)
+    return get_codec(meta.get("codec"))
+
+
+def decode_part(meta: Any, payload: Any, numel: int) -> torch.Tensor:
+    """Decode a part with the codec its (untrusted) meta names; see ``Codec.decode``."""
+    return codec_of(meta).decode(meta, payload, numel)
 
 
 @register_codec
@@ -122,15 +151,27 @@ class NoCompression(Codec):
     """Raw float32: exact, 4 bytes per value. The payload is a view of the part, not a copy."""
 
     name = "none"
+    encodes_as_view = True
+    META: ClassVar[dict[str, str]] = {"codec": name}
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
-        part = _prepare(tensor)
-        return {"codec": self.name}, tensor_bytes(part)
+        return self.encode_finite(_prepare(tensor))
+
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        return {"codec": self.name}, tensor_bytes(tensor)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def in_place_numel(self, meta: Any, nbytes: int) -> int | None:
+        if meta != self.META or nbytes <= 0 or nbytes % 4:
+            return None
+        return nbytes // 4
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        return _finite_or_raise(_float32_copy(_from_buffer(view, np.float32, numel, 0)), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        return _fill(out, _from_buffer(view, np.float32, out.numel(), 0))
 
     def payload_size(self, numel: int) -> int:
         return 4 * numel
@@ -148,9 +189,12 @@ class Float16Codec(Codec):
         return {"codec": self.name}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        return _finite_or_raise(_float32_copy(_from_buffer(view, np.float16, numel, 0)), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        return _fill(out, _from_buffer(view, np.float16, out.numel(), 0))
 
     def payload_size(self, numel: int) -> int:
         return 2 * numel
@@ -182,13 +226,15 @@ class ScaledFloat16Codec(Codec):
         return {"codec": self.name, "mean": mean_f, "std": std_f}, tensor_bytes(half)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {"mean": float, "std": float})
         mean, std = meta["mean"], meta["std"]
         _check_scalar(self.name, "mean", mean, minimum=-FLOAT32_MAX)
         _check_scalar(self.name, "std", std, minimum=0.0)
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        part = _float32_copy(_from_buffer(view, np.float16, numel, 0))
-        return _finite_or_raise(part.mul_(std).add_(mean), self.name)
+        view = byte_view(payload, self.payload_size(out.numel()))
+        return _fill(out, _from_buffer(view, np.float16, out.numel(), 0)).mul_(std).add_(mean)
 
     def payload_size(self, numel: int) -> int:
         return 2 * numel
@@ -216,19 +262,22 @@ class Uniform8BitCodec(Codec):
         return {"codec": self.name, "min": lo, "scale": scale}, tensor_bytes(levels.to(torch.uint8))
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        # Finite by the checks in decode_into, up to a rounding at the very edge of the float32 range.
+        return _finite_or_raise(self.decode_into(meta, payload, _empty(numel)), self.name)
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {"min": float, "scale": float})
         lo, scale = meta["min"], meta["scale"]
         _check_scalar(self.name, "min", lo, minimum=-FLOAT32_MAX)
         _check_scalar(self.name, "scale", scale, minimum=0.0)
         if lo + UINT8_STEPS * scale > FLOAT32_MAX:
             raise ValueError(f"{self.name}: min + 255 * scale exceeds the float32 range")
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        levels = _float32_copy(_from_buffer(view, np.uint8, numel, 0))
+        view = byte_view(payload, self.payload_size(out.numel()))
+        levels = _fill(out, _from_buffer(view, np.uint8, out.numel(), 0))
         if _needs_float64(UINT8_STEPS * scale):
             # Only for parts spanning more than float32's range: q * scale would overflow in float32.
-            return _finite_or_raise(levels.double().mul_(scale).add_(lo).float(), self.name)
-        # Finite by the checks above, up to a rounding at the very edge of the float32 range.
-        return _finite_or_raise(levels.mul_(scale).add_(lo), self.name)
+            return out.copy_(levels.double().mul_(scale).add_(lo))
+        return levels.mul_(scale).add_(lo)
 
     def payload_size(self, numel: int) -> int:
         return numel
@@ -267,20 +316,26 @@ class Blockwise8BitCodec(Codec):
         return {"codec": self.name}, tensor_bytes(out)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
+        # Finite by construction: int8 levels times scales checked to stay within float32.
+        return self.decode_into(meta, payload, _empty(numel))
+
+    def decode_into(self, meta: dict[str, Any], payload: Any, out: torch.Tensor) -> torch.Tensor:
         _check_meta(meta, self.name, {})
-        view = byte_view(payload, self.payload_size(_check_numel(numel)))
-        n_blocks = _n_blocks(numel)
-        scales = _float32_copy(_from_buffer(view, np.float32, n_blocks, 0))
+        numel = out.numel()
+        view = byte_view(payload, self.payload_size(numel))
+        n_blocks, full = _n_blocks(numel), numel // BLOCK_SIZE
+        scales = _fill(_empty(n_blocks), _from_buffer(view, np.float32, n_blocks, 0))
         # Negative scales are refused too: the encoder never makes them, and they would hide a bug.
         if not all_finite(scales) or bool((scales < 0).any()):
             raise ValueError(f"{self.name}: block scales must be finite and non-negative")
         if n_blocks and float(scales.max()) * (INT8_LEVEL + 1) > FLOAT32_MAX:
             raise ValueError(f"{self.name}: a block scale exceeds the float32 range")
-        values = _from_buffer(view, np.int8, numel, 4 * n_blocks)
-        out = torch.zeros(n_blocks * BLOCK_SIZE, dtype=torch.float32)
-        out.numpy()[:numel] = values  # numpy casts int8 -> float32 while copying, no temporary
-        out.view(n_blocks, BLOCK_SIZE).mul_(scales[:, None])
-        return out[:numel]
+        _fill(out, _from_buffer(view, np.int8, numel, 4 * n_blocks))
+        # Full blocks as one 2-D view, the ragged tail (if any) as one more block, as in encode.
+        out[: full * BLOCK_SIZE].view(full, BLOCK_SIZE).mul_(scales[:full, None])
+        if numel > full * BLOCK_SIZE:
+            out[full * BLOCK_SIZE :].mul_(scales[full])
+        return out
 
     def payload_size(self, numel: int) -> int:
         return 4 * _n_blocks(numel) + numel
@@ -316,6 +371,9 @@ class AdaptiveCodec(Codec):
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         return self.choose(tensor.numel()).encode(tensor)
+
+    def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
+        return self.choose(tensor.numel()).encode_finite(tensor)
 
     def decode(self, meta: dict[str, Any], payload: Any, numel: int) -> torch.Tensor:
         if not isinstance(meta, dict):
@@ -393,13 +451,16 @@ def _from_buffer(view: memoryview, dtype: type, count: int, offset: int) -> np.n
     return np.frombuffer(view, dtype=dtype, count=count, offset=offset)
 
 
-def _float32_copy(values: np.ndarray) -> torch.Tensor:
-    """A new float32 tensor holding ``values`` (numpy converts while it copies).
+def _empty(numel: Any) -> torch.Tensor:
+    return torch.empty(_check_numel(numel), dtype=torch.float32)
 
-    Allocating with torch and filling through a numpy view is one pass; ``ndarray.astype`` was
-    measured 5-10x slower for multi-MiB parts because every fresh numpy allocation page-faults.
+
+def _fill(out: torch.Tensor, values: np.ndarray) -> torch.Tensor:
+    """``out`` (contiguous float32) holding ``values``: numpy converts while it copies.
+
+    Filling a torch tensor through a numpy view is one pass; ``ndarray.astype`` was measured 5-10x
+    slower for multi-MiB parts because every fresh numpy allocation page-faults.
     """
-    out = torch.empty(len(values), dtype=torch.float32)
     out.numpy()[:] = values
     return out
 

@@ -1,4 +1,4 @@
-"""Flat views of a peer's tensors and the parts they are cut into, for the all-reduce.
+"""A peer's tensors as one flat float32 vector for the all-reduce, and the averages written back.
 
 Plain functions on tensors (no I/O); ``averaging/allreduce.py`` runs them in worker threads.
 """
@@ -7,53 +7,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any
 
 import torch
-
-from peer.tensors import all_finite, tensor_bytes
-
-from .compression import NoCompression, get_codec
-from .reduction import ContributionRejected
-
-# Uncompressed float32 parts ("none") skip the codec calls and their worker threads: a part is sent
-# as a byte view of the flattened tensor (already checked finite as a whole) and received by one
-# copy into a reused buffer; finiteness is checked where the values are used.
-RAW_META = {"codec": NoCompression.name}
-
-
-def encode_shard(codec_name: str, averaged: torch.Tensor, part_sizes: list[int]) -> list[tuple[dict, Any]]:
-    """The averaged shard as parts ready to send (raises ValueError for non-finite values)."""
-    codec = get_codec(codec_name)
-    raw = isinstance(codec, NoCompression)
-    if raw and not all_finite(averaged):
-        raise ValueError("the average contains NaN or infinite values")
-    parts, offset = [], 0
-    for size in part_sizes:
-        part = averaged[offset : offset + size]
-        parts.append((RAW_META, tensor_bytes(part)) if raw else codec.encode(part))
-        offset += size
-    return parts
-
-
-def decode_shard(parts: list[tuple[dict, Any]], part_sizes: list[int]) -> torch.Tensor:
-    """The values that receivers of ``encode_shard``'s parts end up with."""
-    values = [decode(meta, payload, size) for (meta, payload), size in zip(parts, part_sizes, strict=True)]
-    return torch.cat(values) if values else torch.empty(0, dtype=torch.float32)
-
-
-def check_finite(parts: list[torch.Tensor]) -> None:
-    if not all(all_finite(values) for values in parts):
-        raise ContributionRejected("the reducer sent NaN or infinite values")
-
-
-def decode(meta, payload, numel: int) -> torch.Tensor:
-    if not (isinstance(meta, dict) and isinstance(meta.get("codec"), str)):
-        raise ContributionRejected("part metadata must name its codec")
-    values = get_codec(meta["codec"]).decode(meta, payload, numel)
-    if values.numel() != numel:
-        raise ContributionRejected(f"part decoded to {values.numel()} values, expected {numel}")
-    return values
 
 
 def flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -96,10 +96,11 @@ class ShardReduction:
         staged[part_index] = values
 
     def add_local(self, sender: Hashable, values: torch.Tensor, weight: float) -> None:
-        """A reducer's own contribution: the whole shard at once, no staging."""
+        """A reducer's own contribution: the whole shard at once, no staging. The caller has
+        checked ``values`` finite (the all-reduce checks its whole flattened tensor once)."""
         self.set_weight(sender, weight)
-        if values.numel() != self.shard_size or not all_finite(values):
-            raise ContributionRejected("local shard has the wrong size or non-finite values")
+        if values.numel() != self.shard_size:
+            raise ContributionRejected("local shard has the wrong size")
         self._commit(sender, [(0, values.reshape(-1).to(torch.float32))])
 
     def finish_sender(self, sender: Hashable) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import struct
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, open_peer_host
 
+from .stream_faults import Fault, FaultyHost
+
 SENDER_TIMEOUT = 1.0
 REDUCER_TIMEOUT = 2.5
 SHAPES = [(37, 5), (100,), (3, 3, 3)]  # 312 values: about 4 parts per shard with part_size=16
@@ -24,20 +27,25 @@ PART_SIZE = 16
 
 
 class Peer:
-    def __init__(self, host, service, scope: trio.CancelScope):
-        self.host, self.service, self.scope = host, service, scope
+    def __init__(self, host, service, scope: trio.CancelScope, fault: Fault | None):
+        self.host, self.service, self.scope, self.fault = host, service, scope, fault
 
 
-async def start_peers(nursery, count: int, service_class=AllReduceService, client_indices=()) -> list[Peer]:
+async def start_peers(nursery, count: int, faults=None, client_indices=()) -> list[Peer]:
+    """``faults``: peer index -> the ``Fault`` that peer's all-reduce messages go through."""
     peers: list[Peer] = []
+    faults = faults or {}
 
     async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         scope = trio.CancelScope()
         with scope:
             client = index in client_indices
             async with open_peer_host(Identity.generate(), client_mode=client) as host:
-                cls = service_class if isinstance(service_class, type) else service_class[index]
-                task_status.started(Peer(host, cls(host), scope))
+                fault = faults.get(index)
+                if fault is not None:
+                    fault.peer_scope = scope
+                service = AllReduceService(host if fault is None else FaultyHost(host, fault))
+                task_status.started(Peer(host, service, scope, fault))
                 await trio.sleep(math.inf)
 
     for index in range(count):
@@ -166,49 +174,74 @@ def expected_for(index, results, tensors, weights, group):
     return expected
 
 
-class DieWhileSending(AllReduceService):
-    parts_before_death = 2
+def part_index(body) -> int | None:
+    return body.get("part") if isinstance(body, dict) else None
 
-    async def _send_part(self, stream, part_index, meta, payload):
-        if part_index >= self.parts_before_death:
-            self.victim_scope.cancel()  # the whole peer vanishes: host, connections, everything
+
+def with_nan(payload) -> bytearray:
+    """A copy of a float32 payload whose first value is NaN."""
+    bad = bytearray(payload)
+    bad[:4] = struct.pack("<f", math.nan)
+    return bad
+
+
+class DiesWhileSending(Fault):
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 2:
+            await self.die()
+        await super().send(stream, body, payload)
+
+
+class StallsWhileSending(Fault):
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 1:
             await trio.sleep(math.inf)
-        await super()._send_part(stream, part_index, meta, payload)
+        await super().send(stream, body, payload)
 
 
-class StallWhileSending(AllReduceService):
-    async def _send_part(self, stream, part_index, meta, payload):
-        if part_index >= 1:
+class DiesWhileReducing(Fault):
+    """Receives every contribution, then vanishes instead of replying."""
+
+    async def send(self, stream, body, payload):
+        if not stream.outgoing:
+            await self.die()
+        await super().send(stream, body, payload)
+
+
+class StallsWhileReducing(Fault):
+    async def send(self, stream, body, payload):
+        if not stream.outgoing:
             await trio.sleep(math.inf)
-        await super()._send_part(stream, part_index, meta, payload)
+        await super().send(stream, body, payload)
 
 
-class DieWhileReducing(AllReduceService):
-    async def _reply(self, session, stream):
-        self.victim_scope.cancel()
-        await trio.sleep(math.inf)
+class RepliesWithNaN(Fault):
+    """Reduces honestly, but the first part of its averaged shard reaches the senders as NaN."""
+
+    async def send(self, stream, body, payload):
+        if not stream.outgoing and part_index(body) == 0:
+            payload = with_nan(payload)
+        await super().send(stream, body, payload)
 
 
-class StallWhileReducing(AllReduceService):
-    async def _reply(self, session, stream):
-        await trio.sleep(math.inf)
-
-
-class CancelMidRound(AllReduceService):
-    async def _send_part(self, stream, part_index, meta, payload):
-        if part_index >= 1:
+class CancelsMidRound(Fault):
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 1:
             self.run_scope.cancel()
-        await super()._send_part(stream, part_index, meta, payload)
+        await super().send(stream, body, payload)
 
 
 FAULTY = {
-    "dies_before": AllReduceService,
-    "dies_while_sending": DieWhileSending,
-    "stalls_while_sending": StallWhileSending,
-    "dies_while_reducing": DieWhileReducing,
-    "stalls_while_reducing": StallWhileReducing,
-    "cancels": CancelMidRound,
+    "dies_before": Fault,
+    "dies_while_sending": DiesWhileSending,
+    "stalls_while_sending": StallsWhileSending,
+    "dies_while_reducing": DiesWhileReducing,
+    "stalls_while_reducing": StallsWhileReducing,
+    "replies_with_nan": RepliesWithNaN,
+    "cancels": CancelsMidRound,
 }
+# Faults after which no survivor gets the victims' shards back: they stay local everywhere.
+SHARDS_STAY_LOCAL = ("dies_before", "dies_while_reducing", "stalls_while_reducing", "replies_with_nan", "cancels")
 
 
 @pytest.mark.parametrize("fault", list(FAULTY))
@@ -216,9 +249,8 @@ FAULTY = {
 async def test_faults_in_a_five_peer_group(fault, victims):
     size = 5
     victim_ids = list(range(size - victims, size))
-    classes = [FAULTY[fault] if i in victim_ids else AllReduceService for i in range(size)]
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, size, service_class=classes)
+        peers = await start_peers(nursery, size, faults={i: FAULTY[fault]() for i in victim_ids})
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(size)]
         weights = [1.0, 2.0, 1.0, 0.5, 1.5]
@@ -227,7 +259,6 @@ async def test_faults_in_a_five_peer_group(fault, victims):
         start = trio.current_time()
         async with trio.open_nursery() as victims_nursery:
             for i in victim_ids:
-                peers[i].service.victim_scope = peers[i].scope
                 if fault == "dies_before":
                     peers[i].scope.cancel()
                 else:
@@ -235,6 +266,8 @@ async def test_faults_in_a_five_peer_group(fault, victims):
             with trio.fail_after(SENDER_TIMEOUT + REDUCER_TIMEOUT + 2):
                 await run_round(peers, group, tensors, weights, results, skip=victim_ids)
             victims_nursery.cancel_scope.cancel()
+        # Survivors are done once both deadlines have passed, whatever the victims do: they never
+        # wait on a dead or stalled peer beyond its deadline (1 s of margin for a loaded machine).
         assert trio.current_time() - start < SENDER_TIMEOUT + REDUCER_TIMEOUT + 1
         victim_peer_ids = {peers[i].host.peer_id for i in victim_ids}
         survivor_peer_ids = {peers[i].host.peer_id for i in survivors}
@@ -245,7 +278,7 @@ async def test_faults_in_a_five_peer_group(fault, victims):
             assert not (survivor_peer_ids & result.failed_peers)
             for contributors in result.contributors.values():  # no survivor's contribution was lost
                 assert survivor_peer_ids <= set(contributors)
-            if fault in ("dies_before", "dies_while_reducing", "stalls_while_reducing", "cancels"):
+            if fault in SHARDS_STAY_LOCAL:
                 assert len(result.local_shards) == victims  # the victims' shards stayed local
             if fault in ("dies_before", "stalls_while_sending", "dies_while_sending"):
                 for shard, contributors in result.contributors.items():
@@ -255,7 +288,7 @@ async def test_faults_in_a_five_peer_group(fault, victims):
 
 async def _run_victim(peer, group, tensors, weight):
     with trio.CancelScope() as scope:
-        peer.service.run_scope = scope
+        peer.fault.run_scope = scope
         await peer.service.run(
             group,
             tensors,
@@ -266,37 +299,64 @@ async def _run_victim(peer, group, tensors, weight):
         )
 
 
-class SendsAShortPart(AllReduceService):
-    """Announces its first raw part one value short (the receiver lends buffers by announced size)."""
+class SendsAShortPart(Fault):
+    """Announces its first part one value short (the receiver lends buffers by announced size)."""
 
-    async def _send_part(self, stream, part_index, meta, payload):
-        await super()._send_part(stream, part_index, meta, payload[:-4] if part_index == 0 else payload)
-
-
-class SendsAPartTwice(AllReduceService):
-    async def _send_part(self, stream, part_index, meta, payload):
-        await super()._send_part(stream, part_index, meta, payload)
-        if part_index == 0:
-            await super()._send_part(stream, part_index, meta, payload)
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 0:
+            payload = payload[:-4]
+        await super().send(stream, body, payload)
 
 
-@pytest.mark.parametrize("hostile", [SendsAShortPart, SendsAPartTwice])
-async def test_malformed_raw_parts_drop_their_sender_and_nobody_else(hostile):
+class SendsAPartTwice(Fault):
+    async def send(self, stream, body, payload):
+        await super().send(stream, body, payload)
+        if stream.outgoing and part_index(body) == 0:
+            await super().send(stream, body, payload)
+
+
+class SendsNaN(Fault):
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 0:
+            payload = with_nan(payload)
+        await super().send(stream, body, payload)
+
+
+class SendsAnUnknownCodec(Fault):
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 0:
+            body = {**body, "meta": {"codec": "gzip"}}
+        await super().send(stream, body, payload)
+
+
+@pytest.mark.parametrize(
+    ("hostile", "codec"),
+    [
+        *(
+            (fault, codec)
+            for fault in (SendsAShortPart, SendsAPartTwice, SendsAnUnknownCodec)
+            for codec in ("none", "float16")
+        ),
+        (SendsNaN, "none"),  # (its NaN is a float32 bit pattern)
+    ],
+)
+async def test_malformed_parts_drop_their_sender_and_nobody_else(hostile, codec):
     size = 4
-    classes = [AllReduceService] * (size - 1) + [hostile]
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, size, service_class=classes)
+        peers = await start_peers(nursery, size, faults={size - 1: hostile()})
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(size)]
         weights = [1.0, 2.0, 0.5, 1.0]
         results = {}
+        # A refused sender costs nobody a deadline: 2 s of margin over both of them.
         with trio.fail_after(SENDER_TIMEOUT + REDUCER_TIMEOUT + 2):
-            await run_round(peers, group, tensors, weights, results)
+            await run_round(peers, group, tensors, weights, results, codec=codec)
         hostile_id = peers[-1].host.peer_id
         honest_ids = {p.host.peer_id for p in peers[:-1]}
         for i in range(size - 1):
             result = results[i]
-            assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=1e-6)
+            tolerance = 1e-6 if codec == "none" else 2e-2
+            assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=tolerance)
             assert hostile_id in result.failed_peers and not (honest_ids & result.failed_peers)
             for shard, contributors in result.contributors.items():
                 assert honest_ids <= set(contributors)
@@ -363,6 +423,9 @@ async def test_event_loop_stays_responsive_during_a_large_allreduce(frozen_heap)
         stop.set()
         lags.sort()
         p99 = lags[int(len(lags) * 0.99)]
+        # Protects: heavy tensor work (commits, averaging, decoding, writing back) runs in worker
+        # threads; what runs inline (per-part checks) takes well under a millisecond, so 50 ms is
+        # a wide margin for a loaded 2-core machine.
         assert p99 < 0.050, f"loop lag p99 {p99 * 1000:.1f} ms over {len(lags)} ticks"
         assert len(lags) > 20  # the round took long enough for the measurement to mean something
         assert torch.allclose(tensors[0][0], expected, atol=1e-5)
@@ -394,5 +457,5 @@ async def test_fifty_rounds_in_a_row_do_not_grow_memory():
         # these 35 rounds, a whole round's buffers ~250 MiB.
         assert usage[1] - usage[0] < 24 << 20, f"grew by {(usage[1] - usage[0]) >> 20} MiB"
         for service in (p.service for p in peers):
-            assert not service._sessions  # every round's session was released
+            assert not service.rounds_in_progress  # every round was released
         nursery.cancel_scope.cancel()

@@ -113,13 +113,33 @@ def test_part_buffers_reuse_buffers_and_forget_sizes_no_recent_round_took():
 
     pool = PartBuffers()
     pool.start_round()
-    first = pool.take(10)
-    pool.give([first])
-    assert pool.take(10) is first  # reused, not reallocated
-    pool.give([first])
+    with pool.lease() as lease:
+        first = lease.take(10)
+    with pool.lease() as lease:
+        assert lease.take(10) is first  # given back when the lease closed, and reused
     for size in (11, 12, 13):  # shard sizes follow the group, which may change every round
         pool.start_round()
-        pool.give([pool.take(size) for _ in range(3)])
+        with pool.lease() as lease:
+            for _ in range(3):
+                lease.take(size)
     assert pool.pooled_bytes == 4 * 3 * (12 + 13)  # only this round's and the last round's sizes
-    pool.give([torch.empty(10)])  # a size nobody asked for lately is not kept either
-    assert pool.pooled_bytes == 4 * 3 * (12 + 13)
+
+
+def test_a_lease_stays_open_while_any_holder_is_inside_and_forfeited_buffers_never_return():
+    from averaging.part_buffers import PartBuffers
+
+    pool = PartBuffers()
+    pool.start_round()
+    lease = pool.lease()
+    with lease:
+        kept, lost = lease.take(4), lease.take(4)
+        with lease:  # a second holder (a reducer handler still replying from the shard)
+            pass
+        assert pool.pooled_bytes == 0  # the first holder is still inside
+        lease.forfeit(lost)  # e.g. still queued on a connection
+    assert pool.pooled_bytes == 16
+    with pool.lease() as again:
+        assert again.take(4) is kept
+        assert again.take(4) is not lost
+    with pytest.raises(RuntimeError, match="closed"):
+        lease.take(4)

@@ -405,3 +405,44 @@ def test_concurrent_use_from_threads() -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         parallel = list(pool.map(work, jobs))
     assert all(torch.equal(a, b) for a, b in zip(serial, parallel, strict=True))
+
+
+def test_none_decodes_into_a_supplied_buffer_and_its_payloads_can_land_in_place() -> None:
+    codec = NoCompression()
+    x = normal(100)
+    out = torch.empty(100)
+    assert codec.decode_into({"codec": "none"}, x.numpy().tobytes(), out) is out
+    assert torch.equal(out, x)
+    assert codec.in_place_numel({"codec": "none"}, 400) == 100
+    assert codec.in_place_numel({"codec": "none"}, 402) is None  # not whole float32 values
+    assert codec.in_place_numel({"codec": "none", "scale": 1.0}, 400) is None  # not this codec's meta
+    assert get_codec("float16").in_place_numel({"codec": "float16"}, 400) is None  # must be decoded
+    with pytest.raises(ValueError, match="expected exactly 400"):
+        codec.decode_into({"codec": "none"}, x.numpy().tobytes()[:-4], out)
+
+
+def test_encode_finite_is_encode_without_a_second_finiteness_pass() -> None:
+    x = normal(100)
+    meta, payload = NoCompression().encode_finite(x)
+    assert meta == {"codec": "none"} and bytes(payload) == x.numpy().tobytes()
+    for name in ["float16", "uint8", "adaptive"]:
+        assert get_codec(name).encode_finite(x)[0] == get_codec(name).encode(x)[0]
+
+
+@pytest.mark.parametrize("codec", ["none", "float16", "scaled_float16", "uint8", "blockwise_8bit"])
+@pytest.mark.parametrize("numel", [0, 1, 2047, 2048, 5000])
+def test_decode_into_fills_the_supplied_buffer_with_what_decode_returns(codec: str, numel: int) -> None:
+    x = normal(numel)
+    meta, payload = get_codec(codec).encode(x)
+    out = torch.full((numel,), 7.0)
+    assert get_codec(codec).decode_into(meta, bytes(payload), out) is out
+    assert torch.equal(out, decode_part(meta, bytes(payload), numel))
+
+
+def test_decode_into_leaves_the_finiteness_check_to_its_caller() -> None:
+    payload = np.array([1.0, np.inf], dtype=np.float16).tobytes()
+    out = torch.empty(2)
+    get_codec("float16").decode_into({"codec": "float16"}, payload, out)
+    assert not torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        decode_part({"codec": "float16"}, payload, 2)
