@@ -370,10 +370,10 @@ class RawPeer:
     @classmethod
     async def connect(cls, address: PeerAddress, timeout: float = 10.0) -> RawPeer:
         stream = await trio.open_tcp_stream(address.host, address.port, local_address=ATTACKER_HOST)
+        identity = Identity.generate()
+        hello = Hello(PROTOCOL_VERSION, RUN_ID, node_id_nonce=NodeIDProof.solve(identity.peer_id, DIFFICULTY).nonce)
         try:
-            channel = await secure_handshake(
-                stream, Identity.generate(), Hello(PROTOCOL_VERSION, RUN_ID), initiator=True, timeout=timeout
-            )
+            channel = await secure_handshake(stream, identity, hello, initiator=True, timeout=timeout)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
