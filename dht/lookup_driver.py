@@ -98,7 +98,7 @@ class LookupDriver:
             parsed = None
             if reply is not None:
                 try:
-                    neighbours = contacts.routable(wire.parse_contacts(reply.body))
+                    neighbours = contacts.parse(reply.body)
                     records = wire.parse_found(key, reply.payload, time.time()) if key is not None else []
                     parsed = neighbours, self.records.validated(records) if records else None
                 except RecordError as error:
