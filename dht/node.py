@@ -34,7 +34,7 @@ from .config import DHTBootstrapError, DHTConfig, DHTError
 from .contacts import Contacts
 from .liveness import PeerHealth
 from .local import LocalRecords
-from .lookup import IterativeLookup
+from .lookup import DisjointLookup
 from .lookup_driver import LookupDriver, LookupResult
 from .maintenance import TableMaintenance
 from .records import DHTValue
@@ -217,7 +217,7 @@ class DHTNode:
         key: bytes | None = None,
         *,
         stop_on_value: bool = False,
-        on_answer: Callable[[Contact, IterativeLookup], None] | None = None,
+        on_answer: Callable[[Contact, DisjointLookup], None] | None = None,
     ) -> LookupResult:
         """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records).
 
