@@ -186,13 +186,14 @@ async def run_scale(nodes: int, lookups: int) -> dict[str, Any]:
         join_s = time.perf_counter() - start
         rng = random.Random(5)
         ids = [n.peer_id for n in swarm.nodes]
+        place = {n.peer_id: n.node_id for n in swarm.nodes}  # each node's puzzle solution places it
         hops, rpcs, overlap = [], [], []
         for _ in range(lookups):
             target = rng.getrandbits(160)
             result = await rng.choice(swarm.nodes).lookup(target)
             hops.append(result.hops)
             rpcs.append(result.rpcs)
-            truth = set(sorted(ids, key=lambda p: p.to_int() ^ target)[:20])
+            truth = set(sorted(ids, key=lambda p: place[p] ^ target)[:20])
             found = {c.peer_id for c in result.nearest} | ({swarm.nodes[0].peer_id} & truth)
             overlap.append(len(truth & {c.peer_id for c in result.nearest}) / len(truth))
             del found

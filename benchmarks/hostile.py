@@ -18,7 +18,9 @@ Catalogue (the rows of the table):
   store_flood           100 ``dht.store`` requests of 24 h records, then an honest short-lived store
   credit_overshoot      stream DATA past the granted credit window (training peer, ``avg.reduce``)
   forge_progress        rewrite the training peer's own progress record the same two ways
-  sybil_placement       node-ID grinding rate on one core and the time to place 20 IDs near a key
+  sybil_placement       node IDs that pass the puzzle per second on one core, and the time to place
+                        20 of them near a key (measured at the run's difficulty, estimated at the
+                        public default; key grinding, what an ID cost before the puzzle, as baseline)
 
 Scoring, per case: *crash* = the target exited, or neither its status endpoint nor ``peer.ping``
 answered; *degraded* = the target is alive but a legitimate peer could not get service (a
@@ -70,12 +72,24 @@ from dht.local import LocalRecords  # noqa: E402
 from dht.peer_dictionary import peer_entries, peer_subkey  # noqa: E402
 from dht.records import MAX_TTL, DHTRecord, DHTValue, key_id, pack  # noqa: E402
 from dht.validation import SignatureValidator  # noqa: E402
-from peer import Identity, Message, PeerAddress, Router, open_peer_host  # noqa: E402
+from peer import (  # noqa: E402
+    DEFAULT_DIFFICULTY,
+    LOCAL_DIFFICULTY,
+    Identity,
+    Message,
+    NodeIDProof,
+    PeerAddress,
+    Router,
+    open_peer_host,
+)
 from peer.framing import HEADER, MAX_RECORD_SIZE  # noqa: E402
 from peer.rpc_protocol import STREAM_WINDOW, packb, unpackb  # noqa: E402
 from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake  # noqa: E402
 
 RUN_ID = "hostile-bench"
+# The targets' run checks node IDs at the local difficulty, as tests do: the attacks here are about
+# what a peer does once in, and the price of getting in is measured on its own (sybil_placement).
+DIFFICULTY = LOCAL_DIFFICULTY
 ATTACKER_HOST = "127.0.0.66"  # a second loopback address: the attacker's "one address"
 RSS_LIMIT_MB = 100  # the issue's target for max_rss_growth_mb
 SAFETY_RSS_MB = 2048  # stop feeding an attack once the target grew this much (a shared machine)
@@ -149,7 +163,7 @@ class Target:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PEERD_")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         command = [sys.executable, "-m", "peer.daemon.cli", "join", "--listen", "127.0.0.1:0", "--status-port", "0"]
-        command += ["--identity", str(key_path), "--run-id", RUN_ID, *extra]
+        command += ["--identity", str(key_path), "--run-id", RUN_ID, "--node-id-difficulty", str(DIFFICULTY), *extra]
         self.process = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -377,10 +391,10 @@ class RawPeer:
     @classmethod
     async def connect(cls, address: PeerAddress, timeout: float = 10.0) -> RawPeer:
         stream = await trio.open_tcp_stream(address.host, address.port, local_address=ATTACKER_HOST)
+        identity = Identity.generate()
+        hello = Hello(PROTOCOL_VERSION, RUN_ID, node_id_nonce=NodeIDProof.solve(identity.peer_id, DIFFICULTY).nonce)
         try:
-            channel = await secure_handshake(
-                stream, Identity.generate(), Hello(PROTOCOL_VERSION, RUN_ID), initiator=True, timeout=timeout
-            )
+            channel = await secure_handshake(stream, identity, hello, initiator=True, timeout=timeout)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -961,20 +975,34 @@ class Bench:
     # ------------------------------------------------------------------ 5. Sybil placement
     async def case_sybil_placement(self, out: Outcome) -> None:
         out.info_only = True
-        result = await trio.to_thread.run_sync(
-            sybil_measurement, self.settings.sybil_swarm_n, self.settings.sybil_time_cap_s
-        )
+        s = self.settings
+        result = await trio.to_thread.run_sync(sybil_measurement, s.sybil_swarm_n, s.sybil_time_cap_s, DIFFICULTY)
+        free = await trio.to_thread.run_sync(free_id_rate, 1.0)
+        n = s.sybil_swarm_n
+        public_rate = result["hash_rate"] / 2**DEFAULT_DIFFICULTY  # IDs/s that pass a public run's puzzle
+        public_s = (n + 1) / public_rate  # n + 1 candidates for 20 hits (see sybil_measurement)
         self.figures.update(
-            sybil_ids_per_s=round(result["rate"]),
+            sybil_ids_per_s=round(result["rate"], 1),
             sybil_20_ids_s=round(result["seconds"], 3),
-            sybil_swarm_n=self.settings.sybil_swarm_n,
+            sybil_difficulty=DIFFICULTY,
+            sybil_public_difficulty=DEFAULT_DIFFICULTY,
+            sybil_public_ids_per_s=round(public_rate, 4),
+            sybil_public_20_ids_s=round(public_s),
+            sybil_free_ids_per_s=round(free),
+            sybil_swarm_n=n,
         )
-        n = self.settings.sybil_swarm_n
         how = "measured" if result["measured"] else "estimated (cap hit)"
-        out.notes.append(f"{result['rate']:.0f} IDs/s on one core; {result['candidates']} candidates tried")
-        out.notes.append(f"20 IDs nearer than the 20 nearest of {n}: {result['seconds']:.2f} s ({how})")
-        estimates = ", ".join(f"N={m:.0e}: {(m + 1) / result['rate']:.1f} s" for m in (1e4, 1e6, 1e8))
-        out.notes.append(f"estimate (N+1)/rate: {estimates}")
+        out.notes.append(f"baseline: {free:.0f} free IDs/s (key pairs) on one core")
+        out.notes.append(
+            f"difficulty {DIFFICULTY}: {result['rate']:.0f} IDs/s pass the puzzle ({result['candidates']} solved, "
+            f"{result['hash_rate'] / 1e6:.2f} M hashes/s); 20 IDs nearer than the 20 nearest of {n}: "
+            f"{result['seconds']:.2f} s ({how})"
+        )
+        estimates = ", ".join(f"N={m:.0e}: {(m + 1) / public_rate / 3600:.1f} h" for m in (1e3, 1e4, 1e6))
+        out.notes.append(
+            f"difficulty {DEFAULT_DIFFICULTY} (public): {public_rate:.3f} IDs/s; 20 IDs near a key among N "
+            f"(estimate (N+1)/rate): {estimates}"
+        )
 
 
 def progress_records(found: DHTValue | None) -> dict:
@@ -982,26 +1010,41 @@ def progress_records(found: DHTValue | None) -> dict:
     return dict(peer_entries(found, lambda peer, body: PeerProgress.from_wire(body)))
 
 
-def sybil_measurement(n: int, cap_s: float) -> dict[str, Any]:
-    """Grind real candidate IDs (an Ed25519 key pair and its hash: what a node ID costs today)
-    until 20 lie nearer to a random key than the 20th nearest of ``n`` honest IDs."""
+def sybil_measurement(n: int, cap_s: float, difficulty: int) -> dict[str, Any]:
+    """Grind node IDs the cheapest way the puzzle allows (one key, successive solutions at
+    ``difficulty``, each a uniformly placed node ID) until 20 lie nearer to a random key than the
+    20th nearest of ``n`` honest IDs; the hash rate gives the cost at any other difficulty."""
     rng = random.Random(1)
     target = rng.getrandbits(160)
     honest = sorted(rng.getrandbits(160) ^ target for _ in range(n))
     bound = honest[19]
+    peer_id = Identity.generate().peer_id
     start = time.perf_counter()
-    placed = candidates = 0
+    placed = solutions = nonce = 0
     while placed < 20 and time.perf_counter() - start < cap_s:
-        candidate = Identity.generate().peer_id.to_int()
-        candidates += 1
-        if candidate ^ target < bound:
+        proof = NodeIDProof.solve(peer_id, difficulty, start=nonce)
+        nonce = int.from_bytes(proof.nonce, "little") + 1
+        solutions += 1
+        if int.from_bytes(proof.node_id, "big") ^ target < bound:
             placed += 1
     elapsed = time.perf_counter() - start
-    rate = candidates / elapsed
+    rate, hash_rate = solutions / elapsed, nonce / elapsed
     if placed >= 20:
-        return {"rate": rate, "seconds": elapsed, "measured": True, "candidates": candidates}
+        return {"rate": rate, "hash_rate": hash_rate, "seconds": elapsed, "measured": True, "candidates": solutions}
     # Expected candidates for 20 hits when each hits with probability 20/(n+1): n + 1.
-    return {"rate": rate, "seconds": (n + 1) / rate, "measured": False, "candidates": candidates}
+    seconds = (n + 1) / rate
+    return {"rate": rate, "hash_rate": hash_rate, "seconds": seconds, "measured": False, "candidates": solutions}
+
+
+def free_id_rate(seconds: float) -> float:
+    """Peer IDs (key pairs and their hash) per second on one core: what a DHT position cost when
+    the DHT placed peers by peer ID."""
+    start = time.perf_counter()
+    count = 0
+    while time.perf_counter() - start < seconds:
+        Identity.generate().peer_id.to_int()
+        count += 1
+    return count / (time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------- driver
@@ -1083,6 +1126,11 @@ def print_report(outcomes: list[Outcome], figures: dict[str, Any], settings: Set
         "sybil_20_ids_s": figures.get("sybil_20_ids_s"),
         "sybil_swarm_n": figures.get("sybil_swarm_n"),
         "sybil_ids_per_s": figures.get("sybil_ids_per_s"),
+        "sybil_difficulty": figures.get("sybil_difficulty"),
+        "sybil_public_difficulty": figures.get("sybil_public_difficulty"),
+        "sybil_public_ids_per_s": figures.get("sybil_public_ids_per_s"),
+        "sybil_public_20_ids_s": figures.get("sybil_public_20_ids_s"),
+        "sybil_free_ids_per_s": figures.get("sybil_free_ids_per_s"),
         "errors": sum(out.error is not None for out in outcomes),
         "failed_cases": failed,
         "wall_s": round(wall, 1),

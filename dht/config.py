@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .lookup import DISJOINT_PATHS
 from .routing import ALPHA, K
 
 __all__ = ["DHTConfig", "DHTError", "DHTBootstrapError"]
@@ -25,6 +26,10 @@ class DHTConfig:
     # our own ID (cheaper for huge one-process test swarms).
     refresh_on_join: bool = True
     cache_on_path: bool = True
+    # Gets walk this many disjoint paths, so one poisoned path cannot hide a record (S/Kademlia).
+    # Stores and node lookups walk one: they already ask up to k peers, and the puzzle on node IDs
+    # keeps hostile peers from being the nearest ones to a key.
+    disjoint_paths: int = DISJOINT_PATHS
 
 
 class DHTError(Exception):

@@ -5,6 +5,10 @@ Kademlia updates a k-bucket on every message to or from a peer (Maymounkov & Maz
 so the object that sends requests also records how they went: an answer (a refusal is an answer too)
 re-adds the peer, silence counts a failure, and enough failures evict it (``PeerHealth``). A full
 bucket's least-recently-seen contact is pinged before a newcomer may take its place.
+
+A peer enters the table at the node ID its handshake proved (``PeerHost.remote_node_id``): the proof
+on the live connection wins over the one a third party named, and a contact whose proof falls short
+of the run's difficulty never enters at all.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from peer import Message, PeerHost, RemoteError, RPCError
+from peer import Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
 
+from . import wire
 from .background import Background
 from .liveness import PeerHealth
 from .routing import Contact, RoutingTable
@@ -40,6 +45,7 @@ class Contacts:
         self._background = background
         self._rpc_timeout = rpc_timeout
         self._pinging: set[bytes] = set()
+        self.difficulty: int = host.node_id_difficulty  # the run's: every contact is checked against it
 
     # ------------------------------------------------------------------ what we learn
     def alive(self, contact: Contact) -> None:
@@ -47,19 +53,28 @@ class Contacts:
         self.health.succeeded(contact.peer_id)
         connection = self.host.connection_to(contact.peer_id)
         if connection is not None:
-            # Prefer the address the peer itself announced in the authenticated hello over one that
-            # a third party told us; a client-mode peer announces none and never enters the table.
+            # Prefer the address and proof the peer itself showed in the authenticated hello over
+            # those a third party told us; a client-mode peer announces no address and never
+            # enters the table.
             announced = connection.remote_listen_address
             if announced is None:
                 return
-            if announced != contact.address:
-                contact = Contact(contact.peer_id, announced)
-        if contact.peer_id == self.host.peer_id:
+            proof = self.host.remote_node_id(connection)
+            if announced != contact.address or proof.nonce != contact.proof.nonce:
+                contact = Contact(proof, announced)
+        if contact.peer_id == self.host.peer_id or not contact.proof.satisfies(self.difficulty):
             return
         head = self.table.add_contact(contact)
         if head is not None and head.id not in self._pinging and self._background.running:
             self._pinging.add(head.id)
             self._background.start_soon(self._ping_head, head)
+
+    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
+        """``peer`` just called us over an authenticated connection, announcing ``address`` (None:
+        a client, which stays out of the table); its place is the proof from that handshake."""
+        connection = self.host.connection_to(peer)
+        if address is not None and connection is not None:
+            self.alive(Contact(self.host.remote_node_id(connection), address))
 
     def failed(self, contact: Contact) -> None:
         if self.health.failed(contact.peer_id):
@@ -81,16 +96,21 @@ class Contacts:
         backing_off = self.health.backing_off
         return lambda contact: backing_off(contact.peer_id)
 
-    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
-        """The k known contacts nearest to ``target``, skipping those in backoff and the peer whose
-        ID is ``excluding`` (a caller never needs to be told about itself)."""
+    def nearest(self, target: int, k: int, *, excluding: PeerID | None = None) -> list[Contact]:
+        """The k known contacts nearest to ``target``, skipping those in backoff and the peer
+        ``excluding`` (a caller never needs to be told about itself)."""
         excluded = self.excluded()
         position = Contact.for_id(target)
         if excluding is None:
             return self.table.find_neighbors(position, k, exclude=excluded)
         if excluded is None:
-            return self.table.find_neighbors(position, k, exclude=lambda c: c.id == excluding)
-        return self.table.find_neighbors(position, k, exclude=lambda c: c.id == excluding or excluded(c))
+            return self.table.find_neighbors(position, k, exclude=lambda c: c.peer_id == excluding)
+        return self.table.find_neighbors(position, k, exclude=lambda c: c.peer_id == excluding or excluded(c))
+
+    def parse(self, body: Any) -> list[Contact]:
+        """The contacts a find reply names whose proofs meet the run's difficulty, minus those in
+        backoff (``RecordError`` if the reply is malformed as a whole)."""
+        return self.routable(wire.parse_contacts(body, self.difficulty))
 
     def routable(self, contacts: list[Contact]) -> list[Contact]:
         """``contacts`` (named by another peer) without those we are backing off from."""

@@ -12,6 +12,12 @@ The rules (Maymounkov & Mazieres, section 2.3):
   a response that does not improve the closest node, up to ``k`` requests may be in flight.
 - A peer that fails (timeout, refused, bad reply) drops out of the candidates.
 - Done when each of the k nearest live candidates has answered.
+
+``DisjointLookup`` runs d of these along disjoint paths (S/Kademlia, Baumgart & Mies 2007, section
+4.4): the initial candidates are dealt out among d sub-lookups, a node queried by one path is never
+queried by another, and a value is found if any path finds it. A hostile node can then poison only
+the path that asked it: its fake contacts stay on that path, and the others still reach the honest
+nodes that hold the record.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ from kademlia.node import Node, NodeHeap
 
 from .routing import ALPHA, Contact, K
 
-__all__ = ["CandidateHeap", "IterativeLookup"]
+__all__ = ["CandidateHeap", "IterativeLookup", "DisjointLookup", "DISJOINT_PATHS"]
+
+# S/Kademlia's simulations: d = 3 disjoint paths of k = 20 keep lookups ~99% successful with a
+# fifth of the nodes hostile, at about d times the messages of one path when the value is missing.
+DISJOINT_PATHS = 3
 
 
 class CandidateHeap(NodeHeap):
@@ -70,7 +80,7 @@ class IterativeLookup:
         self._hops: dict[bytes, int] = {}
         self._in_flight: set[bytes] = set()
         self._responded: set[bytes] = set()
-        self._failed: set[bytes] = set()
+        self._dropped: set[bytes] = set()  # failed, or taken by another path of a disjoint lookup
         self._widened = False
         self._narrow = False
         self.rpcs = 0
@@ -120,8 +130,12 @@ class IterativeLookup:
 
     def on_failure(self, contact: Contact) -> None:
         self._in_flight.discard(contact.id)
-        self._failed.add(contact.id)
         self._narrow = False
+        self.drop(contact)
+
+    def drop(self, contact: Contact) -> None:
+        """Never consider ``contact`` again (it failed, or another path queries it)."""
+        self._dropped.add(contact.id)
         self._heap.remove([contact.id])
 
     # ------------------------------------------------------------------ state
@@ -146,6 +160,10 @@ class IterativeLookup:
     def responded(self, contact: Contact) -> bool:
         return contact.id in self._responded
 
+    def hop_of(self, contact: Contact) -> int:
+        """How many hops away ``contact`` was found (1: our routing table knew it; 0: unknown)."""
+        return self._hops.get(contact.id, 0)
+
     @property
     def hops(self) -> int:
         """Hop depth of the nearest answering node: 1 if our routing table already knew it."""
@@ -156,7 +174,7 @@ class IterativeLookup:
     def _add(self, contacts: Iterable[Contact], hop: int) -> None:
         fresh = []
         for contact in contacts:
-            if contact.long_id == self._self_id or contact.id in self._failed or contact in self._heap:
+            if contact.long_id == self._self_id or contact.id in self._dropped or contact in self._heap:
                 continue
             self._hops[contact.id] = hop
             fresh.append(contact)
@@ -164,3 +182,95 @@ class IterativeLookup:
 
     def _best_distance(self) -> int:
         return self._heap.heap[0][0] if self._heap.heap else 2**160
+
+
+class DisjointLookup:
+    """``paths`` lookups toward ``target`` along disjoint paths, driven like one ``IterativeLookup``."""
+
+    def __init__(
+        self,
+        target: int,
+        initial: Iterable[Contact],
+        *,
+        paths: int = DISJOINT_PATHS,
+        k: int = K,
+        alpha: int = ALPHA,
+        self_id: int | None = None,
+    ):
+        if paths < 1:
+            raise ValueError("a lookup needs at least one path")
+        self.target = target
+        ordered = sorted(initial, key=lambda contact: contact.long_id ^ target)
+        # Dealt out nearest first, so every path starts with some of the best candidates.
+        self.paths = [
+            IterativeLookup(target, ordered[index::paths], k=k, alpha=alpha, self_id=self_id) for index in range(paths)
+        ]
+        self._owner: dict[bytes, IterativeLookup] = {}  # node -> the one path that queried it
+        self._narrow = False
+
+    def start_narrow(self) -> None:
+        """One request in flight (to the nearest path's nearest candidate) until it answers or fails
+        or ``hedge()``; then every path opens. See ``IterativeLookup.start_narrow``."""
+        self._narrow = True
+        self.paths[0].start_narrow()
+
+    def hedge(self) -> None:
+        self._narrow = False
+        self.paths[0].hedge()
+
+    def next_queries(self) -> list[Contact]:
+        chosen: list[Contact] = []
+        for path in self.paths[:1] if self._narrow else self.paths:
+            for contact in path.next_queries():
+                self._owner[contact.id] = path
+                for other in self.paths:
+                    if other is not path:
+                        other.drop(contact)
+                chosen.append(contact)
+        return chosen
+
+    def on_response(self, contact: Contact, neighbours: Iterable[Contact]) -> None:
+        path = self._owner.get(contact.id)
+        if path is not None:
+            self._narrow = False
+            path.on_response(contact, neighbours)
+
+    def on_failure(self, contact: Contact) -> None:
+        path = self._owner.get(contact.id)
+        if path is not None:
+            self._narrow = False
+            path.on_failure(contact)
+
+    @property
+    def done(self) -> bool:
+        return all(path.done for path in self.paths)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(path.in_flight for path in self.paths)
+
+    @property
+    def rpcs(self) -> int:
+        return sum(path.rpcs for path in self.paths)
+
+    def closest(self, k: int | None = None) -> list[Contact]:
+        """The nearest contacts that answered on any path, nearest first."""
+        k = k or self.paths[0].k
+        merged = [contact for path in self.paths for contact in path.closest(k)]
+        return sorted(merged, key=lambda contact: contact.long_id ^ self.target)[:k]
+
+    def among_nearest(self, contact: Contact) -> bool:
+        path = self._owner.get(contact.id)
+        return path is not None and path.among_nearest(contact)
+
+    def responded(self, contact: Contact) -> bool:
+        path = self._owner.get(contact.id)
+        return path is not None and path.responded(contact)
+
+    @property
+    def hops(self) -> int:
+        closest = self.closest(1)
+        if not closest:
+            return 0
+        path = self._owner.get(closest[0].id)
+        return path.hop_of(closest[0]) if path is not None else 0

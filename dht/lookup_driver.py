@@ -20,7 +20,7 @@ from . import wire
 from .config import DHTConfig
 from .contacts import Contacts
 from .local import LocalRecords
-from .lookup import IterativeLookup
+from .lookup import DisjointLookup
 from .records import RecordError
 from .routing import Contact
 from .storage import Found, merge_found
@@ -75,15 +75,17 @@ class LookupDriver:
         key: bytes | None = None,
         *,
         stop_on_value: bool = False,
-        on_answer: Callable[[Contact, IterativeLookup], None] | None = None,
+        on_answer: Callable[[Contact, DisjointLookup], None] | None = None,
+        paths: int = 1,
     ) -> LookupResult:
-        """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records).
+        """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records), along
+        ``paths`` disjoint paths (see ``DisjointLookup``).
 
         ``on_answer(contact, search)`` runs after each answer (stores use it to pipeline)."""
         config, contacts = self.config, self.contacts
         initial = contacts.nearest(target, config.k)
         contacts.touch(target)
-        search = IterativeLookup(target, initial, k=config.k, alpha=config.alpha, self_id=self.node_id)
+        search = DisjointLookup(target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id)
         body = [target.to_bytes(20, "big"), key]
         found: Found | None = None
         missing: list[Contact] = []
@@ -98,7 +100,7 @@ class LookupDriver:
             parsed = None
             if reply is not None:
                 try:
-                    neighbours = contacts.routable(wire.parse_contacts(reply.body))
+                    neighbours = contacts.parse(reply.body)
                     records = wire.parse_found(key, reply.payload, time.time()) if key is not None else []
                     parsed = neighbours, self.records.validated(records) if records else None
                 except RecordError as error:

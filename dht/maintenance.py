@@ -62,7 +62,7 @@ class TableMaintenance:
                     if reached or "mismatch" in str(error):
                         return
                 else:
-                    contact = Contact(connection.remote_peer_id, address)
+                    contact = Contact(self.host.remote_node_id(connection), address)
                     reached.append(contact)
                     self.contacts.alive(contact)
                     return

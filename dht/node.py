@@ -27,14 +27,14 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-from peer import Identity, PeerAddress, PeerHost, PeerID, Router, open_peer_host
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, PeerID, Router, open_peer_host
 
 from .background import Background
 from .config import DHTBootstrapError, DHTConfig, DHTError
 from .contacts import Contacts
 from .liveness import PeerHealth
 from .local import LocalRecords
-from .lookup import IterativeLookup
+from .lookup import DisjointLookup
 from .lookup_driver import LookupDriver, LookupResult
 from .maintenance import TableMaintenance
 from .records import DHTValue
@@ -61,7 +61,8 @@ class DHTNode:
     ):
         self.host = host
         self.peer_id: PeerID = host.peer_id
-        self.node_id = self.peer_id.to_int()
+        # Our place in the keyspace: the node ID our host's puzzle solution yields (``peer/node_id.py``).
+        self.node_id = int.from_bytes(host.node_id.node_id, "big")
         self.config = config
         self.validator = validator
         self.client_mode = client_mode
@@ -98,14 +99,18 @@ class DHTNode:
         run_id: str = "default",
         validators: Iterable[RecordValidator] = (),
         config: DHTConfig | None = None,
+        node_id_difficulty: int = LOCAL_DIFFICULTY,
+        node_id: NodeIDProof | None = None,
     ) -> AsyncIterator[DHTNode]:
         """Run a DHT node for the duration of the block.
 
-        With ``host``, attach to that running host (its identity, listener and pool; ``client_mode``
-        must match how it was opened). Otherwise open a host with ``identity`` (new if None) on
-        ``listen``. Raises DHTBootstrapError if ``initial_peers`` are given and none answers.
-        A ``SignatureValidator`` for the host's identity is always included (and no other may be): every
-        node refuses owner-marked records its owner did not sign, and signs its own with that identity.
+        With ``host``, attach to that running host (its identity, listener, pool and node-ID proof;
+        ``client_mode`` must match how it was opened). Otherwise open a host with ``identity`` (new
+        if None) on ``listen``, at the run's ``node_id_difficulty`` with ``node_id`` (solved now if
+        None; see ``PeerHost``). Raises DHTBootstrapError if ``initial_peers`` are given and none
+        answers. A ``SignatureValidator`` for the host's identity is always included (and no other
+        may be): every node refuses owner-marked records its owner did not sign, and signs its own
+        with that identity.
         """
         config = config or DHTConfig()
         validators = CompositeValidator(validators).validators
@@ -113,8 +118,9 @@ class DHTNode:
             # A second one would wrap the node's signed envelope in another, which no node verifies.
             raise ValueError("a DHT node signs with its host's identity; pass no SignatureValidator of your own")
         peers = [PeerAddress.parse(p) if isinstance(p, str) else p for p in initial_peers]
+        own_host = {"run_id": run_id, "node_id_difficulty": node_id_difficulty, "node_id": node_id}
         try:
-            async with cls._open(host, identity, listen, peers, client_mode, run_id, validators, config) as node:
+            async with cls._open(host, identity, listen, peers, client_mode, own_host, validators, config) as node:
                 yield node
         except BaseExceptionGroup as group:
             # The nurseries around the bootstrap wrap its error; callers deserve the plain one.
@@ -135,7 +141,7 @@ class DHTNode:
         listen: tuple[str, int] | None,
         peers: list[PeerAddress],
         client_mode: bool,
-        run_id: str,
+        host_options: dict[str, Any],
         validators: Iterable[RecordValidator],
         config: DHTConfig,
     ) -> AsyncIterator[DHTNode]:
@@ -145,8 +151,8 @@ class DHTNode:
                 identity,
                 listen=None if client_mode else listen,
                 router=Router(),
-                run_id=run_id,
                 client_mode=client_mode,
+                **host_options,
             ) as own_host:
                 async with cls._attach(own_host, peers, client_mode, validators, config) as node:
                     yield node
@@ -217,7 +223,7 @@ class DHTNode:
         key: bytes | None = None,
         *,
         stop_on_value: bool = False,
-        on_answer: Callable[[Contact, IterativeLookup], None] | None = None,
+        on_answer: Callable[[Contact, DisjointLookup], None] | None = None,
     ) -> LookupResult:
         """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records).
 
@@ -228,10 +234,11 @@ class DHTNode:
         """The k nearest peers to ``target`` in the swarm, ourselves included unless in client mode."""
         k = k or self.config.k
         result = await self._lookups.run(target)
-        ids = [contact.peer_id for contact in result.nearest]
+        placed = [(contact.long_id, contact.peer_id) for contact in result.nearest]
         if not self.client_mode:
-            ids.append(self.peer_id)
-        return sorted(ids, key=lambda peer: peer.to_int() ^ target)[:k]
+            placed.append((self.node_id, self.peer_id))
+        placed.sort(key=lambda entry: entry[0] ^ target)
+        return [peer for _, peer in placed[:k]]
 
     # ------------------------------------------------------------------ records
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:

@@ -2,8 +2,9 @@
 
 A store looks up the key's k nearest peers and sends each the record, pipelined: a peer that answers
 while it is among the k nearest known gets the record at once instead of after the whole lookup. A
-get returns the local copy or looks the key up, and with ``cache_on_path`` sends what it found to the
-nearest peer on the path that lacked it (Kademlia's caching, section 2.3 of the paper).
+get returns the local copy or looks the key up along disjoint paths (any one that finds it wins),
+and with ``cache_on_path`` sends what it found to the nearest peer on the path that lacked it
+(Kademlia's caching, section 2.3 of the paper).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Replicas:
         if local is not None and not latest:
             return self.records.decode(key_bytes, local)
         target = key_id(key_bytes)
-        result = await self.lookups.run(target, key_bytes, stop_on_value=not latest)
+        result = await self.lookups.run(target, key_bytes, stop_on_value=not latest, paths=self.config.disjoint_paths)
         found = merge_found(local, result.found)
         if found is None:
             return None

@@ -12,6 +12,11 @@
 
 Contacts carry the pinned ``PeerAddress`` that reaches them; only peers we have talked to over an
 authenticated connection are ever added (never addresses that a third party claimed).
+
+A contact sits in the keyspace at the node ID of its puzzle solution (``peer/node_id.py``), not at
+its peer ID: a peer ID is a free hash of a free key, a node ID costs 2**difficulty hashes, so
+landing next to a chosen key is expensive. Whoever builds a contact checks the proof against the
+run's difficulty first (the handshake for peers we talk to, ``wire.parse_contacts`` for named ones).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kademlia.node import Node
 from kademlia.routing import KBucket
 from kademlia.routing import RoutingTable as _PackageRoutingTable
 
-from peer import PeerAddress, PeerID
+from peer import NodeIDProof, PeerAddress, PeerID
 
 __all__ = ["Contact", "RoutingTable", "K", "ALPHA", "KEYSPACE_BITS"]
 
@@ -36,11 +41,14 @@ KEYSPACE_BITS = 160
 
 
 class Contact(Node):
-    """A ``kademlia.node.Node`` that knows its peer ID and the pinned address that reaches it."""
+    """A ``kademlia.node.Node`` placed by its node-ID proof, knowing its peer ID and the pinned
+    address that reaches it (``id``/``long_id`` are the node ID, never the peer ID)."""
 
-    def __init__(self, peer_id: PeerID, address: PeerAddress):
-        super().__init__(peer_id.to_bytes(), address.host, address.port)
-        self.peer_id = peer_id
+    def __init__(self, proof: NodeIDProof, address: PeerAddress):
+        super().__init__(proof.node_id, address.host, address.port)
+        self.proof = proof
+        self.peer_id: PeerID = proof.peer_id
+        peer_id = proof.peer_id
         self.address = address if address.peer_id == peer_id else address.with_peer_id(peer_id)
 
     @classmethod
@@ -106,8 +114,8 @@ class RoutingTable(_PackageRoutingTable):
             yield from bucket.nodes.values()
 
     def get(self, peer_id: PeerID) -> Contact | None:
-        node = Contact.for_id(peer_id.to_int())
-        return self.buckets[self.get_bucket_for(node)][node.id]
+        """The contact of ``peer_id`` (a scan: a peer's place comes from its proof, not its ID)."""
+        return next((contact for contact in self.contacts() if contact.peer_id == peer_id), None)
 
     def __contains__(self, peer_id: object) -> bool:
         return isinstance(peer_id, PeerID) and self.get(peer_id) is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from peer import Message, Request, Router
+from peer import Message, PeerAddress, PeerID, Request, Router
 
 from . import wire
 from .records import DHTRecord
@@ -33,10 +33,10 @@ class ServedRecords(Protocol):
 
 
 class ServedContacts(Protocol):
-    def alive(self, contact: Contact) -> None:
-        """``contact`` just reached us over an authenticated connection."""
+    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
+        """``peer`` just called us over an authenticated connection, announcing ``address``."""
 
-    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
+    def nearest(self, target: int, k: int, *, excluding: PeerID | None = None) -> list[Contact]:
         """The k known contacts nearest to ``target``, without the peer ``excluding``."""
 
 
@@ -65,9 +65,7 @@ class DHTServer:
             raise DHTServiceStopped("this peer's DHT node has stopped")
 
     def _note_caller(self, request: Request) -> None:
-        address = request.listen_address
-        if address is not None and address.peer_id is not None:
-            self.contacts.alive(Contact(address.peer_id, address))
+        self.contacts.called_by(request.peer, request.listen_address)
 
     async def ping(self, request: Request) -> None:
         self._begin()
@@ -80,7 +78,7 @@ class DHTServer:
         found = self.records.found(key) if key is not None else None
         if found is not None:  # as Kademlia's FIND_VALUE: the value instead of contacts
             return Message([], wire.encode_found(found))
-        neighbours = self.contacts.nearest(target, self.k, excluding=request.peer.to_bytes())
+        neighbours = self.contacts.nearest(target, self.k, excluding=request.peer)
         return Message(wire.encode_contacts(neighbours))
 
     async def store(self, request: Request) -> list[bool]:

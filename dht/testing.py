@@ -9,9 +9,28 @@ from typing import Any
 
 import trio
 
-from .node import DHTConfig, DHTNode
+from peer import NodeIDProof, PeerAddress, PeerID
+from peer.node_id import NONCE_BYTES
 
-__all__ = ["open_swarm", "Swarm", "jaccard"]
+from .node import DHTConfig, DHTNode
+from .routing import Contact
+
+__all__ = ["open_swarm", "Swarm", "jaccard", "placed_contact"]
+
+
+class _PlacedProof(NodeIDProof):
+    """A stand-in proof at a chosen keyspace position, so that routing and lookup rules can be
+    driven with plain positions (a real node ID is a hash nobody can choose)."""
+
+    def __init__(self, peer_id: PeerID, node_id: int):  # no super(): nothing is solved or hashed
+        self.peer_id, self.nonce, self.work_bits = peer_id, bytes(NONCE_BYTES), 0
+        self.node_id = node_id.to_bytes(20, "big")
+
+
+def placed_contact(position: int, port: int = 1000) -> Contact:
+    """A contact at keyspace ``position`` (its peer ID is the same number, for readable failures)."""
+    peer_id = PeerID(position.to_bytes(20, "big"))
+    return Contact(_PlacedProof(peer_id, position), PeerAddress("127.0.0.1", port, peer_id))
 
 
 class Swarm:

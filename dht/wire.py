@@ -5,19 +5,21 @@ raises ``BadRequest`` on the serving side, or ``RecordError`` on the calling sid
 touches storage or the routing table.
 
     dht.ping   body: None                              reply: None
-    dht.find   body: [target(20 bytes), key | None]    reply: body [[peer_id, host, port], ...],
+    dht.find   body: [target(20 bytes), key | None]    reply: body [[peer_id, host, port, nonce], ...],
                                                               payload msgpack(found) or empty
     dht.store  body: [[key, subkey|None, value, expiration], ...]   reply: [accepted: bool, ...]
 
 ``found`` is ``[0, value, expiration]`` for a plain value, ``[1, [[subkey, value, expiration], ...]]``
-for a dictionary.
+for a dictionary. A contact's ``nonce`` is its node-ID puzzle solution: a contact whose nonce does
+not solve the puzzle for its peer ID at the run's difficulty is dropped, like any malformed entry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from peer import BadRequest, PeerAddress, PeerID
+from peer import BadRequest, NodeIDProof, PeerAddress, PeerID
+from peer.node_id import NONCE_BYTES
 
 from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, RecordError, check_expiration, pack, unpack
 from .routing import Contact
@@ -42,8 +44,10 @@ MAX_CONTACTS_PER_REPLY = 64
 MAX_FOUND_BYTES = 256 * (MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64)
 _MAX_HOST = 255
 # Contacts named in replies repeat constantly; reusing their objects skips re-deriving the peer ID
-# text and integer ID on every reply. Bounded: cleared when full.
-_CONTACT_CACHE: dict[tuple[bytes, str, int], Contact] = {}
+# text, integer ID and proof hashes on every reply. Bounded: cleared when full. Keyed by the nonce
+# too, and the proof's work is compared with the difficulty on every use, so nodes of different
+# runs in one process share it safely.
+_CONTACT_CACHE: dict[tuple[bytes, str, int, bytes], Contact] = {}
 _CONTACT_CACHE_SIZE = 100_000
 
 
@@ -100,18 +104,20 @@ def encode_record(record: DHTRecord) -> list:
 
 # ---------------------------------------------------------------------- contacts
 def encode_contacts(contacts: list[Contact]) -> list:
-    return [[contact.id, contact.ip, contact.port] for contact in contacts]
+    return [[contact.peer_id.to_bytes(), contact.ip, contact.port, contact.proof.nonce] for contact in contacts]
 
 
-def parse_contacts(body: Any) -> list[Contact]:
-    """Contacts from a find reply; malformed entries are skipped, too many is an error."""
+def parse_contacts(body: Any, difficulty: int) -> list[Contact]:
+    """Contacts from a find reply; malformed entries and those whose node-ID proof falls short of
+    ``difficulty`` are skipped (a lie costs the liar its contacts, never us an error); too many is
+    an error."""
     if not isinstance(body, list) or len(body) > MAX_CONTACTS_PER_REPLY:
         raise RecordError("a find reply is a list of at most 64 contacts")
     contacts = []
     for item in body:
         if (
             isinstance(item, list)
-            and len(item) == 3
+            and len(item) == 4
             and isinstance(item[0], bytes)
             and len(item[0]) == 20
             and isinstance(item[1], str)
@@ -119,15 +125,19 @@ def parse_contacts(body: Any) -> list[Contact]:
             and isinstance(item[2], int)
             and not isinstance(item[2], bool)
             and 0 < item[2] < 65536
+            and isinstance(item[3], bytes)
+            and len(item[3]) == NONCE_BYTES
         ):
-            cache_key = (item[0], item[1], item[2])
+            cache_key = (item[0], item[1], item[2], item[3])
             contact = _CONTACT_CACHE.get(cache_key)
             if contact is None:
                 if len(_CONTACT_CACHE) >= _CONTACT_CACHE_SIZE:
                     _CONTACT_CACHE.clear()
                 peer_id = PeerID(item[0])
-                contact = _CONTACT_CACHE[cache_key] = Contact(peer_id, PeerAddress(item[1], item[2], peer_id))
-            contacts.append(contact)
+                proof = NodeIDProof(peer_id, item[3])
+                contact = _CONTACT_CACHE[cache_key] = Contact(proof, PeerAddress(item[1], item[2], peer_id))
+            if contact.proof.satisfies(difficulty):
+                contacts.append(contact)
     return contacts
 
 

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from .address import PeerAddress
 from .host import ConnectError, PeerHost, open_peer_host
 from .identity import Identity, IdentityError, PeerID
+from .node_id import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, NodeIDProof
 from .router import Message, Request, Router
 from .rpc import ClientStream, Connection, ServerStream
 from .rpc_errors import (
@@ -24,7 +25,7 @@ from .rpc_errors import (
     StreamClosed,
     UnknownMethodError,
 )
-from .secure_channel import PROTOCOL_VERSION, HandshakeError, HelloMismatch, PeerIDMismatch
+from .secure_channel import PROTOCOL_VERSION, HandshakeError, HelloMismatch, NodeIDRefused, PeerIDMismatch
 
 __all__ = [
     "__version__",
@@ -35,6 +36,9 @@ __all__ = [
     "Identity",
     "IdentityError",
     "PeerID",
+    "NodeIDProof",
+    "DEFAULT_DIFFICULTY",
+    "LOCAL_DIFFICULTY",
     "BadRequest",
     "BadRequestError",
     "Busy",
@@ -55,5 +59,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "HandshakeError",
     "HelloMismatch",
+    "NodeIDRefused",
     "PeerIDMismatch",
 ]

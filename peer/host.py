@@ -4,6 +4,9 @@
 connection runs, so leaving the ``async with`` block closes them all. At most one connection per
 remote peer is kept in the pool (incoming connections are reused for outgoing calls too); a dead
 connection leaves the pool and the next call dials again.
+
+A host carries its node-ID proof (``peer/node_id.py``) and the run's node-ID difficulty: its hellos
+show the proof, and it refuses peers whose proof or difficulty does not match the run's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import trio
 from .address import PeerAddress
 from .admission import Admission, address_group
 from .identity import Identity, PeerID
+from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
 from .secure_channel import (
@@ -74,9 +78,22 @@ class PeerHost:
         protocol_version: int = PROTOCOL_VERSION,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
+        node_id_difficulty: int = LOCAL_DIFFICULTY,
+        node_id: NodeIDProof | None = None,
     ):
+        """``node_id_difficulty`` is the run's: every peer of a run must use the same one. The
+        default is the local one (a few hundred hashes), so that scripts, tests and local swarms
+        start at once; a public run passes a high one, and a proof (``node_id``, e.g. from
+        ``load_or_solve`` beside the identity file) so that the work is done once per key, not per
+        start. Without ``node_id`` the host solves the puzzle itself, now."""
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
+        self.node_id_difficulty = check_difficulty(node_id_difficulty)
+        if node_id is None:
+            node_id = NodeIDProof.solve(identity.peer_id, node_id_difficulty)
+        elif node_id.peer_id != identity.peer_id or not node_id.satisfies(node_id_difficulty):
+            raise ValueError(f"{node_id!r} is not a solution for {identity.peer_id} at difficulty {node_id_difficulty}")
+        self.node_id = node_id
         self.router = router if router is not None else Router()
         self.run_id = run_id
         self.client_mode = client_mode
@@ -107,7 +124,14 @@ class PeerHost:
     # ------------------------------------------------------------------ listening
     def _hello(self) -> Hello:
         listen = (self.listen_address.endpoint,) if self.listen_address is not None else ()
-        return Hello(self.protocol_version, self.run_id, self.client_mode, listen)
+        return Hello(
+            self.protocol_version,
+            self.run_id,
+            self.client_mode,
+            listen,
+            node_id_nonce=self.node_id.nonce,
+            node_id_difficulty=self.node_id_difficulty,
+        )
 
     async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -189,6 +213,12 @@ class PeerHost:
     def connection_to(self, peer: PeerID) -> Connection | None:
         connection = self._connections.get(peer)
         return connection if connection is not None and not connection.is_closed else None
+
+    @staticmethod
+    def remote_node_id(connection: Connection) -> NodeIDProof:
+        """The node-ID proof the remote showed at ``connection``'s handshake, where it was verified
+        against this run's difficulty (recomputed from its nonce: two hashes, no state to keep)."""
+        return NodeIDProof(connection.remote_peer_id, connection.remote_hello.node_id_nonce)
 
     @property
     def connected_peers(self) -> list[PeerID]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from .identity import PEER_ID_BYTES, PeerID
@@ -107,9 +108,16 @@ def proof_path(identity_path: str | os.PathLike[str]) -> Path:
     return path.with_name(path.name + ".node-id")
 
 
-def load_or_solve(identity_path: str | os.PathLike[str] | None, peer_id: PeerID, difficulty: int) -> NodeIDProof:
+def load_or_solve(
+    identity_path: str | os.PathLike[str] | None,
+    peer_id: PeerID,
+    difficulty: int,
+    *,
+    on_solve: Callable[[Path | None], None] | None = None,
+) -> NodeIDProof:
     """The stored solution for this key if it meets ``difficulty``, else a new one (stored when
-    there is a key file to store it beside). A damaged or foreign file is replaced, not trusted."""
+    there is a key file to store it beside). A damaged or foreign file is replaced, not trusted.
+    ``on_solve(path)`` runs just before a solve starts (to tell a user why start-up pauses)."""
     check_difficulty(difficulty)
     path = proof_path(identity_path) if identity_path is not None else None
     if path is not None and path.exists():
@@ -120,6 +128,8 @@ def load_or_solve(identity_path: str | os.PathLike[str] | None, peer_id: PeerID,
                 return proof
         except (ValueError, KeyError, TypeError):
             pass
+    if on_solve is not None:
+        on_solve(path)
     proof = NodeIDProof.solve(peer_id, difficulty)
     if path is not None:
         temporary = path.with_name(path.name + ".tmp")

@@ -9,7 +9,10 @@ Handshake (``Noise_XX_25519_AESGCM_SHA256``, one record per Noise message):
 An identity payload is ``[ed25519_public_key, signature]`` where the signature covers the sender's
 Noise static key, as libp2p's noise transport does: the static key is fresh per process, the
 identity key proves who holds it. After the handshake each side sends one encrypted hello
-(protocol version, run ID, advertised addresses) and checks the other's.
+(protocol version, run ID, advertised addresses, node-ID nonce and difficulty) and checks the
+other's: versions, runs and node-ID difficulties must agree, and the peer's nonce must solve the
+node-ID puzzle (``peer/node_id.py``) for its now authenticated peer ID at that difficulty, so every
+connection knows the remote's verified DHT position.
 
 Transport records use the keys and nonce format that Noise's ``Split()`` produces (AES-GCM, nonce =
 4 zero bytes + 64-bit big-endian counter, no associated data) but allow 1 MiB of plaintext instead of
@@ -37,6 +40,7 @@ from noise.exceptions import (
 
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError, RecordDecoder
 from .identity import Identity, PeerID, verify_signature
+from .node_id import LOCAL_DIFFICULTY, MAX_DIFFICULTY, NONCE_BYTES, NodeIDProof
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
 
@@ -45,13 +49,16 @@ __all__ = [
     "HandshakeError",
     "PeerIDMismatch",
     "HelloMismatch",
+    "NodeIDRefused",
     "Hello",
     "SecureChannel",
     "TransportCipher",
     "secure_handshake",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: hellos carry the node-ID proof and difficulty; DHT contacts carry nonces; records are signed
+# in the new envelope. A version-1 peer is told the versions differ instead of failing obscurely.
+PROTOCOL_VERSION = 2
 NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
 PROLOGUE = b"peerd-noise-v1"
 STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"
@@ -90,12 +97,19 @@ class HelloMismatch(HandshakeError):
     pass
 
 
+class NodeIDRefused(HandshakeError):
+    """The peer's node-ID nonce does not solve the puzzle at this run's difficulty."""
+
+
 @dataclass(frozen=True)
 class Hello:
     protocol: int
     run_id: str
     client_mode: bool = False
     listen_addresses: tuple[str, ...] = field(default_factory=tuple)
+    # Required: a hand-made hello without a solved nonce would be refused by every peer anyway.
+    node_id_nonce: bytes = field(kw_only=True)
+    node_id_difficulty: int = field(default=LOCAL_DIFFICULTY, kw_only=True)
 
     def encode(self) -> bytes:
         return packb(
@@ -104,6 +118,8 @@ class Hello:
                 "run_id": self.run_id,
                 "client_mode": self.client_mode,
                 "listen": list(self.listen_addresses),
+                "node_nonce": self.node_id_nonce,
+                "node_difficulty": self.node_id_difficulty,
             }
         )
 
@@ -114,6 +130,9 @@ class Hello:
             protocol, run_id = fields["protocol"], fields["run_id"]
             client_mode = fields.get("client_mode", False)
             listen = fields.get("listen", [])
+            # Absent in a version-1 hello: the version check then reports what differs.
+            nonce = fields.get("node_nonce", bytes(NONCE_BYTES))
+            difficulty = fields.get("node_difficulty", 0)
             valid = (
                 type(protocol) is int
                 and isinstance(run_id, str)
@@ -121,12 +140,16 @@ class Hello:
                 and isinstance(listen, list)
                 and len(listen) <= 8
                 and all(isinstance(a, str) and len(a) < 300 for a in listen)
+                and isinstance(nonce, bytes)
+                and len(nonce) == NONCE_BYTES
+                and type(difficulty) is int
+                and 0 <= difficulty <= MAX_DIFFICULTY
             )
         except Exception:
             valid = False
         if not valid:
             raise HandshakeError("malformed hello from peer")
-        return cls(protocol, run_id, client_mode, tuple(listen))
+        return cls(protocol, run_id, client_mode, tuple(listen), node_id_nonce=nonce, node_id_difficulty=difficulty)
 
 
 class TransportCipher:
@@ -318,6 +341,18 @@ def _check_hello(ours: Hello, theirs: Hello, remote: PeerID) -> None:
     if theirs.run_id != ours.run_id:
         raise HelloMismatch(
             f"run ID mismatch with peer {remote}: we are in run {ours.run_id!r}, it is in run {theirs.run_id!r}"
+        )
+    if theirs.node_id_difficulty != ours.node_id_difficulty:
+        raise HelloMismatch(
+            f"node-ID difficulty mismatch with peer {remote}: this run requires difficulty "
+            f"{ours.node_id_difficulty}, the peer requires {theirs.node_id_difficulty} "
+            "(every peer of a run must use the same --node-id-difficulty)"
+        )
+    proof = NodeIDProof(remote, theirs.node_id_nonce)
+    if not proof.satisfies(ours.node_id_difficulty):
+        raise NodeIDRefused(
+            f"peer {remote} sent a node-ID proof with {proof.work_bits} bits of work; "
+            f"this run requires {ours.node_id_difficulty}"
         )
 
 

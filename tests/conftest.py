@@ -1,11 +1,19 @@
 """Suite-wide pytest hooks: slow soak/scale tests run only with ``--run-slow``, and the heap that
-collection loaded is frozen before the first test (see ``pytest_collection_finish``)."""
+collection loaded is frozen before the first test (see ``pytest_collection_finish``); every
+``peerd`` process a test starts runs at the local node-ID difficulty, as the in-process peers do."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
+
+from peer import LOCAL_DIFFICULTY
+
+# A public run's default (2**24 hashes, ~10 s per fresh key) would make each process start slow,
+# and a peer of another difficulty could not talk to the tests' own (LOCAL_DIFFICULTY) peers.
+os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -7,14 +7,20 @@ import json
 import random
 import subprocess
 import time
+from pathlib import Path
 
 from dht.node import DHTNode
 from dht.testing import jaccard
-from peer import PeerAddress
+from peer import NodeIDProof, PeerAddress
+from peer.node_id import proof_path
 
 from .processes import PEERD, PeerdProcess
 
 NODES = 10
+
+
+def stored_nonce(key: Path) -> bytes:
+    return bytes.fromhex(json.loads(proof_path(key).read_text())["nonce"])
 
 
 def start_swarm(tmp_path) -> tuple[list[PeerdProcess], list[PeerAddress]]:
@@ -34,13 +40,20 @@ async def test_ten_peerd_processes_form_a_dht(tmp_path):
     processes, addresses = start_swarm(tmp_path)
     rng = random.Random(11)
     try:
-        ids = [a.peer_id.to_int() for a in addresses]
+        # Each process stored its node-ID solution beside its key; that, not the peer ID, is its place.
+        place = {
+            a.peer_id.to_int(): int.from_bytes(
+                NodeIDProof(a.peer_id, stored_nonce(tmp_path / f"n{i}.key")).node_id, "big"
+            )
+            for i, a in enumerate(addresses)
+        }
+        ids = list(place)
         async with DHTNode.open(initial_peers=[rng.choice(addresses)], client_mode=True, run_id="dht") as client:
             scores = []
             for _ in range(20):
                 target = rng.getrandbits(160)
                 found = {p.to_int() for p in await client.find_nearest(target)}
-                truth = set(sorted(ids, key=lambda node: node ^ target)[: client.config.k])
+                truth = set(sorted(ids, key=lambda peer: place[peer] ^ target)[: client.config.k])
                 scores.append(jaccard(found, truth))
             assert sum(scores) / len(scores) >= 0.95, scores
             for i in range(20):

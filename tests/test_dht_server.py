@@ -13,6 +13,7 @@ from dht.local import LocalRecords
 from dht.records import DHTRecord, key_id, pack
 from dht.routing import Contact
 from dht.server import DHTServer, ServedContacts
+from dht.testing import placed_contact
 from dht.validation import SignatureValidator
 from dht.wire import encode_record, parse_contacts, parse_found
 from peer import BadRequestError, Identity, PeerAddress, PeerHost, PeerID, RemoteError, Router, open_peer_host
@@ -24,19 +25,19 @@ class RecordingContacts:
     def __init__(self, known: list[Contact]):
         self.known = known
         self.seen: list[PeerID] = []
-        self.asked: list[tuple[int, int, bytes | None]] = []
+        self.asked: list[tuple[int, int, PeerID | None]] = []
 
-    def alive(self, contact: Contact) -> None:
-        self.seen.append(contact.peer_id)
+    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
+        if address is not None:
+            self.seen.append(peer)
 
-    def nearest(self, target: int, k: int, *, excluding: bytes | None = None) -> list[Contact]:
+    def nearest(self, target: int, k: int, *, excluding: PeerID | None = None) -> list[Contact]:
         self.asked.append((target, k, excluding))
-        return [c for c in self.known if c.id != excluding][:k]
+        return [c for c in self.known if c.peer_id != excluding][:k]
 
 
 def contact(number: int) -> Contact:
-    peer_id = PeerID(number.to_bytes(20, "big"))
-    return Contact(peer_id, PeerAddress("127.0.0.1", 4000 + number, peer_id))
+    return placed_contact(number, 4000 + number)
 
 
 @asynccontextmanager
@@ -69,8 +70,8 @@ async def test_server_answers_from_records_and_contacts_alone():
         assert [r.value for r in parse_found(record.key, reply.payload, time.time())] == [record.value]
 
         reply = await caller.call(address, "dht.find", [target.to_bytes(20, "big"), pack("other")], timeout=5)
-        assert [c.peer_id for c in parse_contacts(reply.body)] == [c.peer_id for c in contacts.known[:3]]
-        assert contacts.asked == [(target, 3, caller.peer_id.to_bytes())]  # never told about itself
+        assert [c.peer_id for c in parse_contacts(reply.body, 0)] == [c.peer_id for c in contacts.known[:3]]
+        assert contacts.asked == [(target, 3, caller.peer_id)]  # never told about itself
 
         with pytest.raises(BadRequestError):
             await caller.call(address, "dht.store", "not a list", timeout=5)

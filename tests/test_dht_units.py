@@ -13,16 +13,17 @@ from dht.lookup_driver import INITIAL_RTT, MIN_HEDGE_DELAY, HedgeTimer
 from dht.records import MAX_TTL, DHTRecord, RecordError, check_expiration, pack, unpack
 from dht.routing import Contact, RoutingTable
 from dht.storage import RecordStore, StoredValue
+from dht.testing import placed_contact
 from dht.validation import CompositeValidator, SchemaValidator, SignatureValidator, ValidationError, owner_marker
 from dht.wire import parse_contacts, parse_found, parse_store_request
-from peer import BadRequest, Identity, PeerAddress, PeerID
+from peer import BadRequest, Identity, NodeIDProof, PeerID
+from peer.node_id import NONCE_BYTES
 
 NOW = 1_000_000.0
 
 
 def contact(number: int, port: int = 1000) -> Contact:
-    peer_id = PeerID(number.to_bytes(20, "big"))
-    return Contact(peer_id, PeerAddress("127.0.0.1", port, peer_id))
+    return placed_contact(number, port)
 
 
 # ---------------------------------------------------------------------- routing
@@ -261,11 +262,14 @@ def test_store_request_parsing_refuses_bad_bodies(body):
 
 
 def test_reply_parsing_skips_or_refuses_garbage():
-    good = [b"\2" * 20, "127.0.0.1", 5]
-    parsed = parse_contacts([good, [b"\3" * 19, "h", 5], [b"\4" * 20, "h", 0], "junk", [b"\5" * 20, "h", True]])
+    nonce = bytes(NONCE_BYTES)
+    good = [b"\2" * 20, "127.0.0.1", 5, nonce]
+    garbage = [[b"\3" * 19, "h", 5, nonce], [b"\4" * 20, "h", 0, nonce], "junk", [b"\5" * 20, "h", True, nonce]]
+    garbage += [[b"\6" * 20, "h", 5], [b"\7" * 20, "h", 5, b"short"]]  # no nonce, a malformed one
+    parsed = parse_contacts([good, *garbage], 0)
     assert [c.peer_id for c in parsed] == [PeerID(b"\2" * 20)]
     with pytest.raises(RecordError):
-        parse_contacts([good] * 1000)
+        parse_contacts([good] * 1000, 0)
     assert parse_found(b"k", pack([0, b"v", NOW + 5]), NOW)[0].value == b"v"
     assert parse_found(b"k", pack([0, b"v", NOW - 5]), NOW) == []  # expired: dropped
     for garbage in (pack("x"), pack([2, 1]), pack([1, "no"]), pack([0, 5, NOW + 5]), b"\xc1"):
@@ -283,3 +287,53 @@ def test_hedge_delay_follows_smoothed_rtt_within_floor_and_ceiling():
     timer.observe(10.0)  # one slow answer moves the estimate by a tenth of the difference only
     assert timer.rtt == pytest.approx(1.0, rel=0.01)
     assert timer.delay() == 2.0  # never longer than one request may take
+
+
+# ---------------------------------------------------------------------- node-ID proofs on contacts
+DIFFICULTY = 10
+
+
+def _named(proof: NodeIDProof, port: int = 7000) -> list:
+    """A contact as another peer names it in a find reply."""
+    return [proof.peer_id.to_bytes(), "127.0.0.1", port, proof.nonce]
+
+
+def test_a_contact_with_an_unsolved_or_foreign_nonce_is_not_admitted():
+    honest = NodeIDProof.solve(Identity.generate().peer_id, DIFFICULTY)
+    sybil = Identity.generate().peer_id
+    foreign = [sybil.to_bytes(), "127.0.0.1", 7001, honest.nonce]  # someone else's solution
+    unsolved = next(
+        nonce
+        for nonce in (n.to_bytes(NONCE_BYTES, "little") for n in range(1 << 16))
+        if not NodeIDProof(sybil, nonce).satisfies(DIFFICULTY)
+    )
+    named = [_named(honest), foreign, [sybil.to_bytes(), "127.0.0.1", 7002, unsolved]]
+    if NodeIDProof(sybil, honest.nonce).satisfies(DIFFICULTY):
+        named.remove(foreign)  # a 2**-10 accident: the borrowed nonce solves the sybil's key too
+    parsed = parse_contacts(named, DIFFICULTY)  # dropped quietly, never an exception
+    assert [c.peer_id for c in parsed] == [honest.peer_id]
+    assert parsed[0].id == honest.node_id
+    # The same reply in a run of lower difficulty admits what meets that (the parse cache is shared).
+    assert len(parse_contacts(named, 0)) == len(named)
+    assert parse_contacts(named, DIFFICULTY) == parsed
+
+
+def test_a_routing_position_comes_from_the_puzzle_not_the_peer_id():
+    peer_id = Identity.generate().peer_id
+    first = NodeIDProof.solve(peer_id, 4)
+    second = NodeIDProof.solve(peer_id, 4, start=int.from_bytes(first.nonce, "little") + 1)
+    [a] = parse_contacts([_named(first)], 4)
+    [b] = parse_contacts([_named(second)], 4)
+    assert a.peer_id == b.peer_id == peer_id
+    assert a.long_id == int.from_bytes(first.node_id, "big") != peer_id.to_int()
+    assert a.long_id != b.long_id  # same peer, another solution: another place
+    table = RoutingTable(Contact.for_id(0), ksize=20)
+    table.add_contact(a)
+    nearest_to_node_id = table.find_neighbors(Contact.for_id(a.long_id ^ 1), 1)
+    assert nearest_to_node_id == [a] and table.get(peer_id) is a
+    # Grinding keys moves peer IDs, not node IDs: a peer ID right next to a target buys nothing.
+    # (Placed by peer ID, ``a`` at distance 2 would be nearest; by its node ID it is far away.)
+    target = peer_id.to_int() ^ 2
+    other = placed_contact(target ^ 3, 7003)
+    table.add_contact(other)
+    assert table.find_neighbors(Contact.for_id(target), 1) == [other]

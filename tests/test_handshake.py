@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 
-from peer import ConnectError, Identity, PeerAddress, Request, Router, UnknownMethodError, open_peer_host
-from peer.secure_channel import PROTOCOL_VERSION
+from peer import (
+    ConnectError,
+    Identity,
+    NodeIDProof,
+    PeerAddress,
+    PeerHost,
+    Request,
+    Router,
+    UnknownMethodError,
+    open_peer_host,
+)
+from peer.node_id import NONCE_BYTES
+from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
 
 
 async def test_pinned_peer_id_that_does_not_match_names_both():
@@ -91,3 +104,69 @@ async def test_a_handler_learns_who_called_and_where_the_caller_listens():
             for client, expected in ((listening, str(listening.listen_address)), (silent, None)):
                 reply = await client.call(server.listen_address, "whoami", timeout=5)
                 assert reply.body == [str(client.peer_id), expected]
+
+
+async def test_a_different_node_id_difficulty_is_refused_naming_both():
+    async with open_peer_host(Identity.generate(), node_id_difficulty=6) as server:
+        async with open_peer_host(Identity.generate(), listen=None, node_id_difficulty=5) as client:
+            with pytest.raises(ConnectError, match=r"node-ID difficulty mismatch.*requires difficulty 5.*requires 6"):
+                await client.connect(server.listen_address)
+
+
+async def test_a_hello_whose_node_id_proof_falls_short_is_refused():
+    """A nonce that does not solve the puzzle for the authenticated key (unsolved, or another
+    key's solution) is refused at the handshake: the honest dialer gets an error that says how much
+    work the proof has and how much the run needs, and an honest server drops the connection."""
+    difficulty = 12
+    cheat = Identity.generate()
+    borrowed = NodeIDProof.solve(Identity.generate().peer_id, difficulty).nonce  # another key's solution
+    unsolved = next(  # the first nonce that falls short for this key
+        n.to_bytes(NONCE_BYTES, "little")
+        for n in range(1 << 16)
+        if not NodeIDProof(cheat.peer_id, n.to_bytes(NONCE_BYTES, "little")).satisfies(difficulty)
+    )
+    for nonce in (borrowed, unsolved):
+        if NodeIDProof(cheat.peer_id, nonce).satisfies(difficulty):
+            continue  # a 2**-12 accident: the borrowed nonce happens to solve this key too
+        hello = Hello(PROTOCOL_VERSION, "default", node_id_nonce=nonce, node_id_difficulty=difficulty)
+
+        async def cheat_serves(stream: trio.SocketStream, hello: Hello = hello) -> None:
+            with trio.move_on_after(5):
+                await secure_handshake(stream, cheat, hello, initiator=False, timeout=5)
+
+        async with trio.open_nursery() as nursery:
+            [listener] = await nursery.start(partial(trio.serve_tcp, cheat_serves, 0, host="127.0.0.1"))
+            port = listener.socket.getsockname()[1]
+            async with open_peer_host(Identity.generate(), listen=None, node_id_difficulty=difficulty) as honest:
+                with pytest.raises(ConnectError, match=r"node-ID proof with \d+ bits of work; this run requires 12"):
+                    await honest.connect(PeerAddress("127.0.0.1", port))
+                assert honest.connected_peers == []
+            nursery.cancel_scope.cancel()
+
+        async with open_peer_host(Identity.generate(), node_id_difficulty=difficulty) as server:
+            address = server.listen_address
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            # The server's hello arrives before it has read ours; then it hangs up on us.
+            channel = await secure_handshake(stream, cheat, hello, initiator=True, timeout=5)
+            with trio.fail_after(5), pytest.raises((trio.EndOfChannel, trio.BrokenResourceError)):
+                await channel.receive_record()
+            await channel.aclose()
+            assert server.connected_peers == []
+    # A solved nonce is let in, and the dialer knows the remote's verified node ID.
+    async with (
+        open_peer_host(Identity.generate(), node_id_difficulty=difficulty) as server,
+        open_peer_host(Identity.generate(), listen=None, node_id_difficulty=difficulty) as client,
+    ):
+        connection = await client.connect(server.listen_address)
+        assert client.remote_node_id(connection).node_id == server.node_id.node_id
+        assert server.node_id.satisfies(difficulty)
+
+
+def test_a_host_refuses_a_proof_that_is_not_its_own_or_too_weak():
+    identity = Identity.generate()
+    weak = NodeIDProof.solve(identity.peer_id, 2)
+    with pytest.raises(ValueError, match="not a solution"):
+        PeerHost(identity, None, node_id=weak, node_id_difficulty=weak.work_bits + 1)
+    foreign = NodeIDProof.solve(Identity.generate().peer_id, 2)
+    with pytest.raises(ValueError, match="not a solution"):
+        PeerHost(identity, None, node_id=foreign, node_id_difficulty=2)

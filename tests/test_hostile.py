@@ -8,7 +8,7 @@ import os
 import pytest
 import trio
 
-from peer import Identity, Router, open_peer_host
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, Router, open_peer_host
 from peer.framing import HEADER
 from peer.packing import packb, unpackb
 from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
@@ -58,9 +58,10 @@ async def assert_dropped(stream: trio.SocketStream, within: float = 3.0) -> None
 async def authenticated_raw(server) -> tuple[trio.SocketStream, object]:
     """A real handshake done by hand, so the test can then write arbitrary records."""
     stream = await raw_connection(server)
-    channel = await secure_handshake(
-        stream, Identity.generate(), Hello(PROTOCOL_VERSION, "r"), initiator=True, timeout=5
-    )
+    identity = Identity.generate()
+    nonce = NodeIDProof.solve(identity.peer_id, LOCAL_DIFFICULTY).nonce
+    hello = Hello(PROTOCOL_VERSION, "r", node_id_nonce=nonce)
+    channel = await secure_handshake(stream, identity, hello, initiator=True, timeout=5)
     return stream, channel
 
 

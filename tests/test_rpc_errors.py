@@ -13,11 +13,13 @@ import pytest
 import trio
 
 from peer import (
+    LOCAL_DIFFICULTY,
     BadRequest,
     BadRequestError,
     BusyError,
     DeadlineExceededError,
     Identity,
+    NodeIDProof,
     PeerAddress,
     RemoteError,
     Router,
@@ -29,6 +31,12 @@ from peer.rpc_errors import BAD_REQUEST, BUSY, DEADLINE_EXCEEDED, UNKNOWN_METHOD
 from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
 
 UNARY, ERROR = 7, 4
+
+
+def _hello(identity: Identity) -> Hello:
+    """A hand-driven peer's hello, with the node-ID proof every peer of a run must show."""
+    nonce = NodeIDProof.solve(identity.peer_id, LOCAL_DIFFICULTY).nonce
+    return Hello(PROTOCOL_VERSION, "default", node_id_nonce=nonce)
 
 
 @pytest.mark.parametrize(
@@ -64,8 +72,8 @@ async def test_a_handler_out_of_time_answers_deadline_exceeded():
     async with open_peer_host(Identity.generate(), router=router) as server:
         address = server.listen_address
         stream = await trio.open_tcp_stream(address.host, address.port)
-        hello = Hello(PROTOCOL_VERSION, "default")
-        channel = await secure_handshake(stream, Identity.generate(), hello, initiator=True, timeout=5)
+        identity = Identity.generate()
+        channel = await secure_handshake(stream, identity, _hello(identity), initiator=True, timeout=5)
         with trio.fail_after(5):
             await channel.send_record(packb([UNARY, 1, "slow", 0.05, None, 0]))
             reply = unpackb(await channel.receive_record())
@@ -75,8 +83,8 @@ async def test_a_handler_out_of_time_answers_deadline_exceeded():
 
 async def test_a_remote_deadline_arrives_as_deadline_exceeded_error():
     async def answer_out_of_time(stream: trio.SocketStream) -> None:
-        hello = Hello(PROTOCOL_VERSION, "default")
-        channel = await secure_handshake(stream, Identity.generate(), hello, initiator=False, timeout=5)
+        identity = Identity.generate()
+        channel = await secure_handshake(stream, identity, _hello(identity), initiator=False, timeout=5)
         request = unpackb(await channel.receive_record())
         await channel.send_record(packb([ERROR, request[1], DEADLINE_EXCEEDED, "the handler ran out of time"]))
         await trio.sleep(math.inf)

@@ -23,6 +23,7 @@ from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
 from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
+from .node_ids import add_difficulty_argument, node_id_for
 from .runner import EXIT_UNREACHABLE, run_joining
 from .settings import Settings, SettingsError, parse_bool
 from .status_server import fetch_status
@@ -75,8 +76,8 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS")
     swarm.add_argument("--log-dir", type=Path, default=None, help="keep each peer's log here")
 
-    add_dht_commands(commands)
-    add_serve_experts_command(commands)
+    add_dht_commands(commands, settings)
+    add_serve_experts_command(commands, settings)
     return parser
 
 
@@ -117,6 +118,7 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     # Parsed only by ``join``, so that a bad address does not break every other command.
     join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
     join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run")
+    add_difficulty_argument(join, settings)
     join.add_argument("--bootstrap-timeout", type=float, default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0))
     join.add_argument(
         "--client-mode",
@@ -192,7 +194,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
         shard = ShardSpec(*args.data_shard)
         load_task(args.task, shard=shard, device="cpu")  # fail now, with a clear message
-    identity = Identity.load_or_create(Path(args.identity) if args.identity else default_identity_path())
+    identity_path = Path(args.identity) if args.identity else default_identity_path()
+    identity = Identity.load_or_create(identity_path)
+    node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
     host, port = args.listen
     config = DaemonConfig(
         identity=identity,
@@ -200,6 +204,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
         listen_port=port,
         initial_peers=args.initial_peer if args.initial_peer is not None else _setting_peers(args),
         run_id=args.run_id,
+        node_id=node_id,
+        node_id_difficulty=args.node_id_difficulty,
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
         task=args.task,

@@ -20,7 +20,7 @@ import trio
 
 from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
-from peer import Identity, PeerAddress, PeerHost, Request, Router, open_peer_host
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, Request, Router, open_peer_host
 
 from .status_server import prometheus_text, serve_status
 
@@ -36,6 +36,10 @@ class DaemonConfig:
     listen_port: int = 31337
     initial_peers: list[PeerAddress] = field(default_factory=list)
     run_id: str = "default"
+    # The run's node-ID difficulty and this key's solution (None: solved at start; see PeerHost for
+    # why the library default is the local one; the command line defaults to a public run's).
+    node_id_difficulty: int = LOCAL_DIFFICULTY
+    node_id: NodeIDProof | None = None
     bootstrap_timeout: float = 15.0
     client_mode: bool = False
     task: str | None = None
@@ -124,7 +128,13 @@ class Daemon:
         add_builtin_methods(router, lambda: self.host)
         listen = None if config.client_mode else (config.listen_host, config.listen_port)
         async with open_peer_host(
-            config.identity, listen=listen, router=router, run_id=config.run_id, client_mode=config.client_mode
+            config.identity,
+            listen=listen,
+            router=router,
+            run_id=config.run_id,
+            client_mode=config.client_mode,
+            node_id_difficulty=config.node_id_difficulty,
+            node_id=config.node_id,
         ) as host:
             self.host = host
             host.on_connection.append(_log_connection)

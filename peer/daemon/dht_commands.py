@@ -12,6 +12,7 @@ import base64
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -21,7 +22,9 @@ from dht.records import MAX_TTL, DHTValue
 from peer import Identity
 
 from .arguments import peer_address
+from .node_ids import add_difficulty_argument, node_id_for
 from .runner import EXIT_UNREACHABLE
+from .settings import Settings
 
 __all__ = ["add_dht_commands", "run_dht_command", "EXIT_NOT_FOUND", "EXIT_UNREACHABLE"]
 
@@ -44,14 +47,21 @@ def _literal(text: str) -> Any:
         return text
 
 
-def add_dht_commands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``dht store`` and ``dht get`` to the ``peerd`` parser's subcommands."""
+def add_dht_commands(
+    subparsers: argparse._SubParsersAction, settings: Settings | None = None
+) -> argparse.ArgumentParser:
+    """Add ``dht store`` and ``dht get`` to the ``peerd`` parser's subcommands (``settings``: where
+    the run's node-ID difficulty comes from when no flag gives it)."""
     dht = subparsers.add_parser("dht", help="store or get one DHT record as a short-lived client")
     actions = dht.add_subparsers(dest="dht_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--initial-peer", type=peer_address, action="append", required=True, metavar="ADDR")
     common.add_argument("--run-id", default="default", help="the swarm's run ID")
     common.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="joining deadline")
+    add_difficulty_argument(common, settings)
+    common.add_argument(
+        "--identity", type=Path, default=None, help="key file whose node-ID solution is kept (default: a new key)"
+    )
 
     store = actions.add_parser("store", parents=[common], help="store KEY = VALUE (JSON or text)")
     store.add_argument("key", type=_literal, metavar="KEY")
@@ -79,12 +89,15 @@ def _jsonable(obj: Any) -> Any:
 
 async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     config = DHTConfig(bootstrap_timeout=args.timeout)
+    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
     async with DHTNode.open(
-        identity=Identity.generate(),
+        identity=identity,
         initial_peers=args.initial_peer,
         client_mode=True,
         run_id=args.run_id,
         config=config,
+        node_id_difficulty=args.node_id_difficulty,
+        node_id=node_id_for(identity, args.identity, args.node_id_difficulty),
     ) as node:
         if args.dht_command == "store":
             expiration = time.time() + args.ttl

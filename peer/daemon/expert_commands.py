@@ -22,7 +22,9 @@ from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingC
 from peer import Identity, PeerAddress
 
 from .arguments import listen_address, peer_address
+from .node_ids import add_difficulty_argument, node_id_for
 from .runner import run_joining
+from .settings import Settings
 
 __all__ = [
     "add_expert_arguments",
@@ -52,8 +54,9 @@ def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--expe
     parser.add_argument("--seed", type=int, default=None, help="initialise experts reproducibly")
 
 
-def add_serve_experts_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve-experts`` to an ``add_subparsers()`` object; returns the subparser."""
+def add_serve_experts_command(subparsers: Any, settings: Settings | None = None) -> argparse.ArgumentParser:
+    """Add ``serve-experts`` to an ``add_subparsers()`` object; returns the subparser (``settings``:
+    where the run's node-ID difficulty comes from when no flag gives it)."""
     parser = subparsers.add_parser("serve-experts", help="host mixture-of-experts experts for the swarm")
     add_expert_arguments(parser)
     parser.add_argument("--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT")
@@ -62,6 +65,7 @@ def add_serve_experts_command(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR")
     parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
     parser.add_argument("--run-id", default="default")
+    add_difficulty_argument(parser, settings)
     return parser
 
 
@@ -99,9 +103,15 @@ def _announce_host(args: argparse.Namespace) -> str | None:
 
 async def _serve_main(args: argparse.Namespace, config: ExpertHostingConfig, experts: dict) -> None:
     identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+    node_id = node_id_for(identity, args.identity, args.node_id_difficulty)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with DHTNode.open(
-            identity=identity, listen=args.listen, initial_peers=args.initial_peer, run_id=args.run_id
+            identity=identity,
+            listen=args.listen,
+            initial_peers=args.initial_peer,
+            run_id=args.run_id,
+            node_id_difficulty=args.node_id_difficulty,
+            node_id=node_id,
         ) as node:
             announce = _announce_host(args)
             address = node.host.listen_address

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer import LOCAL_DIFFICULTY
+
 from .status_server import fetch_status
 
 __all__ = ["run_swarm", "SwarmPeer"]
@@ -126,6 +128,8 @@ def run_swarm(args: argparse.Namespace) -> int:
                 "--mode", args.mode,
                 "--data-shard", f"{index}/{args.peers}",
                 "--status-port", "0",
+                # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
+                "--node-id-difficulty", str(LOCAL_DIFFICULTY),
             ]  # fmt: skip
             if peers:
                 join += ["--initial-peer", str(peers[0].address)]

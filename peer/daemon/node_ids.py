@@ -1,0 +1,72 @@
+"""The daemon's price of admission: ``--node-id-difficulty`` and the proof solved once per key.
+
+Every peer of a run checks every hello and DHT contact against one difficulty (``peer/node_id.py``),
+so it is a run setting like the run ID: ``--node-id-difficulty N``, ``PEERD_NODE_ID_DIFFICULTY`` or
+``node_id_difficulty`` in the config file. Public runs keep the default; ``peerd swarm``, the compose
+swarm and the tests use ``LOCAL_DIFFICULTY``. The solution is stored beside the identity file
+(``KEY.node-id``), so an existing key pays once, on its first start with this version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from peer import DEFAULT_DIFFICULTY, Identity, NodeIDProof
+from peer.node_id import MAX_DIFFICULTY, check_difficulty, load_or_solve
+
+from .settings import Settings
+
+__all__ = ["add_difficulty_argument", "node_id_for", "solve_estimate"]
+
+log = logging.getLogger("peerd")
+
+# This solver's rate on one core (peer/node_id.py: ~1.6-1.9 M SHA-256 per second, measured); only
+# used to tell the user how long the one-time solve will take.
+SOLVER_HASHES_PER_SECOND = 1.7e6
+
+
+def _difficulty(text: str) -> int:
+    try:
+        return check_difficulty(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"node-ID difficulty must be an integer in 0..{MAX_DIFFICULTY}, got {text!r}"
+        ) from None
+
+
+def add_difficulty_argument(parser: argparse.ArgumentParser, settings: Settings | None) -> None:
+    """``--node-id-difficulty``, defaulting to ``PEERD_NODE_ID_DIFFICULTY`` / the file, then to
+    ``DEFAULT_DIFFICULTY`` (a public run's)."""
+    settings = settings if settings is not None else Settings()
+    parser.add_argument(
+        "--node-id-difficulty",
+        type=_difficulty,
+        default=settings.parsed("NODE_ID_DIFFICULTY", _difficulty, DEFAULT_DIFFICULTY),
+        metavar="BITS",
+        help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (default {DEFAULT_DIFFICULTY}; "
+        "local swarms and tests use 8)",
+    )
+
+
+def solve_estimate(difficulty: int) -> str:
+    """About how long a solve takes here, for humans: '~10 s'."""
+    seconds = 2**difficulty / SOLVER_HASHES_PER_SECOND
+    if seconds < 1:
+        return "<1 s"
+    if seconds < 120:
+        return f"~{seconds:.0f} s"
+    return f"~{seconds / 60:.0f} min"
+
+
+def node_id_for(identity: Identity, identity_path: Path | None, difficulty: int) -> NodeIDProof:
+    """The proof for ``identity`` at ``difficulty``: read from beside ``identity_path``, or solved
+    now (saying so in one log line) and stored there. Without a key file it is solved every time."""
+
+    def announce(path: Path | None) -> None:
+        where = f"stored in {path}" if path is not None else "not stored: no identity file"
+        estimate = solve_estimate(difficulty)
+        log.info("solving the node-ID puzzle (difficulty %d, %s once; %s)", difficulty, estimate, where)
+
+    return load_or_solve(identity_path, identity.peer_id, difficulty, on_solve=announce)
