@@ -11,8 +11,9 @@ import socket
 import pytest
 import trio
 
-from peer import Identity, Router, open_peer_host
+from peer import Identity, open_peer_host
 from peer.admission import Admission, address_group
+from tests.test_hostile import echo_router
 
 
 def test_the_oldest_pending_handshake_of_a_full_address_yields_to_a_new_one() -> None:
@@ -63,16 +64,6 @@ def test_loopback_peers_count_only_toward_the_totals() -> None:
     assert admission.connection_opened("c1", None, "alice") == []
     assert admission.connection_opened("c2", None, "bob") == []  # no per-address refusal
     assert admission.handshake_started("c", None) == [] and admission.handshake_started("d", None) == ["a"]
-
-
-def echo_router() -> Router:
-    router = Router()
-
-    @router.unary("echo")
-    async def echo(request):
-        return request.body
-
-    return router
 
 
 async def idle_connections(count: int, port: int, source: str) -> list[socket.socket]:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from peer import LOCAL_DIFFICULTY
 from peer.daemon.cli import build_parser, main, parse_command_line
 from peer.daemon.settings import Settings, SettingsError
 
@@ -123,7 +124,7 @@ def test_join_reads_its_initial_peers_from_the_file(tmp_path):
     path = write_config(
         tmp_path,
         f'listen = "127.0.0.1:0"\ninitial_peers = ["127.0.0.1:{dead_port}"]\nbootstrap_timeout = 2\n'
-        f'identity = "{tmp_path / "id.key"}"\n',
+        f'identity = "{tmp_path / "id.key"}"\nnode_id_difficulty = {LOCAL_DIFFICULTY}\n',
     )
     environ = {key: value for key, value in os.environ.items() if not key.startswith("PEERD_")}
     start = time.monotonic()

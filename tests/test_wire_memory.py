@@ -19,7 +19,7 @@ from peer.framing import HEADER, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, Rec
 from peer.packing import packb
 from peer.receive_budget import ReceiveBudget, ReceiveBudgetExceeded
 from peer.rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW, RPCProtocol, StreamData
-from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
+from tests.test_hostile import authenticated_raw
 
 MIB = 1 << 20
 
@@ -213,9 +213,7 @@ async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypa
         return request.body
 
     async with open_peer_host(Identity.generate(), router=router, run_id="r") as host:
-        address = host.listen_address
-        stream = await trio.open_tcp_stream(address.host, address.port)
-        channel = await secure_handshake(stream, Identity.generate(), Hello(PROTOCOL_VERSION, "r"), initiator=True)
+        stream, channel = await authenticated_raw(host)
         await channel.send_record(packb([7, 1, "echo", None, None, 64 * MIB]))
         await channel.send_record(bytes(MIB))  # the first MiB, then silence
         with trio.fail_after(5):
@@ -223,5 +221,5 @@ async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypa
                 await channel.receive_record()  # the server closes the connection
         await trio.aclose_forcefully(stream)
         async with open_peer_host(Identity.generate(), listen=None, run_id="r") as client:
-            connection = await client.connect(address)
+            connection = await client.connect(host.listen_address)
             assert (await connection.call("echo", "still here", timeout=5)).body == "still here"
