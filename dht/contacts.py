@@ -6,6 +6,10 @@ so the object that sends requests also records how they went: an answer (a refus
 re-adds the peer, silence counts a failure, and enough failures evict it (``PeerHealth``). A full
 bucket's least-recently-seen contact is pinged before a newcomer may take its place.
 
+Health is kept per *claim* (a peer ID at an address), not per peer: contacts come from other peers,
+and a liar naming an honest peer at a dead address must cost only that claim, never the honest
+peer's standing or its entry in the table (which is evicted only when the address it holds fails).
+
 A peer enters the table at the node ID its handshake proved (``PeerHost.remote_node_id``): the proof
 on the live connection wins over the one a third party named, and a contact whose proof falls short
 of the run's difficulty never enters at all.
@@ -50,7 +54,7 @@ class Contacts:
     # ------------------------------------------------------------------ what we learn
     def alive(self, contact: Contact) -> None:
         """An authenticated exchange with ``contact`` succeeded: (re)add it to the routing table."""
-        self.health.succeeded(contact.peer_id)
+        self.health.succeeded(_claim(contact))
         connection = self.host.connection_to(contact.peer_id)
         if connection is not None:
             # Prefer the address and proof the peer itself showed in the authenticated hello over
@@ -62,6 +66,7 @@ class Contacts:
             proof = self.host.remote_node_id(connection)
             if announced != contact.address or proof.nonce != contact.proof.nonce:
                 contact = Contact(proof, announced)
+                self.health.succeeded(_claim(contact))
         if contact.peer_id == self.host.peer_id or not contact.proof.satisfies(self.difficulty):
             return
         head = self.table.add_contact(contact)
@@ -77,8 +82,10 @@ class Contacts:
             self.alive(Contact(self.host.remote_node_id(connection), address))
 
     def failed(self, contact: Contact) -> None:
-        if self.health.failed(contact.peer_id):
-            self.table.remove_contact(contact)
+        if self.health.failed(_claim(contact)):
+            held = self.table.get(contact.peer_id)
+            if held is not None and held.address == contact.address:
+                self.table.remove_contact(held)
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old
@@ -94,7 +101,7 @@ class Contacts:
         if not self.health:
             return None
         backing_off = self.health.backing_off
-        return lambda contact: backing_off(contact.peer_id)
+        return lambda contact: backing_off(_claim(contact))
 
     def nearest(self, target: int, k: int, *, excluding: PeerID | None = None) -> list[Contact]:
         """The k known contacts nearest to ``target``, skipping those in backoff and the peer
@@ -117,7 +124,7 @@ class Contacts:
         if not self.health:
             return contacts
         backing_off = self.health.backing_off
-        return [contact for contact in contacts if not backing_off(contact.peer_id)]
+        return [contact for contact in contacts if not backing_off(_claim(contact))]
 
     def touch(self, target: int) -> None:
         """A lookup toward ``target`` starts: its bucket counts as refreshed."""
@@ -138,3 +145,8 @@ class Contacts:
             return None
         self.alive(contact)
         return reply
+
+
+def _claim(contact: Contact) -> tuple[PeerID, str, int]:
+    """What a failure or success is about: this peer at this address."""
+    return (contact.peer_id, contact.address.host, contact.address.port)

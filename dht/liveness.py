@@ -1,5 +1,7 @@
 """Backoff for unresponsive peers: one lost reply does not evict a peer.
 
+Keys are whatever the caller tracks (the DHT tracks a peer ID at an address: see ``contacts.py``).
+
 Each consecutive failure puts the peer in backoff for ``base * 2**(failures - 1)`` seconds (capped),
 during which lookups route around it; after ``evict_after`` consecutive failures it leaves the
 routing table. Any success resets it. Plain object with an injectable clock.
@@ -8,9 +10,7 @@ routing table. Any success resets it. Plain object with an injectable clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-
-from peer import PeerID
+from collections.abc import Callable, Hashable
 
 __all__ = ["PeerHealth"]
 
@@ -33,9 +33,9 @@ class PeerHealth:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.base, self.maximum, self.evict_after, self.clock = base, maximum, evict_after, clock
-        self._failures: dict[PeerID, tuple[int, float]] = {}  # peer -> (consecutive failures, retry at)
+        self._failures: dict[Hashable, tuple[int, float]] = {}  # peer -> (consecutive failures, retry at)
 
-    def failed(self, peer: PeerID) -> bool:
+    def failed(self, peer: Hashable) -> bool:
         """Record a failure; True when the peer has now failed often enough to be evicted."""
         count = self._failures.get(peer, (0, 0.0))[0] + 1
         delay = min(self.base * 2 ** (count - 1), self.maximum)
@@ -44,16 +44,16 @@ class PeerHealth:
         self._failures[peer] = (count, self.clock() + delay)
         return count >= self.evict_after
 
-    def succeeded(self, peer: PeerID) -> None:
+    def succeeded(self, peer: Hashable) -> None:
         self._failures.pop(peer, None)
 
     def __bool__(self) -> bool:
         """True while any peer has unforgiven failures (lets callers skip per-peer checks)."""
         return bool(self._failures)
 
-    def backing_off(self, peer: PeerID) -> bool:
+    def backing_off(self, peer: Hashable) -> bool:
         state = self._failures.get(peer)
         return state is not None and state[1] > self.clock()
 
-    def failures(self, peer: PeerID) -> int:
+    def failures(self, peer: Hashable) -> int:
         return self._failures.get(peer, (0, 0.0))[0]

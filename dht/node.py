@@ -197,7 +197,7 @@ class DHTNode:
 
     @property
     def health(self) -> PeerHealth:
-        """Failure backoff per peer (see ``PeerHealth``)."""
+        """Failure backoff per claim, a peer ID at an address (see ``PeerHealth``, ``contacts.py``)."""
         return self._contacts.health
 
     # ------------------------------------------------------------------ joining

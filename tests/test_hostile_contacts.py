@@ -10,7 +10,12 @@ import pytest
 import trio
 
 from dht import DHTConfig, DHTNode
+from dht.background import Background
+from dht.contacts import Contacts
+from dht.liveness import EVICT_AFTER_FAILURES
 from dht.records import pack
+from dht.routing import Contact, RoutingTable
+from dht.testing import placed_contact
 from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
 
 
@@ -148,3 +153,22 @@ def test_a_peer_id_text_of_60_kb_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match="longer than any"):
         PeerAddress.parse("h:1/" + "2" * 60_000)
     assert time.perf_counter() - started < 0.01  # the old decoder needed ~1.4 s here
+
+
+async def test_claims_naming_an_honest_peer_at_a_dead_address_cost_only_that_claim() -> None:
+    """A liar names an honest peer (its ID, its real proof) at a closed port, again and again: the
+    failed dials count against that claim, and the honest peer keeps its place and its standing."""
+    async with open_peer_host(Identity.generate()) as host, trio.open_nursery() as nursery:
+        table = RoutingTable(placed_contact(0), 20)
+        contacts = Contacts(host, table, Background(nursery), rpc_timeout=2.0)
+        honest = placed_contact(1 << 100, port=4000)
+        table.add_contact(honest)
+        dead_port = closed_port()
+        lie = Contact(honest.proof, PeerAddress("127.0.0.1", dead_port, honest.peer_id))
+        for _ in range(EVICT_AFTER_FAILURES + 1):
+            assert await contacts.call(lie, "dht.ping", None) is None  # the dial to the lie fails
+        assert table.get(honest.peer_id) is honest
+        excluded = contacts.excluded()
+        assert excluded is not None and excluded(lie) and not excluded(honest)
+        assert contacts.routable([honest, lie]) == [honest]
+        nursery.cancel_scope.cancel()
