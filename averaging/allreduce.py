@@ -332,6 +332,8 @@ class AllReduceService:
         member = group.member(me)
         if member is None:
             raise AllReduceError("this peer is not a member of the group")
+        if group.group_id in self._rounds:  # a leader reused it: the rounds would take each other's parts
+            raise AllReduceError("another round on this peer already uses this group ID")
         tensors = list(tensors)
         the_codec = get_codec(codec)
         flat = await _in_thread(checked_flat, tensors) if member.mode.sends else None
@@ -362,7 +364,7 @@ class AllReduceService:
                                     sender.exchange, index, peer, group, result, received, reducer_timeout
                                 )
             finally:
-                del self._rounds[group.group_id]
+                del self._rounds[group.group_id]  # ours: a second round with this ID was refused above
                 if reducer is not None and not reducer.replied.is_set():  # cancelled: free waiting handlers
                     reducer.replied.set()
             own_average = []

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceService
+from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, open_peer_host
@@ -458,4 +458,25 @@ async def test_fifty_rounds_in_a_row_do_not_grow_memory():
         assert usage[1] - usage[0] < 24 << 20, f"grew by {(usage[1] - usage[0]) >> 20} MiB"
         for service in (p.service for p in peers):
             assert not service.rounds_in_progress  # every round was released
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_group_id_already_in_use_on_a_peer_is_refused_and_the_first_round_still_averages():
+    """A hostile leader announcing a live group ID again made the second round replace the first's
+    reducer, and the first round's clean-up then raised KeyError out of state averaging."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(2)]
+        expected = (flat(tensors[0]) + flat(tensors[1])) / 2
+        results = {}
+        async with trio.open_nursery() as rounds:
+            rounds.start_soon(run_round, peers, group, tensors, [1.0, 1.0], results)
+            while not peers[0].service.rounds_in_progress:  # until the first round has announced its ID
+                await trio.sleep(0.001)
+            with pytest.raises(AllReduceError, match="already uses this group ID"):
+                await peers[0].service.run(group, random_tensors(7))
+        assert results[0].succeeded and results[1].succeeded
+        for t in tensors:
+            assert torch.allclose(flat(t), expected, atol=1e-6)
         nursery.cancel_scope.cancel()
