@@ -245,15 +245,13 @@ class PeerHost:
             await dial.done.wait()
             if dial.error is not None:
                 raise ConnectError(str(dial.error))
-            # Their connection is pooled now, unless it already closed: then look (and dial) again.
+            # Their connection is pooled now, unless it already closed or their dial was cancelled
+            # (their deadline, not ours): then look, and dial, again.
         dial = self._dialing[key] = _Dial()
         try:
             dial.connection = await self._dial(address)
         except ConnectError as error:
             dial.error = error
-            raise
-        except BaseException:
-            dial.error = ConnectError(f"{address}: the dial was cancelled")
             raise
         finally:
             del self._dialing[key]

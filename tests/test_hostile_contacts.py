@@ -3,8 +3,10 @@ identities that endpoint does not have, costs the lookup those contacts and noth
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from functools import partial
 
 import pytest
 import trio
@@ -171,4 +173,44 @@ async def test_claims_naming_an_honest_peer_at_a_dead_address_cost_only_that_cla
         excluded = contacts.excluded()
         assert excluded is not None and excluded(lie) and not excluded(honest)
         assert contacts.routable([honest, lie]) == [honest]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dial_cancelled_by_its_callers_deadline_does_not_fail_the_callers_waiting_on_it() -> None:
+    """The first caller's own deadline ends the shared dial; a caller without a deadline that was
+    waiting on it dials again and connects, rather than inheriting the first caller's give-up."""
+    async with open_peer_host(Identity.generate()) as server, trio.open_nursery() as nursery:
+        real = server.listen_address
+
+        async def slow_handshake_proxy(client: trio.SocketStream) -> None:
+            await trio.sleep(1.0)  # a far peer: the handshake starts only after a second
+            upstream = await trio.open_tcp_stream(real.host, real.port)
+
+            async def pump(source, sink) -> None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    while data := await source.receive_some(65536):
+                        await sink.send_all(data)
+
+            async with trio.open_nursery() as pumps:
+                pumps.start_soon(pump, client, upstream)
+                pumps.start_soon(pump, upstream, client)
+
+        listeners = await nursery.start(partial(trio.serve_tcp, slow_handshake_proxy, 0, host="127.0.0.1"))
+        address = PeerAddress("127.0.0.1", listeners[0].socket.getsockname()[1])
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            outcome = {}
+
+            async def impatient() -> None:
+                with trio.move_on_after(0.3):
+                    await client.connect(address)
+
+            async def patient() -> None:
+                await trio.sleep(0.05)  # joins the impatient caller's dial
+                outcome["peer"] = (await client.connect(address)).remote_peer_id
+
+            with trio.fail_after(10):
+                async with trio.open_nursery() as callers:
+                    callers.start_soon(impatient)
+                    callers.start_soon(patient)
+            assert outcome["peer"] == server.peer_id
         nursery.cancel_scope.cancel()
