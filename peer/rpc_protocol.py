@@ -117,6 +117,7 @@ class RPCProtocol:
         self._next_call_id = 1 if initiator else 2
         self._calls: dict[int, _Call] = {}
         self._remote_calls = 0
+        self._last_remote_call_id = 0
         self._outbox: list[bytes] = []
         self.max_unread = max_unread
         self.budget = budget if budget is not None else process_budget()
@@ -420,7 +421,10 @@ class RPCProtocol:
 
     def _remote_open(self, kind: int, call_id: int, header: list, payload: Any) -> list:
         _check(call_id % 2 == (0 if self.initiator else 1), "call ID of the wrong parity")
-        _check(call_id not in self._calls, f"call ID {call_id} reused while live")
+        # Call IDs only grow (as HTTP/2 stream IDs do): a reused ID could alias a call whose handler
+        # is still unwinding, leaving a second handler that nothing counts or can cancel.
+        _check(call_id > self._last_remote_call_id, f"call ID {call_id} is not above the last one opened")
+        self._last_remote_call_id = call_id
         if self._remote_calls >= self.max_concurrent_calls:
             self._outbox.append(
                 packb([ERROR, call_id, BUSY, f"too many concurrent calls (limit {self.max_concurrent_calls})"])

@@ -143,8 +143,21 @@ def test_malformed_headers_fail_the_connection(raw):
 def test_reusing_a_live_call_id_is_a_protocol_error():
     server = RPCProtocol(initiator=False)
     server.receive_header(packb([7, 1, "m", None, None, 0]))
-    with pytest.raises(ProtocolError, match="reused"):
+    with pytest.raises(ProtocolError, match="not above the last"):
         server.receive_header(packb([7, 1, "m", None, None, 0]))
+
+
+def test_reopening_a_cancelled_call_id_is_a_protocol_error():
+    """OPEN x, CANCEL x, OPEN x: the first handler, still unwinding, would clean up the second
+    call's bookkeeping and leave its handler running uncounted and uncancellable."""
+    client, server = pair()
+    call_id, header = client.open_stream("m", None)
+    deliver(server, header)
+    deliver(server, client.cancel(call_id))
+    with pytest.raises(ProtocolError, match="not above the last"):
+        server.receive_header(header)
+    later, header = client.open_stream("m", None)  # honest peers only ever count up
+    assert later > call_id
 
 
 def test_stream_payload_goes_into_a_supplied_buffer():
