@@ -137,7 +137,15 @@ def kademlia_worker(nodes: int, keys: int, gets: int, seed: int) -> None:
 
 def run_kademlia(nodes: int, keys: int, gets: int, seed: int) -> dict[str, Any]:
     """One baseline process, with ``PYTHONHASHSEED=seed``."""
-    command = [sys.executable, os.path.abspath(__file__), "--kademlia-worker", str(nodes), str(keys), str(gets), str(seed)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--kademlia-worker",
+        str(nodes),
+        str(keys),
+        str(gets),
+        str(seed),
+    ]
     env = {**os.environ, "PYTHONHASHSEED": str(seed)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     if done.returncode != 0:

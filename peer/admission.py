@@ -35,6 +35,7 @@ __all__ = [
     "MAX_PENDING_PER_ADDRESS",
     "MAX_CONNECTIONS_PER_ADDRESS",
     "MAX_CONNECTIONS_PER_IDENTITY",
+    "MAX_CONNECTIONS",
 ]
 
 # Each pending handshake costs a socket and a few KiB, and lives at most the handshake timeout.
@@ -45,6 +46,10 @@ MAX_PENDING_PER_ADDRESS = 16
 MAX_CONNECTIONS_PER_ADDRESS = 64
 # One pooled connection per peer pair, plus a few that overlap while a peer reconnects.
 MAX_CONNECTIONS_PER_IDENTITY = 4
+# Incoming connections in all. Each may hold a few bounded buffers (its unread stream data, its
+# queued replies), so this is what turns those per-connection caps into a bound on the process.
+# A swarm peer talks to its routing table (k=20 per bucket, ~160 known peers) and its groups.
+MAX_CONNECTIONS = 1024
 
 
 def address_group(host: str) -> str | None:
@@ -71,11 +76,13 @@ class Admission:
         max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
         max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
         max_connections_per_identity: int = MAX_CONNECTIONS_PER_IDENTITY,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.max_pending = max_pending
         self.max_pending_per_address = max_pending_per_address
         self.max_connections_per_address = max_connections_per_address
         self.max_connections_per_identity = max_connections_per_identity
+        self.max_connections = max_connections
         # Insertion-ordered, oldest first; each maps ticket -> its group (or (group, identity)).
         self._pending: OrderedDict[Any, str] = OrderedDict()
         self._pending_by_group: dict[str, OrderedDict[Any, None]] = {}
@@ -122,13 +129,16 @@ class Admission:
     # ------------------------------------------------------------------ connections
     def connection_opened(self, ticket: Any, group: str | None, identity: Hashable) -> list[Any] | None:
         """Admit an authenticated incoming connection. Returns the older connections of the same
-        identity to close for it, or None when the address has no room (refuse this one)."""
+        identity to close for it, or None when its address, or the peer as a whole, has no room
+        (refuse this one)."""
         if group is not None and self._by_group.get(group, 0) >= self.max_connections_per_address:
             return None
         victims = []
         same_identity = self._by_identity.get(identity)
         if same_identity is not None and len(same_identity) >= self.max_connections_per_identity:
             victims.append(next(iter(same_identity)))
+        elif len(self._connections) >= self.max_connections:
+            return None
         for victim in victims:
             self.connection_closed(victim)
         self._connections[ticket] = (group, identity)

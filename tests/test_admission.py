@@ -48,6 +48,14 @@ def test_connections_per_identity_replace_the_oldest_and_per_address_are_refused
     assert admission.connections == 3
 
 
+def test_connections_in_all_are_capped() -> None:
+    admission = Admission(max_connections=2, max_connections_per_identity=1)
+    assert admission.connection_opened("c1", "a", "alice") == []
+    assert admission.connection_opened("c2", None, "bob") == []
+    assert admission.connection_opened("c3", "c", "carol") is None  # full, whatever the address
+    assert admission.connection_opened("c4", "a", "alice") == ["c1"]  # a reconnect replaces its own
+
+
 def test_ipv6_addresses_are_limited_per_64_prefix() -> None:
     assert address_group("2001:db8::1") == address_group("2001:db8::ffff:1") == "2001:db8::/64"
     assert address_group("2001:db8:0:1::1") != address_group("2001:db8::1")
