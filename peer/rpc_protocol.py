@@ -61,10 +61,12 @@ MAX_CONCURRENT_CALLS = 4096
 # Per-direction stream window: 16 MiB keeps a loopback pipe of 1 MiB records full (measured) while
 # bounding what a slow reader makes the sender's peer buffer.
 STREAM_WINDOW = 16 << 20
-# Stream data received but not yet read by the application, summed over one connection's calls.
-# A call's window bounds it per call; this bounds a peer that opens many streams to handlers that
-# do not read (or read slowly): four full windows plus one maximal message larger than a window
-# (see ``_fits_credit``), which an honest peer reaches only with several bulk streams at once.
+# Stream data received but not yet read by the application, and the payloads of unary requests
+# whose handlers are still running, summed over one connection's calls. A call's window bounds
+# stream data per call; this bounds a peer that opens many streams to handlers that do not read
+# (or read slowly), or many unary calls with large payloads to handlers that wait: four full
+# windows plus one maximal message (see ``_fits_credit``), which an honest peer reaches only with
+# several bulk transfers at once.
 MAX_UNREAD_PER_CONNECTION = 4 * STREAM_WINDOW + MAX_PAYLOAD
 MAX_METHOD_NAME = 256
 MAX_ERROR_TEXT = 4096
@@ -435,6 +437,11 @@ class RPCProtocol:
         self._remote_calls += 1
         if kind == UNARY:
             call.received_done = True
+            # The handler holds the payload until it returns: it counts as unread until then.
+            call.unread = header[5]
+            self._unread += call.unread
+            if self._unread > self.max_unread:
+                raise ProtocolError(f"peer's unread data on this connection exceeds {self.max_unread} bytes")
             return [CallOpened(call_id, header[2], header[3], True, header[4], payload)]
         return [CallOpened(call_id, header[2], header[3], False)]
 

@@ -255,3 +255,18 @@ def test_a_protocol_error_on_any_path_fails_every_later_input(violation):
         with pytest.raises(ProtocolError) as again:
             later()
         assert again.value is caught.value
+
+
+def test_payloads_held_by_running_unary_handlers_count_toward_the_unread_cap():
+    """Handlers keep their request's payload until they return: a peer making many large unary
+    calls to handlers that wait must hit the connection's cap, and a finished call frees its share."""
+    server = RPCProtocol(initiator=False, max_unread=3000)
+    client = RPCProtocol(initiator=True)
+    first, header = client.open_unary("wait", None, 2000, None)
+    deliver(server, header, bytes(2000))
+    server.send_result(first, None, 0)  # that handler returned: its payload is released
+    second, header = client.open_unary("wait", None, 2000, None)
+    deliver(server, header, bytes(2000))
+    third, header = client.open_unary("wait", None, 2000, None)
+    with pytest.raises(ProtocolError, match="unread"):
+        deliver(server, header, bytes(2000))
