@@ -332,14 +332,16 @@ class AllReduceService:
         member = group.member(me)
         if member is None:
             raise AllReduceError("this peer is not a member of the group")
-        if group.group_id in self._rounds:  # a leader reused it: the rounds would take each other's parts
-            raise AllReduceError("another round on this peer already uses this group ID")
         tensors = list(tensors)
         the_codec = get_codec(codec)
         flat = await _in_thread(checked_flat, tensors) if member.mode.sends else None
         total = sum(t.numel() for t in tensors)
         plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], part_size)
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
+        # Checked here, with no await between it and the announcement below: a leader that reused a
+        # live group ID would have the two rounds take each other's parts.
+        if group.group_id in self._rounds:
+            raise AllReduceError("another round on this peer already uses this group ID")
         self._buffers.start_round()
         with self._buffers.lease() as received, contextlib.ExitStack() as holds:
             reducer = None
