@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe.client import MoEClient  # noqa: E402
 from moe.experts import ExpertBackend  # noqa: E402
 from moe.remote import RemoteExpert  # noqa: E402
+from peer import LOCAL_DIFFICULTY  # noqa: E402
 
 SERVER_START_TIMEOUT = 60.0
 
@@ -41,6 +42,8 @@ def start_server(hidden: int, batch: int) -> tuple[subprocess.Popen, str]:
         "serve-experts",
         "--experts",
         "bench.0",
+        "--node-id-difficulty",  # a local run, as the client's default
+        str(LOCAL_DIFFICULTY),
     ]
     command += ["--hidden-dim", str(hidden), "--max-batch-size", str(batch), "--listen", "127.0.0.1:0", "--seed", "0"]
     process = subprocess.Popen(
@@ -97,6 +100,7 @@ def main() -> None:
         local.module(inputs).backward(grad)
         local.optimizer.step()
 
+    one = torch.randn(1, hidden)
     process, address = start_server(hidden, batch)
     client = MoEClient.start()
     try:
@@ -113,7 +117,6 @@ def main() -> None:
             remote_rates.append(throughput(remote_step, batch, warmup, steps // 2))
         local_rate, remote_rate = max(local_rates), max(remote_rates)
 
-        one = torch.randn(1, hidden)
         latencies = []
         with torch.no_grad():
             for _ in range(20):
@@ -131,13 +134,13 @@ def main() -> None:
             process.kill()
             process.wait()
 
-        # The same single-sample forward in-process: what the expert itself costs (at hidden 1024 it
-        # reads 32 MiB of weights per call, which is memory-bound), so the RPC overhead is the difference.
-        local_latencies = []
-        for _ in range(small_calls // 4):
-            start = time.perf_counter()
-            local.forward(one)
-            local_latencies.append((time.perf_counter() - start) * 1000)
+    # The same single-sample forward in-process: what the expert itself costs (at hidden 1024 it
+    # reads 32 MiB of weights per call, which is memory-bound), so the RPC overhead is the difference.
+    local_latencies = []
+    for _ in range(small_calls // 4):
+        start = time.perf_counter()
+        local.forward(one)
+        local_latencies.append((time.perf_counter() - start) * 1000)
     p50 = statistics.median(latencies)
     local_p50 = statistics.median(local_latencies)
     p90 = statistics.quantiles(latencies, n=10)[-1]

@@ -16,7 +16,7 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
-from peer import Identity, PeerAddress, PeerID
+from peer import LOCAL_DIFFICULTY, Identity, PeerAddress, PeerID
 from peer.background import BackgroundLoop, ServiceHandle, get_loop
 
 from .node import DHTConfig, DHTNode
@@ -38,11 +38,16 @@ class DHT:
         listen: tuple[str, int] | None = ("127.0.0.1", 0),
         client_mode: bool = False,
         run_id: str = "default",
+        node_id_difficulty: int = LOCAL_DIFFICULTY,
         validators: Iterable[RecordValidator] = (),
         config: DHTConfig | None = None,
         loop: BackgroundLoop | None = None,
     ):
+        """``node_id_difficulty`` must be the run's: ``peerd join`` defaults to
+        ``DEFAULT_DIFFICULTY``, local swarms use ``LOCAL_DIFFICULTY`` (also this default, so that
+        scripts start at once); a mismatch is refused at the first handshake, naming both values."""
         self._options = dict(
+            node_id_difficulty=node_id_difficulty,
             identity=identity or Identity.generate(),
             listen=listen,
             initial_peers=list(initial_peers),

@@ -19,7 +19,7 @@ import torch
 import trio
 
 from dht.node import DHTNode
-from peer import CallTimeoutError, Identity, PeerAddress, PeerHost, open_peer_host
+from peer import LOCAL_DIFFICULTY, CallTimeoutError, Identity, PeerAddress, PeerHost, open_peer_host
 from peer.background import ServiceHandle, get_loop
 
 from .protocol import pack_tensors, unpack_tensors
@@ -131,19 +131,30 @@ class MoEClient:
         *,
         identity: Identity | None = None,
         run_id: str = "default",
+        node_id_difficulty: int = LOCAL_DIFFICULTY,
     ) -> MoEClient:
         """A client in the process-wide background loop (``peer.background``, shared with the DHT
         and averager facades): a client-mode DHT node joined through ``initial_peers``, or just a
-        host when there are none. Close it with ``close()``."""
+        host when there are none. Close it with ``close()``. ``node_id_difficulty`` must be the
+        run's (``peerd join`` defaults to ``DEFAULT_DIFFICULTY``; local swarms use the low
+        ``LOCAL_DIFFICULTY``, which is also this default so that scripts start at once)."""
         loop = get_loop()
         peers = list(initial_peers)
         if peers:
             service = loop.start_service(
-                lambda: DHTNode.open(identity=identity, initial_peers=peers, client_mode=True, run_id=run_id)
+                lambda: DHTNode.open(
+                    identity=identity,
+                    initial_peers=peers,
+                    client_mode=True,
+                    run_id=run_id,
+                    node_id_difficulty=node_id_difficulty,
+                )
             )
             return cls(service.value.host, dht=service.value, runner=loop.run, service=service)
         service = loop.start_service(
-            lambda: open_peer_host(identity or Identity.generate(), listen=None, run_id=run_id)
+            lambda: open_peer_host(
+                identity or Identity.generate(), listen=None, run_id=run_id, node_id_difficulty=node_id_difficulty
+            )
         )
         return cls(service.value, runner=loop.run, service=service)
 

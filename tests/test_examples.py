@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,18 @@ def test_embed_averager_copies_average_with_each_other(tmp_path):
         assert after_full_rounds, output
         shared = after_full_rounds if shared is None else shared & after_full_rounds
     assert shared, outputs
+
+
+def test_remote_moe_trains_as_a_user_runs_it_without_any_peerd_variables():
+    """The suite sets PEERD_NODE_ID_DIFFICULTY for the processes it starts; a user's shell has none,
+    so the script must bring its expert servers and its client to one difficulty by itself."""
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("PEERD_")}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "remote_moe.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step   1" in result.stdout
