@@ -194,18 +194,18 @@ class RecordStore:
         other: Found | None = self._dicts.get(key) if subkey is None else self._plain.get(key)
         if other and found_precedence(other) >= rank:
             return False
-        # Outranked records go first, so the room they held counts for the new one.
-        if subkey is None:
-            for old in list(self._dicts.get(key, ())):
-                self._remove(key, old)
-        else:
-            self._remove(key, None)
-        self._remove(key, subkey)
+        # Outranked records go first, so the room they held counts for the new one; if the new one
+        # is refused after all, they come back (a refused replacement must not delete its original).
+        outranked = [(key, old) for old in self._dicts.get(key, ())] if subkey is None else [(key, None)]
+        taken = [held for held in (self._take(*old) for old in [*outranked, slot]) if held is not None]
+        admitted = True
         if subkey is not None and len(self._dicts.get(key, ())) >= self.max_subkeys:
-            if not self._evict_from_key(key, expiration_time, writer):
-                return False
-        size = self._size(key, subkey, value)
-        if not self._make_room(size, expiration_time, writer):
+            admitted = self._evict_from_key(key, expiration_time, writer)
+        if admitted:
+            admitted = self._make_room(self._size(key, subkey, value), expiration_time, writer)
+        if not admitted:
+            for old_slot, item, old_writer in taken:
+                self._insert(old_slot, item, old_writer)
             return False
         self._insert(slot, new, writer)
         if version is not None:
@@ -244,6 +244,15 @@ class RecordStore:
         if len(own) > 2 * usage[0] + 64:  # stale entries of replaced records
             own[:] = [e for e in own if self._is_held(e)]
             heapq.heapify(own)
+
+    def _take(self, key: bytes, subkey: bytes | None) -> tuple[_Slot, StoredValue, Writer] | None:
+        """Remove a held record and return it with its writer (None if nothing is held there)."""
+        item = self._current(key, subkey)
+        if item is None:
+            return None
+        writer = self._held[(key, subkey)][1]
+        self._remove(key, subkey)
+        return (key, subkey), item, writer
 
     def _remove(self, key: bytes, subkey: bytes | None) -> None:
         if subkey is None:

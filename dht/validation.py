@@ -23,7 +23,7 @@ import msgpack
 from peer import Identity
 from peer.identity import verify_signature
 
-from .records import DHTRecord, RecordError, pack, unpack
+from .records import CLOCK_SKEW, DHTRecord, RecordError, pack, unpack
 
 __all__ = [
     "RecordValidator",
@@ -108,7 +108,17 @@ class SignatureValidator(RecordValidator):
         self._last_version = 0
 
     def next_version(self) -> int:
-        self._last_version = max(int(self.clock() * 1e9), self._last_version + 1)
+        """The signing time in ns, above every version this signer gave before; but never more
+        than the clock skew every node tolerates ahead of now: after the wall clock is stepped back
+        (NTP correcting a fast clock) counting on from the old versions would be "signed in the
+        future" and refused everywhere. Restarting from now lets the nodes' replay guard, which
+        holds the old versions only until they could have expired, refuse these for at most a
+        record type's lifetime, instead of failing every store."""
+        now = int(self.clock() * 1e9)
+        following = self._last_version + 1
+        if following > now + int(CLOCK_SKEW * 1e9) // 2:  # the clock went back: follow it
+            following = now
+        self._last_version = max(now, following)
         return self._last_version
 
     def sign(self, record: DHTRecord) -> bytes:

@@ -27,8 +27,12 @@ if TYPE_CHECKING:
 # only needs these flags' defaults.
 DEFAULT_MAX_BATCH_SIZE = 4096
 HEARTBEAT_PERIOD = 15.0
+# Announcements live three heartbeat periods, and every node caps expert-grid records at 600 s
+# (dht/lifetimes.py): a slower heartbeat could never be stored, and the experts would be served
+# but never found.
+MAX_HEARTBEAT_PERIOD = 200.0
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "HEARTBEAT_PERIOD", "ExpertHostingConfig", "host_experts"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "HEARTBEAT_PERIOD", "MAX_HEARTBEAT_PERIOD", "ExpertHostingConfig", "host_experts"]
 
 
 @dataclass
@@ -45,6 +49,13 @@ class ExpertHostingConfig:
     checkpoint_dir: Path | None = None
     heartbeat_period: float = HEARTBEAT_PERIOD
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_period <= MAX_HEARTBEAT_PERIOD:
+            raise ValueError(
+                f"--heartbeat-period must be in (0, {MAX_HEARTBEAT_PERIOD:g}] seconds: announcements live three"
+                f" periods and the DHT keeps expert records at most 600 s, got {self.heartbeat_period:g}"
+            )
 
     def build_experts(self) -> dict[str, ExpertBackend]:
         """Validates everything (pattern, type, optimizer) before any network activity."""

@@ -309,3 +309,35 @@ def test_an_owner_refreshing_one_record_does_not_grow_the_store():
         assert store.store(b"k", b"s", b"v%d" % version, NOW + 10, version=version, replay_horizon=NOW + version)
     assert len(store) == 1 and len(store._guard_expiry) <= 2 * len(store._replay_guard) + 1024
     assert len(store._expiry) <= 2 * len(store) + 1024
+
+
+def test_a_refused_replacement_keeps_the_record_it_would_have_replaced() -> None:
+    """At capacity, the owner's bigger newer version is refused for want of room: its older record
+    must stay (it used to be deleted first, and then even its replay was accepted again)."""
+    now = 1000.0
+    store = RecordStore(max_records=10, max_bytes=40, clock=lambda: now)
+    writer = b"A" * 20
+    assert store.store(b"k1", None, b"x" * 10, now + 100, writer=writer)
+    assert store.store(b"k2", None, b"x" * 10, now + 100, version=1, writer=writer)
+    assert not store.store(b"k2", None, b"y" * 27, now + 90, version=2, writer=writer)
+    kept = store.get(b"k2")
+    assert kept is not None and kept.value == b"x" * 10 and kept.version == 1
+    assert store.get(b"k1") is not None
+    assert len(store) == 2 and store.nbytes == 24
+
+
+def test_a_signer_whose_clock_steps_back_keeps_producing_storable_records() -> None:
+    """NTP corrects a fast clock by 400 s: counting on from the old versions made every later
+    record "signed in the future", refused by every node, and publishing progress raised."""
+    identity = Identity.generate()
+    offset = [400.0]
+    signer = SignatureValidator(identity, clock=lambda: time.time() + offset[0])
+    key, subkey = pack("run.progress"), pack(owner_marker(identity.public_key))
+
+    def signed(ttl: float) -> DHTRecord:
+        record = DHTRecord(key, subkey, pack({"epoch": 1}), time.time() + ttl)
+        return DHTRecord(key, subkey, signer.sign(record), record.expiration_time)
+
+    signed(5)  # while the clock ran fast
+    offset[0] = 0.0
+    LocalRecords(CompositeValidator([SignatureValidator()])).check_lifetime(signed(15), time.time())

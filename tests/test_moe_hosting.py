@@ -50,3 +50,12 @@ def test_hosting_defaults_mirror_the_server() -> None:
 
     assert hosting.DEFAULT_MAX_BATCH_SIZE == server.DEFAULT_MAX_BATCH_SIZE
     assert hosting.HEARTBEAT_PERIOD == announce.HEARTBEAT_PERIOD
+
+
+def test_a_heartbeat_slower_than_the_dht_keeps_expert_records_is_refused(capsys) -> None:
+    """Announcements live three periods and nodes keep expert records at most 600 s: at a 400 s
+    period every announcement was refused and the server ran with nothing announced."""
+    args = parse(["serve-experts", "--experts", "ffn.0", "--heartbeat-period", "400", "--listen", "127.0.0.1:0"])
+    assert run_serve_experts(args) == 1
+    assert "--heartbeat-period must be in (0, 200]" in capsys.readouterr().err
+    assert ExpertHostingConfig(pattern="ffn.0", heartbeat_period=200).heartbeat_period == 200

@@ -136,8 +136,8 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     if not args.experts:
         print("peerd: serve-experts needs --experts PATTERN, e.g. 'ffn.[0:4].[0:4]'", file=sys.stderr)
         return EXIT_BAD_INPUT
-    config = config_from_args(args)
     try:
+        config = config_from_args(args)
         experts = config.build_experts()
     except (ValueError, ImportError) as error:
         print(f"peerd: {error}", file=sys.stderr)
