@@ -1,11 +1,15 @@
 """Suite-wide pytest hooks: slow soak/scale tests run only with ``--run-slow``, and the heap that
 collection loaded is frozen before the first test (see ``pytest_collection_finish``); every
-``peerd`` process a test starts runs at the local node-ID difficulty, as the in-process peers do."""
+``peerd`` process a test starts runs at the local node-ID difficulty, as the in-process peers do,
+and default key files land in a data directory of the test run's own, never the user's."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -14,6 +18,11 @@ from peer import LOCAL_DIFFICULTY
 # A public run's default (2**24 hashes, ~10 s per fresh key) would make each process start slow,
 # and a peer of another difficulty could not talk to the tests' own (LOCAL_DIFFICULTY) peers.
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))
+# Commands that fall back to default key paths ($XDG_DATA_HOME/peerd/...) must not write into the
+# home directory of whoever runs the tests.
+_DATA_HOME = tempfile.mkdtemp(prefix="peerd-tests-data-")
+os.environ["XDG_DATA_HOME"] = _DATA_HOME
+atexit.register(shutil.rmtree, _DATA_HOME, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

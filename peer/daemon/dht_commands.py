@@ -20,6 +20,7 @@ import trio
 from dht.node import DHTBootstrapError, DHTConfig, DHTNode
 from dht.records import MAX_TTL, DHTValue
 from peer import Identity
+from peer.identity import default_identity_path
 
 from .arguments import peer_address
 from .node_ids import add_difficulty_argument, node_id_for
@@ -60,7 +61,11 @@ def add_dht_commands(
     common.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="joining deadline")
     add_difficulty_argument(common, settings)
     common.add_argument(
-        "--identity", type=Path, default=None, help="key file whose node-ID solution is kept (default: a new key)"
+        "--identity",
+        type=Path,
+        default=None,
+        help="key file whose node-ID solution is kept (default: client.key beside the default identity, so"
+        " the puzzle is solved once, not on every command)",
     )
 
     store = actions.add_parser("store", parents=[common], help="store KEY = VALUE (JSON or text)")
@@ -89,7 +94,8 @@ def _jsonable(obj: Any) -> Any:
 
 async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     config = DHTConfig(bootstrap_timeout=args.timeout)
-    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+    path = args.identity or default_identity_path().with_name("client.key")
+    identity = Identity.load_or_create(path)
     async with DHTNode.open(
         identity=identity,
         initial_peers=args.initial_peer,
@@ -97,7 +103,7 @@ async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         run_id=args.run_id,
         config=config,
         node_id_difficulty=args.node_id_difficulty,
-        node_id=node_id_for(identity, args.identity, args.node_id_difficulty),
+        node_id=node_id_for(identity, path, args.node_id_difficulty),
     ) as node:
         if args.dht_command == "store":
             expiration = time.time() + args.ttl

@@ -137,6 +137,8 @@ def run_swarm(args: argparse.Namespace) -> int:
             peers.append(peer)
             peer.wait_started(STARTUP_TIMEOUT)
         print(f"swarm of {args.peers} peers running (logs in {log_dir})", flush=True)
+        join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
+        print(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)", flush=True)
         while time.monotonic() - start < args.timeout:
             time.sleep(1.0)
             statuses = [peer.poll_status() for peer in peers]
