@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from moe.client import MoEClient  # noqa: E402
 from moe.mixture import RemoteMixtureOfExperts  # noqa: E402
+from peer import LOCAL_DIFFICULTY  # noqa: E402
 
 HIDDEN = 32
 
@@ -35,8 +36,12 @@ def peerd_command() -> list[str]:
     return [sys.executable, "-m", "peer.daemon.cli"]
 
 
+# A local run: the servers use the low node-ID difficulty, as this script's client does by default.
+LOCAL_RUN = ["--node-id-difficulty", str(LOCAL_DIFFICULTY)]
+
+
 def start_server(pattern: str, initial_peer: str | None, checkpoint_dir: Path) -> tuple[subprocess.Popen, str]:
-    command = peerd_command() + ["serve-experts", "--experts", pattern, "--hidden-dim", str(HIDDEN)]
+    command = peerd_command() + ["serve-experts", "--experts", pattern, "--hidden-dim", str(HIDDEN), *LOCAL_RUN]
     command += ["--listen", "127.0.0.1:0", "--checkpoint-dir", str(checkpoint_dir), "--expert-lr", "3e-3"]
     if initial_peer:
         command += ["--initial-peer", initial_peer]
