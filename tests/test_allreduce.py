@@ -480,3 +480,26 @@ async def test_a_group_id_already_in_use_on_a_peer_is_refused_and_the_first_roun
         for t in tensors:
             assert torch.allclose(flat(t), expected, atol=1e-6)
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["ended", "cancelled"])
+async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
+    """A reducer whose round had ended (or been cancelled) a moment before a sender's stream
+    arrived made that sender wait ROUND_WAIT (5 s) for a round that would never come."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2, client_indices=(1,))
+        group = make_group(peers, modes=[AveragingMode.NODE, AveragingMode.CLIENT])
+        tensors = [random_tensors(i) for i in range(2)]
+        before = flat(tensors[1]).clone()
+        if how == "ended":  # the sender was too late for the reducer's sender deadline
+            await peers[0].service.run(group, tensors[0], sender_timeout=0.05, part_size=PART_SIZE)
+        else:
+            with trio.move_on_after(0.05):
+                await peers[0].service.run(group, tensors[0], sender_timeout=10.0, part_size=PART_SIZE)
+        start = trio.current_time()
+        result = await peers[1].service.run(group, tensors[1], reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        assert trio.current_time() - start < 0.5
+        assert peers[0].host.peer_id in result.failed_peers
+        assert list(result.local_shards) == [0]
+        assert torch.equal(flat(tensors[1]), before)
+        nursery.cancel_scope.cancel()
