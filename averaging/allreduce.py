@@ -392,6 +392,8 @@ class AllReduceService:
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
             if sender is not None:
                 await _in_thread(write_back, tensors, sender.averaged + own_average)
+            for peer in result.failed_peers:
+                log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
             return result
 
     def _reducer_role(

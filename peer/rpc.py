@@ -155,6 +155,11 @@ class Connection:
     def is_closed(self) -> bool:
         return self.closed.is_set()
 
+    @property
+    def close_reason(self) -> str:
+        """Why the connection closed (meaningful once ``closed`` is set)."""
+        return self._close_reason
+
     def _fail_all(self, error: BaseException) -> None:
         for state in self._pending.values():
             if state.error is None:

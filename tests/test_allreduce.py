@@ -5,6 +5,7 @@ the contributions that arrived."""
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import struct
@@ -246,7 +247,8 @@ SHARDS_STAY_LOCAL = ("dies_before", "dies_while_reducing", "stalls_while_reducin
 
 @pytest.mark.parametrize("fault", list(FAULTY))
 @pytest.mark.parametrize("victims", [1, 2])
-async def test_faults_in_a_five_peer_group(fault, victims):
+async def test_faults_in_a_five_peer_group(fault, victims, caplog):
+    caplog.set_level(logging.INFO, "peerd.averaging")
     size = 5
     victim_ids = list(range(size - victims, size))
     async with trio.open_nursery() as nursery:
@@ -276,6 +278,8 @@ async def test_faults_in_a_five_peer_group(fault, victims):
             assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=1e-6)
             assert victim_peer_ids <= result.failed_peers
             assert not (survivor_peer_ids & result.failed_peers)
+            dropped = {r.args[0] for r in caplog.records if r.msg.startswith("peer %s dropped")}
+            assert victim_peer_ids <= dropped  # and each one is logged
             for contributors in result.contributors.values():  # no survivor's contribution was lost
                 assert survivor_peer_ids <= set(contributors)
             if fault in SHARDS_STAY_LOCAL:
