@@ -42,6 +42,9 @@ MAX_SETTLE = 0.5
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
+# A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
+# expirations) and only has to outlive the reads of the round it cancels.
+WITHDRAWAL_TTL = 5.0
 
 
 class MatchmakingError(RuntimeError):
@@ -232,6 +235,13 @@ class Matchmaker:
         """Store our declaration under our own signed subkey, to live as long as the round."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=subkey)
+
+    async def withdraw(self) -> None:
+        """Take our declaration back (we are leaving): until it expired, others would keep
+        proposing us as their leader or wait for us as a member. Readers drop the marker stored in
+        its place as malformed."""
+        subkey = peer_subkey(self.dht.host.identity.public_key)
+        await self.dht.store(self.key, {"withdrawn": True}, time.time() + WITHDRAWAL_TTL, subkey=subkey)
 
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)

@@ -283,3 +283,31 @@ async def test_a_leader_that_dies_before_announcing_costs_nobody_the_round():
             assert {m.peer_id for m in results[i].group.members} == healthy
             assert averager.tensors[0].item() == pytest.approx(3.0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_leaves_is_neither_elected_nor_waited_for_in_the_next_round():
+    """A copy of examples/embed_averager.py that ended left its declaration behind: the others'
+    leader waited for it until the deadline, every round, until the declaration expired."""
+    # The leaver has the highest ID: a follower, whom the leader would wait for.
+    identities = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id.to_bytes())
+    scopes = [trio.CancelScope() for _ in identities]
+
+    async def run_node(index, initial, task_status=trio.TASK_STATUS_IGNORED):
+        with scopes[index]:
+            async with DHTNode.open(identity=identities[index], initial_peers=initial) as node:
+                task_status.started(node)
+                await trio.sleep(math.inf)
+
+    async with trio.open_nursery() as nursery:
+        nodes = [await nursery.start(run_node, 0, [])]
+        nodes += [await nursery.start(run_node, i, [nodes[0].address]) for i in (1, 2)]
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], target_group_size=3, settle_time=0.2)
+        results = await step_all(averagers)
+        assert {len(r.group.members) for r in results.values()} == {3}
+        await averagers[2].leave()
+        scopes[2].cancel()
+        start = trio.current_time()
+        results = await step_all(averagers[:2])
+        assert trio.current_time() - start < 1.5  # the deadline is 4 s
+        assert {len(r.group.members) for r in results.values()} == {2}
+        nursery.cancel_scope.cancel()
