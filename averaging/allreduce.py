@@ -55,6 +55,10 @@ log = logging.getLogger("peerd.averaging")
 # How long a reducer's handler waits for its own round to start: the leader's announcement can
 # reach a follower a little after another follower has started sending to it.
 ROUND_WAIT = 5.0
+# Group IDs of rounds that ended (or were cancelled) on this peer, so that a stream arriving late
+# for one is refused at once instead of waiting ROUND_WAIT for a round that will not come again.
+# A peer runs a round every few seconds at most; this many cover hours of rounds in 16 KiB.
+FINISHED_ROUNDS_KEPT = 1024
 
 _limiter: trio.CapacityLimiter | None = None
 
@@ -271,6 +275,7 @@ class AllReduceService:
         # group ID -> our reducer role in that round (None: we reduce nothing in it)
         self._rounds: dict[bytes, _ReducerRole | None] = {}
         self._rounds_changed = trio.Event()
+        self._finished: dict[bytes, None] = {}  # insertion-ordered: the oldest goes first
         (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce, prepare=self._prepare_reduce)
 
     @property
@@ -303,12 +308,21 @@ class AllReduceService:
     async def _find_reducer(self, group_id: bytes) -> _ReducerRole | None:
         with trio.move_on_after(ROUND_WAIT):
             while group_id not in self._rounds:
+                if group_id in self._finished:
+                    raise ValueError("this peer's part in that round is over")
                 await self._rounds_changed.wait()
         return self._rounds.get(group_id)
 
     def _announce(self, group_id: bytes, role: _ReducerRole | None) -> None:
         self._rounds[group_id] = role
         self._rounds_changed.set()
+        self._rounds_changed = trio.Event()
+
+    def _finish(self, group_id: bytes) -> None:
+        self._finished[group_id] = None
+        if len(self._finished) > FINISHED_ROUNDS_KEPT:
+            del self._finished[next(iter(self._finished))]
+        self._rounds_changed.set()  # handlers waiting for this round learn that it is over
         self._rounds_changed = trio.Event()
 
     # ------------------------------------------------------------------ one round
@@ -334,7 +348,11 @@ class AllReduceService:
             raise AllReduceError("this peer is not a member of the group")
         tensors = list(tensors)
         the_codec = get_codec(codec)
-        flat = await _in_thread(checked_flat, tensors) if member.mode.sends else None
+        try:
+            flat = await _in_thread(checked_flat, tensors) if member.mode.sends else None
+        except BaseException:  # refused (NaN) or cancelled: we will not take part, say so at once
+            self._finish(group.group_id)
+            raise
         total = sum(t.numel() for t in tensors)
         plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], part_size)
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
@@ -367,6 +385,7 @@ class AllReduceService:
                                 )
             finally:
                 del self._rounds[group.group_id]  # ours: a second round with this ID was refused above
+                self._finish(group.group_id)
                 if reducer is not None and not reducer.replied.is_set():  # cancelled: free waiting handlers
                     reducer.replied.set()
             own_average = []
@@ -375,6 +394,8 @@ class AllReduceService:
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
             if sender is not None:
                 await _in_thread(write_back, tensors, sender.averaged + own_average)
+            for peer in result.failed_peers:
+                log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
             return result
 
     def _reducer_role(

@@ -27,6 +27,10 @@ __all__ = ["GroupAverager", "tensor_schema", "MatchmakingError"]
 
 log = logging.getLogger("peerd.averaging")
 
+# How long a leaving averager tries to take its declaration back: a DHT store to k peers, which
+# takes well under a second when the swarm answers; a script that ends must not hang on it.
+WITHDRAW_TIMEOUT = 3.0
+
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
     """The one all-reduce service of a host (several averagers on one peer share its RPC method)."""
@@ -124,6 +128,12 @@ class GroupAverager:
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
         return result
+
+    async def leave(self) -> None:
+        """Stop taking part: withdraw our matchmaking declaration, so that the others neither
+        elect us nor wait for us in the rounds to come (call before closing the DHT node)."""
+        with trio.move_on_after(WITHDRAW_TIMEOUT):
+            await self._matchmaker.withdraw()
 
     @asynccontextmanager
     async def locked_tensors(self) -> AsyncIterator[list[torch.Tensor]]:

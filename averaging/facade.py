@@ -59,3 +59,8 @@ class Averager:
 
     def load_state_from_peers(self, timeout: float = 30.0) -> Any:
         return self._loop.run(self._averager.load_state_from_peers, timeout)
+
+    def shutdown(self) -> None:
+        """Leave: the other peers stop counting on this one at once (see ``GroupAverager.leave``).
+        Call it before shutting down the DHT."""
+        self._loop.run(self._averager.leave)

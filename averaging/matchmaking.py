@@ -8,8 +8,10 @@
    applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader.
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
-   and a fresh group ID. A follower whose leader refuses or is unreachable re-reads the
-   declarations and tries again until the deadline.
+   and a fresh group ID. A follower whose leader refuses re-reads the declarations and tries
+   again until the deadline; one whose leader is unreachable (refused the connection or lost it:
+   dead) passes it over from then on, as every other follower of that leader does, so the group
+   elects the next leader instead of losing the round to a declaration that outlived its peer.
 
 Peers whose tensor schemas differ never meet: the schema hash is part of what is matched.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, replace
 import trio
 
 from dht.peer_dictionary import peer_entries, peer_subkey
-from peer import ConnectError, PeerAddress, PeerHost, PeerID, Router, RPCError
+from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError
 
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 from .matchmaking_rules import Candidate, propose_group
@@ -40,6 +42,9 @@ MAX_SETTLE = 0.5
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
+# A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
+# expirations) and only has to outlive the reads of the round it cancels.
+WITHDRAWAL_TTL = 5.0
 
 
 class MatchmakingError(RuntimeError):
@@ -183,6 +188,7 @@ class Matchmaker:
         await self.declare(me, timeout)
         await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
+        unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
@@ -203,6 +209,7 @@ class Matchmaker:
                 me.round,
                 target_group_size,
                 min_group_size,
+                unreachable,
             )
             expected = {PeerID(raw) for raw in proposal.members} - {me.peer_id}
             if proposal.leader is None:
@@ -212,7 +219,13 @@ class Matchmaker:
                     if proposal.leader == me.peer_id.to_bytes():
                         return await self._lead(me, expected, target_group_size, min_group_size, deadline)
                     return await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
-                except (MatchmakingError, RPCError, ConnectError, ValueError) as error:
+                except (ConnectError, ConnectionLost) as error:
+                    unreachable.add(proposal.leader)
+                    last_error = str(error)
+                    log.info(
+                        "peer dropped: leader %s is unreachable (%s); electing the next", PeerID(proposal.leader), error
+                    )
+                except (MatchmakingError, RPCError, ValueError) as error:
                     last_error = str(error)
                     log.debug("matchmaking attempt failed: %s", error)
             await trio.sleep(0.05)
@@ -222,6 +235,13 @@ class Matchmaker:
         """Store our declaration under our own signed subkey, to live as long as the round."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=subkey)
+
+    async def withdraw(self) -> None:
+        """Take our declaration back (we are leaving): until it expired, others would keep
+        proposing us as their leader or wait for us as a member. Readers drop the marker stored in
+        its place as malformed."""
+        subkey = peer_subkey(self.dht.host.identity.public_key)
+        await self.dht.store(self.key, {"withdrawn": True}, time.time() + WITHDRAWAL_TTL, subkey=subkey)
 
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)

@@ -10,11 +10,18 @@ pairs), instead of the slow diffusion of random regrouping.
 
 Declarations can disagree for a moment (a late store, a dead peer), so the rule only proposes a
 leader and the expected members; the leader admits whoever actually asks to join.
+
+A dead peer's declaration outlives it (until it expires with the round). Peers that found a member
+``unreachable`` (its connection refused or lost) keep the grid as it is, since the rest of the swarm
+still ranks that peer, but pass it over: the next member of the group that can lead leads, and
+nobody waits for the dead one. Every follower of a dead leader finds it dead by asking it, so they
+all pass it over and agree on the next leader without talking.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 __all__ = ["Candidate", "GroupProposal", "propose_group", "grid_dimensions"]
@@ -44,9 +51,15 @@ def _digits(rank: int, base: int, dimensions: int) -> list[int]:
 
 
 def propose_group(
-    candidates: list[Candidate], me: bytes, round_number: int, target_group_size: int, min_group_size: int
+    candidates: list[Candidate],
+    me: bytes,
+    round_number: int,
+    target_group_size: int,
+    min_group_size: int,
+    unreachable: Collection[bytes] = (),
 ) -> GroupProposal:
-    """The group ``me`` should join in ``round_number``, by the grid rule.
+    """The group ``me`` should join in ``round_number``, by the grid rule, without the members
+    in ``unreachable`` (which still hold their places in the grid).
 
     Groups smaller than ``min_group_size`` (the grid's ragged edge) are merged into the nearest
     group of the same round, so nobody is left out just because the swarm size is not a power of
@@ -70,6 +83,10 @@ def propose_group(
             merged[-1].extend(group)
         else:
             merged.append(list(group))
-    mine = next(group for group in merged if any(c.peer_id == me for c in group))
+    mine = [
+        c
+        for c in next(group for group in merged if any(c.peer_id == me for c in group))
+        if c.peer_id == me or c.peer_id not in unreachable
+    ]
     leader = next((c.peer_id for c in mine if c.can_lead), None)
     return GroupProposal(leader, tuple(c.peer_id for c in mine))

@@ -53,6 +53,7 @@ def main() -> None:
             print(f"round {round_number}: no group ({error}); training alone, loss {loss.item():.4f}")
         with averager.get_tensors() as tensors:
             print(f"  weight[0] = {tensors[0][0, 0].item():+.4f}")
+    averager.shutdown()  # the others stop counting on this copy now, not when its declaration expires
     dht.shutdown()
 
 

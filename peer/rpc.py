@@ -2,10 +2,8 @@
 
 A ``Connection`` runs two tasks (a reader and a writer) plus one task per incoming call, all in the
 nursery of ``Connection.run``; when the peer goes away, everything it started is cancelled and every
-call waiting on it fails with ``ConnectionLost``.
-
-The writer drains a queue of outgoing messages and encrypts as many as fit into one send buffer
-before one ``send_all``: 64 concurrent callers cost a handful of syscalls, not 64.
+call waiting on it fails with ``ConnectionLost``, and every send waiting for its message to go out
+is released (``rpc_outgoing.py``: the queue of outgoing messages and the writer).
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,7 +19,7 @@ import trio
 
 from .address import PeerAddress
 from .buffers import byte_view
-from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT, ProtocolError
+from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
 from .router import Message, Request, Router
 from .rpc_errors import (
     DEADLINE_EXCEEDED,
@@ -32,9 +29,8 @@ from .rpc_errors import (
     error_code,
     remote_error,
 )
+from .rpc_outgoing import RepliesUnread, SendQueue, TrafficCounter
 from .rpc_protocol import (
-    MAX_PAYLOAD,
-    STREAM_WINDOW,
     CallCancelled,
     CallFailed,
     CallOpened,
@@ -51,16 +47,6 @@ __all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
 
 log = logging.getLogger("peerd.rpc")
 
-# One send buffer: a full record plus room for the small messages around it (the header that
-# announces a payload goes out in the same syscall as the payload's first record). Not more: a
-# buffer of several records makes the receiver idle while the sender encrypts all of them, and
-# measured no cheaper per byte.
-SEND_BUFFER_SIZE = MAX_RECORD_PLAINTEXT + 64 * 1024 + 2 * (HEADER.size + AEAD_TAG_SIZE)
-# Most connections (DHT, matchmaking) only ever carry small messages: start small, grow to
-# SEND_BUFFER_SIZE on the first large payload. A 50-node swarm in one process otherwise holds
-# 50 x 49 x 4 MiB of zeroed buffers.
-INITIAL_SEND_BUFFER_SIZE = 64 * 1024
-_RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 # The reader lets other tasks run after this much work, counting each record as its bytes plus a
 # fixed cost: a bulk stream yields once per MiB, a flood of tiny records once per 64 records
 # (a per-byte budget alone let 24-byte records hold the loop for ~0.5 s).
@@ -78,31 +64,6 @@ STALLED_MESSAGE_TIMEOUT = 30.0
 # pause far less than a second between messages, so only connections between rounds pay one
 # re-allocation (an mmap) for their next large record.
 IDLE_BUFFER_RELEASE = 1.0
-# Replies (results, errors, refusals) queued for a peer that does not read them: one maximal
-# payload plus a window of small ones. Beyond that the peer is making us buffer what it asks for
-# faster than it takes it, and the connection is closed.
-MAX_QUEUED_REPLY_BYTES = MAX_PAYLOAD + STREAM_WINDOW
-
-
-class _Outgoing:
-    __slots__ = ("header", "payload", "encrypted", "reply_bytes")
-
-    def __init__(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None, reply_bytes: int):
-        self.header = header
-        self.payload = payload
-        self.encrypted = encrypted
-        self.reply_bytes = reply_bytes  # counted against MAX_QUEUED_REPLY_BYTES until written
-
-
-class TrafficCounter:
-    """Bytes on the wire (records and their headers, after the handshake), for metrics and for
-    comparing how much each training mode communicates."""
-
-    __slots__ = ("bytes_sent", "bytes_received")
-
-    def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
 
 class Connection:
@@ -124,9 +85,7 @@ class Connection:
         self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
         self.closed = trio.Event()
-        self._outgoing: deque[_Outgoing] = deque()
-        self._queued_reply_bytes = 0
-        self._wakeup_writer = trio.Event()
+        self._outgoing = SendQueue()
         self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
@@ -162,10 +121,11 @@ class Connection:
             with self._cancel_scope:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    nursery.start_soon(self._until_failure, self._write_loop)
+                    nursery.start_soon(self._until_failure, self._write)
                     nursery.start_soon(self._until_failure, self._read_loop)
         finally:
             self._fail_all(ConnectionLost(self._close_reason))
+            self._outgoing.release()  # after _fail_all: a released sender finds its call's error
             self.protocol.close()
             self.closed.set()
             await self.channel.aclose()
@@ -193,6 +153,11 @@ class Connection:
     @property
     def is_closed(self) -> bool:
         return self.closed.is_set()
+
+    @property
+    def close_reason(self) -> str:
+        """Why the connection closed (meaningful once ``closed`` is set)."""
+        return self._close_reason
 
     def _fail_all(self, error: BaseException) -> None:
         for state in self._pending.values():
@@ -277,59 +242,22 @@ class Connection:
 
     def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
         """Queue a header built by ``self.protocol`` (and its payload) for the writer; ``encrypted``
-        is set once the payload has been encrypted, so its buffer may be reused."""
-        self._outgoing.append(_Outgoing(header, payload, encrypted, 0))
-        self._wakeup_writer.set()
+        is set once the payload has been encrypted or the connection is gone, so its buffer may be
+        reused."""
+        self._outgoing.append(header, payload, encrypted)
 
     def _reply(self, header: bytes, payload: memoryview | None = None) -> None:
         """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
-        size = len(header) + (len(payload) if payload is not None else 0)
-        if self._queued_reply_bytes + size > MAX_QUEUED_REPLY_BYTES:
-            self._close_reason = f"peer {self.remote_peer_id} left {self._queued_reply_bytes} bytes of replies unread"
+        try:
+            self._outgoing.append_reply(header, payload)
+        except RepliesUnread as error:
+            self._close_reason = f"peer {self.remote_peer_id} left {error}"
             log.warning("dropping connection: %s", self._close_reason)
-            return self._cancel_scope.cancel()
-        self._queued_reply_bytes += size
-        self._outgoing.append(_Outgoing(header, payload, None, size))
-        self._wakeup_writer.set()
+            self._cancel_scope.cancel()
 
     # ------------------------------------------------------------------ writing
-    async def _write_loop(self) -> None:
-        buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
-        view = memoryview(buffer)
-        channel = self.channel
-        cipher = channel.send_cipher
-        while True:
-            while not self._outgoing:
-                self._wakeup_writer = trio.Event()
-                await self._wakeup_writer.wait()
-            position = 0
-            while self._outgoing:
-                item = self._outgoing.popleft()
-                self._queued_reply_bytes -= item.reply_bytes
-                chunks = [item.header]
-                if item.payload is not None:
-                    payload = item.payload
-                    chunks.extend(
-                        payload[i : i + MAX_RECORD_PLAINTEXT] for i in range(0, len(payload), MAX_RECORD_PLAINTEXT)
-                    )
-                for chunk in chunks:
-                    if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                        if position:
-                            await channel.send_all(view[:position])
-                            self.traffic.bytes_sent += position
-                            position = 0
-                        if len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                            view.release()
-                            buffer = bytearray(SEND_BUFFER_SIZE)
-                            view = memoryview(buffer)
-                    position += cipher.seal_into(chunk, view[position:])
-                if item.encrypted is not None:
-                    item.encrypted.set()
-                if position >= len(buffer) // 2:
-                    break  # flush what we have; the rest goes in the next batch
-            if position:
-                await channel.send_all(view[:position])
-                self.traffic.bytes_sent += position
+    async def _write(self) -> None:
+        await self._outgoing.write_loop(self.channel, self.traffic)
 
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:

@@ -30,7 +30,8 @@ class StreamTransport(Protocol):
 
     def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
         """Queue ``header`` (then ``payload``) for sending; set ``encrypted`` once the payload has
-        been encrypted, after which its buffer may be reused."""
+        been encrypted, or the connection has died (the call's ``error`` then says so), after which
+        its buffer may be reused."""
 
     def grant(self, call_id: int, nbytes: int, drained: bool = False) -> None:
         """The application has taken ``nbytes`` of the call's stream data (``drained``: and all
@@ -93,6 +94,8 @@ class _StreamBase:
         transport.enqueue(header, view, encrypted)
         if encrypted is not None:
             await encrypted.wait()
+            if state.error is not None:  # released by a connection that died before sending it all
+                raise state.error
 
     def set_buffer_provider(self, provider: BufferProvider | None) -> None:
         """Decrypt the payloads of incoming messages straight into buffers of the caller's choosing.

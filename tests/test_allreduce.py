@@ -5,6 +5,7 @@ the contributions that arrived."""
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import struct
@@ -247,7 +248,8 @@ SHARDS_STAY_LOCAL = ("dies_before", "dies_while_reducing", "stalls_while_reducin
 
 @pytest.mark.parametrize("fault", list(FAULTY))
 @pytest.mark.parametrize("victims", [1, 2])
-async def test_faults_in_a_five_peer_group(fault, victims):
+async def test_faults_in_a_five_peer_group(fault, victims, caplog):
+    caplog.set_level(logging.INFO, "peerd.averaging")
     size = 5
     victim_ids = list(range(size - victims, size))
     async with trio.open_nursery() as nursery:
@@ -277,6 +279,8 @@ async def test_faults_in_a_five_peer_group(fault, victims):
             assert torch.allclose(flat(tensors[i]), expected_for(i, results, tensors, weights, group), atol=1e-6)
             assert victim_peer_ids <= result.failed_peers
             assert not (survivor_peer_ids & result.failed_peers)
+            dropped = {r.args[0] for r in caplog.records if r.msg.startswith("peer %s dropped")}
+            assert victim_peer_ids <= dropped  # and each one is logged
             for contributors in result.contributors.values():  # no survivor's contribution was lost
                 assert survivor_peer_ids <= set(contributors)
             if fault in SHARDS_STAY_LOCAL:
@@ -485,4 +489,27 @@ async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_ge
             rounds.start_soon(partial(peers[1].service.run, group, random_tensors(1), sender_timeout=2.0))
         assert sorted(outcomes) == ["ran", "refused"]
         assert peers[0].service.rounds_in_progress == 0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["ended", "cancelled"])
+async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
+    """A reducer whose round had ended (or been cancelled) a moment before a sender's stream
+    arrived made that sender wait ROUND_WAIT (5 s) for a round that would never come."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2, client_indices=(1,))
+        group = make_group(peers, modes=[AveragingMode.NODE, AveragingMode.CLIENT])
+        tensors = [random_tensors(i) for i in range(2)]
+        before = flat(tensors[1]).clone()
+        if how == "ended":  # the sender was too late for the reducer's sender deadline
+            await peers[0].service.run(group, tensors[0], sender_timeout=0.05, part_size=PART_SIZE)
+        else:
+            with trio.move_on_after(0.05):
+                await peers[0].service.run(group, tensors[0], sender_timeout=10.0, part_size=PART_SIZE)
+        start = trio.current_time()
+        result = await peers[1].service.run(group, tensors[1], reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        assert trio.current_time() - start < 0.5
+        assert peers[0].host.peer_id in result.failed_peers
+        assert list(result.local_shards) == [0]
+        assert torch.equal(flat(tensors[1]), before)
         nursery.cancel_scope.cancel()

@@ -56,6 +56,7 @@ def test_two_peers_meet_and_stop_cleanly_on_signals(tmp_path):
             start = time.monotonic()
             assert b.stop(signal.SIGINT) == 0
             assert time.monotonic() - start < 2
+            a.wait_for_log(f"peer {address_b.peer_id} dropped", timeout=5)
         start = time.monotonic()
         assert a.stop(signal.SIGTERM) == 0
         assert time.monotonic() - start < 2

@@ -12,6 +12,7 @@ from averaging.averager import GroupAverager
 from averaging.matchmaking import MatchmakingError
 from averaging.matchmaking_rules import Candidate, grid_dimensions, propose_group
 from dht.node import DHTNode
+from peer import Identity, Router, open_peer_host
 
 
 def test_grid_rule_pairs_like_a_hypercube():
@@ -35,6 +36,20 @@ def test_ragged_groups_merge_and_clients_never_lead():
     assert all(len(p.members) >= 2 for p in proposals.values())
     assert sorted(len(set(p.members)) for p in {p.members: p for p in proposals.values()}.values()) == [2, 3]
     assert all(p.leader != ids[0] for p in proposals.values())
+
+
+def test_an_unreachable_leader_is_passed_over_without_moving_anyone_in_the_grid():
+    ids = [bytes([i]) * 20 for i in range(8)]
+    candidates = [Candidate(i, True) for i in ids]
+    before = {me: propose_group(candidates, me, 0, 2, 2) for me in ids}
+    dead = before[ids[1]].leader
+    after = {me: propose_group(candidates, me, 0, 2, 2, unreachable={dead}) for me in ids if me != dead}
+    for me, proposal in after.items():
+        if dead in before[me].members:  # the dead leader's group: the next member leads, alone here
+            assert proposal.leader != dead and dead not in proposal.members
+            assert set(proposal.members) == set(before[me].members) - {dead}
+        else:  # everyone else's group is the one the rest of the swarm computes
+            assert proposal == before[me]
 
 
 async def open_swarm(nursery, count: int):
@@ -199,4 +214,100 @@ async def test_averagers_on_one_peer_share_its_all_reduce_and_need_their_own_pre
             GroupAverager([torch.zeros(1)], nodes[0], prefix="run.grads")
         await step_all(grads + state)
         assert [a.tensors[0].item() for a in grads + state] == pytest.approx([2.0, 2.0, 20.0, 20.0])
+        nursery.cancel_scope.cancel()
+
+
+class DiesOnFirstJoin(Router):
+    """A router whose peer vanishes (host, DHT node, everything) when the first follower asks to
+    join its group: a leader that dies after the group formed around it, before announcing it."""
+
+    def __init__(self, *peer_scopes: trio.CancelScope):
+        super().__init__()
+        self.peer_scopes = peer_scopes
+
+    def add_unary(self, name, handler) -> None:
+        if name.startswith("avg.join."):
+
+            async def dies(request):
+                for scope in self.peer_scopes:
+                    scope.cancel()
+                await trio.sleep_forever()
+
+            handler = dies
+        super().add_unary(name, handler)
+
+
+async def step_until_cancelled(scope: trio.CancelScope, averager) -> None:
+    with scope:
+        await averager.step()
+
+
+async def test_a_leader_that_dies_before_announcing_costs_nobody_the_round():
+    # The grid rule's leader is the lowest peer ID of the group: that one dies.
+    identities = sorted((Identity.generate() for _ in range(5)), key=lambda i: i.peer_id.to_bytes())
+    nodes = []
+
+    async def run_node(identity, router, scope, initial, task_status=trio.TASK_STATUS_IGNORED):
+        with scope:
+            async with (
+                open_peer_host(identity, router=router) as host,
+                DHTNode.open(host=host, initial_peers=initial) as node,
+            ):
+                task_status.started(node)
+                await trio.sleep(math.inf)
+
+    async with trio.open_nursery() as nursery:
+        leader_scope, leader_step_scope = trio.CancelScope(), trio.CancelScope()
+        bootstrap = await nursery.start(run_node, identities[1], Router(), trio.CancelScope(), [])
+        nodes.append(
+            await nursery.start(
+                run_node,
+                identities[0],
+                DiesOnFirstJoin(leader_scope, leader_step_scope),
+                leader_scope,
+                [bootstrap.address],
+            )
+        )
+        nodes.append(bootstrap)
+        for identity in identities[2:]:
+            nodes.append(await nursery.start(run_node, identity, Router(), trio.CancelScope(), [bootstrap.address]))
+        values = [100.0, 1.0, 2.0, 3.0, 6.0]
+        averagers = make_averagers(nodes, values, target_group_size=5, settle_time=0.2)
+        results = {}
+        with trio.fail_after(8):
+            async with trio.open_nursery() as steps:
+                steps.start_soon(step_until_cancelled, leader_step_scope, averagers[0])
+                await step_all(averagers[1:], results)
+        healthy = {node.host.peer_id for node in nodes[1:]}
+        for i, averager in enumerate(averagers[1:]):
+            assert {m.peer_id for m in results[i].group.members} == healthy
+            assert averager.tensors[0].item() == pytest.approx(3.0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_leaves_is_neither_elected_nor_waited_for_in_the_next_round():
+    """A copy of examples/embed_averager.py that ended left its declaration behind: the others'
+    leader waited for it until the deadline, every round, until the declaration expired."""
+    # The leaver has the highest ID: a follower, whom the leader would wait for.
+    identities = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id.to_bytes())
+    scopes = [trio.CancelScope() for _ in identities]
+
+    async def run_node(index, initial, task_status=trio.TASK_STATUS_IGNORED):
+        with scopes[index]:
+            async with DHTNode.open(identity=identities[index], initial_peers=initial) as node:
+                task_status.started(node)
+                await trio.sleep(math.inf)
+
+    async with trio.open_nursery() as nursery:
+        nodes = [await nursery.start(run_node, 0, [])]
+        nodes += [await nursery.start(run_node, i, [nodes[0].address]) for i in (1, 2)]
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], target_group_size=3, settle_time=0.2)
+        results = await step_all(averagers)
+        assert {len(r.group.members) for r in results.values()} == {3}
+        await averagers[2].leave()
+        scopes[2].cancel()
+        start = trio.current_time()
+        results = await step_all(averagers[:2])
+        assert trio.current_time() - start < 1.5  # the deadline is 4 s
+        assert {len(r.group.members) for r in results.values()} == {2}
         nursery.cancel_scope.cancel()

@@ -373,3 +373,48 @@ async def test_scheduler_steps_per_epoch_and_gradients_are_clipped():
             # each step moved the parameters by at most lr * clip norm: 1.0 + 1.0 + 0.5 + 0.5 times 1e-3
             assert 0 < (after - start).norm().item() <= 3e-3 + 1e-6
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_one_epoch_behind_counts_the_round_it_shares_and_state_averaging_meets():
+    """Two peers: one stepped alone at epoch 0 while the other started, which then averaged every
+    round with it but counted one epoch less; every ``average_state_every`` epochs they looked for
+    each other in different averagers and both lost a matchmaking deadline."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        models = [torch.nn.Linear(4, 1) for _ in nodes]
+        optimizers = [
+            CollaborativeOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                node,
+                prefix="skew",
+                target_batch_size=64,
+                average_state_every=2,
+                **FAST,
+            )
+            for model, node in zip(models, nodes, strict=True)
+        ]
+        records = {0: [], 1: []}
+
+        async def one_batch(i: int) -> bool:
+            models[i](torch.randn(16, 4)).square().mean().backward()
+            return await optimizers[i].step(16)
+
+        for i in range(2):  # both have joined the swarm at epoch 0...
+            assert not await one_batch(i)
+        optimizers[0].replica.epoch = 1  # ...and then one stepped alone, its epoch-0 round empty
+
+        async def train(i: int) -> None:
+            while optimizers[i].epoch < 6:
+                if await one_batch(i):
+                    records[i].append(optimizers[i].last_averaging)
+                await trio.sleep(0.01)  # ~1600 samples/s: an epoch takes a few progress refreshes
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as peers:
+                for i in range(2):
+                    peers.start_soon(train, i)
+        assert optimizers[0].epoch == optimizers[1].epoch == 6
+        # After the first shared round, both count the same epochs and every round averages.
+        assert all(r["averaged"] for r in records[1]), records
+        assert all(r["averaged"] for r in records[0][1:]), records
+        nursery.cancel_scope.cancel()

@@ -9,6 +9,7 @@ Nothing here knows about argparse; ``peer/daemon/cli.py`` turns flags and ``PEER
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -137,8 +138,8 @@ class Daemon:
             node_id=config.node_id,
         ) as host:
             self.host = host
-            host.on_connection.append(_log_connection)
             async with trio.open_nursery() as nursery:
+                host.on_connection.append(functools.partial(_log_connection, nursery))
                 if config.status_port is not None:
                     port = await nursery.start(serve_status, config.status_port, self.status, self.metrics)
                     log.info("status on http://%s:%d/status", config.status_host, port)
@@ -201,11 +202,20 @@ def _reachable_host() -> str:
         return "127.0.0.1"
 
 
-def _log_connection(connection, incoming: bool) -> None:
+def _log_connection(nursery: trio.Nursery, connection, incoming: bool) -> None:
     if incoming:
         log.info("peer %s connected", connection.remote_peer_id)
     else:
         log.info("met peer %s at %s", connection.remote_peer_id, connection.remote_listen_address)
+    nursery.start_soon(_log_when_dropped, connection)
+
+
+async def _log_when_dropped(connection) -> None:
+    """Say when a peer goes away (it left, died or the link broke); not when we closed it ourselves
+    (shutting down, or a newer connection from the same peer replaced it)."""
+    await connection.closed.wait()
+    if connection.close_reason != "connection closed locally":
+        log.info("peer %s dropped: %s", connection.remote_peer_id, connection.close_reason)
 
 
 async def run_daemon(config: DaemonConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
