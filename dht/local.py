@@ -21,16 +21,26 @@ from .validation import CompositeValidator, RecordValidator, signed_version
 
 __all__ = ["LocalRecords", "as_records"]
 
+# The built-in caps depend on the key alone and every record is checked on each store and read:
+# remembering the answer per key saves decoding the key once per cap. Bounded: cleared when full.
+_KEY_CAP_CACHE_SIZE = 4096
+
 
 class LocalRecords:
     def __init__(self, validator: RecordValidator, storage: RecordStore | None = None):
         self.validator = validator
         self.storage = storage if storage is not None else RecordStore()
         self.lifetimes = CompositeValidator(DEFAULT_TTL_CAPS)
+        self._key_caps: dict[bytes, float | None] = {}
 
     def max_ttl(self, record: DHTRecord) -> float:
         """The longest lifetime ``record``'s namespace allows (seconds)."""
-        limits = (self.validator.max_ttl(record), self.lifetimes.max_ttl(record))
+        key_cap = self._key_caps.get(record.key, -1.0)
+        if key_cap == -1.0:
+            if len(self._key_caps) >= _KEY_CAP_CACHE_SIZE:
+                self._key_caps.clear()
+            key_cap = self._key_caps[record.key] = self.lifetimes.max_ttl(record)
+        limits = (self.validator.max_ttl(record), key_cap)
         return min([MAX_TTL, *(limit for limit in limits if limit is not None)])
 
     def lifetime_error(self, record: DHTRecord, now: float) -> str | None:
