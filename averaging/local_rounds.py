@@ -32,8 +32,9 @@ class LocalRound(Protocol):
         """Average ``outer_step.deltas`` with the swarm (on failure they stay this peer's own)."""
         ...
 
-    async def advance(self, apply: Callable[[], None]) -> None:
-        """Run ``apply`` (an outer step) in a thread and count the round, as one change."""
+    async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
+        """Run ``apply`` (an outer step) in a thread and count the round that ``record`` (its
+        averaging) belonged to, as one change."""
         ...
 
     async def finish_round(self, record: AveragingRecord | None) -> None:
@@ -58,7 +59,7 @@ class SequentialRounds:
     async def end_round(self, run: LocalRound, weight: float) -> bool:
         await trio.to_thread.run_sync(run.outer_step.compute_deltas)
         record = await run.average_deltas(run.epoch, weight)
-        await run.advance(run.outer_step.apply)
+        await run.advance(run.outer_step.apply, record)
         await run.finish_round(record)
         return True
 
@@ -88,7 +89,7 @@ class OverlappedRounds:
         if self._done is not None:
             await self._done.wait()  # bounded by the averager's own deadlines
             anchor = self._anchor
-            await run.advance(lambda: run.outer_step.apply_delayed(anchor))
+            await run.advance(lambda: run.outer_step.apply_delayed(anchor), self._record)
             await run.finish_round(self._record)
             stepped = True
         else:
@@ -99,6 +100,7 @@ class OverlappedRounds:
         return stepped
 
     async def _average(self, run: LocalRound, epoch: int, weight: float, done: trio.Event) -> None:
+        self._record = None  # never the previous round's, should this one end without a record
         try:
             self._record = await run.average_deltas(epoch, weight)
         finally:

@@ -176,12 +176,13 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             self.delta_averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
         )
 
-    async def advance(self, apply: Callable[[], None]) -> None:
-        """Apply an outer step and count the round, as one change for anyone downloading our
-        state (start, momentum and epoch must belong together)."""
+    async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
+        """Apply an outer step and count the round ``record`` averaged (the group's epoch, which a
+        peer that loaded state while its donor's step was in flight is one behind), as one change
+        for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
             await trio.to_thread.run_sync(apply)
-            self.replica.epoch += 1
+            self.replica.count_round(record)
 
     def restart_round(self) -> None:
         self.inner_steps = 0

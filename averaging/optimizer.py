@@ -212,9 +212,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         samples = max(self.local_samples, 1)
         for accumulator in self.gradients:
             accumulator.div_(samples)
-        # The gradient round is declared at our epoch; matchmaking moves it to the newest epoch
-        # declared in the group (``GroupAverager.round`` ends one past it).
-        self.grad_averager.round = replica.epoch
         record = await average_once(
             self.grad_averager,
             epoch=replica.epoch,
@@ -223,14 +220,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         )
         async with replica.state.locked_tensors():  # a donor never sends half a step
             await trio.to_thread.run_sync(self._apply_gradients)
-        # A peer one epoch behind (it stepped a moment late, e.g. as the swarm formed) steps when it
-        # sees the swarm ahead, and so averages in the swarm's round for the next epoch: it then
-        # counts that epoch as done, as its group does. Counting on from its own epoch instead kept
-        # it one behind for good, and every state-averaging epoch the two sides then waited for
-        # each other in different averagers, a matchmaking deadline lost each. One epoch at most:
-        # a larger jump is never taken on a group's word (falling further behind loads state).
-        round_epoch = self.grad_averager.round - 1 if record.averaged else replica.epoch
-        replica.epoch = min(max(replica.epoch, round_epoch), replica.epoch + 1) + 1
+        # A peer one epoch behind steps when it sees the swarm ahead, and so averages in the
+        # swarm's round for the next epoch: it counts that epoch as done, as its group does.
+        replica.count_round(record)
         self._reset_accumulators()
         replica.last_round = record
         now = trio.current_time()

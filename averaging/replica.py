@@ -38,7 +38,8 @@ log = logging.getLogger("peerd.training")
 @dataclass(frozen=True)
 class AveragingRecord:
     """How the averaging of one epoch went: with how many peers (this one included) and which of
-    them failed; ``averaged`` False means the peer went on with its own tensors."""
+    them failed; ``averaged`` False means the peer went on with its own tensors. ``epoch`` is the
+    epoch the round belonged to: this peer's own, or a newer one its group had declared."""
 
     epoch: int
     averaged: bool = False
@@ -85,7 +86,11 @@ def averaging_options(
 async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fallback: str) -> AveragingRecord:
     """Average the averager's tensors with a group, or leave them this peer's own and say so
     (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
-    keeps training, so nothing raises out of here but cancellation."""
+    keeps training, so nothing raises out of here but cancellation.
+
+    The round is declared at ``epoch``; matchmaking moves it to the newest epoch declared in the
+    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was."""
+    averager.round = epoch
     try:
         result = await averager.step(weight=weight)
     except Exception as error:
@@ -94,7 +99,7 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
         log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
         return AveragingRecord(epoch)
     failed = tuple(sorted(str(peer) for peer in result.failed_peers))
-    return AveragingRecord(epoch, averaged=True, group=len(result.group.members), failed=failed)
+    return AveragingRecord(averager.round - 1, averaged=True, group=len(result.group.members), failed=failed)
 
 
 async def average_state(averager: GroupAverager, epoch: int) -> bool:
@@ -130,6 +135,19 @@ class Replica:
         """The swarm's progress as the DHT has it, with this peer's own as of now."""
         self.swarm = await self.tracker.fetch(self.progress(samples))
         return self.swarm
+
+    def count_round(self, record: AveragingRecord | None) -> None:
+        """Count the round averaged in ``record`` as done (call as its step lands).
+
+        A peer one epoch behind (it stepped a moment late as the swarm formed, or loaded a donor's
+        state while the donor's next step was in flight) averages in its group's round for the
+        next epoch, and then counts that epoch as done, as its group does. Counting on from its
+        own epoch would keep it one behind for good, and every ``average_state_every`` epochs the
+        two sides would look for each other in different rounds of state averaging, each losing a
+        matchmaking deadline. One epoch at most per round: a larger jump is never taken on a
+        group's word (a peer further behind closes the gap a round at a time, or loads state)."""
+        shared = record.epoch if record is not None and record.averaged else self.epoch
+        self.epoch = min(max(self.epoch, shared), self.epoch + 1) + 1
 
     async def announce_state(self) -> None:
         """Newcomers may load from us, at our epoch."""

@@ -1,0 +1,61 @@
+"""Local-updates rounds across in-process peers whose epochs start apart, with either schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from averaging.local_rounds import OverlappedRounds, SequentialRounds
+from averaging.local_updates import LocalUpdatesOptimizer
+
+from .test_training import open_swarm
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
+async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averaging_meets_all(schedule):
+    """Three peers, one an outer round behind: as a joiner is that loaded a donor's state while
+    the donor's next outer step was in flight. Its first round averaged in the others' round for the
+    next epoch, but it counted one epoch less for good, so every ``average_state_every`` rounds it
+    averaged the start alone ('only 1 matching peer(s) declared'), a matchmaking deadline lost."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        async with trio.open_nursery() as background:
+            weights = [torch.nn.Parameter(torch.zeros(3)) for _ in nodes]
+            optimizers = [
+                LocalUpdatesOptimizer(
+                    torch.optim.SGD([weight], lr=0.1),
+                    node,
+                    prefix="behind",
+                    local_steps=1,
+                    codec="none",
+                    target_group_size=3,
+                    settle_time=0.1,
+                    matchmaking_timeout=2.0,
+                    averaging_timeout=6.0,
+                    average_state_every=2,
+                    rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+                )
+                for weight, node in zip(weights, nodes, strict=True)
+            ]
+            optimizers[0].replica.epoch = optimizers[1].replica.epoch = 1
+            meetings: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
+
+            async def train(i: int) -> None:
+                optimizer, seen = optimizers[i], None
+                while optimizer.epoch < 6:
+                    weights[i].grad = torch.ones(3)
+                    if await optimizer.step(1) and optimizer.epoch % 2 == 0:
+                        # the start was averaged as this round finished: with whom (0: nobody)
+                        result = optimizer.start_averager.last_result
+                        meetings[i].append((optimizer.epoch, 0 if result is seen else len(result.group.members)))
+                        seen = result
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as peers:
+                    for i in range(3):
+                        peers.start_soon(train, i)
+            background.cancel_scope.cancel()
+        assert [optimizer.epoch for optimizer in optimizers] == [6, 6, 6]
+        assert all(rounds == [(2, 3), (4, 3), (6, 3)] for rounds in meetings.values()), meetings
+        nursery.cancel_scope.cancel()
