@@ -64,8 +64,9 @@ class Contacts:
             if announced is None:
                 return
             proof = self.host.remote_node_id(connection)
-            if announced != contact.address or proof.nonce != contact.proof.nonce:
-                contact = Contact(proof, announced)
+            moved = announced is not contact.address and announced != contact.address
+            if moved or proof.nonce != contact.proof.nonce:
+                contact = wire.contact_for(proof, announced)
                 self.health.succeeded(_claim(contact))
         if contact.peer_id == self.host.peer_id or not contact.proof.satisfies(self.difficulty):
             return
@@ -79,7 +80,7 @@ class Contacts:
         a client, which stays out of the table); its place is the proof from that handshake."""
         connection = self.host.connection_to(peer)
         if address is not None and connection is not None:
-            self.alive(Contact(self.host.remote_node_id(connection), address))
+            self.alive(wire.contact_for(self.host.remote_node_id(connection), address))
 
     def failed(self, contact: Contact) -> None:
         if self.health.failed(_claim(contact)):

@@ -45,11 +45,14 @@ class LocalRecords:
 
     def lifetime_error(self, record: DHTRecord, now: float) -> str | None:
         """Why ``record`` may not live as long as it asks (None if it may)."""
+        return self._lifetime_error(record, now, signed_version(record))
+
+    def _lifetime_error(self, record: DHTRecord, now: float, version: int | None) -> str | None:
+        """``lifetime_error`` with ``record``'s ``signed_version`` already worked out."""
         limit = self.max_ttl(record)
         if record.expiration_time > now + limit + CLOCK_SKEW:
             ahead = record.expiration_time - now
             return f"expires {ahead:.0f} s ahead; records under this key live at most {limit:g} s"
-        version = signed_version(record)
         if version is not None:
             signed_at = version / 1e9
             # A version from the future would lock its owner out of its own record until then.
@@ -68,10 +71,11 @@ class LocalRecords:
     def acceptable(self, record: DHTRecord) -> bool:
         """Valid under the validators, and its inner value and subkey decode within the limits:
         what a reader will ``decode`` must not be able to fail, wherever the record came from."""
-        if not self.validator.validate(record):
-            return False
         try:
-            unpack(self.validator.strip(record))
+            inner = self.validator.inner_if_valid(record)
+            if inner is None:
+                return False
+            unpack(inner)
             if record.subkey is not None:
                 unpack(record.subkey, hashable=True)
         except RecordError:
@@ -83,9 +87,9 @@ class LocalRecords:
         invalid, too long-lived, outranked, a replay, or out of room."""
         if not self.acceptable(record):
             return False
-        if self.lifetime_error(record, self.storage.clock()) is not None:
-            return False
         version = signed_version(record)
+        if self._lifetime_error(record, self.storage.clock(), version) is not None:
+            return False
         horizon = None if version is None else version / 1e9 + self.max_ttl(record) + CLOCK_SKEW
         return self.storage.store(
             record.key,
@@ -107,8 +111,11 @@ class LocalRecords:
         result: Found | None = None
         now = self.storage.clock()
         for record in records:
-            if self.acceptable(record) and self.lifetime_error(record, now) is None:
-                item = StoredValue(record.value, record.expiration_time, signed_version(record))
+            if not self.acceptable(record):
+                continue
+            version = signed_version(record)
+            if self._lifetime_error(record, now, version) is None:
+                item = StoredValue(record.value, record.expiration_time, version)
                 result = merge_found(result, item if record.subkey is None else {record.subkey: item})
         return result
 

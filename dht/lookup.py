@@ -207,6 +207,7 @@ class DisjointLookup:
         ]
         self._owner: dict[bytes, IterativeLookup] = {}  # node -> the one path that queried it
         self._narrow = False
+        self._hedged = False  # hedged, and the first path still waits for its slow peer
 
     def start_narrow(self) -> None:
         """One request in flight (to the nearest path's nearest candidate) until it answers or fails
@@ -215,8 +216,18 @@ class DisjointLookup:
         self.paths[0].start_narrow()
 
     def hedge(self) -> None:
+        """The nearest peer is slow: ask the next nearest, one per other path (alpha requests in
+        all when d = alpha, as one path's hedge sends). Each path opens fully once one of its own
+        requests answers or fails; opening all of them at once would send d * alpha requests for
+        a value that the first answer usually brings. The first path, still waiting on its slow
+        peer, opens as soon as any request returns."""
         self._narrow = False
-        self.paths[0].hedge()
+        for path in self.paths[1:]:
+            path.start_narrow()
+        if len(self.paths) == 1:
+            self.paths[0].hedge()
+        else:
+            self._hedged = True
 
     def next_queries(self) -> list[Contact]:
         chosen: list[Contact] = []
@@ -233,13 +244,20 @@ class DisjointLookup:
         path = self._owner.get(contact.id)
         if path is not None:
             self._narrow = False
+            self._open_first_path()
             path.on_response(contact, neighbours)
 
     def on_failure(self, contact: Contact) -> None:
         path = self._owner.get(contact.id)
         if path is not None:
             self._narrow = False
+            self._open_first_path()
             path.on_failure(contact)
+
+    def _open_first_path(self) -> None:
+        if self._hedged:
+            self._hedged = False
+            self.paths[0].hedge()
 
     @property
     def done(self) -> bool:

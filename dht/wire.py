@@ -32,6 +32,7 @@ __all__ = [
     "parse_store_request",
     "encode_contacts",
     "parse_contacts",
+    "contact_for",
     "encode_found",
     "parse_found",
 ]
@@ -139,6 +140,19 @@ def parse_contacts(body: Any, difficulty: int) -> list[Contact]:
             if contact.proof.satisfies(difficulty):
                 contacts.append(contact)
     return contacts
+
+
+def contact_for(proof: NodeIDProof, address: PeerAddress) -> Contact:
+    """The contact of ``proof`` at ``address`` (a peer's own hello), from the same cache as the
+    contacts replies name: every request to or from a peer would otherwise build it anew. The
+    caller checks the proof against the difficulty, as for any contact."""
+    cache_key = (proof.peer_id.to_bytes(), address.host, address.port, proof.nonce)
+    contact = _CONTACT_CACHE.get(cache_key)
+    if contact is None:
+        if len(_CONTACT_CACHE) >= _CONTACT_CACHE_SIZE:
+            _CONTACT_CACHE.clear()
+        contact = _CONTACT_CACHE[cache_key] = Contact(proof, address)
+    return contact
 
 
 # ---------------------------------------------------------------------- found values

@@ -217,8 +217,8 @@ class PeerHost:
     @staticmethod
     def remote_node_id(connection: Connection) -> NodeIDProof:
         """The node-ID proof the remote showed at ``connection``'s handshake, where it was verified
-        against this run's difficulty (recomputed from its nonce: two hashes, no state to keep)."""
-        return NodeIDProof(connection.remote_peer_id, connection.remote_hello.node_id_nonce)
+        against this run's difficulty (derived from its nonce once per connection)."""
+        return connection.remote_node_id
 
     @property
     def connected_peers(self) -> list[PeerID]:

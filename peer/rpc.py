@@ -20,6 +20,7 @@ import trio
 from .address import PeerAddress
 from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
+from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
     DEADLINE_EXCEEDED,
@@ -110,6 +111,12 @@ class Connection:
             except (AttributeError, OSError):
                 return None
         return PeerAddress(host, advertised.port, self.remote_peer_id)
+
+    @functools.cached_property
+    def remote_node_id(self) -> NodeIDProof:
+        """The node-ID proof the peer showed in its hello (verified by the handshake). Worked out
+        once: both of its hashes would otherwise be redone for every request to or from the peer."""
+        return NodeIDProof(self.remote_peer_id, self.remote_hello.node_id_nonce)
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:

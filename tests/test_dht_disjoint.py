@@ -105,3 +105,17 @@ def test_a_narrow_start_asks_one_node_until_it_answers():
     assert first.port == 2000 and search.next_queries() == []
     search.on_response(first, [])
     assert len(search.next_queries()) == 2 + 3 + 3  # then every path opens, alpha requests each
+
+
+def test_a_hedge_asks_one_node_per_other_path_until_something_returns():
+    initial = [placed_contact((n + 1) * SPACING, 2000 + n) for n in range(9)]
+    search = DisjointLookup(TARGET, initial, paths=3, k=K)
+    search.start_narrow()
+    [first] = search.next_queries()
+    search.hedge()  # the nearest is slow: the next nearest of the other paths, not alpha per path
+    hedged = search.next_queries()
+    assert sorted(c.port for c in hedged) == [2001, 2002] and search.next_queries() == []
+    search.on_response(hedged[0], [])
+    # that path and the first (still waiting on its slow peer) open, with their other two candidates
+    # each; the third path waits for its own answer
+    assert len(search.next_queries()) == 2 + 2 and search.in_flight == 3 + 2 + 1
