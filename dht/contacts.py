@@ -111,6 +111,12 @@ class Contacts:
         position = Contact.for_id(target)
         if excluding is None:
             return self.table.find_neighbors(position, k, exclude=excluded)
+        # The caller sits in the table at most once (usually): take one more and drop it from those,
+        # instead of comparing its peer ID with every contact in the table.
+        nearest = self.table.find_neighbors(position, k + 1, exclude=excluded)
+        kept = [contact for contact in nearest if contact.peer_id != excluding]
+        if len(kept) >= k or len(nearest) <= k:
+            return kept[:k]
         if excluded is None:
             return self.table.find_neighbors(position, k, exclude=lambda c: c.peer_id == excluding)
         return self.table.find_neighbors(position, k, exclude=lambda c: c.peer_id == excluding or excluded(c))

@@ -18,11 +18,12 @@ numbers are restated; ``tests/test_dht_storage.py`` checks each caller's TTL fit
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from .records import DHTRecord, RecordError, unpack
 from .validation import RecordValidator
 
-__all__ = ["TTLCap", "DEFAULT_TTL_CAPS"]
+__all__ = ["TTLCap", "DEFAULT_TTL_CAPS", "key_ttl_cap"]
 
 
 class TTLCap(RecordValidator):
@@ -45,6 +46,18 @@ class TTLCap(RecordValidator):
 
     def __repr__(self) -> str:
         return f"TTLCap({self.pattern.pattern!r}, {self.limit:g})"
+
+
+def key_ttl_cap(key: bytes, caps: Iterable[TTLCap]) -> float | None:
+    """The smallest limit of ``caps`` that applies to records under ``key`` (None: none does);
+    what ``CompositeValidator(caps).max_ttl`` gives, with the key decoded once instead of per cap."""
+    try:
+        decoded = unpack(key)
+    except RecordError:
+        return None
+    if not isinstance(decoded, str):
+        return None
+    return min((cap.limit for cap in caps if cap.pattern.search(decoded)), default=None)
 
 
 DEFAULT_TTL_CAPS: tuple[TTLCap, ...] = (

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .lifetimes import DEFAULT_TTL_CAPS
+from .lifetimes import DEFAULT_TTL_CAPS, key_ttl_cap
 from .records import CLOCK_SKEW, MAX_TTL, DHTRecord, DHTValue, RecordError, unpack
 from .storage import Found, RecordStore, StoredValue, Writer, merge_found
-from .validation import CompositeValidator, RecordValidator, signed_version
+from .validation import RecordValidator, signed_version
 
 __all__ = ["LocalRecords", "as_records"]
 
@@ -30,7 +30,7 @@ class LocalRecords:
     def __init__(self, validator: RecordValidator, storage: RecordStore | None = None):
         self.validator = validator
         self.storage = storage if storage is not None else RecordStore()
-        self.lifetimes = CompositeValidator(DEFAULT_TTL_CAPS)
+        self.lifetimes = DEFAULT_TTL_CAPS  # caps by key namespace, on top of the validators' own
         self._key_caps: dict[bytes, float | None] = {}
 
     def max_ttl(self, record: DHTRecord) -> float:
@@ -39,7 +39,7 @@ class LocalRecords:
         if key_cap == -1.0:
             if len(self._key_caps) >= _KEY_CAP_CACHE_SIZE:
                 self._key_caps.clear()
-            key_cap = self._key_caps[record.key] = self.lifetimes.max_ttl(record)
+            key_cap = self._key_caps[record.key] = key_ttl_cap(record.key, self.lifetimes)
         limits = (self.validator.max_ttl(record), key_cap)
         return min([MAX_TTL, *(limit for limit in limits if limit is not None)])
 

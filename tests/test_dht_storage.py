@@ -341,3 +341,13 @@ def test_a_signer_whose_clock_steps_back_keeps_producing_storable_records() -> N
     signed(5)  # while the clock ran fast
     offset[0] = 0.0
     LocalRecords(CompositeValidator([SignatureValidator()])).check_lifetime(signed(15), time.time())
+
+
+def test_key_ttl_cap_matches_the_caps_as_validators():
+    from dht.lifetimes import key_ttl_cap
+
+    caps = CompositeValidator(DEFAULT_TTL_CAPS)
+    for key in ["run.progress", "run.matchmaking", "ffn.3.", "plain", 7, b"raw"]:
+        record = DHTRecord(pack(key), None, pack(1), time.time() + 10)
+        assert key_ttl_cap(record.key, DEFAULT_TTL_CAPS) == caps.max_ttl(record)
+    assert key_ttl_cap(b"\xc1", DEFAULT_TTL_CAPS) is None  # undecodable: no cap of its own

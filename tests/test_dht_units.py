@@ -337,3 +337,23 @@ def test_a_routing_position_comes_from_the_puzzle_not_the_peer_id():
     other = placed_contact(target ^ 3, 7003)
     table.add_contact(other)
     assert table.find_neighbors(Contact.for_id(target), 1) == [other]
+
+
+def test_nearest_leaves_out_the_caller_however_often_it_is_in_the_table():
+    from types import SimpleNamespace
+
+    from dht.background import Background
+    from dht.contacts import Contacts
+    from peer import Identity, NodeIDProof, PeerAddress
+
+    table = RoutingTable(Contact.for_id(0), 20)
+    peers = [Identity.generate().peer_id for _ in range(30)]
+    for n, peer in enumerate(peers):
+        table.add_contact(Contact(NodeIDProof.solve(peer, 0), PeerAddress("127.0.0.1", 1000 + n, peer)))
+    caller = peers[0]  # twice in the table, under two nonces
+    table.add_contact(Contact(NodeIDProof.solve(caller, 0, start=10**6), PeerAddress("127.0.0.1", 999, caller)))
+    contacts = Contacts(SimpleNamespace(node_id_difficulty=0), table, Background(None), rpc_timeout=1.0)
+    for target in [0, 2**159, 2**160 - 1, *(c.long_id for c in table.contacts())]:
+        for k in (1, 5, 20, 40):
+            expected = table.find_neighbors(Contact.for_id(target), k, exclude=lambda c: c.peer_id == caller)
+            assert contacts.nearest(target, k, excluding=caller) == expected
