@@ -373,6 +373,13 @@ table ip pdlab_nat {{
         self.peers.append(peer)
         return peer
 
+    def run_in(self, host: LabHost, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run a Python command (``args`` after the interpreter) inside ``host``'s namespace."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        command = ["ip", "netns", "exec", host.namespace, sys.executable, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
     def wait_started(self, peers: list[LabPeer], timeout: float = START_TIMEOUT) -> None:
         """Until every peer's ``/status`` answers; a peer that exits first fails with its log."""
         deadline = time.monotonic() + timeout
