@@ -238,6 +238,7 @@ class Lab:
         self.namespaces: list[str] = []
         self.hosts: list[LabHost] = []
         self.peers: list[LabPeer] = []
+        self.processes: list[subprocess.Popen] = []  # other processes started with ``spawn``
         self._next_public = 10
         self._next_private_net = 100
 
@@ -258,6 +259,13 @@ class Lab:
         for peer in self.peers:
             with contextlib.suppress(Exception):
                 peer.stop()
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    pipe.close()
         for namespace in reversed(self.namespaces):
             _delete_namespace(namespace)
         self.namespaces.clear()
@@ -372,6 +380,23 @@ table ip pdlab_nat {{
         peer = LabPeer(host, process, log_path, client_mode=client_mode)
         self.peers.append(peer)
         return peer
+
+    def spawn(self, host: LabHost, args: list[str], log_path: Path) -> subprocess.Popen:
+        """A Python process (``args`` after the interpreter) in ``host``'s namespace with pipes for
+        stdin and stdout and stderr to ``log_path``; killed when the lab closes."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", host.namespace, sys.executable, *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                cwd=REPO,
+            )
+        self.processes.append(process)
+        return process
 
     def run_in(self, host: LabHost, args: list[str], timeout: float) -> subprocess.CompletedProcess:
         """Run a Python command (``args`` after the interpreter) inside ``host``'s namespace."""
