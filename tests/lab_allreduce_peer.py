@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +51,16 @@ class DiesWhileSending(Fault):
     async def send(self, stream, body, payload):
         if stream.outgoing and part_index(body) == 2:
             die()
+        await super().send(stream, body, payload)
+
+
+class FreezesWhileSending(Fault):
+    """Stops its own process (SIGSTOP) after its first part, while the others stream to it; the
+    test then kills it. A frozen process reads nothing, so the others' sends to it block."""
+
+    async def send(self, stream, body, payload):
+        if stream.outgoing and part_index(body) == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
         await super().send(stream, body, payload)
 
 
@@ -97,6 +108,7 @@ FAULTS = {
     "dies_before": Fault,  # dies when told to go, before sending anything
     "dies_sending": DiesWhileSending,
     "slow_send": SendsTooSlowly,
+    "freezes_sending": FreezesWhileSending,
     "dies_reducing": DiesWhileReducing,
     "dies_replying": DiesWhileReplying,
     "slow_reduce": ReducesTooSlowly,

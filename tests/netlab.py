@@ -49,6 +49,7 @@ STATUS_PORT = 8080
 TBF_BURST = "256kb"
 TBF_LATENCY = "50ms"
 CLONE_NEWNET = 0x40000000
+STOP_GRACE = 5.0  # for every peer of a lab together, after SIGTERM
 START_TIMEOUT = 90.0  # importing torch and building the task in 5 processes on 2 busy cores
 PEERD = [sys.executable, "-m", "peer.daemon.cli"]
 REPO = Path(__file__).resolve().parent.parent
@@ -256,9 +257,18 @@ class Lab:
         self.close()
 
     def close(self) -> None:
+        # SIGTERM to all at once, then one shared grace period: stopping them one by one costs
+        # up to a grace period per peer
         for peer in self.peers:
-            with contextlib.suppress(Exception):
-                peer.stop()
+            if peer.alive():
+                peer.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for peer in self.peers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                peer.process.wait(max(0.0, deadline - time.monotonic()))
+            if peer.alive():
+                peer.process.kill()
+                peer.process.wait()
         for process in self.processes:
             if process.poll() is None:
                 process.kill()

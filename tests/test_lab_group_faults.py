@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import signal
 import time
 
 import pytest
@@ -180,32 +179,35 @@ def test_group_faults_with_real_processes_20_times(netlab, five_hosts, tmp_path,
 BIG_VALUES = 24_000_000
 BIG_REDUCER_TIMEOUT = 20.0  # the library's default: what a healthy peer would wait if it missed the death
 STOPPED_FOR = 1.5
-RUNS_BEFORE_STOP = 1.0  # long enough to accept the others' streams (flattening 96 MB comes first)
 SENDER_DEADLINE = 3.0  # a dropped sender's deadline, well below the reducer's
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat ("T": stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 @pytest.mark.timeout(120)
 def test_a_reducer_frozen_then_killed_mid_stream_is_noticed_at_once(netlab, tmp_path):
     """The issue's first fault: a send whose connection dies while the message is queued or being
-    written must fail at once. Member 1 is stopped (SIGSTOP) while the others stream their parts to
-    it, then killed; the healthy members must finish soon after the kill, not at the reducer
-    deadline (or never)."""
+    written must fail at once. Member 1 stops itself (SIGSTOP) after its first part, while the
+    others stream their parts to it, and is killed 1.5 s later; the healthy members must finish
+    soon after the kill, not at the reducer deadline (or never)."""
     hosts = [netlab.add_host(f"h{index}", rate_mbit=None) for index in range(SIZE)]
-    roles = ["none"] * SIZE
-    extra = [
-        "--values",
-        str(BIG_VALUES),
-        "--sender-timeout",
-        str(SENDER_DEADLINE),
-        "--reducer-timeout",
-        str(BIG_REDUCER_TIMEOUT),
-    ]
+    roles = ["none", "freezes_sending"] + ["none"] * (SIZE - 2)
+    extra = ["--values", str(BIG_VALUES), "--sender-timeout", str(SENDER_DEADLINE)]
+    extra += ["--reducer-timeout", str(BIG_REDUCER_TIMEOUT)]
     processes, outs, logs = start_members(netlab, hosts, tmp_path, roles, "frozen", PORT, extra)
     victim = processes[1]
     try:
         started = go(processes, logs)
-        time.sleep(RUNS_BEFORE_STOP)
-        victim.send_signal(signal.SIGSTOP)
+        while process_state(victim.pid) != "T":  # it stops itself after its first part
+            assert time.monotonic() - started < 30, f"member 1 never froze\n{logs()}"
+            time.sleep(0.01)
         time.sleep(STOPPED_FOR)
         victim.kill()
         killed = time.monotonic()
