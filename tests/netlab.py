@@ -266,7 +266,8 @@ class Lab:
         for peer in self.peers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 peer.process.wait(max(0.0, deadline - time.monotonic()))
-            if peer.alive():
+            if peer.alive():  # a finding of its own: peerd should end within the grace period
+                print(f"netlab: peer on {peer.host.name} ignored SIGTERM for {STOP_GRACE} s; killed")
                 peer.process.kill()
                 peer.process.wait()
         for process in self.processes:
