@@ -48,6 +48,7 @@ def test_partition_of_two_from_three_heals_into_one_swarm(netlab):
 
     for host in hosts[3:]:
         host.heal()
+    print(f"healed at {time.strftime('%H:%M:%S')} (the peers' log clock)")
 
     def one_swarm() -> bool:
         current = epochs(peers)
