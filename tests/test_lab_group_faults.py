@@ -2,7 +2,8 @@
 its own host, where a death is a real ``os._exit`` (the kernel closes the sockets, as when a
 volunteer's process is killed). Peers 0 and 1 take Hivemind's seven fault pairs, plus a reducer that
 dies midway through replying; peers 2-4 are healthy and each must return in time holding exactly
-the weighted average of the contributions its result reports.
+the weighted average of the contributions its result reports. Two more: a reducer frozen and
+killed while the others stream to it, and a leader that dies right after its group formed.
 
 One repetition per pair in the default suite (five processes start per pair, ~10 s on 2 cores);
 ``--run-slow`` repeats each pair 20 times."""
@@ -228,3 +229,47 @@ def test_a_reducer_frozen_then_killed_mid_stream_is_noticed_at_once(netlab, tmp_
         assert peer_ids[1] in outcome["failed"], context
         # the sender deadline at most (no contribution comes from a frozen peer), not the reducer's
         assert outcome["seconds"] < SENDER_DEADLINE + 2.0 and noticed < SENDER_DEADLINE, context
+
+
+MATCHMAKING_TIMEOUT = 10.0  # the round's whole matchmaking budget
+
+
+@pytest.mark.timeout(120)
+def test_the_leader_dying_right_after_the_group_forms_costs_no_round(netlab, five_hosts, tmp_path):
+    """The issue's second fault: the leader of a freshly formed group dies before announcing it.
+    The four others must still form a group (without it) within the round's matchmaking time."""
+    _, peer_ids = member_keys(tmp_path)
+    keys = [str(tmp_path / f"member{index}.key") for index in range(SIZE)]
+    # the grid rule makes the lowest peer ID of a group its leader
+    leader = min(range(SIZE), key=lambda i: Identity.load_or_create(keys[i]).peer_id.to_bytes())
+    addresses = [f"{host.address}:{PORT}" for host in five_hosts]
+    outs = [tmp_path / f"match-{index}.json" for index in range(SIZE)]
+    processes = []
+    for index, host in enumerate(five_hosts):
+        args = ["tests/lab_matchmaking_peer.py", "--key", keys[index], "--listen", addresses[index]]
+        args += ["--out", str(outs[index]), "--timeout", str(MATCHMAKING_TIMEOUT)]
+        args += ["--initial-peer", addresses[0]] if index else []
+        args += ["--dies-when-leading"] if index == leader else []
+        processes.append(netlab.spawn(host, args, tmp_path / f"match-{index}.log"))
+        if index == 0:  # the others bootstrap from it
+            assert read_line(processes[0], START_TIMEOUT) == "ready"
+
+    def logs() -> str:
+        return "\n".join(f"--- member {i}:\n{(tmp_path / f'match-{i}.log').read_text()[-1500:]}" for i in range(SIZE))
+
+    for process in processes[1:]:
+        assert read_line(process, START_TIMEOUT) == "ready", logs()
+    started = time.monotonic()
+    for process in processes:
+        process.stdin.write(b"go\n")
+        process.stdin.flush()
+    healthy = [i for i in range(SIZE) if i != leader]
+    while not all(outs[i].exists() for i in healthy):
+        assert time.monotonic() - started < MATCHMAKING_TIMEOUT + 10, f"matchmaking never ended\n{logs()}"
+        time.sleep(0.05)
+    assert processes[leader].poll() is not None, "the leader should have died after forming its group"
+    outcomes = {i: json.loads(outs[i].read_text()) for i in healthy}
+    failed = {i: o["error"] for i, o in outcomes.items() if "group" not in o}
+    assert not failed, f"the leader {peer_ids[leader]} died and these peers lost the round: {failed}"
+    for outcome in outcomes.values():
+        assert peer_ids[leader] not in outcome["group"] and len(outcome["group"]) >= 2, outcomes
