@@ -1,7 +1,8 @@
 """Suite-wide pytest hooks: slow soak/scale tests run only with ``--run-slow``, and the heap that
 collection loaded is frozen before the first test (see ``pytest_collection_finish``); every
 ``peerd`` process a test starts runs at the local node-ID difficulty, as the in-process peers do,
-and default key files land in a data directory of the test run's own, never the user's."""
+and default key files land in a data directory of the test run's own, never the user's. The
+``netlab`` and ``nat_netlab`` fixtures give a test its own network of namespaces (tests/netlab.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import gc
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from peer import LOCAL_DIFFICULTY
+
+from .netlab import Lab, lab_unavailable, remove_leftovers
 
 # A public run's default (2**24 hashes, ~10 s per fresh key) would make each process start slow,
 # and a peer of another difficulty could not talk to the tests' own (LOCAL_DIFFICULTY) peers.
@@ -45,3 +50,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     they test."""
     gc.collect()
     gc.freeze()
+
+
+def _open_lab(request: pytest.FixtureRequest, tmp_path: Path, nat: bool) -> Iterator[Lab]:
+    reason = lab_unavailable(nat=nat)
+    if reason is not None:
+        # CI runs as root with the tools installed: there a lab test that would skip is a failure
+        if os.environ.get("PEERD_REQUIRE_NETLAB") == "1":
+            pytest.fail(f"PEERD_REQUIRE_NETLAB=1 but {reason}")
+        pytest.skip(reason)
+    remove_leftovers()  # namespaces of an interrupted earlier run
+    tag = "".join(char for char in request.node.name.removeprefix("test_") if char.isalnum())[:16] or "lab"
+    with Lab(tmp_path, tag=tag) as lab:
+        yield lab
+
+
+@pytest.fixture
+def netlab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Lab]:
+    """A private network of namespaces (needs root, ip and tc), removed after the test."""
+    yield from _open_lab(request, tmp_path, nat=False)
+
+
+@pytest.fixture
+def nat_netlab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Lab]:
+    """``netlab`` that can also build NAT routers (needs nft as well)."""
+    yield from _open_lab(request, tmp_path, nat=True)
