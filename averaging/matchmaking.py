@@ -185,6 +185,7 @@ class Matchmaker:
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
         deadline = trio.current_time() + timeout
+        own_round = me.round
         await self.declare(me, timeout)
         await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
@@ -193,7 +194,7 @@ class Matchmaker:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
             candidates = await self._read_candidates(me)
-            newest = max(d.round for d in candidates.values())
+            newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me = replace(me, round=newest)
                 candidates[me.peer_id] = me
@@ -217,8 +218,12 @@ class Matchmaker:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 try:
                     if proposal.leader == me.peer_id.to_bytes():
-                        return await self._lead(me, expected, target_group_size, min_group_size, deadline)
-                    return await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
+                        group = await self._lead(me, expected, target_group_size, min_group_size, deadline)
+                    else:
+                        group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
+                    if own_round:
+                        self.last_round = confirmed_round(own_round, me.peer_id, group, candidates)
+                    return group
                 except (ConnectError, ConnectionLost) as error:
                     unreachable.add(proposal.leader)
                     last_error = str(error)
@@ -282,3 +287,24 @@ class Matchmaker:
         if group.member(me.peer_id) is None:
             raise MatchmakingError("the leader's group does not include this peer")
         return group
+
+
+def round_to_join(own_round: int, declared: list[int]) -> int:
+    """The round to declare, given the rounds other peers declared. Every round number is a claim
+    (anyone may store a declaration), so none may pull this peer along by itself: a peer that has
+    averaged before catches up one round at most (further behind, it loads state instead); a
+    newcomer (round 0) joins the lower median of the declared rounds, which a minority of liars
+    cannot move."""
+    if own_round == 0:
+        return sorted(declared)[(len(declared) - 1) // 2] if declared else 0
+    return max((r for r in declared if own_round < r <= own_round + 1), default=own_round)
+
+
+def confirmed_round(own_round: int, me: PeerID, group: GroupInfo, declared: dict[PeerID, Declaration]) -> int:
+    """The round this peer took part in: its own, or the next one if another member of the group
+    that formed declared it (catching up by one round). A declaration from outside the group, which
+    anyone can store, never moves it: otherwise one peer declaring a round ahead, again and again,
+    would push every honest peer's epoch forward an extra step per round."""
+    members = {member.peer_id for member in group.members} - {me}
+    ahead = any(declared[peer].round == own_round + 1 for peer in members if peer in declared)
+    return own_round + 1 if ahead else own_round

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import trio
 
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import LocalUpdatesOptimizer
+from dht.peer_dictionary import peer_subkey
 
 from .test_training import open_swarm
 
@@ -58,4 +61,55 @@ async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averag
             background.cancel_scope.cancel()
         assert [optimizer.epoch for optimizer in optimizers] == [6, 6, 6]
         assert all(rounds == [(2, 3), (4, 3), (6, 3)] for rounds in meetings.values()), meetings
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_declaration_far_ahead_from_outside_the_group_does_not_push_the_epoch():
+    """Anyone can store a matchmaking declaration: a client-mode one claiming round 10**12, kept
+    fresh, made both honest peers count an extra epoch every round (2, 4, 6, ...)."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        honest, hostile = nodes[:2], nodes[2]
+        weights = [torch.nn.Parameter(torch.zeros(3)) for _ in honest]
+        optimizers = [
+            LocalUpdatesOptimizer(
+                torch.optim.SGD([w], lr=0.1),
+                node,
+                prefix="h",
+                local_steps=1,
+                codec="none",
+                target_group_size=2,
+                settle_time=0.1,
+                matchmaking_timeout=2.0,
+                averaging_timeout=6.0,
+                average_state_every=4,
+                rounds=SequentialRounds(),
+            )  # fmt: skip
+            for w, node in zip(weights, honest, strict=True)
+        ]
+        key = f"{optimizers[0].delta_averager.prefix}.matchmaking"
+        claim = {"address": None, "bandwidth": 0.0, "mode": "client", "round": 10**12}
+        claim["schema"] = optimizers[0].delta_averager.schema
+
+        async def keep_claiming() -> None:
+            while True:
+                subkey = peer_subkey(hostile.host.identity.public_key)
+                await hostile.store(key, claim, time.time() + 5, subkey=subkey)
+                await trio.sleep(0.5)
+
+        nursery.start_soon(keep_claiming)
+        await trio.sleep(0.5)
+        epochs: dict[int, list[int]] = {0: [], 1: []}
+
+        async def train(i: int) -> None:
+            for _ in range(4):
+                weights[i].grad = torch.ones(3)
+                await optimizers[i].step(1)
+                epochs[i].append(optimizers[i].epoch)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as peers:
+                for i in range(2):
+                    peers.start_soon(train, i)
+        assert epochs == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]}
         nursery.cancel_scope.cancel()

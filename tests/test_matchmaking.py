@@ -311,3 +311,13 @@ async def test_a_peer_that_leaves_is_neither_elected_nor_waited_for_in_the_next_
         assert trio.current_time() - start < 1.5  # the deadline is 4 s
         assert {len(r.group.members) for r in results.values()} == {2}
         nursery.cancel_scope.cancel()
+
+
+def test_round_numbers_are_claims_that_move_a_peer_one_round_at_most():
+    from averaging.matchmaking import round_to_join
+
+    assert round_to_join(5, [5, 6, 10**12]) == 6  # one round ahead: catch up; far ahead: ignored
+    assert round_to_join(5, [4, 10**12]) == 5
+    assert round_to_join(0, [7, 7, 10**12]) == 7  # a newcomer joins where most peers are
+    assert round_to_join(0, [0, 10**12]) == 0  # the lower median: one liar cannot move it
+    assert round_to_join(0, []) == 0
