@@ -130,6 +130,8 @@ class SendQueue:
                     await channel.send_all(view[:position])
                     traffic.bytes_sent += position
         finally:
-            # A message cut off half-way (the writer was cancelled in a send_all) is never finished.
-            if item is not None and item.encrypted is not None:
-                item.encrypted.set()
+            # A message cut off half-way (the writer was cancelled in a send_all) is never finished:
+            # it goes back to the queue, whose senders ``release()`` wakes once the connection has
+            # recorded its error, so its sender sees that error instead of returning as if sent.
+            if item is not None and item.encrypted is not None and not item.encrypted.is_set():
+                items.appendleft(item)

@@ -49,3 +49,32 @@ async def test_a_send_blocked_on_a_stopped_peer_fails_at_once_when_it_is_killed(
             with trio.fail_after(5):
                 await failed.wait()
             assert failed_at - killed_at < NOTICE_DEAD_PEER
+
+
+async def test_a_payload_cut_off_mid_write_fails_its_send_rather_than_returning():
+    """The writer is inside one large payload when the peer dies: that send must raise, not return
+    as if the payload had gone out (its sender was woken before the connection's error was set)."""
+    payload = bytes(12 << 20)  # within the credit window, far beyond the socket buffers
+    outcome: list[str] = []
+
+    async with remote_peer() as remote, open_peer_host(Identity.generate(), listen=None) as host:
+        connection = await host.connect(remote.address)
+        async with connection.stream("sink", timeout=60) as stream, trio.open_nursery() as nursery:
+            await stream.send(None, bytes(1024))  # the handler is running
+            remote.stop()
+
+            async def send_once() -> None:
+                try:
+                    await stream.send(None, payload)
+                    outcome.append("returned")
+                except ConnectionLost:
+                    outcome.append("raised")
+
+            nursery.start_soon(send_once)
+            await trio.sleep(1.0)  # the writer fills the socket and blocks inside the payload
+            assert outcome == []
+            remote.kill()
+            with trio.fail_after(5):
+                while not outcome:
+                    await trio.sleep(0.01)
+    assert outcome == ["raised"]
