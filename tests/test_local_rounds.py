@@ -15,6 +15,23 @@ from dht.peer_dictionary import peer_subkey
 from .test_training import open_swarm
 
 
+def one_step_optimizer(weight, node, prefix: str, *, group_size: int, average_state_every: int, rounds):
+    """A local-updates optimizer of one inner step per round with short, loopback deadlines."""
+    return LocalUpdatesOptimizer(
+        torch.optim.SGD([weight], lr=0.1),
+        node,
+        prefix=prefix,
+        local_steps=1,
+        codec="none",
+        target_group_size=group_size,
+        settle_time=0.1,
+        matchmaking_timeout=2.0,
+        averaging_timeout=6.0,
+        average_state_every=average_state_every,
+        rounds=rounds,
+    )
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
 async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averaging_meets_all(schedule):
     """Three peers, one an outer round behind: as a joiner is that loaded a donor's state while
@@ -26,16 +43,11 @@ async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averag
         async with trio.open_nursery() as background:
             weights = [torch.nn.Parameter(torch.zeros(3)) for _ in nodes]
             optimizers = [
-                LocalUpdatesOptimizer(
-                    torch.optim.SGD([weight], lr=0.1),
+                one_step_optimizer(
+                    weight,
                     node,
-                    prefix="behind",
-                    local_steps=1,
-                    codec="none",
-                    target_group_size=3,
-                    settle_time=0.1,
-                    matchmaking_timeout=2.0,
-                    averaging_timeout=6.0,
+                    "behind",
+                    group_size=3,
                     average_state_every=2,
                     rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
                 )
@@ -72,19 +84,7 @@ async def test_a_declaration_far_ahead_from_outside_the_group_does_not_push_the_
         honest, hostile = nodes[:2], nodes[2]
         weights = [torch.nn.Parameter(torch.zeros(3)) for _ in honest]
         optimizers = [
-            LocalUpdatesOptimizer(
-                torch.optim.SGD([w], lr=0.1),
-                node,
-                prefix="h",
-                local_steps=1,
-                codec="none",
-                target_group_size=2,
-                settle_time=0.1,
-                matchmaking_timeout=2.0,
-                averaging_timeout=6.0,
-                average_state_every=4,
-                rounds=SequentialRounds(),
-            )  # fmt: skip
+            one_step_optimizer(w, node, "h", group_size=2, average_state_every=4, rounds=SequentialRounds())
             for w, node in zip(weights, honest, strict=True)
         ]
         key = f"{optimizers[0].delta_averager.prefix}.matchmaking"
