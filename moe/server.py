@@ -80,6 +80,7 @@ class ExpertServer:
         self._wakeups = {uid: trio.Event() for uid in self.experts}
         # Samples waiting in the queues, per caller: each holds its request's tensors until computed.
         self._pending: dict[PeerID, int] = {}
+        self._pending_total = 0
         self.max_pending_per_peer = PENDING_BATCHES_PER_PEER * max_batch_size
         self.max_pending = PENDING_BATCHES * max_batch_size
 
@@ -152,9 +153,10 @@ class ExpertServer:
     async def _submit(self, caller: PeerID, uid: str, kind: str, work: _Work) -> Message:
         job = Job(kind, work.tensors[0].shape[0], work)
         mine = self._pending.get(caller, 0)
-        if mine + job.size > self.max_pending_per_peer or sum(self._pending.values()) + job.size > self.max_pending:
+        if mine + job.size > self.max_pending_per_peer or self._pending_total + job.size > self.max_pending:
             raise Busy(f"{mine} of your samples are already waiting on this server; retry when they are done")
         self._pending[caller] = mine + job.size
+        self._pending_total += job.size
         queue = self.queues[uid]
         queue.add(job)
         self._wakeups[uid].set()
@@ -164,6 +166,7 @@ class ExpertServer:
             if not job.started:
                 queue.remove(job)  # the caller gave up before we got to it
             self._pending[caller] -= job.size
+            self._pending_total -= job.size
             if not self._pending[caller]:
                 del self._pending[caller]
         self.stats["requests"] += 1
