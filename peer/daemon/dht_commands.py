@@ -19,7 +19,7 @@ import trio
 
 from dht.node import DHTBootstrapError, DHTConfig, DHTNode
 from dht.records import MAX_TTL, DHTValue
-from peer import Identity
+from peer import Identity, NodeIDProof
 from peer.identity import default_identity_path
 
 from .arguments import peer_address
@@ -92,10 +92,8 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+async def _run(args: argparse.Namespace, identity: Identity, node_id: NodeIDProof) -> tuple[int, dict[str, Any]]:
     config = DHTConfig(bootstrap_timeout=args.timeout)
-    path = args.identity or default_identity_path().with_name("client.key")
-    identity = Identity.load_or_create(path)
     async with DHTNode.open(
         identity=identity,
         initial_peers=args.initial_peer,
@@ -103,7 +101,7 @@ async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         run_id=args.run_id,
         config=config,
         node_id_difficulty=args.node_id_difficulty,
-        node_id=node_id_for(identity, path, args.node_id_difficulty),
+        node_id=node_id,
     ) as node:
         if args.dht_command == "store":
             expiration = time.time() + args.ttl
@@ -121,7 +119,11 @@ async def _run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 def run_dht_command(args: argparse.Namespace) -> int:
     """Run ``peerd dht store|get``; prints one JSON object (stdout) or an error (stderr)."""
     try:
-        status, result = trio.run(_run, args)
+        # The key and its node-ID proof (possibly seconds of solving) before the loop starts.
+        path = args.identity or default_identity_path().with_name("client.key")
+        identity = Identity.load_or_create(path)
+        node_id = node_id_for(identity, path, args.node_id_difficulty)
+        status, result = trio.run(_run, args, identity, node_id)
     except DHTBootstrapError as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_UNREACHABLE
