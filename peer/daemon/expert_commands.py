@@ -19,7 +19,7 @@ import trio
 
 from dht import DHTNode
 from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingConfig, host_experts
-from peer import Identity, PeerAddress
+from peer import Identity, NodeIDProof, PeerAddress
 
 from .arguments import listen_address, peer_address
 from .node_ids import add_difficulty_argument, node_id_for
@@ -101,9 +101,9 @@ def _announce_host(args: argparse.Namespace) -> str | None:
             return "127.0.0.1"
 
 
-async def _serve_main(args: argparse.Namespace, config: ExpertHostingConfig, experts: dict) -> None:
-    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
-    node_id = node_id_for(identity, args.identity, args.node_id_difficulty)
+async def _serve_main(
+    args: argparse.Namespace, config: ExpertHostingConfig, experts: dict, identity: Identity, node_id: NodeIDProof
+) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with DHTNode.open(
             identity=identity,
@@ -142,4 +142,7 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return run_joining(_serve_main, args, config, experts)
+    # The key and its node-ID proof (possibly seconds of solving) before the loop starts.
+    identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+    node_id = node_id_for(identity, args.identity, args.node_id_difficulty)
+    return run_joining(_serve_main, args, config, experts, identity, node_id)
