@@ -127,6 +127,11 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
         help="behind NAT: make requests, accept none",
     )
     join.add_argument("--task", default=env("TASK"), help="train this task: a built-in name or package.module:factory")
+    join.add_argument(
+        "--model-size",
+        default=env("MODEL_SIZE"),
+        help="model shape for sized tasks (textlm: tiny, small (default), base, medium, large, xl)",
+    )
     modes = ("collaborative", "local-updates")
     join.add_argument("--mode", choices=modes, default=settings.parsed("MODE", _choice(*modes), "collaborative"))
     join.add_argument("--local-steps", type=int, default=settings.parsed("LOCAL_STEPS", int, 20))
@@ -190,10 +195,10 @@ def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
 def _cmd_join(args: argparse.Namespace) -> int:
     shard = None
     if args.task is not None:
-        from .tasks import ShardSpec, load_task  # torch loads only in peers that train
+        from .tasks import ShardSpec, check_task  # torch loads only in peers that train
 
         shard = ShardSpec(*args.data_shard)
-        load_task(args.task, shard=shard, device="cpu")  # fail now, with a clear message
+        check_task(args.task, args.model_size)  # fail now, with a clear message
     identity_path = Path(args.identity) if args.identity else default_identity_path()
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
@@ -209,6 +214,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
         task=args.task,
+        model_size=args.model_size,
         mode=args.mode,
         device=args.device,
         shard=shard,

@@ -44,6 +44,7 @@ class DaemonConfig:
     bootstrap_timeout: float = 15.0
     client_mode: bool = False
     task: str | None = None
+    model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
     device: str | None = None  # None: CUDA when available
     shard: Any = None  # peer.daemon.tasks.ShardSpec; None = the whole data set
@@ -89,6 +90,7 @@ class Daemon:
             "samples_per_s": None,
             "loss": None,
             "accuracy": None,
+            "bits_per_byte": None,
             "peers_known": len(host.connected_peers) + 1 if host else 1,
             "last_averaging": None,
         }
@@ -100,6 +102,7 @@ class Daemon:
                 samples_per_s=round(training.samples_per_s, 2),
                 loss=None if math.isnan(training.loss) else round(training.loss, 5),
                 accuracy=training.accuracy,
+                bits_per_byte=training.bits_per_byte,
                 peers_known=training.peers_known,
                 last_averaging=training.last_averaging,
             )
@@ -114,6 +117,7 @@ class Daemon:
                 "peerd_samples_per_second": ("gauge", "Training throughput of this peer", status["samples_per_s"]),
                 "peerd_loss": ("gauge", "Training loss (moving average)", status["loss"]),
                 "peerd_accuracy": ("gauge", "Held-out accuracy at the last evaluation", status["accuracy"]),
+                "peerd_bits_per_byte": ("gauge", "Held-out bits per byte (text tasks)", status["bits_per_byte"]),
                 "peerd_peers_known": ("gauge", "Peers seen in the swarm's progress records", status["peers_known"]),
                 "peerd_connected_peers": ("gauge", "Open connections to other peers", status["connected_peers"]),
                 "peerd_bytes_sent_total": ("counter", "Bytes sent to other peers", status["bytes_sent"]),
@@ -175,7 +179,9 @@ class Daemon:
         config = self.config
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shard = config.shard or ShardSpec()
-        task = await trio.to_thread.run_sync(lambda: load_task(config.task, shard=shard, device=device))
+        task = await trio.to_thread.run_sync(
+            lambda: load_task(config.task, shard=shard, device=device, model_size=config.model_size)
+        )
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{config.run_id}.{task.name}"
         async with trio.open_nursery() as background:

@@ -1,7 +1,8 @@
 """Training tasks: what a peer trains. A task bundles the model, this peer's data shard, the loss
 and an evaluation, so the daemon can train anything a user describes in one factory function.
 
-Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP).
+Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP) and
+``textlm`` (a byte-level transformer on Python's standard library; ``peer.daemon.textlm``).
 Users give their own with ``--task package.module:factory``; the factory is called as
 ``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Task", "ShardSpec", "TaskError", "load_task", "digits_task", "BUILTIN_TASKS"]
+__all__ = ["Task", "ShardSpec", "TaskError", "load_task", "check_task", "digits_task", "textlm_task", "BUILTIN_TASKS"]
 
 
 class TaskError(ValueError):
@@ -99,13 +100,39 @@ def digits_task(shard: ShardSpec = ShardSpec(), device: torch.device | str = "cp
     )
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task}
+def textlm_task(**options) -> Task:
+    """The byte-level transformer task; see ``peer.daemon.textlm`` (imported only when chosen)."""
+    from .textlm import textlm_task as build
+
+    return build(**options)
 
 
-def load_task(spec: str, shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu") -> Task:
-    """A built-in task by name, or ``package.module:factory``."""
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "textlm": textlm_task}
+SIZED_TASKS = frozenset({"textlm"})  # built-in tasks that take a model size
+
+
+def check_task(spec: str, model_size: str | None = None) -> None:
+    """Fail now, with a clear message, on a task that ``load_task`` would refuse. Built-in tasks
+    are checked by name (cheap: no data read, no model built); a factory is loaded and called."""
+    if spec in SIZED_TASKS and model_size is not None:
+        from .textlm import MODEL_SIZES
+
+        if model_size not in MODEL_SIZES:
+            raise TaskError(f"unknown model size {model_size!r}: use one of {', '.join(MODEL_SIZES)}")
+        return
+    if spec not in BUILTIN_TASKS or model_size is not None:
+        load_task(spec, model_size=model_size)
+
+
+def load_task(
+    spec: str, shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu", model_size: str | None = None
+) -> Task:
+    """A built-in task by name, or ``package.module:factory``; ``model_size`` only for sized tasks."""
+    if model_size is not None and spec not in SIZED_TASKS:
+        raise TaskError(f"--model-size applies to {', '.join(sorted(SIZED_TASKS))}, not to {spec!r}")
     if spec in BUILTIN_TASKS:
-        return BUILTIN_TASKS[spec](shard=shard, device=device)
+        options = {} if model_size is None else {"model_size": model_size}
+        return BUILTIN_TASKS[spec](shard=shard, device=device, **options)
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         known = ", ".join(sorted(BUILTIN_TASKS))

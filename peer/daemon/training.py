@@ -29,6 +29,7 @@ class TrainingStatus:
     loss: float = math.nan
     accuracy: float | None = None
     eval_loss: float | None = None
+    bits_per_byte: float | None = None  # text tasks report it; lower is better
     peers_known: int = 1
     last_averaging: dict[str, Any] | None = None
     started: float = field(default_factory=time.time)
@@ -71,11 +72,13 @@ class Trainer:
                 if stepped and status.epoch % self.evaluate_every == 0:
                     metrics = await trio.to_thread.run_sync(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
+                    status.bits_per_byte = metrics.get("bits_per_byte")
                     log.info(
-                        "epoch %d: loss %.3f, held-out accuracy %.3f, %.0f samples/s",
+                        "epoch %d: loss %.3f, held-out accuracy %.3f%s, %.0f samples/s",
                         status.epoch,
                         status.loss,
                         status.accuracy if status.accuracy is not None else math.nan,
+                        "" if status.bits_per_byte is None else f", {status.bits_per_byte:.3f} bits/byte",
                         status.samples_per_s,
                     )
                     if target_accuracy is not None and (status.accuracy or 0.0) >= target_accuracy:
