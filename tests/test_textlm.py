@@ -91,7 +91,7 @@ def test_model_size_is_checked_by_name_and_task():
         load_task("textlm", model_size="huge")
     with pytest.raises(TaskError, match="applies to textlm, not to 'digits'"):
         load_task("digits", model_size="small")
-    assert load_task("textlm", model_size="tiny").name == "textlm"
+    assert load_task("textlm", model_size="tiny").name == "textlm-tiny"  # sizes never meet
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -133,3 +133,19 @@ async def test_two_peers_train_textlm_together_and_report_bits_per_byte(tmp_path
         nursery.cancel_scope.cancel()
     assert all(trainer.status.bits_per_byte < first - 1.0 for trainer in trainers), first
     assert any((trainer.optimizer.last_averaging or {}).get("group", 0) == 2 for trainer in trainers)
+
+
+def test_join_refuses_a_model_size_for_an_unsized_task_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--task", "digits"]
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.daemon.cli", *command, "--model-size", "small"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].endswith("--model-size applies to textlm, not to 'digits'")
+    assert "Traceback" not in result.stderr

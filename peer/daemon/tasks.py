@@ -10,42 +10,17 @@ Users give their own with ``--task package.module:factory``; the factory is call
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .task_types import ShardSpec, Task, TaskError
+from .textlm import MODEL_SIZES, textlm_task
+
+WHOLE_DATA = ShardSpec()  # the default shard: all of a task's training data
+
 __all__ = ["Task", "ShardSpec", "TaskError", "load_task", "check_task", "digits_task", "textlm_task", "BUILTIN_TASKS"]
-
-
-class TaskError(ValueError):
-    """A task name or factory that cannot be loaded; the message says what was tried."""
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Which part of the data this peer trains on: shard ``index`` of ``count`` (seeded shuffle)."""
-
-    index: int = 0
-    count: int = 1
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise TaskError(f"shard index {self.index} must be in [0, {self.count})")
-
-
-@dataclass
-class Task:
-    name: str
-    model: nn.Module
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]  # endless stream of this peer's batches
-    loss_fn: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
-    evaluate: Callable[[nn.Module], dict[str, float]]  # at least {"accuracy": ..., "loss": ...}
-    batch_size: int
-    target_batch_size: int  # samples the whole swarm accumulates per optimizer step
 
 
 def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
@@ -57,7 +32,7 @@ def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: in
             yield inputs[index], targets[index]
 
 
-def digits_task(shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu", batch_size: int = 32) -> Task:
+def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu", batch_size: int = 32) -> Task:
     """8x8 handwritten digits (1,797 images shipped with scikit-learn), 20% held out for evaluation."""
     try:
         from sklearn.datasets import load_digits
@@ -100,13 +75,6 @@ def digits_task(shard: ShardSpec = ShardSpec(), device: torch.device | str = "cp
     )
 
 
-def textlm_task(**options) -> Task:
-    """The byte-level transformer task; see ``peer.daemon.textlm`` (imported only when chosen)."""
-    from .textlm import textlm_task as build
-
-    return build(**options)
-
-
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "textlm": textlm_task}
 SIZED_TASKS = frozenset({"textlm"})  # built-in tasks that take a model size
 
@@ -115,8 +83,6 @@ def check_task(spec: str, model_size: str | None = None) -> None:
     """Fail now, with a clear message, on a task that ``load_task`` would refuse. Built-in tasks
     are checked by name (cheap: no data read, no model built); a factory is loaded and called."""
     if spec in SIZED_TASKS and model_size is not None:
-        from .textlm import MODEL_SIZES
-
         if model_size not in MODEL_SIZES:
             raise TaskError(f"unknown model size {model_size!r}: use one of {', '.join(MODEL_SIZES)}")
         return
@@ -125,7 +91,7 @@ def check_task(spec: str, model_size: str | None = None) -> None:
 
 
 def load_task(
-    spec: str, shard: ShardSpec = ShardSpec(), device: torch.device | str = "cpu", model_size: str | None = None
+    spec: str, shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu", model_size: str | None = None
 ) -> Task:
     """A built-in task by name, or ``package.module:factory``; ``model_size`` only for sized tasks."""
     if model_size is not None and spec not in SIZED_TASKS:

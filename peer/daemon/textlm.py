@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .tasks import ShardSpec, Task, TaskError
+from .task_types import ShardSpec, Task, TaskError
 
 __all__ = ["MODEL_SIZES", "ModelShape", "ByteTransformer", "corpus_files", "textlm_task"]
 
