@@ -10,6 +10,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,13 +24,21 @@ from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .state_sharing import StateSharing
 
-__all__ = ["GroupAverager", "tensor_schema", "MatchmakingError"]
+__all__ = ["GroupAverager", "RoundTiming", "tensor_schema", "MatchmakingError"]
 
 log = logging.getLogger("peerd.averaging")
 
 # How long a leaving averager tries to take its declaration back: a DHT store to k peers, which
 # takes well under a second when the swarm answers; a script that ends must not hang on it.
 WITHDRAW_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """Where the last step's time went: finding the group, and the all-reduce once it formed."""
+
+    matchmaking_s: float
+    allreduce_s: float
 
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
@@ -84,6 +93,7 @@ class GroupAverager:
         self.schema = tensor_schema(self.tensors)
         self.round = 0
         self.last_result: AllReduceResult | None = None
+        self.last_timing: RoundTiming | None = None
         self._service = all_reduce_service(self.host)
         self._matchmaker = Matchmaker(self.host, dht, prefix)
         # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
@@ -102,6 +112,7 @@ class GroupAverager:
         bounded by the sender and reducer deadlines.
         """
         async with self._lock:
+            started = trio.current_time()
             group = await self._matchmaker.form_group(
                 self._declaration(),
                 target_group_size=self.target_group_size,
@@ -111,6 +122,7 @@ class GroupAverager:
             )
             self.round = self._matchmaker.last_round + 1
             log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))
+            formed = trio.current_time()
             result = await self._service.run(
                 group,
                 self.tensors,
@@ -125,6 +137,7 @@ class GroupAverager:
             else:
                 log.info("round done with %d peers", len(group.members))
             self.last_result = result
+            self.last_timing = RoundTiming(formed - started, trio.current_time() - formed)
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
         return result

@@ -4,7 +4,8 @@ one matchmaking + all-reduce step per stdin line (``step`` or ``step lead-and-di
 With ``lead-and-die`` the process stops right after its group formed: once ``form_group`` has
 returned (so the followers hold the group, its leader first), it prints ``{"formed": true,
 "led": ...}`` and waits; the benchmark SIGKILLs it on that line. Otherwise it prints one JSON
-object per step: ``ok``, ``error``, ``size`` (group size), ``failed``, ``seconds``, ``finished_at``.
+object per step: ``ok``, ``error``, ``size`` (group size), ``failed``, ``seconds``, ``allreduce_s`` (from
+the group forming to the round's end), ``finished_at``. ``benchmarks/wan.py`` uses it as well.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ async def main(args: argparse.Namespace) -> None:
             matchmaking_timeout=args.matchmaking_timeout,
             sender_timeout=args.sender_timeout,
             reducer_timeout=args.reducer_timeout,
-            settle_time=0.2,  # a LAN: declarations land within milliseconds
+            settle_time=args.settle,
             allow_state_sharing=False,
         )
         print("ready", flush=True)
@@ -78,6 +79,7 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 result = await averager.step()
                 outcome.update(ok=True, size=len(result.group.members), failed=sorted(map(str, result.failed_peers)))
+                outcome["allreduce_s"] = averager.last_timing.allreduce_s
             except Exception as error:  # a failed round is the figure being measured
                 outcome["error"] = f"{type(error).__name__}: {error}"
             outcome["seconds"] = time.monotonic() - started
@@ -97,4 +99,5 @@ if __name__ == "__main__":
     parser.add_argument("--matchmaking-timeout", type=float, default=4.0)
     parser.add_argument("--sender-timeout", type=float, default=2.0)
     parser.add_argument("--reducer-timeout", type=float, default=4.0)
+    parser.add_argument("--settle", type=float, default=0.2, help="a LAN: declarations land within milliseconds")
     trio.run(main, parser.parse_args())

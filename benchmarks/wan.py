@@ -1,0 +1,364 @@
+"""Training over slow links: the all-reduce against the line-rate bound, and the ``textlm`` task's
+compute utilisation, with every host on its own shaped link.
+
+    python benchmarks/wan.py --quick              # within 180 s on 2 busy cores, 100 Mbit/s
+    python benchmarks/wan.py --rate 20            # 20 Mbit/s links, longer windows
+    python benchmarks/wan.py --only allreduce     # one part
+
+Runs in the network lab (``tests/netlab.py``: one network namespace per host on a private bridge,
+each host's link shaped by tbf on both ends; real processes started with ``ip netns exec``), so it
+needs root, ``ip`` and ``tc``; without them it prints one line saying what is missing and exits 2.
+
+Parts (rows of the table):
+  raw_tcp        one plain TCP stream host 0 -> host 1: the wire's own speed, for reference.
+  allreduce      4 peers, each a DHT node with a ``GroupAverager`` of 4,194,304 float32 values
+                 (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together. The baseline
+                 is the line-rate bound of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal
+                 rate (2.01 s at 100 Mbit/s). Figures: ``allreduce_line_rate_fraction`` = bound ÷
+                 median all-reduce time (group formed until the round is done, slowest peer), and
+                 ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
+  solo           4 trainers with no swarm (``wan_cases/solo_trainer.py``), one per host, side by
+                 side on the same CPU: the fair baseline on a shared machine. Figure: samples/s
+                 per trainer.
+  local_updates  4 ``peerd join --task textlm --mode local-updates`` peers, and
+  collaborative  the same in collaborative mode. Figures: samples/s per peer ÷ the solo figure
+                 (``utilization_*``), bytes sent per sample, held-out bits per byte at the end.
+  single         (not with ``--quick``) one trainer alone, for as many samples as the
+                 local-updates swarm took in total: ``loss_ratio`` = the swarm's held-out bits per
+                 byte ÷ this trainer's (the swarm's figure is its last evaluation, at or before
+                 that sample count, so the ratio errs against the swarm).
+
+The last line is one JSON object: ``allreduce_line_rate_fraction``, ``step_line_rate_fraction``,
+``utilization_local_updates``, ``utilization_collaborative``, ``bytes_per_sample`` (local updates),
+``loss_ratio``, ``rate_mbit``, and per-part details; null where a part failed or did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from peer import LOCAL_DIFFICULTY, Identity  # noqa: E402
+
+os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
+
+from tests.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
+from tests.test_lab_group_faults import read_line  # noqa: E402
+
+PEERS = 4
+VALUES = 4_194_304  # 16 MiB of float32, the issue's figure
+MEMBER_PORT = 31500
+RAW_PORT = 31600
+RAW_BYTES = 64 << 20
+START_TIMEOUT = 90.0  # four interpreters importing torch on 2 busy cores
+MODEL_SIZE = "small"
+
+
+def line_rate_bound_s(values: int, peers: int, rate_mbit: float) -> float:
+    """Seconds a butterfly all-reduce needs at least: each peer sends and receives 2·(n−1)/n of
+    the tensor (reduce-scatter, then all-gather) through its own link."""
+    return 2 * (peers - 1) / peers * values * 4 * 8 / (rate_mbit * 1e6)
+
+
+def spawn_all(lab: Lab, hosts, workdir: Path, script: str, argv_of) -> list:
+    processes = []
+    for index, host in enumerate(hosts):
+        log = workdir / f"{Path(script).stem}{index}.log"
+        processes.append(lab.spawn(host, [script, *argv_of(index)], log))
+    for index, process in enumerate(processes):
+        line = read_line(process, START_TIMEOUT)
+        if line != "ready":
+            tail = (workdir / f"{Path(script).stem}{index}.log").read_text(errors="replace")[-800:]
+            raise RuntimeError(f"{script} {index} did not start ({line!r}):\n{tail}")
+    return processes
+
+
+def tell(processes, line: str) -> None:
+    for process in processes:
+        process.stdin.write(line.encode() + b"\n")
+        process.stdin.flush()
+
+
+def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]:
+    sender, receiver = lab.add_host("raw0", rate_mbit=rate), lab.add_host("raw1", rate_mbit=rate)
+    script = "benchmarks/wan_cases/raw_tcp.py"
+    server = lab.spawn(receiver, [script, "recv", str(RAW_PORT)], workdir / "raw_recv.log")
+    if read_line(server, START_TIMEOUT) != "ready":
+        raise RuntimeError("the raw TCP receiver did not start")
+    total = RAW_BYTES // 4 if quick else RAW_BYTES
+    lab.run_in(sender, [script, "send", receiver.address, str(RAW_PORT), str(total)], timeout=120)
+    measured = json.loads(read_line(server, 60))
+    return {"mbit_s": measured["bytes"] * 8 / measured["seconds"] / 1e6, "bytes": measured["bytes"]}
+
+
+def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]:
+    hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
+    keys = []
+    for index in range(PEERS):
+        key = workdir / f"allreduce{index}.key"
+        Identity.generate().save(key)
+        keys.append(str(key))
+    bound = line_rate_bound_s(VALUES, PEERS, rate)
+    round_limit = 20 * bound + 30  # a step that takes this long has failed, whatever the cause
+
+    def argv(index: int) -> list[str]:
+        flags = [
+            "--index", str(index), "--key", keys[index], "--listen", f"{hosts[index].address}:{MEMBER_PORT}",
+            "--run-id", "wan", "--group-size", str(PEERS), "--values", str(VALUES),
+            "--matchmaking-timeout", "15", "--settle", "0.3",
+            "--sender-timeout", str(10 * bound + 10), "--reducer-timeout", str(20 * bound + 20),
+        ]  # fmt: skip
+        return [*flags, "--initial-peer", f"{hosts[0].address}:{MEMBER_PORT}"] if index else flags
+
+    script = "benchmarks/faults_cases/matchmaking_member.py"
+    processes = spawn_all(lab, hosts[:1], workdir, script, argv)
+    processes += spawn_all(lab, hosts[1:], workdir, script, lambda i: argv(i + 1))
+    steps, failures = [], []
+    for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
+        tell(processes, "step")
+        deadline = time.monotonic() + round_limit
+        outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
+        if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
+            failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
+        elif number > 0:
+            steps.append(
+                {"step_s": max(r["seconds"] for r in outcome), "allreduce_s": max(r["allreduce_s"] for r in outcome)}
+            )
+    if not steps:
+        raise RuntimeError(f"no step averaged all {PEERS} peers: {failures[:3]}")
+    allreduce_s = statistics.median(s["allreduce_s"] for s in steps)
+    step_s = statistics.median(s["step_s"] for s in steps)
+    return {
+        "bound_s": bound,
+        "allreduce_s": allreduce_s,
+        "step_s": step_s,
+        "allreduce_line_rate_fraction": bound / allreduce_s,
+        "step_line_rate_fraction": bound / step_s,
+        "steps": steps,
+        "failed_steps": len(failures),
+        "failures": failures[:3],
+    }
+
+
+def _rate(samples: list[tuple[float, int]]) -> float:
+    """Samples per second between the first and the last (time, samples) reading."""
+    (t0, s0), (t1, s1) = samples[0], samples[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+def solo(lab: Lab, workdir: Path, rate: float, window: float) -> dict[str, Any]:
+    hosts = [lab.add_host(f"s{index}", rate_mbit=rate) for index in range(PEERS)]
+    script = "benchmarks/wan_cases/solo_trainer.py"
+    argv = ["--shards", str(PEERS), "--model-size", MODEL_SIZE, "--report-every", "1"]
+    processes = spawn_all(lab, hosts, workdir, script, lambda i: ["--shard", str(i), *argv])
+    tell(processes, "go")
+    readings: list[list[tuple[float, int]]] = [[] for _ in processes]
+    warm = 3.0  # the first seconds include the first steps' allocations
+    while not all(r and r[-1][0] >= warm + window for r in readings):
+        for index, process in enumerate(processes):
+            report = json.loads(read_line(process, 60))
+            if report["seconds"] >= warm:
+                readings[index].append((report["seconds"], report["samples"]))
+    for process in processes:
+        process.kill()
+    rates = [_rate(r) for r in readings]
+    return {"samples_per_s_per_trainer": statistics.mean(rates), "per_trainer": rates}
+
+
+def _status_all(peers, patience: float = 30.0) -> list[dict]:
+    """Every peer's ``/status``; a peer busy loading its task may miss a few seconds of it."""
+    deadline = time.monotonic() + patience
+    statuses = []
+    for peer in peers:
+        while (status := peer.status(timeout=5)) is None:
+            if not peer.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the peer on {peer.host.name} stopped answering /status:\n{peer.tail(5)}")
+        statuses.append(status)
+    return statuses
+
+
+def swarm(lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick: bool) -> dict[str, Any]:
+    hosts = [lab.add_host(f"{mode[:5]}{index}", rate_mbit=rate) for index in range(PEERS)]
+    extra = ["--task", "textlm", "--model-size", MODEL_SIZE, "--mode", mode]
+    if mode == "local-updates" and quick:
+        extra += ["--local-steps", "10"]
+    peers = lab.start_swarm(hosts, run_id=f"wan-{mode}", extra=extra)
+    # warm-up: every peer has taken a step (a round, in local-updates mode) with the others
+    lab.wait_for(lambda: all((s.get("epoch") or 0) >= 1 for s in _status_all(peers)), 120, "a first epoch")
+    before, t0 = _status_all(peers), time.monotonic()
+    time.sleep(window)
+    after, t1 = _status_all(peers), time.monotonic()
+    samples = [a["samples"] - b["samples"] for a, b in zip(after, before, strict=True)]
+    sent = sum(a["bytes_sent"] - b["bytes_sent"] for a, b in zip(after, before, strict=True))
+    result = {
+        "samples_per_s_per_peer": statistics.mean(samples) / (t1 - t0),
+        "bytes_per_sample": sent / max(1, sum(samples)),
+        "epochs": [a["epoch"] for a in after],
+        "bits_per_byte": min((a["bits_per_byte"] for a in after if a.get("bits_per_byte")), default=None),
+        "total_samples": sum(a["samples"] for a in after),
+    }
+    for peer in peers:
+        peer.stop()
+    return result
+
+
+def single(lab: Lab, workdir: Path, rate: float, samples: int) -> dict[str, Any]:
+    host = lab.add_host("single", rate_mbit=rate)
+    script = "benchmarks/wan_cases/solo_trainer.py"
+    argv = ["--model-size", MODEL_SIZE, "--samples", str(samples), "--report-every", "1e9"]
+    (process,) = spawn_all(lab, [host], workdir, script, lambda i: argv)
+    tell([process], "go")
+    done = json.loads(read_line(process, 1800))
+    return {"samples": done["samples"], "bits_per_byte": done["eval"]["bits_per_byte"]}
+
+
+def run_part(name: str, workdir: Path, body) -> tuple[dict[str, Any] | None, str | None]:
+    """One part in its own lab; a failure is a row of the table, never a crash."""
+    part_dir = workdir / name
+    part_dir.mkdir()
+    started = time.monotonic()
+    try:
+        with Lab(part_dir, tag=name.replace("_", "")[:10]) as lab:
+            result = body(lab, part_dir)
+        print(f"# {name}: done in {time.monotonic() - started:.0f} s", flush=True)
+        return result, None
+    except Exception as error:
+        print(f"# {name}: FAILED in {time.monotonic() - started:.0f} s: {error}", flush=True)
+        (part_dir / "traceback.txt").write_text(traceback.format_exc())
+        return None, f"{type(error).__name__}: {error}"[:400]
+
+
+def _figure(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="within 180 s: short windows, fewer steps")
+    parser.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every host's link (default 100)")
+    parts = ["raw_tcp", "allreduce", "solo", "local_updates", "collaborative", "single"]
+    parser.add_argument("--only", nargs="+", choices=parts, default=None)
+    parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    args = parser.parse_args(argv)
+    reason = lab_unavailable()
+    if reason is not None:
+        print(f"wan benchmark cannot run: {reason}")
+        return 2
+    chosen = args.only or [p for p in parts if not (args.quick and p == "single")]
+    window = args.window or (20.0 if args.quick else 90.0)
+
+    def terminate(signum, frame):  # SIGTERM takes the same clean-up path as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    remove_leftovers()
+    workdir = Path(tempfile.mkdtemp(prefix="peerd-wan-"))
+    results: dict[str, dict[str, Any] | None] = {}
+    errors: dict[str, str] = {}
+    bodies = {
+        "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
+        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick),
+        "solo": lambda lab, d: solo(lab, d, args.rate, window),
+        "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
+        "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
+        "single": lambda lab, d: single(lab, d, args.rate, (results.get("local_updates") or {})["total_samples"]),
+    }
+    interrupted = False
+    try:
+        for name in chosen:
+            results[name], error = run_part(name, workdir, bodies[name])
+            if error:
+                errors[name] = error
+    except KeyboardInterrupt:
+        interrupted = True
+    summary = summarize(results, args.rate, window)
+    summary.update(quick=args.quick, interrupted=interrupted, errors=errors)
+    print_table(summary, results)
+    if errors or interrupted or args.keep:
+        print(f"logs: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary), flush=True)
+    return 130 if interrupted else 0
+
+
+def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: float) -> dict[str, Any]:
+    reduce_ = results.get("allreduce") or {}
+    solo_rate = (results.get("solo") or {}).get("samples_per_s_per_trainer")
+    local = results.get("local_updates") or {}
+    collaborative = results.get("collaborative") or {}
+    single_ = results.get("single") or {}
+
+    def utilization(part: dict[str, Any]) -> float | None:
+        if not solo_rate or "samples_per_s_per_peer" not in part:
+            return None
+        return part["samples_per_s_per_peer"] / solo_rate
+
+    loss_ratio = None
+    if local.get("bits_per_byte") and single_.get("bits_per_byte"):
+        loss_ratio = local["bits_per_byte"] / single_["bits_per_byte"]
+    return {
+        "allreduce_line_rate_fraction": _figure(reduce_.get("allreduce_line_rate_fraction")),
+        "step_line_rate_fraction": _figure(reduce_.get("step_line_rate_fraction")),
+        "utilization_local_updates": _figure(utilization(local)),
+        "utilization_collaborative": _figure(utilization(collaborative)),
+        "bytes_per_sample": _figure(local.get("bytes_per_sample"), 0),
+        "bytes_per_sample_collaborative": _figure(collaborative.get("bytes_per_sample"), 0),
+        "loss_ratio": _figure(loss_ratio),
+        "rate_mbit": rate,
+        "raw_tcp_mbit_s": _figure((results.get("raw_tcp") or {}).get("mbit_s"), 1),
+        "allreduce_s": _figure(reduce_.get("allreduce_s")),
+        "step_s": _figure(reduce_.get("step_s")),
+        "line_rate_bound_s": _figure(line_rate_bound_s(VALUES, PEERS, rate)),
+        "solo_samples_per_s": _figure(solo_rate, 2),
+        "window_s": window,
+        "targets": {
+            "allreduce_line_rate_fraction": 0.95,
+            "step_line_rate_fraction": 0.85,
+            "utilization_local_updates": 0.9 if rate >= 100 else 0.8,
+            "utilization_collaborative": 0.7,
+            "loss_ratio": 1.05,
+        },
+    }
+
+
+def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | None]) -> None:
+    def cell(value: Any) -> str:
+        return "-" if value is None else f"{value}"
+
+    print(f"{'figure':<32} {'value':>10} {'target':>8}")
+    for name in (
+        "raw_tcp_mbit_s",
+        "line_rate_bound_s",
+        "allreduce_s",
+        "step_s",
+        "allreduce_line_rate_fraction",
+        "step_line_rate_fraction",
+        "solo_samples_per_s",
+        "utilization_local_updates",
+        "utilization_collaborative",
+        "bytes_per_sample",
+        "bytes_per_sample_collaborative",
+        "loss_ratio",
+    ):
+        print(f"{name:<32} {cell(summary.get(name)):>10} {cell(summary['targets'].get(name)):>8}")
+    for name, error in summary.get("errors", {}).items():
+        print(f"  {name} failed: {error.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
