@@ -25,6 +25,7 @@ def main(args: argparse.Namespace) -> None:
     optimizer = task.make_optimizer(list(task.model.parameters()))
     print("ready", flush=True)
     sys.stdin.readline()
+
     def train_step() -> None:
         task.model.train()
         task.loss_fn(task.model, next(task.batches)).backward()
