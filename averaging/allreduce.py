@@ -95,6 +95,9 @@ class AllReduceResult:
     local_shards: dict[int, str] = field(default_factory=dict)
     # peers that failed this peer in some way (as reducer, or dropped as sender by some reducer)
     failed_peers: set[PeerID] = field(default_factory=set)
+    # how the round split the values (which fixes how each part was encoded), and our shard in it
+    plan: AllReducePlan | None = None
+    my_shard: int | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -370,7 +373,7 @@ class AllReduceService:
             sender = None
             if flat is not None:
                 sender = _SenderRole(self.host, plan, flat, ReduceHeader(group.group_id, weight, total), the_codec)
-            result = AllReduceResult(group)
+            result = AllReduceResult(group, plan=plan, my_shard=my_shard)
             self._announce(group.group_id, reducer)
             try:
                 async with trio.open_nursery() as nursery:

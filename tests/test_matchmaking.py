@@ -116,6 +116,9 @@ async def test_group_of_four_averages_exactly_and_respects_target_size():
             assert timing.matchmaking_s + timing.allreduce_s <= elapsed
         assert {len(r.group.members) for r in results.values()} == {4}
         assert len({r.group.group_id for r in results.values()}) == 1
+        # each peer reduced its own shard of one plan (error feedback reads where parts fell)
+        assert sorted(r.my_shard for r in results.values()) == [0, 1, 2, 3]
+        assert {r.plan for r in results.values()} == {results[0].plan} and results[0].plan.num_shards == 4
         for averager in averagers:
             assert averager.tensors[0].item() == pytest.approx(3.0, abs=1e-6)
         nursery.cancel_scope.cancel()
