@@ -12,12 +12,20 @@ and moves its learning-rate scheduler forward to that epoch.
 
 If averaging fails, the peer steps on its own gradients and says so: training never stops
 because another peer misbehaved.
+
+With ``delay_updates=nursery`` (Hivemind's delayed parameter updates) an epoch's gradients are
+averaged in that nursery while the next epoch accumulates, and the step they make lands at the
+first ``step()`` after the round is done: parameters are one epoch stale for a while, and
+communication hides behind computation instead of stalling it. At most one round is in flight: if
+the next epoch is ready first, ``step()`` waits for it. The epoch counts as done when the round
+starts, so the swarm's progress moves on at once.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +34,15 @@ import trio
 from .averager import GroupAverager
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
-from .replica import EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state, averaging_options
+from .replica import (
+    AveragingRecord,
+    EpochStateAverager,
+    Replica,
+    ReplicaOptimizer,
+    average_once,
+    average_state,
+    averaging_options,
+)
 from .state_sharing import StateUnavailable
 
 __all__ = ["CollaborativeOptimizer"]
@@ -37,6 +53,17 @@ log = logging.getLogger("peerd.training")
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
+
+
+@dataclass
+class _DelayedRound:
+    """A gradient round running in the background: the epoch it averages, and its record once done."""
+
+    epoch: int
+    weight: float
+    record: AveragingRecord | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 class CollaborativeOptimizer(ReplicaOptimizer):
@@ -61,6 +88,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         codec: str = "none",
         progress_interval: float = 0.25,
         load_state_timeout: float = 30.0,
+        delay_updates: trio.Nursery | None = None,
     ):
         self.optimizer = optimizer
         self.dht = dht
@@ -74,6 +102,11 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.load_state_timeout = load_state_timeout
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.gradients = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self.delay_updates = delay_updates
+        # What the averager averages: the accumulators themselves, or (delayed) a second set the
+        # accumulators are copied into, so the next epoch can accumulate while the round runs.
+        self._averaged = [g.clone() for g in self.gradients] if delay_updates is not None else self.gradients
+        self._in_flight: _DelayedRound | None = None
         self._numel = sum(p.numel() for p in self.params)
         # Peers see the swarm reach the target within one progress refresh of each other, so
         # that is all the time declarations need to meet (matchmaking's own default would be a
@@ -88,7 +121,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # Only gradients go through ``codec``: parameters and optimizer state are averaged exactly
         # (8-bit Adam moments or step counts would wreck the next steps).
         self.grad_averager = GroupAverager(
-            self.gradients, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, codec=codec, **averaging
+            self._averaged, dht, prefix=f"{prefix}.grads", allow_state_sharing=False, codec=codec, **averaging
         )
         # Created now (as a fresh optimizer's would be) so that peers list the same tensors from
         # the start and a newcomer has somewhere to load a donor's state into.
@@ -100,12 +133,19 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self._first_step = True
 
     @property
+    def averaging_in_background(self) -> bool:
+        """A delayed round is still running (its step has not landed yet)."""
+        return self._in_flight is not None and not self._in_flight.done.is_set()
+
+    @property
     def state_averager(self) -> EpochStateAverager:
         """Parameters and optimizer state: averaged every ``average_state_every`` epochs, and what
         newcomers download."""
         return self.replica.state
 
     async def step(self, batch_size: int) -> bool:
+        if self._in_flight is not None and self._in_flight.done.is_set():
+            await self._land_delayed()
         if self._numel <= INLINE_ACCUMULATE_NUMEL:
             self._accumulate(batch_size)  # a thread hop would cost more than the work
         else:
@@ -128,7 +168,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self._first_step = False
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
             return False
-        await self._averaged_step()
+        if self.delay_updates is not None:
+            await self._launch_delayed()
+        else:
+            await self._averaged_step()
         return True
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
@@ -137,6 +180,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
         replica = self.replica
+        if self._in_flight is not None:  # its step was computed for parameters we are replacing
+            self._in_flight.scope.cancel()
+            self._in_flight = None
         try:
             await replica.load_state_from_peers(self.load_state_timeout, catch_up=self._catch_up_schedule)
         except StateUnavailable as error:
@@ -224,11 +270,58 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # swarm's round for the next epoch: it counts that epoch as done, as its group does.
         replica.count_round(record)
         self._reset_accumulators()
-        replica.last_round = record
+        self._update_epoch_throughput(samples)
+        await self._after_step(record)
+
+    async def _launch_delayed(self) -> None:
+        """Hand this epoch's gradients to a round in the background and start the next epoch."""
+        if self._in_flight is not None:  # one round in flight at most: the previous step lands first
+            await self._in_flight.done.wait()
+            await self._land_delayed()
+        replica = self.replica
+        samples = max(self.local_samples, 1)
+        for averaged, accumulator in zip(self._averaged, self.gradients, strict=True):
+            torch.div(accumulator, samples, out=averaged)
+        in_flight = _DelayedRound(replica.epoch, float(self.local_samples))
+        self._in_flight = in_flight
+        replica.count_round(None)  # provisional: a group one epoch ahead moves us once more on landing
+        self._reset_accumulators()
+        self._update_epoch_throughput(samples)
+        assert self.delay_updates is not None
+        self.delay_updates.start_soon(self._average_in_background, in_flight)
+        await replica.publish(self.local_samples)
+
+    async def _average_in_background(self, in_flight: _DelayedRound) -> None:
+        with in_flight.scope:
+            in_flight.record = await average_once(
+                self.grad_averager,
+                epoch=in_flight.epoch,
+                weight=in_flight.weight,
+                fallback="stepping on local gradients",
+            )
+            in_flight.done.set()
+
+    async def _land_delayed(self) -> None:
+        """Apply the step of the round that finished in the background."""
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None and in_flight.record is not None
+        replica = self.replica
+        async with replica.state.locked_tensors():
+            await trio.to_thread.run_sync(self._apply_gradients)
+        record = in_flight.record
+        if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
+            replica.epoch = max(replica.epoch, in_flight.epoch + 2)
+        await self._after_step(record)
+
+    def _update_epoch_throughput(self, samples: int) -> None:
         now = trio.current_time()
         if self._epoch_started is not None and now > self._epoch_started:
-            replica.samples_per_s = samples / (now - self._epoch_started)  # including the averaging time
+            self.replica.samples_per_s = samples / (now - self._epoch_started)  # including averaging time
         self._epoch_started = now
+
+    async def _after_step(self, record: AveragingRecord) -> None:
+        replica = self.replica
+        replica.last_round = record
         await replica.publish(self.local_samples)
         await replica.announce_state()
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
@@ -236,7 +329,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                 await self._sanitize_state()
 
     def _apply_gradients(self) -> None:
-        for accumulator, param in zip(self.gradients, self.params, strict=True):
+        for accumulator, param in zip(self._averaged, self.params, strict=True):
             param.grad = accumulator.to(param.device, param.dtype).clone()
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)

@@ -1,0 +1,42 @@
+"""Delayed parameter updates in collaborative mode: an epoch's gradients are averaged in the
+background while the next epoch accumulates, and the swarm still converges together."""
+
+from __future__ import annotations
+
+import trio
+
+from tests.test_training import make_trainer, open_swarm
+
+
+async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_while_averaging():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        async with trio.open_nursery() as background:
+            trainers = [make_trainer(node, i, 3, delay_updates=background) for i, node in enumerate(nodes)]
+            overlapped = [0, 0, 0]  # batches accumulated while this peer's round ran in the background
+            statuses = {}
+
+            async def train(i):
+                trainer = trainers[i]
+                original = trainer.optimizer.step
+
+                async def counting_step(batch_size):
+                    if trainer.optimizer.averaging_in_background:
+                        overlapped[i] += 1
+                    return await original(batch_size)
+
+                trainer.optimizer.step = counting_step
+                statuses[i] = await trainer.run(max_epochs=60, target_accuracy=0.9)
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as inner:
+                    for i in range(3):
+                        inner.start_soon(train, i)
+            background.cancel_scope.cancel()
+        assert max(s.accuracy for s in statuses.values()) >= 0.9
+        assert all(count > 0 for count in overlapped), overlapped
+        averaged = [t.optimizer.last_averaging for t in trainers]
+        assert any(record and record["averaged"] and record["group"] >= 2 for record in averaged), averaged
+        epochs = [t.optimizer.epoch for t in trainers]
+        assert max(epochs) - min(epochs) <= 1, epochs
+        nursery.cancel_scope.cancel()
