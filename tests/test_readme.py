@@ -1,0 +1,30 @@
+"""What the README promises a newcomer: the two set-up commands it opens with, a truthful torch
+note, commands that fit together."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, re.S)
+
+
+def test_the_readme_opens_with_exactly_two_set_up_commands():
+    opening = README.split("\n---\n", 1)[0]
+    blocks = bash_blocks(opening)
+    assert len(blocks) == 2 and all(len(block.strip().splitlines()) == 1 for block in blocks)
+    swarm, tests = (block.strip() for block in blocks)
+    assert swarm == "pip install torch==2.13.0 && pip install -e . && peerd swarm --peers 3"
+    assert tests == "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest"
+
+
+def test_the_torch_note_says_what_pypi_gives_and_how_to_get_the_cpu_build():
+    opening = README.split("\n---\n", 1)[0]
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in opening
+    assert "CUDA build" in opening
+    dockerfile = (Path(__file__).resolve().parent.parent / "docker" / "Dockerfile").read_text()
+    assert "https://download.pytorch.org/whl/cpu" in dockerfile  # the same index the README names
