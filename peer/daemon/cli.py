@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -22,14 +21,13 @@ from peer.identity import Identity, IdentityError, default_identity_path
 from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
+from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
 from .node_ids import add_difficulty_argument, node_id_for
-from .runner import EXIT_UNREACHABLE, run_joining
+from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
 from .status_server import fetch_status
 from .swarm import run_swarm
-
-EXIT_BAD_INPUT = 1
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -150,17 +148,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _join_main(config: DaemonConfig) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+async def _join_main(config: DaemonConfig) -> int:
+    async def serve() -> None:
         async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal() -> None:
-                async for signum in signals:
-                    logging.getLogger("peerd").info("received %s, shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(stop_on_signal)
             daemon = await nursery.start(run_daemon, config)
             address = daemon.host.listen_address
             if address is not None:
@@ -169,6 +159,8 @@ async def _join_main(config: DaemonConfig) -> None:
                 print("peerd running in client mode (accepting no connections)", flush=True)
             if daemon.status_port is not None:
                 print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
+
+    return await until_stopped(serve)
 
 
 def _experts(args: argparse.Namespace):
@@ -255,6 +247,14 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before or after a command's own signal handling
+        print("peerd: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = parse_command_line(argv)
     except SettingsError as error:

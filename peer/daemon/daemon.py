@@ -9,6 +9,7 @@ Nothing here knows about argparse; ``peer/daemon/cli.py`` turns flags and ``PEER
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -23,6 +24,7 @@ from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
 from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, Request, Router, open_peer_host
 
+from .ports import naming_port
 from .status_server import prometheus_text, serve_status
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
@@ -128,20 +130,30 @@ class Daemon:
         router = Router()
         add_builtin_methods(router, lambda: self.host)
         listen = None if config.client_mode else (config.listen_host, config.listen_port)
-        async with open_peer_host(
-            config.identity,
-            listen=listen,
-            router=router,
-            run_id=config.run_id,
-            client_mode=config.client_mode,
-            node_id_difficulty=config.node_id_difficulty,
-            node_id=config.node_id,
-        ) as host:
+        async with contextlib.AsyncExitStack() as stack:
+            with naming_port("listen", config.listen_host, config.listen_port, "--listen HOST:PORT"):
+                host = await stack.enter_async_context(
+                    open_peer_host(
+                        config.identity,
+                        listen=listen,
+                        router=router,
+                        run_id=config.run_id,
+                        client_mode=config.client_mode,
+                        node_id_difficulty=config.node_id_difficulty,
+                        node_id=config.node_id,
+                    )
+                )
             self.host = host
             async with trio.open_nursery() as nursery:
                 host.on_connection.append(functools.partial(_log_connection, nursery))
                 if config.status_port is not None:
-                    port = await nursery.start(serve_status, config.status_port, self.status, self.metrics)
+                    with naming_port("status", config.status_host, config.status_port, "--status-port"):
+                        port = await nursery.start(
+                            functools.partial(serve_status, host=config.status_host),
+                            config.status_port,
+                            self.status,
+                            self.metrics,
+                        )
                     log.info("status on http://%s:%d/status", config.status_host, port)
                     self.status_port = port
                 task_status.started(self)

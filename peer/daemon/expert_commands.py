@@ -8,8 +8,8 @@ options) and hosts experts on its own peer through ``moe.hosting.host_experts``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -22,8 +22,10 @@ from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingC
 from peer import Identity, NodeIDProof, PeerAddress
 
 from .arguments import listen_address, peer_address
+from .exit_codes import EXIT_BAD_INPUT
 from .node_ids import add_difficulty_argument, node_id_for
-from .runner import run_joining
+from .ports import naming_port
+from .runner import run_joining, until_stopped
 from .settings import Settings
 
 __all__ = [
@@ -34,8 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("peerd.moe")
-
-EXIT_BAD_INPUT = 1
 
 
 def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--experts", device: bool = True) -> None:
@@ -103,16 +103,20 @@ def _announce_host(args: argparse.Namespace) -> str | None:
 
 async def _serve_main(
     args: argparse.Namespace, config: ExpertHostingConfig, experts: dict, identity: Identity, node_id: NodeIDProof
-) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with DHTNode.open(
-            identity=identity,
-            listen=args.listen,
-            initial_peers=args.initial_peer,
-            run_id=args.run_id,
-            node_id_difficulty=args.node_id_difficulty,
-            node_id=node_id,
-        ) as node:
+) -> int:
+    async def serve() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            with naming_port("experts", *args.listen, "--listen HOST:PORT"):
+                node = await stack.enter_async_context(
+                    DHTNode.open(
+                        identity=identity,
+                        listen=args.listen,
+                        initial_peers=args.initial_peer,
+                        run_id=args.run_id,
+                        node_id_difficulty=args.node_id_difficulty,
+                        node_id=node_id,
+                    )
+                )
             announce = _announce_host(args)
             address = node.host.listen_address
             if announce is not None:  # advertise a reachable host instead of the wildcard we bound
@@ -125,10 +129,8 @@ async def _serve_main(
                 )
                 first, last = uids[0], uids[-1]
                 print(f"peerd serving {len(uids)} experts {first}..{last} at {address}", flush=True)
-                async for signum in signals:
-                    log.info("received %s, saving and shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    break
+
+    return await until_stopped(serve)
 
 
 def run_serve_experts(args: argparse.Namespace) -> int:
