@@ -54,3 +54,17 @@ def test_serve_experts_on_a_port_in_use_names_the_port(busy_port):
     result = run_peerd(*args)
     assert result.returncode == EXIT_IN_USE, result.stderr
     assert_one_clear_line(result, f"experts port 127.0.0.1:{busy_port} is already in use", "--listen")
+
+
+def test_a_second_process_on_one_identity_file_fails_at_once(tmp_path):
+    key = tmp_path / "id.key"
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(key), "--node-id-difficulty", str(LOCAL_DIFFICULTY)]
+    with PeerdProcess(args, tmp_path / "first.log") as first:
+        assert first.read_line(timeout=30).startswith("peerd listening on ")
+        second = run_peerd(*args, timeout=30)
+        assert second.returncode == EXIT_IN_USE, second.stderr
+        assert_one_clear_line(second, f"identity file {key} is in use", f"pid {first.process.pid}", "--identity")
+        assert first.process.poll() is None  # the first peer is untouched
+    # The lock dies with its process, however it ends (here SIGKILL): the key is usable again.
+    with PeerdProcess(args, tmp_path / "third.log") as third:
+        assert third.read_line(timeout=30).startswith("peerd listening on ")

@@ -28,3 +28,11 @@ def test_the_torch_note_says_what_pypi_gives_and_how_to_get_the_cpu_build():
     assert "CUDA build" in opening
     dockerfile = (Path(__file__).resolve().parent.parent / "docker" / "Dockerfile").read_text()
     assert "https://download.pytorch.org/whl/cpu" in dockerfile  # the same index the README names
+
+
+def test_join_uses_the_key_that_keygen_wrote():
+    section = README.split("**Contribute a machine to a run**", 1)[1]
+    commands = bash_blocks(section)[0].replace("\\\n", " ")
+    keygen = re.search(r"peerd keygen --identity (\S+)", commands)
+    join = re.search(r"peerd join .*--identity (\S+)", commands)
+    assert keygen and join and keygen.group(1) == join.group(1)

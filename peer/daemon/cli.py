@@ -21,8 +21,9 @@ from peer.identity import Identity, IdentityError, default_identity_path
 from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
-from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from .exit_codes import EXIT_BAD_INPUT, EXIT_IN_USE, EXIT_INTERRUPTED
 from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
+from .identity_lock import IdentityInUseError, lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
 from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
@@ -180,13 +181,14 @@ def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
+    identity_path = Path(args.identity) if args.identity else default_identity_path()
+    lock_identity(identity_path)  # before the slow start-up, so a second process fails at once
     shard = None
     if args.task is not None:
         from .tasks import ShardSpec, load_task  # torch loads only in peers that train
 
         shard = ShardSpec(*args.data_shard)
         load_task(args.task, shard=shard, device="cpu")  # fail now, with a clear message
-    identity_path = Path(args.identity) if args.identity else default_identity_path()
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
     host, port = args.listen
@@ -278,6 +280,9 @@ def _main(argv: list[str] | None) -> int:
             return run_dht_command(args)
         if args.command == "serve-experts":
             return run_serve_experts(args)
+    except IdentityInUseError as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_IN_USE
     except (IdentityError, ValueError) as error:  # TaskError is a ValueError
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

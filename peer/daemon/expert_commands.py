@@ -23,6 +23,7 @@ from peer import Identity, NodeIDProof, PeerAddress
 
 from .arguments import listen_address, peer_address
 from .exit_codes import EXIT_BAD_INPUT
+from .identity_lock import lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
 from .ports import naming_port
 from .runner import run_joining, until_stopped
@@ -138,6 +139,8 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     if not args.experts:
         print("peerd: serve-experts needs --experts PATTERN, e.g. 'ffn.[0:4].[0:4]'", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.identity:
+        lock_identity(args.identity)  # IdentityInUseError: EXIT_IN_USE (cli.py)
     try:
         config = config_from_args(args)
         experts = config.build_experts()
