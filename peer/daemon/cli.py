@@ -28,7 +28,7 @@ from .node_ids import add_difficulty_argument, node_id_for
 from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
 from .status_server import fetch_status
-from .swarm import run_swarm
+from .swarm import add_swarm_arguments, run_swarm
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -67,13 +67,7 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     _add_config_argument(status, None)
 
     swarm = commands.add_parser("swarm", help="run N local peers training a task until a target accuracy")
-    swarm.add_argument("--peers", type=int, default=3)
-    swarm.add_argument("--task", default="digits")
-    swarm.add_argument("--mode", choices=["collaborative", "local-updates"], default="collaborative")
-    swarm.add_argument("--target-accuracy", type=float, default=0.9)
-    swarm.add_argument("--max-epochs", type=int, default=200)
-    swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS")
-    swarm.add_argument("--log-dir", type=Path, default=None, help="keep each peer's log here")
+    add_swarm_arguments(swarm)
 
     add_dht_commands(commands, settings)
     add_serve_experts_command(commands, settings)
