@@ -36,3 +36,11 @@ def test_join_uses_the_key_that_keygen_wrote():
     keygen = re.search(r"peerd keygen --identity (\S+)", commands)
     join = re.search(r"peerd join .*--identity (\S+)", commands)
     assert keygen and join and keygen.group(1) == join.group(1)
+
+
+def test_the_exit_status_table_is_the_one_the_code_uses():
+    from peer.daemon.exit_codes import EXIT_CODES
+
+    section = README.split("## Exit status", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", section, re.M))
+    assert {int(code): text for code, text in rows.items()} == EXIT_CODES

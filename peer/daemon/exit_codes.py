@@ -14,6 +14,7 @@ __all__ = [
     "EXIT_TARGET_MISSED",
     "EXIT_USAGE",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
     "EXIT_CODES",
 ]
 
@@ -24,6 +25,7 @@ EXIT_IN_USE = 3  # a port to listen on, or the identity file, is held by another
 EXIT_TARGET_MISSED = 4  # `peerd swarm` stopped (timeout, --max-epochs) before the target accuracy
 EXIT_USAGE = 64  # unknown flag, missing or malformed argument (EX_USAGE of sysexits.h)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
+EXIT_TERMINATED = 143  # `peerd swarm` stopped by SIGTERM (128 + SIGTERM); `join` exits 0 on it
 
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "done (`swarm`: target reached; `join`: stopped by SIGTERM)",
@@ -33,4 +35,5 @@ EXIT_CODES: dict[int, str] = {
     EXIT_TARGET_MISSED: "`swarm`: stopped before the target accuracy",
     EXIT_USAGE: "usage error: unknown flag, missing or malformed argument",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_TERMINATED: "`swarm`: stopped by SIGTERM",
 }

@@ -44,14 +44,22 @@ def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--expe
     ``--serve-experts`` and has its own ``--device`` for training and experts alike)."""
     parser.add_argument(flag, dest="experts", metavar="PATTERN", help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'")
     parser.add_argument("--expert-type", default="ffn", help="ffn, transformer or package.module:Class")
-    parser.add_argument("--hidden-dim", type=int, default=256)
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE)
-    parser.add_argument("--expert-optimizer", choices=["adam", "sgd"], default="adam")
-    parser.add_argument("--expert-lr", type=float, default=1e-3)
+    parser.add_argument("--hidden-dim", type=int, default=256, help="width of each expert")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="samples per batched expert call"
+    )
+    parser.add_argument("--expert-optimizer", choices=["adam", "sgd"], default="adam", help="updates the experts")
+    parser.add_argument("--expert-lr", type=float, default=1e-3, help="the expert optimizer's learning rate")
     if device:
         parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="load experts from and save them to DIR")
-    parser.add_argument("--heartbeat-period", type=float, default=HEARTBEAT_PERIOD, metavar="SECONDS")
+    parser.add_argument(
+        "--heartbeat-period",
+        type=float,
+        default=HEARTBEAT_PERIOD,
+        metavar="SECONDS",
+        help="re-announce the experts in the DHT this often",
+    )
     parser.add_argument("--seed", type=int, default=None, help="initialise experts reproducibly")
 
 
@@ -60,12 +68,17 @@ def add_serve_experts_command(subparsers: Any, settings: Settings | None = None)
     where the run's node-ID difficulty comes from when no flag gives it)."""
     parser = subparsers.add_parser("serve-experts", help="host mixture-of-experts experts for the swarm")
     add_expert_arguments(parser)
-    parser.add_argument("--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT")
+    listen = parser.add_argument(
+        "--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT", help="where to accept calls"
+    )
+    listen.default_text = "0.0.0.0:0 (any free port)"
     parser.add_argument("--announce-host", default=None, help="host to advertise (default: the listen host, "
                         "or for 0.0.0.0 the local address that reaches the first initial peer)")  # fmt: skip
-    parser.add_argument("--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR")
+    parser.add_argument(
+        "--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR", help="a peer of the swarm"
+    )
     parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
-    parser.add_argument("--run-id", default="default")
+    parser.add_argument("--run-id", default="default", help="the swarm's run ID")
     add_difficulty_argument(parser, settings)
     return parser
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from peer import LOCAL_DIFFICULTY
 
-from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED
+from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
 from .swarm_processes import SwarmPeer, stop_all, wait_started
 from .swarm_table import TableDisplay
 
@@ -178,8 +178,6 @@ def run_swarm(args: argparse.Namespace) -> int:
     print(json.dumps(summary), flush=True)
     if reached:
         return EXIT_OK
-    if stopped_by == signal.SIGINT:
-        return EXIT_INTERRUPTED
     if stopped_by is not None:
-        return 128 + stopped_by
+        return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else EXIT_TERMINATED
     return EXIT_TARGET_MISSED
