@@ -109,15 +109,17 @@ def summary_after_stop(process: PeerdProcess, sig: int, code: int) -> dict:
     return json.loads(lines[-1])
 
 
-def test_ctrl_c_while_swarm_peers_start_prints_the_summary_and_stops_them(swarm_tmp):
+@pytest.mark.parametrize("stage", ["peerd swarm:", "starting peer 0"])  # loading the task; starting peers
+def test_ctrl_c_while_a_swarm_starts_prints_the_summary_and_stops_its_peers(swarm_tmp, stage):
     tmp_path = swarm_tmp
     with swarm(tmp_path, 2) as launcher:
-        read_until(launcher, "starting peer 0", timeout=60)
-        wait_until(lambda: processes_mentioning(str(tmp_path / "tmp")), 30, "the bootstrap peer's process")
+        read_until(launcher, stage, timeout=60)
+        if stage == "starting peer 0":
+            wait_until(lambda: processes_mentioning(str(tmp_path / "tmp")), 30, "the bootstrap peer's process")
         summary = summary_after_stop(launcher, signal.SIGINT, EXIT_INTERRUPTED)
         assert summary["reached"] is False and summary["stopped_by"] == "SIGINT"
         assert processes_mentioning(str(tmp_path / "tmp")) == []
-        assert list((tmp_path / "tmp").glob("peerd-swarm-*")) == []  # the folder with the peers' private keys is gone
+        assert list((tmp_path / "tmp").glob("peerd-swarm-*")) == []  # the folder with the peers' keys is gone
 
 
 def test_sigterm_to_a_training_swarm_stops_its_peers(swarm_tmp):

@@ -96,20 +96,22 @@ def run_swarm(args: argparse.Namespace) -> int:
         print("peerd: --peers must be at least 1", file=sys.stderr)
         return 1
     display = TableDisplay(sys.stdout)
-    display.message(f"peerd swarm: {args.peers} peers training {args.task} ({args.mode}); loading the task...")
-    from .tasks import load_task  # torch loads only once a swarm is really started
-
-    load_task(args.task)  # a bad task name fails here, before any process starts
     work_dir = Path(tempfile.mkdtemp(prefix="peerd-swarm-"))  # keys (0600, in a 0700 folder)
     log_dir = args.log_dir or work_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
     run_id = f"swarm-{os.getpid()}-{int(time.time())}"
     peers: list[SwarmPeer] = []
     start = time.monotonic()
     reached, best_accuracy, epochs, stopped_by, error = False, None, 0, None, None
+    # From here on Ctrl-C and SIGTERM raise _Stopped: whenever they come, the peers are stopped
+    # and the summary printed.
     previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
+            display.message(f"peerd swarm: {args.peers} peers training {args.task} ({args.mode}); loading the task...")
+            from .tasks import load_task  # torch loads only once a swarm is really started
+
+            load_task(args.task)  # a bad task name fails here (TaskError: exit 1), before any process starts
+            log_dir.mkdir(parents=True, exist_ok=True)
 
             def started(peer: SwarmPeer) -> None:
                 took = time.monotonic() - peer.started_at
