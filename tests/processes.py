@@ -50,7 +50,8 @@ class PeerdProcess:
             time.sleep(0.05)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # (after stop() the file is complete)
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:

@@ -4,12 +4,14 @@ endpoints, and clear errors for bad input."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 
 from peer.daemon.status_server import fetch_status
+from peer.daemon.swarm_table import PLAIN_PERIOD
 
 from .processes import PEERD, PeerdProcess
 
@@ -89,17 +91,26 @@ def test_killing_one_of_three_peers_mid_run(tmp_path):
 
 
 def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
+    temp = tmp_path / "tmp"  # where the swarm's folder of keys goes, and must be gone from after
+    temp.mkdir()
     result = subprocess.run(
-        PEERD + ["swarm", "--peers", "3", "--timeout", "150", "--log-dir", str(tmp_path)],
+        PEERD + ["swarm", "--peers", "3", "--timeout", "150", "--log-dir", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
         timeout=200,
+        env=dict(os.environ, TMPDIR=str(temp)),
     )
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    lines = result.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
     assert result.returncode == 0, result.stdout[-3000:]
     assert summary["reached"] is True and summary["accuracy"] >= 0.9
     assert summary["peers_alive"] == 3 and summary["epochs"] > 0 and summary["seconds"] > 0
+    assert lines[0].startswith("peerd swarm: 3 peers") and lines[1] == "starting peer 0 (the bootstrap)..."
     assert "samples/s" in result.stdout  # the live table was shown
+    # Not a terminal: a table when a peer comes or goes, every PLAIN_PERIOD, and the last one.
+    assert result.stdout.count("samples/s") <= summary["seconds"] / PLAIN_PERIOD + 3
+    assert list(temp.glob("peerd-swarm-*")) == []  # the peers' private keys went with the swarm
+    assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["peer0.log", "peer1.log", "peer2.log"]
 
 
 def test_bad_task_name_is_a_clear_error(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -22,14 +21,15 @@ from peer.identity import Identity, IdentityError, default_identity_path
 from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
+from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTED
 from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
+from .help import PeerdArgumentParser, add_everywhere, env_setting
+from .identity_lock import IdentityInUseError, lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
-from .runner import EXIT_UNREACHABLE, run_joining
+from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
 from .status_server import fetch_status
-from .swarm import run_swarm
-
-EXIT_BAD_INPUT = 1
+from .swarm import add_swarm_arguments, run_swarm
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -43,49 +43,79 @@ def _peer_list(text: str) -> list[PeerAddress]:
     return [peer_address(item) for item in text.replace(",", " ").split()]
 
 
+DESCRIPTION = """Decentralized volunteer-training peer daemon.
+
+Every flag can also come from a PEERD_* environment variable (shown in each command's --help) or
+a TOML file (--config); a flag wins over the variable, the variable over the file."""
+
+EPILOG = "exit status:\n" + "\n".join(
+    f"  {code:>3}  {meaning.replace('`', '')}" for code, meaning in EXIT_CODES.items()
+)
+
+
 def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     """The ``peerd`` parser; defaults that no flag overrides come from ``settings`` (by default
     the ``PEERD_*`` environment variables alone). Raises SettingsError for a value it cannot use."""
     settings = settings if settings is not None else Settings()
     env = settings.get
-    parser = argparse.ArgumentParser(prog="peerd", description="Decentralized volunteer-training peer daemon")
+    parser = PeerdArgumentParser(prog="peerd", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
     _add_config_argument(parser, settings)
-    parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
-    commands = parser.add_subparsers(dest="command", required=True)
+    log_levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    env_setting(
+        parser.add_argument(
+            "--log-level",
+            type=str.upper,
+            choices=log_levels,
+            default=env("LOG_LEVEL", "INFO").upper(),
+            help="log detail",
+        ),
+        "LOG_LEVEL",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID")
-    keygen.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file (default: user data dir)")
-    _add_config_argument(keygen, None)
+    keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID", epilog=EPILOG)
+    env_setting(
+        keygen.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file to create"),
+        "IDENTITY",
+        default_text=str(default_identity_path()) if env("IDENTITY") is None else None,
+    )
 
-    join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train")
+    join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train", epilog=EPILOG)
     add_join_arguments(join, settings)
 
-    status = commands.add_parser("status", help="show a running peer's /status for humans")
-    status.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int, 8080))
-    status.add_argument("--status-host", default="127.0.0.1")
+    status = commands.add_parser("status", help="show a running peer's /status for humans", epilog=EPILOG)
+    env_setting(
+        status.add_argument(
+            "--status-port",
+            type=int,
+            default=settings.parsed("STATUS_PORT", int, 8080),
+            metavar="PORT",
+            help="the peer's --status-port",
+        ),
+        "STATUS_PORT",
+    )
+    status.add_argument("--status-host", default="127.0.0.1", help="where that peer serves its status")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
-    _add_config_argument(status, None)
 
-    swarm = commands.add_parser("swarm", help="run N local peers training a task until a target accuracy")
-    swarm.add_argument("--peers", type=int, default=3)
-    swarm.add_argument("--task", default="digits")
-    swarm.add_argument("--mode", choices=["collaborative", "local-updates"], default="collaborative")
-    swarm.add_argument("--target-accuracy", type=float, default=0.9)
-    swarm.add_argument("--max-epochs", type=int, default=200)
-    swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS")
-    swarm.add_argument("--log-dir", type=Path, default=None, help="keep each peer's log here")
+    swarm = commands.add_parser(
+        "swarm", help="run N local peers training a task until a target accuracy", epilog=EPILOG
+    )
+    add_swarm_arguments(swarm)
 
     add_dht_commands(commands, settings)
     add_serve_experts_command(commands, settings)
+    add_everywhere(parser, "--config", "--log-level")
     return parser
 
 
 def _add_config_argument(parser: argparse.ArgumentParser, settings: Settings | None) -> None:
-    """``--config`` on the top-level parser (``settings`` given: its default) and on subcommands
-    (no default of their own, so they never hide a top-level ``--config``)."""
+    """``--config`` on the top-level parser (``settings`` given: its default); ``add_everywhere``
+    copies it to every subcommand."""
     default = settings.source if settings is not None else argparse.SUPPRESS
-    parser.add_argument("--config", metavar="FILE", default=default, help="TOML file of settings (PEERD_CONFIG)")
+    env_setting(
+        parser.add_argument("--config", metavar="FILE", default=default, help="TOML file of settings"), "CONFIG"
+    )
 
 
 def _choice(*allowed: str):
@@ -99,48 +129,158 @@ def _choice(*allowed: str):
 
 def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
     env = settings.get
-    _add_config_argument(join, None)
-    join.add_argument(
-        "--listen",
-        type=listen_address,
-        default=settings.parsed("LISTEN", listen_address, listen_address("0.0.0.0:31337")),
-        metavar="HOST:PORT",
+    listen = settings.parsed("LISTEN", listen_address, listen_address("0.0.0.0:31337"))
+    env_setting(
+        join.add_argument(
+            "--listen",
+            type=listen_address,
+            default=listen,
+            metavar="HOST:PORT",
+            help="where to accept peers (port 0: any)",
+        ),
+        "LISTEN",
+        default_text=f"{listen[0]}:{listen[1]}",
     )
-    join.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file, created on first use")
-    join.add_argument(
-        "--initial-peer",
-        type=peer_address,
-        action="append",
-        default=None,
-        metavar="ADDR",
-        help="repeatable; without it, PEERD_INITIAL_PEERS / initial_peers",
+    env_setting(
+        join.add_argument(
+            "--identity",
+            type=Path,
+            default=env("IDENTITY"),
+            help="Ed25519 key file, created on first use; one process per key",
+        ),
+        "IDENTITY",
+        default_text=str(default_identity_path()) if env("IDENTITY") is None else None,
+    )
+    env_setting(
+        join.add_argument(
+            "--initial-peer",
+            type=peer_address,
+            action="append",
+            default=None,
+            metavar="ADDR",
+            help="a peer to join through, HOST:PORT or HOST:PORT/PEERID (pinned identity); repeatable"
+            " (the variable: space- or comma-separated)",
+        ),
+        "INITIAL_PEERS",
     )
     # Parsed only by ``join``, so that a bad address does not break every other command.
     join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
-    join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run")
-    add_difficulty_argument(join, settings)
-    join.add_argument("--bootstrap-timeout", type=float, default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0))
-    join.add_argument(
-        "--client-mode",
-        action=argparse.BooleanOptionalAction,
-        default=settings.parsed("CLIENT_MODE", parse_bool, False),
-        help="behind NAT: make requests, accept none",
+    env_setting(
+        join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run"),
+        "RUN_ID",
     )
-    join.add_argument("--task", default=env("TASK"), help="train this task: a built-in name or package.module:factory")
-    join.add_argument(
-        "--model-size",
-        default=env("MODEL_SIZE"),
-        help="model shape for sized tasks (textlm: tiny, small (default), base, medium, large, xl)",
+    add_difficulty_argument(join, settings)
+    env_setting(
+        join.add_argument(
+            "--bootstrap-timeout",
+            type=float,
+            default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0),
+            metavar="SECONDS",
+            help="exit 2 if no initial peer answers within this",
+        ),
+        "BOOTSTRAP_TIMEOUT",
+    )
+    env_setting(
+        join.add_argument(
+            "--client-mode",
+            action=argparse.BooleanOptionalAction,
+            default=settings.parsed("CLIENT_MODE", parse_bool, False),
+            help="behind NAT: make requests, accept none",
+        ),
+        "CLIENT_MODE",
+    )
+    env_setting(
+        join.add_argument(
+            "--task",
+            default=env("TASK"),
+            help="train this task: a built-in name (digits, textlm) or package.module:factory",
+        ),
+        "TASK",
+    )
+    env_setting(
+        join.add_argument(
+            "--model-size",
+            default=env("MODEL_SIZE"),
+            help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; default small)",
+        ),
+        "MODEL_SIZE",
+    )
+    env_setting(
+        join.add_argument(
+            "--delay-updates",
+            action=argparse.BooleanOptionalAction,
+            default=settings.parsed("DELAY_UPDATES", parse_bool, False),
+            help="collaborative mode: average an epoch's gradients while the next one accumulates",
+        ),
+        "DELAY_UPDATES",
+    )
+    env_setting(
+        join.add_argument(
+            "--compression",
+            default=env("COMPRESSION"),
+            help="codec for averaged gradients or pseudo-gradients: none, float16, scaled_float16, uint8, "
+            "blockwise_8bit, adaptive (default: none in collaborative mode, blockwise_8bit in local-updates)",
+        ),
+        "COMPRESSION",
     )
     modes = ("collaborative", "local-updates")
-    join.add_argument("--mode", choices=modes, default=settings.parsed("MODE", _choice(*modes), "collaborative"))
-    join.add_argument("--local-steps", type=int, default=settings.parsed("LOCAL_STEPS", int, 20))
-    join.add_argument("--target-batch-size", type=int, default=settings.parsed("TARGET_BATCH_SIZE", int))
-    join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
-    join.add_argument("--data-shard", type=_shard, default=settings.parsed("DATA_SHARD", _shard, (0, 1)), metavar="I/N")
-    join.add_argument("--status-port", type=int, default=settings.parsed("STATUS_PORT", int), metavar="PORT")
-    join.add_argument("--status-host", default=env("STATUS_HOST", "127.0.0.1"))
+    env_setting(
+        join.add_argument(
+            "--mode",
+            choices=modes,
+            default=settings.parsed("MODE", _choice(*modes), "collaborative"),
+            help="gradient averaging, or DiLoCo-style local steps and outer rounds",
+        ),
+        "MODE",
+    )
+    env_setting(
+        join.add_argument(
+            "--local-steps",
+            type=int,
+            default=settings.parsed("LOCAL_STEPS", int, 20),
+            help="inner steps per round in local-updates mode",
+        ),
+        "LOCAL_STEPS",
+    )
+    env_setting(
+        join.add_argument(
+            "--target-batch-size",
+            type=int,
+            default=settings.parsed("TARGET_BATCH_SIZE", int),
+            help="swarm-wide samples per epoch in collaborative mode (default: the task's)",
+        ),
+        "TARGET_BATCH_SIZE",
+    )
+    env_setting(
+        join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)"),
+        "DEVICE",
+    )
+    shard = settings.parsed("DATA_SHARD", _shard, (0, 1))
+    env_setting(
+        join.add_argument(
+            "--data-shard", type=_shard, default=shard, metavar="I/N", help="train on shard I of N of the task's data"
+        ),
+        "DATA_SHARD",
+        default_text=f"{shard[0]}/{shard[1]}",
+    )
+    env_setting(
+        join.add_argument(
+            "--status-port",
+            type=int,
+            default=settings.parsed("STATUS_PORT", int),
+            metavar="PORT",
+            help="serve /status and /metrics on this port (0: any; default: none)",
+        ),
+        "STATUS_PORT",
+    )
+    env_setting(
+        join.add_argument(
+            "--status-host", default=env("STATUS_HOST", "127.0.0.1"), help="address the status port binds"
+        ),
+        "STATUS_HOST",
+    )
     add_expert_arguments(join, flag="--serve-experts", device=False)
+    env_setting(join._option_string_actions["--serve-experts"], "SERVE_EXPERTS")
     join.set_defaults(experts=env("SERVE_EXPERTS"))
 
 
@@ -155,17 +295,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _join_main(config: DaemonConfig) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+async def _join_main(config: DaemonConfig) -> int:
+    async def serve() -> None:
         async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal() -> None:
-                async for signum in signals:
-                    logging.getLogger("peerd").info("received %s, shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(stop_on_signal)
             daemon = await nursery.start(run_daemon, config)
             address = daemon.host.listen_address
             if address is not None:
@@ -174,6 +306,8 @@ async def _join_main(config: DaemonConfig) -> None:
                 print("peerd running in client mode (accepting no connections)", flush=True)
             if daemon.status_port is not None:
                 print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
+
+    return await until_stopped(serve)
 
 
 def _experts(args: argparse.Namespace):
@@ -193,13 +327,18 @@ def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
+    identity_path = Path(args.identity) if args.identity else default_identity_path()
+    lock_identity(identity_path)  # before the slow start-up, so a second process fails at once
     shard = None
     if args.task is not None:
         from .tasks import ShardSpec, check_task  # torch loads only in peers that train
 
         shard = ShardSpec(*args.data_shard)
         check_task(args.task, args.model_size)  # fail now, with a clear message
-    identity_path = Path(args.identity) if args.identity else default_identity_path()
+    if args.compression is not None:
+        from averaging.compression import get_codec  # torch loads only in peers that train
+
+        get_codec(args.compression)  # an unknown codec is a ValueError: one line, exit 1
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
     host, port = args.listen
@@ -216,6 +355,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
         task=args.task,
         model_size=args.model_size,
         mode=args.mode,
+        delay_updates=args.delay_updates,
+        compression=args.compression,
         device=args.device,
         shard=shard,
         target_batch_size=args.target_batch_size,
@@ -262,12 +403,20 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before or after a command's own signal handling
+        print("peerd: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         args = parse_command_line(argv)
     except SettingsError as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -284,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_dht_command(args)
         if args.command == "serve-experts":
             return run_serve_experts(args)
+    except IdentityInUseError as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_IN_USE
     except (IdentityError, ValueError) as error:  # TaskError is a ValueError
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

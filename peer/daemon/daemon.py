@@ -9,6 +9,7 @@ Nothing here knows about argparse; ``peer/daemon/cli.py`` turns flags and ``PEER
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -23,6 +24,7 @@ from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
 from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, Request, Router, open_peer_host
 
+from .ports import naming_port
 from .status_server import prometheus_text, serve_status
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
@@ -46,6 +48,8 @@ class DaemonConfig:
     task: str | None = None
     model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
+    delay_updates: bool = False  # collaborative: average while the next epoch accumulates
+    compression: str | None = None  # codec name; None: each mode's default
     device: str | None = None  # None: CUDA when available
     shard: Any = None  # peer.daemon.tasks.ShardSpec; None = the whole data set
     target_batch_size: int | None = None
@@ -132,20 +136,30 @@ class Daemon:
         router = Router()
         add_builtin_methods(router, lambda: self.host)
         listen = None if config.client_mode else (config.listen_host, config.listen_port)
-        async with open_peer_host(
-            config.identity,
-            listen=listen,
-            router=router,
-            run_id=config.run_id,
-            client_mode=config.client_mode,
-            node_id_difficulty=config.node_id_difficulty,
-            node_id=config.node_id,
-        ) as host:
+        async with contextlib.AsyncExitStack() as stack:
+            with naming_port("listen", config.listen_host, config.listen_port, "--listen HOST:PORT"):
+                host = await stack.enter_async_context(
+                    open_peer_host(
+                        config.identity,
+                        listen=listen,
+                        router=router,
+                        run_id=config.run_id,
+                        client_mode=config.client_mode,
+                        node_id_difficulty=config.node_id_difficulty,
+                        node_id=config.node_id,
+                    )
+                )
             self.host = host
             async with trio.open_nursery() as nursery:
                 host.on_connection.append(functools.partial(_log_connection, nursery))
                 if config.status_port is not None:
-                    port = await nursery.start(serve_status, config.status_port, self.status, self.metrics)
+                    with naming_port("status", config.status_host, config.status_port, "--status-port"):
+                        port = await nursery.start(
+                            functools.partial(serve_status, host=config.status_host),
+                            config.status_port,
+                            self.status,
+                            self.metrics,
+                        )
                     log.info("status on http://%s:%d/status", config.status_host, port)
                     self.status_port = port
                 task_status.started(self)
@@ -185,14 +199,20 @@ class Daemon:
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{config.run_id}.{task.name}"
         async with trio.open_nursery() as background:
+            codec = {} if config.compression is None else {"codec": config.compression}
             if config.mode == "local-updates":
                 # (averaging of each round overlaps the next round's local steps, in `background`)
                 optimizer = LocalUpdatesOptimizer(
-                    inner, dht, prefix=prefix, local_steps=config.local_steps, background=background
+                    inner, dht, prefix=prefix, local_steps=config.local_steps, background=background, **codec
                 )
             else:
                 optimizer = CollaborativeOptimizer(
-                    inner, dht, prefix=prefix, target_batch_size=config.target_batch_size or task.target_batch_size
+                    inner,
+                    dht,
+                    prefix=prefix,
+                    target_batch_size=config.target_batch_size or task.target_batch_size,
+                    delay_updates=background if config.delay_updates else None,
+                    **codec,
                 )
             self.trainer = Trainer(task, optimizer)
             log.info("training task %s on %s (%s mode)", task.name, device, config.mode)

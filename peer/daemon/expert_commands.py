@@ -8,8 +8,8 @@ options) and hosts experts on its own peer through ``moe.hosting.host_experts``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -22,8 +22,11 @@ from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingC
 from peer import Identity, NodeIDProof, PeerAddress
 
 from .arguments import listen_address, peer_address
+from .exit_codes import EXIT_BAD_INPUT
+from .identity_lock import lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
-from .runner import run_joining
+from .ports import naming_port
+from .runner import run_joining, until_stopped
 from .settings import Settings
 
 __all__ = [
@@ -35,22 +38,28 @@ __all__ = [
 
 log = logging.getLogger("peerd.moe")
 
-EXIT_BAD_INPUT = 1
-
 
 def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--experts", device: bool = True) -> None:
     """The expert flags (shared by ``serve-experts`` and ``join``, which names the pattern flag
     ``--serve-experts`` and has its own ``--device`` for training and experts alike)."""
     parser.add_argument(flag, dest="experts", metavar="PATTERN", help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'")
     parser.add_argument("--expert-type", default="ffn", help="ffn, transformer or package.module:Class")
-    parser.add_argument("--hidden-dim", type=int, default=256)
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE)
-    parser.add_argument("--expert-optimizer", choices=["adam", "sgd"], default="adam")
-    parser.add_argument("--expert-lr", type=float, default=1e-3)
+    parser.add_argument("--hidden-dim", type=int, default=256, help="width of each expert")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="samples per batched expert call"
+    )
+    parser.add_argument("--expert-optimizer", choices=["adam", "sgd"], default="adam", help="updates the experts")
+    parser.add_argument("--expert-lr", type=float, default=1e-3, help="the expert optimizer's learning rate")
     if device:
         parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="load experts from and save them to DIR")
-    parser.add_argument("--heartbeat-period", type=float, default=HEARTBEAT_PERIOD, metavar="SECONDS")
+    parser.add_argument(
+        "--heartbeat-period",
+        type=float,
+        default=HEARTBEAT_PERIOD,
+        metavar="SECONDS",
+        help="re-announce the experts in the DHT this often",
+    )
     parser.add_argument("--seed", type=int, default=None, help="initialise experts reproducibly")
 
 
@@ -59,12 +68,17 @@ def add_serve_experts_command(subparsers: Any, settings: Settings | None = None)
     where the run's node-ID difficulty comes from when no flag gives it)."""
     parser = subparsers.add_parser("serve-experts", help="host mixture-of-experts experts for the swarm")
     add_expert_arguments(parser)
-    parser.add_argument("--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT")
+    listen = parser.add_argument(
+        "--listen", type=listen_address, default=("0.0.0.0", 0), metavar="HOST:PORT", help="where to accept calls"
+    )
+    listen.default_text = "0.0.0.0:0 (any free port)"
     parser.add_argument("--announce-host", default=None, help="host to advertise (default: the listen host, "
                         "or for 0.0.0.0 the local address that reaches the first initial peer)")  # fmt: skip
-    parser.add_argument("--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR")
+    parser.add_argument(
+        "--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR", help="a peer of the swarm"
+    )
     parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
-    parser.add_argument("--run-id", default="default")
+    parser.add_argument("--run-id", default="default", help="the swarm's run ID")
     add_difficulty_argument(parser, settings)
     return parser
 
@@ -103,16 +117,20 @@ def _announce_host(args: argparse.Namespace) -> str | None:
 
 async def _serve_main(
     args: argparse.Namespace, config: ExpertHostingConfig, experts: dict, identity: Identity, node_id: NodeIDProof
-) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with DHTNode.open(
-            identity=identity,
-            listen=args.listen,
-            initial_peers=args.initial_peer,
-            run_id=args.run_id,
-            node_id_difficulty=args.node_id_difficulty,
-            node_id=node_id,
-        ) as node:
+) -> int:
+    async def serve() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            with naming_port("experts", *args.listen, "--listen HOST:PORT"):
+                node = await stack.enter_async_context(
+                    DHTNode.open(
+                        identity=identity,
+                        listen=args.listen,
+                        initial_peers=args.initial_peer,
+                        run_id=args.run_id,
+                        node_id_difficulty=args.node_id_difficulty,
+                        node_id=node_id,
+                    )
+                )
             announce = _announce_host(args)
             address = node.host.listen_address
             if announce is not None:  # advertise a reachable host instead of the wildcard we bound
@@ -125,10 +143,8 @@ async def _serve_main(
                 )
                 first, last = uids[0], uids[-1]
                 print(f"peerd serving {len(uids)} experts {first}..{last} at {address}", flush=True)
-                async for signum in signals:
-                    log.info("received %s, saving and shutting down", signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    break
+
+    return await until_stopped(serve)
 
 
 def run_serve_experts(args: argparse.Namespace) -> int:
@@ -136,6 +152,8 @@ def run_serve_experts(args: argparse.Namespace) -> int:
     if not args.experts:
         print("peerd: serve-experts needs --experts PATTERN, e.g. 'ffn.[0:4].[0:4]'", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.identity:
+        lock_identity(args.identity)  # IdentityInUseError: EXIT_IN_USE (cli.py)
     try:
         config = config_from_args(args)
         experts = config.build_experts()

@@ -13,7 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from peer import DEFAULT_DIFFICULTY, Identity, NodeIDProof
+from peer import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.node_id import MAX_DIFFICULTY, check_difficulty, load_or_solve
 
 from .settings import Settings
@@ -40,14 +40,15 @@ def add_difficulty_argument(parser: argparse.ArgumentParser, settings: Settings 
     """``--node-id-difficulty``, defaulting to ``PEERD_NODE_ID_DIFFICULTY`` / the file, then to
     ``DEFAULT_DIFFICULTY`` (a public run's)."""
     settings = settings if settings is not None else Settings()
-    parser.add_argument(
+    action = parser.add_argument(
         "--node-id-difficulty",
         type=_difficulty,
         default=settings.parsed("NODE_ID_DIFFICULTY", _difficulty, DEFAULT_DIFFICULTY),
         metavar="BITS",
-        help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (default {DEFAULT_DIFFICULTY}; "
-        "local swarms and tests use 8)",
+        help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (public runs: "
+        f"{DEFAULT_DIFFICULTY}, ~10 s once per key; local swarms and tests: {LOCAL_DIFFICULTY})",
     )
+    action.env = "PEERD_NODE_ID_DIFFICULTY"  # shown by peer/daemon/help.py
 
 
 def solve_estimate(difficulty: int) -> str:

@@ -1,9 +1,18 @@
-"""Running a command that joins the swarm as a trio program, with the exit codes users see."""
+"""Running a command that joins the swarm as a trio program, with the exit codes users see.
+
+``run_joining`` turns the failures a user can act on into one line on stderr and an exit code
+(``exit_codes.py``); ``until_stopped`` runs a long-lived command until SIGINT or SIGTERM and says
+which one stopped it (Ctrl-C exits 130 as shells expect; SIGTERM is a service manager's ordinary
+stop and exits 0).
+"""
 
 from __future__ import annotations
 
 import gc
+import logging
+import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -11,26 +20,55 @@ import trio
 from dht import DHTBootstrapError
 
 from .exception_groups import find_exception
+from .exit_codes import EXIT_IN_USE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE
+from .ports import PortInUseError
 
-__all__ = ["run_joining", "EXIT_UNREACHABLE"]
+__all__ = ["run_joining", "until_stopped", "EXIT_UNREACHABLE"]
 
-EXIT_UNREACHABLE = 2  # no initial peer answered: the README gives this code for "swarm unreachable"
+log = logging.getLogger("peerd")
 
 
-def run_joining(async_fn: Any, *args: Any) -> int:
-    """``trio.run`` a command that joins the swarm: 0 when it returns, ``EXIT_UNREACHABLE`` (with the
-    reason for each initial peer on stderr) when no initial peer answered."""
+def run_joining(async_fn: Callable[..., Awaitable[int | None]], *args: Any) -> int:
+    """``trio.run`` a command that joins the swarm; returns its exit code: what ``async_fn``
+    returns (None: 0), ``EXIT_UNREACHABLE`` (with the reason for each initial peer on stderr) when
+    no initial peer answered, ``EXIT_IN_USE`` when a port to bind is taken, ``EXIT_INTERRUPTED``
+    on a KeyboardInterrupt that no signal receiver caught."""
     # What is loaded by now (torch, the task, ~250k objects) lives as long as the process. Without
     # this, every full garbage collection walks all of it: ~0.1 s with the event loop stopped,
     # long enough to miss network deadlines; after it, a full collection takes ~1 ms.
     gc.collect()
     gc.freeze()
     try:
-        trio.run(async_fn, *args)
-    except Exception as error:
-        unreachable = find_exception(error, DHTBootstrapError)
-        if unreachable is None:
+        code = trio.run(async_fn, *args)
+    except BaseException as error:
+        if find_exception(error, KeyboardInterrupt) is not None:
+            print("peerd: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        known = find_exception(error, DHTBootstrapError) or find_exception(error, PortInUseError)
+        if known is None:
             raise
-        print(f"peerd: {unreachable}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    return 0
+        print(f"peerd: {known}", file=sys.stderr)
+        return EXIT_UNREACHABLE if isinstance(known, DHTBootstrapError) else EXIT_IN_USE
+    return EXIT_OK if code is None else code
+
+
+async def until_stopped(main: Callable[[], Awaitable[object]]) -> int:
+    """Run ``main()`` until it returns or SIGINT/SIGTERM arrives, whichever is first, from its
+    very first instant (start-up and bootstrapping included); returns ``EXIT_INTERRUPTED`` after
+    SIGINT, else ``EXIT_OK``."""
+    stopped_by: int | None = None
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                nonlocal stopped_by
+                async for signum in signals:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    stopped_by = signum
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            await main()
+            nursery.cancel_scope.cancel()
+    return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else EXIT_OK

@@ -1,11 +1,14 @@
 """``peerd swarm``: N local peers training one task, with a live table, until a target accuracy.
 
-The first peer is the bootstrap; the others join through it. Each is a separate ``peerd join``
-process (so a crash or a kill affects one peer only) with its own data shard and status port; this
-command polls their ``/status`` once a second, prints a table, and stops them all when the best
-peer's held-out accuracy reaches the target, when every peer passed ``--max-epochs``, or at
-``--timeout``. The last line of output is a JSON summary; the exit status is 0 only if the target
-was reached.
+The first peer is the bootstrap; once it is up the others start together and join through it.
+Each is a separate ``peerd join`` process (so a crash or a kill affects one peer only; see
+``swarm_processes.py`` for how they never outlive the launcher) with its own data shard and
+status port; this command polls their ``/status`` once a second, shows a table
+(``swarm_table.py``), and stops them all when the best peer's held-out accuracy reaches the
+target, when every peer passed ``--max-epochs``, at ``--timeout``, or on Ctrl-C / SIGTERM. The
+last line of output is always a JSON summary. Exit status: 0 target reached, 4 stopped before it,
+130 Ctrl-C, 143 SIGTERM. The peers' keys (and logs, without ``--log-dir``) live in a temporary
+folder removed at exit unless ``--keep-files``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,138 +26,143 @@ from typing import Any
 
 from peer import LOCAL_DIFFICULTY
 
-from .status_server import fetch_status
+from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
+from .swarm_processes import SwarmPeer, stop_all, wait_started
+from .swarm_table import TableDisplay
 
-__all__ = ["run_swarm", "SwarmPeer"]
+__all__ = ["run_swarm", "add_swarm_arguments"]
 
 STARTUP_TIMEOUT = 60.0  # importing torch and building the task can take a while on a busy machine
+POLL_PERIOD = 1.0
 
 
-class SwarmPeer:
-    """One ``peerd join`` child process and what it printed on start-up."""
+class _Stopped(Exception):
+    """SIGINT or SIGTERM arrived; raised from the signal handler into the launcher's loop."""
 
-    def __init__(self, index: int, args: list[str], log_path: Path):
-        self.index = index
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "peer.daemon.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.address: str | None = None
-        self.status_port: int | None = None
-        self.last_status: dict[str, Any] = {}
-
-    def wait_started(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        assert self.process.stdout is not None
-        while self.address is None or self.status_port is None:
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise RuntimeError(f"peer {self.index} did not start; see {self.log_path}:\n{self.tail()}")
-            line = self.process.stdout.readline().decode().strip()
-            if line.startswith("peerd listening on "):
-                self.address = line.removeprefix("peerd listening on ")
-            elif line.startswith("peerd status on "):
-                self.status_port = int(line.rsplit(":", 1)[1].split("/")[0])
-
-    def poll_status(self) -> dict[str, Any] | None:
-        if self.process.poll() is not None or self.status_port is None:
-            return None
-        try:
-            self.last_status = json.loads(fetch_status(self.status_port, timeout=2.0))
-        except (OSError, ValueError):
-            return None
-        return self.last_status
-
-    def tail(self, lines: int = 20) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        self._log.close()
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
 
 
-def _table(peers: list[SwarmPeer], statuses: list[dict | None], elapsed: float) -> str:
-    rows = [f"t={elapsed:6.1f}s  peer  epoch  samples/s     loss  accuracy  peers"]
-    for peer, status in zip(peers, statuses, strict=True):
-        if status is None:
-            rows.append(f"{'':9} {peer.index:>4}  {'(down)':>5}")
-            continue
-        rows.append(
-            f"{'':9} {peer.index:>4}  {_fmt(status.get('epoch'), '>5')}  {_fmt(status.get('samples_per_s'), '>9.1f')}"
-            f"  {_fmt(status.get('loss'), '>7.3f')}  {_fmt(status.get('accuracy'), '>8.3f')}"
-            f"  {_fmt(status.get('peers_known'), '>5')}"
-        )
-    return "\n".join(rows)
+def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
+    swarm.add_argument("--peers", type=int, default=3, help="peers to start; the first is the bootstrap")
+    swarm.add_argument("--task", default="digits", help="what they train: a built-in name or package.module:factory")
+    swarm.add_argument(
+        "--mode",
+        choices=["collaborative", "local-updates"],
+        default="collaborative",
+        help="gradient averaging every swarm-wide batch, or DiLoCo-style local steps and outer rounds",
+    )
+    swarm.add_argument(
+        "--target-accuracy", type=float, default=0.9, help="stop when the best peer's held-out accuracy reaches it"
+    )
+    swarm.add_argument("--max-epochs", type=int, default=200, help="stop when every peer has passed this epoch")
+    swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="stop after this long")
+    swarm.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep each peer's log here (default: in the temporary folder)",
+    )
+    swarm.add_argument(
+        "--keep-files",
+        action="store_true",
+        help="keep the temporary folder with the peers' keys (and logs) instead of removing it at exit",
+    )
+
+
+def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, run_id: str, bootstrap: str | None):
+    join = [
+        "join",
+        "--listen", "127.0.0.1:0",
+        "--identity", str(key_dir / f"peer{index}.key"),
+        "--run-id", run_id,
+        "--task", args.task,
+        "--mode", args.mode,
+        "--data-shard", f"{index}/{count}",
+        "--status-port", "0",
+        # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
+        "--node-id-difficulty", str(LOCAL_DIFFICULTY),
+    ]  # fmt: skip
+    return join + (["--initial-peer", bootstrap] if bootstrap else [])
 
 
 def run_swarm(args: argparse.Namespace) -> int:
     if args.peers < 1:
         print("peerd: --peers must be at least 1", file=sys.stderr)
         return 1
-    from .tasks import load_task  # torch loads only once a swarm is really started
-
-    load_task(args.task)  # a bad task name fails here, before any process starts
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    display = TableDisplay(sys.stdout)
+    work_dir = Path(tempfile.mkdtemp(prefix="peerd-swarm-"))  # keys (0600, in a 0700 folder)
+    log_dir = args.log_dir or work_dir
     run_id = f"swarm-{os.getpid()}-{int(time.time())}"
     peers: list[SwarmPeer] = []
     start = time.monotonic()
-    reached, best_accuracy, epochs = False, None, 0
+    reached, best_accuracy, epochs, stopped_by, error = False, None, 0, None, None
+    # From here on Ctrl-C and SIGTERM raise _Stopped: whenever they come, the peers are stopped
+    # and the summary printed.
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for index in range(args.peers):
-            join = [
-                "join",
-                "--listen", "127.0.0.1:0",
-                "--identity", str(log_dir / f"peer{index}.key"),
-                "--run-id", run_id,
-                "--task", args.task,
-                "--mode", args.mode,
-                "--data-shard", f"{index}/{args.peers}",
-                "--status-port", "0",
-                # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
-                "--node-id-difficulty", str(LOCAL_DIFFICULTY),
-            ]  # fmt: skip
-            if peers:
-                join += ["--initial-peer", str(peers[0].address)]
-            peer = SwarmPeer(index, join, log_dir / f"peer{index}.log")
-            peers.append(peer)
-            peer.wait_started(STARTUP_TIMEOUT)
-        print(f"swarm of {args.peers} peers running (logs in {log_dir})", flush=True)
-        join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
-        print(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)", flush=True)
-        while time.monotonic() - start < args.timeout:
-            time.sleep(1.0)
-            statuses = [peer.poll_status() for peer in peers]
-            print(_table(peers, statuses, time.monotonic() - start), flush=True)
-            alive = [s for s in statuses if s is not None]
-            accuracies = [s["accuracy"] for s in alive if s.get("accuracy") is not None]
-            best_accuracy = max(accuracies) if accuracies else best_accuracy
-            epochs = max((s.get("epoch") or 0 for s in alive), default=epochs)
-            if best_accuracy is not None and best_accuracy >= args.target_accuracy:
-                reached = True
-                break
-            if not alive or all((s.get("epoch") or 0) >= args.max_epochs for s in alive):
-                break
+        try:
+            display.message(f"peerd swarm: {args.peers} peers training {args.task} ({args.mode}); loading the task...")
+            from .tasks import load_task  # torch loads only once a swarm is really started
+
+            load_task(args.task)  # a bad task name fails here (TaskError: exit 1), before any process starts
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+            def started(peer: SwarmPeer) -> None:
+                took = time.monotonic() - peer.started_at
+                display.message(f"peer {peer.index} up at {peer.address} ({took:.1f} s)")
+
+            display.message("starting peer 0 (the bootstrap)...")
+            peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
+            wait_started(peers, STARTUP_TIMEOUT, started)
+            if args.peers > 1:
+                others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
+                display.message(f"starting {others}...")
+                for index in range(1, args.peers):
+                    join = _join_args(index, args.peers, args, work_dir, run_id, peers[0].address)
+                    peers.append(SwarmPeer(index, join, log_dir / f"peer{index}.log"))
+                wait_started(peers, STARTUP_TIMEOUT, started)
+            display.message(f"swarm of {args.peers} peers running (logs in {log_dir})")
+            join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
+            display.message(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)")
+            statuses: list[dict[str, Any] | None] = []
+            while time.monotonic() - start < args.timeout:
+                time.sleep(POLL_PERIOD)
+                statuses = [peer.poll_status() for peer in peers]
+                display.show(statuses, time.monotonic() - start)
+                alive = [s for s in statuses if s is not None]
+                accuracies = [s["accuracy"] for s in alive if isinstance(s.get("accuracy"), (int, float))]
+                best_accuracy = max(accuracies) if accuracies else best_accuracy
+                epochs = max((s.get("epoch") or 0 for s in alive), default=epochs)
+                reached = best_accuracy is not None and best_accuracy >= args.target_accuracy
+                if reached or not alive or all((s.get("epoch") or 0) >= args.max_epochs for s in alive):
+                    break
+            if statuses:
+                display.show(statuses, time.monotonic() - start, force=True)  # how it ended
+        except _Stopped as stop:
+            stopped_by = stop.signum
+        except KeyboardInterrupt:  # SIGINT before our handler was installed in this frame's view
+            stopped_by = signal.SIGINT
+        except RuntimeError as failure:  # a peer that did not start
+            error = str(failure)
     finally:
-        for peer in peers:
-            peer.stop()
+        # A second Ctrl-C must not cut the clean-up short: the peers would be left running.
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
+        stop_all(peers)
+        if not args.keep_files:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stopped_by is not None:
+        display.message(f"stopped by {signal.Signals(stopped_by).name}")
+    if error is not None:
+        print(f"peerd: {error}", file=sys.stderr)
     alive_count = sum(1 for peer in peers if peer.last_status and peer.process.returncode in (0, -signal.SIGTERM))
     summary = {
         "task": args.task,
@@ -166,7 +174,12 @@ def run_swarm(args: argparse.Namespace) -> int:
         "target_accuracy": args.target_accuracy,
         "reached": reached,
         "seconds": round(time.monotonic() - start, 1),
-        "logs": str(log_dir),
+        "stopped_by": signal.Signals(stopped_by).name if stopped_by is not None else None,
+        "logs": str(log_dir) if args.log_dir or args.keep_files else None,
     }
     print(json.dumps(summary), flush=True)
-    return 0 if reached else 1
+    if reached:
+        return EXIT_OK
+    if stopped_by is not None:
+        return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else EXIT_TERMINATED
+    return EXIT_TARGET_MISSED
