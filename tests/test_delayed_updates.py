@@ -40,3 +40,19 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
         epochs = [t.optimizer.epoch for t in trainers]
         assert max(epochs) - min(epochs) <= 1, epochs
         nursery.cancel_scope.cancel()
+
+
+def test_join_refuses_an_unknown_compression_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--task", "digits"]
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.daemon.cli", *command, "--compression", "zip", "--delay-updates"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "unknown codec 'zip'" in result.stderr and "blockwise_8bit" in result.stderr
+    assert "Traceback" not in result.stderr
