@@ -149,3 +149,22 @@ def test_join_refuses_a_model_size_for_an_unsized_task_in_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith("--model-size applies to textlm, not to 'digits'")
     assert "Traceback" not in result.stderr
+
+
+def test_swarm_trains_textlm_to_a_bits_per_byte_target(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    command = ["swarm", "--task", "textlm", "--model-size", "tiny", "--peers", "2", "--target-bpb", "5.0"]
+    result = subprocess.run(
+        [sys.executable, "-m", "peer.daemon.cli", *command, "--timeout", "120", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert summary["reached"] is True and summary["bits_per_byte"] <= 5.0 and summary["target_bpb"] == 5.0
+    assert summary["target_accuracy"] is None  # a text goal replaces the accuracy goal
+    assert "bits/byte" in result.stdout  # the table shows the figure the goal is about

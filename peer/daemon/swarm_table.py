@@ -21,6 +21,7 @@ COLUMNS: tuple[tuple[str, str, int, str], ...] = (
     ("samples/s", "samples_per_s", 10, ".1f"),
     ("loss", "loss", 8, ".3f"),
     ("accuracy", "accuracy", 9, ".3f"),
+    ("bits/byte", "bits_per_byte", 9, ".3f"),
     ("peers", "peers_known", 6, "d"),
 )
 

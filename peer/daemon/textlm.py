@@ -196,5 +196,5 @@ def textlm_task(
         loss_fn=loss_fn,
         evaluate=evaluate,
         batch_size=batch_size,
-        target_batch_size=128,
+        target_batch_size=64,  # small swarm batches: early in training more steps beat bigger ones
     )
