@@ -87,7 +87,8 @@ class RoundLinks:
         self._wake()
 
     def link_rate(self) -> float | None:
-        """This peer's link rate in the round so far (bytes/s, the slower direction), if measurable."""
+        """This peer's link rate in the round (bytes/s, the slower direction), if measurable."""
+        self.measure(trio.current_time())  # the round's last bytes, however short it was
         return link_rate(self.upload, self.download)
 
     def _wake(self) -> None:
@@ -110,13 +111,18 @@ class RoundLinks:
             counts[peer] = delivered, arrived
         return counts
 
+    def measure(self, now: float) -> dict[PeerID, tuple[int, int]]:
+        """Read every link's counts and feed the meters; returns the counts per peer."""
+        counts = self._counts()
+        self.upload.observe(now, sum(delivered for delivered, _ in counts.values()))
+        self.download.observe(now, sum(arrived for _, arrived in counts.values()))
+        return counts
+
     async def run(self) -> None:
         """Poll until cancelled (the round cancels it when its roles are done)."""
         while True:
             now = trio.current_time()
-            counts = self._counts()
-            self.upload.observe(now, sum(delivered for delivered, _ in counts.values()))
-            self.download.observe(now, sum(arrived for _, arrived in counts.values()))
+            counts = self.measure(now)
             for watch in list(self._watches):
                 delivered, arrived = counts.get(watch.peer, (0, 0))
                 watch.deadline.observe(now, arrived if watch.incoming else delivered + arrived)
