@@ -31,7 +31,7 @@ def bounded_claims(bandwidths: list[float], ratio: float = MAX_SHARE_RATIO) -> l
     """``bandwidths`` with each positive claim clipped to ``ratio`` times the lower median of the
     positive claims. The lower median is an honest claim (or between two) whenever fewer than half
     of the claims are lies, so a minority can neither raise the bound nor, by claiming little,
-    push it below the honest peers' claims."""
+    push it below the smallest honest claim."""
     positive = sorted(b for b in bandwidths if b > 0)
     if not positive:
         return list(bandwidths)
