@@ -36,14 +36,17 @@ __all__ = [
 # with it is worth; a peer at or above it is waited for, however long its share takes.
 MIN_RATE = 125_000.0
 # No byte for this long from a peer that owes us bytes: it has stopped (frozen, cut off, or
-# trickling less than one TCP segment per second). Progress is counted at the socket, so a slow
-# link delivers something every few milliseconds; 2 s also outlasts one lost segment's
-# retransmission (TCP's minimum RTO is 200 ms, its initial one 1 s).
-STALL = 2.0
+# trickling less than one TCP segment per second). Progress is counted at the socket, so a live
+# link delivers something every few milliseconds, except when a flow loses the same segment again
+# and again: on a congested slow uplink shared by several flows (the lab's 5 Mbit/s peer), one of
+# them was seen waiting over 2 s on retransmissions whose timeout doubles each time (~0.3, 0.6,
+# 1.2, 2.4 s); 5 s outlasts four in a row. A peer whose process died is not waited for at all:
+# its connection is lost or refused, and that gives it up at once.
+STALL = 5.0
 # Time a round may take to get going before the first byte is owed: the announcement reaching
 # every member, flattening the tensors, a dial and a handshake (three round trips) on a loaded
-# machine. Also added to the cap.
-SLACK = 3.0
+# machine and a congested link. Also added to the cap.
+SLACK = 5.0
 # Until its first round has measured it, a peer declares the floor rate: it reduces a small share,
 # so a newcomer on a slow link never holds its first group up, and its next declaration is measured.
 UNMEASURED_BANDWIDTH = MIN_RATE

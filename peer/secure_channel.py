@@ -227,6 +227,7 @@ class SecureChannel:
         self._low_water = 1
         self._written = 0  # bytes handed to the kernel
         self._read = 0  # bytes taken from the kernel
+        self._last_progress = (0, 0)
 
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)``: bytes the peer's kernel has acknowledged, and bytes that
@@ -236,15 +237,18 @@ class SecureChannel:
         1 MiB record (or a 512 KiB receive low-water mark) takes seconds on a slow link, so a
         caller watching a slow peer's progress would see nothing for that long. Without a real
         socket (tests' in-memory streams) both are what passed through the stream API."""
-        unsent = unread = 0
-        if self._socket is not None:
-            try:
-                fd = self._descriptor()
-                unsent = _queued(fd, termios.TIOCOUTQ)  # not yet acknowledged by the peer
-                unread = _queued(fd, termios.FIONREAD)
-            except (OSError, trio.ClosedResourceError):
-                pass
-        return max(0, self._written - unsent), self._read + unread
+        if self._socket is None:
+            return self._written, self._read
+        try:
+            fd = self._descriptor()
+            unsent = _queued(fd, termios.TIOCOUTQ)  # not yet acknowledged by the peer
+            unread = _queued(fd, termios.FIONREAD)
+        except (OSError, trio.ClosedResourceError):
+            # closed: the queues are gone with the socket, and what they held never moved; the
+            # last counts stand (counting the unacknowledged bytes now would look like a burst)
+            return self._last_progress
+        self._last_progress = (max(0, self._written - unsent), self._read + unread)
+        return self._last_progress
 
     async def send_all(self, data: memoryview) -> None:
         """Send every byte of ``data``.
