@@ -19,7 +19,8 @@ import trio
 from peer import PeerHost
 
 from .allreduce import AllReduceResult, AllReduceService
-from .group import AveragingMode, is_counter
+from .group import MAX_BANDWIDTH, AveragingMode, is_counter
+from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .state_sharing import StateSharing
@@ -64,11 +65,11 @@ class GroupAverager:
         target_group_size: int = 4,
         min_group_size: int = 2,
         mode: AveragingMode | str = AveragingMode.NODE,
-        bandwidth: float = 1.0,
+        bandwidth: float | None = None,
         codec: str = "none",
         matchmaking_timeout: float = 5.0,
-        sender_timeout: float = 10.0,
-        reducer_timeout: float = 20.0,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         allow_state_sharing: bool = True,
         settle_time: float | None = None,
@@ -80,7 +81,10 @@ class GroupAverager:
         self.mode = AveragingMode(mode)
         if self.host.client_mode and self.mode is not AveragingMode.CLIENT:
             self.mode = AveragingMode.CLIENT  # a peer that accepts no connections cannot reduce
-        self.bandwidth = 0.0 if self.mode is AveragingMode.CLIENT else float(bandwidth)
+        # None: declare what our link achieved in past rounds (bytes/s), so that our share of the
+        # reduction follows it; a number: declare that, always (0 reduces nothing).
+        self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
+        self.link_speed = BandwidthEstimate()
         self.target_group_size = target_group_size
         self.min_group_size = min_group_size
         self.codec = codec
@@ -101,6 +105,15 @@ class GroupAverager:
         self._lock = trio.Semaphore(1, max_value=1)
         self.state_sharing = StateSharing(self.host, dht, prefix, self)
 
+    @property
+    def bandwidth(self) -> float:
+        """What this peer declares: 0 in client mode, else the fixed or the measured bandwidth."""
+        if self.mode is AveragingMode.CLIENT:
+            return 0.0
+        if self.fixed_bandwidth is not None:
+            return self.fixed_bandwidth
+        return min(self.link_speed.value, MAX_BANDWIDTH)
+
     def _declaration(self) -> Declaration:
         address = None if self.mode is AveragingMode.CLIENT else self.host.listen_address
         return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
@@ -109,7 +122,8 @@ class GroupAverager:
         """Find a group and average with it. Raises MatchmakingError if no group formed in time.
 
         ``timeout`` bounds matchmaking (default: ``matchmaking_timeout``); the all-reduce itself is
-        bounded by the sender and reducer deadlines.
+        bounded by deadlines that follow each peer's progress (``allreduce.py``), capped by
+        ``sender_timeout`` and ``reducer_timeout`` where they are set.
         """
         async with self._lock:
             started = trio.current_time()
@@ -136,6 +150,7 @@ class GroupAverager:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:
                 log.info("round done with %d peers", len(group.members))
+            self.link_speed.update(result.link_rate)
             self.last_result = result
             self.last_timing = RoundTiming(formed - started, trio.current_time() - formed)
         if self.allow_state_sharing:

@@ -161,6 +161,11 @@ class Connection:
     def is_closed(self) -> bool:
         return self.closed.is_set()
 
+    def link_progress(self) -> tuple[int, int]:
+        """``(delivered, arrived)`` bytes of this connection so far, counted at the socket (see
+        ``SecureChannel.link_progress``): what a caller watches to tell a slow peer from a stalled one."""
+        return self.channel.link_progress()
+
     @property
     def close_reason(self) -> str:
         """Why the connection closed (meaningful once ``closed`` is set)."""

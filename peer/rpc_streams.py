@@ -37,6 +37,9 @@ class StreamTransport(Protocol):
         """The application has taken ``nbytes`` of the call's stream data (``drained``: and all
         that had arrived): let the peer send more."""
 
+    def link_progress(self) -> tuple[int, int]:
+        """``(delivered, arrived)`` bytes of the whole connection so far, counted at the socket."""
+
 
 class PendingCall:
     """Caller-side state of one call: a result slot (unary) or a queue of messages (stream)."""
@@ -72,6 +75,12 @@ class _StreamBase:
     @property
     def peer(self) -> PeerID:
         return self._transport.remote_peer_id
+
+    @property
+    def link(self) -> StreamTransport:
+        """The connection this stream runs on, as far as watching its progress goes
+        (``link.link_progress()``); streams on one connection share one link."""
+        return self._transport
 
     async def send(self, body: Any = None, payload: Any = None) -> None:
         """Send one message; waits until it fits the receiver's window (a message larger than the

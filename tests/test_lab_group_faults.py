@@ -43,8 +43,14 @@ PAIRS = [
     ("none", "cancel"),
     ("none", "dies_replying"),
 ]
-# pairs in which every victim dies while a healthy peer is waiting on its connection
-DEATHS_NOTICED_AT_ONCE = {("dies_reducing", "dies_reducing"), ("none", "dies_replying")}
+# pairs in which every victim dies while a healthy peer is waiting on its connection, or before
+# sending anything (dialing it is refused, and that drops it as a sender too)
+DEATHS_NOTICED_AT_ONCE = {
+    ("dies_reducing", "dies_reducing"),
+    ("none", "dies_replying"),
+    ("none", "dies_before"),
+    ("dies_before", "dies_before"),
+}
 
 
 def flat(tensors) -> torch.Tensor:

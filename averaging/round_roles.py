@@ -1,0 +1,290 @@
+"""The two parts a peer plays in one all-reduce round, driven by trio.
+
+``ReducerRole``: one shard's reduction, fed by a handler per sender stream; ``SenderRole``: one
+exchange per reducer. How long each waits for the other follows the bytes that move
+(``link_speed.ProgressDeadline``, watched by the round's ``RoundLinks``): a sender that keeps
+delivering keeps its place however slow its link, one that stops is dropped ``STALL`` seconds
+later, and one whose connection dies or is refused is dropped at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import trio
+
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
+
+from .allreduce_protocol import (
+    REDUCE_METHOD,
+    AllReduceError,
+    AverageInbox,
+    ContributionInbox,
+    ReduceHeader,
+    ReducerShard,
+    Reply,
+    part_body,
+)
+from .compression import Codec
+from .group import GroupInfo, GroupMember
+from .link_speed import DeadlineRules, ProgressDeadline
+from .part_buffers import BufferLease, PartSink
+from .partition import AllReducePlan
+from .reduction import ContributionRejected
+from .round_links import RoundLinks
+
+__all__ = ["INLINE_WORK_LIMIT", "ReducerRole", "SenderRole", "in_thread", "tensor_work_limiter"]
+
+log = logging.getLogger("peerd.averaging")
+
+_limiter: trio.CapacityLimiter | None = None
+
+
+def tensor_work_limiter() -> trio.CapacityLimiter:
+    """One process-wide limit for heavy tensor work in worker threads (2 threads: enough to overlap
+    compression with reduction, few enough to leave the event loop a core on small machines)."""
+    global _limiter
+    if _limiter is None:
+        _limiter = trio.CapacityLimiter(2)
+    return _limiter
+
+
+async def in_thread(fn, *args):
+    return await trio.to_thread.run_sync(fn, *args, limiter=tensor_work_limiter())
+
+
+# Tensor work on at most this many values runs on the event loop (~0.4 ms), larger in a thread.
+INLINE_WORK_LIMIT = 1 << 20
+
+
+async def _small_inline(numel: int, fn, *args):
+    if numel <= INLINE_WORK_LIMIT:
+        return fn(*args)
+    return await in_thread(fn, *args)
+
+
+class ReducerRole:
+    """This peer as the reducer of one shard in one round: the shard's reduction, fed by one
+    handler per sender stream and by the round itself (our own values), then one reply for all.
+
+    ``lease`` holds the running sum, which becomes the average the replies are sent from: the
+    round and every handler still replying hold it, and the last one out gives it back."""
+
+    def __init__(self, shard: ReducerShard, lease: BufferLease, total: int, codec: Codec, links: RoundLinks):
+        self.shard = shard
+        self.lease = lease
+        self.total = total
+        self.codec = codec
+        self.links = links
+        self.lock = trio.Lock()  # one ShardReduction call at a time (several run in worker threads)
+        self.senders_done = trio.Event()  # every sender committed or dropped
+        self.replied = trio.Event()  # the reply is ready, or the round was cancelled (reply None)
+        self.reply: Reply | None = None
+        self._receiving: dict[Any, trio.CancelScope] = {}  # sender -> its stream's receive loop
+
+    async def reduce(self, me: PeerID, local: torch.Tensor | None, weight: float, rules: DeadlineRules) -> None:
+        """Add our own slice, wait for the other senders while their bytes keep coming (see the
+        module docstring), then average what arrived and encode the reply."""
+        reduction = self.shard.reduction
+        if local is not None:
+            async with self.lock:
+                await in_thread(reduction.add_local, me, local, weight)
+        self._note_progress()
+        # A sender streams its whole vector to all reducers at once, so what it could owe us at
+        # the floor rate is the whole vector's bytes (uncompressed float32: an upper bound).
+        now, owed = trio.current_time(), 4 * self.total
+        watches = [
+            self.links.watch(sender, ProgressDeadline(rules, owed, now), self._give_up_on(sender), incoming=True)
+            for sender in reduction.pending
+        ]
+        try:
+            await self.senders_done.wait()  # every watch ends by its cap at the latest
+        finally:
+            for watch in watches:
+                self.links.unwatch(watch)
+        async with self.lock:
+            await in_thread(self.shard.close, "did not finish sending")
+        self.reply = await in_thread(self.shard.reply, self.codec)
+        self.replied.set()
+
+    def _give_up_on(self, sender: PeerID):
+        async def give_up(reason: str) -> None:
+            if sender in self.shard.reduction.pending:
+                log.info("dropping sender %s: %s", sender, reason)
+                await self._drop(sender, reason)
+                scope = self._receiving.get(sender)
+                if scope is not None:
+                    scope.cancel()
+
+        return give_up
+
+    async def serve(self, stream, sink: PartSink, weight: Any) -> None:
+        """One sender's stream: its parts until it ends (or the round moves on), then the reply."""
+        sender = stream.peer
+        self.links.add(sender, stream.link)
+        reduction = self.shard.reduction
+        try:
+            async with self.lock:
+                reduction.set_weight(sender, weight)
+        except ContributionRejected as error:
+            await self._drop(sender, str(error))
+            raise
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive, self.shard.inbox(sender, sink), stream)
+            await self.replied.wait()
+            nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
+        reply = self.reply
+        if reply is None:
+            raise AllReduceError("the all-reduce was cancelled on this peer")
+        if reply.error is not None:
+            raise reply.error
+        await stream.send(reply.summary.to_body())
+        for body, payload in reply.parts:
+            await stream.send(body, payload)
+
+    async def _receive(self, inbox: ContributionInbox, stream) -> None:
+        # The sink's lease holds this sender's staged parts: they go back to the pool as soon as
+        # the sender is committed (its values are in the sum) or dropped, so the averages this
+        # peer receives next can reuse them.
+        with inbox.sink.lease, inbox.sink, trio.CancelScope() as scope:
+            self._receiving[inbox.sender] = scope
+            try:
+                await self._receive_parts(inbox, stream)
+            finally:
+                if inbox.sender in self.shard.reduction.pending:  # cancelled: the round moved on
+                    with trio.CancelScope(shield=True):
+                        await self._drop(inbox.sender, "the sender abandoned the stream")
+
+    async def _receive_parts(self, inbox: ContributionInbox, stream) -> None:
+        try:
+            async for message in stream:
+                part = inbox.part(message.body, message.payload)
+                # A payload that landed in its buffer is only checked; anything else is decoded
+                # (a copy at least) in a worker thread.
+                values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
+                async with self.lock:
+                    # stage checks the part for NaN/inf: on the event loop for parts of the usual
+                    # size (a fraction of a millisecond, while the part is still in cache; a thread
+                    # hop costs more), in a worker thread for unusually large ones.
+                    await _small_inline(values.numel(), inbox.stage, part.index, values)
+            async with self.lock:
+                await in_thread(inbox.finish)  # adds the whole contribution
+        except (ContributionRejected, ValueError, TypeError) as error:
+            log.warning("refusing contribution of %s: %s", inbox.sender, error)
+            await self._drop(inbox.sender, str(error))
+            return
+        except RPCError as error:  # the sender vanished mid-stream
+            await self._drop(inbox.sender, f"stream broke: {error}")
+            raise
+        self._note_progress()
+
+    async def _drop(self, sender: PeerID, reason: str) -> None:
+        async with self.lock:
+            self.shard.reduction.drop(sender, reason)
+        self._note_progress()
+
+    def _note_progress(self) -> None:
+        if self.shard.reduction.done:
+            self.senders_done.set()
+
+
+class SenderRole:
+    """This peer as a sender in one round: its values go to every reducer, and each reducer's
+    average comes back into buffers leased for the round (``received``)."""
+
+    def __init__(
+        self,
+        host: PeerHost,
+        plan: AllReducePlan,
+        flat: torch.Tensor,
+        header: ReduceHeader,
+        codec: Codec,
+        links: RoundLinks,
+    ):
+        self.host = host
+        self.plan = plan
+        self.flat = flat
+        self.header = header
+        self.codec = codec
+        self.links = links
+        # (flat offset, averaged values) of every shard that was averaged: written into the
+        # caller's tensors only when the round is over, so a cancelled round leaves them untouched
+        self.averaged: list[tuple[int, torch.Tensor]] = []
+
+    async def exchange(
+        self,
+        index: int,
+        reducer: GroupMember,
+        group: GroupInfo,
+        result: Any,
+        received: BufferLease,
+        rules: DeadlineRules,
+    ) -> None:
+        """Send shard ``index`` of our values to its reducer and take back the average.
+
+        The reducer must keep taking our parts and, once it has answered, keep sending its
+        average; in between it may wait for the other senders (the cap bounds that: their whole
+        vectors at the floor rate). The averaged parts count only once the whole shard has
+        arrived and been checked: a reducer that fails half-way leaves the shard wholly local."""
+        assert reducer.address is not None
+        parts = self.plan.parts(index)
+        # owed: the other senders' vectors (what the reducer may wait for) and its answers to all
+        progress = ProgressDeadline(rules, 3 * 4 * self.plan.total, trio.current_time())
+        gave_up: list[str] = []
+        try:
+            with trio.CancelScope() as scope, PartSink(received, [end - start for start, end in parts]) as sink:
+
+                async def expired(reason: str) -> None:
+                    gave_up.append(reason)
+                    scope.cancel()
+
+                watch = self.links.watch(reducer.peer_id, progress, expired, incoming=False)
+                try:
+                    inbox = await self._exchange(reducer, parts, sink, progress)
+                finally:
+                    self.links.unwatch(watch)
+            if scope.cancelled_caught:
+                raise trio.TooSlowError(gave_up[0] if gave_up else "timed out")
+            self.averaged.extend(inbox.averaged())
+            result.contributors[index] = inbox.contributors
+            result.failed_peers.update(p.peer_id for p in group.senders if p.peer_id not in inbox.contributors)
+        except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
+            if isinstance(error, (ConnectError, ConnectionLost)):
+                self.links.lost(reducer.peer_id, f"connection lost: {error}")
+            reason = f"gave up: {error}" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
+            log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
+            result.local_shards[index] = reason
+            result.failed_peers.add(reducer.peer_id)
+
+    async def _exchange(
+        self, reducer: GroupMember, parts: list[tuple[int, int]], sink: PartSink, progress: ProgressDeadline
+    ) -> AverageInbox:
+        assert reducer.address is not None
+        connection = await self.host.connect(reducer.address)
+        self.links.add(reducer.peer_id, connection)
+        async with connection.stream(REDUCE_METHOD) as stream:
+            stream.set_buffer_provider(sink)
+            await stream.send(self.header.to_body())
+            for part_index, (start, end) in enumerate(parts):
+                meta, payload = await self._encode(self.flat[start:end])
+                await stream.send(part_body(part_index, meta), payload)
+            await stream.end()
+            progress.quiet = True  # the reducer may wait for the other senders before it answers
+            inbox = AverageInbox(parts, sink)
+            inbox.summary((await stream.receive()).body)
+            progress.resume(trio.current_time())
+            while not inbox.complete:
+                message = await stream.receive()
+                part = inbox.part(message.body, message.payload)
+                values = part.decode() if part.landed else await in_thread(part.decode)
+                await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
+        return inbox
+
+    async def _encode(self, part: torch.Tensor) -> tuple[dict[str, Any], Any]:
+        # Our flattened values were checked finite as a whole, so parts skip that pass; a codec
+        # whose payload is a view of the part needs no worker thread.
+        if self.codec.encodes_as_view:
+            return self.codec.encode_finite(part)
+        return await in_thread(self.codec.encode_finite, part)

@@ -1,0 +1,133 @@
+"""All-reduce deadlines that follow the bytes, between in-process peers on 127.0.0.1: a slow but
+live sender keeps its place, one that stops is dropped one stall interval after its last byte, one
+that died before sending is dropped at once, and a round measures this peer's link."""
+
+from __future__ import annotations
+
+import torch
+import trio
+import trio.testing
+
+from averaging.link_speed import DeadlineRules
+from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
+
+from .stream_faults import Fault
+from .test_allreduce import PART_SIZE, flat, make_group, random_tensors, start_peers
+
+# Short enough to keep these tests quick, long enough for a loaded 2-core machine to schedule
+# every peer of a round well within it.
+STALL = 0.6
+RULES = DeadlineRules(stall=STALL, slack=2.0)
+
+
+class SendsSlowly(Fault):
+    """Takes its time over every part it sends, but keeps sending."""
+
+    async def send(self, stream, body, payload):
+        if stream.outgoing and isinstance(body, dict) and "part" in body:
+            await trio.sleep(STALL / 3)
+        await super().send(stream, body, payload)
+
+
+class StopsSending(Fault):
+    """Sends its first part, then nothing more, without closing anything."""
+
+    async def send(self, stream, body, payload):
+        if stream.outgoing and isinstance(body, dict) and body.get("part", 0) >= 1:
+            await trio.sleep_forever()
+        await super().send(stream, body, payload)
+
+
+def expected_average(tensors, contributors_by_shard, plan, index) -> torch.Tensor:
+    expected = flat(tensors[index]).clone()
+    for shard, contributors in contributors_by_shard.items():
+        start, end = plan.shard_bounds(shard)
+        expected[start:end] = sum(flat(tensors[c])[start:end] for c in contributors) / len(contributors)
+    return expected
+
+
+async def run_all(peers, group, tensors, indices, **options) -> dict:
+    results, times = {}, {}
+
+    async def one(i: int) -> None:
+        start = trio.current_time()
+        results[i] = await peers[i].service.run(group, tensors[i], **{"part_size": PART_SIZE, **options})
+        times[i] = trio.current_time() - start
+
+    async with trio.open_nursery() as nursery:
+        for i in indices:
+            nursery.start_soon(one, i)
+    return results, times
+
+
+async def test_a_slow_sender_that_keeps_delivering_keeps_its_place():
+    """Peer 2 needs several stall intervals for its parts, delivering one every third of one: no
+    fixed deadline of that length would keep it, the progress-driven one does."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, faults={2: SendsSlowly()})
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        results, times = await run_all(peers, group, tensors, range(3), deadlines=RULES)
+        plan = AllReducePlan.build(flat(tensors[0]).numel(), [1.0] * 3, PART_SIZE)
+        assert max(plan.num_parts(i) for i in range(3)) * STALL / 3 > 2 * STALL  # it did take long
+        expected = sum(flat(t) for t in tensors) / 3
+        for i in (0, 1):
+            assert not results[i].failed_peers, results[i]
+            assert torch_close(flat(tensors[i]), expected)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sender_that_stops_is_dropped_one_stall_interval_after_its_last_byte():
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, faults={2: StopsSending()})
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        originals = [[t.clone() for t in ts] for ts in tensors]
+        results, times = await run_all(peers, group, tensors, range(3), deadlines=RULES)
+        nursery.cancel_scope.cancel()
+    plan = AllReducePlan.build(flat(tensors[0]).numel(), [1.0] * 3, PART_SIZE)
+    for i in (0, 1):
+        assert peers[2].host.peer_id in results[i].failed_peers
+        assert times[i] < STALL + 1.0, times  # not the slack or the cap
+        ids = [peer.host.peer_id for peer in peers]
+        contributors = {s: sorted(ids.index(p) for p in c) for s, c in results[i].contributors.items()}
+        assert contributors[0] == contributors[1] == [0, 1]  # the healthy reducers dropped peer 2
+        assert torch_close(flat(tensors[i]), expected_average(originals, contributors, plan, i))
+
+
+async def test_a_sender_that_died_before_sending_is_dropped_at_once():
+    """Peer 2's process is gone before the round: dialing it is refused, and that is enough to
+    drop it as a sender too, instead of waiting for its first byte (or a fixed deadline)."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3)
+        group = make_group(peers)
+        peers[2].scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # its listener is closed
+        tensors = [random_tensors(i) for i in range(3)]
+        originals = [[t.clone() for t in ts] for ts in tensors]
+        results, times = await run_all(peers, group, tensors, (0, 1), sender_timeout=5.0)
+        nursery.cancel_scope.cancel()
+    plan = AllReducePlan.build(flat(tensors[0]).numel(), [1.0] * 3, PART_SIZE)
+    for i in (0, 1):
+        assert times[i] < 1.0, f"a dead sender was noticed only after {times[i]:.1f} s"
+        assert peers[2].host.peer_id in results[i].failed_peers
+        assert list(results[i].local_shards) == [2]  # its shard: the dead peer reduced it
+        assert torch_close(flat(tensors[i]), expected_average(originals, {0: [0, 1], 1: [0, 1]}, plan, i))
+
+
+async def test_a_round_measures_this_peers_link():
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2)
+        group = make_group(peers)
+        tensors = [[torch.randn(1 << 20)] for _ in range(2)]  # 4 MiB each: enough to measure
+        results, _ = await run_all(peers, group, tensors, (0, 1), part_size=DEFAULT_PART_SIZE)
+        small, _ = await run_all(peers, make_group(peers), [random_tensors(i) for i in range(2)], (0, 1))
+        nursery.cancel_scope.cancel()
+    for i in (0, 1):
+        assert results[i].link_rate is not None and results[i].link_rate > 10e6  # loopback: fast
+        assert results[i].plan is not None and results[i].seconds > 0
+        assert small[i].link_rate is None  # a few hundred values say nothing about the link
+
+
+def torch_close(actual, expected) -> bool:
+    return torch.allclose(actual, expected, atol=1e-6)
