@@ -86,7 +86,7 @@ class Connection:
         self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
         self.closed = trio.Event()
-        self._outgoing = SendQueue()
+        self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
@@ -198,7 +198,7 @@ class Connection:
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
         state = self._pending[call_id] = PendingCall(method)
-        self.enqueue(header, view)
+        self._outgoing.append(header, view, direct=self._alone())
         try:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
                 await state.done.wait()
@@ -253,10 +253,15 @@ class Connection:
         reused."""
         self._outgoing.append(header, payload, encrypted)
 
-    def _reply(self, header: bytes, payload: memoryview | None = None) -> None:
+    def _alone(self) -> bool:
+        """Whether only one call (the caller's) is in progress on this connection: its messages
+        may then take the send queue's fast path (``rpc_outgoing.py``)."""
+        return len(self._pending) + len(self._handler_scopes) == 1
+
+    def _reply(self, header: bytes, payload: memoryview | None = None, direct: bool = False) -> None:
         """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
         try:
-            self._outgoing.append_reply(header, payload)
+            self._outgoing.append_reply(header, payload, direct=direct)
         except RepliesUnread as error:
             self._close_reason = f"peer {self.remote_peer_id} left {error}"
             log.warning("dropping connection: %s", self._close_reason)
@@ -264,7 +269,7 @@ class Connection:
 
     # ------------------------------------------------------------------ writing
     async def _write(self) -> None:
-        await self._outgoing.write_loop(self.channel, self.traffic)
+        await self._outgoing.write_loop()
 
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
@@ -407,7 +412,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._reply(header, view)
+                    self._reply(header, view, self._alone())
                 else:
                     try:
                         await handler(stream)

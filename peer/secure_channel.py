@@ -241,6 +241,23 @@ class SecureChannel:
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
+    @property
+    def can_send_now(self) -> bool:
+        """Whether ``send_now`` can write at all (a real socket), so a caller may rely on it."""
+        return self._socket is not None
+
+    def send_now(self, data: memoryview) -> int:
+        """Write what the kernel takes of ``data`` at once, without waiting or yielding; return how
+        many bytes that was. 0 when nothing could be written: the socket buffer is full, there is
+        no socket to write to directly, or the socket failed (the next ``send_all`` raises that
+        error). Only for a caller that knows no ``send_all`` is in progress."""
+        if self._socket is None:
+            return 0
+        try:
+            return os.write(self._descriptor(), data)
+        except (OSError, trio.ClosedResourceError):
+            return 0
+
     async def fill(self) -> bool:
         """Receive more bytes into the decoder; False at end of stream."""
         view = self.decoder.writable()
