@@ -89,6 +89,7 @@ class Connection:
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
+        self._woken = 0  # callers whose result has arrived and who have not run since (see _alone)
         self._nursery: trio.Nursery | None = None
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
@@ -203,6 +204,8 @@ class Connection:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
                 await state.done.wait()
         finally:
+            if state.result is not None:
+                self._woken -= 1
             if not state.done.is_set():  # timed out or cancelled from outside: tell the peer
                 self._abandon(call_id)
         if scope.cancelled_caught:
@@ -255,8 +258,10 @@ class Connection:
 
     def _alone(self) -> bool:
         """Whether only one call (the caller's) is in progress on this connection: its messages
-        may then take the send queue's fast path (``rpc_outgoing.py``)."""
-        return len(self._pending) + len(self._handler_scopes) == 1
+        may then take the send queue's fast path (``rpc_outgoing.py``). Callers woken by results
+        that came in together count until they run: each is about to send its next call, and the
+        first of them must not go out alone ahead of the rest, which the writer sends as one."""
+        return len(self._pending) + len(self._handler_scopes) + self._woken == 1
 
     def _reply(self, header: bytes, payload: memoryview | None = None, direct: bool = False) -> None:
         """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
@@ -338,6 +343,7 @@ class Connection:
             if state is not None:
                 state.result = Message(event.body, event.payload)
                 state.done.set()
+                self._woken += 1
         elif isinstance(event, StreamData):
             state = self._pending.get(event.call_id)
             if state is not None:
