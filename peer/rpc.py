@@ -199,7 +199,8 @@ class Connection:
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
         state = self._pending[call_id] = PendingCall(method)
-        self._outgoing.append(header, view, direct=self._alone())
+        outgoing = self._outgoing
+        outgoing.append(header, view, direct=outgoing.idle and self._alone())
         try:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
                 await state.done.wait()
@@ -306,7 +307,11 @@ class Connection:
                 if budget <= 0:
                     budget = READ_BUDGET
                     await trio.lowlevel.cancel_shielded_checkpoint()
-            if not await self._fill():
+            if protocol.awaiting_payload or decoder.buffered or decoder.holds_large_buffer:
+                more = await self._fill()
+            else:  # between messages, as most reads start: no deadline, nothing to release
+                more = await channel.fill()
+            if not more:
                 self._close_reason = f"peer {self.remote_peer_id} closed the connection"
                 return
 
@@ -418,7 +423,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._reply(header, view, self._alone())
+                    self._reply(header, view, self._outgoing.idle and self._alone())
                 else:
                     try:
                         await handler(stream)

@@ -67,22 +67,10 @@ class TrafficCounter:
         self.bytes_received = 0
 
 
-class _Outgoing:
-    __slots__ = ("header", "payload", "encrypted", "reply_bytes", "sealed")
-
-    def __init__(
-        self,
-        header: bytes,
-        payload: memoryview | None,
-        encrypted: trio.Event | None,
-        reply_bytes: int,
-        sealed: bytes | None = None,
-    ):
-        self.header = header
-        self.payload = payload
-        self.encrypted = encrypted
-        self.reply_bytes = reply_bytes  # counted against MAX_QUEUED_REPLY_BYTES until written
-        self.sealed = sealed  # records already encrypted by the fast path that the kernel did not take
+# A queued message: (header, payload or None, ``encrypted`` event or None, bytes counted against
+# MAX_QUEUED_REPLY_BYTES until written, records the fast path already encrypted or None). A plain
+# tuple: one is made per message, and a class's __init__ cost a Python call each.
+_Outgoing = tuple[bytes, "memoryview | None", "trio.Event | None", int, "bytes | None"]
 
 
 class SendQueue:
@@ -95,8 +83,9 @@ class SendQueue:
         self._queued_reply_bytes = 0
         self._wakeup = trio.Event()
         # True only while the writer waits for work with nothing queued: the fast path may then use
-        # the send buffer and the socket, which nothing else is touching.
-        self._idle = False
+        # the send buffer and the socket, which nothing else is touching. Read-only for others (a
+        # sender need not work out whether it may go direct while the writer is busy anyway).
+        self.idle = False
         self._fast = channel.can_send_now
         self._buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
         self._view = memoryview(self._buffer)
@@ -110,9 +99,9 @@ class SendQueue:
         direct: bool = False,
     ) -> None:
         """Queue a message; ``direct``: the caller allows the fast path (see the module docstring)."""
-        if direct and self._idle and not self._send_now(header, payload, encrypted, 0):
+        if direct and self.idle and not self._send_now(header, payload, encrypted, 0):
             return
-        self._items.append(_Outgoing(header, payload, encrypted, 0))
+        self._items.append((header, payload, encrypted, 0, None))
         self._wakeup.set()
 
     def append_reply(self, header: bytes, payload: memoryview | None = None, *, direct: bool = False) -> None:
@@ -120,10 +109,10 @@ class SendQueue:
         size = len(header) + (len(payload) if payload is not None else 0)
         if self._queued_reply_bytes + size > MAX_QUEUED_REPLY_BYTES:
             raise RepliesUnread(f"{self._queued_reply_bytes} bytes of replies unread")
-        if direct and self._idle and not self._send_now(header, payload, None, size):
+        if direct and self.idle and not self._send_now(header, payload, None, size):
             return
         self._queued_reply_bytes += size
-        self._items.append(_Outgoing(header, payload, None, size))
+        self._items.append((header, payload, None, size, None))
         self._wakeup.set()
 
     def _send_now(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None, reply: int) -> bool:
@@ -143,77 +132,81 @@ class SendQueue:
                 encrypted.set()
             return False
         # The kernel took only part: the rest goes first, from the writer, which we wake.
-        self._idle = False
+        self.idle = False
         self._queued_reply_bytes += reply
-        self._items.append(_Outgoing(header, None, encrypted, reply, bytes(view[sent:position])))
+        self._items.append((header, None, encrypted, reply, bytes(view[sent:position])))
         self._wakeup.set()
         return False
 
     def release(self) -> None:
         """The connection is gone: wake every sender still waiting for its payload to go out."""
         for item in self._items:
-            if item.encrypted is not None:
-                item.encrypted.set()
+            if item[2] is not None:
+                item[2].set()
         self._items.clear()
 
     async def write_loop(self) -> None:
         """Send queued messages until cancelled (or the channel breaks)."""
         channel, traffic = self._channel, self._traffic
         buffer, view = self._buffer, self._view
-        cipher = channel.send_cipher
+        seal = channel.send_cipher.seal_into
         items = self._items
-        item = None
+        item: _Outgoing | None = None
         try:
             while True:
                 while not items:
                     self._wakeup = trio.Event()
-                    self._idle = True
+                    self.idle = True
                     try:
                         await self._wakeup.wait()
                     finally:
-                        self._idle = False
+                        self.idle = False
                 position = 0
                 while items:
                     item = items.popleft()
-                    self._queued_reply_bytes -= item.reply_bytes
-                    if item.sealed is not None:
+                    header, payload, encrypted, reply_bytes, sealed = item
+                    self._queued_reply_bytes -= reply_bytes
+                    if sealed is not None:
                         if position:  # (never: a sealed item is queued only with nothing ahead of it)
                             await channel.send_all(view[:position])
                             traffic.bytes_sent += position
                             position = 0
-                        await channel.send_all(memoryview(item.sealed))
-                        traffic.bytes_sent += len(item.sealed)
-                        if item.encrypted is not None:
-                            item.encrypted.set()
+                        await channel.send_all(memoryview(sealed))
+                        traffic.bytes_sent += len(sealed)
+                        if encrypted is not None:
+                            encrypted.set()
                         continue
-                    chunks = [item.header]
-                    if item.payload is not None:
-                        payload = item.payload
-                        chunks.extend(
-                            payload[i : i + MAX_RECORD_PLAINTEXT] for i in range(0, len(payload), MAX_RECORD_PLAINTEXT)
-                        )
-                    for chunk in chunks:
-                        if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                            if position:
-                                await channel.send_all(view[:position])
-                                traffic.bytes_sent += position
-                                position = 0
-                            if len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                                view.release()
-                                buffer = self._buffer = bytearray(SEND_BUFFER_SIZE)
-                                view = self._view = memoryview(buffer)
-                        position += cipher.seal_into(chunk, view[position:])
-                    if item.encrypted is not None:
-                        item.encrypted.set()
+                    if payload is None and position + len(header) + _RECORD_OVERHEAD <= len(buffer):
+                        position += seal(header, view[position:])  # most messages: one small record
+                    else:
+                        chunks = [header]
+                        if payload is not None:
+                            chunks.extend(
+                                payload[i : i + MAX_RECORD_PLAINTEXT]
+                                for i in range(0, len(payload), MAX_RECORD_PLAINTEXT)
+                            )
+                        for chunk in chunks:
+                            if position + len(chunk) + _RECORD_OVERHEAD > len(buffer):
+                                if position:
+                                    await channel.send_all(view[:position])
+                                    traffic.bytes_sent += position
+                                    position = 0
+                                if len(chunk) + _RECORD_OVERHEAD > len(buffer):
+                                    view.release()
+                                    buffer = self._buffer = bytearray(SEND_BUFFER_SIZE)
+                                    view = self._view = memoryview(buffer)
+                            position += seal(chunk, view[position:])
+                    if encrypted is not None:
+                        encrypted.set()
                     if position >= len(buffer) // 2:
                         break  # flush what we have; the rest goes in the next batch
                 if position:
                     await channel.send_all(view[:position])
                     traffic.bytes_sent += position
         finally:
-            self._idle = False
+            self.idle = False
             # A message cut off half-way (the writer was cancelled in a send_all) is never finished:
             # it goes back to the queue, whose senders ``release()`` wakes once the connection has
             # recorded its error, so its sender sees that error instead of returning as if sent.
-            if item is not None and item.encrypted is not None and not item.encrypted.is_set():
+            if item is not None and item[2] is not None and not item[2].is_set():
                 items.appendleft(item)
