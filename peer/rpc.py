@@ -320,13 +320,17 @@ class Connection:
         buffer back when the connection goes quiet between messages."""
         channel, decoder = self.channel, self.channel.decoder
         if self.protocol.awaiting_payload or decoder.buffered:
-            with trio.move_on_after(STALLED_MESSAGE_TIMEOUT):
-                return await channel.fill()
-            raise ProtocolError(f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)")
+            try:
+                return await channel.fill(STALLED_MESSAGE_TIMEOUT)
+            except trio.TooSlowError:
+                raise ProtocolError(
+                    f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)"
+                ) from None
         if decoder.holds_large_buffer:
-            with trio.move_on_after(IDLE_BUFFER_RELEASE):
-                return await channel.fill()
-            decoder.release()
+            try:
+                return await channel.fill(IDLE_BUFFER_RELEASE)
+            except trio.TooSlowError:
+                decoder.release()
         return await channel.fill()
 
     def _supply_payload_buffer(self, call_id: int, body: Any) -> None:
