@@ -53,10 +53,10 @@ class Contact(Node):
         self.address = address if address.peer_id == peer_id else address.with_peer_id(peer_id)
 
     @functools.cached_property
-    def wire_entry(self) -> list:
+    def wire_entry(self) -> tuple[bytes, str, int, bytes]:
         """How a find reply names this contact (``wire.encode_contacts``): built once, as a DHT
-        node names the same few contacts in every reply."""
-        return [self.peer_id.to_bytes(), self.address.host, self.address.port, self.proof.nonce]
+        node names the same few contacts in every reply (a tuple: shared, so never changed)."""
+        return (self.peer_id.to_bytes(), self.address.host, self.address.port, self.proof.nonce)
 
     @classmethod
     def for_id(cls, node_id: int) -> Node:
