@@ -114,7 +114,8 @@ class Contacts:
         # The caller sits in the table at most once (usually): take one more and drop it from those,
         # instead of comparing its peer ID with every contact in the table.
         nearest = self.table.find_neighbors(position, k + 1, exclude=excluded)
-        kept = [contact for contact in nearest if contact.peer_id != excluding]
+        raw = excluding.to_bytes()  # bytes compare in C, not PeerID.__eq__ per contact
+        kept = [contact for contact in nearest if contact.peer_id.to_bytes() != raw]
         if len(kept) >= k or len(nearest) <= k:
             return kept[:k]
         if excluded is None:

@@ -22,8 +22,9 @@ nodes that hold the record.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from operator import itemgetter
 
 from kademlia.node import Node, NodeHeap
 
@@ -35,30 +36,62 @@ __all__ = ["CandidateHeap", "IterativeLookup", "DisjointLookup", "DISJOINT_PATHS
 # fifth of the nodes hostile, at about d times the messages of one path when the value is missing.
 DISJOINT_PATHS = 3
 
+_distance = itemgetter(0)
+_contact = itemgetter(1)
+
 
 class CandidateHeap(NodeHeap):
-    """The package's ``NodeHeap`` with O(1) membership (its ``__contains__`` and ``push`` scan the
-    whole heap, which made every response cost O(n^2) in the candidate count)."""
+    """The package's ``NodeHeap`` (candidates as (XOR distance, contact) pairs) kept fully sorted,
+    nearest first, with O(1) membership. A lookup holds a few dozen candidates and reads its k
+    nearest after every answer (whom to ask, whether it is done): the package's ``__iter__`` sorts
+    them again for each read (``nsmallest``) and its ``push`` and ``__contains__`` scan them all. A
+    sorted list is still a valid heap, so the package's other methods keep working."""
 
-    def __init__(self, node: Node, maxsize: int):
-        super().__init__(node, maxsize)
+    def __init__(self, target: Node, k: int):
+        super().__init__(target, k)
+        self._target = target.long_id
         self._ids: set[bytes] = set()
 
-    def push(self, nodes: Node | list[Node]) -> None:
+    def push(self, nodes: Node | list[Node]) -> list[Node]:
+        """Add the nodes that are not candidates yet (one per node ID); return those."""
+        ids, heap, target = self._ids, self.heap, self._target
+        added = []
         for node in nodes if isinstance(nodes, list) else [nodes]:
-            if node.id not in self._ids:
-                self._ids.add(node.id)
-                heapq.heappush(self.heap, (self.node.distance_to(node), node))
+            if node.id not in ids:
+                ids.add(node.id)
+                heap.append((node.long_id ^ target, node))
+                added.append(node)
+        if added:
+            heap.sort(key=_distance)  # a few sorted runs: timsort merges them
+        return added
 
     def remove(self, peers: Iterable[bytes]) -> None:
         peers = set(peers) & self._ids
         if peers:
             self._ids -= peers
             self.heap = [entry for entry in self.heap if entry[1].id not in peers]
-            heapq.heapify(self.heap)
+
+    def popleft(self) -> Node | None:
+        if not self.heap:
+            return None
+        node = self.heap.pop(0)[1]
+        self._ids.discard(node.id)
+        return node
 
     def __contains__(self, node: object) -> bool:
         return isinstance(node, Node) and node.id in self._ids
+
+    def __iter__(self) -> Iterator[Node]:
+        """The k nearest, nearest first."""
+        return map(_contact, islice(self.heap, self.maxsize))
+
+    def nearest_entries(self) -> list[tuple[int, Node]]:
+        """The k nearest as (distance, node) pairs, nearest first."""
+        return self.heap[: self.maxsize]
+
+    @property
+    def best_distance(self) -> int:
+        return self.heap[0][0] if self.heap else 2**160
 
 
 class IterativeLookup:
@@ -72,15 +105,17 @@ class IterativeLookup:
         k: int = K,
         alpha: int = ALPHA,
         self_id: int | None = None,
+        excluded: Iterable[bytes] = (),
     ):
+        """``excluded``: node IDs never to consider (for a disjoint path, those other paths took)."""
         self.target = target
         self.k, self.alpha = k, alpha
-        self._heap = CandidateHeap(Contact.for_id(target), maxsize=k)
+        self._heap = CandidateHeap(Contact.for_id(target), k)
         self._self_id = self_id
         self._hops: dict[bytes, int] = {}
         self._in_flight: set[bytes] = set()
         self._responded: set[bytes] = set()
-        self._dropped: set[bytes] = set()  # failed, or taken by another path of a disjoint lookup
+        self._dropped: set[bytes] = set(excluded)  # failed, or taken by another path of a disjoint lookup
         self._widened = False
         self._narrow = False
         self.rpcs = 0
@@ -107,13 +142,13 @@ class IterativeLookup:
         chosen: list[Contact] = []
         if limit <= 0:
             return chosen
+        in_flight, responded = self._in_flight, self._responded
         for contact in self._heap:  # the k nearest live candidates, nearest first
-            if contact.id not in self._in_flight and contact.id not in self._responded:
+            if contact.id not in in_flight and contact.id not in responded:
                 chosen.append(contact)
+                in_flight.add(contact.id)
                 if len(chosen) == limit:
                     break
-        for contact in chosen:
-            self._in_flight.add(contact.id)
         self.rpcs += len(chosen)
         return chosen
 
@@ -142,7 +177,8 @@ class IterativeLookup:
     @property
     def done(self) -> bool:
         """Every one of the k nearest live candidates has answered (or there are none)."""
-        return all(contact.id in self._responded for contact in self._heap)
+        responded = self._responded
+        return all(contact.id in responded for contact in self._heap)
 
     @property
     def in_flight(self) -> int:
@@ -150,12 +186,17 @@ class IterativeLookup:
 
     def closest(self, k: int | None = None) -> list[Contact]:
         """The nearest contacts that answered, nearest first."""
-        k = k or self.k
-        return [contact for contact in self._heap if contact.id in self._responded][:k]
+        return [entry[1] for entry in self.closest_entries(k)]
+
+    def closest_entries(self, k: int | None = None) -> list[tuple[int, Contact]]:
+        """``closest`` as (distance to the target, contact) pairs."""
+        responded = self._responded
+        return [entry for entry in self._heap.nearest_entries() if entry[1].id in responded][: k or self.k]
 
     def among_nearest(self, contact: Contact) -> bool:
         """Whether ``contact`` is currently one of the k nearest live candidates."""
-        return any(candidate.id == contact.id for candidate in self._heap)
+        node_id = contact.id
+        return any(candidate.id == node_id for candidate in self._heap)
 
     def responded(self, contact: Contact) -> bool:
         return contact.id in self._responded
@@ -172,20 +213,23 @@ class IterativeLookup:
 
     # ------------------------------------------------------------------ internals
     def _add(self, contacts: Iterable[Contact], hop: int) -> None:
-        fresh = []
-        for contact in contacts:
-            if contact.long_id == self._self_id or contact.id in self._dropped or contact in self._heap:
-                continue
-            self._hops[contact.id] = hop
-            fresh.append(contact)
-        self._heap.push(fresh)
+        dropped, self_id = self._dropped, self._self_id
+        fresh = [contact for contact in contacts if contact.id not in dropped and contact.long_id != self_id]
+        hops = self._hops
+        for contact in self._heap.push(fresh):
+            hops[contact.id] = hop
 
     def _best_distance(self) -> int:
-        return self._heap.heap[0][0] if self._heap.heap else 2**160
+        return self._heap.best_distance
 
 
 class DisjointLookup:
-    """``paths`` lookups toward ``target`` along disjoint paths, driven like one ``IterativeLookup``."""
+    """``paths`` lookups toward ``target`` along disjoint paths, driven like one ``IterativeLookup``.
+
+    A path other than the first is built when it is first needed (hedging, opening up, asking
+    whether the lookup is done), from its share of the initial candidates minus the nodes other
+    paths have queried by then: what it would hold had it been built at the start and told of
+    each of those queries. A value lookup answered by its first request never builds them."""
 
     def __init__(
         self,
@@ -200,20 +244,37 @@ class DisjointLookup:
         if paths < 1:
             raise ValueError("a lookup needs at least one path")
         self.target = target
-        ordered = sorted(initial, key=lambda contact: contact.long_id ^ target)
+        self._k, self._alpha, self._self_id = k, alpha, self_id
+        ordered = [entry[1] for entry in sorted(((c.long_id ^ target, c) for c in initial), key=_distance)]
         # Dealt out nearest first, so every path starts with some of the best candidates.
-        self.paths = [
-            IterativeLookup(target, ordered[index::paths], k=k, alpha=alpha, self_id=self_id) for index in range(paths)
-        ]
+        self._shares = [ordered[index::paths] for index in range(paths)]
+        self._paths: list[IterativeLookup | None] = [None] * paths
         self._owner: dict[bytes, IterativeLookup] = {}  # node -> the one path that queried it
         self._narrow = False
         self._hedged = False  # hedged, and the first path still waits for its slow peer
+
+    def _path(self, index: int) -> IterativeLookup:
+        path = self._paths[index]
+        if path is None:
+            taken = self._owner  # every node queried so far was queried by another path
+            path = self._paths[index] = IterativeLookup(
+                self.target, self._shares[index], k=self._k, alpha=self._alpha, self_id=self._self_id, excluded=taken
+            )
+        return path
+
+    @property
+    def paths(self) -> list[IterativeLookup]:
+        """Every path (built now if not yet)."""
+        return [self._path(index) for index in range(len(self._paths))]
+
+    def _built(self) -> Iterator[IterativeLookup]:
+        return (path for path in self._paths if path is not None)
 
     def start_narrow(self) -> None:
         """One request in flight (to the nearest path's nearest candidate) until it answers or fails
         or ``hedge()``; then every path opens. See ``IterativeLookup.start_narrow``."""
         self._narrow = True
-        self.paths[0].start_narrow()
+        self._path(0).start_narrow()
 
     def hedge(self) -> None:
         """The nearest peer is slow: ask the next nearest, one per other path (alpha requests in
@@ -222,19 +283,20 @@ class DisjointLookup:
         a value that the first answer usually brings. The first path, still waiting on its slow
         peer, opens as soon as any request returns."""
         self._narrow = False
-        for path in self.paths[1:]:
+        paths = self.paths
+        for path in paths[1:]:
             path.start_narrow()
-        if len(self.paths) == 1:
-            self.paths[0].hedge()
+        if len(paths) == 1:
+            paths[0].hedge()
         else:
             self._hedged = True
 
     def next_queries(self) -> list[Contact]:
         chosen: list[Contact] = []
-        for path in self.paths[:1] if self._narrow else self.paths:
+        for path in [self._path(0)] if self._narrow else self.paths:
             for contact in path.next_queries():
                 self._owner[contact.id] = path
-                for other in self.paths:
+                for other in self._built():
                     if other is not path:
                         other.drop(contact)
                 chosen.append(contact)
@@ -257,25 +319,26 @@ class DisjointLookup:
     def _open_first_path(self) -> None:
         if self._hedged:
             self._hedged = False
-            self.paths[0].hedge()
+            self._path(0).hedge()
 
     @property
     def done(self) -> bool:
-        return all(path.done for path in self.paths)
+        return all(self._path(index).done for index in range(len(self._paths)))
 
     @property
     def in_flight(self) -> int:
-        return sum(path.in_flight for path in self.paths)
+        return sum(path.in_flight for path in self._built())
 
     @property
     def rpcs(self) -> int:
-        return sum(path.rpcs for path in self.paths)
+        return sum(path.rpcs for path in self._built())
 
     def closest(self, k: int | None = None) -> list[Contact]:
         """The nearest contacts that answered on any path, nearest first."""
-        k = k or self.paths[0].k
-        merged = [contact for path in self.paths for contact in path.closest(k)]
-        return sorted(merged, key=lambda contact: contact.long_id ^ self.target)[:k]
+        k = k or self._k
+        merged = [entry for path in self._built() for entry in path.closest_entries(k)]
+        merged.sort(key=_distance)
+        return [entry[1] for entry in merged[:k]]
 
     def among_nearest(self, contact: Contact) -> bool:
         path = self._owner.get(contact.id)
@@ -287,8 +350,9 @@ class DisjointLookup:
 
     @property
     def hops(self) -> int:
-        closest = self.closest(1)
-        if not closest:
+        """Hop depth of the nearest node that answered on any path."""
+        best = min((entry for path in self._built() for entry in path.closest_entries(1)), key=_distance, default=None)
+        if best is None:
             return 0
-        path = self._owner.get(closest[0].id)
-        return path.hop_of(closest[0]) if path is not None else 0
+        path = self._owner.get(best[1].id)
+        return path.hop_of(best[1]) if path is not None else 0

@@ -22,6 +22,7 @@ run's difficulty first (the handshake for peers we talk to, ``wire.parse_contact
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,12 @@ class Contact(Node):
         self.peer_id: PeerID = proof.peer_id
         peer_id = proof.peer_id
         self.address = address if address.peer_id == peer_id else address.with_peer_id(peer_id)
+
+    @functools.cached_property
+    def wire_entry(self) -> tuple[bytes, str, int, bytes]:
+        """How a find reply names this contact (``wire.encode_contacts``): built once, as a DHT
+        node names the same few contacts in every reply (a tuple: shared, so never changed)."""
+        return (self.peer_id.to_bytes(), self.address.host, self.address.port, self.proof.nonce)
 
     @classmethod
     def for_id(cls, node_id: int) -> Node:
@@ -102,11 +109,10 @@ class RoutingTable(_PackageRoutingTable):
         those for which ``exclude(contact)`` is true."""
         k = k or self.ksize
         target = node.long_id
-        candidates = (
-            contact
-            for contact in self.contacts()
-            if contact.long_id != target and (exclude is None or not exclude(contact))
-        )
+        candidates = [c for bucket in self.buckets for c in bucket.nodes.values() if c.long_id != target]
+        if exclude is not None:
+            candidates = [contact for contact in candidates if not exclude(contact)]
+        # A list, not a generator: nsmallest then just sorts when the table holds k or fewer.
         return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
 
     def contacts(self) -> Iterator[Contact]:

@@ -105,7 +105,7 @@ def encode_record(record: DHTRecord) -> list:
 
 # ---------------------------------------------------------------------- contacts
 def encode_contacts(contacts: list[Contact]) -> list:
-    return [[contact.peer_id.to_bytes(), contact.ip, contact.port, contact.proof.nonce] for contact in contacts]
+    return [contact.wire_entry for contact in contacts]
 
 
 def parse_contacts(body: Any, difficulty: int) -> list[Contact]:

@@ -86,9 +86,10 @@ class Connection:
         self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
         self.closed = trio.Event()
-        self._outgoing = SendQueue()
+        self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
         self._handler_scopes: dict[int, trio.CancelScope] = {}
+        self._woken = 0  # callers whose result has arrived and who have not run since (see _alone)
         self._nursery: trio.Nursery | None = None
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
@@ -203,11 +204,14 @@ class Connection:
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
         state = self._pending[call_id] = PendingCall(method)
-        self.enqueue(header, view)
+        outgoing = self._outgoing
+        outgoing.append(header, view, direct=outgoing.idle and self._alone())
         try:
             with trio.move_on_after(timeout if timeout is not None else math.inf) as scope:
                 await state.done.wait()
         finally:
+            if state.result is not None:
+                self._woken -= 1
             if not state.done.is_set():  # timed out or cancelled from outside: tell the peer
                 self._abandon(call_id)
         if scope.cancelled_caught:
@@ -258,10 +262,17 @@ class Connection:
         reused."""
         self._outgoing.append(header, payload, encrypted)
 
-    def _reply(self, header: bytes, payload: memoryview | None = None) -> None:
+    def _alone(self) -> bool:
+        """Whether only one call (the caller's) is in progress on this connection: its messages
+        may then take the send queue's fast path (``rpc_outgoing.py``). Callers woken by results
+        that came in together count until they run: each is about to send its next call, and the
+        first of them must not go out alone ahead of the rest, which the writer sends as one."""
+        return len(self._pending) + len(self._handler_scopes) + self._woken == 1
+
+    def _reply(self, header: bytes, payload: memoryview | None = None, direct: bool = False) -> None:
         """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
         try:
-            self._outgoing.append_reply(header, payload)
+            self._outgoing.append_reply(header, payload, direct=direct)
         except RepliesUnread as error:
             self._close_reason = f"peer {self.remote_peer_id} left {error}"
             log.warning("dropping connection: %s", self._close_reason)
@@ -269,7 +280,7 @@ class Connection:
 
     # ------------------------------------------------------------------ writing
     async def _write(self) -> None:
-        await self._outgoing.write_loop(self.channel, self.traffic)
+        await self._outgoing.write_loop()
 
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
@@ -301,7 +312,11 @@ class Connection:
                 if budget <= 0:
                     budget = READ_BUDGET
                     await trio.lowlevel.cancel_shielded_checkpoint()
-            if not await self._fill():
+            if protocol.awaiting_payload or decoder.buffered or decoder.holds_large_buffer:
+                more = await self._fill()
+            else:  # between messages, as most reads start: no deadline, nothing to release
+                more = await channel.fill()
+            if not more:
                 self._close_reason = f"peer {self.remote_peer_id} closed the connection"
                 return
 
@@ -310,13 +325,17 @@ class Connection:
         buffer back when the connection goes quiet between messages."""
         channel, decoder = self.channel, self.channel.decoder
         if self.protocol.awaiting_payload or decoder.buffered:
-            with trio.move_on_after(STALLED_MESSAGE_TIMEOUT):
-                return await channel.fill()
-            raise ProtocolError(f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)")
+            try:
+                return await channel.fill(STALLED_MESSAGE_TIMEOUT)
+            except trio.TooSlowError:
+                raise ProtocolError(
+                    f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)"
+                ) from None
         if decoder.holds_large_buffer:
-            with trio.move_on_after(IDLE_BUFFER_RELEASE):
-                return await channel.fill()
-            decoder.release()
+            try:
+                return await channel.fill(IDLE_BUFFER_RELEASE)
+            except trio.TooSlowError:
+                decoder.release()
         return await channel.fill()
 
     def _supply_payload_buffer(self, call_id: int, body: Any) -> None:
@@ -338,6 +357,7 @@ class Connection:
             if state is not None:
                 state.result = Message(event.body, event.payload)
                 state.done.set()
+                self._woken += 1
         elif isinstance(event, StreamData):
             state = self._pending.get(event.call_id)
             if state is not None:
@@ -412,7 +432,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._reply(header, view)
+                    self._reply(header, view, self._outgoing.idle and self._alone())
                 else:
                     try:
                         await handler(stream)

@@ -87,6 +87,10 @@ class _Call:
         self.unread = 0  # bytes delivered to the application and not yet consumed
 
 
+# Items in a header of each kind.
+_SHAPES = {OPEN: 4, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4}
+
+
 def _check(condition: bool, what: str) -> None:
     if not condition:
         raise ProtocolError(f"malformed RPC header: {what}")
@@ -368,9 +372,12 @@ class RPCProtocol:
 
     def _validate(self, kind: Any, header: list) -> int:
         """Check the shape of a header; return its payload length."""
-        shapes = {OPEN: 4, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4}
-        _check(kind in shapes and type(kind) is int, f"unknown message kind {kind!r}")
-        _check(len(header) == shapes[kind], f"kind {kind} needs {shapes[kind]} items, got {len(header)}")
+        # (The messages are formatted only on failure: this runs for every message received.)
+        size = _SHAPES.get(kind) if type(kind) is int else None
+        if size is None:
+            _check(False, f"unknown message kind {kind!r}")
+        if len(header) != size:
+            _check(False, f"kind {kind} needs {size} items, got {len(header)}")
         if kind in (OPEN, UNARY):
             method, timeout = header[2], header[3]
             _check(isinstance(method, str) and 0 < len(method) <= MAX_METHOD_NAME, "bad method name")
@@ -425,7 +432,8 @@ class RPCProtocol:
         _check(call_id % 2 == (0 if self.initiator else 1), "call ID of the wrong parity")
         # Call IDs only grow (as HTTP/2 stream IDs do): a reused ID could alias a call whose handler
         # is still unwinding, leaving a second handler that nothing counts or can cancel.
-        _check(call_id > self._last_remote_call_id, f"call ID {call_id} is not above the last one opened")
+        if call_id <= self._last_remote_call_id:
+            _check(False, f"call ID {call_id} is not above the last one opened")
         self._last_remote_call_id = call_id
         if self._remote_calls >= self.max_concurrent_calls:
             self._outbox.append(

@@ -23,6 +23,7 @@ Records are strictly ordered, so a replayed, dropped or reordered record fails a
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import socket
 import struct
@@ -275,8 +276,27 @@ class SecureChannel:
         if not waited:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
-    async def fill(self) -> bool:
-        """Receive more bytes into the decoder; False at end of stream."""
+    @property
+    def can_send_now(self) -> bool:
+        """Whether ``send_now`` can write at all (a real socket), so a caller may rely on it."""
+        return self._socket is not None
+
+    def send_now(self, data: memoryview) -> int:
+        """Write what the kernel takes of ``data`` at once, without waiting or yielding; return how
+        many bytes that was. 0 when nothing could be written: the socket buffer is full, there is
+        no socket to write to directly, or the socket failed (the next ``send_all`` raises that
+        error). Only for a caller that knows no ``send_all`` is in progress."""
+        if self._socket is None:
+            return 0
+        try:
+            return os.write(self._descriptor(), data)
+        except (OSError, trio.ClosedResourceError):
+            return 0
+
+    async def fill(self, timeout: float = math.inf) -> bool:
+        """Receive more bytes into the decoder; False at end of stream. Waits at most ``timeout``
+        seconds for them (``trio.TooSlowError`` after that); the deadline is set up only if bytes
+        are not already waiting, which in a bulk stream they are for about every other read."""
         view = self.decoder.writable()
         if self._socket is not None:
             # In the middle of a large record, ask the kernel not to wake us for every 64 KiB
@@ -291,9 +311,10 @@ class SecureChannel:
             if low_water != self._low_water:
                 self._low_water = low_water
                 self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low_water)
-            nbytes = await self._read_into(view)
+            nbytes = await self._read_into(view, timeout)
         else:
-            data = await self.stream.receive_some(len(view))
+            with trio.fail_after(timeout):
+                data = await self.stream.receive_some(len(view))
             nbytes = len(data)
             view[:nbytes] = data
         self.decoder.commit(nbytes)
@@ -308,7 +329,7 @@ class SecureChannel:
             raise trio.ClosedResourceError("the connection's socket is closed")
         return fd
 
-    async def _read_into(self, view: memoryview) -> int:
+    async def _read_into(self, view: memoryview, timeout: float = math.inf) -> int:
         """One non-blocking read into ``view``, waiting only when nothing is there. Like send_all,
         this skips trio's scheduler pass per read (~10% of a bulk receiver's CPU, measured). It
         does not yield when bytes are waiting: the caller, which knows how much work the bytes
@@ -318,7 +339,11 @@ class SecureChannel:
             try:
                 return os.readv(self._descriptor(), [view])
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self._socket)
+                if timeout == math.inf:
+                    await trio.lowlevel.wait_readable(self._socket)
+                else:
+                    with trio.fail_after(timeout):
+                        await trio.lowlevel.wait_readable(self._socket)
 
     async def send_record(self, plaintext: bytes) -> None:
         out = bytearray(HEADER.size + len(plaintext) + AEAD_TAG_SIZE)

@@ -119,3 +119,20 @@ def test_a_hedge_asks_one_node_per_other_path_until_something_returns():
     # that path and the first (still waiting on its slow peer) open, with their other two candidates
     # each; the third path waits for its own answer
     assert len(search.next_queries()) == 2 + 2 and search.in_flight == 3 + 2 + 1
+
+
+def test_after_a_narrow_start_no_node_is_queried_by_two_paths_either():
+    """A value lookup starts on the first path alone and builds the others only once they are
+    needed; its first answer names their candidates too, and still no node is asked twice."""
+    rng = random.Random(7)
+    nodes = [placed_contact(rng.getrandbits(160), 6000 + n) for n in range(120)]
+    network = Network(nodes, [], [])
+    search = DisjointLookup(rng.getrandbits(160), nodes[:20], paths=3, k=K)
+    search.start_narrow()
+    [first] = search.next_queries()
+    search.on_response(first, network.answer(first)[0])
+    assert not walk(search, network)
+    assert search.done
+    counts = Counter(c.id for c in network.queried)
+    assert max(counts.values()) == 1 and search.rpcs == len(network.queried)
+    assert all(sum(path.responded(c) for path in search.paths) == 1 for c in network.queried)
