@@ -73,12 +73,13 @@ MAX_ERROR_TEXT = 4096
 
 
 class _Call:
-    __slots__ = ("local", "sent_done", "received_done", "send_credit", "receive_credit", "unacked", "unread")
+    __slots__ = ("local", "unary", "sent_done", "received_done", "send_credit", "receive_credit", "unacked", "unread")
     # A call the peer opened ends when we send END/RESULT/ERROR or it sends CANCEL; a call we opened
     # ends when the peer sends END/RESULT/ERROR or we cancel it.
 
     def __init__(self, local: bool, window: int):
         self.local = local  # True if we opened it
+        self.unary = False  # we opened it as a unary call: only RESULT or ERROR may answer it
         self.sent_done = False
         self.received_done = False
         self.send_credit = window
@@ -86,6 +87,10 @@ class _Call:
         self.unacked = 0  # bytes the application consumed but we have not re-granted yet
         self.unread = 0  # bytes delivered to the application and not yet consumed
 
+
+# What may arrive for a call we opened, by its kind (CREDIT is harmless on either).
+_UNARY_ANSWERS = frozenset({RESULT, ERROR, CREDIT})
+_STREAM_ANSWERS = frozenset({DATA, END, ERROR, CREDIT})
 
 # Items in a header of each kind.
 _SHAPES = {OPEN: 4, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4}
@@ -144,7 +149,8 @@ class RPCProtocol:
 
     def open_unary(self, method: str, body: Any, payload_len: int, timeout: float | None) -> tuple[int, bytes]:
         call_id = self._new_call()
-        self._calls[call_id].sent_done = True
+        call = self._calls[call_id]
+        call.sent_done = call.unary = True
         return call_id, packb([UNARY, call_id, method, timeout, body, payload_len])
 
     def open_stream(self, method: str, timeout: float | None) -> tuple[int, bytes]:
@@ -401,6 +407,11 @@ class RPCProtocol:
         call = self._calls.get(call_id)
         if call is None:
             return []  # a call that already ended here (cancelled, failed): late traffic is normal
+        if call.local:
+            # A unary call is answered by RESULT or ERROR, a stream by DATA, END or ERROR: anything
+            # else would leave our caller waiting for an answer that cannot come.
+            answers = _UNARY_ANSWERS if call.unary else _STREAM_ANSWERS
+            _check(kind in answers, f"message kind {kind} does not answer a {'unary' if call.unary else 'stream'} call")
         if kind == DATA:
             # Credit was checked and charged when the header arrived (``_check_credit``).
             cost = self._header_size + header[3]

@@ -289,9 +289,11 @@ class SecureChannel:
         if self._socket is None:
             return 0
         try:
-            return os.write(self._descriptor(), data)
+            sent = os.write(self._descriptor(), data)
         except (OSError, trio.ClosedResourceError):
             return 0
+        self._written += sent  # link_progress counts these bytes like any others
+        return sent
 
     async def fill(self, timeout: float = math.inf) -> bool:
         """Receive more bytes into the decoder; False at end of stream. Waits at most ``timeout``

@@ -105,6 +105,29 @@ def test_error_reaches_the_caller():
     assert failed == CallFailed(call_id, "ValueError", "bad")
 
 
+def test_an_answer_of_the_wrong_kind_for_our_call_is_a_protocol_error():
+    # A RESULT for a stream we opened would leave our receive() waiting for ever; stream DATA or
+    # END for a unary call would leave the caller waiting for its result. Both break the protocol.
+    client, server = pair()
+    stream_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    with pytest.raises(ProtocolError, match="does not answer a stream call"):
+        deliver(client, server.send_result(stream_id, "not a stream reply", 0))
+    for wrong in ("end", "data"):
+        client, server = pair()
+        unary_id, header = client.open_unary("u", None, 0, None)
+        deliver(server, header)
+        raw = packb([3, unary_id]) if wrong == "end" else packb([2, unary_id, "x", 0])
+        with pytest.raises(ProtocolError, match="does not answer a unary call"):
+            deliver(client, raw)
+    client, server = pair()
+    stream_id, header = client.open_stream("s", None)
+    deliver(server, header)
+    assert deliver(client, server.send_error(stream_id, "ValueError", "bad")) == [
+        CallFailed(stream_id, "ValueError", "bad")
+    ]
+
+
 def test_concurrency_limit_refuses_with_busy_error():
     client = RPCProtocol(initiator=True)
     server = RPCProtocol(initiator=False, max_concurrent_calls=2)

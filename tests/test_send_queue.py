@@ -177,3 +177,28 @@ async def test_only_a_lone_call_is_written_by_its_caller():
             for i in range(64):
                 nursery.start_soon(call, i)
         assert writes <= 2  # at most the first of the burst, and the last stragglers
+
+
+async def test_link_progress_counts_what_the_fast_path_sent():
+    # The all-reduce's deadlines read link_progress; bytes a lone call wrote itself count too.
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return request.body
+
+    async with (
+        open_peer_host(Identity.generate(), router=router) as server,
+        open_peer_host(Identity.generate(), listen=None) as client,
+    ):
+        connection = await client.connect(server.listen_address)
+        await connection.call("echo", "warm", timeout=5)
+        before_delivered, _ = connection.link_progress()
+        before_sent = connection.traffic.bytes_sent
+        for _ in range(50):
+            await connection.call("echo", "x" * 1000, timeout=5)  # each alone: the fast path
+        sent = connection.traffic.bytes_sent - before_sent
+        assert sent > 50_000
+        with trio.fail_after(5):  # until the kernel has seen the ACKs of what was sent
+            while connection.link_progress()[0] - before_delivered < sent:
+                await trio.sleep(0.01)
