@@ -11,7 +11,9 @@ be, up to the last residual.
 Which values were rounded is known exactly: parts of shards reduced by another peer were encoded
 with the round's codec (``AllReduceResult.plan`` says where each part starts, which fixes how a
 blockwise codec's blocks fall); our own shard, and shards whose reducer failed (they kept our
-local values), were never encoded. Plain tensor arithmetic, no I/O: callers run it in a thread.
+local values), were never encoded. A shard whose average left us out (the reducer dropped us as a
+sender) lost all of our contribution to it: that whole slice is owed to the next round.
+Plain tensor arithmetic, no I/O: callers run it in a thread.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from peer import PeerID
 
 from .allreduce import AllReduceResult
 from .compression import Codec, get_codec
@@ -29,8 +33,9 @@ __all__ = ["ErrorFeedback"]
 class ErrorFeedback:
     """The residual of one peer's contributions to rounds averaged with ``codec``."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], codec: str | Codec):
+    def __init__(self, tensors: Sequence[torch.Tensor], codec: str | Codec, me: PeerID | None = None):
         self.codec = get_codec(codec)
+        self.me = me  # our peer ID: a shard whose average left us out owes our whole contribution
         self.residual = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32)
         self._sent: torch.Tensor | None = None
 
@@ -56,6 +61,11 @@ class ErrorFeedback:
         for index in range(plan.num_shards):
             if index == result.my_shard or index in result.local_shards:
                 continue  # never encoded: our own reduction, or a failed reducer's shard kept local
+            contributors = result.contributors.get(index)
+            if self.me is not None and contributors is not None and self.me not in contributors:
+                start, end = plan.shard_bounds(index)  # the reducer dropped us: none of it arrived
+                self.residual[start:end] = sent[start:end]
+                continue
             for start, end in plan.parts(index):
                 values = sent[start:end]
                 meta, payload = self.codec.encode(values)

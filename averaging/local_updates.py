@@ -102,7 +102,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
-        self.error_feedback = ErrorFeedback(self.deltas, codec) if error_feedback else None
+        self.error_feedback = ErrorFeedback(self.deltas, codec, dht.host.peer_id) if error_feedback else None
         # Newcomers download the start and the outer momentum; the start alone is averaged now and
         # then (a copy of it, by ``start_averager``) to pull replicas together.
         self.replica = Replica(dht, prefix, self.snapshot + self.outer_state, averaging)

@@ -62,7 +62,8 @@ class _DelayedRound:
     epoch: int
     weight: float
     record: AveragingRecord | None = None
-    done: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # averaged: its step may land
+    exited: trio.Event = field(default_factory=trio.Event)  # the task is over, however it ended
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
@@ -127,6 +128,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
         self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging)
+        self.replica.state.epoch_of = self._served_epoch
         self.local_samples = 0
         self._last_fetch = -float("inf")
         self._epoch_started: float | None = None
@@ -181,8 +183,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         next parameter averaging pulls them toward the swarm's, and training goes on."""
         replica = self.replica
         if self._in_flight is not None:  # its step was computed for parameters we are replacing
-            self._in_flight.scope.cancel()
-            self._in_flight = None
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.scope.cancel()
+            await in_flight.exited.wait()  # its buffers are ours again only once it is out
         try:
             await replica.load_state_from_peers(self.load_state_timeout, catch_up=self._catch_up_schedule)
         except StateUnavailable as error:
@@ -292,26 +295,35 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await replica.publish(self.local_samples)
 
     async def _average_in_background(self, in_flight: _DelayedRound) -> None:
-        with in_flight.scope:
-            in_flight.record = await average_once(
-                self.grad_averager,
-                epoch=in_flight.epoch,
-                weight=in_flight.weight,
-                fallback="stepping on local gradients",
-            )
-            in_flight.done.set()
+        try:
+            with in_flight.scope:
+                in_flight.record = await average_once(
+                    self.grad_averager,
+                    epoch=in_flight.epoch,
+                    weight=in_flight.weight,
+                    fallback="stepping on local gradients",
+                )
+                in_flight.done.set()
+        finally:
+            in_flight.exited.set()
 
     async def _land_delayed(self) -> None:
         """Apply the step of the round that finished in the background."""
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         assert in_flight is not None and in_flight.record is not None
         replica = self.replica
         async with replica.state.locked_tensors():
             await trio.to_thread.run_sync(self._apply_gradients)
+            self._in_flight = None  # with the step applied: donors serve these parameters as the epoch's
         record = in_flight.record
         if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
+
+    def _served_epoch(self) -> int:
+        """The epoch our parameters belong to, as donors tell newcomers: while a delayed round is in
+        flight the epoch already counts as done but its step has not landed, so one less."""
+        return self.replica.epoch - (1 if self._in_flight is not None else 0)
 
     def _update_epoch_throughput(self, samples: int) -> None:
         now = trio.current_time()

@@ -21,9 +21,14 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
                 original = trainer.optimizer.step
 
                 async def counting_step(batch_size):
-                    if trainer.optimizer.averaging_in_background:
+                    optimizer = trainer.optimizer
+                    if optimizer.averaging_in_background:
                         overlapped[i] += 1
-                    return await original(batch_size)
+                    stepped = await original(batch_size)
+                    if stepped:  # launched: the epoch counts, its step has not landed, and donors
+                        # must not label the parameters before it with the new epoch
+                        assert optimizer.replica.state.state_metadata()["epoch"] == optimizer.epoch - 1
+                    return stepped
 
                 trainer.optimizer.step = counting_step
                 statuses[i] = await trainer.run(max_epochs=60, target_accuracy=0.9)

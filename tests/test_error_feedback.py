@@ -7,13 +7,20 @@ from averaging.allreduce import AllReduceResult
 from averaging.compression import get_codec
 from averaging.error_feedback import ErrorFeedback
 from averaging.partition import AllReducePlan
+from peer import PeerID
 
 CODEC = get_codec("blockwise_8bit")
 
 
-def round_result(plan, my_shard, local_shards=()):
+def round_result(plan, my_shard, local_shards=(), contributors=None):
     """What a finished round reports (the group itself plays no part in the residual)."""
-    return AllReduceResult(group=None, plan=plan, my_shard=my_shard, local_shards=dict.fromkeys(local_shards, "x"))
+    return AllReduceResult(
+        group=None,
+        plan=plan,
+        my_shard=my_shard,
+        local_shards=dict.fromkeys(local_shards, "x"),
+        contributors=contributors or {},
+    )
 
 
 def transmitted(values: torch.Tensor, plan: AllReducePlan, my_shard: int) -> torch.Tensor:
@@ -78,3 +85,17 @@ def test_carried_residual_keeps_the_transmitted_sum_on_track_where_rounding_lose
     step = 1.0 / 127
     assert (without[1:half] - intended[1:half]).abs().max() > 0.3, "plain rounding drops the small values"
     assert (with_feedback[:half] - intended[:half]).abs().max() <= step, "feedback loses at most one step"
+
+
+def test_a_shard_whose_reducer_dropped_us_owes_our_whole_contribution():
+    me, other = PeerID(b"\x01" * 20), PeerID(b"\x02" * 20)
+    tensors = [torch.linspace(-1, 1, 3000)]
+    plan = AllReducePlan.build(3000, [1.0, 1.0, 1.0], part_size=512)
+    feedback = ErrorFeedback(tensors, CODEC, me)
+    feedback.add_residual(tensors)
+    # shard 0 averaged without us; shard 2 with us (only rounding is owed there)
+    feedback.settle(round_result(plan, my_shard=1, contributors={0: [other], 2: [me, other]}))
+    start0, end0 = plan.shard_bounds(0)
+    assert torch.equal(feedback.residual[start0:end0], tensors[0][start0:end0])
+    start2, end2 = plan.shard_bounds(2)
+    assert 0 < feedback.residual[start2:end2].abs().max() <= 1 / 127
