@@ -61,3 +61,16 @@ def test_join_refuses_an_unknown_compression_in_one_line(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "unknown codec 'zip'" in result.stderr and "blockwise_8bit" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_delay_updates_outside_collaborative_training_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for extra in (["--task", "digits", "--mode", "local-updates"], []):
+        command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--delay-updates", *extra]
+        result = subprocess.run(
+            [sys.executable, "-m", "peer.daemon.cli", *command], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 1, result.stderr
+        assert "--delay-updates applies to training (--task) in collaborative mode only" in result.stderr

@@ -335,6 +335,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
         shard = ShardSpec(*args.data_shard)
         check_task(args.task, args.model_size)  # fail now, with a clear message
+    if args.delay_updates and (args.task is None or args.mode != "collaborative"):
+        raise ValueError("--delay-updates applies to training (--task) in collaborative mode only")
     if args.compression is not None:
         from averaging.compression import get_codec  # torch loads only in peers that train
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from peer import LOCAL_DIFFICULTY
 
-from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
+from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
 from .swarm_processes import SwarmPeer, stop_all, wait_started
 from .swarm_table import TableDisplay
 
@@ -205,4 +205,4 @@ def run_swarm(args: argparse.Namespace) -> int:
         return EXIT_OK
     if stopped_by is not None:
         return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else EXIT_TERMINATED
-    return EXIT_TARGET_MISSED
+    return EXIT_BAD_INPUT if error is not None else EXIT_TARGET_MISSED  # a peer that did not start
