@@ -16,7 +16,13 @@ its learning-rate schedule to its end. So a higher epoch is adopted on evidence 
   combined samples per second buy, plus one), and a peer seen for the first time may only claim
   an epoch at most one ahead of ours, unless we are fresh ourselves (epoch 0, no peer seen yet):
   then there is no history to hold a claim against, and the quorum alone decides. An implausible
-  claim is left out of the evidence and logged; the peer's samples still count.
+  claim is left out of the evidence and logged; the peer's samples still count. The last accepted
+  claim of a peer that left the view is remembered (up to MAX_REMEMBERED peers), so peers cut off
+  by a partition are judged by their rate when it heals.
+- Majority: an epoch that more than half of the other peers in view (and at least ``quorum``)
+  claim is taken even from strangers, so a peer that was away while the whole swarm changed still
+  finds its way back; Sybils would have to outnumber the peers it sees. A known peer counts here
+  with its claim only as far as its rate allows.
 - Averaging with a group that reached an epoch moves a peer one epoch per round
   (``Replica.count_round``), on the word of the group it actually averaged with.
 
@@ -50,6 +56,9 @@ RATE_SLACK = 4.0
 # A peer's claimed samples/s counts at most this many times the median claim, so one peer claiming
 # 1e11 samples/s cannot make any epoch jump plausible.
 MAX_RATE_SHARE = 4.0
+# Peers whose last accepted claim is remembered after they leave the view: a swarm's worth, so that
+# a healed partition is judged by history; the oldest are forgotten first.
+MAX_REMEMBERED = 4096
 
 
 class Claim(Protocol):
@@ -82,27 +91,35 @@ class EpochEvidence:
         fresh = my_epoch == 0 and not self._seen_others
         rate = self._epochs_per_s(claims.values())
         plausible = []
+        standing = []  # for the majority: strangers' claims, and known peers' as far as plausible
         vouched = 0
         for peer, claim in others.items():
+            known = self._accepted.get(peer)
             if self._plausible(peer, claim.epoch, my_epoch, now, rate, fresh):
+                standing.append(claim.epoch)
                 self._accepted[peer] = (claim.epoch, now)
                 self._refused.discard(peer)
                 plausible.append(claim.epoch)
                 if peer in self._vouched:
                     vouched = max(vouched, claim.epoch)
-            elif peer not in self._refused:
+                continue
+            standing.append(claim.epoch if known is None else known[0])
+            if peer not in self._refused:
                 self._refused.add(peer)
                 message = "ignoring peer %s's claim of epoch %d: more than the swarm's reported samples allow"
                 log.warning(message, peer, claim.epoch)
-        # Forget peers that left the view: memory follows the view, which the DHT bounds.
-        for peer in [p for p in self._accepted if p not in others]:
-            del self._accepted[peer]
+        # Remember peers that left the view (a partition heals), but only so many: the oldest go.
+        while len(self._accepted) > MAX_REMEMBERED:
+            del self._accepted[min(self._accepted, key=lambda p: self._accepted[p][1])]
         self._refused &= set(others)
         self._seen_others = self._seen_others or bool(others)
         plausible.sort(reverse=True)
         quorum = min(self.quorum, len(others))
         agreed = plausible[quorum - 1] if 0 < quorum <= len(plausible) else 0
-        return max(my_epoch, agreed, vouched)
+        standing.sort(reverse=True)
+        majority = len(standing) // 2 + 1
+        backed = standing[majority - 1] if len(standing) >= max(self.quorum, 2) else 0
+        return max(my_epoch, agreed, vouched, backed)
 
     def _plausible(self, peer: PeerID, epoch: int, my_epoch: int, now: float, rate: float, fresh: bool) -> bool:
         if epoch <= my_epoch + 1:

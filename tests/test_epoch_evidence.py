@@ -57,10 +57,11 @@ def test_a_single_veteran_brings_fresh_peers_to_its_epoch_but_not_a_running_peer
     # A fresh swarm with one liar in it: the liar is one claim against one.
     assert EpochEvidence(ME, 1000).evidenced(claims(FORGED, 0), 0, now=0.0) == 0
     running = EpochEvidence(ME, 1000)
-    assert running.evidenced(claims(5), 5, now=0.0) == 5
-    assert running.evidenced(claims(5, FORGED), 5, now=1.0) == 5  # a stranger claiming far ahead
-    # Two identities agreeing: a quorum, but strangers' first claims far ahead of us stay implausible.
-    assert running.evidenced(claims(5, FORGED, FORGED), 5, now=2.0) == 5
+    assert running.evidenced(claims(5, 5), 5, now=0.0) == 5
+    assert running.evidenced(claims(5, 5, FORGED), 5, now=1.0) == 5  # a stranger claiming far ahead
+    # Two identities agreeing: a quorum, but strangers' first claims far ahead of us stay implausible
+    # (and two of four are no majority).
+    assert running.evidenced(claims(5, 5, FORGED, FORGED), 5, now=2.0) == 5
 
 
 def test_claims_advance_only_as_fast_as_the_reported_samples_allow() -> None:
@@ -71,9 +72,20 @@ def test_claims_advance_only_as_fast_as_the_reported_samples_allow() -> None:
     assert evidence.evidenced(claims(13, 13, me=10), 10, now=2.0) == 13  # three epochs in two seconds
     # A partition that heals: peers last seen a minute ago have trained on meanwhile.
     assert evidence.evidenced(claims(50, 50, me=13), 13, now=62.0) == 50
+    # Peers that left the view (cut off by a partition) are judged by their last accepted claim
+    # when they come back, not as strangers.
+    assert evidence.evidenced(claims(me=50), 50, now=70.0) == 50
+    assert evidence.evidenced(claims(80, 80, me=50), 50, now=100.0) == 80
+    # A running peer that was away while the whole swarm changed: strangers, but most of its view.
+    away = EpochEvidence(ME, samples_per_epoch=1000)
+    assert away.evidenced(claims(4, 4, me=4), 4, now=0.0) == 4
+    assert away.evidenced({ME: Claim(4), **{PeerID(bytes([9, i]) * 10): Claim(90) for i in range(3)}}, 4, 1.0) == 90
+    # ... which two Sybils among three honest peers are not.
+    liars = {**claims(80, 80, 80, me=80), PeerID(b"\x09" * 20): Claim(FORGED), PeerID(b"\x0a" * 20): Claim(FORGED)}
+    assert evidence.evidenced(liars, 80, now=101.0) == 80
     # A claim of a huge rate counts at most MAX_RATE_SHARE times the median rate.
-    liar = {**claims(50, 50, me=50), PEERS[1]: Claim(5000, samples_per_s=1e11)}
-    assert evidence.evidenced(liar, 50, now=63.0) == 50
+    liar = {**claims(80, 80, me=80), PEERS[1]: Claim(5000, samples_per_s=1e11)}
+    assert evidence.evidenced(liar, 80, now=102.0) == 80
     assert EPOCH_QUORUM == 2
 
 
