@@ -12,6 +12,9 @@
    again until the deadline; one whose leader is unreachable (refused the connection or lost it:
    dead) passes it over from then on, as every other follower of that leader does, so the group
    elects the next leader instead of losing the round to a declaration that outlived its peer.
+   A leader that answers garbage, or a group without the follower, or does not answer within half
+   of the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
+   and, with a peer ID that ranks first, be elected; it must not cost the others the round.
 
 Peers whose tensor schemas differ never meet: the schema hash is part of what is matched.
 """
@@ -42,6 +45,10 @@ MAX_SETTLE = 0.5
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
+# A follower gives its leader this share of the time left to answer; an honest leader answers by
+# then with whoever joined (it forms the group before its most impatient follower gives up), and a
+# leader that did not is passed over with the other half left for the next one to gather a group.
+LEADER_PATIENCE_SHARE = 0.5
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
 WITHDRAWAL_TTL = 5.0
@@ -49,6 +56,10 @@ WITHDRAWAL_TTL = 5.0
 
 class MatchmakingError(RuntimeError):
     """No group of at least ``min_group_size`` formed before the deadline."""
+
+
+class LeaderFailed(MatchmakingError):
+    """The elected leader answered garbage, left us out, or did not answer in time."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,7 @@ class Matchmaker:
                     if own_round:
                         self.last_round = confirmed_round(own_round, me.peer_id, group, candidates)
                     return group
-                except (ConnectError, ConnectionLost) as error:
+                except (ConnectError, ConnectionLost, LeaderFailed) as error:
                     unreachable.add(proposal.leader)
                     last_error = str(error)
                     log.info(
@@ -280,13 +291,19 @@ class Matchmaker:
 
     async def _follow(self, me: Declaration, leader: Declaration, deadline: float) -> GroupInfo:
         if leader.address is None:
-            raise MatchmakingError("the leader has no address")
-        body = {**me.to_wire(), "patience": max(deadline - trio.current_time(), 1e-3)}
-        reply = await self.host.call(leader.address, self._join_method, body)
-        group = GroupInfo.from_wire(reply.body)
-        if group.member(me.peer_id) is None:
-            raise MatchmakingError("the leader's group does not include this peer")
-        return group
+            raise LeaderFailed("the leader has no address")
+        patience = max((deadline - trio.current_time()) * LEADER_PATIENCE_SHARE, 1e-3)
+        body = {**me.to_wire(), "patience": patience}
+        with trio.move_on_after(patience + ANSWER_MARGIN):
+            reply = await self.host.call(leader.address, self._join_method, body)
+            try:
+                group = GroupInfo.from_wire(reply.body)
+            except ValueError as error:
+                raise LeaderFailed(f"the leader {leader.peer_id} answered with a malformed group: {error}") from None
+            if group.member(me.peer_id) is None:
+                raise LeaderFailed(f"the leader {leader.peer_id}'s group does not include this peer")
+            return group
+        raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")
 
 
 def round_to_join(own_round: int, declared: list[int]) -> int:

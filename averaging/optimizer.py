@@ -127,7 +127,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # Created now (as a fresh optimizer's would be) so that peers list the same tensors from
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
-        self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging)
+        self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging, target_batch_size)
         self.replica.state.epoch_of = self._served_epoch
         self.local_samples = 0
         self._last_fetch = -float("inf")
@@ -160,9 +160,13 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             self._last_fetch = now
             await replica.publish(self.local_samples)
             await replica.fetch(self.local_samples)
-        view = SwarmProgress({**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)})
+        view = SwarmProgress(
+            {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
+            max(replica.swarm.epoch, replica.epoch),
+        )
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
-        # progress: our parameters are stale, take the swarm's.
+        # progress (as the evidence says, not any one claim): our parameters are stale, take the
+        # swarm's.
         if view.epoch > replica.epoch + 1 or (self._first_step and view.epoch > replica.epoch):
             self._first_step = False
             await self.load_state_from_peers(swarm_epoch=view.epoch)
@@ -178,6 +182,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
         """Adopt a peer's parameters, optimizer state and epoch (we fell behind or just joined).
+        ``swarm_epoch`` is the epoch the caller has evidence for; the donor's own claim is taken
+        no further than one past it (``Replica.load_state_from_peers``).
 
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
@@ -187,7 +193,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             in_flight.scope.cancel()
             await in_flight.exited.wait()  # its buffers are ours again only once it is out
         try:
-            await replica.load_state_from_peers(self.load_state_timeout, catch_up=self._catch_up_schedule)
+            await replica.load_state_from_peers(
+                self.load_state_timeout, catch_up=self._catch_up_schedule, evidenced=swarm_epoch or 0
+            )
         except StateUnavailable as error:
             if swarm_epoch is not None and swarm_epoch > replica.epoch:
                 log.warning("%s; continuing from the swarm's epoch %d with local parameters", error, swarm_epoch)
@@ -203,9 +211,11 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     async def _catch_up_schedule(self, epochs: int) -> None:
         """Move the learning-rate schedule as far as the epoch jumps (the scheduler steps once per
-        epoch, as in ``_apply_gradients``). The epoch came from another peer: the scheduler
-        catches up at most MAX_SCHEDULER_CATCH_UP epochs (~0.3 s of work, in a thread), so a
-        forged epoch cannot hang this peer."""
+        epoch, as in ``_apply_gradients``). The schedule jumps only as far as the epoch does, and
+        the epoch only on evidence (``epoch_evidence.py``; a donor's claim is capped by it), so no
+        single claim moves it further than one epoch past what the swarm's records back. The
+        scheduler catches up at most MAX_SCHEDULER_CATCH_UP epochs (~0.3 s of work, in a thread),
+        so an epoch given by a caller cannot hang this peer either."""
         if self.scheduler is None:
             return
         steps = min(epochs, MAX_SCHEDULER_CATCH_UP)

@@ -4,7 +4,8 @@ Each peer publishes ``{epoch, samples, samples_per_s}`` under ``{prefix}.progres
 owner-signed ``peer_subkey``, so nobody else can write or squat on its record) and reads
 everyone's. From that every peer decides on its own, and consistently with the others, when the
 swarm has accumulated ``target_batch_size`` samples for the current epoch (time to average and
-step) and whether it has fallen behind (time to load state from peers).
+step) and whether it has fallen behind (time to load state from peers). Every record is a claim:
+the swarm's epoch is the one backed by evidence (``epoch_evidence.py``), not the highest claimed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import PeerID
 
+from .epoch_evidence import EpochEvidence
 from .group import is_counter
 
 __all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
@@ -49,19 +51,23 @@ class PeerProgress:
 
 @dataclass(frozen=True)
 class SwarmProgress:
-    """What one peer knows of the swarm at one moment."""
+    """What one peer knows of the swarm at one moment: everyone's claims, and the epoch that the
+    evidence backs (``None``: the claims are taken as they are, for views built from local data)."""
 
     peers: dict[PeerID, PeerProgress]
+    evidenced: int | None = None
 
     @property
     def epoch(self) -> int:
+        if self.evidenced is not None:
+            return self.evidenced
         return max((p.epoch for p in self.peers.values()), default=0)
 
     def samples_at(self, epoch: int) -> int:
         return sum(p.samples for p in self.peers.values() if p.epoch == epoch)
 
     def ready_to_step(self, epoch: int, target_batch_size: int) -> bool:
-        """The swarm finished ``epoch``: enough samples, or someone already moved past it."""
+        """The swarm finished ``epoch``: enough samples, or the evidence says it moved past it."""
         return self.epoch > epoch or self.samples_at(epoch) >= target_batch_size
 
     @property
@@ -70,13 +76,17 @@ class SwarmProgress:
 
 
 class ProgressTracker:
-    """Publishes this peer's progress record and reads everyone's."""
+    """Publishes this peer's progress record and reads everyone's, weighing them as evidence.
 
-    def __init__(self, dht, prefix: str):
+    ``samples_per_epoch``: how many of the swarm's samples an epoch takes (the target batch size),
+    which bounds how fast claims may advance; None where epochs are not counted in samples."""
+
+    def __init__(self, dht, prefix: str, samples_per_epoch: int | None = None):
         self.dht = dht
         self.key = f"{prefix}.progress"
         self.me = dht.host.peer_id
         self.subkey = peer_subkey(dht.host.identity.public_key)
+        self.evidence = EpochEvidence(self.me, samples_per_epoch)
 
     async def publish(self, progress: PeerProgress) -> None:
         await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.subkey)
@@ -85,7 +95,7 @@ class ProgressTracker:
         found = await self.dht.get(self.key, latest=True)
         peers = {self.me: mine}
         peers.update((peer, progress) for peer, progress in peer_entries(found, _parse) if peer != self.me)
-        return SwarmProgress(peers)
+        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, time.monotonic()))
 
 
 def _parse(peer: PeerID, body: Any) -> PeerProgress:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from peer import PeerID
+
 from .allreduce import AllReduceError
 from .averager import GroupAverager
 from .group import is_counter
@@ -45,6 +47,8 @@ class AveragingRecord:
     averaged: bool = False
     group: int = 0
     failed: tuple[str, ...] = ()
+    # the other members that took part without failing: they vouch for the epoch they reached
+    peers: tuple[PeerID, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the daemon's ``/status`` reports as ``last_averaging``."""
@@ -99,7 +103,11 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
         log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
         return AveragingRecord(epoch)
     failed = tuple(sorted(str(peer) for peer in result.failed_peers))
-    return AveragingRecord(averager.round - 1, averaged=True, group=len(result.group.members), failed=failed)
+    me = averager.host.peer_id
+    peers = tuple(m.peer_id for m in result.group.members if m.peer_id != me and m.peer_id not in result.failed_peers)
+    return AveragingRecord(
+        averager.round - 1, averaged=True, group=len(result.group.members), failed=failed, peers=peers
+    )
 
 
 async def average_state(averager: GroupAverager, epoch: int) -> bool:
@@ -116,12 +124,19 @@ async def average_state(averager: GroupAverager, epoch: int) -> bool:
 class Replica:
     """This peer's epoch, the state newcomers download from it, and its progress records."""
 
-    def __init__(self, dht, prefix: str, state: Sequence[torch.Tensor], averaging: dict[str, Any]):
+    def __init__(
+        self,
+        dht,
+        prefix: str,
+        state: Sequence[torch.Tensor],
+        averaging: dict[str, Any],
+        samples_per_epoch: int | None = None,
+    ):
         self.epoch = 0
         self.samples_per_s = 0.0
-        self.swarm = SwarmProgress({})  # the last view fetched from the DHT
+        self.swarm = SwarmProgress({}, 0)  # the last view fetched from the DHT
         self.last_round: AveragingRecord | None = None
-        self.tracker = ProgressTracker(dht, prefix)
+        self.tracker = ProgressTracker(dht, prefix, samples_per_epoch)
         # Averaged now and then to pull replicas together, and what newcomers download.
         self.state = EpochStateAverager(lambda: self.epoch, state, dht, prefix=f"{prefix}.state", **averaging)
 
@@ -146,6 +161,8 @@ class Replica:
         two sides would look for each other in different rounds of state averaging, each losing a
         matchmaking deadline. One epoch at most per round: a larger jump is never taken on a
         group's word (a peer further behind closes the gap a round at a time, or loads state)."""
+        if record is not None and record.averaged:
+            self.tracker.evidence.vouch(record.peers)
         shared = record.epoch if record is not None and record.averaged else self.epoch
         self.epoch = min(max(self.epoch, shared), self.epoch + 1) + 1
 
@@ -154,13 +171,19 @@ class Replica:
         await self.state.state_sharing.announce(self.epoch)
 
     async def load_state_from_peers(
-        self, timeout: float, catch_up: Callable[[int], Awaitable[None]] | None = None
+        self, timeout: float, catch_up: Callable[[int], Awaitable[None]] | None = None, evidenced: int = 0
     ) -> None:
-        """Load a donor's state into ours and adopt its epoch, if it sent a sane one; raises
-        StateUnavailable if no donor answered within ``timeout``."""
+        """Load a donor's state into ours and adopt its epoch, as far as the evidence goes: the
+        donor's epoch is one peer's claim, so it is taken up to one past the swarm's evidenced
+        epoch (or ``evidenced``, what the caller knows), the normal skew of a donor that stepped
+        since. Raises StateUnavailable if no donor answered within ``timeout``."""
         metadata = await self.state.load_state_from_peers(timeout=timeout)
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if is_counter(epoch):
+            bound = max(self.swarm.epoch, evidenced, self.epoch) + 1
+            if epoch > bound:
+                log.warning("the donor claims epoch %d, the evidence backs %d; moving to %d", epoch, bound - 1, bound)
+                epoch = bound
             await self.move_to_epoch(epoch, catch_up)
 
     async def move_to_epoch(self, epoch: int, catch_up: Callable[[int], Awaitable[None]] | None = None) -> None:

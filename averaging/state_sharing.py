@@ -8,7 +8,10 @@ all hitting the first one.
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
-a donor cannot make it allocate or load anything of another shape.
+a donor cannot make it allocate or load anything of another shape, then checks the values and
+compares them with a second donor's sample (``state_checks.py``) before anything is loaded; a
+donor whose state fails is skipped and the next one tried. A witness's sample comes on a second
+stream method: the newcomer names the tensors it wants, the donor sends those the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
 from .group import is_counter
+from .state_checks import DONOR_AGREEMENT, check_state, disagreement, sample_indices
 
 __all__ = ["DonorOffer", "StateOwner", "StateSharing", "StateUnavailable"]
 
@@ -44,6 +48,9 @@ MAX_SERVES = 4
 # A serve that has not finished by then is dropped with its copy: a reader that stops reading must
 # not pin it. Ten minutes moves several GB even over a 100 Mbit/s link.
 SERVE_DEADLINE = 600.0
+# A candidate's state is compared with at most this many witnesses before it is given up on: two
+# honest witnesses that both disagree with a donor are conclusive enough, and each costs a download.
+MAX_WITNESSES = 2
 
 
 class StateUnavailable(RuntimeError):
@@ -82,8 +89,11 @@ class StateSharing:
         self.prefix = prefix
         self.owner = owner
         self.method = f"avg.state.{prefix}"
+        self.sample_method = f"avg.state_sample.{prefix}"
         self._serving: dict[PeerID, int] = {}
+        self._rng = random.Random()
         host.router.add_stream(self.method, self._serve_state)
+        host.router.add_stream(self.sample_method, self._serve_sample)
 
     @property
     def key(self) -> str:
@@ -97,20 +107,35 @@ class StateSharing:
         await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=subkey)
 
     async def _serve_state(self, stream) -> None:
+        await self._serve(stream, None)
+
+    async def _serve_sample(self, stream) -> None:
+        """A witness's part: the tensors a newcomer names, to compare with another donor's."""
+        request = (await stream.receive()).body
+        wanted = request.get("tensors") if isinstance(request, dict) else None
+        if not (isinstance(wanted, list) and 0 < len(wanted) <= MAX_TENSORS and all(type(i) is int for i in wanted)):
+            raise ValueError("a sample request names a list of tensor indices")
+        await self._serve(stream, sorted(set(wanted)))
+
+    async def _serve(self, stream, only: list[int] | None) -> None:
         peer = stream.peer
         if self._serving.get(peer, 0) >= MAX_SERVES_PER_PEER or sum(self._serving.values()) >= MAX_SERVES:
             raise Busy("this donor is serving as many state downloads as it can; try another donor")
         self._serving[peer] = self._serving.get(peer, 0) + 1
         try:
             with trio.move_on_after(SERVE_DEADLINE):
-                await self._send_state(stream)
+                await self._send_state(stream, only)
         finally:
             self._serving[peer] -= 1
             if not self._serving[peer]:
                 del self._serving[peer]
 
-    async def _send_state(self, stream) -> None:
+    async def _send_state(self, stream, only: list[int] | None = None) -> None:
         async with self.owner.locked_tensors() as tensors:
+            if only is not None:
+                if only[-1] >= len(tensors) or only[0] < 0:
+                    raise ValueError(f"this donor has {len(tensors)} tensors")
+                tensors = [tensors[i] for i in only]
             # Copy under the lock (in a thread: may be large) so a concurrent round cannot tear it.
             snapshot = await trio.to_thread.run_sync(lambda: [t.detach().to("cpu", copy=True) for t in tensors])
             metadata = self.owner.state_metadata()
@@ -134,23 +159,62 @@ class StateSharing:
         return offers
 
     async def download(self, expected: Sequence[torch.Tensor], timeout: float) -> tuple[Any, list[torch.Tensor]]:
-        """Metadata and tensors from some donor; raises StateUnavailable after ``timeout``."""
+        """Metadata and tensors from some donor whose state passes the checks; raises
+        StateUnavailable after ``timeout`` or when every donor failed them."""
         reasons: list[str] = []
         with trio.move_on_after(timeout):
-            for address in await self._donors():
+            donors = await self._donors()
+            for address in donors:
                 try:
-                    return await self._download_from(address, expected, timeout)
+                    metadata, tensors = await self._download_from(address, expected, timeout)
+                    await trio.to_thread.run_sync(check_state, tensors, expected)
+                    await self._witnessed(address, donors, tensors, expected, timeout)
+                    return metadata, tensors
                 except (RPCError, ConnectError, ValueError, trio.EndOfChannel) as error:
                     reasons.append(f"{address.peer_id}: {error}")
-                    log.info("state download from %s failed: %s", address.peer_id, error)
+                    log.info("state from %s refused or failed: %s", address.peer_id, error)
         detail = "; ".join(reasons) if reasons else "no donor announced itself"
         raise StateUnavailable(f"could not load state from peers within {timeout:g} s ({detail})")
 
+    async def _witnessed(
+        self,
+        donor: PeerAddress,
+        donors: list[PeerAddress],
+        tensors: list[torch.Tensor],
+        expected: Sequence[torch.Tensor],
+        timeout: float,
+    ) -> None:
+        """Compare a sample of ``tensors`` with other donors' until one agrees; raises ValueError
+        if the witnesses that answered all disagree (none answering leaves nothing to compare)."""
+        witnesses = [address for address in donors if address.peer_id != donor.peer_id]
+        self._rng.shuffle(witnesses)
+        disagreed = []
+        for witness in witnesses[:MAX_WITNESSES]:
+            indices = sample_indices([t.numel() for t in tensors], self._rng)
+            try:
+                _, sample = await self._download_from(witness, [expected[i] for i in indices], timeout, indices)
+            except (RPCError, ConnectError, ValueError, trio.EndOfChannel) as error:
+                log.info("witness %s could not send a sample: %s", witness.peer_id, error)
+                continue
+            distance = await trio.to_thread.run_sync(disagreement, [tensors[i] for i in indices], sample)
+            if distance <= DONOR_AGREEMENT:
+                return
+            disagreed.append(f"{witness.peer_id} ({distance:.2f})")
+        if disagreed:
+            raise ValueError(f"its state disagrees with other donors': {', '.join(disagreed)}")
+
     async def _download_from(
-        self, address: PeerAddress, expected: Sequence[torch.Tensor], timeout: float
+        self,
+        address: PeerAddress,
+        expected: Sequence[torch.Tensor],
+        timeout: float,
+        only: list[int] | None = None,
     ) -> tuple[Any, list[torch.Tensor]]:
         connection = await self.host.connect(address)
-        async with connection.stream(self.method, timeout=timeout) as stream:
+        method = self.method if only is None else self.sample_method
+        async with connection.stream(method, timeout=timeout) as stream:
+            if only is not None:
+                await stream.send({"tensors": only})
             header = (await stream.receive()).body
             if not (isinstance(header, dict) and isinstance(header.get("tensors"), list)):
                 raise ValueError("malformed state header")

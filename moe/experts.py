@@ -8,15 +8,23 @@ An expert maps a batch ``[batch, *sample_shape]`` to a batch of the same shape. 
 ``ExpertBackend`` methods are synchronous and meant to run in a worker thread
 (``trio.to_thread.run_sync``) under the server's compute limiter, so at most one of them touches an
 expert at a time and the event loop never waits on torch.
+
+An expert is shared by callers it cannot trust, so it protects itself: it refuses non-finite inputs
+and output gradients (``check_input``), and each caller's share of a training step is its own
+parameter gradient clipped to ``clip_grad_norm`` before the batch's sum is clipped again, so one
+caller's huge or hostile gradient moves the expert no further than any honest caller's could. A
+caller whose gradient comes out non-finite anyway (finite but extreme values that overflow) gets an
+error and contributes nothing; the others' step goes ahead.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,8 @@ __all__ = [
     "BLOCK_TYPES",
     "BlockType",
     "ExpertBackend",
+    "RefusedGradient",
+    "DEFAULT_CLIP_GRAD_NORM",
     "resolve_block_type",
     "default_device",
 ]
@@ -36,6 +46,16 @@ __all__ = [
 # batch's activations; 32 covers many concurrent clients while bounding memory to a few batches'
 # worth of activations per expert.
 MAX_SAVED_FORWARDS = 32
+# Per caller and per batch, the parameter gradient's L2 norm is clipped to this: 1.0 is the global
+# norm clip of standard transformer training (BERT, GPT-3, Megatron), so honest callers of a
+# well-scaled model are rarely clipped, while one caller can move the expert by no more than one
+# such step, whatever it sends. Adam's second moment stays bounded by it too (a 1e30 gradient
+# would otherwise fill it with ~1e60 and freeze the expert).
+DEFAULT_CLIP_GRAD_NORM = 1.0
+
+
+class RefusedGradient(ValueError):
+    """One caller's contribution was not finite: refused to that caller alone."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,11 @@ class ExpertBackend:
         *,
         sample_shape: tuple[int | None, ...],
         device: torch.device | str | None = None,
+        clip_grad_norm: float = DEFAULT_CLIP_GRAD_NORM,
     ):
+        if not clip_grad_norm > 0:
+            raise ValueError("clip_grad_norm must be positive")
+        self.clip_grad_norm = float(clip_grad_norm)
         self.device = torch.device(device) if device is not None else default_device()
         self.module = module.to(self.device)
         self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(self.module.parameters(), lr=1e-3)
@@ -130,13 +154,16 @@ class ExpertBackend:
         optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
         device: torch.device | str | None = None,
         seed: int | None = None,
+        clip_grad_norm: float = DEFAULT_CLIP_GRAD_NORM,
     ) -> ExpertBackend:
         block = resolve_block_type(block_type)
         if seed is not None:
             torch.manual_seed(seed)
         module = block.build(hidden_dim)
         opt = optimizer(module.parameters()) if optimizer is not None else None
-        return cls(module, opt, sample_shape=block.sample_shape(hidden_dim), device=device)
+        return cls(
+            module, opt, sample_shape=block.sample_shape(hidden_dim), device=device, clip_grad_norm=clip_grad_norm
+        )
 
     def check_input(self, tensor: torch.Tensor, what: str = "inputs") -> None:
         """Raise ValueError (a BadRequest on the wire) unless ``tensor`` is a batch of samples."""
@@ -151,6 +178,8 @@ class ExpertBackend:
             raise ValueError(f"{what} must have shape [batch, {wanted}], got {list(tensor.shape)}")
         if tensor.shape[0] == 0:
             raise ValueError(f"{what} is an empty batch")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{what} contain NaN or Inf; refused (the expert is shared with other callers)")
 
     # ------------------------------------------------------------------ compute (worker thread)
     def forward(self, inputs: torch.Tensor, keep_graph_as: list[Any] | None = None) -> torch.Tensor:
@@ -169,7 +198,23 @@ class ExpertBackend:
             return self.module(x).to("cpu")
 
     def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, token: Any = None) -> torch.Tensor:
-        """Gradient w.r.t. ``inputs``; also accumulates parameter gradients and takes one optimizer step."""
+        """Gradient w.r.t. ``inputs`` of one caller; also takes one optimizer step on its (clipped)
+        parameter gradient. Raises RefusedGradient if that gradient is not finite."""
+        [result] = self.backward_per_caller(inputs, grad_outputs, [inputs.shape[0]], token)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def backward_per_caller(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, sizes: Sequence[int], token: Any = None
+    ) -> list[torch.Tensor | RefusedGradient]:
+        """Input gradients for a batch of callers (``sizes``: their rows, in order), and one
+        optimizer step on the sum of their parameter gradients, each clipped to ``clip_grad_norm``
+        and the sum clipped again. A caller whose gradient is not finite gets a RefusedGradient in
+        its place and adds nothing to the step.
+
+        Each caller's parameter gradient needs its own backward pass through the batch's graph, so
+        a batch of k callers costs k backward passes (one when a caller is alone)."""
         saved = self._saved.pop(token, None) if token is not None else None
         if saved is not None and saved[0].shape == inputs.shape:
             x, y = saved
@@ -178,12 +223,37 @@ class ExpertBackend:
             with torch.enable_grad():
                 y = self.module(x)
         grad = grad_outputs.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(y, grad)
-        self.optimizer.step()
-        self.steps += 1
-        self._saved.clear()  # parameters changed in place: the saved graphs are stale
-        return x.grad.to("cpu")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        total = [torch.zeros_like(p) for p in params]
+        results: list[torch.Tensor | RefusedGradient] = []
+        contributed = False
+        start = 0
+        for index, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            start += size
+            found = torch.autograd.grad(
+                y[rows], [x, *params], grad[rows], retain_graph=index + 1 < len(sizes), allow_unused=True
+            )
+            grad_x = found[0][rows] if found[0] is not None else torch.zeros_like(x[rows])
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, found[1:], strict=True)]
+            norm = _norm(grads)
+            if not (math.isfinite(norm) and torch.isfinite(grad_x).all()):
+                results.append(RefusedGradient("the gradient of this call is not finite; the expert ignored it"))
+                continue
+            scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+            for accumulated, g in zip(total, grads, strict=True):
+                accumulated.add_(g, alpha=scale)
+            contributed = True
+            results.append(grad_x.to("cpu"))
+        self._saved.clear()  # parameters are about to change in place: the saved graphs are stale
+        if contributed:
+            scale = min(1.0, self.clip_grad_norm / (_norm(total) + 1e-6))
+            for p, g in zip(params, total, strict=True):
+                p.grad = g.mul_(scale)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+        return results
 
     def forget(self, token: Any) -> None:
         """Drop a saved graph whose backward will never come (the caller gave up)."""
@@ -214,3 +284,11 @@ class ExpertBackend:
     def load(self, path: Path) -> None:
         # weights_only: a checkpoint file is still parsed without executing code from it.
         self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together, in float64 so that large finite values do not
+    overflow to inf on the way (a 1e30 gradient squared is past float32's range)."""
+    if not tensors:
+        return 0.0
+    return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors))

@@ -28,7 +28,7 @@ from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Reque
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
 from .batching import BatchQueue, Job
-from .experts import ExpertBackend
+from .experts import ExpertBackend, RefusedGradient
 from .protocol import pack_tensors, unpack_tensors
 
 __all__ = ["ExpertServer", "open_expert_server", "DEFAULT_MAX_BATCH_SIZE", "ExpertFailed"]
@@ -170,6 +170,8 @@ class ExpertServer:
             if not self._pending[caller]:
                 del self._pending[caller]
         self.stats["requests"] += 1
+        if isinstance(job.error, RefusedGradient):
+            raise BadRequest(f"expert {uid}: {job.error}")
         if job.error is not None:
             raise ExpertFailed(f"expert {uid} failed: {job.error!r}")
         headers, payload = pack_tensors([job.result])
@@ -201,7 +203,10 @@ class ExpertServer:
                         job.error = error
                 else:
                     for job, result in zip(batch, results, strict=True):
-                        job.result = result
+                        if isinstance(result, Exception):
+                            job.error = result
+                        else:
+                            job.result = result
                     self.stats["batches"] += 1
                     self.stats["samples"] += sum(job.size for job in batch)
             for job in batch:
@@ -235,17 +240,21 @@ def _claimed_batch_size(headers: Any) -> int | None:
     return first if type(first) is int else None
 
 
-def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor]:
-    """Concatenate the batch, run it, split the result (views, no copies) back per job."""
+def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
+    """Concatenate the batch, run it, split the result (views, no copies) back per job; a job whose
+    own part came out non-finite gets an error instead, and the other jobs their results."""
     sizes = [job.size for job in batch]
     columns = list(zip(*(job.data.tensors for job in batch), strict=True))
     stacked = [column[0] if len(column) == 1 else torch.cat(column) for column in columns]
     tokens = [job.data.token for job in batch if job.data.keep_graph]
     if batch[0].kind == "forward":
         out = backend.forward(stacked[0], keep_graph_as=tokens if len(batch) == 1 else None)
-    else:
-        out = backend.backward(stacked[0], stacked[1], token=batch[0].data.token if len(batch) == 1 else None)
-    return list(out.split(sizes))
+        return [
+            part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
+            for part in out.split(sizes)
+        ]
+    token = batch[0].data.token if len(batch) == 1 else None
+    return list(backend.backward_per_caller(stacked[0], stacked[1], sizes, token=token))
 
 
 @asynccontextmanager

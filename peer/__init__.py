@@ -6,6 +6,7 @@ above import these wire modules, and the daemon imports them all.
 
 __version__ = "0.1.0"
 
+from .access import SwarmAccess
 from .address import PeerAddress
 from .host import ConnectError, PeerHost, open_peer_host
 from .identity import Identity, IdentityError, PeerID
@@ -25,11 +26,20 @@ from .rpc_errors import (
     StreamClosed,
     UnknownMethodError,
 )
-from .secure_channel import PROTOCOL_VERSION, HandshakeError, HelloMismatch, NodeIDRefused, PeerIDMismatch
+from .secure_channel import (
+    PROTOCOL_VERSION,
+    AccessRefused,
+    HandshakeError,
+    HelloMismatch,
+    NodeIDRefused,
+    PeerIDMismatch,
+)
 
 __all__ = [
     "__version__",
     "PeerAddress",
+    "SwarmAccess",
+    "AccessRefused",
     "ConnectError",
     "PeerHost",
     "open_peer_host",

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .access import SwarmAccess
 from .address import PeerAddress
 from .admission import Admission, address_group
 from .identity import Identity, PeerID
@@ -80,12 +81,14 @@ class PeerHost:
         connect_timeout: float = CONNECT_TIMEOUT,
         node_id_difficulty: int = LOCAL_DIFFICULTY,
         node_id: NodeIDProof | None = None,
+        access: SwarmAccess | None = None,
     ):
         """``node_id_difficulty`` is the run's: every peer of a run must use the same one. The
         default is the local one (a few hundred hashes), so that scripts, tests and local swarms
         start at once; a public run passes a high one, and a proof (``node_id``, e.g. from
         ``load_or_solve`` beside the identity file) so that the work is done once per key, not per
-        start. Without ``node_id`` the host solves the puzzle itself, now."""
+        start. Without ``node_id`` the host solves the puzzle itself, now. ``access`` makes the
+        swarm private (``peer/access.py``): an allowlist of peer IDs and/or a shared swarm key."""
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
         self.node_id_difficulty = check_difficulty(node_id_difficulty)
@@ -96,6 +99,7 @@ class PeerHost:
         self.node_id = node_id
         self.router = router if router is not None else Router()
         self.run_id = run_id
+        self.access = access if access is not None else SwarmAccess()
         self.client_mode = client_mode
         self.protocol_version = protocol_version
         self.handshake_timeout = handshake_timeout
@@ -163,7 +167,12 @@ class PeerHost:
             try:
                 tune_connection(stream)
                 channel = await secure_handshake(
-                    stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout
+                    stream,
+                    self.identity,
+                    self._hello(),
+                    initiator=False,
+                    timeout=self.handshake_timeout,
+                    access=self.access,
                 )
             except Exception as error:  # whatever a stranger sends, it costs them the connection only
                 await self._refuse(stream, error)
@@ -277,6 +286,7 @@ class PeerHost:
                 initiator=True,
                 expected_peer=address.peer_id,
                 timeout=self.handshake_timeout,
+                access=self.access,
             )
         except BaseException as error:
             await trio.aclose_forcefully(stream)

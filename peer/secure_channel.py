@@ -12,7 +12,9 @@ identity key proves who holds it. After the handshake each side sends one encryp
 (protocol version, run ID, advertised addresses, node-ID nonce and difficulty) and checks the
 other's: versions, runs and node-ID difficulties must agree, and the peer's nonce must solve the
 node-ID puzzle (``peer/node_id.py``) for its now authenticated peer ID at that difficulty, so every
-connection knows the remote's verified DHT position.
+connection knows the remote's verified DHT position. In a private swarm (``peer/access.py``) the
+swarm key is mixed into the prologue, and a peer off the allowlist gets a refusal record, which
+says why, in place of the hello.
 
 Transport records use the keys and nonce format that Noise's ``Split()`` produces (AES-GCM, nonce =
 4 zero bytes + 64-bit big-endian counter, no associated data) but allow 1 MiB of plaintext instead of
@@ -41,6 +43,7 @@ from noise.exceptions import (
     NoiseValueError,
 )
 
+from .access import SwarmAccess
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError, RecordDecoder
 from .identity import Identity, PeerID, verify_signature
 from .node_id import LOCAL_DIFFICULTY, MAX_DIFFICULTY, NONCE_BYTES, NodeIDProof
@@ -53,6 +56,7 @@ __all__ = [
     "PeerIDMismatch",
     "HelloMismatch",
     "NodeIDRefused",
+    "AccessRefused",
     "Hello",
     "SecureChannel",
     "TransportCipher",
@@ -106,6 +110,10 @@ class HelloMismatch(HandshakeError):
     pass
 
 
+class AccessRefused(HandshakeError):
+    """A private swarm's allowlist does not admit the peer (ours, or the other side's for us)."""
+
+
 class NodeIDRefused(HandshakeError):
     """The peer's node-ID nonce does not solve the puzzle at this run's difficulty."""
 
@@ -134,8 +142,15 @@ class Hello:
 
     @classmethod
     def decode(cls, data: bytes) -> Hello:
+        """The peer's hello; raises AccessRefused if it sent a private swarm's refusal instead."""
         try:
             fields = unpackb(data, max_size=MAX_HANDSHAKE_MESSAGE)
+            refused = fields.get("refused") if isinstance(fields, dict) else None
+        except Exception:
+            refused = None
+        if isinstance(refused, str):
+            raise AccessRefused(f"the peer refused this connection: {refused[:300]}")
+        try:
             protocol, run_id = fields["protocol"], fields["run_id"]
             client_mode = fields.get("client_mode", False)
             listen = fields.get("listen", [])
@@ -427,8 +442,11 @@ async def secure_handshake(
     expected_peer: PeerID | None = None,
     timeout: float = HANDSHAKE_TIMEOUT,
     budget: ReceiveBudget | None = None,
+    access: SwarmAccess | None = None,
 ) -> SecureChannel:
-    """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError)."""
+    """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError).
+    ``access``: a private swarm's allowlist and key (``peer/access.py``)."""
+    access = access if access is not None else SwarmAccess()
     noise = NoiseConnection.from_name(NOISE_PROTOCOL)
     if initiator:
         noise.set_as_initiator()
@@ -436,7 +454,7 @@ async def secure_handshake(
         noise.set_as_responder()
     static_private = AESGCM.generate_key(bit_length=256)  # 32 random bytes: a fresh X25519 secret
     noise.set_keypair_from_private_bytes(Keypair.STATIC, static_private)
-    noise.set_prologue(PROLOGUE)
+    noise.set_prologue(access.prologue(PROLOGUE))
     noise.start_handshake()
     static_public = noise.noise_protocol.keypairs["s"].public_bytes
     # noiseprotocol drops its handshake state when the last message is processed; keep a reference
@@ -466,7 +484,12 @@ async def secure_handshake(
                 remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
                 remote_id = PeerID.from_public_key(remote_key)
         except _NOISE_FAILURES as error:
-            raise HandshakeError(f"Noise handshake failed: {error}") from None
+            hint = (
+                "; the peer may not hold this swarm's key"
+                if access.swarm_key is not None
+                else "; the peer may be in a private swarm that needs a swarm key"
+            )
+            raise HandshakeError(f"Noise handshake failed: {error}{hint}") from None
         except ProtocolError as error:
             raise HandshakeError(f"bad handshake framing: {error}") from None
         if remote_id == identity.peer_id:
@@ -483,6 +506,17 @@ async def secure_handshake(
             hello,  # replaced below once the peer's hello arrives
             initiator,
         )
+        refusal = access.refusal(remote_id)
+        if refusal is not None:
+            await channel.send_record(packb({"refused": refusal}))
+            # Read the peer's hello before closing: a socket closed with unread data sends a reset,
+            # which can destroy the refusal before the peer reads it.
+            with trio.move_on_after(1.0):
+                try:
+                    await channel.receive_record()
+                except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError):
+                    pass
+            raise AccessRefused(f"refused peer {remote_id}: {refusal}")
         await channel.send_record(hello.encode())
         try:
             remote_hello = Hello.decode(await channel.receive_record())

@@ -19,8 +19,14 @@ HIDDEN = 16
 
 
 def make_backend(kind: str = "ffn", seed: int = 0, lr: float = 0.1) -> ExpertBackend:
+    # Clipping far above these gradients' norms: the tests compare with an unclipped local module.
     return ExpertBackend.create(
-        kind, HIDDEN, optimizer=lambda params: torch.optim.SGD(params, lr=lr), device="cpu", seed=seed
+        kind,
+        HIDDEN,
+        optimizer=lambda params: torch.optim.SGD(params, lr=lr),
+        device="cpu",
+        seed=seed,
+        clip_grad_norm=1e6,
     )
 
 

@@ -26,6 +26,7 @@ from .expert_commands import add_expert_arguments, add_serve_experts_command, co
 from .help import PeerdArgumentParser, add_everywhere, env_setting
 from .identity_lock import IdentityInUseError, lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
+from .private_swarm import access_from_args, add_access_arguments
 from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
 from .status_server import fetch_status
@@ -170,6 +171,7 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
         "RUN_ID",
     )
     add_difficulty_argument(join, settings)
+    add_access_arguments(join, settings)
     env_setting(
         join.add_argument(
             "--bootstrap-timeout",
@@ -341,6 +343,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         from averaging.compression import get_codec  # torch loads only in peers that train
 
         get_codec(args.compression)  # an unknown codec is a ValueError: one line, exit 1
+    access = access_from_args(args)
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
     host, port = args.listen
@@ -352,6 +355,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         node_id=node_id,
         node_id_difficulty=args.node_id_difficulty,
+        access=access,
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
         task=args.task,

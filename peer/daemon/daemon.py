@@ -22,7 +22,17 @@ import trio
 
 from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
-from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, Request, Router, open_peer_host
+from peer import (
+    LOCAL_DIFFICULTY,
+    Identity,
+    NodeIDProof,
+    PeerAddress,
+    PeerHost,
+    Request,
+    Router,
+    SwarmAccess,
+    open_peer_host,
+)
 
 from .ports import naming_port
 from .status_server import prometheus_text, serve_status
@@ -43,6 +53,7 @@ class DaemonConfig:
     # why the library default is the local one; the command line defaults to a public run's).
     node_id_difficulty: int = LOCAL_DIFFICULTY
     node_id: NodeIDProof | None = None
+    access: SwarmAccess | None = None  # a private swarm's allowlist and key (peer/access.py)
     bootstrap_timeout: float = 15.0
     client_mode: bool = False
     task: str | None = None
@@ -147,6 +158,7 @@ class Daemon:
                         client_mode=config.client_mode,
                         node_id_difficulty=config.node_id_difficulty,
                         node_id=config.node_id,
+                        access=config.access,
                     )
                 )
             self.host = host
