@@ -30,7 +30,6 @@ import os
 import socket
 import struct
 import termios
-from dataclasses import dataclass, field
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -45,8 +44,17 @@ from noise.exceptions import (
 
 from .access import SwarmAccess
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError, RecordDecoder
+from .hello import (
+    MAX_HANDSHAKE_MESSAGE,
+    AccessRefused,
+    HandshakeError,
+    Hello,
+    HelloMismatch,
+    NodeIDRefused,
+    PeerIDMismatch,
+    check_hello,
+)
 from .identity import Identity, PeerID, verify_signature
-from .node_id import LOCAL_DIFFICULTY, MAX_DIFFICULTY, NONCE_BYTES, NodeIDProof
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
 
@@ -69,8 +77,6 @@ PROTOCOL_VERSION = 2
 NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
 PROLOGUE = b"peerd-noise-v1"
 STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"
-# Noise handshake messages here are < 200 bytes; anything much larger is not a peerd peer.
-MAX_HANDSHAKE_MESSAGE = 4096
 # Long enough for a loaded volunteer machine across continents (three RTTs + key agreement),
 # short enough that a connection that stalls mid-handshake frees its slot quickly.
 HANDSHAKE_TIMEOUT = 10.0
@@ -96,84 +102,6 @@ _MAX_LOW_WATER = 512 * 1024
 def _queued(fd: int, request: int) -> int:
     """A socket queue's length in bytes (``FIONREAD``: unread; ``TIOCOUTQ``: unacknowledged)."""
     return _INT.unpack(fcntl.ioctl(fd, request, bytes(_INT.size)))[0]
-
-
-class HandshakeError(Exception):
-    """The peer could not be authenticated or does not speak our protocol/run."""
-
-
-class PeerIDMismatch(HandshakeError):
-    pass
-
-
-class HelloMismatch(HandshakeError):
-    pass
-
-
-class AccessRefused(HandshakeError):
-    """A private swarm's allowlist does not admit the peer (ours, or the other side's for us)."""
-
-
-class NodeIDRefused(HandshakeError):
-    """The peer's node-ID nonce does not solve the puzzle at this run's difficulty."""
-
-
-@dataclass(frozen=True)
-class Hello:
-    protocol: int
-    run_id: str
-    client_mode: bool = False
-    listen_addresses: tuple[str, ...] = field(default_factory=tuple)
-    # Required: a hand-made hello without a solved nonce would be refused by every peer anyway.
-    node_id_nonce: bytes = field(kw_only=True)
-    node_id_difficulty: int = field(default=LOCAL_DIFFICULTY, kw_only=True)
-
-    def encode(self) -> bytes:
-        return packb(
-            {
-                "protocol": self.protocol,
-                "run_id": self.run_id,
-                "client_mode": self.client_mode,
-                "listen": list(self.listen_addresses),
-                "node_nonce": self.node_id_nonce,
-                "node_difficulty": self.node_id_difficulty,
-            }
-        )
-
-    @classmethod
-    def decode(cls, data: bytes) -> Hello:
-        """The peer's hello; raises AccessRefused if it sent a private swarm's refusal instead."""
-        try:
-            fields = unpackb(data, max_size=MAX_HANDSHAKE_MESSAGE)
-            refused = fields.get("refused") if isinstance(fields, dict) else None
-        except Exception:
-            refused = None
-        if isinstance(refused, str):
-            raise AccessRefused(f"the peer refused this connection: {refused[:300]}")
-        try:
-            protocol, run_id = fields["protocol"], fields["run_id"]
-            client_mode = fields.get("client_mode", False)
-            listen = fields.get("listen", [])
-            # Absent in a version-1 hello: the version check then reports what differs.
-            nonce = fields.get("node_nonce", bytes(NONCE_BYTES))
-            difficulty = fields.get("node_difficulty", 0)
-            valid = (
-                type(protocol) is int
-                and isinstance(run_id, str)
-                and isinstance(client_mode, bool)
-                and isinstance(listen, list)
-                and len(listen) <= 8
-                and all(isinstance(a, str) and len(a) < 300 for a in listen)
-                and isinstance(nonce, bytes)
-                and len(nonce) == NONCE_BYTES
-                and type(difficulty) is int
-                and 0 <= difficulty <= MAX_DIFFICULTY
-            )
-        except Exception:
-            valid = False
-        if not valid:
-            raise HandshakeError("malformed hello from peer")
-        return cls(protocol, run_id, client_mode, tuple(listen), node_id_nonce=nonce, node_id_difficulty=difficulty)
 
 
 class TransportCipher:
@@ -409,30 +337,6 @@ def _verify_identity_payload(payload: bytes, remote_static: bytes) -> bytes:
     return public_key
 
 
-def _check_hello(ours: Hello, theirs: Hello, remote: PeerID) -> None:
-    if theirs.protocol != ours.protocol:
-        raise HelloMismatch(
-            f"protocol version mismatch with peer {remote}: we speak version {ours.protocol}, "
-            f"it speaks version {theirs.protocol}"
-        )
-    if theirs.run_id != ours.run_id:
-        raise HelloMismatch(
-            f"run ID mismatch with peer {remote}: we are in run {ours.run_id!r}, it is in run {theirs.run_id!r}"
-        )
-    if theirs.node_id_difficulty != ours.node_id_difficulty:
-        raise HelloMismatch(
-            f"node-ID difficulty mismatch with peer {remote}: this run requires difficulty "
-            f"{ours.node_id_difficulty}, the peer requires {theirs.node_id_difficulty} "
-            "(every peer of a run must use the same --node-id-difficulty)"
-        )
-    proof = NodeIDProof(remote, theirs.node_id_nonce)
-    if not proof.satisfies(ours.node_id_difficulty):
-        raise NodeIDRefused(
-            f"peer {remote} sent a node-ID proof with {proof.work_bits} bits of work; "
-            f"this run requires {ours.node_id_difficulty}"
-        )
-
-
 async def secure_handshake(
     stream: trio.abc.Stream,
     identity: Identity,
@@ -522,6 +426,6 @@ async def secure_handshake(
             remote_hello = Hello.decode(await channel.receive_record())
         except (ProtocolError, trio.EndOfChannel) as error:
             raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
-        _check_hello(hello, remote_hello, remote_id)
+        check_hello(hello, remote_hello, remote_id)
         channel.remote_hello = remote_hello
         return channel
