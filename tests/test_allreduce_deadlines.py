@@ -38,12 +38,18 @@ class StopsSending(Fault):
         await super().send(stream, body, payload)
 
 
-def expected_average(tensors, contributors_by_shard, plan, index) -> torch.Tensor:
+def expected_average(tensors, part_contributors, plan, index) -> torch.Tensor:
+    """Per part of each averaged shard (``part_contributors``: shard -> per part, the indices of
+    its contributors), the average of those contributors' values; elsewhere peer ``index``'s own."""
     expected = flat(tensors[index]).clone()
-    for shard, contributors in contributors_by_shard.items():
-        start, end = plan.shard_bounds(shard)
-        expected[start:end] = sum(flat(tensors[c])[start:end] for c in contributors) / len(contributors)
+    for shard, parts in part_contributors.items():
+        for (start, end), contributors in zip(plan.parts(shard), parts, strict=True):
+            expected[start:end] = sum(flat(tensors[c])[start:end] for c in contributors) / len(contributors)
     return expected
+
+
+def every_part(plan, shards: dict[int, list[int]]) -> dict[int, list[list[int]]]:
+    return {shard: [contributors] * plan.num_parts(shard) for shard, contributors in shards.items()}
 
 
 async def run_all(peers, group, tensors, indices, **options) -> dict:
@@ -92,7 +98,12 @@ async def test_a_sender_that_stops_is_dropped_one_stall_interval_after_its_last_
         ids = [peer.host.peer_id for peer in peers]
         contributors = {s: sorted(ids.index(p) for p in c) for s, c in results[i].contributors.items()}
         assert contributors[0] == contributors[1] == [0, 1]  # the healthy reducers dropped peer 2
-        assert torch_close(flat(tensors[i]), expected_average(originals, contributors, plan, i))
+        # ... after its first part was averaged with the others': it is in that part, in no other
+        parts = {
+            s: [sorted(ids.index(p) for p in c) for c in by_part] for s, by_part in results[i].part_contributors.items()
+        }
+        assert parts[0] == parts[1] == [[0, 1, 2]] + [[0, 1]] * (plan.num_parts(0) - 1)
+        assert torch_close(flat(tensors[i]), expected_average(originals, parts, plan, i))
 
 
 async def test_a_sender_that_died_before_sending_is_dropped_at_once():
@@ -112,7 +123,9 @@ async def test_a_sender_that_died_before_sending_is_dropped_at_once():
         assert times[i] < 1.0, f"a dead sender was noticed only after {times[i]:.1f} s"
         assert peers[2].host.peer_id in results[i].failed_peers
         assert list(results[i].local_shards) == [2]  # its shard: the dead peer reduced it
-        assert torch_close(flat(tensors[i]), expected_average(originals, {0: [0, 1], 1: [0, 1]}, plan, i))
+        assert torch_close(
+            flat(tensors[i]), expected_average(originals, every_part(plan, {0: [0, 1], 1: [0, 1]}), plan, i)
+        )
 
 
 async def test_a_round_measures_this_peers_link():
