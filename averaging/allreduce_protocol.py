@@ -299,6 +299,15 @@ class AverageInbox:
         self.all_in = self.all_in or body.get("all_in") is True
         return incoming
 
+    def decode(self, part: IncomingPart) -> torch.Tensor:
+        """The values of the part just read (tensor work unless its payload landed in place)."""
+        self._check()
+        try:
+            return part.decode()
+        except ValueError as error:
+            self.error = error
+            raise
+
     def accept(self, values: torch.Tensor) -> None:
         """Keep the part just read once its values are checked finite (one read-only pass)."""
         self._check()

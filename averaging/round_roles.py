@@ -348,7 +348,7 @@ class SenderRole:
             part = inbox.part(message.body, message.payload)
             if progress.quiet and inbox.all_in:
                 progress.resume(trio.current_time())
-            values = part.decode() if part.landed else await in_thread(part.decode)
+            values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
             await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
 
     async def _send_parts(self, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
