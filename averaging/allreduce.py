@@ -209,6 +209,9 @@ class AllReduceService:
                             nursery.start_soon(reducer.reduce, me, local, weight, sender_rules)
                         if sender is not None:
                             for index, peer in enumerate(group.reducers):
+                                if peer.peer_id != me and plan.shard_sizes[index]:
+                                    sender.will_exchange(index)
+                            for index, peer in enumerate(group.reducers):
                                 if peer.peer_id != me and plan.shard_sizes[index] == 0:
                                     _nothing_to_average(result, group, index)
                                 elif peer.peer_id != me:

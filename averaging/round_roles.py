@@ -258,6 +258,46 @@ class ReducerRole:
         self._publish()  # (its receive loop may be waiting for its staged parts to go)
 
 
+# How many parts ahead of its slowest stream a sender's stream to one reducer may get.
+PACING_WINDOW = 2
+
+
+class PartPacer:
+    """Keeps a sender's streams to its reducers within ``window`` parts of each other.
+
+    A reducer answers part ``p`` once every sender has delivered it, so a sender whose streams
+    drift apart (TCP shares an uplink unevenly between flows: one stream was seen done in 0.6 s
+    while another took 2 s) holds every reducer's answers back to its slowest stream, and the
+    fast streams' bandwidth is wasted in the meantime. Taking turns part by part keeps the
+    reduce-scatter moving on all shards at once, so the averages can flow back from all of them."""
+
+    def __init__(self, window: int = PACING_WINDOW):
+        self.window = window
+        self._sent: dict[int, int] = {}  # stream (shard index) -> parts sent
+        self._changed = trio.Event()
+
+    def join(self, key: int) -> None:
+        self._sent[key] = 0
+
+    def leave(self, key: int) -> None:
+        self._sent.pop(key, None)
+        self._wake()
+
+    async def turn(self, key: int) -> None:
+        """Wait until stream ``key`` may send its next part."""
+        while self._sent.get(key, 0) > min(self._sent.values(), default=0) + self.window:
+            changed = self._changed
+            await changed.wait()
+
+    def sent(self, key: int) -> None:
+        self._sent[key] = self._sent.get(key, 0) + 1
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
 class SenderRole:
     """This peer as a sender in one round: its values go to every reducer, and each reducer's
     average comes back into buffers leased for the round (``received``)."""
@@ -280,6 +320,11 @@ class SenderRole:
         # (flat offset, averaged values) of every shard that was averaged: written into the
         # caller's tensors only when the round is over, so a cancelled round leaves them untouched
         self.averaged: list[tuple[int, torch.Tensor]] = []
+        self.pacer = PartPacer()
+
+    def will_exchange(self, index: int) -> None:
+        """Called for every shard this peer will send, before any exchange starts."""
+        self.pacer.join(index)
 
     async def exchange(
         self,
@@ -313,9 +358,10 @@ class SenderRole:
 
                 watch = self.links.watch(reducer.peer_id, progress, expired, incoming=False)
                 try:
-                    inbox = await self._exchange(reducer, AverageInbox(parts, sink, senders), progress)
+                    inbox = await self._exchange(index, reducer, AverageInbox(parts, sink, senders), progress)
                 finally:
                     self.links.unwatch(watch)
+                    self.pacer.leave(index)
             if scope.cancelled_caught:
                 raise trio.TooSlowError(gave_up[0] if gave_up else "timed out")
             self.averaged.extend(inbox.averaged())
@@ -330,7 +376,9 @@ class SenderRole:
             result.local_shards[index] = reason
             result.failed_peers.add(reducer.peer_id)
 
-    async def _exchange(self, reducer: GroupMember, inbox: AverageInbox, progress: ProgressDeadline) -> AverageInbox:
+    async def _exchange(
+        self, index: int, reducer: GroupMember, inbox: AverageInbox, progress: ProgressDeadline
+    ) -> AverageInbox:
         """Our parts go out while the reducer's averages come back, on the same stream."""
         assert reducer.address is not None
         connection = await self.host.connect(reducer.address)
@@ -338,7 +386,7 @@ class SenderRole:
         async with connection.stream(REDUCE_METHOD) as stream:
             stream.set_buffer_provider(inbox.sink)
             # once the reducer has answered in full, sending is over (it may have dropped us)
-            sending = partial(self._send_parts, stream, inbox, progress)
+            sending = partial(self._send_parts, index, stream, inbox, progress)
             await _alongside(sending, partial(self._receive_average, stream, inbox, progress))
         return inbox
 
@@ -351,15 +399,19 @@ class SenderRole:
             values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
             await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
 
-    async def _send_parts(self, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
+    async def _send_parts(self, index: int, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
         try:
             await stream.send(self.header.to_body())
             for part_index, (start, end) in enumerate(inbox.ranges):
+                await self.pacer.turn(index)
                 meta, payload = await self._encode(self.flat[start:end])
                 await stream.send(part_body(part_index, meta), payload)
+                self.pacer.sent(index)
             await stream.end()
         except RPCError:
             return  # the stream broke or the reducer ended it: its half says how far it got
+        finally:
+            self.pacer.leave(index)
         if not inbox.all_in:
             progress.quiet = True  # the reducer may wait for the other senders before it answers
 
