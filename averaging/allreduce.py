@@ -1,14 +1,17 @@
 """Fault-tolerant butterfly all-reduce over the peer RPC.
 
 Every sender streams the slice of its flattened tensors that belongs to reducer ``r`` to ``r``
-(reduce-scatter); each reducer averages its shard and streams the result back to every sender on
-the same stream (all-gather). Shards follow the reducers' declared bandwidths (``partition.py``),
-so a peer on a slow link reduces little and the round goes at the fast peers' pace.
+(reduce-scatter); each reducer averages its shard part by part, and streams each part's average
+back to every sender on the same stream as soon as every sender still in the round has delivered
+that part (all-gather), so both run at once and the links stay busy. Shards follow the reducers'
+declared bandwidths (``partition.py``), so a peer on a slow link reduces little and the round goes
+at the fast peers' pace.
 
 Deadlines follow the bytes, not fixed seconds (``link_speed.py``): a reducer keeps waiting for a
 sender while its bytes keep arriving, however slow its link; a sender that delivers nothing for a
 stall interval, or whose connection dies or is refused, is dropped (at once for a lost
-connection) and the average is taken over the contributions that arrived whole. A sender gives
+connection): it is in the parts averaged before that and in no other, and the result says per
+part whose contributions its average holds (``AllReduceResult.part_contributors``). A sender gives
 up on a reducer that stops taking its parts or stops answering; that shard keeps the sender's
 own values. Every wait is also capped: by what the peer could owe at a floor rate, and by
 ``sender_timeout`` / ``reducer_timeout`` where a caller sets them. ``AllReduceResult`` says what

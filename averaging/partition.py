@@ -17,7 +17,7 @@ __all__ = ["AllReducePlan", "DEFAULT_PART_SIZE", "MAX_SHARE_RATIO", "bounded_cla
 
 # 2^19 float32 values = 2 MiB per part: large enough that per-message costs vanish, small enough
 # that several parts are in flight per shard so sending overlaps reducing.
-DEFAULT_PART_SIZE = 1 << 17
+DEFAULT_PART_SIZE = 1 << 19
 # A declared bandwidth is a claim, and a reducer decides what its shard's average is: no member's
 # claim counts for more than this many times the group's (lower) median claim. With 2, a liar
 # claiming 1e12 in a group of n equal peers reduces 2/(n+1) of the vector instead of 1/n (40% in
