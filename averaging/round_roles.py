@@ -269,7 +269,9 @@ class PartPacer:
     drift apart (TCP shares an uplink unevenly between flows: one stream was seen done in 0.6 s
     while another took 2 s) holds every reducer's answers back to its slowest stream, and the
     fast streams' bandwidth is wasted in the meantime. Taking turns part by part keeps the
-    reduce-scatter moving on all shards at once, so the averages can flow back from all of them."""
+    reduce-scatter moving on all shards at once, so the averages can flow back from all of them.
+    A stream that keeps the others waiting for ``patience`` seconds (its reducer stopped reading)
+    no longer paces them: the healthy reducers must keep getting our bytes, or they drop us."""
 
     def __init__(self, window: int = PACING_WINDOW):
         self.window = window
@@ -283,15 +285,19 @@ class PartPacer:
         self._sent.pop(key, None)
         self._wake()
 
-    async def turn(self, key: int) -> None:
+    async def turn(self, key: int, patience: float) -> None:
         """Wait until stream ``key`` may send its next part."""
-        while self._sent.get(key, 0) > min(self._sent.values(), default=0) + self.window:
-            changed = self._changed
-            await changed.wait()
+        with trio.move_on_after(patience) as waiting:
+            while self._sent.get(key, 0) > min(self._sent.values(), default=0) + self.window:
+                changed = self._changed
+                await changed.wait()
+        if waiting.cancelled_caught and self._sent:
+            self.leave(min(self._sent, key=self._sent.__getitem__))  # (it does not join again)
 
     def sent(self, key: int) -> None:
-        self._sent[key] = self._sent.get(key, 0) + 1
-        self._wake()
+        if key in self._sent:
+            self._sent[key] += 1
+            self._wake()
 
     def _wake(self) -> None:
         self._changed.set()
@@ -403,7 +409,7 @@ class SenderRole:
         try:
             await stream.send(self.header.to_body())
             for part_index, (start, end) in enumerate(inbox.ranges):
-                await self.pacer.turn(index)
+                await self.pacer.turn(index, progress.rules.stall / 2)
                 meta, payload = await self._encode(self.flat[start:end])
                 await stream.send(part_body(part_index, meta), payload)
                 self.pacer.sent(index)

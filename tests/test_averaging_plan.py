@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import trio
 
 from averaging.partition import AllReducePlan, split_by_bandwidth
 from averaging.reduction import ContributionRejected, ShardReduction
+from averaging.round_roles import PartPacer
 
 
 def test_shards_are_proportional_to_bandwidth_and_cover_everything():
@@ -195,3 +197,23 @@ def test_a_part_whose_contributors_all_weigh_nothing_has_no_average():
     outcome = reduction.outcome()
     assert torch.equal(reduction.part_average(0), torch.full((1,), 4.0))
     assert reduction.part_average(1) is None and outcome.averaged is None
+
+
+async def test_a_senders_streams_take_turns_until_one_is_stuck():
+    pacer = PartPacer(window=1)
+    for key in (0, 1):
+        pacer.join(key)
+    for _ in range(2):
+        await pacer.turn(0, patience=10)
+        pacer.sent(0)
+    with trio.move_on_after(0.05) as blocked:  # two parts ahead of stream 1: its turn must wait
+        await pacer.turn(0, patience=10)
+    assert blocked.cancelled_caught
+    pacer.sent(1)
+    await pacer.turn(0, patience=10)  # stream 1 caught up by one
+    pacer.sent(0)
+    start = trio.current_time()
+    await pacer.turn(0, patience=0.05)  # stream 1 stays stuck: it stops pacing stream 0
+    assert trio.current_time() - start >= 0.05
+    await pacer.turn(0, patience=0.05)
+    pacer.sent(0)
