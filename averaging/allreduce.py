@@ -1,14 +1,17 @@
 """Fault-tolerant butterfly all-reduce over the peer RPC.
 
 Every sender streams the slice of its flattened tensors that belongs to reducer ``r`` to ``r``
-(reduce-scatter); each reducer averages its shard and streams the result back to every sender on
-the same stream (all-gather). Shards follow the reducers' declared bandwidths (``partition.py``),
-so a peer on a slow link reduces little and the round goes at the fast peers' pace.
+(reduce-scatter); each reducer averages its shard part by part, and streams each part's average
+back to every sender on the same stream as soon as every sender still in the round has delivered
+that part (all-gather), so both run at once and the links stay busy. Shards follow the reducers'
+declared bandwidths (``partition.py``), so a peer on a slow link reduces little and the round goes
+at the fast peers' pace.
 
 Deadlines follow the bytes, not fixed seconds (``link_speed.py``): a reducer keeps waiting for a
 sender while its bytes keep arriving, however slow its link; a sender that delivers nothing for a
 stall interval, or whose connection dies or is refused, is dropped (at once for a lost
-connection) and the average is taken over the contributions that arrived whole. A sender gives
+connection): it is in the parts averaged before that and in no other, and the result says per
+part whose contributions its average holds (``AllReduceResult.part_contributors``). A sender gives
 up on a reducer that stops taking its parts or stops answering; that shard keeps the sender's
 own values. Every wait is also capped: by what the peer could owe at a floor rate, and by
 ``sender_timeout`` / ``reducer_timeout`` where a caller sets them. ``AllReduceResult`` says what
@@ -63,8 +66,11 @@ DEFAULT_DEADLINES = DeadlineRules()
 @dataclass
 class AllReduceResult:
     group: GroupInfo
-    # shard index -> peers whose contribution is in that shard's average
+    # shard index -> peers whose contribution is in every part of that shard's average
     contributors: dict[int, list[PeerID]] = field(default_factory=dict)
+    # shard index -> per part (``plan.parts(shard)``), the peers whose contribution is in that
+    # part's average: a sender dropped midway is in the parts averaged before it was dropped
+    part_contributors: dict[int, list[list[PeerID]]] = field(default_factory=dict)
     # shards that kept this peer's local values (their reducer died, stalled or got nothing)
     local_shards: dict[int, str] = field(default_factory=dict)
     # peers that failed this peer in some way (as reducer, or dropped as sender by some reducer)
@@ -206,7 +212,12 @@ class AllReduceService:
                             nursery.start_soon(reducer.reduce, me, local, weight, sender_rules)
                         if sender is not None:
                             for index, peer in enumerate(group.reducers):
-                                if peer.peer_id != me:
+                                if peer.peer_id != me and plan.shard_sizes[index]:
+                                    sender.will_exchange(index)
+                            for index, peer in enumerate(group.reducers):
+                                if peer.peer_id != me and plan.shard_sizes[index] == 0:
+                                    _nothing_to_average(result, group, index)
+                                elif peer.peer_id != me:
                                     nursery.start_soon(
                                         sender.exchange, index, peer, group, result, received, reducer_rules
                                     )
@@ -214,8 +225,8 @@ class AllReduceService:
             finally:
                 del self._rounds[group.group_id]  # ours: a second round with this ID was refused above
                 self._finish(group.group_id)
-                if reducer is not None and not reducer.replied.is_set():  # cancelled: free waiting handlers
-                    reducer.replied.set()
+                if reducer is not None:  # (if cancelled: free the handlers waiting for replies)
+                    reducer.cancel()
             result.link_rate = links.link_rate()
             own_average = []
             if reducer is not None:
@@ -241,21 +252,27 @@ class AllReduceService:
     ) -> list[tuple[int, torch.Tensor]]:
         """Record how our shard's reduction went, and return its average as ``write_back`` takes
         it if we have values to write it into (``wanted``) and there is one."""
-        reply = reducer.reply
-        assert reply is not None
         outcome = reducer.shard.reduction.outcome()
         result.contributors[my_shard] = list(outcome.contributors)
+        result.part_contributors[my_shard] = outcome.part_contributors
         result.failed_peers.update(outcome.dropped)
         if not wanted:
             return []
-        if reply.error is not None:  # the other senders keep their values: so do we
-            result.local_shards[my_shard] = str(reply.error)
+        if reducer.shard.error is not None:  # the other senders keep their values: so do we
+            result.local_shards[my_shard] = str(reducer.shard.error)
             return []
         if outcome.averaged is None:
             result.local_shards[my_shard] = "no contribution arrived"
             return []
-        own = await in_thread(reducer.shard.own_average, reply, reducer.codec)
+        own = await in_thread(reducer.shard.own_average, reducer.codec)
         return [(plan.shard_bounds(my_shard)[0], own)]
+
+
+def _nothing_to_average(result: AllReduceResult, group: GroupInfo, index: int) -> None:
+    """An empty shard (a tiny vector split many ways): no exchange, and every sender is in each of
+    its (no) parts."""
+    result.contributors[index] = [member.peer_id for member in group.senders]
+    result.part_contributors[index] = []
 
 
 def _tighter(cap: float | None, timeout: float | None) -> float | None:

@@ -1,12 +1,24 @@
 """The all-reduce's messages and what each side does with them, sans I/O.
 
-One ``avg.reduce`` stream runs from every sender to every reducer (the sender opens it) and
-carries, in this order::
+One ``avg.reduce`` stream runs from every sender to every reducer (the sender opens it). The
+sender's half::
 
-    sender  -> reducer   {"group_id": bytes, "weight": float, "total": int}
-    sender  -> reducer   {"part": i, "meta": codec meta} + payload, for i = 0, 1, ... (then end)
-    reducer -> sender    {"contributors": [peer ID bytes, ...], "averaged": bool}
-    reducer -> sender    {"part": i, "meta": codec meta} + payload, for i = 0, 1, ... (if averaged)
+    {"group_id": bytes, "weight": float, "total": int}
+    {"part": i, "meta": codec meta} + payload, for i = 0, 1, ... (then end)
+
+and, at the same time, the reducer's half::
+
+    {"part": i, "meta": codec meta, "all_in": bool, "contributors": [peer ID bytes, ...]} + payload
+
+for i = 0, 1, ... in order, each as soon as part ``i`` is averaged: every sender still in the round
+has delivered its part ``i`` (``reduction.py``), so averages flow back while later parts are still
+on their way. ``contributors`` names whose contributions part ``i``'s average holds; it is sent
+with part 0 and wherever it differs from the part before (a sender dropped midway is in the parts
+averaged before it was dropped and in no other). ``all_in``: every contribution the reducer will
+use has arrived, so the rest of the replies are owed without waiting. A part that cannot be
+averaged (no contribution of positive weight) or encoded (the average overflowed) ends the
+reducer's half with an error instead; a sender keeps its own values for a shard it did not receive
+whole.
 
 Parts are the plan's parts of the reducer's shard (``AllReducePlan.parts``), encoded by a codec
 that the meta names (``averaging/compression.py``). Everything a remote peer sends is checked
@@ -44,8 +56,7 @@ __all__ = [
     "IncomingPart",
     "ReduceHeader",
     "ReducerShard",
-    "Reply",
-    "ReplySummary",
+    "parse_contributors",
     "part_body",
 ]
 
@@ -73,27 +84,6 @@ class ReduceHeader:
         if not (isinstance(body, dict) and isinstance(body.get("group_id"), bytes) and type(body.get("total")) is int):
             raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
         return cls(body["group_id"], body.get("weight"), body["total"])
-
-
-@dataclass(frozen=True)
-class ReplySummary:
-    """The reducer's first reply: whose contributions its average holds, and whether there is one."""
-
-    contributors: list[PeerID]
-    averaged: bool
-
-    def to_body(self) -> dict[str, Any]:
-        return {"contributors": [p.to_bytes() for p in self.contributors], "averaged": self.averaged}
-
-    @classmethod
-    def parse(cls, body: Any) -> ReplySummary:
-        if not (isinstance(body, dict) and isinstance(body.get("contributors"), list)):
-            raise AllReduceError("reducer sent a malformed summary")
-        try:
-            contributors = [PeerID(raw) for raw in body["contributors"] if isinstance(raw, bytes)]
-        except ValueError as error:
-            raise AllReduceError(f"reducer sent a malformed contributor: {error}") from None
-        return cls(contributors, body.get("averaged") is True)
 
 
 def part_body(index: int, meta: dict[str, Any]) -> dict[str, Any]:
@@ -148,15 +138,22 @@ class ContributionInbox:
         self.reduction = reduction
         self.sender = sender
         self.sink = sink
+        self._buffers: dict[int, torch.Tensor] = {}  # part index -> the buffer its values went into
 
     def part(self, body: Any, payload: Any) -> IncomingPart:
         """Check an incoming part message; raises ContributionRejected with the reason."""
         try:
-            return _read_part(body, payload, self.reduction.part_sizes, self.sink)
+            part = _read_part(body, payload, self.reduction.part_sizes, self.sink)
         except ContributionRejected:
             raise
         except ValueError as error:
             raise ContributionRejected(str(error)) from None
+        self._buffers.setdefault(part.index, part.out)
+        return part
+
+    def unaveraged_buffers(self) -> list[torch.Tensor]:
+        """The buffers of this sender's parts that the reduction may still read (not averaged yet)."""
+        return [buffer for index, buffer in self._buffers.items() if index >= self.reduction.averaged_parts]
 
     def decode(self, part: IncomingPart) -> torch.Tensor:
         """The part's values (tensor work unless the payload landed in place)."""
@@ -169,66 +166,92 @@ class ContributionInbox:
 
     def stage(self, index: int, values: torch.Tensor) -> None:
         """Hand the values to the reduction, which checks them (finite, the right size, not a
-        duplicate) and keeps them until the sender finishes."""
+        duplicate) and keeps them until their part is averaged."""
         self.reduction.add_part(self.sender, index, values)
 
     def finish(self) -> None:
-        """The sender ended its stream: commit its contribution, or drop it if parts are missing."""
+        """The sender ended its stream: drop it if parts are missing."""
         self.reduction.finish_sender(self.sender)
 
 
-@dataclass
-class Reply:
-    """What a reducer sends every sender once its shard is averaged (encoded once for all of them:
-    codecs are deterministic)."""
-
-    summary: ReplySummary
-    parts: list[tuple[dict[str, Any], Any]]
-    error: ValueError | None = None  # the average could not be encoded: senders keep their values
+def parse_contributors(raw: Any, senders: list[PeerID]) -> list[PeerID]:
+    """A reply's contributor list, checked: peer IDs of the group's senders, each at most once,
+    at least one (an average of nobody is no average)."""
+    if not (isinstance(raw, list) and 0 < len(raw) <= len(senders)):
+        raise AllReduceError("reducer sent a malformed contributor list")
+    if not all(isinstance(item, bytes) for item in raw):
+        raise AllReduceError("reducer sent a malformed contributor")
+    try:
+        contributors = [PeerID(item) for item in raw]
+    except ValueError as error:
+        raise AllReduceError(f"reducer sent a malformed contributor: {error}") from None
+    if len(set(contributors)) != len(contributors):
+        raise AllReduceError("reducer named a contributor twice")
+    strangers = [p for p in contributors if p not in senders]
+    if strangers:
+        raise AllReduceError(f"reducer named {strangers[0]}, not a sender of this group, as a contributor")
+    return contributors
 
 
 class ReducerShard:
-    """A reducer's side of one round: the reduction of its shard, then the reply."""
+    """A reducer's side of one round: the shard's reduction, and its replies part by part, each
+    encoded once for all senders (codecs are deterministic) as soon as the part is averaged."""
 
     def __init__(self, part_sizes: list[int], senders: list[PeerID], sum_buffer: torch.Tensor | None):
         self.reduction = ShardReduction(part_sizes, senders, sum_buffer)
+        self.replies: list[tuple[dict[str, Any], Any]] = []  # (body, payload) of parts 0, 1, ...
+        self.error: ValueError | None = None  # a part could not be averaged or encoded: no more replies
 
     def inbox(self, sender: PeerID, sink: PartSink) -> ContributionInbox:
         return ContributionInbox(self.reduction, sender, sink)
 
-    def close(self, reason: str) -> ReductionOutcome:
-        """Drop whoever has not finished (for ``reason``) and average what arrived whole."""
+    @property
+    def finished(self) -> bool:
+        """Every part has its reply, or there will be no more."""
+        return self.error is not None or len(self.replies) == self.reduction.num_parts
+
+    def ready(self) -> int:
+        """How many replies could be made now (see ``ShardReduction.ready``)."""
+        return 0 if self.finished else self.reduction.ready()
+
+    def reply_next(self, codec: Codec) -> None:
+        """Average the next ready part and encode its reply (tensor work)."""
+        reduction = self.reduction
+        index = reduction.average_next()
+        averaged = reduction.part_average(index)
+        if averaged is None:
+            self.error = ValueError(f"part {index} of the shard got no contribution")
+            return
+        try:
+            meta, payload = codec.encode(averaged)  # checks finiteness: weighted values can overflow to inf
+        except ValueError as error:
+            self.error = error
+            return
+        body: dict[str, Any] = {"part": index, "meta": meta, "all_in": reduction.done}
+        contributors = reduction.part_contributors[index]
+        if index == 0 or contributors != reduction.part_contributors[index - 1]:
+            body["contributors"] = [p.to_bytes() for p in contributors]
+        self.replies.append((body, payload))
+
+    def close(self, reason: str, codec: Codec) -> ReductionOutcome:
+        """Drop whoever has not delivered everything (for ``reason``), reply with every part left
+        (tensor work), and take the outcome."""
         self.reduction.drop_pending(reason)
+        while self.ready():
+            self.reply_next(codec)
         return self.reduction.outcome()
 
-    def reply(self, codec: Codec) -> Reply:
-        """Encode the average for the senders (tensor work; call after ``close``)."""
-        outcome = self.reduction.outcome()
-        summary = ReplySummary(outcome.contributors, outcome.averaged is not None)
-        if outcome.averaged is None:
-            return Reply(summary, [])
-        parts, offset = [], 0
-        try:
-            for index, size in enumerate(self.reduction.part_sizes):
-                # encode checks finiteness: weighted values can overflow to inf
-                meta, payload = codec.encode(outcome.averaged[offset : offset + size])
-                parts.append((part_body(index, meta), payload))
-                offset += size
-        except ValueError as error:
-            return Reply(summary, [], error)
-        return Reply(summary, parts)
-
-    def own_average(self, reply: Reply, codec: Codec) -> torch.Tensor:
-        """Our shard as the senders decode it from ``reply`` (tensor work for a lossy codec)."""
+    def own_average(self, codec: Codec) -> torch.Tensor:
+        """Our shard as the senders decode it from the replies (tensor work for a lossy codec)."""
         averaged = self.reduction.outcome().averaged
-        assert averaged is not None and reply.error is None
+        assert averaged is not None and self.error is None
         if codec.encodes_as_view:  # the payloads are our values: others decode exactly these
             return averaged
         # Keep what the other peers will decode, not the unrounded average: replicas that differ
         # by a rounding error each round would drift apart for good. (These are our own encodings
         # of finite values, so decode_into's missing finiteness check is no loss here.)
         own, offset = torch.empty(self.reduction.shard_size, dtype=torch.float32), 0
-        for (body, payload), size in zip(reply.parts, self.reduction.part_sizes, strict=True):
+        for (body, payload), size in zip(self.replies, self.reduction.part_sizes, strict=True):
             piece = own[offset : offset + size]
             values = codec_of(body["meta"]).decode_into(body["meta"], payload, piece)
             if values is not piece:  # a codec that decodes into a tensor of its own
@@ -238,38 +261,83 @@ class ReducerShard:
 
 
 class AverageInbox:
-    """A sender's side of one reducer's reply: the summary, then every part in order, each
-    checked finite; the values count only once the whole shard is in."""
+    """A sender's side of one reducer's replies: every part in order, each with the contributors
+    its average holds (named on the first part and wherever they change), each checked finite.
+    The values count only once the whole shard is in. The first broken rule is final: every later
+    call raises the same error."""
 
-    def __init__(self, parts: list[tuple[int, int]], sink: PartSink):
+    def __init__(self, parts: list[tuple[int, int]], sink: PartSink, senders: list[PeerID]):
         self.ranges = parts  # absolute (start, end) of every part of the shard
         self.sink = sink
-        self.contributors: list[PeerID] = []
+        self.senders = senders  # who may be named as a contributor
+        self.part_contributors: list[list[PeerID]] = []  # of every accepted part
+        self.all_in = False  # the reducer says every contribution has arrived
+        self.error: Exception | None = None
         self._values: list[torch.Tensor] = []
-
-    def summary(self, body: Any) -> list[PeerID]:
-        summary = ReplySummary.parse(body)
-        if not summary.averaged:
-            raise AllReduceError("the reducer received no contribution")
-        self.contributors = summary.contributors
-        return summary.contributors
+        self._named: list[PeerID] | None = None  # the contributors named last
+        self._incoming: list[PeerID] | None = None  # of the part read but not yet accepted
 
     def part(self, body: Any, payload: Any) -> IncomingPart:
-        expected = len(self._values)
-        if not (isinstance(body, dict) and body.get("part") == expected):
-            raise AllReduceError("reducer sent parts out of order")
-        sizes = [end - start for start, end in self.ranges]
-        return _read_part(body, payload, sizes, self.sink)
+        """Check the next reply message; raises AllReduceError (or ValueError for its payload)."""
+        self._check()
+        try:
+            expected = len(self._values)
+            if self._incoming is not None:
+                raise AllReduceError(f"part {expected} was read twice")
+            if not (isinstance(body, dict) and type(body.get("part")) is int and body["part"] == expected):
+                raise AllReduceError("reducer sent parts out of order")
+            if "contributors" in body:
+                self._named = parse_contributors(body["contributors"], self.senders)
+            elif self._named is None:
+                raise AllReduceError("reducer sent a part before naming its contributors")
+            sizes = [end - start for start, end in self.ranges]
+            incoming = _read_part(body, payload, sizes, self.sink)
+        except (AllReduceError, ValueError) as error:
+            self.error = error
+            raise
+        self._incoming = self._named
+        self.all_in = self.all_in or body.get("all_in") is True
+        return incoming
+
+    def decode(self, part: IncomingPart) -> torch.Tensor:
+        """The values of the part just read (tensor work unless its payload landed in place)."""
+        self._check()
+        try:
+            return part.decode()
+        except ValueError as error:
+            self.error = error
+            raise
 
     def accept(self, values: torch.Tensor) -> None:
-        """Keep the next part's decoded values once they are checked finite (one read-only pass)."""
+        """Keep the part just read once its values are checked finite (one read-only pass)."""
+        self._check()
+        if self._incoming is None:
+            self.error = AllReduceError("no part was read")
+            raise self.error
         if not all_finite(values):
-            raise AllReduceError("the reducer sent NaN or infinite values")
+            self.error = AllReduceError("the reducer sent NaN or infinite values")
+            raise self.error
         self._values.append(values)
+        self.part_contributors.append(self._incoming)
+        self._incoming = None
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.complete:
+            self.error = AllReduceError("reducer sent more parts than the shard has")
+            raise self.error
 
     @property
     def complete(self) -> bool:
         return len(self._values) == len(self.ranges)
+
+    @property
+    def contributors(self) -> list[PeerID]:
+        """Whose contribution is in every part received."""
+        if not self.part_contributors:
+            return []
+        return [p for p in self.part_contributors[0] if all(p in part for part in self.part_contributors[1:])]
 
     def averaged(self) -> list[tuple[int, torch.Tensor]]:
         """``(flat offset, values)`` of every part; only once the whole shard has arrived."""

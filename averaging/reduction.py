@@ -1,11 +1,13 @@
-"""A reducer's bookkeeping for its shard, sans I/O.
+"""A reducer's bookkeeping for its shard, part by part, sans I/O.
 
-Each sender's parts are staged until the sender has delivered its whole shard; only then is its
-weighted contribution added to the sum. A sender that dies or stalls half-way is therefore
-dropped cleanly: the result is exactly the weighted average of the contributions that arrived
-whole, never a mix of some parts with and some parts without it. Staging keeps the part tensors
-the caller hands over, not a copy of them: one shard's worth of memory per sender in flight, which
-bounds memory at group size x shard size, and no extra pass over the data.
+A shard is averaged one part at a time, in order: part ``p`` is averaged as soon as every sender
+still in the round has delivered part ``p`` (or has been dropped), so its average can go back to
+the senders while later parts are still arriving. Until then each sender's part is staged (the
+tensor the caller handed over, not a copy). A sender that dies or stalls half-way is dropped: it
+is a contributor of the parts averaged before that, and of no other, and its staged parts go. Each
+part's average is therefore exactly the weighted average of the contributions that part names
+(``part_contributors``), never a mix. Memory: staged parts wait only for the slowest sender's
+same part, at most one shard per sender.
 
 The methods do tensor work and are meant to be called from a worker thread, one call at a time
 per ``ShardReduction`` (the trio driver serialises them).
@@ -34,57 +36,74 @@ class ContributionRejected(ValueError):
 
 @dataclass
 class ReductionOutcome:
-    averaged: torch.Tensor | None  # None when no contribution arrived whole
-    contributors: list[Hashable]
+    averaged: torch.Tensor | None  # None when some part got no contribution of positive weight
+    contributors: list[Hashable]  # in every part's average
     dropped: dict[Hashable, str] = field(default_factory=dict)
-    total_weight: float = 0.0
+    part_contributors: list[list[Hashable]] = field(default_factory=list)  # per part, in its average
 
 
 class ShardReduction:
     def __init__(self, part_sizes: list[int], senders: list[Hashable], sum_buffer: torch.Tensor | None = None):
-        """``sum_buffer``: float32 storage for the running sum (and then the average) of the
-        shard, e.g. reused from an earlier round; a fresh one is allocated if it is None."""
+        """``sum_buffer``: float32 storage for the averages of the shard's parts, e.g. reused from
+        an earlier round; a fresh one is allocated if it is None."""
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.shard_size = sum(self.part_sizes)
         self.expected = list(senders)
         if sum_buffer is not None and (sum_buffer.dtype != torch.float32 or sum_buffer.numel() != self.shard_size):
             raise ValueError(f"the sum buffer must hold {self.shard_size} float32 values")
-        self._sum_buffer = sum_buffer
-        self._sum: torch.Tensor | None = None  # set by the first weighted contribution
-        self._total_weight = 0.0
-        self._staged: dict[Hashable, dict[int, torch.Tensor]] = {}  # sender -> part index -> values
+        self._sum = sum_buffer
         self._weights: dict[Hashable, float] = {}
-        self.contributors: list[Hashable] = []
+        self._staged: list[dict[Hashable, torch.Tensor]] = [{} for _ in self.part_sizes]  # parts not averaged
+        self._delivered: dict[Hashable, set[int]] = {}
         self.dropped: dict[Hashable, str] = {}
+        # per averaged part (in order): who is in its average, and their total weight
+        self.part_contributors: list[list[Hashable]] = []
+        self.part_weights: list[float] = []
         self._outcome: ReductionOutcome | None = None
 
     @property
+    def num_parts(self) -> int:
+        return len(self.part_sizes)
+
+    @property
+    def averaged_parts(self) -> int:
+        """Parts ``0 .. averaged_parts - 1`` are averaged."""
+        return len(self.part_contributors)
+
+    @property
     def pending(self) -> list[Hashable]:
-        """Senders neither committed nor dropped yet."""
-        return [s for s in self.expected if s not in self.dropped and s not in self.contributors]
+        """Senders still owing parts: neither dropped nor done delivering."""
+        return [s for s in self.expected if s not in self.dropped and len(self._delivered.get(s, ())) < self.num_parts]
 
     @property
     def done(self) -> bool:
         return not self.pending
 
+    def holds(self, sender: Hashable) -> bool:
+        """Whether parts of ``sender``'s are staged (kept, not yet averaged)."""
+        return any(sender in staged for staged in self._staged[self.averaged_parts :])
+
     def set_weight(self, sender: Hashable, weight: float) -> None:
         self._check_sender(sender)
+        if sender in self._weights:
+            raise ContributionRejected("the weight was sent twice")
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
             raise ContributionRejected(f"weight must be finite and in [0, {MAX_WEIGHT:g}], got {weight!r}")
         self._weights[sender] = float(weight)
+        self._delivered.setdefault(sender, set())
 
     def add_part(self, sender: Hashable, part_index: int, values: torch.Tensor) -> None:
         """Stage one part; raises ContributionRejected (the caller then drops the sender).
 
-        ``values`` is kept, not copied, until the sender finishes: pass a tensor nobody modifies."""
+        ``values`` is kept, not copied, until its part is averaged: pass a tensor nobody modifies."""
         self._check_sender(sender)
         if sender not in self._weights:
             raise ContributionRejected("a part arrived before the sender's weight")
-        if not (isinstance(part_index, int) and 0 <= part_index < len(self.part_sizes)):
+        if not (isinstance(part_index, int) and 0 <= part_index < self.num_parts):
             raise ContributionRejected(f"part index {part_index!r} out of range")
-        staged = self._staged.setdefault(sender, {})
-        if part_index in staged:
+        delivered = self._delivered[sender]
+        if part_index in delivered:
             raise ContributionRejected(f"part {part_index} sent twice")
         if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != self.part_sizes[part_index]:
             raise ContributionRejected(
@@ -93,67 +112,108 @@ class ShardReduction:
             )
         if not all_finite(values):
             raise ContributionRejected(f"part {part_index} contains NaN or infinite values")
-        staged[part_index] = values
+        delivered.add(part_index)  # (a part is averaged only once every live sender delivered it)
+        self._staged[part_index][sender] = values
 
     def add_local(self, sender: Hashable, values: torch.Tensor, weight: float) -> None:
-        """A reducer's own contribution: the whole shard at once, no staging. The caller has
-        checked ``values`` finite (the all-reduce checks its whole flattened tensor once)."""
+        """A reducer's own contribution: the whole shard at once. The caller has checked ``values``
+        finite (the all-reduce checks its whole flattened tensor once)."""
         self.set_weight(sender, weight)
         if values.numel() != self.shard_size:
             raise ContributionRejected("local shard has the wrong size")
-        self._commit(sender, [(0, values.reshape(-1).to(torch.float32))])
+        flat = values.reshape(-1).to(torch.float32)
+        for index, (offset, size) in enumerate(zip(self.part_offsets, self.part_sizes, strict=True)):
+            self._staged[index][sender] = flat[offset : offset + size]
+        self._delivered[sender] = set(range(self.num_parts))
 
     def finish_sender(self, sender: Hashable) -> None:
-        """The sender says it sent everything; commit it if that is true, else drop it."""
+        """The sender says it sent everything; drop it if that is not true."""
         self._check_sender(sender)
-        missing = len(self.part_sizes) - len(self._staged.get(sender, ()))
+        missing = self.num_parts - len(self._delivered.get(sender, ()))
         if sender not in self._weights:
             self.drop(sender, "finished without sending a weight")
         elif missing:
             self.drop(sender, f"finished with {missing} parts missing")
-        else:
-            staged = self._staged.pop(sender, {})
-            self._commit(sender, [(self.part_offsets[index], values) for index, values in staged.items()])
 
     def drop(self, sender: Hashable, reason: str) -> None:
-        if sender in self.contributors or sender in self.dropped:
+        """Leave ``sender`` out of every part not averaged yet (it stays in those that are)."""
+        if sender in self.dropped or self._outcome is not None:
             return
         self.dropped[sender] = reason
-        self._staged.pop(sender, None)
+        for staged in self._staged[self.averaged_parts :]:
+            staged.pop(sender, None)
 
     def drop_pending(self, reason: str) -> None:
         for sender in self.pending:
             self.drop(sender, reason)
 
-    def outcome(self) -> ReductionOutcome:
-        """The average of the contributions committed so far. Taking it closes the reduction: the
-        sum is divided in place (no second shard-sized buffer), so nothing may be added afterwards."""
-        if self._outcome is None:
-            averaged = None
-            if self._total_weight > 0:
-                # (no sum only when the shard is empty)
-                averaged = self._sum.div_(self._total_weight) if self._sum is not None else torch.zeros(0)
-            self._outcome = ReductionOutcome(averaged, list(self.contributors), dict(self.dropped), self._total_weight)
-        return self._outcome
+    def ready(self) -> int:
+        """How many parts, from the next one on, could be averaged now: every sender still in the
+        round has delivered them."""
+        live = [s for s in self.expected if s not in self.dropped]
+        count = 0
+        for index in range(self.averaged_parts, self.num_parts):
+            if any(index not in self._delivered.get(s, ()) for s in live):
+                break
+            count += 1
+        return count
 
-    def _commit(self, sender: Hashable, pieces: list[tuple[int, torch.Tensor]]) -> None:
-        """Add a whole contribution (``(offset, values)`` pieces tiling the shard) to the sum."""
-        weight = self._weights[sender]
-        if weight > 0 and self.shard_size:
-            if self._sum is None:  # the first contribution writes every value: no zeroing pass
-                self._sum = self._sum_buffer if self._sum_buffer is not None else torch.empty(self.shard_size)
-                for offset, values in pieces:
-                    torch.mul(values, weight, out=self._sum[offset : offset + values.numel()])
-            else:
-                for offset, values in pieces:
-                    self._sum[offset : offset + values.numel()].add_(values, alpha=weight)
-        self._total_weight += weight
-        self.contributors.append(sender)
+    def average_next(self) -> int:
+        """Average the next part (it must be ``ready``) into the sum buffer; returns its index."""
+        index = self.averaged_parts
+        if not self.ready():
+            raise RuntimeError(f"part {index} is not ready")
+        staged = self._staged[index]
+        contributors = [s for s in self.expected if s in staged]
+        weighted = [(staged[s], self._weights[s]) for s in contributors if self._weights[s] > 0]
+        total = sum(weight for _values, weight in weighted)
+        if weighted:
+            if self._sum is None:
+                self._sum = torch.empty(self.shard_size, dtype=torch.float32)
+            offset = self.part_offsets[index]
+            out = self._sum[offset : offset + self.part_sizes[index]]
+            (first, weight), rest = weighted[0], weighted[1:]
+            torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
+            for values, weight in rest:
+                out.add_(values, alpha=weight)
+            out.div_(total)
+        staged.clear()
+        self.part_contributors.append(contributors)
+        self.part_weights.append(total)
+        return index
+
+    def part_average(self, index: int) -> torch.Tensor | None:
+        """Part ``index``'s average (a view of the sum buffer), or None if no contribution of
+        positive weight is in it."""
+        if index >= self.averaged_parts or self.part_weights[index] <= 0:
+            return None
+        assert self._sum is not None
+        offset = self.part_offsets[index]
+        return self._sum[offset : offset + self.part_sizes[index]]
+
+    def outcome(self) -> ReductionOutcome:
+        """The whole shard's result, once every sender is done or dropped. Taking it averages any
+        parts left and closes the reduction: nothing may be added afterwards."""
+        if self._outcome is None:
+            if self.pending:
+                raise RuntimeError("senders are still pending")
+            while self.averaged_parts < self.num_parts:
+                self.average_next()
+            averaged = None
+            if all(weight > 0 for weight in self.part_weights):
+                averaged = self._sum if self._sum is not None else torch.zeros(0)
+            every_part = [s for s in self.expected if all(s in part for part in self.part_contributors)]
+            if not self.num_parts:  # nothing to average: whoever was not dropped is in it
+                every_part = [s for s in self.expected if s not in self.dropped]
+            self._outcome = ReductionOutcome(
+                averaged, every_part, dict(self.dropped), [list(part) for part in self.part_contributors]
+            )
+        return self._outcome
 
     def _check_sender(self, sender: Hashable) -> None:
         if self._outcome is not None:
             raise ContributionRejected("this shard is already averaged")
         if sender not in self.expected:
             raise ContributionRejected(f"{sender} is not a sender of this group")
-        if sender in self.dropped or sender in self.contributors:
-            raise ContributionRejected(f"{sender} already {'dropped' if sender in self.dropped else 'finished'}")
+        if sender in self.dropped:
+            raise ContributionRejected(f"{sender} already dropped")

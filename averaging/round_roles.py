@@ -10,6 +10,8 @@ later, and one whose connection dies or is refused is dropped at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +26,6 @@ from .allreduce_protocol import (
     ContributionInbox,
     ReduceHeader,
     ReducerShard,
-    Reply,
     part_body,
 )
 from .compression import Codec
@@ -65,11 +66,35 @@ async def _small_inline(numel: int, fn, *args):
     return await in_thread(fn, *args)
 
 
+async def _alongside(side: Callable[[], Awaitable[None]], main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``side`` while ``main`` runs, and cancel it once ``main`` returns. The first ordinary
+    exception of either cancels both and comes out as itself, not in an exception group, so that
+    callers can tell a broken stream from a protocol error."""
+    failures: list[Exception] = []
+
+    async def guarded(fn: Callable[[], Awaitable[None]], ends_all: bool) -> None:
+        try:
+            await fn()
+        except Exception as error:
+            failures.append(error)
+            nursery.cancel_scope.cancel()
+        else:
+            if ends_all:
+                nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guarded, side, False)
+        await guarded(main, True)
+    if failures:
+        raise failures[0]
+
+
 class ReducerRole:
     """This peer as the reducer of one shard in one round: the shard's reduction, fed by one
-    handler per sender stream and by the round itself (our own values), then one reply for all.
+    handler per sender stream and by the round itself (our own values), and its replies, part by
+    part, which every handler sends on to its sender as soon as they are made.
 
-    ``lease`` holds the running sum, which becomes the average the replies are sent from: the
+    ``lease`` holds the running sum, which becomes the averages the replies are sent from: the
     round and every handler still replying hold it, and the last one out gives it back."""
 
     def __init__(self, shard: ReducerShard, lease: BufferLease, total: int, codec: Codec, links: RoundLinks):
@@ -79,19 +104,20 @@ class ReducerRole:
         self.codec = codec
         self.links = links
         self.lock = trio.Lock()  # one ShardReduction call at a time (several run in worker threads)
-        self.senders_done = trio.Event()  # every sender committed or dropped
-        self.replied = trio.Event()  # the reply is ready, or the round was cancelled (reply None)
-        self.reply: Reply | None = None
+        self.closed = False  # the reduction is over: every reply made, or none will be any more
+        self.cancelled = False  # the round was cancelled before the replies were all made
+        self._arrived = trio.Event()  # set (and replaced) when a part is staged or a sender dropped
+        self._published = trio.Event()  # set (and replaced) when a reply is added or the role closes
         self._receiving: dict[Any, trio.CancelScope] = {}  # sender -> its stream's receive loop
 
     async def reduce(self, me: PeerID, local: torch.Tensor | None, weight: float, rules: DeadlineRules) -> None:
-        """Add our own slice, wait for the other senders while their bytes keep coming (see the
-        module docstring), then average what arrived and encode the reply."""
-        reduction = self.shard.reduction
+        """Add our own slice, then average and encode each part as soon as every sender still in
+        the round has delivered it, waiting for the senders while their bytes keep coming (see
+        the module docstring)."""
+        shard, reduction = self.shard, self.shard.reduction
         if local is not None:
             async with self.lock:
-                await in_thread(reduction.add_local, me, local, weight)
-        self._note_progress()
+                reduction.add_local(me, local, weight)  # staged as views: no tensor work yet
         # A sender streams its whole vector to all reducers at once, so what it could owe us at
         # the floor rate is the whole vector's bytes (uncompressed float32: an upper bound).
         now, owed = trio.current_time(), 4 * self.total
@@ -99,15 +125,44 @@ class ReducerRole:
             self.links.watch(sender, ProgressDeadline(rules, owed, now), self._give_up_on(sender), incoming=True)
             for sender in reduction.pending
         ]
+        # averaging one part: a pass over each contribution, then one to encode it
+        work = (len(reduction.expected) + 1) * max(reduction.part_sizes, default=0)
         try:
-            await self.senders_done.wait()  # every watch ends by its cap at the latest
+            while not shard.finished and reduction.pending:  # every watch ends by its cap at the latest
+                arrived = self._arrived
+                await self._reply_ready(work)
+                if not shard.finished and reduction.pending:
+                    await arrived.wait()
         finally:
             for watch in watches:
                 self.links.unwatch(watch)
         async with self.lock:
-            await in_thread(self.shard.close, "did not finish sending")
-        self.reply = await in_thread(self.shard.reply, self.codec)
-        self.replied.set()
+            await in_thread(shard.close, "did not finish sending", self.codec)
+        self.closed = True
+        self._publish()
+
+    async def _reply_ready(self, work: int) -> None:
+        """Make the reply of every part that is ready now."""
+        while True:
+            async with self.lock:
+                if not self.shard.ready():
+                    return
+                await _small_inline(work, self.shard.reply_next, self.codec)
+            self._publish()
+
+    def cancel(self) -> None:
+        """The round ends before its replies were all made: handlers waiting for them give up."""
+        if not self.closed:
+            self.cancelled = self.closed = True
+            self._publish()
+
+    def _publish(self) -> None:
+        self._published.set()
+        self._published = trio.Event()
+
+    def _note_arrival(self) -> None:
+        self._arrived.set()
+        self._arrived = trio.Event()
 
     def _give_up_on(self, sender: PeerID):
         async def give_up(reason: str) -> None:
@@ -121,7 +176,8 @@ class ReducerRole:
         return give_up
 
     async def serve(self, stream, sink: PartSink, weight: Any) -> None:
-        """One sender's stream: its parts until it ends (or the round moves on), then the reply."""
+        """One sender's stream: its parts until it ends (or the round moves on), and at the same
+        time the replies, each as soon as it is made."""
         sender = stream.peer
         self.links.add(sender, stream.link)
         reduction = self.shard.reduction
@@ -131,31 +187,45 @@ class ReducerRole:
         except ContributionRejected as error:
             await self._drop(sender, str(error))
             raise
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive, self.shard.inbox(sender, sink), stream)
-            await self.replied.wait()
-            nursery.cancel_scope.cancel()  # a stalled sender's receive loop ends with the round
-        reply = self.reply
-        if reply is None:
-            raise AllReduceError("the all-reduce was cancelled on this peer")
-        if reply.error is not None:
-            raise reply.error
-        await stream.send(reply.summary.to_body())
-        for body, payload in reply.parts:
-            await stream.send(body, payload)
+        inbox = self.shard.inbox(sender, sink)
+        # once every reply is sent, every part is averaged: nothing more is needed from the sender
+        await _alongside(partial(self._receive, inbox, stream), partial(self._send_replies, stream))
+
+    async def _send_replies(self, stream) -> None:
+        replies, sent = self.shard.replies, 0
+        while True:
+            published = self._published
+            while sent < len(replies):
+                body, payload = replies[sent]
+                await stream.send(body, payload)
+                sent += 1
+            if self.shard.error is not None:
+                raise self.shard.error
+            if sent == self.shard.reduction.num_parts:
+                return
+            if self.cancelled:
+                raise AllReduceError("the all-reduce was cancelled on this peer")
+            await published.wait()
 
     async def _receive(self, inbox: ContributionInbox, stream) -> None:
-        # The sink's lease holds this sender's staged parts: they go back to the pool as soon as
-        # the sender is committed (its values are in the sum) or dropped, so the averages this
-        # peer receives next can reuse them.
+        # The sink's lease holds this sender's staged parts: they go back to the pool once their
+        # parts are averaged (the replies are sent from the sum, not from them), so the averages
+        # this peer receives next can reuse them. Any the reduction may still read when the loop
+        # ends otherwise (the round was cancelled) are forfeited, never handed out again.
+        reduction = self.shard.reduction
         with inbox.sink.lease, inbox.sink, trio.CancelScope() as scope:
             self._receiving[inbox.sender] = scope
             try:
                 await self._receive_parts(inbox, stream)
+                while reduction.holds(inbox.sender) and not self.closed:
+                    published = self._published
+                    await published.wait()
             finally:
-                if inbox.sender in self.shard.reduction.pending:  # cancelled: the round moved on
+                if inbox.sender in reduction.pending:  # cancelled: the round moved on
                     with trio.CancelScope(shield=True):
                         await self._drop(inbox.sender, "the sender abandoned the stream")
+                for buffer in inbox.unaveraged_buffers():
+                    inbox.sink.lease.forfeit(buffer)
 
     async def _receive_parts(self, inbox: ContributionInbox, stream) -> None:
         try:
@@ -169,8 +239,9 @@ class ReducerRole:
                     # size (a fraction of a millisecond, while the part is still in cache; a thread
                     # hop costs more), in a worker thread for unusually large ones.
                     await _small_inline(values.numel(), inbox.stage, part.index, values)
+                self._note_arrival()
             async with self.lock:
-                await in_thread(inbox.finish)  # adds the whole contribution
+                inbox.finish()  # drops the sender if parts are missing
         except (ContributionRejected, ValueError, TypeError) as error:
             log.warning("refusing contribution of %s: %s", inbox.sender, error)
             await self._drop(inbox.sender, str(error))
@@ -178,16 +249,59 @@ class ReducerRole:
         except RPCError as error:  # the sender vanished mid-stream
             await self._drop(inbox.sender, f"stream broke: {error}")
             raise
-        self._note_progress()
+        self._note_arrival()
 
     async def _drop(self, sender: PeerID, reason: str) -> None:
         async with self.lock:
             self.shard.reduction.drop(sender, reason)
-        self._note_progress()
+        self._note_arrival()
+        self._publish()  # (its receive loop may be waiting for its staged parts to go)
 
-    def _note_progress(self) -> None:
-        if self.shard.reduction.done:
-            self.senders_done.set()
+
+# How many parts ahead of its slowest stream a sender's stream to one reducer may get.
+PACING_WINDOW = 2
+
+
+class PartPacer:
+    """Keeps a sender's streams to its reducers within ``window`` parts of each other.
+
+    A reducer answers part ``p`` once every sender has delivered it, so a sender whose streams
+    drift apart (TCP shares an uplink unevenly between flows: one stream was seen done in 0.6 s
+    while another took 2 s) holds every reducer's answers back to its slowest stream, and the
+    fast streams' bandwidth is wasted in the meantime. Taking turns part by part keeps the
+    reduce-scatter moving on all shards at once, so the averages can flow back from all of them.
+    A stream that keeps the others waiting for ``patience`` seconds (its reducer stopped reading)
+    no longer paces them: the healthy reducers must keep getting our bytes, or they drop us."""
+
+    def __init__(self, window: int = PACING_WINDOW):
+        self.window = window
+        self._sent: dict[int, int] = {}  # stream (shard index) -> parts sent
+        self._changed = trio.Event()
+
+    def join(self, key: int) -> None:
+        self._sent[key] = 0
+
+    def leave(self, key: int) -> None:
+        self._sent.pop(key, None)
+        self._wake()
+
+    async def turn(self, key: int, patience: float) -> None:
+        """Wait until stream ``key`` may send its next part."""
+        with trio.move_on_after(patience) as waiting:
+            while self._sent.get(key, 0) > min(self._sent.values(), default=0) + self.window:
+                changed = self._changed
+                await changed.wait()
+        if waiting.cancelled_caught and self._sent:
+            self.leave(min(self._sent, key=self._sent.__getitem__))  # (it does not join again)
+
+    def sent(self, key: int) -> None:
+        if key in self._sent:
+            self._sent[key] += 1
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
 
 class SenderRole:
@@ -212,6 +326,11 @@ class SenderRole:
         # (flat offset, averaged values) of every shard that was averaged: written into the
         # caller's tensors only when the round is over, so a cancelled round leaves them untouched
         self.averaged: list[tuple[int, torch.Tensor]] = []
+        self.pacer = PartPacer()
+
+    def will_exchange(self, index: int) -> None:
+        """Called for every shard this peer will send, before any exchange starts."""
+        self.pacer.join(index)
 
     async def exchange(
         self,
@@ -224,12 +343,15 @@ class SenderRole:
     ) -> None:
         """Send shard ``index`` of our values to its reducer and take back the average.
 
-        The reducer must keep taking our parts and, once it has answered, keep sending its
-        average; in between it may wait for the other senders (the cap bounds that: their whole
-        vectors at the floor rate). The averaged parts count only once the whole shard has
-        arrived and been checked: a reducer that fails half-way leaves the shard wholly local."""
+        The reducer must keep taking our parts, and answers part by part while they come; once
+        our parts are all sent it may wait for the other senders before the rest of its answers
+        (the cap bounds that: their whole vectors at the floor rate), and once it says that every
+        contribution is in, it must keep sending. The averaged parts count only once the whole
+        shard has arrived and been checked: a reducer that fails half-way leaves the shard wholly
+        local."""
         assert reducer.address is not None
         parts = self.plan.parts(index)
+        senders = [member.peer_id for member in group.senders]
         # owed: the other senders' vectors (what the reducer may wait for) and its answers to all
         progress = ProgressDeadline(rules, 3 * 4 * self.plan.total, trio.current_time())
         gave_up: list[str] = []
@@ -242,14 +364,16 @@ class SenderRole:
 
                 watch = self.links.watch(reducer.peer_id, progress, expired, incoming=False)
                 try:
-                    inbox = await self._exchange(reducer, parts, sink, progress)
+                    inbox = await self._exchange(index, reducer, AverageInbox(parts, sink, senders), progress)
                 finally:
                     self.links.unwatch(watch)
+                    self.pacer.leave(index)
             if scope.cancelled_caught:
                 raise trio.TooSlowError(gave_up[0] if gave_up else "timed out")
             self.averaged.extend(inbox.averaged())
             result.contributors[index] = inbox.contributors
-            result.failed_peers.update(p.peer_id for p in group.senders if p.peer_id not in inbox.contributors)
+            result.part_contributors[index] = inbox.part_contributors
+            result.failed_peers.update(p for p in senders if p not in inbox.contributors)
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
             if isinstance(error, (ConnectError, ConnectionLost)):
                 self.links.lost(reducer.peer_id, f"connection lost: {error}")
@@ -259,28 +383,43 @@ class SenderRole:
             result.failed_peers.add(reducer.peer_id)
 
     async def _exchange(
-        self, reducer: GroupMember, parts: list[tuple[int, int]], sink: PartSink, progress: ProgressDeadline
+        self, index: int, reducer: GroupMember, inbox: AverageInbox, progress: ProgressDeadline
     ) -> AverageInbox:
+        """Our parts go out while the reducer's averages come back, on the same stream."""
         assert reducer.address is not None
         connection = await self.host.connect(reducer.address)
         self.links.add(reducer.peer_id, connection)
         async with connection.stream(REDUCE_METHOD) as stream:
-            stream.set_buffer_provider(sink)
+            stream.set_buffer_provider(inbox.sink)
+            # once the reducer has answered in full, sending is over (it may have dropped us)
+            sending = partial(self._send_parts, index, stream, inbox, progress)
+            await _alongside(sending, partial(self._receive_average, stream, inbox, progress))
+        return inbox
+
+    async def _receive_average(self, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
+        while not inbox.complete:
+            message = await stream.receive()
+            part = inbox.part(message.body, message.payload)
+            if progress.quiet and inbox.all_in:
+                progress.resume(trio.current_time())
+            values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
+            await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
+
+    async def _send_parts(self, index: int, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
+        try:
             await stream.send(self.header.to_body())
-            for part_index, (start, end) in enumerate(parts):
+            for part_index, (start, end) in enumerate(inbox.ranges):
+                await self.pacer.turn(index, progress.rules.stall / 2)
                 meta, payload = await self._encode(self.flat[start:end])
                 await stream.send(part_body(part_index, meta), payload)
+                self.pacer.sent(index)
             await stream.end()
+        except RPCError:
+            return  # the stream broke or the reducer ended it: its half says how far it got
+        finally:
+            self.pacer.leave(index)
+        if not inbox.all_in:
             progress.quiet = True  # the reducer may wait for the other senders before it answers
-            inbox = AverageInbox(parts, sink)
-            inbox.summary((await stream.receive()).body)
-            progress.resume(trio.current_time())
-            while not inbox.complete:
-                message = await stream.receive()
-                part = inbox.part(message.body, message.payload)
-                values = part.decode() if part.landed else await in_thread(part.decode)
-                await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
-        return inbox
 
     async def _encode(self, part: torch.Tensor) -> tuple[dict[str, Any], Any]:
         # Our flattened values were checked finite as a whole, so parts skip that pass; a codec

@@ -39,6 +39,8 @@ def tune_connection(stream) -> str | None:
     the congestion control it switched to, if it did (anything else is left as it was)."""
     sock = getattr(stream, "socket", None)
     option = getattr(socket, "TCP_CONGESTION", None)
+    if sock is not None and not is_loopback_peer(sock):
+        _limit_unsent(sock)
     if sock is None or option is None or not is_loopback_peer(sock):
         return None
     try:
@@ -55,3 +57,23 @@ def tune_connection(stream) -> str | None:
             continue
     log.debug("could not switch a loopback connection away from %s", current.decode())
     return None
+
+
+# Unsent bytes a connection may leave in the kernel's send buffer. The kernel grows a send buffer
+# to megabytes (4 MiB by default), and on a slow uplink shared by several connections that is
+# seconds of queue: an all-reduce reply written behind it reaches its sender seconds after it
+# was made, and the averages stop flowing back while parts still go out. With this bound the
+# queue stays in the connection's own message queue, where replies and parts of different streams
+# take turns, while the kernel still keeps every byte its congestion window allows in flight
+# (only bytes not yet sent count). 256 KiB is ~20 ms at 100 Mbit/s, and still 2 ms at 1 Gbit/s,
+# more than the event loop needs to refill it. Loopback connections keep the default: there the
+# extra wakeups would cost CPU and there is no slow link to share.
+UNSENT_LIMIT = 256 * 1024
+
+
+def _limit_unsent(sock) -> None:
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # (Linux's number; Python names it from 3.12 on)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LIMIT)
+    except OSError:  # not supported by this kernel
+        log.debug("could not limit the unsent bytes of a connection")

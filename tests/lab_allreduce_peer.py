@@ -149,6 +149,9 @@ async def main(args: argparse.Namespace) -> None:
             outcome.update(
                 flat=torch.cat([t.reshape(-1) for t in tensors]).tolist() if args.values is None else None,
                 contributors={str(k): [str(p) for p in v] for k, v in result.contributors.items()},
+                part_contributors={
+                    str(k): [[str(p) for p in part] for part in v] for k, v in result.part_contributors.items()
+                },
                 local_shards=sorted(result.local_shards),
                 failed=sorted(str(p) for p in result.failed_peers),
             )

@@ -31,17 +31,19 @@ def tensor_of(index: int, values: int) -> torch.Tensor:
 
 def exact_error(result, tensor: torch.Tensor, me: int, ids: list[str], values: int) -> float:
     """The largest difference between our averaged tensor and the exact average of what the
-    result says took part (a shard that stayed local must hold our own values)."""
+    result says took part in each part (a shard that stayed local must hold our own values)."""
     originals = {index: tensor_of(index, values) for index in range(len(ids))}
     error = 0.0
     for shard in range(result.plan.num_shards):
-        start, end = result.plan.shard_bounds(shard)
-        if shard in result.local_shards:
-            exact = originals[me][start:end]
-        else:
-            contributors = [ids.index(str(peer)) for peer in result.contributors[shard]]
-            exact = sum(originals[c][start:end] for c in contributors) / len(contributors)
-        error = max(error, (tensor[start:end] - exact).abs().max().item())
+        parts = result.plan.parts(shard)
+        by_part = result.part_contributors.get(shard, [None] * len(parts))
+        for (start, end), named in zip(parts, by_part, strict=True):
+            if shard in result.local_shards:
+                exact = originals[me][start:end]
+            else:
+                contributors = [ids.index(str(peer)) for peer in named]
+                exact = sum(originals[c][start:end] for c in contributors) / len(contributors)
+            error = max(error, (tensor[start:end] - exact).abs().max().item())
     return error
 
 

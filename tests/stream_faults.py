@@ -1,10 +1,11 @@
 """Fault injection for stream RPCs: wrappers around a peer host, its connections and its streams
-that let a test decide what happens to every message a peer sends.
+that let a test decide what happens to every message a peer sends (and watch what it receives).
 
 A component under test gets a ``FaultyHost`` in place of its real host; its outgoing streams (opened
 through ``connect``) and its incoming ones (handlers registered on ``host.router``) are wrapped,
 and every ``send`` goes through ``Fault.send``, which may pass the message on, change it, repeat
-it, drop it, stall, or end the whole peer. Nothing inside the component is overridden.
+it, drop it, stall, or end the whole peer; every ``receive`` goes through ``Fault.receive``.
+Nothing inside the component is overridden.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class Fault:
     async def send(self, stream: FaultyStream, body: Any, payload: Any) -> None:
         await stream.inner.send(body, payload)
 
+    async def receive(self, stream: FaultyStream) -> Any:
+        """What a ``stream.receive()`` of this peer's returns (subclasses may watch or change it)."""
+        return await stream.inner.receive()
+
     async def die(self) -> None:
         """The whole peer vanishes: host, connections, everything."""
         self.peer_scope.cancel()
@@ -43,6 +48,9 @@ class FaultyStream:
 
     async def send(self, body: Any = None, payload: Any = None) -> None:
         await self._fault.send(self, body, payload)
+
+    async def receive(self) -> Any:
+        return await self._fault.receive(self)
 
     def __aiter__(self):
         return self.inner.__aiter__()

@@ -156,8 +156,8 @@ async def test_mixed_node_client_and_auxiliary_peers():
 
 
 def expected_for(index, results, tensors, weights, group):
-    """What survivor ``index`` must hold: per shard, the weighted average of the reported
-    contributors, or its own values where the shard stayed local."""
+    """What survivor ``index`` must hold: per part, the weighted average of the contributors its
+    result reports for that part, or its own values where the shard stayed local."""
     from averaging.partition import AllReducePlan
 
     result = results[index]
@@ -166,13 +166,16 @@ def expected_for(index, results, tensors, weights, group):
     ids = [m.peer_id for m in group.members]
     expected = originals[index].clone()
     for shard in range(plan.num_shards):
-        start, end = plan.shard_bounds(shard)
         if shard in result.local_shards:
             continue
-        contributors = [ids.index(p) for p in result.contributors[shard]]
-        assert contributors, "a shard that was averaged must name its contributors"
-        total = sum(weights[c] for c in contributors)
-        expected[start:end] = sum(originals[c][start:end] * weights[c] for c in contributors) / total
+        every_part = set(result.contributors[shard])
+        assert len(result.part_contributors[shard]) == plan.num_parts(shard)
+        for (start, end), named in zip(plan.parts(shard), result.part_contributors[shard], strict=True):
+            assert every_part <= set(named)
+            contributors = [ids.index(p) for p in named]
+            assert contributors, "a part that was averaged must name its contributors"
+            total = sum(weights[c] for c in contributors)
+            expected[start:end] = sum(originals[c][start:end] * weights[c] for c in contributors) / total
     return expected
 
 

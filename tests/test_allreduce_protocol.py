@@ -16,7 +16,7 @@ from averaging.allreduce_protocol import (
     AverageInbox,
     ReduceHeader,
     ReducerShard,
-    ReplySummary,
+    parse_contributors,
     part_body,
 )
 from averaging.compression import get_codec
@@ -51,15 +51,19 @@ def test_header_round_trips_and_malformed_headers_are_refused():
             ReduceHeader.parse(body)
 
 
-def test_summary_round_trips_and_malformed_summaries_are_refused():
-    summary = ReplySummary([A, B], True)
-    assert ReplySummary.parse(summary.to_body()) == summary
-    assert ReplySummary.parse({"contributors": [], "averaged": 1}).averaged is False  # only True counts
-    for body in [None, {"contributors": b"ab"}, {"averaged": True}]:
-        with pytest.raises(AllReduceError, match="malformed summary"):
-            ReplySummary.parse(body)
-    with pytest.raises(AllReduceError, match="malformed contributor"):
-        ReplySummary.parse({"contributors": [b"short"], "averaged": True})
+def test_contributor_lists_are_checked_against_the_group():
+    assert parse_contributors([B.to_bytes(), A.to_bytes()], [A, B]) == [B, A]
+    for raw in [None, b"ab", [], [A.to_bytes()] * 3]:
+        with pytest.raises(AllReduceError, match="malformed contributor list"):
+            parse_contributors(raw, [A, B])
+    for raw, reason in [
+        ([b"short"], "malformed contributor"),
+        (["text"], "malformed contributor"),
+        ([A.to_bytes(), A.to_bytes()], "twice"),
+        ([C.to_bytes()], "not a sender of this group"),
+    ]:
+        with pytest.raises(AllReduceError, match=reason):
+            parse_contributors(raw, [A, B])
 
 
 def reducer(pool, part_sizes=(2, 1), senders=(A, B)):
@@ -84,8 +88,8 @@ def test_a_reducer_averages_whole_contributions_from_bytes(pool):
         feed(inboxes[B], 1, raw([1.0]))
         for inbox in inboxes.values():
             inbox.finish()
-        outcome = shard.close("late")
-    assert outcome.contributors == [A, B]
+        outcome = shard.close("late", get_codec("none"))
+    assert outcome.contributors == [A, B] and outcome.part_contributors == [[A, B], [A, B]]
     assert torch.equal(outcome.averaged, torch.tensor([(1 + 9) / 4, (2 + 18) / 4, (5 + 3) / 4]))
 
 
@@ -168,74 +172,107 @@ def test_a_sink_checks_sizes_and_forfeits_what_never_arrived(pool):
 def test_a_reducer_replies_with_its_average_encoded_once(pool):
     shard = reducer(pool, part_sizes=(2, 2), senders=(A,))
     shard.reduction.add_local(A, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
-    shard.close("late")
-    reply = shard.reply(get_codec("none"))
-    assert reply.summary == ReplySummary([A], True) and reply.error is None
-    assert [body for body, _payload in reply.parts] == [part_body(0, RAW), part_body(1, RAW)]
-    assert bytes(reply.parts[1][1]) == raw([3.0, 4.0])
-    own = shard.own_average(reply, get_codec("none"))
+    shard.close("late", get_codec("none"))
+    assert shard.error is None
+    contributors = {"contributors": [A.to_bytes()]}
+    assert [body for body, _payload in shard.replies] == [
+        {**part_body(0, RAW), "all_in": True, **contributors},
+        {**part_body(1, RAW), "all_in": True},  # the same contributors: not named again
+    ]
+    assert bytes(shard.replies[1][1]) == raw([3.0, 4.0])
+    own = shard.own_average(get_codec("none"))
     assert torch.equal(own, torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
 
 def test_with_a_lossy_codec_the_reducer_keeps_what_the_senders_decode(pool):
     shard = reducer(pool, part_sizes=(3,), senders=(A,))
     shard.reduction.add_local(A, torch.tensor([0.1, 0.2, 0.3]), 1.0)
-    shard.close("late")
     codec = get_codec("float16")
-    reply = shard.reply(codec)
-    body, payload = reply.parts[0]
-    assert torch.equal(shard.own_average(reply, codec), codec.decode(body["meta"], payload, 3))
+    shard.close("late", codec)
+    body, payload = shard.replies[0]
+    assert torch.equal(shard.own_average(codec), codec.decode(body["meta"], payload, 3))
 
 
 def test_an_average_that_overflows_is_not_sent(pool):
-    shard = reducer(pool, part_sizes=(1,), senders=(A, B))
-    shard.reduction.add_local(A, torch.tensor([3e38]), 1.0)
-    shard.reduction.add_local(B, torch.tensor([3e38]), 1.0)  # the weighted sum overflows to inf
-    shard.close("late")
-    reply = shard.reply(get_codec("none"))
-    assert reply.parts == [] and "NaN or infinite" in str(reply.error)
+    shard = reducer(pool, part_sizes=(1, 1), senders=(A, B))
+    shard.reduction.add_local(A, torch.tensor([1.0, 3e38]), 1.0)
+    shard.reduction.add_local(B, torch.tensor([1.0, 3e38]), 1.0)  # the weighted sum overflows to inf
+    shard.close("late", get_codec("none"))
+    assert len(shard.replies) == 1 and "NaN or infinite" in str(shard.error)  # no more replies after
 
 
 def test_a_reducer_that_got_nothing_says_so(pool):
     shard = reducer(pool, senders=(A, B))
-    outcome = shard.close("did not finish sending before the sender deadline")
-    reply = shard.reply(get_codec("none"))
-    assert outcome.averaged is None and reply.summary == ReplySummary([], False)
+    outcome = shard.close("did not finish sending before the sender deadline", get_codec("none"))
+    assert outcome.averaged is None and shard.replies == [] and "no contribution" in str(shard.error)
     assert set(outcome.dropped) == {A, B}
 
 
-def sender_inbox(lease, ranges=((10, 12), (12, 13))):
-    return AverageInbox(list(ranges), PartSink(lease, [end - start for start, end in ranges]))
+def sender_inbox(lease, ranges=((10, 12), (12, 13)), senders=(A, B)):
+    return AverageInbox(list(ranges), PartSink(lease, [end - start for start, end in ranges]), list(senders))
 
 
-def take(inbox, index, payload, meta=RAW):
-    inbox.accept(inbox.part(part_body(index, meta), payload).decode())
+def reply(index, contributors=None, meta=RAW, **extra):
+    body = {**part_body(index, meta), **extra}
+    if contributors is not None:
+        body["contributors"] = [p.to_bytes() for p in contributors]
+    return body
 
 
-def test_a_sender_takes_a_whole_average_in_order(pool):
+def take(inbox, body, payload):
+    inbox.accept(inbox.decode(inbox.part(body, payload)))
+
+
+def test_a_sender_takes_a_whole_average_in_order_with_contributors_per_part(pool):
     with pool.lease() as lease:
         inbox = sender_inbox(lease)
-        assert inbox.summary(ReplySummary([A, B], True).to_body()) == [A, B]
-        take(inbox, 0, raw([1.0, 2.0]))
+        take(inbox, reply(0, [A, B]), raw([1.0, 2.0]))
+        assert not inbox.all_in
         with pytest.raises(AllReduceError, match="1 of 2 parts"):
             inbox.averaged()  # a half-received shard never counts
-        take(inbox, 1, raw([3.0]))
-        assert inbox.complete
+        take(inbox, reply(1, [A], all_in=True), raw([3.0]))  # B was dropped after part 0
+        assert inbox.complete and inbox.all_in
         pieces = inbox.averaged()
+    assert inbox.part_contributors == [[A, B], [A]] and inbox.contributors == [A]
     assert [start for start, _ in pieces] == [10, 12]
     assert torch.equal(torch.cat([values for _, values in pieces]), torch.tensor([1.0, 2.0, 3.0]))
 
 
-def test_a_sender_refuses_a_reducer_that_breaks_the_protocol(pool):
+def test_contributors_carry_over_until_they_change(pool):
     with pool.lease() as lease:
-        with pytest.raises(AllReduceError, match="no contribution"):
-            sender_inbox(lease).summary(ReplySummary([A], False).to_body())
+        inbox = sender_inbox(lease, ranges=((0, 1), (1, 2), (2, 3)))
+        take(inbox, reply(0, [B, A]), raw([1.0]))
+        take(inbox, reply(1), raw([2.0]))
+        take(inbox, reply(2, [B]), raw([3.0]))
+    assert inbox.part_contributors == [[B, A], [B, A], [B]] and inbox.contributors == [B]
+
+
+@pytest.mark.parametrize(
+    ("replies", "error", "reason"),
+    [
+        ([(reply(1, [A]), raw([3.0]))], AllReduceError, "out of order"),
+        ([(reply(0, [A]), raw([1.0, 2.0])), (reply(0, [A]), raw([1.0, 2.0]))], AllReduceError, "out of order"),
+        ([(reply(0), raw([1.0, 2.0]))], AllReduceError, "before naming its contributors"),
+        ([(reply(0, [C]), raw([1.0, 2.0]))], AllReduceError, "not a sender of this group"),
+        ([(reply(0, [A, A]), raw([1.0, 2.0]))], AllReduceError, "twice"),
+        ([(reply(0, []), raw([1.0, 2.0]))], AllReduceError, "malformed contributor list"),
+        ([({"part": "0", "contributors": [A.to_bytes()]}, raw([1.0, 2.0]))], AllReduceError, "out of order"),
+        ([(reply(0, [A]), nan_at_first(raw([1.0, 2.0])))], AllReduceError, "NaN or infinite"),
+        ([(reply(0, [A]), raw([1.0]))], ValueError, "expected exactly 8"),  # truncated
+        ([(reply(0, [A], meta={"codec": "gzip"}), raw([1.0, 2.0]))], ValueError, "unknown codec"),
+        (
+            [(reply(0, [A]), raw([1.0, 2.0])), (reply(1), raw([3.0])), (reply(2), raw([4.0]))],
+            AllReduceError,
+            "more parts than the shard has",
+        ),
+    ],
+)
+def test_a_sender_refuses_a_reducer_that_breaks_the_protocol_for_good(pool, replies, error, reason):
+    with pool.lease() as lease:
         inbox = sender_inbox(lease)
-        with pytest.raises(AllReduceError, match="out of order"):
-            take(inbox, 1, raw([3.0]))
-        with pytest.raises(AllReduceError, match="NaN or infinite"):
-            take(inbox, 0, nan_at_first(raw([1.0, 2.0])))
-        with pytest.raises(ValueError, match="expected exactly 8"):
-            take(inbox, 0, raw([1.0]))  # truncated
-        with pytest.raises(ValueError, match="unknown codec"):
-            take(inbox, 0, raw([1.0, 2.0]), {"codec": "gzip"})
+        with pytest.raises(error, match=reason):
+            for body, payload in replies:
+                take(inbox, body, payload)
+        with pytest.raises(error, match=reason):  # sticky: nothing half-works afterwards
+            take(inbox, reply(len(inbox.part_contributors), [A]), raw([1.0] * (2 - len(inbox.part_contributors))))
+        assert not inbox.complete or reason == "more parts than the shard has"

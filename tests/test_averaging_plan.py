@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import trio
 
 from averaging.partition import AllReducePlan, split_by_bandwidth
 from averaging.reduction import ContributionRejected, ShardReduction
+from averaging.round_roles import PartPacer
 
 
 def test_shards_are_proportional_to_bandwidth_and_cover_everything():
@@ -143,3 +145,75 @@ def test_a_lease_stays_open_while_any_holder_is_inside_and_forfeited_buffers_nev
         assert again.take(4) is not lost
     with pytest.raises(RuntimeError, match="closed"):
         lease.take(4)
+
+
+def test_a_part_is_averaged_once_every_live_sender_delivered_it():
+    sizes = [2, 2, 2]
+    reduction = reduction_with(sizes, senders=["a", "b"])
+    a, b = torch.arange(6.0), 10 + torch.arange(6.0)
+    reduction.set_weight("a", 1.0)
+    reduction.set_weight("b", 3.0)
+    for index in range(3):
+        reduction.add_part("a", index, a[2 * index : 2 * index + 2])
+    assert reduction.ready() == 0  # b has delivered nothing yet
+    reduction.add_part("b", 1, b[2:4])
+    assert reduction.ready() == 0  # in order: part 1 waits for part 0
+    reduction.add_part("b", 0, b[0:2])
+    assert reduction.ready() == 2 and reduction.pending == ["b"]
+    assert reduction.average_next() == 0
+    assert torch.equal(reduction.part_average(0), (a[0:2] + 3 * b[0:2]) / 4)
+    assert reduction.part_average(1) is None  # not averaged yet
+    assert reduction.holds("b") and reduction.holds("a")
+
+
+def test_a_sender_dropped_midway_is_in_exactly_the_parts_averaged_before():
+    sizes = [2, 2, 2]
+    reduction = reduction_with(sizes, senders=["a", "b", "c"])
+    a, b, c = torch.randn(6), torch.randn(6), torch.randn(6)
+    reduction.add_local("c", c, 1.0)
+    for sender, values in (("a", a), ("b", b)):
+        reduction.set_weight(sender, 1.0)
+        reduction.add_part(sender, 0, values[0:2])
+    reduction.add_part("a", 1, a[2:4])
+    reduction.add_part("b", 1, b[2:4])  # then b stalls: part 1 is staged but not averaged yet
+    reduction.average_next()
+    reduction.drop("b", "stalled")
+    assert not reduction.holds("b")
+    reduction.add_part("a", 2, a[4:6])
+    outcome = reduction.outcome()
+    assert outcome.part_contributors == [["a", "b", "c"], ["a", "c"], ["a", "c"]]
+    assert outcome.contributors == ["a", "c"] and outcome.dropped == {"b": "stalled"}
+    expected = torch.cat([(a[0:2] + b[0:2] + c[0:2]) / 3, (a[2:] + c[2:]) / 2])
+    assert torch.allclose(outcome.averaged, expected, atol=1e-6)
+
+
+def test_a_part_whose_contributors_all_weigh_nothing_has_no_average():
+    reduction = reduction_with([1, 1], senders=["a", "b"])
+    reduction.add_local("a", torch.ones(2), 0.0)
+    reduction.set_weight("b", 2.0)
+    reduction.add_part("b", 0, torch.full((1,), 4.0))
+    reduction.average_next()
+    reduction.drop("b", "died")
+    outcome = reduction.outcome()
+    assert torch.equal(reduction.part_average(0), torch.full((1,), 4.0))
+    assert reduction.part_average(1) is None and outcome.averaged is None
+
+
+async def test_a_senders_streams_take_turns_until_one_is_stuck():
+    pacer = PartPacer(window=1)
+    for key in (0, 1):
+        pacer.join(key)
+    for _ in range(2):
+        await pacer.turn(0, patience=10)
+        pacer.sent(0)
+    with trio.move_on_after(0.05) as blocked:  # two parts ahead of stream 1: its turn must wait
+        await pacer.turn(0, patience=10)
+    assert blocked.cancelled_caught
+    pacer.sent(1)
+    await pacer.turn(0, patience=10)  # stream 1 caught up by one
+    pacer.sent(0)
+    start = trio.current_time()
+    await pacer.turn(0, patience=0.05)  # stream 1 stays stuck: it stops pacing stream 0
+    assert trio.current_time() - start >= 0.05
+    await pacer.turn(0, patience=0.05)
+    pacer.sent(0)

@@ -58,19 +58,23 @@ def flat(tensors) -> torch.Tensor:
 
 
 def expected_for(outcome: dict, peer_ids: list[str]) -> torch.Tensor:
-    """Per shard, the weighted average of the contributors the result names, or the peer's own
-    values where its result says the shard stayed local."""
+    """Per part, the weighted average of the contributors the result names for it, or the peer's
+    own values where its result says the shard stayed local."""
     originals = [flat(tensors_of(index)) for index in range(SIZE)]
     expected = originals[outcome["index"]].clone()
     plan = AllReducePlan.build(expected.numel(), [1.0] * SIZE, PART_SIZE)
     for shard in range(plan.num_shards):
         if shard in outcome["local_shards"]:
             continue
-        start, end = plan.shard_bounds(shard)
-        contributors = [peer_ids.index(p) for p in outcome["contributors"][str(shard)]]
-        assert contributors, "an averaged shard must name its contributors"
-        total = sum(WEIGHTS[c] for c in contributors)
-        expected[start:end] = sum(originals[c][start:end] * WEIGHTS[c] for c in contributors) / total
+        every_part = set(outcome["contributors"][str(shard)])
+        by_part = outcome["part_contributors"][str(shard)]
+        assert len(by_part) == plan.num_parts(shard)
+        for (start, end), named in zip(plan.parts(shard), by_part, strict=True):
+            assert every_part <= set(named)
+            contributors = [peer_ids.index(p) for p in named]
+            assert contributors, "an averaged part must name its contributors"
+            total = sum(WEIGHTS[c] for c in contributors)
+            expected[start:end] = sum(originals[c][start:end] * WEIGHTS[c] for c in contributors) / total
     return expected
 
 
