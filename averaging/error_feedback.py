@@ -11,8 +11,8 @@ be, up to the last residual.
 Which values were rounded is known exactly: parts of shards reduced by another peer were encoded
 with the round's codec (``AllReduceResult.plan`` says where each part starts, which fixes how a
 blockwise codec's blocks fall); our own shard, and shards whose reducer failed (they kept our
-local values), were never encoded. A shard whose average left us out (the reducer dropped us as a
-sender) lost all of our contribution to it: that whole slice is owed to the next round.
+local values), were never encoded. A part whose average left us out (the reducer dropped us as a
+sender before it) lost all of our contribution to it: that whole slice is owed to the next round.
 Plain tensor arithmetic, no I/O: callers run it in a thread.
 """
 
@@ -61,13 +61,15 @@ class ErrorFeedback:
         for index in range(plan.num_shards):
             if index == result.my_shard or index in result.local_shards:
                 continue  # never encoded: our own reduction, or a failed reducer's shard kept local
-            contributors = result.contributors.get(index)
-            if self.me is not None and contributors is not None and self.me not in contributors:
-                start, end = plan.shard_bounds(index)  # the reducer dropped us: none of it arrived
-                self.residual[start:end] = sent[start:end]
-                continue
-            for start, end in plan.parts(index):
+            parts = plan.parts(index)
+            per_part = result.part_contributors.get(index)
+            if per_part is None or len(per_part) != len(parts):  # the shard's list holds for each part
+                per_part = [result.contributors.get(index)] * len(parts)
+            for (start, end), contributors in zip(parts, per_part, strict=True):
                 values = sent[start:end]
+                if self.me is not None and contributors is not None and self.me not in contributors:
+                    self.residual[start:end] = values  # averaged without us: none of it arrived
+                    continue
                 meta, payload = self.codec.encode(values)
                 decoded = self.codec.decode(meta, payload, end - start)
                 torch.sub(values, decoded, out=self.residual[start:end])

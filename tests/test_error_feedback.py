@@ -12,7 +12,7 @@ from peer import PeerID
 CODEC = get_codec("blockwise_8bit")
 
 
-def round_result(plan, my_shard, local_shards=(), contributors=None):
+def round_result(plan, my_shard, local_shards=(), contributors=None, part_contributors=None):
     """What a finished round reports (the group itself plays no part in the residual)."""
     return AllReduceResult(
         group=None,
@@ -20,6 +20,7 @@ def round_result(plan, my_shard, local_shards=(), contributors=None):
         my_shard=my_shard,
         local_shards=dict.fromkeys(local_shards, "x"),
         contributors=contributors or {},
+        part_contributors=part_contributors or {},
     )
 
 
@@ -99,3 +100,21 @@ def test_a_shard_whose_reducer_dropped_us_owes_our_whole_contribution():
     assert torch.equal(feedback.residual[start0:end0], tensors[0][start0:end0])
     start2, end2 = plan.shard_bounds(2)
     assert 0 < feedback.residual[start2:end2].abs().max() <= 1 / 127
+
+
+def test_parts_averaged_after_a_reducer_dropped_us_owe_their_whole_slice():
+    me, other = PeerID(b"\x01" * 20), PeerID(b"\x02" * 20)
+    tensors = [torch.linspace(-1, 1, 2048)]
+    plan = AllReducePlan.build(2048, [1.0, 1.0], part_size=256)  # shard 0: 4 parts
+    parts = plan.parts(0)
+    feedback = ErrorFeedback(tensors, CODEC, me)
+    feedback.add_residual(tensors)
+    # we were in parts 0-1 of shard 0, then dropped: parts 2-3 were averaged without us
+    per_part = [[me, other], [me, other], [other], [other]]
+    feedback.settle(round_result(plan, my_shard=1, contributors={0: [other]}, part_contributors={0: per_part}))
+    for (start, end), holders in zip(parts, per_part, strict=True):
+        owed = feedback.residual[start:end]
+        if me in holders:
+            assert 0 < owed.abs().max() <= 1 / 127  # only rounding
+        else:
+            assert torch.equal(owed, tensors[0][start:end])  # all of it
