@@ -375,11 +375,7 @@ class SenderRole:
             result.part_contributors[index] = inbox.part_contributors
             result.failed_peers.update(p for p in senders if p not in inbox.contributors)
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
-            # A lost connection ends the peer's part as a sender too; a failed dial only when no
-            # connection from it is alive (its own stream to us may be arriving on one).
-            if isinstance(error, ConnectionLost) or (
-                isinstance(error, ConnectError) and self.host.connection_to(reducer.peer_id) is None
-            ):
+            if isinstance(error, (ConnectError, ConnectionLost)):
                 self.links.lost(reducer.peer_id, f"connection lost: {error}")
             reason = f"gave up: {error}" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
             log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
