@@ -21,7 +21,8 @@ Parts (rows of the table):
                  side on the same CPU: the fair baseline on a shared machine. Figure: samples/s
                  per trainer.
   local_updates  4 ``peerd join --task textlm --mode local-updates`` peers, and
-  collaborative  the same in collaborative mode. Figures: samples/s per peer ÷ the solo figure
+  collaborative  the same in collaborative mode with ``--delay-updates`` and a swarm batch of
+                 ``COLLABORATIVE_BATCH``. Figures: samples/s per peer ÷ the solo figure
                  (``utilization_*``), bytes sent per sample, held-out bits per byte at the end.
   single         (not with ``--quick``) one trainer alone, for as many samples as the
                  local-updates swarm took in total: ``loss_ratio`` = the swarm's held-out bits per
@@ -65,6 +66,9 @@ RAW_PORT = 31600
 RAW_BYTES = 64 << 20
 START_TIMEOUT = 90.0  # four interpreters importing torch on 2 busy cores
 MODEL_SIZE = "small"
+# Collaborative mode's swarm batch here: 4 batches of 16 per peer per epoch, so that an epoch's
+# compute (~3 s on this machine) can hide one round of averaging (~1.5 s at 100 Mbit/s).
+COLLABORATIVE_BATCH = 256
 
 
 def line_rate_bound_s(values: int, peers: int, rate_mbit: float) -> float:
@@ -195,6 +199,8 @@ def swarm(lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick:
     extra = ["--task", "textlm", "--model-size", MODEL_SIZE, "--mode", mode]
     if mode == "local-updates" and quick:
         extra += ["--local-steps", "10"]
+    if mode == "collaborative":  # as over slow links: each epoch's averaging overlaps the next epoch
+        extra += ["--delay-updates", "--target-batch-size", str(COLLABORATIVE_BATCH)]
     peers = lab.start_swarm(hosts, run_id=f"wan-{mode}", extra=extra)
     # warm-up: every peer has taken a step (a round, in local-updates mode) with the others
     lab.wait_for(lambda: all((s.get("epoch") or 0) >= 1 for s in _status_all(peers)), 120, "a first epoch")
