@@ -25,6 +25,11 @@ __all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
 # A record outlives a few missed refreshes (peers publish at least every second while training),
 # then disappears with a dead peer.
 PROGRESS_TTL = 15.0
+# No peer's samples count for more than this many times the typical peer's in an epoch: honest
+# volunteers differ in speed (a GPU peer may do several times a CPU peer's work), so a fast peer
+# loses little by the bound, while a liar alone with one honest peer can at most end its epoch
+# after a fifth of the target instead of at once.
+MAX_SAMPLE_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,16 @@ class SwarmProgress:
         return max((p.epoch for p in self.peers.values()), default=0)
 
     def samples_at(self, epoch: int) -> int:
-        return sum(p.samples for p in self.peers.values() if p.epoch == epoch)
+        """The samples the swarm accumulated for ``epoch``, each peer's claim counted up to
+        ``MAX_SAMPLE_SHARE`` times the lower median of the positive claims: one record claiming
+        10**15 samples cannot end every peer's epoch at once (the lower median is an honest claim
+        whenever fewer than half of the claims are lies)."""
+        claims = [p.samples for p in self.peers.values() if p.epoch == epoch]
+        positive = sorted(c for c in claims if c > 0)
+        if not positive:
+            return 0
+        bound = MAX_SAMPLE_SHARE * positive[(len(positive) - 1) // 2]
+        return sum(min(claim, bound) for claim in claims)
 
     def ready_to_step(self, epoch: int, target_batch_size: int) -> bool:
         """The swarm finished ``epoch``: enough samples, or the evidence says it moved past it."""

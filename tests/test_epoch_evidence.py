@@ -16,7 +16,7 @@ import trio
 
 from averaging.epoch_evidence import EPOCH_QUORUM, EpochEvidence
 from averaging.optimizer import CollaborativeOptimizer
-from averaging.progress import PeerProgress, ProgressTracker
+from averaging.progress import MAX_SAMPLE_SHARE, PeerProgress, ProgressTracker, SwarmProgress
 from dht.node import DHTNode
 from peer import PeerID
 from peer.daemon.tasks import ShardSpec, digits_task
@@ -146,3 +146,16 @@ async def test_a_forged_epoch_neither_reloads_state_nor_moves_the_learning_rate_
             assert inner.param_groups[0]["lr"] == 0.5 ** (optimizer.epoch // 2)
             assert reloads == 0
         nursery.cancel_scope.cancel()
+
+
+def test_one_peer_claiming_huge_sample_counts_cannot_end_everyone_s_epoch():
+    me, other, sybil = (PeerID(bytes([i]) * 20) for i in (1, 2, 3))
+    view = SwarmProgress(
+        {me: PeerProgress(5, 10, 1.0), other: PeerProgress(5, 12, 1.0), sybil: PeerProgress(5, 10**15, 1.0)}, 5
+    )
+    assert view.samples_at(5) == 10 + 12 + MAX_SAMPLE_SHARE * 12  # the lie counts as 4x the median
+    assert not view.ready_to_step(5, 1000)
+    honest = SwarmProgress({me: PeerProgress(5, 600, 1.0), other: PeerProgress(5, 500, 1.0)}, 5)
+    assert honest.ready_to_step(5, 1000)  # honest claims count in full
+    fresh = SwarmProgress({me: PeerProgress(5, 0, 1.0), other: PeerProgress(5, 0, 1.0)}, 5)
+    assert fresh.samples_at(5) == 0
