@@ -64,6 +64,7 @@ class _Work:
     token: Any
     keep_graph: bool
     done: trio.Event
+    caller: PeerID | None = None  # whose request: backward clips gradients per calling peer
 
 
 class ExpertServer:
@@ -151,6 +152,7 @@ class ExpertServer:
         }
 
     async def _submit(self, caller: PeerID, uid: str, kind: str, work: _Work) -> Message:
+        work.caller = caller
         job = Job(kind, work.tensors[0].shape[0], work)
         mine = self._pending.get(caller, 0)
         if mine + job.size > self.max_pending_per_peer or self._pending_total + job.size > self.max_pending:
@@ -253,8 +255,33 @@ def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Ex
             part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
             for part in out.split(sizes)
         ]
-    token = batch[0].data.token if len(batch) == 1 else None
-    return list(backend.backward_per_caller(stacked[0], stacked[1], sizes, token=token))
+    if len(batch) == 1:
+        return list(backend.backward_per_caller(stacked[0], stacked[1], sizes, token=batch[0].data.token))
+    return _backward_per_peer(backend, batch)
+
+
+def _backward_per_peer(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
+    """One backward pass per calling peer, not per request: gradients are clipped per peer (the
+    trust boundary), and a peer that splits its rows into many small requests costs one pass, not
+    one per request (k requests would otherwise cost k passes over the whole batch)."""
+    by_peer: dict[Any, list[int]] = {}
+    for index, job in enumerate(batch):
+        by_peer.setdefault(job.data.caller, []).append(index)
+    order = [index for indices in by_peer.values() for index in indices]
+    inputs = torch.cat([batch[i].data.tensors[0] for i in order])
+    grads = torch.cat([batch[i].data.tensors[1] for i in order])
+    sizes = [sum(batch[i].size for i in indices) for indices in by_peer.values()]
+    per_peer = backend.backward_per_caller(inputs, grads, sizes)
+    results: list[torch.Tensor | Exception | None] = [None] * len(batch)
+    for indices, outcome in zip(by_peer.values(), per_peer, strict=True):
+        parts = (
+            [outcome] * len(indices)
+            if isinstance(outcome, Exception)
+            else outcome.split([batch[i].size for i in indices])
+        )
+        for index, part in zip(indices, parts, strict=True):
+            results[index] = part
+    return [result for result in results if result is not None]  # every index was filled above
 
 
 @asynccontextmanager

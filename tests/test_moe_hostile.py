@@ -125,3 +125,31 @@ async def test_an_expert_announcement_cannot_be_hijacked() -> None:
                 with trio.fail_after(10):
                     found = await get_expert_addresses(reader, ["ffn.0.0"])
             assert found["ffn.0.0"] is not None and found["ffn.0.0"].peer_id == owner_node.peer_id
+
+
+def test_many_small_requests_from_one_peer_cost_one_backward_pass_not_one_each() -> None:
+    """Clipping is per calling peer: one peer's 64 one-row requests in a batch are one caller (one
+    pass through the batch's graph), another peer's requests a second; each still gets its rows."""
+    from moe.batching import Job
+    from moe.server import _compute, _Work
+    from peer import PeerID
+
+    backend = adam_backend()
+    passes = []
+    per_caller = backend.backward_per_caller
+
+    def counting(inputs, grads, sizes, token=None):
+        passes.append(len(sizes))
+        return per_caller(inputs, grads, sizes, token)
+
+    backend.backward_per_caller = counting
+    spammer, other = PeerID(b"\x01" * 20), PeerID(b"\x02" * 20)
+    rows = [(spammer, 1)] * 64 + [(other, 3)] + [(spammer, 1)] * 8
+    batch = [
+        Job("backward", size, _Work([torch.randn(size, HIDDEN), torch.randn(size, HIDDEN)], None, False, None, caller))
+        for caller, size in rows
+    ]
+    results = _compute(backend, batch)
+    assert passes == [2]  # two peers, two passes (was 73)
+    assert [r.shape[0] for r in results] == [size for _, size in rows]
+    assert backend.steps == 1
