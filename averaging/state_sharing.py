@@ -32,7 +32,7 @@ from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 
 from .group import is_counter
-from .state_checks import DONOR_AGREEMENT, check_state, disagreement, sample_indices
+from .state_checks import DONOR_AGREEMENT, WITNESS_SHARE, check_state, disagreement, sample_indices
 
 __all__ = ["DonorOffer", "StateOwner", "StateSharing", "StateUnavailable"]
 
@@ -48,8 +48,10 @@ MAX_SERVES = 4
 # A serve that has not finished by then is dropped with its copy: a reader that stops reading must
 # not pin it. Ten minutes moves several GB even over a 100 Mbit/s link.
 SERVE_DEADLINE = 600.0
-# A candidate's state is compared with at most this many witnesses before it is given up on: two
-# honest witnesses that both disagree with a donor are conclusive enough, and each costs a download.
+# A candidate's state is compared with at most this many witnesses, each a download: it is taken
+# once one agrees, and given up on when every witness that answered disagrees (even one: with one
+# honest and one lying donor and nobody to break the tie, a newcomer loads neither and trains on
+# from its own parameters at the swarm's epoch, which the next parameter averaging pulls in).
 MAX_WITNESSES = 2
 
 
@@ -135,6 +137,12 @@ class StateSharing:
             if only is not None:
                 if only[-1] >= len(tensors) or only[0] < 0:
                     raise ValueError(f"this donor has {len(tensors)} tensors")
+                # A witness's sample is a small share, not a second way to copy the whole state:
+                # at most twice what sample_indices asks for, or the largest single tensor.
+                sizes = [t.numel() for t in tensors]
+                limit = max(2 * WITNESS_SHARE * sum(sizes), max(sizes))
+                if sum(sizes[i] for i in only) > limit:
+                    raise ValueError("a sample request may name about an eighth of the state, not more")
                 tensors = [tensors[i] for i in only]
             # Copy under the lock (in a thread: may be large) so a concurrent round cannot tear it.
             snapshot = await trio.to_thread.run_sync(lambda: [t.detach().to("cpu", copy=True) for t in tensors])

@@ -112,3 +112,26 @@ def test_the_checks_and_their_bounds() -> None:
     assert disagreement(a, [t * 1.02 for t in a]) < 0.25 < disagreement(a, b)
     picked = sample_indices([100, 100, 100, 100, 100, 100, 100, 100, 100, 100], random.Random(0))
     assert len(picked) == 1
+
+
+async def test_a_sample_request_cannot_ask_for_the_whole_state() -> None:
+    """The witness method serves about an eighth of the state: naming every tensor is refused, so it
+    is not a second way to make a donor copy its whole state under its lock."""
+    from peer import RemoteError
+
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [])
+        second = await nursery.start(run_node, [first.address])
+        state = [torch.randn(100), torch.randn(100), torch.randn(100), torch.randn(100)]
+        donor = GroupAverager(state, first, prefix=PREFIX)
+        connection = await second.host.connect(first.host.listen_address)
+        with trio.fail_after(10):
+            async with connection.stream(donor.state_sharing.sample_method, timeout=5) as stream:
+                await stream.send({"tensors": [0, 1, 2, 3]})
+                with pytest.raises(RemoteError, match="about an eighth of the state"):
+                    await stream.receive()
+            async with connection.stream(donor.state_sharing.sample_method, timeout=5) as stream:
+                await stream.send({"tensors": [2]})  # one tensor of four: the most a sample may name
+                header = (await stream.receive()).body
+                assert isinstance(header, dict) and len(header["tensors"]) == 1
+        nursery.cancel_scope.cancel()
