@@ -287,7 +287,11 @@ class AverageInbox:
             if not (isinstance(body, dict) and type(body.get("part")) is int and body["part"] == expected):
                 raise AllReduceError("reducer sent parts out of order")
             if "contributors" in body:
-                self._named = parse_contributors(body["contributors"], self.senders)
+                named = parse_contributors(body["contributors"], self.senders)
+                if self._named is not None and not set(named) <= set(self._named):
+                    # a sender dropped from a part is in no later one: it cannot come back
+                    raise AllReduceError("reducer named a contributor it had dropped from an earlier part")
+                self._named = named
             elif self._named is None:
                 raise AllReduceError("reducer sent a part before naming its contributors")
             sizes = [end - start for start, end in self.ranges]

@@ -373,7 +373,8 @@ class SenderRole:
             self.averaged.extend(inbox.averaged())
             result.contributors[index] = inbox.contributors
             result.part_contributors[index] = inbox.part_contributors
-            result.failed_peers.update(p for p in senders if p not in inbox.contributors)
+            me = self.host.peer_id  # a reducer may leave us out; we are never among our own failed peers
+            result.failed_peers.update(p for p in senders if p not in inbox.contributors and p != me)
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
             if isinstance(error, (ConnectError, ConnectionLost)):
                 self.links.lost(reducer.peer_id, f"connection lost: {error}")

@@ -255,6 +255,7 @@ def test_contributors_carry_over_until_they_change(pool):
         ([(reply(0), raw([1.0, 2.0]))], AllReduceError, "before naming its contributors"),
         ([(reply(0, [C]), raw([1.0, 2.0]))], AllReduceError, "not a sender of this group"),
         ([(reply(0, [A, A]), raw([1.0, 2.0]))], AllReduceError, "twice"),
+        ([(reply(0, [A]), raw([1.0, 2.0])), (reply(1, [A, B]), raw([3.0]))], AllReduceError, "it had dropped"),
         ([(reply(0, []), raw([1.0, 2.0]))], AllReduceError, "malformed contributor list"),
         ([({"part": "0", "contributors": [A.to_bytes()]}, raw([1.0, 2.0]))], AllReduceError, "out of order"),
         ([(reply(0, [A]), nan_at_first(raw([1.0, 2.0])))], AllReduceError, "NaN or infinite"),
