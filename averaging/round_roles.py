@@ -292,7 +292,11 @@ class PartPacer:
                 changed = self._changed
                 await changed.wait()
         if waiting.cancelled_caught and self._sent:
-            self.leave(min(self._sent, key=self._sent.__getitem__))  # (it does not join again)
+            lowest = min(self._sent.values())
+            if self._sent.get(key, 0) > lowest + self.window:  # still held back (not by a stream
+                # another waiter already let go): every stream at the lowest count stops pacing
+                for stalled in [k for k, count in self._sent.items() if count == lowest]:
+                    self.leave(stalled)  # (it does not join again)
 
     def sent(self, key: int) -> None:
         if key in self._sent:

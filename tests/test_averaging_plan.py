@@ -217,3 +217,24 @@ async def test_a_senders_streams_take_turns_until_one_is_stuck():
     assert trio.current_time() - start >= 0.05
     await pacer.turn(0, patience=0.05)
     pacer.sent(0)
+
+
+async def test_a_stuck_stream_released_by_one_waiter_is_not_followed_by_a_healthy_one():
+    """Two fast streams time out waiting for the same stuck one: only stuck streams stop pacing."""
+    pacer = PartPacer(window=1)
+    for key in (0, 1, 2):
+        pacer.join(key)
+    for key in (0, 1):
+        for _ in range(2):
+            pacer.sent(key)  # streams 0 and 1 are two parts ahead of stuck stream 2
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.turn, 0, 0.05)
+        nursery.start_soon(pacer.turn, 1, 0.05)
+    pacer.sent(1)  # stream 1 is still paced against stream 0, which was not let go
+    with trio.move_on_after(0.05) as blocked:
+        await pacer.turn(1, patience=10)
+    assert not blocked.cancelled_caught  # 3 vs 2: within the window of stream 0
+    pacer.sent(1)
+    with trio.move_on_after(0.05) as blocked:
+        await pacer.turn(1, patience=10)
+    assert blocked.cancelled_caught  # 4 vs 2: stream 0 still paces it
