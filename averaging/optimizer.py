@@ -163,6 +163,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         view = SwarmProgress(
             {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
             max(replica.swarm.epoch, replica.epoch),
+            replica.tracker.me,
         )
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
         # progress (as the evidence says, not any one claim): our parameters are stale, take the

@@ -61,6 +61,7 @@ class SwarmProgress:
 
     peers: dict[PeerID, PeerProgress]
     evidenced: int | None = None
+    me: PeerID | None = None  # whose view: our own samples are a fact, not a claim
 
     @property
     def epoch(self) -> int:
@@ -69,16 +70,19 @@ class SwarmProgress:
         return max((p.epoch for p in self.peers.values()), default=0)
 
     def samples_at(self, epoch: int) -> int:
-        """The samples the swarm accumulated for ``epoch``, each peer's claim counted up to
-        ``MAX_SAMPLE_SHARE`` times the lower median of the positive claims: one record claiming
-        10**15 samples cannot end every peer's epoch at once (the lower median is an honest claim
-        whenever fewer than half of the claims are lies)."""
-        claims = [p.samples for p in self.peers.values() if p.epoch == epoch]
-        positive = sorted(c for c in claims if c > 0)
+        """The samples the swarm accumulated for ``epoch``: ours in full, every other peer's claim
+        up to ``MAX_SAMPLE_SHARE`` times the larger of our own count and the lower median of the
+        positive claims. One record claiming 10**15 samples cannot end every peer's epoch at once
+        (the lower median is an honest claim whenever fewer than half of the claims are lies),
+        and stale low records of peers that stopped cannot hold back the ones still training."""
+        mine = self.peers.get(self.me) if self.me is not None else None
+        own = mine.samples if mine is not None and mine.epoch == epoch else 0
+        claims = [p.samples for peer, p in self.peers.items() if p.epoch == epoch and peer != self.me]
+        positive = sorted(c for c in [*claims, own] if c > 0)
         if not positive:
             return 0
-        bound = MAX_SAMPLE_SHARE * positive[(len(positive) - 1) // 2]
-        return sum(min(claim, bound) for claim in claims)
+        bound = MAX_SAMPLE_SHARE * max(positive[(len(positive) - 1) // 2], own)
+        return own + sum(min(claim, bound) for claim in claims)
 
     def ready_to_step(self, epoch: int, target_batch_size: int) -> bool:
         """The swarm finished ``epoch``: enough samples, or the evidence says it moved past it."""
@@ -109,7 +113,7 @@ class ProgressTracker:
         found = await self.dht.get(self.key, latest=True)
         peers = {self.me: mine}
         peers.update((peer, progress) for peer, progress in peer_entries(found, _parse) if peer != self.me)
-        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, time.monotonic()))
+        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, time.monotonic()), self.me)
 
 
 def _parse(peer: PeerID, body: Any) -> PeerProgress:

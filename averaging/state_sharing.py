@@ -53,6 +53,10 @@ SERVE_DEADLINE = 600.0
 # honest and one lying donor and nobody to break the tie, a newcomer loads neither and trains on
 # from its own parameters at the swarm's epoch, which the next parameter averaging pulls in).
 MAX_WITNESSES = 2
+# A witness that has not sent its sample by then (cut off, or behind a dead pooled connection) is
+# passed over: its sample is an eighth of the state, a few seconds at most on a volunteer's link for
+# the models that train on CPUs, and a newcomer must not spend its whole download deadline on it.
+WITNESS_TIMEOUT = 5.0
 
 
 class StateUnavailable(RuntimeError):
@@ -200,9 +204,10 @@ class StateSharing:
         for witness in witnesses[:MAX_WITNESSES]:
             indices = sample_indices([t.numel() for t in tensors], self._rng)
             try:
-                _, sample = await self._download_from(witness, [expected[i] for i in indices], timeout, indices)
-            except (RPCError, ConnectError, ValueError, trio.EndOfChannel) as error:
-                log.info("witness %s could not send a sample: %s", witness.peer_id, error)
+                with trio.fail_after(min(timeout, WITNESS_TIMEOUT)):
+                    _, sample = await self._download_from(witness, [expected[i] for i in indices], timeout, indices)
+            except (RPCError, ConnectError, ValueError, trio.EndOfChannel, trio.TooSlowError) as error:
+                log.info("witness %s could not send a sample: %s", witness.peer_id, error or "no answer in time")
                 continue
             distance = await trio.to_thread.run_sync(disagreement, [tensors[i] for i in indices], sample)
             if distance <= DONOR_AGREEMENT:

@@ -159,3 +159,9 @@ def test_one_peer_claiming_huge_sample_counts_cannot_end_everyone_s_epoch():
     assert honest.ready_to_step(5, 1000)  # honest claims count in full
     fresh = SwarmProgress({me: PeerProgress(5, 0, 1.0), other: PeerProgress(5, 0, 1.0)}, 5)
     assert fresh.samples_at(5) == 0
+    # stale low records of peers that stopped (cut off, say) never cap our own count, and a liar
+    # next to us counts for at most 4x what we did
+    stale = {other: PeerProgress(5, 3, 1.0), sybil: PeerProgress(5, 2, 1.0)}
+    assert SwarmProgress({me: PeerProgress(5, 900, 1.0), **stale}, 5, me).ready_to_step(5, 900)
+    lying = SwarmProgress({me: PeerProgress(5, 10, 1.0), sybil: PeerProgress(5, 10**15, 1.0)}, 5, me)
+    assert lying.samples_at(5) == 10 + MAX_SAMPLE_SHARE * 10
