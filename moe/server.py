@@ -244,20 +244,22 @@ def _claimed_batch_size(headers: Any) -> int | None:
 
 def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
     """Concatenate the batch, run it, split the result (views, no copies) back per job; a job whose
-    own part came out non-finite gets an error instead, and the other jobs their results."""
-    sizes = [job.size for job in batch]
-    columns = list(zip(*(job.data.tensors for job in batch), strict=True))
-    stacked = [column[0] if len(column) == 1 else torch.cat(column) for column in columns]
+    own part came out non-finite gets an error instead, and the other jobs their results. A
+    backward batch is concatenated in calling-peer order (``_backward_per_peer``)."""
+    if batch[0].kind == "backward":
+        return _backward_per_peer(backend, batch)
     tokens = [job.data.token for job in batch if job.data.keep_graph]
-    if batch[0].kind == "forward":
-        out = backend.forward(stacked[0], keep_graph_as=tokens if len(batch) == 1 else None)
-        return [
-            part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
-            for part in out.split(sizes)
-        ]
-    if len(batch) == 1:
-        return list(backend.backward_per_caller(stacked[0], stacked[1], sizes, token=batch[0].data.token))
-    return _backward_per_peer(backend, batch)
+    out = backend.forward(
+        _cat([job.data.tensors[0] for job in batch]), keep_graph_as=tokens if len(batch) == 1 else None
+    )
+    return [
+        part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
+        for part in out.split([job.size for job in batch])
+    ]
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _backward_per_peer(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
@@ -268,10 +270,11 @@ def _backward_per_peer(backend: ExpertBackend, batch: list[Job]) -> list[torch.T
     for index, job in enumerate(batch):
         by_peer.setdefault(job.data.caller, []).append(index)
     order = [index for indices in by_peer.values() for index in indices]
-    inputs = torch.cat([batch[i].data.tensors[0] for i in order])
-    grads = torch.cat([batch[i].data.tensors[1] for i in order])
+    inputs = _cat([batch[i].data.tensors[0] for i in order])
+    grads = _cat([batch[i].data.tensors[1] for i in order])
     sizes = [sum(batch[i].size for i in indices) for indices in by_peer.values()]
-    per_peer = backend.backward_per_caller(inputs, grads, sizes)
+    token = batch[0].data.token if len(batch) == 1 else None  # a lone request may reuse its saved graph
+    per_peer = backend.backward_per_caller(inputs, grads, sizes, token=token)
     results: list[torch.Tensor | Exception | None] = [None] * len(batch)
     for indices, outcome in zip(by_peer.values(), per_peer, strict=True):
         parts = (
