@@ -190,6 +190,7 @@ def _status_all(peers, patience: float = 30.0) -> list[dict]:
         while (status := peer.status(timeout=5)) is None:
             if not peer.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the peer on {peer.host.name} stopped answering /status:\n{peer.tail(5)}")
+            time.sleep(0.25)  # a refused connection returns at once: do not spin on it
         statuses.append(status)
     return statuses
 
