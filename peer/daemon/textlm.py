@@ -123,8 +123,10 @@ def split_corpus(shard: ShardSpec, root: Path | None = None) -> tuple[torch.Tens
     """(this shard's training bytes, all held-out bytes), each as one uint8 tensor."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
     files = corpus_files(root)
-    held_out = [path for path in files if _held_out(path.relative_to(root).as_posix())]
-    train = [path for path in files if not _held_out(path.relative_to(root).as_posix())]
+    held_out: list[Path] = []
+    train: list[Path] = []
+    for path in files:
+        (held_out if _held_out(path.relative_to(root).as_posix()) else train).append(path)
     if len(train) < shard.count or not held_out:
         raise TaskError(f"the standard library at {root} has too few source files for {shard.count} shards")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(shard.seed)).tolist()
