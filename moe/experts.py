@@ -224,9 +224,10 @@ class ExpertBackend:
                 y = self.module(x)
         grad = grad_outputs.to(self.device, non_blocking=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        total = [torch.zeros_like(p) for p in params]
+        total: list[torch.Tensor] | None = None  # the clipped gradients' sum, once one contributed
+        total_norm = 0.0  # its norm while a single gradient makes it up (else measured at the end)
+        contributors = 0
         results: list[torch.Tensor | RefusedGradient] = []
-        contributed = False
         start = 0
         for index, size in enumerate(sizes):
             rows = slice(start, start + size)
@@ -241,13 +242,17 @@ class ExpertBackend:
                 results.append(RefusedGradient("the gradient of this call is not finite; the expert ignored it"))
                 continue
             scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
-            for accumulated, g in zip(total, grads, strict=True):
-                accumulated.add_(g, alpha=scale)
-            contributed = True
+            if total is None:  # the gradients autograd just made are ours to scale in place
+                total, total_norm = [g.mul_(scale) for g in grads], norm * scale
+            else:
+                for accumulated, g in zip(total, grads, strict=True):
+                    accumulated.add_(g, alpha=scale)
+            contributors += 1
             results.append(grad_x.to("cpu"))
         self._saved.clear()  # parameters are about to change in place: the saved graphs are stale
-        if contributed:
-            scale = min(1.0, self.clip_grad_norm / (_norm(total) + 1e-6))
+        if total is not None:
+            norm = total_norm if contributors == 1 else _norm(total)
+            scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
             for p, g in zip(params, total, strict=True):
                 p.grad = g.mul_(scale)
             self.optimizer.step()
@@ -291,4 +296,8 @@ def _norm(tensors: Sequence[torch.Tensor]) -> float:
     overflow to inf on the way (a 1e30 gradient squared is past float32's range)."""
     if not tensors:
         return 0.0
+    # float32 first (no float64 copy of every gradient); only a sum that overflowed is redone
+    squares = sum(float(torch.linalg.vector_norm(t.detach())) ** 2 for t in tensors)
+    if math.isfinite(squares):
+        return math.sqrt(squares)
     return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors))
