@@ -193,7 +193,7 @@ class LabPeer:
         except OSError:
             return None
         head, _, body = data.partition(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.0 200"):
+        if not head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")):
             return None
         try:
             self.last_status = json.loads(body)

@@ -203,7 +203,7 @@ async def fetch_status(port: int, timeout: float = 5.0) -> dict | None:
                 while chunk := await stream.receive_some(65536):
                     data += chunk
             head, _, body = data.partition(b"\r\n\r\n")
-            if head.startswith(b"HTTP/1.0 200"):
+            if head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")):
                 return json.loads(body)
         except (OSError, trio.BrokenResourceError, ValueError):
             pass

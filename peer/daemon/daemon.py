@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,7 @@ from peer import (
 )
 
 from .ports import naming_port
-from .status_server import prometheus_text, serve_status
+from .status_server import Page, prometheus_text, serve_http
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
 
@@ -123,6 +125,13 @@ class Daemon:
             )
         return status
 
+    def pages(self) -> dict[str, Callable[[], Page]]:
+        """What the status port serves, by path."""
+        return {
+            "/status": lambda: Page.text("application/json", json.dumps(self.status(), default=str) + "\n"),
+            "/metrics": lambda: Page.text("text/plain; version=0.0.4; charset=utf-8", self.metrics()),
+        }
+
     def metrics(self) -> str:
         status = self.status()
         averaging = status.get("last_averaging") or {}
@@ -167,10 +176,9 @@ class Daemon:
                 if config.status_port is not None:
                     with naming_port("status", config.status_host, config.status_port, "--status-port"):
                         port = await nursery.start(
-                            functools.partial(serve_status, host=config.status_host),
+                            functools.partial(serve_http, host=config.status_host),
                             config.status_port,
-                            self.status,
-                            self.metrics,
+                            self.pages(),
                         )
                     log.info("status on http://%s:%d/status", config.status_host, port)
                     self.status_port = port

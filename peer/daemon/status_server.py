@@ -1,26 +1,76 @@
-"""``/status`` (JSON) and ``/metrics`` (Prometheus text format) on a local HTTP port.
+"""The status port: ``/status`` (JSON), ``/metrics`` (Prometheus) and the dashboard, over HTTP/1.1.
 
-A deliberately tiny HTTP/1.0 responder: one GET per connection, a bounded request, a deadline.
-It binds 127.0.0.1 by default; exposing it wider is the user's explicit choice.
+h11 owns the protocol (parsing, keep-alive, framing, HTTP/1.0 clients); this module owns the
+sockets and the limits. The port binds 127.0.0.1 unless the user asks otherwise, but any local
+process can connect to it, so whatever a client can make the peer hold is bounded: the request
+head (``MAX_REQUEST_HEAD``), request bodies (refused: every page is a GET), the time a request may
+take to arrive and a response to be taken (``REQUEST_TIMEOUT``, ``SEND_TIMEOUT``), and the number
+of open connections (``MAX_CONNECTIONS``; the next one is answered 503 and closed). A slow or
+hostile client can at most keep the port busy, never grow the peer's memory or stall training.
 """
 
 from __future__ import annotations
 
-import json
+import http.client
 import logging
 import math
-import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
 
+import h11
 import trio
 
-__all__ = ["serve_status", "prometheus_text", "fetch_status"]
+__all__ = ["HttpLimits", "Page", "serve_http", "fetch_status", "prometheus_text"]
 
 log = logging.getLogger("peerd.status")
 
-MAX_REQUEST = 8192  # a GET line and a few headers; anything bigger is not a status probe
-REQUEST_TIMEOUT = 5.0
+# A browser's GET with its cookies and accept headers is 1-2 KiB; 8 KiB is Apache's default limit
+# per request line and header (h11's own default is 16 KiB, node.js's too).
+MAX_REQUEST_HEAD = 8 * 1024
+# The whole request head must arrive within this of the connection opening or of the previous
+# response (a keep-alive connection idles at most this long). The dashboard polls every 2 s, so
+# its connection stays open; a client trickling a byte a second is cut off.
+REQUEST_TIMEOUT = 10.0
+SEND_TIMEOUT = 10.0  # a client that does not read its response is not waited for
+# A browser opens up to 6 connections per host, Prometheus and `peerd status` one each: 32 leaves
+# room for several tabs and scrapers, and bounds what a flood of idle connections can pin.
+MAX_CONNECTIONS = 32
+RECEIVE_SIZE = 4096
+# After an error answer, what a client still sends is read and dropped before closing (see _linger).
+LINGER_TIMEOUT = 1.0
+LINGER_BYTES = 64 * 1024
+# A connection over the cap gets its 503 and much less time: a flood of them must not pile up.
+BUSY_LINGER_TIMEOUT = 0.2
+# `peerd status` and `peerd swarm` read pages of peers they were pointed at; a status page is a
+# few KiB, a dashboard's history a few hundred.
+MAX_RESPONSE = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The bounds above, as one value (tests shrink them)."""
+
+    max_request_head: int = MAX_REQUEST_HEAD
+    request_timeout: float = REQUEST_TIMEOUT
+    send_timeout: float = SEND_TIMEOUT
+    max_connections: int = MAX_CONNECTIONS
+
+
+@dataclass(frozen=True)
+class Page:
+    """One response body and its type."""
+
+    content_type: str
+    body: bytes
+    cache: bool = False  # static assets may be cached; live data never
+
+    @classmethod
+    def text(cls, content_type: str, text: str, cache: bool = False) -> Page:
+        return cls(content_type, text.encode(), cache)
+
+
+Route = Callable[[], Page]
 
 
 def prometheus_text(metrics: dict[str, tuple[str, str, float | None]]) -> str:
@@ -33,44 +83,31 @@ def prometheus_text(metrics: dict[str, tuple[str, str, float | None]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _respond(stream: trio.SocketStream, get_status, get_metrics) -> None:
-    request = b""
-    with trio.move_on_after(REQUEST_TIMEOUT):
-        while b"\r\n\r\n" not in request and b"\n\n" not in request and len(request) < MAX_REQUEST:
-            chunk = await stream.receive_some(MAX_REQUEST)
-            if not chunk:
-                break
-            request += chunk
-    parts = request.split(b"\r\n", 1)[0].split()
-    method, path = (parts[0], parts[1].split(b"?")[0]) if len(parts) >= 2 else (b"", b"")
-    if method != b"GET":
-        status, content_type, body = "405 Method Not Allowed", "text/plain", "only GET\n"
-    elif path == b"/status":
-        status, content_type, body = "200 OK", "application/json", json.dumps(get_status(), default=str) + "\n"
-    elif path == b"/metrics":
-        status, content_type, body = "200 OK", "text/plain; version=0.0.4", get_metrics()
-    else:
-        status, content_type, body = "404 Not Found", "text/plain", "try /status or /metrics\n"
-    data = body.encode()
-    head = f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(data)}\r\n\r\n"
-    await stream.send_all(head.encode() + data)
-
-
-async def serve_status(
+async def serve_http(
     port: int,
-    get_status: Callable[[], dict[str, Any]],
-    get_metrics: Callable[[], str],
+    routes: Mapping[str, Route],
     *,
     host: str = "127.0.0.1",
+    limits: HttpLimits = HttpLimits(),
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Serve ``routes`` (path -> a function that makes the page) on ``host:port`` until cancelled;
+    ``task_status.started`` gets the bound port. A failing route is a 500, never a dead server."""
+    open_connections = 0
+
     async def handler(stream: trio.SocketStream) -> None:
+        nonlocal open_connections
         try:
-            await _respond(stream, get_status, get_metrics)
-        except (trio.BrokenResourceError, OSError):
+            if open_connections >= limits.max_connections:
+                await _refuse_busy(stream)
+                return
+            open_connections += 1
+            try:
+                await _serve_connection(stream, routes, limits)
+            finally:
+                open_connections -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
             pass
-        except Exception:  # a bug in a status getter must not take the peer down
-            log.exception("status request failed")
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -79,16 +116,131 @@ async def serve_status(
     await trio.serve_listeners(handler, listeners)
 
 
+async def _refuse_busy(stream: trio.SocketStream) -> None:
+    """A fixed 503, written without reading the request (h11 answers only requests it has read)."""
+    body = b"too many open connections to this status port\n"
+    head = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    with trio.move_on_after(BUSY_LINGER_TIMEOUT):
+        await stream.send_all(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await _linger(stream)
+
+
+async def _serve_connection(stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits) -> None:
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_request_head)
+    while True:
+        try:
+            with trio.move_on_after(limits.request_timeout):
+                request = await _next_event(stream, connection)
+                if isinstance(request, h11.Request) and _has_body(request):
+                    await _send(stream, connection, limits, request, _error(413, "requests carry no body"), close=True)
+                    return
+                if isinstance(request, h11.Request):
+                    while not isinstance(await _next_event(stream, connection), h11.EndOfMessage):
+                        pass  # (no body: only the end of the message is left)
+            if connection.their_state not in (h11.DONE, h11.MUST_CLOSE):
+                return  # timed out, or the client closed its side
+        except h11.RemoteProtocolError as error:
+            if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                page = _error(error.error_status_hint, f"bad request: {error}")
+                await _send(stream, connection, limits, None, page, close=True)
+            return
+        assert isinstance(request, h11.Request)
+        await _send(stream, connection, limits, request, _route(request, routes))
+        if connection.our_state is not h11.DONE:
+            return  # MUST_CLOSE: an HTTP/1.0 client, or one that asked to close
+        connection.start_next_cycle()
+
+
+async def _next_event(stream: trio.SocketStream, connection: h11.Connection):
+    while True:
+        event = connection.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        connection.receive_data(await stream.receive_some(RECEIVE_SIZE))
+
+
+def _has_body(request: h11.Request) -> bool:
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+def _route(request: h11.Request, routes: Mapping[str, Route]) -> tuple[int, Page]:
+    if request.method not in (b"GET", b"HEAD"):
+        return _error(405, "only GET and HEAD")
+    path = request.target.split(b"?", 1)[0].decode("ascii", errors="replace")
+    route = routes.get(path)
+    if route is None:
+        return _error(404, f"no page {path}; try / (the dashboard), /status or /metrics")
+    try:
+        return 200, route()
+    except Exception:  # a bug behind one page must not take the server (or the peer) down
+        log.exception("status page %s failed", path)
+        return _error(500, "this page failed; the peer's log says why")
+
+
+def _error(status: int, message: str) -> tuple[int, Page]:
+    return status, Page.text("text/plain; charset=utf-8", message + "\n")
+
+
+async def _send(
+    stream: trio.SocketStream,
+    connection: h11.Connection,
+    limits: HttpLimits,
+    request: h11.Request | None,
+    answer: tuple[int, Page],
+    *,
+    close: bool = False,
+) -> None:
+    status, page = answer
+    headers = [
+        ("Content-Type", page.content_type),
+        ("Content-Length", str(len(page.body))),
+        ("Cache-Control", "max-age=60" if page.cache else "no-store"),
+        ("X-Content-Type-Options", "nosniff"),
+    ]
+    if close:
+        headers.append(("Connection", "close"))
+        data = connection.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
+        data += connection.send(h11.Data(data=page.body)) + connection.send(h11.EndOfMessage())
+        with trio.fail_after(limits.send_timeout):
+            await stream.send_all(data)
+        await _linger(stream)
+        return
+    data = connection.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
+    if request is None or request.method != b"HEAD":
+        data += connection.send(h11.Data(data=page.body))
+    data += connection.send(h11.EndOfMessage())
+    with trio.fail_after(limits.send_timeout):
+        await stream.send_all(data)
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Close after an error answer without losing it: closing a socket with unread input sends a
+    reset, which can reach the client before it reads the answer. So stop sending, and read and
+    drop what the client still sends, for a bounded time and amount."""
+    await stream.send_eof()
+    dropped = 0
+    with trio.move_on_after(LINGER_TIMEOUT):
+        while dropped < LINGER_BYTES and (chunk := await stream.receive_some(RECEIVE_SIZE)):
+            dropped += len(chunk)
+
+
 def fetch_status(port: int, host: str = "127.0.0.1", path: str = "/status", timeout: float = 5.0) -> str:
-    """A blocking GET for the ``peerd status`` command and health checks."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.0 200"):
-        raise OSError(
-            f"status endpoint answered {head.splitlines()[0].decode(errors='replace') if head else 'nothing'}"
-        )
+    """A blocking GET for the ``peerd status`` command and health checks: the body of a 200 answer,
+    else OSError (also for a refused connection, a timeout or an answer that is not HTTP)."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        body = response.read(MAX_RESPONSE + 1)
+    except http.client.HTTPException as error:
+        raise OSError(f"status endpoint answered something else than HTTP ({error!r})") from None
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise OSError(f"status endpoint answered {response.status} {response.reason}")
+    if len(body) > MAX_RESPONSE:
+        raise OSError(f"status endpoint answered more than {MAX_RESPONSE} bytes")
     return body.decode()
