@@ -15,17 +15,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import trio
 
 from peer import PeerID
 
 from .allreduce import AllReduceError
 from .averager import GroupAverager
 from .group import is_counter
-from .matchmaking import MatchmakingError
+from .matchmaking import LeaderFailed, MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 
 __all__ = [
     "AveragingRecord",
+    "FAILURE_REASONS",
     "EpochStateAverager",
     "Replica",
     "ReplicaOptimizer",
@@ -35,6 +37,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("peerd.training")
+
+
+# Why a round did not average: no group formed in time, the group's leader vanished, the
+# all-reduce failed, or something unexpected (a bug: it is logged with its traceback).
+FAILURE_REASONS = ("no_group", "leader_failed", "allreduce", "error")
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,15 @@ class AveragingRecord:
     failed: tuple[str, ...] = ()
     # the other members that took part without failing: they vouch for the epoch they reached
     peers: tuple[PeerID, ...] = ()
+    # For operators (the daemon's metrics and dashboard): where the round's time went, what it
+    # moved, and why it did not average (one of FAILURE_REASONS).
+    seconds: float = 0.0  # the whole attempt, matchmaking included
+    matchmaking_s: float | None = None  # None: no group formed
+    allreduce_s: float | None = None  # None: no all-reduce finished
+    # bytes this peer sent and received while the round ran: all its traffic, so also the DHT's
+    # (a small share next to a round's tensors)
+    bytes: int = 0
+    failure: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the daemon's ``/status`` reports as ``last_averaging``."""
@@ -95,18 +111,43 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
     The round is declared at ``epoch``; matchmaking moves it to the newest epoch declared in the
     group (``GroupAverager.round`` ends one past it), and the record says which epoch that was."""
     averager.round = epoch
+    traffic = averager.host.traffic
+    bytes_before = traffic.bytes_sent + traffic.bytes_received
+    started = trio.current_time()
+    averager.last_timing = None
     try:
         result = await averager.step(weight=weight)
     except Exception as error:
-        if not isinstance(error, (MatchmakingError, AllReduceError)):
+        if isinstance(error, LeaderFailed):
+            reason = "leader_failed"
+        elif isinstance(error, MatchmakingError):
+            reason = "no_group"
+        elif isinstance(error, AllReduceError):
+            reason = "allreduce"
+        else:
+            reason = "error"
             log.exception("unexpected failure while averaging")
         log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
-        return AveragingRecord(epoch)
+        return AveragingRecord(
+            epoch,
+            seconds=trio.current_time() - started,
+            bytes=traffic.bytes_sent + traffic.bytes_received - bytes_before,
+            failure=reason,
+        )
     failed = tuple(sorted(str(peer) for peer in result.failed_peers))
     me = averager.host.peer_id
     peers = tuple(m.peer_id for m in result.group.members if m.peer_id != me and m.peer_id not in result.failed_peers)
+    timing = averager.last_timing
     return AveragingRecord(
-        averager.round - 1, averaged=True, group=len(result.group.members), failed=failed, peers=peers
+        averager.round - 1,
+        averaged=True,
+        group=len(result.group.members),
+        failed=failed,
+        peers=peers,
+        seconds=trio.current_time() - started,
+        matchmaking_s=timing.matchmaking_s if timing is not None else None,
+        allreduce_s=timing.allreduce_s if timing is not None else None,
+        bytes=traffic.bytes_sent + traffic.bytes_received - bytes_before,
     )
 
 
@@ -216,6 +257,11 @@ class ReplicaOptimizer:
     @property
     def tracker(self) -> ProgressTracker:
         return self.replica.tracker
+
+    @property
+    def last_round(self) -> AveragingRecord | None:
+        """The last round's record (a new object per round), None before the first."""
+        return self.replica.last_round
 
     @property
     def last_averaging(self) -> dict[str, Any] | None:

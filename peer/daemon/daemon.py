@@ -36,8 +36,10 @@ from peer import (
     open_peer_host,
 )
 
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import PeerMetrics
 from .ports import naming_port
-from .status_server import Page, prometheus_text, serve_http
+from .status_server import Page, serve_http
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
 
@@ -91,6 +93,7 @@ class Daemon:
         self.trainer = None
         self.status_port: int | None = None
         self.started = time.time()
+        self.metric_registry = PeerMetrics(self.status)
 
     def status(self) -> dict[str, Any]:
         host = self.host
@@ -129,27 +132,11 @@ class Daemon:
         """What the status port serves, by path."""
         return {
             "/status": lambda: Page.text("application/json", json.dumps(self.status(), default=str) + "\n"),
-            "/metrics": lambda: Page.text("text/plain; version=0.0.4; charset=utf-8", self.metrics()),
+            "/metrics": lambda: Page.text(METRICS_CONTENT_TYPE, self.metrics()),
         }
 
     def metrics(self) -> str:
-        status = self.status()
-        averaging = status.get("last_averaging") or {}
-        return prometheus_text(
-            {
-                "peerd_epoch": ("gauge", "Epoch (optimizer steps) of this peer", status["epoch"]),
-                "peerd_samples_per_second": ("gauge", "Training throughput of this peer", status["samples_per_s"]),
-                "peerd_loss": ("gauge", "Training loss (moving average)", status["loss"]),
-                "peerd_accuracy": ("gauge", "Held-out accuracy at the last evaluation", status["accuracy"]),
-                "peerd_bits_per_byte": ("gauge", "Held-out bits per byte (text tasks)", status["bits_per_byte"]),
-                "peerd_peers_known": ("gauge", "Peers seen in the swarm's progress records", status["peers_known"]),
-                "peerd_connected_peers": ("gauge", "Open connections to other peers", status["connected_peers"]),
-                "peerd_bytes_sent_total": ("counter", "Bytes sent to other peers", status["bytes_sent"]),
-                "peerd_bytes_received_total": ("counter", "Bytes received from peers", status["bytes_received"]),
-                "peerd_last_round_group_size": ("gauge", "Peers in the last averaging group", averaging.get("group")),
-                "peerd_uptime_seconds": ("gauge", "Seconds since the peer started", status["uptime_s"]),
-            }
-        )
+        return self.metric_registry.render()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
@@ -172,7 +159,7 @@ class Daemon:
                 )
             self.host = host
             async with trio.open_nursery() as nursery:
-                host.on_connection.append(functools.partial(_log_connection, nursery))
+                host.on_connection.append(functools.partial(_log_connection, nursery, self.metric_registry))
                 if config.status_port is not None:
                     with naming_port("status", config.status_host, config.status_port, "--status-port"):
                         port = await nursery.start(
@@ -235,6 +222,7 @@ class Daemon:
                     **codec,
                 )
             self.trainer = Trainer(task, optimizer)
+            self.trainer.round_observers.append(self.metric_registry.observe_round)
             log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()
@@ -248,20 +236,21 @@ def _reachable_host() -> str:
         return "127.0.0.1"
 
 
-def _log_connection(nursery: trio.Nursery, connection, incoming: bool) -> None:
+def _log_connection(nursery: trio.Nursery, metrics: PeerMetrics, connection, incoming: bool) -> None:
     if incoming:
         log.info("peer %s connected", connection.remote_peer_id)
     else:
         log.info("met peer %s at %s", connection.remote_peer_id, connection.remote_listen_address)
-    nursery.start_soon(_log_when_dropped, connection)
+    nursery.start_soon(_log_when_dropped, connection, metrics)
 
 
-async def _log_when_dropped(connection) -> None:
+async def _log_when_dropped(connection, metrics: PeerMetrics) -> None:
     """Say when a peer goes away (it left, died or the link broke); not when we closed it ourselves
     (shutting down, or a newer connection from the same peer replaced it)."""
     await connection.closed.wait()
     if connection.close_reason != "connection closed locally":
         log.info("peer %s dropped: %s", connection.remote_peer_id, connection.close_reason)
+        metrics.connection_dropped()
 
 
 async def run_daemon(config: DaemonConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

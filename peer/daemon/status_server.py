@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -21,7 +20,7 @@ from http import HTTPStatus
 import h11
 import trio
 
-__all__ = ["HttpLimits", "Page", "serve_http", "fetch_status", "prometheus_text"]
+__all__ = ["HttpLimits", "Page", "serve_http", "fetch_status"]
 
 log = logging.getLogger("peerd.status")
 
@@ -71,16 +70,6 @@ class Page:
 
 
 Route = Callable[[], Page]
-
-
-def prometheus_text(metrics: dict[str, tuple[str, str, float | None]]) -> str:
-    """``name -> (type, help, value)`` as Prometheus exposition text (None values are skipped)."""
-    lines = []
-    for name, (kind, help_text, value) in metrics.items():
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            continue
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"]
-    return "\n".join(lines) + "\n"
 
 
 async def serve_http(

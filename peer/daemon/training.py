@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,10 @@ class Trainer:
         self.optimizer = optimizer
         self.evaluate_every = evaluate_every
         self.status = TrainingStatus()
+        # called with each new averaging round's record (AveragingRecord) as the trainer sees it
+        # land: the daemon's metrics and dashboard
+        self.round_observers: list[Callable[[Any], None]] = []
+        self._last_round = None
 
     def _forward_backward(self, batch) -> float:
         self.task.model.train()
@@ -66,6 +71,11 @@ class Trainer:
             status.samples += len(batch[0])
             status.samples_per_s = self.optimizer.samples_per_s
             status.peers_known = max(1, len(self.optimizer.swarm.peers))
+            record = self.optimizer.last_round
+            if record is not None and record is not self._last_round:
+                self._last_round = record
+                for observe in self.round_observers:
+                    observe(record)
             if self.optimizer.epoch != status.epoch:  # stepped, or caught up by loading state
                 status.epoch = self.optimizer.epoch
                 status.last_averaging = self.optimizer.last_averaging
