@@ -4,8 +4,13 @@ Prometheus text that ``promtool`` checks, and the dashboard as a real browser re
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,9 @@ from .processes import PeerdProcess
 from .test_metrics import promtool_check, value
 
 SWARM_TIMEOUT = 90.0
+# Virtual time the page gets in headless Chromium: its first poll at load and two more after it
+# (virtual time stands still while a fetch is under way, so this is not a race with the peer).
+VIRTUAL_TIME_MS = 5000
 
 
 def status_of(port: int) -> dict | None:
@@ -82,3 +90,78 @@ def test_live_metrics_pass_promtool_and_count_rounds(swarm: Swarm):
         value(text, f'peerd_averaging_rounds_failed_total{{reason="{reason}"}}')
         for reason in ("no_group", "leader_failed", "allreduce", "error")
     ) == pytest.approx(rounds)
+
+
+def chromium() -> str:
+    """The browser's command; skips where there is none (CI, with PEERD_REQUIRE_TOOLS=1, fails)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    reason = "no Chromium to render the dashboard in (Debian: apt-get install chromium)"
+    if os.environ.get("PEERD_REQUIRE_TOOLS") == "1":
+        pytest.fail(f"PEERD_REQUIRE_TOOLS=1 but {reason}")
+    pytest.skip(reason)
+
+
+def headless(browser: str, profile: Path, url: str, *output: str) -> subprocess.CompletedProcess:
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"]
+    command += [f"--user-data-dir={profile}", "--window-size=1280,1500", f"--virtual-time-budget={VIRTUAL_TIME_MS}"]
+    result = subprocess.run([*command, *output, url], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+class RenderedDashboard(HTMLParser):
+    """From the DOM Chromium dumps: each chart's drawn points, the peer table's peers, the rounds."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.charts: dict[str, int] = {}
+        self.peers: list[str] = []
+        self.rounds = 0
+        self.badge = ""
+        self._in_badge = False
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "svg" and "chart" in (attributes.get("class") or ""):
+            self.charts[attributes["id"]] = int(attributes.get("data-points") or 0)
+        elif tag == "tr" and attributes.get("data-peer"):
+            self.peers.append(attributes["data-peer"])
+        elif tag == "tr" and attributes.get("data-epoch"):
+            self.rounds += 1
+        self._in_badge = attributes.get("id") == "connection"
+
+    def handle_data(self, data: str) -> None:
+        if self._in_badge:
+            self.badge += data
+
+
+def test_dashboard_renders_the_swarm_in_a_real_browser(swarm: Swarm, tmp_path: Path, capsys: pytest.CaptureFixture):
+    browser = chromium()
+    port = swarm.ports[0]
+    url = f"http://127.0.0.1:{port}/"
+    peer_ids = {status["peer_id"] for status in swarm.statuses() if status}
+    assert len(peer_ids) == 2
+
+    # the charts and the peer table fill from what the peer samples every 2 s
+    def sampled() -> bool:
+        data = json.loads(fetch_status(port, path="/dashboard.json"))
+        evaluated = [value for value in data["series"]["accuracy"] if value is not None]
+        return len(evaluated) >= 2 and {row["peer_id"] for row in data["peers"]} >= peer_ids
+
+    wait_until(sampled, 30, "two evaluated points and both peers in the first peer's dashboard data")
+
+    page = RenderedDashboard(headless(browser, tmp_path / "profile", url, "--dump-dom").stdout)
+    assert page.badge.startswith("live"), page.badge
+    assert set(page.charts) == {"chart-loss", "chart-quality", "chart-rate", "chart-traffic"}
+    assert all(points >= 2 for points in page.charts.values()), page.charts
+    assert set(page.peers) == peer_ids
+    assert page.rounds >= 1
+
+    screenshot = tmp_path / "dashboard.png"
+    headless(browser, tmp_path / "profile", url, f"--screenshot={screenshot}")
+    assert screenshot.stat().st_size > 10_000
+    with capsys.disabled():  # shown in every run, not only a failing one
+        print(f"\ndashboard screenshot of a 2-peer swarm: {screenshot}")

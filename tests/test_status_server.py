@@ -127,6 +127,7 @@ def test_status_host_binds_what_it_is_given(tmp_path, status_host):
         line = peer.read_line(timeout=60)
         assert line.startswith(f"peerd status on http://{status_host or '127.0.0.1'}:")
         port = int(line.rsplit(":", 1)[1].split("/")[0])
+        assert peer.read_line(timeout=10) == f"peerd dashboard on http://127.0.0.1:{port}/"
         assert _answers("127.0.0.1", port)
         assert _answers("127.0.0.2", port) is (status_host == "0.0.0.0")
     finally:

@@ -107,6 +107,7 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
     assert summary["peers_alive"] == 3 and summary["epochs"] > 0 and summary["seconds"] > 0
     assert lines[0].startswith("peerd swarm: 3 peers") and lines[1] == "starting peer 0 (the bootstrap)..."
     assert "samples/s" in result.stdout  # the live table was shown
+    assert "dashboard of peer 0: http://127.0.0.1:" in result.stdout
     # Not a terminal: a table when a peer comes or goes, every PLAIN_PERIOD, and the last one.
     assert result.stdout.count("samples/s") <= summary["seconds"] / PLAIN_PERIOD + 3
     assert list(temp.glob("peerd-swarm-*")) == []  # the peers' private keys went with the swarm

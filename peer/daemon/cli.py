@@ -29,6 +29,7 @@ from .node_ids import add_difficulty_argument, node_id_for
 from .private_swarm import access_from_args, add_access_arguments
 from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
 from .settings import Settings, SettingsError, parse_bool
+from .status_pages import dashboard_url
 from .status_server import fetch_status
 from .swarm import add_swarm_arguments, run_swarm
 
@@ -308,6 +309,7 @@ async def _join_main(config: DaemonConfig) -> int:
                 print("peerd running in client mode (accepting no connections)", flush=True)
             if daemon.status_port is not None:
                 print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
+                print(f"peerd dashboard on {dashboard_url(config.status_host, daemon.status_port)}", flush=True)
 
     return await until_stopped(serve)
 

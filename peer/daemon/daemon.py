@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +34,10 @@ from peer import (
     open_peer_host,
 )
 
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import PeerMetrics
 from .ports import naming_port
-from .status_server import Page, serve_http
+from .status_pages import StatusPages
+from .status_server import serve_http
 
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
 
@@ -84,7 +82,8 @@ def add_builtin_methods(router: Router, host_getter) -> None:
 
 
 class Daemon:
-    """One running peer; ``status()`` and ``metrics()`` describe it for humans and Prometheus."""
+    """One running peer; ``status()`` and ``metrics()`` describe it for humans and Prometheus, and
+    ``pages`` serves them with the dashboard on the status port."""
 
     def __init__(self, config: DaemonConfig):
         self.config = config
@@ -93,7 +92,7 @@ class Daemon:
         self.trainer = None
         self.status_port: int | None = None
         self.started = time.time()
-        self.metric_registry = PeerMetrics(self.status)
+        self.pages = StatusPages(self.status, lambda: self.trainer.optimizer.swarm if self.trainer else None)
 
     def status(self) -> dict[str, Any]:
         host = self.host
@@ -128,15 +127,8 @@ class Daemon:
             )
         return status
 
-    def pages(self) -> dict[str, Callable[[], Page]]:
-        """What the status port serves, by path."""
-        return {
-            "/status": lambda: Page.text("application/json", json.dumps(self.status(), default=str) + "\n"),
-            "/metrics": lambda: Page.text(METRICS_CONTENT_TYPE, self.metrics()),
-        }
-
     def metrics(self) -> str:
-        return self.metric_registry.render()
+        return self.pages.metrics.render()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
@@ -159,16 +151,17 @@ class Daemon:
                 )
             self.host = host
             async with trio.open_nursery() as nursery:
-                host.on_connection.append(functools.partial(_log_connection, nursery, self.metric_registry))
+                host.on_connection.append(functools.partial(_log_connection, nursery, self.pages.metrics))
                 if config.status_port is not None:
                     with naming_port("status", config.status_host, config.status_port, "--status-port"):
                         port = await nursery.start(
                             functools.partial(serve_http, host=config.status_host),
                             config.status_port,
-                            self.pages(),
+                            self.pages.routes(),
                         )
                     log.info("status on http://%s:%d/status", config.status_host, port)
                     self.status_port = port
+                    nursery.start_soon(self.pages.keep_history)
                 task_status.started(self)
                 dht_config = DHTConfig(bootstrap_timeout=config.bootstrap_timeout)
                 async with DHTNode.open(host=host, initial_peers=config.initial_peers, config=dht_config) as dht:
@@ -222,7 +215,7 @@ class Daemon:
                     **codec,
                 )
             self.trainer = Trainer(task, optimizer)
-            self.trainer.round_observers.append(self.metric_registry.observe_round)
+            self.trainer.round_observers.append(self.pages.observe_round)
             log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()

@@ -144,6 +144,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                     peers.append(SwarmPeer(index, join, log_dir / f"peer{index}.log"))
                 wait_started(peers, STARTUP_TIMEOUT, started)
             display.message(f"swarm of {args.peers} peers running (logs in {log_dir})")
+            display.message(f"dashboard of peer 0: http://127.0.0.1:{peers[0].status_port}/")
             join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
             display.message(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)")
             statuses: list[dict[str, Any] | None] = []
