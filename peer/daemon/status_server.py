@@ -191,18 +191,14 @@ async def _send(
     ]
     if close:
         headers.append(("Connection", "close"))
-        data = connection.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
-        data += connection.send(h11.Data(data=page.body)) + connection.send(h11.EndOfMessage())
-        with trio.fail_after(limits.send_timeout):
-            await stream.send_all(data)
-        await _linger(stream)
-        return
     data = connection.send(h11.Response(status_code=status, headers=headers, reason=HTTPStatus(status).phrase))
     if request is None or request.method != b"HEAD":
         data += connection.send(h11.Data(data=page.body))
     data += connection.send(h11.EndOfMessage())
     with trio.fail_after(limits.send_timeout):
         await stream.send_all(data)
+    if close:
+        await _linger(stream)
 
 
 async def _linger(stream: trio.SocketStream) -> None:
