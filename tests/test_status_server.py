@@ -49,7 +49,7 @@ async def test_pages_for_http10_and_keepalive_http11_clients():
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:  # two requests on one connection, as a polling browser does
             for _ in range(2):
-                await stream.send_all(b"GET /status?x=1 HTTP/1.1\r\nHost: a\r\n\r\n")
+                await stream.send_all(b"GET /status?x=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 data = b""
                 with trio.fail_after(5):
                     while not data.endswith(b'{"epoch": 3}'):
@@ -95,6 +95,18 @@ async def test_a_slow_client_is_cut_off_and_the_connection_cap_holds():
                 await stream.aclose()
         # and the freed places serve again
         assert (await exchange(port, b"GET /status HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_loopback_port_answers_only_requests_addressed_to_loopback():
+    """A page on evil.example whose name now resolves to 127.0.0.1 (DNS rebinding) gets nothing."""
+    async with trio.open_nursery() as nursery:
+        port = await start(nursery)
+        for host in (b"127.0.0.1", b"localhost", b"127.0.0.1:%d" % port, b"[::1]:80", b"LOCALHOST:1"):
+            answer = await exchange(port, b"GET /status HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 "), host
+        rebound = b"GET /status HTTP/1.1\r\nHost: evil.example:%d\r\nConnection: close\r\n\r\n" % port
+        assert (await exchange(port, rebound)).startswith(b"HTTP/1.1 403 ")
         nursery.cancel_scope.cancel()
 
 

@@ -7,11 +7,16 @@ head (``MAX_REQUEST_HEAD``), request bodies (refused: every page is a GET), the 
 take to arrive and a response to be taken (``REQUEST_TIMEOUT``, ``SEND_TIMEOUT``), and the number
 of open connections (``MAX_CONNECTIONS``; the next one is answered 503 and closed). A slow or
 hostile client can at most keep the port busy, never grow the peer's memory or stall training.
+
+Bound to a loopback address, the port also refuses requests whose ``Host`` is not a loopback name
+(403): a web page the user visits could otherwise point its own domain at 127.0.0.1 ("DNS
+rebinding") and read the peer's pages from the user's browser.
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,6 +88,7 @@ async def serve_http(
     """Serve ``routes`` (path -> a function that makes the page) on ``host:port`` until cancelled;
     ``task_status.started`` gets the bound port. A failing route is a 500, never a dead server."""
     open_connections = 0
+    loopback_only = _is_loopback(host)
 
     async def handler(stream: trio.SocketStream) -> None:
         nonlocal open_connections
@@ -92,7 +98,7 @@ async def serve_http(
                 return
             open_connections += 1
             try:
-                await _serve_connection(stream, routes, limits)
+                await _serve_connection(stream, routes, limits, loopback_only)
             finally:
                 open_connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
@@ -114,7 +120,9 @@ async def _refuse_busy(stream: trio.SocketStream) -> None:
         await _linger(stream)
 
 
-async def _serve_connection(stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits) -> None:
+async def _serve_connection(
+    stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits, loopback_only: bool
+) -> None:
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_request_head)
     while True:
         try:
@@ -134,7 +142,11 @@ async def _serve_connection(stream: trio.SocketStream, routes: Mapping[str, Rout
                 await _send(stream, connection, limits, None, page, close=True)
             return
         assert isinstance(request, h11.Request)
-        await _send(stream, connection, limits, request, _route(request, routes))
+        if loopback_only and not _addressed_to_loopback(request):
+            answer = _error(403, "this status port answers requests for 127.0.0.1 or localhost only")
+        else:
+            answer = _route(request, routes)
+        await _send(stream, connection, limits, request, answer)
         if connection.our_state is not h11.DONE:
             return  # MUST_CLOSE: an HTTP/1.0 client, or one that asked to close
         connection.start_next_cycle()
@@ -146,6 +158,29 @@ async def _next_event(stream: trio.SocketStream, connection: h11.Connection):
         if event is not h11.NEED_DATA:
             return event
         connection.receive_data(await stream.receive_some(RECEIVE_SIZE))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _addressed_to_loopback(request: h11.Request) -> bool:
+    """The request's ``Host`` names a loopback address or localhost (or is absent: an HTTP/1.0
+    client; browsers always send one)."""
+    for name, value in request.headers:
+        if name == b"host":
+            text = value.decode("ascii", errors="replace")
+            if text.startswith("["):
+                hostname = text[1:].split("]", 1)[0]
+            else:
+                hostname = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+            return _is_loopback(hostname.lower())
+    return True
 
 
 def _has_body(request: h11.Request) -> bool:
