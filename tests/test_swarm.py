@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,11 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
     assert result.stdout.count("samples/s") <= summary["seconds"] / PLAIN_PERIOD + 3
     assert list(temp.glob("peerd-swarm-*")) == []  # the peers' private keys went with the swarm
     assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["peer0.log", "peer1.log", "peer2.log"]
+    # The bootstrap trains 0/3; the others chose the two other thirds (--data-shard auto).
+    shards = [
+        re.findall(r"training data shard (\d+/\d+)", (tmp_path / "logs" / f"peer{i}.log").read_text()) for i in (1, 2)
+    ]
+    assert sorted(found[0] for found in shards) == ["1/3", "2/3"], shards
 
 
 def test_bad_task_name_is_a_clear_error(tmp_path):

@@ -2,9 +2,9 @@
 
 The first peer is the bootstrap; once it is up the others start together and join through it.
 Each is a separate ``peerd join`` process (so a crash or a kill affects one peer only; see
-``swarm_processes.py`` for how they never outlive the launcher) with its own data shard and
-status port; this command polls their ``/status`` once a second, shows a table
-(``swarm_table.py``), and stops them all when the best peer's held-out accuracy reaches the
+``swarm_processes.py`` for how they never outlive the launcher) with its own data shard (the
+bootstrap ``0/N``, the others ``auto``) and status port; this command polls their ``/status``
+once a second, shows a table (``swarm_table.py``), and stops them all when the best peer's held-out accuracy reaches the
 target, when every peer passed ``--max-epochs``, at ``--timeout``, or on Ctrl-C / SIGTERM. The
 last line of output is always a JSON summary. Exit status: 0 target reached, 4 stopped before it,
 130 Ctrl-C, 143 SIGTERM. The peers' keys (and logs, without ``--log-dir``) live in a temporary
@@ -95,7 +95,9 @@ def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, 
         "--run-id", run_id,
         "--task", args.task,
         "--mode", args.mode,
-        "--data-shard", f"{index}/{count}",
+        # The bootstrap claims the first of N shards; the others choose among the rest as they
+        # come up (``data_shards.py``), as peers joining a real swarm do.
+        "--data-shard", f"0/{count}" if index == 0 else "auto",
         *(["--model-size", args.model_size] if args.model_size else []),
         "--status-port", "0",
         # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
