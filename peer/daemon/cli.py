@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from peer import __version__
-from peer.identity import Identity, IdentityError, default_identity_path
+from peer.identity import Identity, IdentityError, check_key_path, default_identity_path
 
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
@@ -109,6 +109,7 @@ def _add_config_argument(parser: argparse.ArgumentParser, settings: Settings | N
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.identity) if args.identity else default_identity_path()
+    check_key_path(path)
     if path.exists():
         print(f"peerd: {path} already exists; refusing to overwrite an identity", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -143,6 +144,7 @@ def _experts(args: argparse.Namespace):
 
 def _cmd_join(args: argparse.Namespace) -> int:
     identity_path = Path(args.identity) if args.identity else default_identity_path()
+    check_key_path(identity_path)
     lock_identity(identity_path)  # before the slow start-up, so a second process fails at once
     shard = None
     if args.task is not None:
