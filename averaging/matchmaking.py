@@ -34,7 +34,7 @@ from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Ro
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 from .matchmaking_rules import Candidate, propose_group
 
-__all__ = ["Matchmaker", "MatchmakingError", "Declaration"]
+__all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -56,6 +56,10 @@ WITHDRAWAL_TTL = 5.0
 
 class MatchmakingError(RuntimeError):
     """No group of at least ``min_group_size`` formed before the deadline."""
+
+
+class NoOtherPeers(MatchmakingError):
+    """No other peer declared itself for the round before the deadline: this peer is alone."""
 
 
 class LeaderFailed(MatchmakingError):
@@ -200,6 +204,7 @@ class Matchmaker:
         await self.declare(me, timeout)
         await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
+        alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
@@ -211,6 +216,7 @@ class Matchmaker:
                 candidates[me.peer_id] = me
                 await self.declare(me, timeout)
             self.last_round = me.round
+            alone = alone and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
                 await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
@@ -245,7 +251,8 @@ class Matchmaker:
                     last_error = str(error)
                     log.debug("matchmaking attempt failed: %s", error)
             await trio.sleep(0.05)
-        raise MatchmakingError(f"no averaging group formed within {timeout:g} s: {last_error}")
+        error = NoOtherPeers if alone else MatchmakingError
+        raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
 
     async def declare(self, me: Declaration, timeout: float) -> None:
         """Store our declaration under our own signed subkey, to live as long as the round."""

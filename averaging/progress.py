@@ -1,15 +1,18 @@
 """Swarm-wide training progress through the DHT.
 
-Each peer publishes ``{epoch, samples, samples_per_s}`` under ``{prefix}.progress`` (subkey = its
-owner-signed ``peer_subkey``, so nobody else can write or squat on its record) and reads
+Each peer publishes ``{epoch, samples, samples_per_s, shard}`` under ``{prefix}.progress``
+(subkey = its owner-signed ``peer_subkey``, so nobody else can write or squat on its record) and reads
 everyone's. From that every peer decides on its own, and consistently with the others, when the
 swarm has accumulated ``target_batch_size`` samples for the current epoch (time to average and
 step) and whether it has fallen behind (time to load state from peers). Every record is a claim:
 the swarm's epoch is the one backed by evidence (``epoch_evidence.py``), not the highest claimed.
+The data shard a record names (``I/N`` of the task's data, None: not said) only steers which shard
+a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,9 @@ PROGRESS_TTL = 15.0
 # loses little by the bound, while a liar alone with one honest peer can at most end its epoch
 # after a fifth of the target instead of at once.
 MAX_SAMPLE_SHARE = 4
+# The most shards a record may claim to split the data into: far more than any swarm needs, and
+# small enough that overlaps of two claims (``lcm`` of the counts) stay cheap integers.
+MAX_CLAIMED_SHARDS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -37,9 +43,16 @@ class PeerProgress:
     epoch: int
     samples: int
     samples_per_s: float
+    shard: tuple[int, int] | None = None  # (index, count): the data shard this peer says it trains
+    choosing: bool = False  # the shard is not final yet: the peer is still choosing it
 
     def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "samples": self.samples, "sps": self.samples_per_s}
+        wire: dict[str, Any] = {"epoch": self.epoch, "samples": self.samples, "sps": self.samples_per_s}
+        if self.shard is not None:
+            wire["shard"] = list(self.shard)
+        if self.choosing:
+            wire["choosing"] = True
+        return wire
 
     @classmethod
     def from_wire(cls, body: Any) -> PeerProgress:
@@ -51,7 +64,16 @@ class PeerProgress:
             raise ValueError("a progress record needs integer epoch and samples and a numeric rate")
         if not (is_counter(epoch) and is_counter(samples)) or not 0 <= sps < 1e12:
             raise ValueError("progress out of range")
-        return cls(epoch, samples, float(sps))
+        return cls(epoch, samples, float(sps), _shard_claim(body.get("shard")), body.get("choosing") is True)
+
+
+def _shard_claim(raw: Any) -> tuple[int, int] | None:
+    """A record's shard, or None for one that is absent or malformed (the rest of the record still
+    counts: a shard is only a hint for newcomers)."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2 or not all(type(x) is int for x in raw):
+        return None
+    index, count = raw
+    return (index, count) if 0 <= index < count <= MAX_CLAIMED_SHARDS else None
 
 
 @dataclass(frozen=True)
@@ -105,9 +127,17 @@ class ProgressTracker:
         self.me = dht.host.peer_id
         self.subkey = peer_subkey(dht.host.identity.public_key)
         self.evidence = EpochEvidence(self.me, samples_per_epoch)
+        self.data_shard: tuple[int, int] | None = None  # named in every record this tracker publishes
 
     async def publish(self, progress: PeerProgress) -> None:
+        if progress.shard is None and self.data_shard is not None:
+            progress = dataclasses.replace(progress, shard=self.data_shard)
         await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.subkey)
+
+    async def records(self) -> dict[PeerID, PeerProgress]:
+        """Every other peer's live record as it claims it (no evidence weighed)."""
+        found = await self.dht.get(self.key, latest=True)
+        return {peer: progress for peer, progress in peer_entries(found, _parse) if peer != self.me}
 
     async def fetch(self, mine: PeerProgress) -> SwarmProgress:
         found = await self.dht.get(self.key, latest=True)

@@ -10,6 +10,7 @@ the rest, and ``ReplicaOptimizer`` gives both the same read-only face for the da
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from peer import PeerID
 from .allreduce import AllReduceError
 from .averager import GroupAverager
 from .group import is_counter
-from .matchmaking import LeaderFailed, MatchmakingError
+from .matchmaking import LeaderFailed, MatchmakingError, NoOtherPeers
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
 
 __all__ = [
@@ -37,6 +38,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("peerd.training")
+
+# Averagers whose peer has been told it is alone: a lone peer (the first of a swarm, or the last)
+# fails to find a group every round, and a warning each time (every few seconds) would bury the
+# log; it is said once per lonely stretch, then at DEBUG until a round averages again.
+_alone: weakref.WeakSet[GroupAverager] = weakref.WeakSet()
 
 
 # Why a round did not average: no group formed in time, the group's leader vanished, the
@@ -118,7 +124,14 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
     try:
         result = await averager.step(weight=weight)
     except Exception as error:
-        if isinstance(error, LeaderFailed):
+        if isinstance(error, NoOtherPeers):
+            if averager in _alone:
+                log.debug("no other peer to average with at epoch %d; %s", epoch, fallback)
+            else:
+                _alone.add(averager)
+                log.warning("no other peer to average with (%s); %s until one joins", error, fallback)
+            reason = "no_group"
+        elif isinstance(error, LeaderFailed):
             reason = "leader_failed"
         elif isinstance(error, MatchmakingError):
             reason = "no_group"
@@ -127,13 +140,15 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
         else:
             reason = "error"
             log.exception("unexpected failure while averaging")
-        log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
+        if not isinstance(error, NoOtherPeers):
+            log.warning("averaging failed at epoch %d (%s); %s", epoch, error, fallback)
         return AveragingRecord(
             epoch,
             seconds=trio.current_time() - started,
             bytes=traffic.bytes_sent + traffic.bytes_received - bytes_before,
             failure=reason,
         )
+    _alone.discard(averager)
     failed = tuple(sorted(str(peer) for peer in result.failed_peers))
     me = averager.host.peer_id
     peers = tuple(m.peer_id for m in result.group.members if m.peer_id != me and m.peer_id not in result.failed_peers)
@@ -157,7 +172,8 @@ async def average_state(averager: GroupAverager, epoch: int) -> bool:
     try:
         await averager.step()
     except (MatchmakingError, AllReduceError) as error:
-        log.info("state averaging skipped at epoch %d: %s", epoch, error)
+        level = logging.DEBUG if isinstance(error, NoOtherPeers) else logging.INFO
+        log.log(level, "state averaging skipped at epoch %d: %s", epoch, error)
         return False
     return True
 

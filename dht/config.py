@@ -19,6 +19,10 @@ class DHTConfig:
     # A whole lookup: log2(n) rounds of rpc_timeout in the worst case of silent peers.
     lookup_timeout: float = 10.0
     bootstrap_timeout: float = 15.0
+    # Initial peers that only ever refuse the connection (nothing listens at that port) are given
+    # up after this, not the whole bootstrap timeout: a peer process started together with ours
+    # listens within about as long as ours took (imports, key), and this covers a slower start.
+    refused_grace: float = 5.0
     # Paper: refresh buckets not looked up within an hour; 10 min suits a churny volunteer swarm.
     refresh_interval: float = 600.0
     refresh_check_period: float = 60.0

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import trio
 
 from peer import PeerAddress, PeerHost, RPCError
+from peer.host import ConnectError
 
 from .config import DHTBootstrapError, DHTConfig
 from .contacts import Contacts
@@ -45,12 +46,17 @@ class TableMaintenance:
         self.config = config
 
     async def bootstrap(self, initial_peers: Sequence[PeerAddress], timeout: float) -> None:
-        """Meet the initial peers (retrying until the deadline), then fill the routing table."""
+        """Meet the initial peers (retrying until the deadline), then fill the routing table.
+        A peer that refused every connection for ``config.refused_grace`` is given up, so a
+        mistyped or stopped initial peer fails within that, not the whole ``timeout``."""
         reached: list[Contact] = []
         failures: dict[str, str] = {str(address): "no answer yet" for address in initial_peers}
+        refusing: set[str] = set()  # given up: nothing listens there
+        start = trio.current_time()
 
         async def reach(address: PeerAddress) -> None:
             delay = RETRY_INITIAL
+            only_refused = True
             while True:
                 try:
                     # Not ``contacts.call``: the address may not name a peer ID, and the connection's
@@ -60,6 +66,10 @@ class TableMaintenance:
                 except (OSError, RPCError) as error:
                     failures[str(address)] = str(error).removeprefix(f"{address}: ")
                     if reached or "mismatch" in str(error):
+                        return
+                    only_refused = only_refused and isinstance(error, ConnectError) and error.refused
+                    if only_refused and trio.current_time() - start >= self.config.refused_grace:
+                        refusing.add(str(address))
                         return
                 else:
                     contact = Contact(self.host.remote_node_id(connection), address)
@@ -75,6 +85,11 @@ class TableMaintenance:
                     nursery.start_soon(reach, address)
         if not reached:
             lines = "\n".join(f"  {address}: {reason}" for address, reason in failures.items())
+            if len(refusing) == len(failures):
+                raise DHTBootstrapError(
+                    f"no initial DHT peer accepted a connection for {self.config.refused_grace:g} s"
+                    f" (is it running, at that port?):\n{lines}"
+                )
             raise DHTBootstrapError(f"could not reach any initial DHT peer within {timeout:g} s:\n{lines}")
         await self.lookups.run(self.node_id)
         if self.config.refresh_on_join:

@@ -48,7 +48,13 @@ MAX_KNOWN_ENDPOINTS = 4096
 
 
 class ConnectError(OSError):
-    """Could not reach or authenticate a peer; the message says which address and why."""
+    """Could not reach or authenticate a peer; the message says which address and why.
+    ``refused``: the host answered that nothing listens at that port (ECONNREFUSED), unlike a
+    timeout or an unreachable network, which say nothing about whether a peer is there."""
+
+    def __init__(self, message: str, *, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 Service = TypeVar("Service")
@@ -253,7 +259,7 @@ class PeerHost:
                 break
             await dial.done.wait()
             if dial.error is not None:
-                raise ConnectError(str(dial.error))
+                raise ConnectError(str(dial.error), refused=dial.error.refused)
             # Their connection is pooled now, unless it already closed or their dial was cancelled
             # (their deadline, not ours): then look, and dial, again.
         dial = self._dialing[key] = _Dial()
@@ -274,7 +280,7 @@ class PeerHost:
         except trio.TooSlowError:
             raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
         except OSError as error:
-            raise ConnectError(f"{address}: {_os_reason(error)}") from None
+            raise ConnectError(f"{address}: {_os_reason(error)}", refused=_refused(error)) from None
         except ValueError as error:  # a host name that cannot even be encoded (IDNA), from a contact
             raise ConnectError(f"{address}: not a usable host name ({error})") from None
         tune_connection(stream)
@@ -327,6 +333,13 @@ def _os_reason(error: OSError) -> str:
         if isinstance(exception, OSError) and exception.strerror:
             return exception.strerror.lower()
     return (error.strerror or str(error)).lower()
+
+
+def _refused(error: OSError) -> bool:
+    """Whether every attempt behind ``error`` (trio tries each address of a name) was refused."""
+    cause = error.__cause__
+    inner = getattr(cause, "exceptions", None) or ([cause] if cause is not None else [error])
+    return all(isinstance(exception, ConnectionRefusedError) for exception in inner)
 
 
 def _remote_host(stream: trio.SocketStream) -> str:

@@ -15,7 +15,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-__all__ = ["Identity", "IdentityError", "PeerID", "default_identity_path"]
+__all__ = ["Identity", "IdentityError", "PeerID", "default_identity_path", "check_key_path"]
 
 _B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 _B58_INDEX = {char: index for index, char in enumerate(_B58_ALPHABET)}
@@ -102,6 +102,16 @@ def default_identity_path() -> Path:
     return Path(data_home) / "peerd" / "identity.key"
 
 
+def check_key_path(path: str | os.PathLike[str]) -> None:
+    """Raise IdentityError for a key path that names a folder: the path is the key file itself."""
+    path = Path(path)
+    if path.is_dir():
+        raise IdentityError(
+            f"identity path {path} is a directory, not a key file; name the file itself,"
+            f" e.g. --identity {path / 'identity.key'}"
+        )
+
+
 class Identity:
     """An Ed25519 key pair that signs for one peer."""
 
@@ -124,6 +134,7 @@ class Identity:
         know their identity may have leaked.
         """
         path = Path(path)
+        check_key_path(path)
         if not path.exists():
             identity = cls.generate()
             identity.save(path)

@@ -51,7 +51,7 @@ def test_join_help_shows_every_default_and_variable():
     assert "[default: 0.0.0.0:31337; env PEERD_LISTEN]" in flags["--listen"]
     assert "[default: default; env PEERD_RUN_ID]" in flags["--run-id"]
     assert "[default: 15.0; env PEERD_BOOTSTRAP_TIMEOUT]" in flags["--bootstrap-timeout"]
-    assert "default: 0/1" in flags["--data-shard"]
+    assert "default: auto" in flags["--data-shard"]
     words = " ".join(text.split())  # (help wraps long lines)
     for name in JOIN_VARIABLES:
         assert f"env PEERD_{name}" in words, name

@@ -4,6 +4,7 @@ check that the swarm it forms trains."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import socket
@@ -12,7 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import tomllib
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from peer.daemon.status_server import fetch_status
 
@@ -38,9 +45,32 @@ def test_compose_file_describes_a_scalable_swarm():
     for service in services.values():
         assert service["healthcheck"]["test"][1:3] == ["peerd", "status"]
         assert all(key.startswith("PEERD_") for key in service["environment"])
-        assert "ports" not in service and "container_name" not in service  # either would break --scale
+        assert "container_name" not in service  # it would break --scale
+        # No fixed data shard: every replica chooses the least-covered one (--data-shard auto).
+        assert "--data-shard" not in service["command"] and service["environment"]["PEERD_DATA_SHARD"] == "auto"
+        # TORCH_INDEX passes through `docker compose build`, with the CPU wheels as the default.
+        args = service["build"]["args"]
+        assert args["TORCH_INDEX"] == "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+        assert service["build"]["context"] == ".." and service["build"]["dockerfile"] == "docker/Dockerfile"
     assert services["peer"]["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     assert "bootstrap:31337" in services["peer"]["command"]
+    # The status port is published: the bootstrap's on a fixed local port, each replica's on a free
+    # one (a fixed host port would let only one replica start under --scale).
+    assert services["bootstrap"]["ports"] == ["127.0.0.1:8080:8080"]
+    assert services["peer"]["ports"] == ["127.0.0.1::8080"]
+
+
+def test_compose_interpolation_defaults_are_what_the_dockerfile_defaults_to():
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    for name, value in load_compose()["services"]["peer"]["build"]["args"].items():
+        default = re.fullmatch(r"\$\{(\w+):-(.+)\}", value)
+        assert default is not None and default[1] == name, value
+        assert f"ARG {name}={default[2]}" in dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    lines = (DOCKER / "Dockerfile").read_text().splitlines()
+    return [tuple(line.split(" ", 1)) for line in lines if line and not line.startswith("#") and line[0].isupper()]
 
 
 def test_dockerfile_copies_what_exists_and_defaults_to_cpu_torch():
@@ -53,6 +83,42 @@ def test_dockerfile_copies_what_exists_and_defaults_to_cpu_torch():
             for source in line.split()[1:-1]:
                 assert (root / source).exists(), source
     assert 'ENTRYPOINT ["peerd"]' in dockerfile
+    assert "COPY examples ./examples" in dockerfile
+
+
+def test_dependencies_are_installed_before_the_source_is_copied():
+    """A code change must rebuild only the layers after the source copy, never the dependencies."""
+    steps = dockerfile_instructions()
+    copies = [i for i, (op, args) in enumerate(steps) if op == "COPY"]
+    first_source = min(i for i in copies if steps[i][1].split()[0] in ("peer", "dht", "averaging", "moe"))
+    deps = next(i for i, (op, args) in enumerate(steps) if op == "RUN" and "requirements.txt" in args)
+    assert all(
+        set(steps[i][1].split()[:-1]) <= {"pyproject.toml", "docker/requirements.py"} for i in copies if i < deps
+    )
+    assert deps < first_source
+    assert steps[-1][0] != "RUN" or "--no-deps" in steps[-1][1]
+    assert any(op == "RUN" and "pip install --no-deps ." in args for op, args in steps[first_source:])
+    # The requirements script, run as the image runs it, lists exactly pyproject's dependencies.
+    printed = subprocess.run(
+        [sys.executable, str(DOCKER / "requirements.py"), str(DOCKER.parent / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    with open(DOCKER.parent / "pyproject.toml", "rb") as file:
+        assert printed == tomllib.load(file)["project"]["dependencies"]
+    assert any(line.startswith("torch") for line in printed)
+
+
+def test_dockerignore_keeps_history_environments_and_keys_out_of_the_context():
+    patterns = [line.strip() for line in (DOCKER.parent / ".dockerignore").read_text().splitlines() if line.strip()]
+    patterns = [p for p in patterns if not p.startswith("#")]
+    for needed in (".git", ".venv", "venv", "**/__pycache__", ".pytest_cache", "**/*.key"):
+        assert needed in patterns, needed
+    # nothing the Dockerfile copies is excluded
+    copied = {source for op, args in dockerfile_instructions() if op == "COPY" for source in args.split()[:-1]}
+    for source in copied:
+        assert not any(fnmatch.fnmatch(source, p) or source == p for p in patterns), source
 
 
 def service_command(service: dict, replacements: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -107,6 +173,9 @@ def test_compose_services_run_as_local_processes_and_train(tmp_path):
         status = json.loads(fetch_status(status_ports[0]))
         assert status["run_id"] == "compose-swarm" and status["task"] == "digits"
         assert status["peers_known"] >= 3
+        # The replicas, started together after the bootstrap, chose different shards.
+        shards = [json.loads(fetch_status(port))["data_shard"] for port in status_ports[1:]]
+        assert len(set(shards)) == 2 and all(shard.endswith("/3") for shard in shards), shards
     finally:
         for process in processes:
             process.stop()

@@ -11,6 +11,7 @@ import pytest
 
 from peer import LOCAL_DIFFICULTY
 from peer.daemon.cli import build_parser, main, parse_command_line
+from peer.daemon.join_arguments import data_shard_from_args
 from peer.daemon.settings import Settings, SettingsError
 
 from .processes import PEERD
@@ -42,7 +43,7 @@ def test_the_file_fills_what_neither_flags_nor_environment_give(tmp_path):
     args = join_args(settings)
     assert args.run_id == "from-file"
     assert args.local_steps == 7 and args.client_mode is True
-    assert args.data_shard == (1, 3) and args.target_batch_size == 512
+    assert data_shard_from_args(args) == (1, 3) and args.target_batch_size == 512
     assert args.initial_peers_setting[0] == "127.0.0.1:4001 127.0.0.1:4002"
     assert args.mode == "collaborative"  # not in the file: the built-in default
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+from peer.daemon.curves_png import PEER_COLOURS
 from peer.daemon.status_server import fetch_status
 from peer.daemon.swarm_table import PLAIN_PERIOD
 
+from .png_reader import read_png
 from .processes import PEERD, PeerdProcess
 
 STATUS_FIELDS = {"peer_id", "address", "run_id", "epoch", "samples_per_s", "loss", "peers_known", "last_averaging"}
@@ -94,7 +97,9 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
     temp = tmp_path / "tmp"  # where the swarm's folder of keys goes, and must be gone from after
     temp.mkdir()
     result = subprocess.run(
-        PEERD + ["swarm", "--peers", "3", "--timeout", "150", "--log-dir", str(tmp_path / "logs")],
+        PEERD
+        + ["swarm", "--peers", "3", "--timeout", "150", "--log-dir", str(tmp_path / "logs")]
+        + ["--plot", str(tmp_path / "curves.png")],
         capture_output=True,
         text=True,
         timeout=200,
@@ -112,6 +117,35 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
     assert result.stdout.count("samples/s") <= summary["seconds"] / PLAIN_PERIOD + 3
     assert list(temp.glob("peerd-swarm-*")) == []  # the peers' private keys went with the swarm
     assert sorted(path.name for path in (tmp_path / "logs").iterdir()) == ["peer0.log", "peer1.log", "peer2.log"]
+    # The bootstrap trains 0/3; the others chose the two other thirds (--data-shard auto).
+    shards = [
+        re.findall(r"training data shard (\d+/\d+)", (tmp_path / "logs" / f"peer{i}.log").read_text()) for i in (1, 2)
+    ]
+    assert sorted(found[0] for found in shards) == ["1/3", "2/3"], shards
+    # --plot: the curves of all three peers, in their colours, in both panels
+    assert summary["plot"] == str(tmp_path / "curves.png")
+    width, height, pixels = read_png(tmp_path / "curves.png")
+    for colour in PEER_COLOURS[:3]:
+        for panel in (range(0, height // 2), range(height // 2, height)):
+            assert any(pixels[y][x] == colour for y in panel for x in range(60, width - 16)), colour
+
+
+def test_a_folder_of_keys_left_by_a_killed_launcher_goes_with_the_next_swarm(tmp_path):
+    stale = tmp_path / "peerd-swarm-999999999-abc"  # no such process
+    stale.mkdir()
+    (stale / "peer0.key").write_text("secret")
+    live = tmp_path / f"peerd-swarm-{os.getpid()}-abc"  # a launcher still running
+    live.mkdir()
+    result = subprocess.run(
+        PEERD + ["swarm", "--task", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert result.returncode == 1 and "unknown task" in result.stderr
+    assert not stale.exists() and live.exists()
+    assert list(tmp_path.glob("peerd-swarm-*")) == [live]  # its own folder went too
 
 
 def test_bad_task_name_is_a_clear_error(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -417,4 +418,25 @@ async def test_a_peer_one_epoch_behind_counts_the_round_it_shares_and_state_aver
         # After the first shared round, both count the same epochs and every round averages.
         assert all(r["averaged"] for r in records[1]), records
         assert all(r["averaged"] for r in records[0][1:]), records
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lone_peer_says_once_that_it_trains_alone(caplog):
+    """The first peer of a swarm finds no group every epoch: one WARNING, not one per round."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        task = digits_task()
+        optimizer = CollaborativeOptimizer(
+            task.make_optimizer(list(task.model.parameters())),
+            node,
+            prefix="alone-test",
+            target_batch_size=64,
+            target_group_size=2,
+            **{**FAST, "matchmaking_timeout": 0.3},
+        )
+        with caplog.at_level(logging.DEBUG, logger="peerd.training"):
+            await Trainer(task, optimizer).run(max_epochs=4)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "no other peer to average with" in warnings[0], warnings
+        assert sum("no other peer to average with at epoch" in r.getMessage() for r in caplog.records) >= 2
         nursery.cancel_scope.cancel()

@@ -6,7 +6,7 @@ import argparse
 
 from peer import PeerAddress
 
-__all__ = ["peer_address", "listen_address"]
+__all__ = ["peer_address", "peer_list", "listen_address"]
 
 
 def peer_address(text: str) -> PeerAddress:
@@ -15,6 +15,15 @@ def peer_address(text: str) -> PeerAddress:
         return PeerAddress.parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def peer_list(text: str) -> list[PeerAddress]:
+    """One or more peer addresses separated by commas or spaces (as ``PEERD_INITIAL_PEERS``
+    takes them); use with ``action="extend"`` so that a flag may also be repeated."""
+    peers = [peer_address(item) for item in text.replace(",", " ").split()]
+    if not peers:
+        raise argparse.ArgumentTypeError("expected HOST:PORT or HOST:PORT/PEERID, got nothing")
+    return peers
 
 
 def listen_address(text: str) -> tuple[str, int]:

@@ -15,35 +15,23 @@ from pathlib import Path
 
 import trio
 
-from peer import PeerAddress, __version__
-from peer.identity import Identity, IdentityError, default_identity_path
+from peer import __version__
+from peer.identity import Identity, IdentityError, check_key_path, default_identity_path
 
-from .arguments import listen_address, peer_address
 from .daemon import DaemonConfig, run_daemon
 from .dht_commands import add_dht_commands, run_dht_command
 from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTED
-from .expert_commands import add_expert_arguments, add_serve_experts_command, config_from_args, run_serve_experts
+from .expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
 from .help import PeerdArgumentParser, add_everywhere, env_setting
 from .identity_lock import IdentityInUseError, lock_identity
-from .node_ids import add_difficulty_argument, node_id_for
-from .private_swarm import access_from_args, add_access_arguments
+from .join_arguments import AUTO, add_join_arguments, data_shard_from_args, initial_peers_from_args
+from .node_ids import node_id_for
+from .private_swarm import access_from_args
 from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
-from .settings import Settings, SettingsError, parse_bool
+from .settings import Settings, SettingsError
 from .status_pages import dashboard_url
 from .status_server import fetch_status
 from .swarm import add_swarm_arguments, run_swarm
-
-
-def _shard(text: str) -> tuple[int, int]:
-    index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
-        raise argparse.ArgumentTypeError(f"--data-shard wants I/N with 0 <= I < N, got {text!r}")
-    return int(index), int(count)
-
-
-def _peer_list(text: str) -> list[PeerAddress]:
-    return [peer_address(item) for item in text.replace(",", " ").split()]
-
 
 DESCRIPTION = """Decentralized volunteer-training peer daemon.
 
@@ -120,175 +108,9 @@ def _add_config_argument(parser: argparse.ArgumentParser, settings: Settings | N
     )
 
 
-def _choice(*allowed: str):
-    def parse(text: str) -> str:
-        if text not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
-        return text
-
-    return parse
-
-
-def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
-    env = settings.get
-    listen = settings.parsed("LISTEN", listen_address, listen_address("0.0.0.0:31337"))
-    env_setting(
-        join.add_argument(
-            "--listen",
-            type=listen_address,
-            default=listen,
-            metavar="HOST:PORT",
-            help="where to accept peers (port 0: any)",
-        ),
-        "LISTEN",
-        default_text=f"{listen[0]}:{listen[1]}",
-    )
-    env_setting(
-        join.add_argument(
-            "--identity",
-            type=Path,
-            default=env("IDENTITY"),
-            help="Ed25519 key file, created on first use; one process per key",
-        ),
-        "IDENTITY",
-        default_text=str(default_identity_path()) if env("IDENTITY") is None else None,
-    )
-    env_setting(
-        join.add_argument(
-            "--initial-peer",
-            type=peer_address,
-            action="append",
-            default=None,
-            metavar="ADDR",
-            help="a peer to join through, HOST:PORT or HOST:PORT/PEERID (pinned identity); repeatable"
-            " (the variable: space- or comma-separated)",
-        ),
-        "INITIAL_PEERS",
-    )
-    # Parsed only by ``join``, so that a bad address does not break every other command.
-    join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
-    env_setting(
-        join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run"),
-        "RUN_ID",
-    )
-    add_difficulty_argument(join, settings)
-    add_access_arguments(join, settings)
-    env_setting(
-        join.add_argument(
-            "--bootstrap-timeout",
-            type=float,
-            default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0),
-            metavar="SECONDS",
-            help="exit 2 if no initial peer answers within this",
-        ),
-        "BOOTSTRAP_TIMEOUT",
-    )
-    env_setting(
-        join.add_argument(
-            "--client-mode",
-            action=argparse.BooleanOptionalAction,
-            default=settings.parsed("CLIENT_MODE", parse_bool, False),
-            help="behind NAT: make requests, accept none",
-        ),
-        "CLIENT_MODE",
-    )
-    env_setting(
-        join.add_argument(
-            "--task",
-            default=env("TASK"),
-            help="train this task: a built-in name (digits, textlm) or package.module:factory",
-        ),
-        "TASK",
-    )
-    env_setting(
-        join.add_argument(
-            "--model-size",
-            default=env("MODEL_SIZE"),
-            help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; default small)",
-        ),
-        "MODEL_SIZE",
-    )
-    env_setting(
-        join.add_argument(
-            "--delay-updates",
-            action=argparse.BooleanOptionalAction,
-            default=settings.parsed("DELAY_UPDATES", parse_bool, False),
-            help="collaborative mode: average an epoch's gradients while the next one accumulates",
-        ),
-        "DELAY_UPDATES",
-    )
-    env_setting(
-        join.add_argument(
-            "--compression",
-            default=env("COMPRESSION"),
-            help="codec for averaged gradients or pseudo-gradients: none, float16, scaled_float16, uint8, "
-            "blockwise_8bit, adaptive (default: none in collaborative mode, blockwise_8bit in local-updates)",
-        ),
-        "COMPRESSION",
-    )
-    modes = ("collaborative", "local-updates")
-    env_setting(
-        join.add_argument(
-            "--mode",
-            choices=modes,
-            default=settings.parsed("MODE", _choice(*modes), "collaborative"),
-            help="gradient averaging, or DiLoCo-style local steps and outer rounds",
-        ),
-        "MODE",
-    )
-    env_setting(
-        join.add_argument(
-            "--local-steps",
-            type=int,
-            default=settings.parsed("LOCAL_STEPS", int, 20),
-            help="inner steps per round in local-updates mode",
-        ),
-        "LOCAL_STEPS",
-    )
-    env_setting(
-        join.add_argument(
-            "--target-batch-size",
-            type=int,
-            default=settings.parsed("TARGET_BATCH_SIZE", int),
-            help="swarm-wide samples per epoch in collaborative mode (default: the task's)",
-        ),
-        "TARGET_BATCH_SIZE",
-    )
-    env_setting(
-        join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)"),
-        "DEVICE",
-    )
-    shard = settings.parsed("DATA_SHARD", _shard, (0, 1))
-    env_setting(
-        join.add_argument(
-            "--data-shard", type=_shard, default=shard, metavar="I/N", help="train on shard I of N of the task's data"
-        ),
-        "DATA_SHARD",
-        default_text=f"{shard[0]}/{shard[1]}",
-    )
-    env_setting(
-        join.add_argument(
-            "--status-port",
-            type=int,
-            default=settings.parsed("STATUS_PORT", int),
-            metavar="PORT",
-            help="serve /status and /metrics on this port (0: any; default: none)",
-        ),
-        "STATUS_PORT",
-    )
-    env_setting(
-        join.add_argument(
-            "--status-host", default=env("STATUS_HOST", "127.0.0.1"), help="address the status port binds"
-        ),
-        "STATUS_HOST",
-    )
-    add_expert_arguments(join, flag="--serve-experts", device=False)
-    env_setting(join._option_string_actions["--serve-experts"], "SERVE_EXPERTS")
-    join.set_defaults(experts=env("SERVE_EXPERTS"))
-
-
 def _cmd_keygen(args: argparse.Namespace) -> int:
     path = Path(args.identity) if args.identity else default_identity_path()
+    check_key_path(path)
     if path.exists():
         print(f"peerd: {path} already exists; refusing to overwrite an identity", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -322,22 +144,16 @@ def _experts(args: argparse.Namespace):
     return config, config.build_experts()
 
 
-def _setting_peers(args: argparse.Namespace) -> list[PeerAddress]:
-    text, origin = args.initial_peers_setting
-    try:
-        return _peer_list(text)
-    except argparse.ArgumentTypeError as error:
-        raise SettingsError(f"{origin}: {error}") from None
-
-
 def _cmd_join(args: argparse.Namespace) -> int:
     identity_path = Path(args.identity) if args.identity else default_identity_path()
+    check_key_path(identity_path)
     lock_identity(identity_path)  # before the slow start-up, so a second process fails at once
     shard = None
     if args.task is not None:
         from .tasks import ShardSpec, check_task  # torch loads only in peers that train
 
-        shard = ShardSpec(*args.data_shard)
+        chosen = data_shard_from_args(args)
+        shard = chosen if chosen == AUTO else ShardSpec(*chosen)
         check_task(args.task, args.model_size)  # fail now, with a clear message
     if args.delay_updates and (args.task is None or args.mode != "collaborative"):
         raise ValueError("--delay-updates applies to training (--task) in collaborative mode only")
@@ -353,7 +169,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         identity=identity,
         listen_host=host,
         listen_port=port,
-        initial_peers=args.initial_peer if args.initial_peer is not None else _setting_peers(args),
+        initial_peers=initial_peers_from_args(args),
         run_id=args.run_id,
         node_id=node_id,
         node_id_difficulty=args.node_id_difficulty,

@@ -64,7 +64,7 @@ class DaemonConfig:
     delay_updates: bool = False  # collaborative: average while the next epoch accumulates
     compression: str | None = None  # codec name; None: each mode's default
     device: str | None = None  # None: CUDA when available
-    shard: Any = None  # peer.daemon.tasks.ShardSpec; None = the whole data set
+    shard: Any = None  # peer.daemon.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
     target_batch_size: int | None = None
     local_steps: int = 20
     status_host: str = "127.0.0.1"
@@ -91,6 +91,7 @@ class Daemon:
         self.dht = None
         self.trainer = None
         self.status_port: int | None = None
+        self.data_shard: str | None = None  # "I/N" once chosen
         self.started = time.time()
         self.pages = StatusPages(self.status, lambda: self.trainer.optimizer.swarm if self.trainer else None)
 
@@ -105,6 +106,7 @@ class Daemon:
             "bytes_sent": host.traffic.bytes_sent if host else 0,
             "bytes_received": host.traffic.bytes_received if host else 0,
             "task": self.config.task,
+            "data_shard": self.data_shard,
             "epoch": None,
             "samples_per_s": None,
             "loss": None,
@@ -186,13 +188,19 @@ class Daemon:
         import torch
 
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
+        from averaging.progress import ProgressTracker
 
-        from .tasks import ShardSpec, load_task
+        from .data_shards import claim_shard
+        from .tasks import ShardSpec, load_task, task_name
         from .training import Trainer
 
         config = self.config
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shard = config.shard or ShardSpec()
+        if shard == "auto":
+            name = await trio.to_thread.run_sync(task_name, config.task, config.model_size)
+            shard = ShardSpec(*await claim_shard(ProgressTracker(dht, f"{config.run_id}.{name}")))
+        self.data_shard = f"{shard.index}/{shard.count}"
         task = await trio.to_thread.run_sync(
             lambda: load_task(config.task, shard=shard, device=device, model_size=config.model_size)
         )
@@ -214,6 +222,7 @@ class Daemon:
                     delay_updates=background if config.delay_updates else None,
                     **codec,
                 )
+            optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = Trainer(task, optimizer)
             self.trainer.round_observers.append(self.pages.observe_round)
             log.info("training task %s on %s (%s mode)", task.name, device, config.mode)

@@ -22,7 +22,7 @@ from dht.records import MAX_TTL, DHTValue
 from peer import Identity, NodeIDProof
 from peer.identity import default_identity_path
 
-from .arguments import peer_address
+from .arguments import peer_list
 from .node_ids import add_difficulty_argument, node_id_for
 from .runner import EXIT_UNREACHABLE
 from .settings import Settings
@@ -56,7 +56,7 @@ def add_dht_commands(
     dht = subparsers.add_parser("dht", help="store or get one DHT record as a short-lived client")
     actions = dht.add_subparsers(dest="dht_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--initial-peer", type=peer_address, action="append", required=True, metavar="ADDR")
+    common.add_argument("--initial-peer", type=peer_list, action="extend", required=True, metavar="ADDR")
     common.add_argument("--run-id", default="default", help="the swarm's run ID")
     common.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="joining deadline")
     add_difficulty_argument(common, settings)

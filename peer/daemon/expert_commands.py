@@ -21,7 +21,7 @@ from dht import DHTNode
 from moe.hosting import DEFAULT_MAX_BATCH_SIZE, HEARTBEAT_PERIOD, ExpertHostingConfig, host_experts
 from peer import Identity, NodeIDProof, PeerAddress
 
-from .arguments import listen_address, peer_address
+from .arguments import listen_address, peer_list
 from .exit_codes import EXIT_BAD_INPUT
 from .identity_lock import lock_identity
 from .node_ids import add_difficulty_argument, node_id_for
@@ -75,7 +75,7 @@ def add_serve_experts_command(subparsers: Any, settings: Settings | None = None)
     parser.add_argument("--announce-host", default=None, help="host to advertise (default: the listen host, "
                         "or for 0.0.0.0 the local address that reaches the first initial peer)")  # fmt: skip
     parser.add_argument(
-        "--initial-peer", type=peer_address, action="append", default=[], metavar="ADDR", help="a peer of the swarm"
+        "--initial-peer", type=peer_list, action="extend", default=[], metavar="ADDR", help="a peer of the swarm"
     )
     parser.add_argument("--identity", type=Path, default=None, help="key file (default: a new identity)")
     parser.add_argument("--run-id", default="default", help="the swarm's run ID")

@@ -2,13 +2,15 @@
 
 The first peer is the bootstrap; once it is up the others start together and join through it.
 Each is a separate ``peerd join`` process (so a crash or a kill affects one peer only; see
-``swarm_processes.py`` for how they never outlive the launcher) with its own data shard and
-status port; this command polls their ``/status`` once a second, shows a table
-(``swarm_table.py``), and stops them all when the best peer's held-out accuracy reaches the
+``swarm_processes.py`` for how they never outlive the launcher) with its own data shard (the
+bootstrap ``0/N``, the others ``auto``) and status port; this command polls their ``/status``
+once a second, shows a table (``swarm_table.py``), and stops them all when the best peer's held-out accuracy reaches the
 target, when every peer passed ``--max-epochs``, at ``--timeout``, or on Ctrl-C / SIGTERM. The
 last line of output is always a JSON summary. Exit status: 0 target reached, 4 stopped before it,
 130 Ctrl-C, 143 SIGTERM. The peers' keys (and logs, without ``--log-dir``) live in a temporary
-folder removed at exit unless ``--keep-files``.
+folder removed at exit unless ``--keep-files``; one that a killed launcher (SIGKILL) had to leave is
+removed by the next ``peerd swarm`` (its name carries the launcher's process ID). ``--plot FILE.png``
+writes the peers' curves at exit (``curves_png.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from peer import LOCAL_DIFFICULTY
 
+from .curves_png import write_curves_png
 from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
 from .swarm_processes import SwarmPeer, stop_all, wait_started
 from .swarm_table import TableDisplay
@@ -81,6 +84,13 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
         help="keep each peer's log here (default: in the temporary folder)",
     )
     swarm.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="at exit, write each peer's loss and held-out accuracy (text tasks: bits per byte) over time",
+    )
+    swarm.add_argument(
         "--keep-files",
         action="store_true",
         help="keep the temporary folder with the peers' keys (and logs) instead of removing it at exit",
@@ -95,7 +105,9 @@ def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, 
         "--run-id", run_id,
         "--task", args.task,
         "--mode", args.mode,
-        "--data-shard", f"{index}/{count}",
+        # The bootstrap claims the first of N shards; the others choose among the rest as they
+        # come up (``data_shards.py``), as peers joining a real swarm do.
+        "--data-shard", f"0/{count}" if index == 0 else "auto",
         *(["--model-size", args.model_size] if args.model_size else []),
         "--status-port", "0",
         # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
@@ -104,12 +116,60 @@ def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, 
     return join + (["--initial-peer", bootstrap] if bootstrap else [])
 
 
+WORK_DIR_PREFIX = "peerd-swarm-"
+
+
+def _remove_stale_work_dirs() -> None:
+    """Remove the temporary folders (with private keys) of launchers that were killed before they
+    could: ours carry the launcher's process ID, and a folder whose launcher is gone is stale."""
+    for path in Path(tempfile.gettempdir()).glob(f"{WORK_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(WORK_DIR_PREFIX).split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, OverflowError):  # not ours to judge (another user's process, a bad name)
+            continue
+
+
+class _Curves:
+    """Each peer's loss and held-out metric over the run, for ``--plot``."""
+
+    def __init__(self) -> None:
+        self.loss: dict[int, list[tuple[float, float]]] = {}
+        self.held_out: dict[int, list[tuple[float, float]]] = {}
+
+    def add(self, statuses: list[dict[str, Any] | None], seconds: float, held_out_key: str) -> None:
+        for index, status in enumerate(statuses):
+            if status is None:
+                continue
+            for series, key in ((self.loss, "loss"), (self.held_out, held_out_key)):
+                value = status.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series.setdefault(index, []).append((seconds, float(value)))
+
+
+def _write_plot(path: Path, curves: _Curves, text_task: bool, seconds: float) -> str | None:
+    """Write ``--plot``'s PNG; its path, or None (and why on stderr) when it cannot be written."""
+    try:
+        write_curves_png(path, curves.loss, curves.held_out, "bits/byte" if text_task else "held-out accuracy", seconds)
+    except OSError as error:
+        print(f"peerd: cannot write the plot {path}: {error.strerror or error}", file=sys.stderr)
+        return None
+    return str(path)
+
+
 def run_swarm(args: argparse.Namespace) -> int:
     if args.peers < 1:
         print("peerd: --peers must be at least 1", file=sys.stderr)
         return 1
     display = TableDisplay(sys.stdout)
-    work_dir = Path(tempfile.mkdtemp(prefix="peerd-swarm-"))  # keys (0600, in a 0700 folder)
+    _remove_stale_work_dirs()
+    # keys (0600, in a 0700 folder)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))
+    curves = _Curves()
     log_dir = args.log_dir or work_dir
     run_id = f"swarm-{os.getpid()}-{int(time.time())}"
     peers: list[SwarmPeer] = []
@@ -133,16 +193,21 @@ def run_swarm(args: argparse.Namespace) -> int:
                 took = time.monotonic() - peer.started_at
                 display.message(f"peer {peer.index} up at {peer.address} ({took:.1f} s)")
 
+            def waiting(pending: list[SwarmPeer]) -> None:
+                names = ", ".join(str(peer.index) for peer in pending)
+                took = time.monotonic() - min(peer.started_at for peer in pending)
+                display.progress(f"starting peer{'s' if len(pending) > 1 else ''} {names}... ({took:.0f} s)")
+
             display.message("starting peer 0 (the bootstrap)...")
             peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
-            wait_started(peers, STARTUP_TIMEOUT, started)
+            wait_started(peers, STARTUP_TIMEOUT, started, waiting)
             if args.peers > 1:
                 others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
                 display.message(f"starting {others}...")
                 for index in range(1, args.peers):
                     join = _join_args(index, args.peers, args, work_dir, run_id, peers[0].address)
                     peers.append(SwarmPeer(index, join, log_dir / f"peer{index}.log"))
-                wait_started(peers, STARTUP_TIMEOUT, started)
+                wait_started(peers, STARTUP_TIMEOUT, started, waiting)
             display.message(f"swarm of {args.peers} peers running (logs in {log_dir})")
             display.message(f"dashboard of peer 0: http://127.0.0.1:{peers[0].status_port}/")
             join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
@@ -152,6 +217,7 @@ def run_swarm(args: argparse.Namespace) -> int:
                 time.sleep(POLL_PERIOD)
                 statuses = [peer.poll_status() for peer in peers]
                 display.show(statuses, time.monotonic() - start)
+                curves.add(statuses, time.monotonic() - start, "accuracy" if target_bpb is None else "bits_per_byte")
                 alive = [s for s in statuses if s is not None]
                 accuracies = [s["accuracy"] for s in alive if isinstance(s.get("accuracy"), (int, float))]
                 best_accuracy = max(accuracies) if accuracies else best_accuracy
@@ -179,8 +245,10 @@ def run_swarm(args: argparse.Namespace) -> int:
         stop_all(peers)
         if not args.keep_files:
             shutil.rmtree(work_dir, ignore_errors=True)
+        display.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    plot = _write_plot(args.plot, curves, target_bpb is not None, time.monotonic() - start) if args.plot else None
     if stopped_by is not None:
         display.message(f"stopped by {signal.Signals(stopped_by).name}")
     if error is not None:
@@ -200,6 +268,7 @@ def run_swarm(args: argparse.Namespace) -> int:
         "seconds": round(time.monotonic() - start, 1),
         "stopped_by": signal.Signals(stopped_by).name if stopped_by is not None else None,
         "logs": str(log_dir) if args.log_dir or args.keep_files else None,
+        "plot": plot,
     }
     print(json.dumps(summary), flush=True)
     if reached:

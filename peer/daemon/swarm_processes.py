@@ -112,9 +112,15 @@ class SwarmPeer:
         self._log.close()
 
 
-def wait_started(peers: list[SwarmPeer], timeout: float, on_started: Callable[[SwarmPeer], None]) -> None:
-    """Wait until every peer printed its addresses, calling ``on_started`` for each as it does;
-    RuntimeError (with the log's tail) for one that exits or is not up within ``timeout``."""
+def wait_started(
+    peers: list[SwarmPeer],
+    timeout: float,
+    on_started: Callable[[SwarmPeer], None],
+    on_waiting: Callable[[list[SwarmPeer]], None] | None = None,
+) -> None:
+    """Wait until every peer printed its addresses, calling ``on_started`` for each as it does and
+    ``on_waiting`` with the ones still starting about once a second; RuntimeError (with the log's
+    tail) for one that exits or is not up within ``timeout``."""
     deadline = time.monotonic() + timeout
     pending = {peer.process.stdout.fileno(): peer for peer in peers if not peer.started}
     with selectors.DefaultSelector() as selector:
@@ -135,6 +141,8 @@ def wait_started(peers: list[SwarmPeer], timeout: float, on_started: Callable[[S
             for peer in list(pending.values()):
                 if peer.process.poll() is not None:
                     raise RuntimeError(f"peer {peer.index} exited ({peer.process.returncode}):\n{peer.tail()}")
+            if pending and on_waiting is not None:
+                on_waiting(list(pending.values()))
 
 
 def stop_all(peers: Iterable[SwarmPeer], timeout: float = STOP_TIMEOUT) -> None:

@@ -16,11 +16,21 @@ import torch
 from torch import nn
 
 from .task_types import ShardSpec, Task, TaskError
-from .textlm import MODEL_SIZES, textlm_task
+from .textlm import DEFAULT_SIZE, MODEL_SIZES, textlm_task
 
 WHOLE_DATA = ShardSpec()  # the default shard: all of a task's training data
 
-__all__ = ["Task", "ShardSpec", "TaskError", "load_task", "check_task", "digits_task", "textlm_task", "BUILTIN_TASKS"]
+__all__ = [
+    "Task",
+    "ShardSpec",
+    "TaskError",
+    "load_task",
+    "check_task",
+    "task_name",
+    "digits_task",
+    "textlm_task",
+    "BUILTIN_TASKS",
+]
 
 
 def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
@@ -88,6 +98,16 @@ def check_task(spec: str, model_size: str | None = None) -> None:
         return
     if spec not in BUILTIN_TASKS or model_size is not None:
         load_task(spec, model_size=model_size)
+
+
+def task_name(spec: str, model_size: str | None = None) -> str:
+    """The name a task's peers meet under (the prefix of its DHT keys), known before its data loads
+    for built-in tasks; a factory's task is built once to learn it."""
+    if spec == "digits":
+        return "digits"
+    if spec == "textlm":
+        return f"textlm-{model_size or DEFAULT_SIZE}"
+    return load_task(spec, model_size=model_size).name
 
 
 def load_task(
