@@ -157,6 +157,14 @@ def test_bad_task_names_give_clear_errors():
         ShardSpec(3, 2)
 
 
+def test_thin_shards_still_give_batches_and_empty_ones_are_refused():
+    thin = digits_task(shard=ShardSpec(5, 200), batch_size=32)  # 1,438 training images: 7 or 8 each
+    inputs, targets = next(thin.batches)
+    assert 1 <= len(inputs) < 32 and len(inputs) == len(targets)
+    with pytest.raises(TaskError, match="shard 1500/2000 of digits is empty"):
+        digits_task(shard=ShardSpec(1500, 2000))
+
+
 async def train_to_target(nodes, make, target: float | None = 0.9, max_epochs=80):
     trainers = [make(node, i, len(nodes)) for i, node in enumerate(nodes)]
     statuses = {}

@@ -34,6 +34,9 @@ __all__ = [
 
 
 def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
+    """Shuffled batches forever; a shard smaller than one batch is one (smaller) batch, so a peer
+    on a thin shard still trains instead of waiting forever for a full batch."""
+    batch_size = min(batch_size, len(inputs))
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(inputs), generator=generator)
@@ -57,6 +60,9 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
     mine = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(shard.seed))][
         shard.index :: shard.count
     ]
+    if len(mine) == 0:
+        empty = f"shard {shard.index}/{shard.count} of digits is empty ({len(train)} training images)"
+        raise TaskError(f"{empty}: use fewer shards")
     torch.manual_seed(0)  # every peer starts from the same initial model
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     test_x, test_y = inputs[held_out].to(device), targets[held_out].to(device)
