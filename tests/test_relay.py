@@ -1,0 +1,175 @@
+"""Circuit relays and reachability on loopback: a peer reached only through a relay answers calls
+end to end (the relay forwards ciphertext only), relay limits hold against a greedy client, and
+dial-back tells a listening peer from one nobody can reach."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from peer import ConnectError, Identity, PeerAddress, Router, open_peer_host
+from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
+from peer.reachability import NAT, PUBLIC, UNKNOWN, ReachabilityService, check_reachability
+from peer.relay import Relay, RelayClient
+
+SECRET = b"plaintext-the-relay-must-never-see" * 4
+
+
+async def until(condition) -> None:
+    """Poll ``condition`` (the caller's deadline bounds the wait)."""
+    while not condition():
+        await trio.sleep(0.01)
+
+
+def echo_router() -> Router:
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return {"echo": request.body, "payload_size": len(request.payload)}
+
+    return router
+
+
+@pytest.fixture
+async def relayed():
+    """(relay host, relay service, NAT'd host B with a reservation, dialer host A)."""
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as dialer,
+    ):
+        relay = Relay(relay_host)
+        client = RelayClient(behind)
+        RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        await client.reserve(relay_host.listen_address)
+        yield relay_host, relay, behind, dialer
+
+
+async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted(relayed):
+    relay_host, relay, behind, dialer = relayed
+    seen: list[bytes] = []
+    pump = relay._pump
+
+    async def tapped(source, sink, bucket, scope):
+        original = source.receive_some
+
+        async def tap(size):
+            data = await original(size)
+            seen.append(bytes(data))
+            return data
+
+        source.receive_some = tap
+        await pump(source, sink, bucket, scope)
+
+    relay._pump = tapped
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    assert PeerAddress.parse(str(address)) == address
+    reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
+    assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
+    connection = dialer.connection_to(behind.peer_id)
+    assert connection is not None and connection.relayed_via == relay_host.peer_id
+    # B accepted it as a relayed connection, and sees A's identity
+    incoming = behind.connection_to(dialer.peer_id)
+    assert incoming is not None and incoming.relayed_via == relay_host.peer_id
+    relayed_bytes = b"".join(seen)
+    assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
+    assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
+    assert relay.book.circuits == 1
+    connection.close()
+    with trio.fail_after(5):
+        await until(lambda: relay.book.circuits == 0)
+
+
+async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
+    relay_host, relay, behind, dialer = relayed
+    stranger = Identity.generate().peer_id
+    address = PeerAddress(relay_host.listen_address.host, relay_host.listen_address.port, stranger, relay_host.peer_id)
+    with pytest.raises(ConnectError, match="relay refused"):
+        await dialer.connect(address)
+    # a raw circuit end with a token nobody issued is dropped at once
+    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+    await stream.send_all(b"\xff" + bytes(16))
+    with trio.fail_after(5):
+        assert await stream.receive_some(10) == b""
+        await until(lambda: relay._waiting_ends == 0)
+    assert relay.book.circuits == 0
+
+
+async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed, monkeypatch):
+    relay_host, relay, _, _ = relayed
+    monkeypatch.setattr("peer.relay.TOKEN_TIMEOUT", 0.3)
+    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+    await stream.send_all(b"\xff")
+    with trio.fail_after(5):
+        assert await stream.receive_some(10) == b""
+        await until(lambda: relay._waiting_ends == 0)
+
+
+def test_relay_book_caps_circuits_and_expires_pending_ones():
+    book = RelayBook(RelayLimits(max_reservations=2, max_circuits=3, max_circuits_per_peer=2, pending_timeout=5))
+    book.reserve("b", 0)
+    book.reserve("c", 0)
+    with pytest.raises(RelayRefused, match="reservations"):
+        book.reserve("d", 0)
+    book.reserve("b", 1)  # renewing is not a new reservation
+    with pytest.raises(RelayRefused, match="no reservation"):
+        book.open_circuit("a", "d", 0)
+    first = book.open_circuit("a", "b", 0)
+    book.open_circuit("a", "c", 0)
+    with pytest.raises(RelayRefused, match="a is at its maximum"):
+        book.open_circuit("a", "b", 0)  # one requester cannot hold more than its share
+    book.open_circuit("x", "c", 0)
+    with pytest.raises(RelayRefused, match="maximum of 3 circuits"):
+        book.open_circuit("y", "b", 0)
+    # tokens are one-time; both ends make the circuit active with its lifetime
+    assert book.arrive(first.tokens[0], "end-a", 1) is first and not first.active
+    assert book.arrive(first.tokens[0], "again", 1) is None
+    assert book.arrive(first.tokens[1], "end-b", 1) is first and first.active
+    # the other two never got their ends: they expire, freeing their slots
+    assert len(book.expire(10)) == 2 and book.circuits == 1
+    assert book.arrive(bytes(16), "junk", 10) is None
+    book.close_circuit(first)
+    assert book.circuits == 0 and not book._per_peer
+
+
+def test_token_bucket_and_dial_back_limits():
+    bucket = TokenBucket(rate=100, burst=50, now=0)
+    assert bucket.take(50, 0) == 0
+    assert bucket.take(100, 0) == pytest.approx(1.0)
+    limiter = DialBackLimiter(0, rate=1, burst=2, per_address_interval=10)
+    assert limiter.start("1.2.3.4:1", 0) is None
+    assert "in progress" in limiter.start("1.2.3.4:1", 0)
+    limiter.finished("1.2.3.4:1")
+    assert "ago" in limiter.start("1.2.3.4:1", 1)
+    assert limiter.start("5.6.7.8:1", 1) is None
+    assert limiter.start("6.6.6.6:1", 1) is None  # the bucket (2, one more per second) is now empty
+    assert "too many" in limiter.start("9.9.9.9:1", 1)
+    assert limiter.start("1.2.3.4:1", 11) is None
+    assert reachability_verdict([]) == UNKNOWN
+    assert reachability_verdict([False]) == UNKNOWN
+    assert reachability_verdict([False, False]) == NAT
+    assert reachability_verdict([False, True]) == PUBLIC
+
+
+async def test_dial_back_tells_a_reachable_peer_from_an_unreachable_one():
+    async with open_peer_host(Identity.generate()) as one, open_peer_host(Identity.generate()) as two:
+        async with open_peer_host(Identity.generate()) as asker:
+            servers = [one.listen_address, two.listen_address]
+            for server in (one, two):
+                server.service(ReachabilityService)
+            result = await check_reachability(asker, servers)
+            assert result.status == PUBLIC, result
+            assert result.observed is not None and result.observed[0] == "127.0.0.1"
+            # a port nobody listens on stands for a NAT that drops unsolicited connections
+            closed = trio.socket.socket()
+            await closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+            closed.close()
+            result = await check_reachability(asker, servers, port=port)
+            assert result.status == NAT, result
+            assert "could dial us back" in result.reason
+            # asking again at once is refused by the rate limit: unknown, not a wrong verdict
+            again = await check_reachability(asker, servers, port=port)
+            assert again.status == UNKNOWN, again
