@@ -121,6 +121,14 @@ class PeerHost:
         self.relay_dialer: Callable[[PeerAddress], Awaitable[trio.SocketStream]] | None = None
         self.announced: list[PeerAddress] = []
 
+    @property
+    def public_address(self) -> PeerAddress | None:
+        """Where others reach us: our first relayed address while we announce relayed ones (behind
+        NAT), else our listen address (None in client mode)."""
+        if self.announced:
+            return self.announced[0].with_peer_id(self.peer_id)
+        return self.listen_address
+
     def service(self, kind: type[Service]) -> Service:
         """This host's one ``kind(self)``, created on first use.
 

@@ -193,6 +193,15 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     )
     env_setting(
         join.add_argument(
+            "--relay",
+            action=argparse.BooleanOptionalAction,
+            default=settings.parsed("RELAY", parse_bool, True),
+            help="relay connections for peers behind NAT while this peer is reachable (limited per circuit)",
+        ),
+        "RELAY",
+    )
+    env_setting(
+        join.add_argument(
             "--task",
             default=env("TASK"),
             help="train this task: a built-in name (digits, textlm) or package.module:factory",
@@ -358,6 +367,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         access=access,
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
+        relay=args.relay,
         task=args.task,
         model_size=args.model_size,
         mode=args.mode,
