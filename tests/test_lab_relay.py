@@ -1,0 +1,91 @@
+"""Peers behind NAT as full peers, in the network lab: three public peers and two behind NAT
+routers (one port-preserving, one port-randomizing) that run without ``--client-mode``. Each peer
+learns whether it is reachable by dial-back; the NAT'd ones reserve slots on two relays, announce
+relayed addresses, are called through a relay from a public host, train with the swarm (reducing
+and serving over relayed connections), and keep their place when a relay dies."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+TARGET_ACCURACY = 0.9
+TRAIN_TIMEOUT = 150.0
+
+
+def reachability(peer) -> dict:
+    return (peer.status() or {}).get("reachability") or {}
+
+
+def ping_through(lab, host, address: str) -> dict:
+    result = lab.run_in(host, ["tests/lab_nat_client.py", address, "--run-id", "lab-relay"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(420)
+def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
+    lab = nat_netlab
+    public = [lab.add_host(f"h{index}", rate_mbit=100) for index in range(3)]
+    behind = [lab.add_nat_host("n0", rate_mbit=100), lab.add_nat_host("n1", rate_mbit=100, random_ports=True)]
+    peers = lab.start_swarm(public + behind, run_id="lab-relay", extra=["--task", "digits"])
+    started = time.monotonic()
+
+    def settled(peer, status: str) -> bool:
+        return reachability(peer).get("status") == status
+
+    for peer in peers[:3]:
+        lab.wait_for(lambda peer=peer: settled(peer, "public"), 60, f"{peer.host.name} found public")
+    for peer in peers[3:]:
+        lab.wait_for(lambda peer=peer: settled(peer, "nat"), 60, f"{peer.host.name} found behind NAT")
+        # its public address as the others see it: its router's
+        assert reachability(peer)["observed_address"].startswith(peer.host.router.address + ":")
+        lab.wait_for(
+            lambda peer=peer: len(reachability(peer).get("relayed_addresses", [])) == 2,
+            60,
+            f"{peer.host.name} holding two relay reservations",
+        )
+        assert not reachability(peer)["client_mode_fallback"]
+    print(f"reachability settled and relays reserved after {time.monotonic() - started:.1f} s")
+
+    # a public host that never met n0 reaches it through either of its relays
+    target = peers[3]
+    for address in reachability(target)["relayed_addresses"]:
+        full = f"{address}/{target.status()['peer_id']}"
+        result = ping_through(lab, public[1], full)
+        assert result["ok"] == result["count"] and result["relayed_via"], result
+
+    lab.wait_for(lambda: min(accuracy(p) for p in peers) >= TARGET_ACCURACY, TRAIN_TIMEOUT, "every peer at the target")
+    print(f"all five at {TARGET_ACCURACY} after {time.monotonic() - started:.1f} s")
+    for peer in peers[3:]:
+        lab.wait_for(lambda peer=peer: averaged_group(peer) >= 2, 60, f"an averaged round on {peer.host.name}")
+        assert reachability(peer)["connections"]["relayed"] >= 1, reachability(peer)
+
+    # a relay dies: the NAT'd peer reserves with the remaining public peer and stays reachable
+    relays = reachability(target)["relayed_addresses"]
+    victim = next(p for p in peers[1:3] if any(a.startswith(p.host.address + ":") for a in relays))
+    victim.kill()
+    lab.wait_for(
+        lambda: (
+            len(addresses := reachability(target).get("relayed_addresses", [])) == 2
+            and not any(a.startswith(victim.host.address + ":") for a in addresses)
+        ),
+        60,
+        "n0 replacing its dead relay",
+    )
+    survivors = [p for p in peers if p is not victim]
+    for address in reachability(target)["relayed_addresses"]:
+        result = ping_through(lab, public[0], f"{address}/{target.status()['peer_id']}")
+        assert result["ok"] == result["count"], result
+    assert all(p.alive() for p in survivors), lab.logs()
+
+
+def accuracy(peer) -> float:
+    return (peer.status() or {}).get("accuracy") or 0.0
+
+
+def averaged_group(peer) -> int:
+    record = (peer.status() or {}).get("last_averaging") or {}
+    return (record.get("group") or 0) if record.get("averaged") else 0
