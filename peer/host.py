@@ -24,6 +24,7 @@ from .address import PeerAddress
 from .admission import Admission, address_group
 from .identity import Identity, PeerID
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
+from .reuse_port import open_listeners
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
 from .secure_channel import (
@@ -46,6 +47,8 @@ CONNECT_TIMEOUT = 5.0
 # Endpoints whose identity we learned by dialing them. Contacts come from other peers, so this map
 # is bounded: past the cap the oldest entries go (they only save a lookup in the pool).
 MAX_KNOWN_ENDPOINTS = 4096
+# A relayed connection replaced by a direct one stays open this long for the calls still on it.
+RELAY_HANDOVER_GRACE = 30.0
 
 
 class ConnectError(OSError):
@@ -156,7 +159,7 @@ class PeerHost:
         )
 
     async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners = await open_listeners(host, port)  # punched dials share their port
         sockname = listeners[0].socket.getsockname()
         self.listen_address = PeerAddress(sockname[0], sockname[1], self.peer_id)
         task_status.started(self.listen_address)
@@ -244,6 +247,11 @@ class PeerHost:
         existing = self._connections.get(peer)
         if existing is None or existing.is_closed:
             self._connections[peer] = connection
+        elif existing.relayed_via is not None and connection.relayed_via is None:
+            # a direct path (hole punched, or the peer became reachable) takes over from the relay;
+            # calls already on the relayed connection get a grace period to finish
+            self._connections[peer] = connection
+            self._nursery.start_soon(_close_after, existing, RELAY_HANDOVER_GRACE)
         for callback in self.on_connection:
             callback(connection, incoming)
         try:
@@ -383,6 +391,11 @@ async def _opens_circuit(stream: trio.SocketStream) -> bool:
 
     first = await stream.socket.recv(1, socket.MSG_PEEK)
     return bool(first) and first[0] == CIRCUIT_MAGIC
+
+
+async def _close_after(connection: Connection, delay: float) -> None:
+    await trio.sleep(delay)
+    connection.close()
 
 
 def _os_reason(error: OSError) -> str:

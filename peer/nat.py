@@ -1,8 +1,10 @@
 """A peer's NAT traversal as one component: it answers dial-back requests, relays for others
 (unless told not to), checks its own reachability, and behind NAT keeps relay reservations and
 announces relayed addresses; with no relay to be had it falls back to client mode, saying why.
+Every relayed connection it dials is then upgraded to a direct one by hole punching if it can be.
 
-Pieces: ``peer/reachability.py`` (dial-back), ``peer/relay.py`` (relays and reservations).
+Pieces: ``peer/reachability.py`` (dial-back), ``peer/relay.py`` (relays and reservations),
+``peer/holepunch.py`` (simultaneous open).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import trio
 
 from .address import PeerAddress
+from .holepunch import HolePuncher
 from .host import ConnectError, PeerHost
 from .nat_state import NAT, PUBLIC, UNKNOWN, RelayLimits
 from .reachability import Reachability, ReachabilityService, check_reachability
@@ -47,6 +50,7 @@ class NatTraversal:
         host.service(ReachabilityService)
         self.relay = Relay(host, limits) if relay and not host.client_mode else None
         self.client = RelayClient(host)
+        self.puncher = HolePuncher(host, lambda: self.reachability.observed[0] if self.reachability.observed else None)
         self.initial_peers = list(initial_peers or [])
         self.reachability = Reachability(UNKNOWN, None, 0, "not checked yet")
         self.fallback_client_mode = False
@@ -102,6 +106,7 @@ class NatTraversal:
                 relayed += connection.relayed_via is not None
                 direct += connection.relayed_via is None
         status["connections"] = {"direct": direct, "relayed": relayed}
+        status["hole_punching"] = self.puncher.status()
         return status
 
     async def run(self) -> None:

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from peer import ConnectError, Identity, PeerAddress, Router, open_peer_host
+from peer.holepunch import HolePuncher
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
 from peer.reachability import NAT, PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import Relay, RelayClient
@@ -173,3 +174,28 @@ async def test_dial_back_tells_a_reachable_peer_from_an_unreachable_one():
             # asking again at once is refused by the rate limit: unknown, not a wrong verdict
             again = await check_reachability(asker, servers, port=port)
             assert again.status == UNKNOWN, again
+
+
+async def test_hole_punching_moves_a_relayed_connection_to_a_direct_one(relayed, monkeypatch):
+    relay_host, relay, behind, dialer = relayed
+    monkeypatch.setattr("peer.host.RELAY_HANDOVER_GRACE", 0.2)
+    punchers = [HolePuncher(host, lambda: "127.0.0.1") for host in (behind, dialer)]
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    relayed_connection = await dialer.connect(address)
+    assert relayed_connection.relayed_via == relay_host.peer_id
+    with trio.fail_after(10):
+        await until(lambda: punchers[1].successes + punchers[1].failures > 0)
+        await until(lambda: (c := behind.connection_to(dialer.peer_id)) is not None and c.relayed_via is None)
+    assert punchers[1].successes == 1, punchers[1].status()
+    direct = dialer.connection_to(behind.peer_id)
+    assert direct is not None and direct.relayed_via is None
+    # the punched connection runs from one listen port to the other, and carries calls
+    sockname = direct.channel.stream.socket.getsockname()
+    peername = direct.channel.stream.socket.getpeername()
+    assert sockname[1] == dialer.listen_address.port and peername[1] == behind.listen_address.port
+    reply = await dialer.call(address, "echo", "direct", timeout=5)
+    assert reply.body["echo"] == "direct"
+    with trio.fail_after(5):
+        await relayed_connection.closed.wait()  # the relay is let go after the grace period
+        await until(lambda: relay.book.circuits == 0)
