@@ -22,6 +22,7 @@ for a peer on a relayed connection.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,7 @@ MAX_TRACKED = 1024
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
+REFUSED_RETRY = 0.05  # between dials a NAT refused (see _connect_until)
 
 
 class HolePuncher:
@@ -189,10 +191,8 @@ class HolePuncher:
             return False
         local = ("0.0.0.0" if listen.host in ("", "::") else listen.host, listen.port)
         for host, port in addresses:
-            try:
-                stream = await connect_from(local, (host, port), ATTEMPT_TIMEOUT)
-            except (OSError, trio.TooSlowError) as error:
-                log.debug("punch dial to %s:%d: %r", host, port, error)
+            stream = await _connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
+            if stream is None:
                 continue
             address = PeerAddress(host, port, peer)
             if not initiator:
@@ -225,9 +225,25 @@ class HolePuncher:
             if channel.remote_peer_id != peer:
                 await channel.aclose()
                 continue
-            self.host._nursery.start_soon(self.host.accept_channel, channel, address_group(host))
-            return True
+            await self.host._nursery.start(functools.partial(self.host.accept_channel, channel, address_group(host)))
+            return self._direct(peer)
         return False
+
+
+async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> trio.SocketStream | None:
+    """Dial ``remote`` from ``local`` until ``deadline``. A refusal is tried again: a NAT answers a
+    SYN that arrives before its own peer's SYN has opened the mapping with a reset, and the other
+    side's SYN opens it a moment later."""
+    while True:
+        try:
+            return await connect_from(local, remote, max(0.0, deadline - trio.current_time()))
+        except ConnectionRefusedError:
+            if trio.current_time() + REFUSED_RETRY >= deadline:
+                return None
+            await trio.sleep(REFUSED_RETRY)
+        except (OSError, trio.TooSlowError) as error:
+            log.debug("punch dial to %s:%d: %r", *remote, error)
+            return None
 
 
 def _parse_addresses(body: Any) -> list[tuple[str, int]]:

@@ -217,20 +217,27 @@ class PeerHost:
         await self.accept_channel(channel, group)
 
     async def accept_channel(
-        self, channel: SecureChannel, group: str | None, relayed_via: PeerID | None = None
+        self,
+        channel: SecureChannel,
+        group: str | None,
+        relayed_via: PeerID | None = None,
+        *,
+        task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Admit and run an authenticated incoming connection (direct, or through ``relayed_via``)."""
+        """Admit and run an authenticated incoming connection (direct, or through ``relayed_via``);
+        ``task_status.started()`` once it is pooled (or refused)."""
         connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
         connection.relayed_via = relayed_via
         older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
         if older_connections is None:
             log.debug("refused a connection from %s: too many from that address", group)
+            task_status.started()
             await channel.aclose()
             return
         for older in older_connections:
             older.close()  # the same identity's oldest connection makes room for its newest
         try:
-            await self._run_connection(connection, incoming=True)
+            await self._run_connection(connection, incoming=True, task_status=task_status)
         finally:
             self.admission.connection_closed(connection)
 
@@ -242,7 +249,9 @@ class PeerHost:
         log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
         await trio.aclose_forcefully(stream)
 
-    async def _run_connection(self, connection: Connection, incoming: bool) -> None:
+    async def _run_connection(
+        self, connection: Connection, incoming: bool, *, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
         peer = connection.remote_peer_id
         existing = self._connections.get(peer)
         if existing is None or existing.is_closed:
@@ -254,6 +263,7 @@ class PeerHost:
             self._nursery.start_soon(_close_after, existing, RELAY_HANDOVER_GRACE)
         for callback in self.on_connection:
             callback(connection, incoming)
+        task_status.started()
         try:
             await connection.run()
         finally:
