@@ -7,7 +7,8 @@ stdin (the dialer is done), and ends at end of input.
 ``dialer``: for each relayed address read from stdin, a fresh host on ``--host:--port+i`` dials it
 through the relay, on the first try measures the relayed stream throughput (``--megabytes``),
 punches, on the first try measures the direct throughput, and prints ``{"try", "punched",
-"punch_s", "remote", "relayed_mb_s", "direct_mb_s"}``. Each try has its own ports: a closed connection's 4-tuple lingers (TIME_WAIT).
+"punch_s", "remote", "relayed_mb_s", "direct_mb_s"}``. Each try has its own ports: a closed
+connection's 4-tuple lingers (TIME_WAIT).
 
 Both learn their public host once, on the first try, by asking the relay (a public peer) for a
 dial-back's observed address (which takes the dial-back's timeout: nobody can dial them).
