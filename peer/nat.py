@@ -33,6 +33,7 @@ RECHECK_UNKNOWN = 15.0
 RECHECK_KNOWN = 300.0
 RELAY_GRACE = 15.0  # behind NAT: how long to look for a relay before falling back to client mode
 MAX_ANNOUNCED = 4
+MAX_LISTED_PEERS = 64  # connections named on the status page
 
 
 class NatTraversal:
@@ -100,12 +101,16 @@ class NatTraversal:
                 "bytes": self.relay.bytes_relayed,
             }
         relayed = direct = 0
+        peers = []
         for peer in self.host.connected_peers:
             connection = self.host.connection_to(peer)
-            if connection is not None:
-                relayed += connection.relayed_via is not None
-                direct += connection.relayed_via is None
-        status["connections"] = {"direct": direct, "relayed": relayed}
+            if connection is None:
+                continue
+            relayed += connection.relayed_via is not None
+            direct += connection.relayed_via is None
+            if len(peers) < MAX_LISTED_PEERS:
+                peers.append({"peer": str(peer), "via": _via(connection)})
+        status["connections"] = {"direct": direct, "relayed": relayed, "peers": peers}
         status["hole_punching"] = self.puncher.status()
         return status
 
@@ -165,6 +170,17 @@ class NatTraversal:
                 await connection.call(ADDRESSES, listen, timeout=5)
             except (RPCError, ConnectError, trio.TooSlowError) as error:
                 log.debug("could not tell %s our addresses: %s", peer, error)
+
+
+def _via(connection) -> str:
+    """``relay RELAYID`` or the remote endpoint of a direct connection."""
+    if connection.relayed_via is not None:
+        return f"relay {connection.relayed_via}"
+    try:
+        host, port = connection.channel.stream.socket.getpeername()[:2]
+    except (AttributeError, OSError):
+        return "?"
+    return f"{host}:{port}"
 
 
 __all__ += ["PUBLIC", "NAT", "UNKNOWN"]

@@ -1,8 +1,9 @@
-"""Peers behind NAT as full peers, in the network lab: three public peers and two behind NAT
-routers (one port-preserving, one port-randomizing) that run without ``--client-mode``. Each peer
+"""Peers behind NAT as full peers, in the network lab: three public peers and three behind NAT
+routers (two port-preserving, one port-randomizing) that run without ``--client-mode``. Each peer
 learns whether it is reachable by dial-back; the NAT'd ones reserve slots on two relays, announce
-relayed addresses, are called through a relay from a public host, train with the swarm (reducing
-and serving over relayed connections), and keep their place when a relay dies."""
+relayed addresses, are called through a relay from a public host, train with the swarm, and keep
+their place when a relay dies. The two behind port-preserving NATs end up directly connected by
+hole punching; the one behind the port-randomizing NAT reaches them only through a relay."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import time
 
 import pytest
+
+from .netlab import PEER_PORT
 
 TARGET_ACCURACY = 0.9
 TRAIN_TIMEOUT = 150.0
@@ -29,7 +32,8 @@ def ping_through(lab, host, address: str) -> dict:
 def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
     lab = nat_netlab
     public = [lab.add_host(f"h{index}", rate_mbit=100) for index in range(3)]
-    behind = [lab.add_nat_host("n0", rate_mbit=100), lab.add_nat_host("n1", rate_mbit=100, random_ports=True)]
+    behind = [lab.add_nat_host(f"n{index}", rate_mbit=100) for index in range(2)]
+    behind.append(lab.add_nat_host("n2", rate_mbit=100, random_ports=True))
     peers = lab.start_swarm(public + behind, run_id="lab-relay", extra=["--task", "digits"])
     started = time.monotonic()
 
@@ -58,10 +62,16 @@ def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
         assert result["ok"] == result["count"] and result["relayed_via"], result
 
     lab.wait_for(lambda: min(accuracy(p) for p in peers) >= TARGET_ACCURACY, TRAIN_TIMEOUT, "every peer at the target")
-    print(f"all five at {TARGET_ACCURACY} after {time.monotonic() - started:.1f} s")
+    print(f"all six at {TARGET_ACCURACY} after {time.monotonic() - started:.1f} s")
     for peer in peers[3:]:
         lab.wait_for(lambda peer=peer: averaged_group(peer) >= 2, 60, f"an averaged round on {peer.host.name}")
-        assert reachability(peer)["connections"]["relayed"] >= 1, reachability(peer)
+    # n0 and n1 punched through to each other: the connection's far end is the other's NAT router
+    ids = [peer.status()["peer_id"] for peer in peers]
+    lab.wait_for(lambda: via(peers[3], ids[4]) == f"{behind[1].router.address}:{PEER_PORT}", 60, "n0 -> n1 direct")
+    assert via(peers[4], ids[3]) == f"{behind[0].router.address}:{PEER_PORT}", reachability(peers[4])
+    # n2, behind the port-randomizing NAT, can only be reached through a relay
+    for other in (3, 4):
+        assert via(peers[other], ids[5]) in (None, *(f"relay {i}" for i in ids[:3])), reachability(peers[other])
 
     # a relay dies: the NAT'd peer reserves with the remaining public peer and stays reachable
     relays = reachability(target)["relayed_addresses"]
@@ -80,6 +90,14 @@ def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
         result = ping_through(lab, public[0], f"{address}/{target.status()['peer_id']}")
         assert result["ok"] == result["count"], result
     assert all(p.alive() for p in survivors), lab.logs()
+
+
+def via(peer, other_id: str) -> str | None:
+    """How ``peer`` is connected to ``other_id`` now: ``relay ID``, a remote endpoint, or None."""
+    for entry in reachability(peer).get("connections", {}).get("peers", []):
+        if entry["peer"] == other_id:
+            return entry["via"]
+    return None
 
 
 def accuracy(peer) -> float:
