@@ -10,14 +10,15 @@ Over the relayed connection, the peer that dialed (A) and the peer it reached (B
 3. Both dial from their listen port (``peer/reuse_port.py``), so a port-preserving NAT sends
    each SYN out from the public port the other side was told, each NAT sees its own peer's SYN
    leave before the other's arrives, and the two dials meet as one TCP connection. B runs the
-   Noise handshake as initiator and A as responder, whichever way the SYNs crossed (if B's SYN
-   reached A's listener instead, A's listener is the responder).
+   Noise handshake as initiator and A as responder (if B's SYN reached A's listener instead, A's
+   listener is the responder; if A's reached B's listener, A hears nothing within
+   ``RESPONDER_PATIENCE`` and initiates itself).
 4. The direct connection replaces the relayed one in both pools (``PeerHost._run_connection``).
 
 Up to ``ATTEMPTS`` tries; behind a port-randomizing NAT the public port differs from the one
 announced, every try fails, and the peers stay on the relay. The addresses A names are claims: B
-dials at most ``MAX_ADDRESSES`` of them, at most ``ATTEMPTS`` times per peer per minute, and only
-for a peer on a relayed connection.
+dials at most ``MAX_ADDRESSES`` of them, at most ``ATTEMPTS`` times per peer per minute and twice a
+second for all peers together, and only for a peer on a relayed connection.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class HolePuncher:
         self._in_progress: set[PeerID] = set()
         self._offered: dict[PeerID, list[tuple[str, int]]] = {}
         self._budgets: dict[PeerID, TokenBucket] = {}
+        self._everyone = TokenBucket(2.0, 10.0, trio.current_time())  # dials for any peer, per second
         host.router.add_unary(PUNCH, self._punch)
         host.router.add_unary(SYNC, self._sync)
         host.on_connection.append(self._on_connection)
@@ -157,7 +159,10 @@ class HolePuncher:
             budget = self._budgets[peer] = TokenBucket(ATTEMPTS / 60, ATTEMPTS, trio.current_time())
         if budget.available(trio.current_time()) < 1:
             raise Busy("too many hole punching attempts")
+        if self._everyone.available(trio.current_time()) < 1:
+            raise Busy("too many hole punching attempts from all peers")
         budget.take(1, trio.current_time())
+        self._everyone.take(1, trio.current_time())
         theirs = _parse_addresses(request.body)
         while len(self._offered) >= MAX_TRACKED:
             del self._offered[next(iter(self._offered))]
