@@ -23,6 +23,7 @@ second for all peers together, and only for a peer on a relayed connection.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from collections.abc import Callable
@@ -56,6 +57,7 @@ MAX_TRACKED = 1024
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
 REFUSED_RETRY = 0.05  # between dials a NAT refused (see _connect_until)
+TAKEN = object()  # _connect_until: the connection exists already (the other side's dial got in)
 
 
 class HolePuncher:
@@ -72,6 +74,7 @@ class HolePuncher:
         self._in_progress: set[PeerID] = set()
         self._offered: dict[PeerID, list[tuple[str, int]]] = {}
         self._budgets: dict[PeerID, TokenBucket] = {}
+        self._direct_arrived: dict[PeerID, trio.Event] = {}
         self._everyone = TokenBucket(2.0, 10.0, trio.current_time())  # dials for any peer, per second
         host.router.add_unary(PUNCH, self._punch)
         host.router.add_unary(SYNC, self._sync)
@@ -96,6 +99,8 @@ class HolePuncher:
 
     def _on_connection(self, connection: Connection, incoming: bool) -> None:
         peer = connection.remote_peer_id
+        if connection.relayed_via is None and (arrived := self._direct_arrived.get(peer)) is not None:
+            arrived.set()
         if connection.relayed_via is None or incoming or self.host.listen_address is None:
             return
         if peer in self._in_progress or len(self._in_progress) >= MAX_PUNCHES:
@@ -112,6 +117,7 @@ class HolePuncher:
         peer = relayed.remote_peer_id
         self._in_progress.add(peer)
         started = trio.current_time()
+        connected = False
         try:
             for _ in range(ATTEMPTS):
                 if self._direct(peer) or relayed.is_closed:
@@ -128,15 +134,17 @@ class HolePuncher:
                 except (RPCError, trio.TooSlowError, ValueError) as error:
                     log.debug("punch to %s: %s", peer, error)
                     break
-                if await self._dial(peer, theirs, initiator=False) or self._direct(peer):
-                    self.successes += 1
-                    self.last_punch_s = trio.current_time() - started
-                    log.info("direct connection to %s by hole punching after %.2f s", peer, self.last_punch_s)
-                    return True
-            if not self._direct(peer):
-                self.failures += 1
-                log.info("hole punching to %s failed; staying on the relay", peer)
-            return self._direct(peer)
+                if await self._dial(peer, theirs, initiator=False):
+                    connected = True
+                    break
+            if connected or self._direct(peer):
+                self.successes += 1
+                self.last_punch_s = trio.current_time() - started
+                log.info("direct connection to %s by hole punching after %.2f s", peer, self.last_punch_s)
+                return True
+            self.failures += 1
+            log.info("hole punching to %s failed; staying on the relay", peer)
+            return False
         finally:
             self._in_progress.discard(peer)
 
@@ -197,6 +205,15 @@ class HolePuncher:
         local = ("0.0.0.0" if listen.host in ("", "::") else listen.host, listen.port)
         for host, port in addresses:
             stream = await _connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
+            if stream is TAKEN:
+                # the other side's SYN reached our listener first, which is running the handshake
+                # now: wait for that connection rather than call the attempt failed
+                arrived = self._direct_arrived.setdefault(peer, trio.Event())
+                with trio.move_on_after(self.host.handshake_timeout):
+                    await arrived.wait()
+                if self._direct_arrived.get(peer) is arrived:
+                    del self._direct_arrived[peer]
+                return self._direct(peer)
             if stream is None:
                 continue
             address = PeerAddress(host, port, peer)
@@ -235,10 +252,11 @@ class HolePuncher:
         return False
 
 
-async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> trio.SocketStream | None:
-    """Dial ``remote`` from ``local`` until ``deadline``. A refusal is tried again: a NAT answers a
-    SYN that arrives before its own peer's SYN has opened the mapping with a reset, and the other
-    side's SYN opens it a moment later."""
+async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
+    """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
+    between the two already exists (the other side's SYN reached our listener). A refusal is tried
+    again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a
+    reset, and the other side's SYN opens it a moment later."""
     while True:
         try:
             return await connect_from(local, remote, max(0.0, deadline - trio.current_time()))
@@ -246,7 +264,12 @@ async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadli
             if trio.current_time() + REFUSED_RETRY >= deadline:
                 return None
             await trio.sleep(REFUSED_RETRY)
-        except (OSError, trio.TooSlowError) as error:
+        except OSError as error:
+            if error.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                return TAKEN
+            log.debug("punch dial to %s:%d: %r", *remote, error)
+            return None
+        except trio.TooSlowError as error:
             log.debug("punch dial to %s:%d: %r", *remote, error)
             return None
 

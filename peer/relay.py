@@ -47,6 +47,7 @@ MAX_WAITING_ENDS = 256  # raw connections still presenting a token or waiting fo
 CHUNK = 256 * 1024
 CALL_TIMEOUT = 5.0
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
+RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 
 
 class Relay:
@@ -274,9 +275,10 @@ class RelayClient:
         self.changed.set()
         self.changed = trio.Event()
 
-    async def run(self, candidates: Callable[[], list[PeerAddress]], *, retry: float = 5.0) -> None:
+    async def run(self, candidates: Callable[[], list[PeerAddress]], *, retry: float | None = None) -> None:
         """Keep ``wanted`` reservations among ``candidates()`` (public peers, tried in order);
         a relay whose connection closes or that refuses is replaced at the next pass."""
+        retry = RESERVE_RETRY if retry is None else retry
         renew_at: dict[PeerID, float] = {}
         while True:
             now = trio.current_time()

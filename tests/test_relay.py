@@ -9,8 +9,9 @@ import trio
 
 from peer import ConnectError, Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher
+from peer.nat import NatTraversal
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
-from peer.reachability import NAT, PUBLIC, UNKNOWN, ReachabilityService, check_reachability
+from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
 from peer.relay import Relay, RelayClient
 
 SECRET = b"plaintext-the-relay-must-never-see" * 4
@@ -186,8 +187,9 @@ async def test_hole_punching_moves_a_relayed_connection_to_a_direct_one(relayed,
     assert relayed_connection.relayed_via == relay_host.peer_id
     with trio.fail_after(10):
         await until(lambda: punchers[1].successes + punchers[1].failures > 0)
-        await until(lambda: (c := behind.connection_to(dialer.peer_id)) is not None and c.relayed_via is None)
     assert punchers[1].successes == 1, punchers[1].status()
+    with trio.fail_after(5):
+        await until(lambda: (c := behind.connection_to(dialer.peer_id)) is not None and c.relayed_via is None)
     direct = dialer.connection_to(behind.peer_id)
     assert direct is not None and direct.relayed_via is None
     # the punched connection runs from one listen port to the other, and carries calls
@@ -199,3 +201,39 @@ async def test_hole_punching_moves_a_relayed_connection_to_a_direct_one(relayed,
     with trio.fail_after(5):
         await relayed_connection.closed.wait()  # the relay is let go after the grace period
         await until(lambda: relay.book.circuits == 0)
+
+
+async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes_it(monkeypatch):
+    verdict = Reachability(NAT, ("203.0.113.7", 40000), 3, "none of 3 peers could dial us back")
+
+    async def unreachable(host, servers, **options):
+        return verdict
+
+    monkeypatch.setattr("peer.nat.check_reachability", unreachable)
+    monkeypatch.setattr("peer.nat.RELAY_GRACE", 0.1)
+    monkeypatch.setattr("peer.relay.RESERVE_RETRY", 0.1)
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as behind,
+        open_peer_host(Identity.generate()) as other,
+        trio.open_nursery() as nursery,
+    ):
+        NatTraversal(relay_host)
+        nat = NatTraversal(behind)  # knows no public peer yet: nobody to relay for it
+        NatTraversal(other, relay=False)  # --no-relay: it will not relay for anyone
+        await behind.connect(other.listen_address)
+        nursery.start_soon(nat.run)
+        with trio.fail_after(5):
+            await until(lambda: nat.fallback_client_mode)
+        assert behind.client_mode and nat.status()["status"] == NAT
+        assert nat.status()["observed_address"] == "203.0.113.7:40000"
+        # a public peer to relay through appears: reserved, announced, pushed to connected peers
+        nat.initial_peers.append(relay_host.listen_address)
+        with trio.fail_after(5):
+            await until(lambda: not nat.fallback_client_mode)
+            seen = other.connection_to(behind.peer_id)
+            await until(lambda: seen.remote_listen_address is not None and seen.remote_listen_address.relay)
+        assert not behind.client_mode
+        assert seen.remote_listen_address.relay == relay_host.peer_id
+        assert nat.status()["relayed_addresses"] == [str(behind.announced[0])]
+        nursery.cancel_scope.cancel()
