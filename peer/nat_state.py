@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "DialBackLimiter",
@@ -141,6 +141,7 @@ class Circuit(Generic[Peer]):
     expires: float  # while pending: when it is dropped if an end has not arrived
     arrived: list = field(default_factory=lambda: [None, None])  # each end's stream once it came
     active: bool = False
+    waiter: Any = None  # the driver's: what the first end to arrive waits on
 
 
 class RelayBook(Generic[Peer]):

@@ -58,7 +58,6 @@ class Relay:
         self.book: RelayBook[PeerID] = RelayBook(limits)
         self.bytes_relayed = 0
         self._waiting_ends = 0
-        self._partner_arrived: dict[int, trio.Event] = {}
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
         host.relay = self
@@ -85,7 +84,7 @@ class Relay:
             circuit = self.book.open_circuit(request.peer, target, trio.current_time())
         except RelayRefused as error:
             raise Busy(str(error)) from None
-        self._partner_arrived[id(circuit)] = trio.Event()
+        circuit.waiter = trio.Event()
         try:
             await connection.call(
                 INCOMING, {"source": request.peer.to_bytes(), "token": circuit.tokens[1]}, timeout=CALL_TIMEOUT
@@ -97,9 +96,7 @@ class Relay:
 
     def _forget(self, circuit: Circuit[PeerID]) -> None:
         self.book.close_circuit(circuit)
-        event = self._partner_arrived.pop(id(circuit), None)
-        if event is not None:
-            event.set()  # a waiting end sees the circuit is not active and closes
+        circuit.waiter.set()  # a waiting end sees the circuit is not active and closes
 
     async def accept_circuit_end(self, stream: trio.SocketStream) -> None:
         """An incoming stream that opened with the circuit byte: pair it by its token, or drop it."""
@@ -116,11 +113,9 @@ class Relay:
             if circuit is None:
                 await trio.aclose_forcefully(stream)
                 return
-            event = self._partner_arrived.get(id(circuit))
             if not circuit.active:
-                if event is not None:
-                    with trio.move_on_at(circuit.expires):
-                        await event.wait()
+                with trio.move_on_at(circuit.expires):
+                    await circuit.waiter.wait()
                 if not circuit.active:
                     self._forget(circuit)
                     await trio.aclose_forcefully(stream)
@@ -128,9 +123,7 @@ class Relay:
                 return
         finally:
             self._waiting_ends -= 1
-        if event is not None:
-            event.set()
-        self._partner_arrived.pop(id(circuit), None)
+        circuit.waiter.set()
         await self._splice(circuit)
 
     async def _splice(self, circuit: Circuit[PeerID]) -> None:

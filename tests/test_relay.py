@@ -237,3 +237,28 @@ async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes
         assert seen.remote_listen_address.relay == relay_host.peer_id
         assert nat.status()["relayed_addresses"] == [str(behind.announced[0])]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_circuit_is_held_to_its_byte_rate_and_lifetime():
+    limits = RelayLimits(circuit_bytes_per_s=2 * 2**20, circuit_burst_bytes=256 * 1024, circuit_lifetime=3.0)
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as dialer,
+    ):
+        relay = Relay(relay_host, limits)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        RelayClient(dialer)
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        connection = await dialer.connect(address)
+        opened = trio.current_time()
+        payload = bytes(4 * 2**20)
+        await dialer.call(address, "echo", None, payload=payload, timeout=30)
+        # 4 MiB at 2 MiB/s after a 256 KiB burst cannot pass in less than ~1.9 s
+        assert trio.current_time() - opened >= (len(payload) - limits.circuit_burst_bytes) / limits.circuit_bytes_per_s
+        with trio.fail_after(limits.circuit_lifetime + 3):
+            await connection.closed.wait()  # the relay ends the circuit at its lifetime
+        assert trio.current_time() - opened >= limits.circuit_lifetime - 0.5
+        with trio.fail_after(2):
+            await until(lambda: relay.book.circuits == 0)
