@@ -262,3 +262,20 @@ async def test_a_circuit_is_held_to_its_byte_rate_and_lifetime():
         assert trio.current_time() - opened >= limits.circuit_lifetime - 0.5
         with trio.fail_after(2):
             await until(lambda: relay.book.circuits == 0)
+
+
+def test_peerd_status_says_in_one_line_how_the_peer_is_reached():
+    from peer.daemon.cli import _reachability_line
+
+    line = _reachability_line(
+        {
+            "status": "nat",
+            "observed_address": "203.0.113.7:31337",
+            "relayed_addresses": ["198.51.100.1:31337/RELAY/relay"],
+            "client_mode_fallback": False,
+            "connections": {"direct": 3, "relayed": 1},
+        }
+    )
+    assert line == (
+        "nat; seen as 203.0.113.7:31337; reached via 198.51.100.1:31337/RELAY/relay; 3 direct, 1 relayed connections"
+    )
