@@ -188,17 +188,17 @@ class PeerHost:
                 older.cancel()  # the oldest pending handshake of this address (or overall) yields
             try:
                 tune_connection(stream)
-                with trio.fail_after(self.handshake_timeout):
+                with trio.fail_after(self.handshake_timeout):  # the first byte and the handshake
                     circuit_end = await _opens_circuit(stream)
-                if not circuit_end:
-                    channel = await secure_handshake(
-                        stream,
-                        self.identity,
-                        self._hello(),
-                        initiator=False,
-                        timeout=self.handshake_timeout,
-                        access=self.access,
-                    )
+                    if not circuit_end:
+                        channel = await secure_handshake(
+                            stream,
+                            self.identity,
+                            self._hello(),
+                            initiator=False,
+                            timeout=self.handshake_timeout,
+                            access=self.access,
+                        )
             except Exception as error:  # whatever a stranger sends, it costs them the connection only
                 await self._refuse(stream, error)
                 return

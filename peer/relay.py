@@ -107,7 +107,10 @@ class Relay:
         try:
             circuit = None
             with trio.move_on_after(TOKEN_TIMEOUT):
-                head = await _receive_exactly(stream, 1 + TOKEN_BYTES)
+                try:
+                    head = await _receive_exactly(stream, 1 + TOKEN_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    head = None  # whatever a stranger does, it costs them the connection only
                 if head is not None:
                     circuit = self.book.arrive(head[1:], stream, trio.current_time())
             if circuit is None:
@@ -251,17 +254,20 @@ class RelayClient:
             self._pending_incoming -= 1
         await host.accept_channel(channel, f"relay:{relay.peer_id}", relayed_via=relay.peer_id)
 
-    async def reserve(self, relay: PeerAddress) -> float:
-        """Reserve (or renew) with ``relay``; returns the TTL. Raises ConnectError or RPCError."""
+    async def reserve(self, relay: PeerAddress) -> tuple[PeerID, float]:
+        """Reserve (or renew) with ``relay``; returns the relay's ID and the reservation's TTL.
+        Raises ConnectError (also for a relay reached through a relay, or a malformed answer),
+        RPCError or trio.TooSlowError."""
         connection = await self.host.connect(relay)
         if connection.relayed_via is not None:
-            raise Busy("a relay must be reached directly")
+            raise ConnectError(f"{relay}: a relay must be reached directly")
         reply = await connection.call(RESERVE, None, timeout=CALL_TIMEOUT)
         ttl = reply.body.get("ttl") if isinstance(reply.body, dict) else None
-        if not isinstance(ttl, (int, float)) or not 1 <= ttl <= 86400:
-            raise Busy("the relay sent a malformed reservation")
-        self.reserved[connection.remote_peer_id] = relay.with_peer_id(connection.remote_peer_id)
-        return float(ttl)
+        if type(ttl) not in (int, float) or not 1 <= ttl <= 86400:
+            raise ConnectError(f"{relay}: the relay sent a malformed reservation")
+        relay_id = connection.remote_peer_id
+        self.reserved[relay_id] = relay.with_peer_id(relay_id)
+        return relay_id, float(ttl)
 
     def _announce(self) -> None:
         self.host.announced = [PeerAddress(a.host, a.port, None, a.peer_id) for a in self.reserved.values()]
@@ -278,7 +284,7 @@ class RelayClient:
             for relay_id, address in list(self.reserved.items()):
                 if self.host.connection_to(relay_id) is None or renew_at.get(relay_id, 0) <= now:
                     try:
-                        ttl = await self.reserve(address)
+                        _, ttl = await self.reserve(address)
                         renew_at[relay_id] = trio.current_time() + ttl / 3
                     except (ConnectError, RPCError, trio.TooSlowError) as error:
                         log.info("lost the reservation with relay %s: %s", relay_id, error)
@@ -290,11 +296,10 @@ class RelayClient:
                 if candidate.peer_id in self.reserved or candidate.peer_id == self.host.peer_id:
                     continue
                 try:
-                    ttl = await self.reserve(candidate)
+                    relay_id, ttl = await self.reserve(candidate)
                 except (ConnectError, RPCError, trio.TooSlowError) as error:
                     log.debug("relay candidate %s: %s", candidate, error)
                     continue
-                relay_id = next(p for p, a in self.reserved.items() if a.endpoint == candidate.endpoint)
                 renew_at[relay_id] = trio.current_time() + ttl / 3
                 log.info("reserved a relayed address with %s", self.reserved[relay_id])
             if [str(a) for a in self.host.announced] != [

@@ -11,7 +11,8 @@ punches, on the first try measures the direct throughput, and prints ``{"try", "
 connection's 4-tuple lingers (TIME_WAIT).
 
 Both learn their public host once, on the first try, by asking the relay (a public peer) for a
-dial-back's observed address (which takes the dial-back's timeout: nobody can dial them).
+dial-back's observed address (which takes the dial-back's timeout: nobody can dial them), unless
+``--observed`` names it.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ async def observed_host(host, relay: PeerAddress) -> str | None:
 async def target(args) -> None:
     relay = PeerAddress.parse(args.relay)
     index = 0
-    public = None
+    public = args.observed
     inputs = lines().__aiter__()
     while index < args.tries:
         async with await open_host(args, index) as host:
@@ -99,8 +100,7 @@ async def target(args) -> None:
             client = RelayClient(host)
             public = public or await observed_host(host, relay)
             HolePuncher(host, lambda public=public: public)
-            await client.reserve(relay)
-            relay_id = next(iter(client.reserved))
+            relay_id, _ = await client.reserve(relay)
             address = PeerAddress(relay.host, relay.port, host.peer_id, relay_id)
             say({"try": index, "address": str(address), "observed": public})
             try:
@@ -113,7 +113,7 @@ async def target(args) -> None:
 async def dialer(args) -> None:
     relay = PeerAddress.parse(args.relay)
     index = 0
-    public = None
+    public = args.observed
     async for line in lines():
         address = PeerAddress.parse(line)
         async with await open_host(args, index) as host:
@@ -153,6 +153,7 @@ if __name__ == "__main__":
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--tries", type=int, default=1)
     parser.add_argument("--megabytes", type=int, default=0)
+    parser.add_argument("--observed", default=None, help="our public host, if known (skips the dial-back)")
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     trio.run(target if arguments.role == "target" else dialer, arguments)

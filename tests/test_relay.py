@@ -4,6 +4,9 @@ dial-back tells a listening peer from one nobody can reach."""
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import pytest
 import trio
 
@@ -97,6 +100,20 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
         assert await stream.receive_some(10) == b""
         await until(lambda: relay._waiting_ends == 0)
     assert relay.book.circuits == 0
+
+
+async def test_a_circuit_end_reset_midway_through_its_token_costs_only_that_connection(relayed):
+    relay_host, relay, behind, dialer = relayed
+    for _ in range(3):
+        sock = socket.create_connection((relay_host.listen_address.host, relay_host.listen_address.port))
+        sock.sendall(b"\xff" + bytes(5))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, not a clean end
+    with trio.fail_after(5):
+        await until(lambda: relay._waiting_ends == 0)
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    assert (await dialer.call(address, "echo", 1, timeout=10)).body["echo"] == 1  # the relay still relays
 
 
 async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed, monkeypatch):
