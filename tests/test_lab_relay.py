@@ -1,7 +1,8 @@
 """Peers behind NAT as full peers, in the network lab: three public peers and three behind NAT
 routers (two port-preserving, one port-randomizing) that run without ``--client-mode``. Each peer
 learns whether it is reachable by dial-back; the NAT'd ones reserve slots on two relays, announce
-relayed addresses, are called through a relay from a public host, train with the swarm, and keep
+relayed addresses, are called through a relay from a public host (and one of them hosts an expert
+that a public host finds in the DHT and calls through a relay), train with the swarm, and keep
 their place when a relay dies. The two behind port-preserving NATs end up directly connected by
 hole punching; the one behind the port-randomizing NAT reaches them only through a relay."""
 
@@ -34,7 +35,17 @@ def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
     public = [lab.add_host(f"h{index}", rate_mbit=100) for index in range(3)]
     behind = [lab.add_nat_host(f"n{index}", rate_mbit=100) for index in range(2)]
     behind.append(lab.add_nat_host("n2", rate_mbit=100, random_ports=True))
-    peers = lab.start_swarm(public + behind, run_id="lab-relay", extra=["--task", "digits"])
+    hosts = public + behind
+    peers = []
+    for index, host in enumerate(hosts):  # as lab.start_swarm, with experts on n0
+        flags = ["--task", "digits", "--data-shard", f"{index}/{len(hosts)}"]
+        if host is behind[0]:
+            flags += ["--serve-experts", "ffn.[0:2]", "--hidden-dim", "16", "--heartbeat-period", "2"]
+        initial = f"{hosts[0].address}:{PEER_PORT}" if index else None
+        peers.append(lab.start_peer(host, run_id="lab-relay", initial_peer=initial, extra=flags))
+        if index == 0:
+            lab.wait_started(peers)
+    lab.wait_started(peers)
     started = time.monotonic()
 
     def settled(peer, status: str) -> bool:
@@ -60,6 +71,13 @@ def test_peers_behind_nat_are_reached_through_relays_and_train(nat_netlab):
         full = f"{address}/{target.status()['peer_id']}"
         result = ping_through(lab, public[1], full)
         assert result["ok"] == result["count"] and result["relayed_via"], result
+
+    # n0 hosts experts: a public host finds one in the DHT at n0's relayed address and calls it
+    args = ["tests/lab_expert_client.py", "ffn.1", "--initial-peer", peers[0].address, "--run-id", "lab-relay"]
+    called = lab.run_in(public[2], args, timeout=90)
+    assert called.returncode == 0, called.stderr[-2000:]
+    called = json.loads(called.stdout.strip().splitlines()[-1])
+    assert called["shape"] == [3, 16] and called["relayed_via"], called
 
     lab.wait_for(lambda: min(accuracy(p) for p in peers) >= TARGET_ACCURACY, TRAIN_TIMEOUT, "every peer at the target")
     print(f"all six at {TARGET_ACCURACY} after {time.monotonic() - started:.1f} s")
