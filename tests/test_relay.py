@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -296,3 +297,48 @@ def test_peerd_status_says_in_one_line_how_the_peer_is_reached():
     assert line == (
         "nat; seen as 203.0.113.7:31337; reached via 198.51.100.1:31337/RELAY/relay; 3 direct, 1 relayed connections"
     )
+
+
+class _Owner:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    @asynccontextmanager
+    async def locked_tensors(self):
+        yield self.tensors
+
+    def state_metadata(self):
+        return {"epoch": 7}
+
+
+async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_relay():
+    import torch
+
+    from averaging.state_sharing import StateSharing
+    from dht.node import DHTNode
+
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as donor_host,
+        open_peer_host(Identity.generate()) as newcomer_host,
+    ):
+        Relay(relay_host)
+        listen = relay_host.listen_address
+        # behind NAT from its first hello on: it announces only the relayed address
+        donor_host.announced = [PeerAddress(listen.host, listen.port, None, relay_host.peer_id)]
+        await RelayClient(donor_host).reserve(listen)
+        RelayClient(newcomer_host)
+        async with (
+            DHTNode.open(host=relay_host) as relay_node,
+            DHTNode.open(host=donor_host, initial_peers=[relay_node.address]) as donor_node,
+            DHTNode.open(host=newcomer_host, initial_peers=[relay_node.address]) as newcomer_node,
+        ):
+            state = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 4)]
+            donor = StateSharing(donor_host, donor_node, "run.state", _Owner(state))
+            await donor.announce(5)
+            newcomer = StateSharing(newcomer_host, newcomer_node, "run.state", _Owner([]))
+            metadata, tensors = await newcomer.download([torch.zeros(1000), torch.zeros(3, 4)], timeout=20)
+            assert metadata == {"epoch": 7}
+            assert all(torch.equal(got, want) for got, want in zip(tensors, state, strict=True))
+            connection = newcomer_host.connection_to(donor_host.peer_id)
+            assert connection is not None and connection.relayed_via == relay_host.peer_id
