@@ -29,7 +29,7 @@ __all__ = ["NatTraversal", "ADDRESSES"]
 log = logging.getLogger("peerd.nat")
 
 ADDRESSES = "nat.addresses"  # a peer tells its connections where it is reached now
-RECHECK_UNKNOWN = 15.0
+RECHECK_UNKNOWN = 5.0
 RECHECK_KNOWN = 300.0
 RELAY_GRACE = 15.0  # behind NAT: how long to look for a relay before falling back to client mode
 MAX_ANNOUNCED = 4
@@ -50,6 +50,7 @@ class NatTraversal:
         self.host = host
         host.service(ReachabilityService)
         self.relay = Relay(host, limits) if relay and not host.client_mode else None
+
         self.client = RelayClient(host)
         self.puncher = HolePuncher(host, lambda: self.reachability.observed[0] if self.reachability.observed else None)
         self.initial_peers = list(initial_peers or [])
@@ -127,6 +128,12 @@ class NatTraversal:
                 # one verdict of "unknown" (too few answers) does not undo an earlier definite one
                 if result.status != UNKNOWN or self.reachability.status == UNKNOWN:
                     self.reachability = result
+                if self.relay is not None:
+                    # behind NAT we are no use as a relay: take no reservations and forget those
+                    # taken while our reachability was unknown (their holders move on at renewal)
+                    self.relay.accepting = self.reachability.status != NAT
+                    if not self.relay.accepting:
+                        self.relay.book.reservations.clear()
                 if self.reachability.status == NAT and not reserving:
                     reserving = True
                     nursery.start_soon(self.client.run, self.servers)

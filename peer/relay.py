@@ -57,6 +57,9 @@ class Relay:
         self.host = host
         self.book: RelayBook[PeerID] = RelayBook(limits)
         self.bytes_relayed = 0
+        # Whether to take reservations: a peer that cannot be reached itself is no use as a relay
+        # (``NatTraversal`` keeps this to "our reachability is not nat").
+        self.accepting = True
         self._waiting_ends = 0
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
@@ -66,6 +69,8 @@ class Relay:
         connection = self.host.connection_to(request.peer)
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("reserve over a direct connection to the relay")
+        if not self.accepting:
+            raise Busy("this peer cannot be reached itself, so it relays for nobody")
         try:
             self.book.reserve(request.peer, trio.current_time())
         except RelayRefused as error:

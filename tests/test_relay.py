@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from peer import ConnectError, Identity, PeerAddress, Router, open_peer_host
+from peer import BusyError, ConnectError, Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher
 from peer.nat import NatTraversal
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
@@ -94,6 +94,11 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
     address = PeerAddress(relay_host.listen_address.host, relay_host.listen_address.port, stranger, relay_host.peer_id)
     with pytest.raises(ConnectError, match="relay refused"):
         await dialer.connect(address)
+    # a relay that found itself behind NAT takes no reservations
+    relay.accepting = False
+    with pytest.raises(BusyError, match="relays for nobody"):
+        await dialer.call(relay_host.listen_address, "relay.reserve", None, timeout=5)
+    assert dialer.peer_id not in relay.book.reservations
     # a raw circuit end with a token nobody issued is dropped at once
     stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
     await stream.send_all(b"\xff" + bytes(16))
@@ -244,6 +249,7 @@ async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes
         with trio.fail_after(5):
             await until(lambda: nat.fallback_client_mode)
         assert behind.client_mode and nat.status()["status"] == NAT
+        assert not nat.relay.accepting  # a peer behind NAT relays for nobody
         assert nat.status()["observed_address"] == "203.0.113.7:40000"
         # a public peer to relay through appears: reserved, announced, pushed to connected peers
         nat.initial_peers.append(relay_host.listen_address)
