@@ -115,7 +115,7 @@ class GroupAverager:
         return min(self.link_speed.value, MAX_BANDWIDTH)
 
     def _declaration(self) -> Declaration:
-        address = None if self.mode is AveragingMode.CLIENT else self.host.listen_address
+        address = None if self.mode is AveragingMode.CLIENT else self.host.public_address
         return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
 
     async def step(self, weight: float = 1.0, timeout: float | None = None) -> AllReduceResult:

@@ -106,9 +106,10 @@ class StateSharing:
         return f"{self.prefix}.state_donors"
 
     async def announce(self, version: int) -> None:
-        if self.host.listen_address is None:
+        address = self.host.public_address
+        if address is None:
             return  # client-mode peers cannot be dialed, so they cannot donate
-        value = {"address": str(self.host.listen_address), "version": int(version)}
+        value = {"address": str(address), "version": int(version)}
         subkey = peer_subkey(self.dht.host.identity.public_key)
         await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=subkey)
 

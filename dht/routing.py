@@ -55,8 +55,10 @@ class Contact(Node):
     @functools.cached_property
     def wire_entry(self) -> tuple[bytes, str, int, bytes]:
         """How a find reply names this contact (``wire.encode_contacts``): built once, as a DHT
-        node names the same few contacts in every reply (a tuple: shared, so never changed)."""
-        return (self.peer_id.to_bytes(), self.address.host, self.address.port, self.proof.nonce)
+        node names the same few contacts in every reply (a tuple: shared, so never changed). A
+        peer reached through a relay is named ``RELAY_HOST/RELAY_ID`` at the relay's port."""
+        host = self.address.host if self.address.relay is None else f"{self.address.host}/{self.address.relay}"
+        return (self.peer_id.to_bytes(), host, self.address.port, self.proof.nonce)
 
     @classmethod
     def for_id(cls, node_id: int) -> Node:

@@ -12,6 +12,7 @@ touches storage or the routing table.
 ``found`` is ``[0, value, expiration]`` for a plain value, ``[1, [[subkey, value, expiration], ...]]``
 for a dictionary. A contact's ``nonce`` is its node-ID puzzle solution: a contact whose nonce does
 not solve the puzzle for its peer ID at the run's difficulty is dropped, like any malformed entry.
+A contact behind a relay has ``RELAY_HOST/RELAY_ID`` as its host and the relay's port.
 """
 
 from __future__ import annotations
@@ -136,7 +137,12 @@ def parse_contacts(body: Any, difficulty: int) -> list[Contact]:
                     _CONTACT_CACHE.clear()
                 peer_id = PeerID(item[0])
                 proof = NodeIDProof(peer_id, item[3])
-                contact = _CONTACT_CACHE[cache_key] = Contact(proof, PeerAddress(item[1], item[2], peer_id))
+                host, _, relay_text = item[1].partition("/")
+                try:
+                    relay = PeerID.from_string(relay_text) if relay_text else None
+                except ValueError:
+                    continue
+                contact = _CONTACT_CACHE[cache_key] = Contact(proof, PeerAddress(host, item[2], peer_id, relay))
             if contact.proof.satisfies(difficulty):
                 contacts.append(contact)
     return contacts
@@ -146,7 +152,8 @@ def contact_for(proof: NodeIDProof, address: PeerAddress) -> Contact:
     """The contact of ``proof`` at ``address`` (a peer's own hello), from the same cache as the
     contacts replies name: every request to or from a peer would otherwise build it anew. The
     caller checks the proof against the difficulty, as for any contact."""
-    cache_key = (proof.peer_id.to_bytes(), address.host, address.port, proof.nonce)
+    host = address.host if address.relay is None else f"{address.host}/{address.relay}"
+    cache_key = (proof.peer_id.to_bytes(), host, address.port, proof.nonce)
     contact = _CONTACT_CACHE.get(cache_key)
     if contact is None:
         if len(_CONTACT_CACHE) >= _CONTACT_CACHE_SIZE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import trio
@@ -94,17 +94,19 @@ async def declare_experts(dht, uids: Iterable[str], address: PeerAddress | str, 
 async def run_heartbeat(
     dht,
     uids: Sequence[str],
-    address: PeerAddress | str,
+    address: PeerAddress | str | Callable[[], PeerAddress | str],
     *,
     period: float = HEARTBEAT_PERIOD,
     ttl: float = HEARTBEAT_TTL,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Announce ``uids`` now (``task_status.started`` once the first round is stored) and every
-    ``period`` seconds until cancelled."""
+    ``period`` seconds until cancelled. A callable ``address`` is asked at every round (a peer
+    behind NAT announces its relayed address, which changes with its relays)."""
     started = False
     while True:
-        accepted = await declare_experts(dht, uids, address, time.time() + ttl)
+        current = address() if callable(address) else address
+        accepted = await declare_experts(dht, uids, current, time.time() + ttl)
         if not accepted:
             log.warning("no DHT peer accepted the announcement of %d experts", len(uids))
         if not started:
@@ -168,4 +170,4 @@ def announced_address(subkey: tuple[int, PeerID], value: Any) -> PeerAddress:
     address, owner = PeerAddress.parse(value), subkey[1]
     if address.peer_id is not None and address.peer_id != owner:
         raise ValueError("an expert server announces its own address")
-    return PeerAddress(address.host, address.port, owner)
+    return PeerAddress(address.host, address.port, owner, address.relay)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ from .address import PeerAddress
 from .admission import Admission, address_group
 from .identity import Identity, PeerID
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
+from .reuse_port import open_listeners
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
 from .secure_channel import (
@@ -32,6 +33,7 @@ from .secure_channel import (
     HandshakeError,
     Hello,
     HelloMismatch,
+    SecureChannel,
     secure_handshake,
 )
 from .tcp_options import tune_connection
@@ -45,6 +47,8 @@ CONNECT_TIMEOUT = 5.0
 # Endpoints whose identity we learned by dialing them. Contacts come from other peers, so this map
 # is bounded: past the cap the oldest entries go (they only save a lookup in the pool).
 MAX_KNOWN_ENDPOINTS = 4096
+# A relayed connection replaced by a direct one stays open this long for the calls still on it.
+RELAY_HANDOVER_GRACE = 30.0
 
 
 class ConnectError(OSError):
@@ -119,6 +123,20 @@ class PeerHost:
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
         self._services: dict[type, Any] = {}
+        # NAT traversal (peer/relay.py, peer/reachability.py): the relay we run for others (None:
+        # we relay nothing), how we dial a relayed address, and the addresses we announce instead
+        # of our listen address while we cannot be reached directly.
+        self.relay: Any = None
+        self.relay_dialer: Callable[[PeerAddress], Awaitable[trio.SocketStream]] | None = None
+        self.announced: list[PeerAddress] = []
+
+    @property
+    def public_address(self) -> PeerAddress | None:
+        """Where others reach us: our first relayed address while we announce relayed ones (behind
+        NAT), else our listen address (None in client mode)."""
+        if self.announced:
+            return self.announced[0].with_peer_id(self.peer_id)
+        return self.listen_address
 
     def service(self, kind: type[Service]) -> Service:
         """This host's one ``kind(self)``, created on first use.
@@ -133,7 +151,10 @@ class PeerHost:
 
     # ------------------------------------------------------------------ listening
     def _hello(self) -> Hello:
-        listen = (self.listen_address.endpoint,) if self.listen_address is not None else ()
+        if self.announced:
+            listen = tuple(str(address) for address in self.announced[:4])
+        else:
+            listen = (self.listen_address.endpoint,) if self.listen_address is not None else ()
         return Hello(
             self.protocol_version,
             self.run_id,
@@ -144,7 +165,7 @@ class PeerHost:
         )
 
     async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners = await open_listeners(host, port)  # punched dials share their port
         sockname = listeners[0].socket.getsockname()
         self.listen_address = PeerAddress(sockname[0], sockname[1], self.peer_id)
         task_status.started(self.listen_address)
@@ -167,19 +188,23 @@ class PeerHost:
 
     async def _handle_incoming(self, stream: trio.SocketStream) -> None:
         group = address_group(_remote_host(stream))
+        circuit_end = False
         with trio.CancelScope() as pending:
             for older in self.admission.handshake_started(pending, group):
                 older.cancel()  # the oldest pending handshake of this address (or overall) yields
             try:
                 tune_connection(stream)
-                channel = await secure_handshake(
-                    stream,
-                    self.identity,
-                    self._hello(),
-                    initiator=False,
-                    timeout=self.handshake_timeout,
-                    access=self.access,
-                )
+                with trio.fail_after(self.handshake_timeout):  # the first byte and the handshake
+                    circuit_end = await _opens_circuit(stream)
+                    if not circuit_end:
+                        channel = await secure_handshake(
+                            stream,
+                            self.identity,
+                            self._hello(),
+                            initiator=False,
+                            timeout=self.handshake_timeout,
+                            access=self.access,
+                        )
             except Exception as error:  # whatever a stranger sends, it costs them the connection only
                 await self._refuse(stream, error)
                 return
@@ -189,16 +214,36 @@ class PeerHost:
             log.debug("dropped a pending handshake from %s to make room", group)
             await trio.aclose_forcefully(stream)
             return
+        if circuit_end:  # one end of a relayed circuit (peer/relay.py), if we relay at all
+            if self.relay is None:
+                await trio.aclose_forcefully(stream)
+            else:
+                await self.relay.accept_circuit_end(stream)
+            return
+        await self.accept_channel(channel, group)
+
+    async def accept_channel(
+        self,
+        channel: SecureChannel,
+        group: str | None,
+        relayed_via: PeerID | None = None,
+        *,
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Admit and run an authenticated incoming connection (direct, or through ``relayed_via``);
+        ``task_status.started()`` once it is pooled (or refused)."""
         connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
+        connection.relayed_via = relayed_via
         older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
         if older_connections is None:
             log.debug("refused a connection from %s: too many from that address", group)
+            task_status.started()
             await channel.aclose()
             return
         for older in older_connections:
             older.close()  # the same identity's oldest connection makes room for its newest
         try:
-            await self._run_connection(connection, incoming=True)
+            await self._run_connection(connection, incoming=True, task_status=task_status)
         finally:
             self.admission.connection_closed(connection)
 
@@ -210,13 +255,21 @@ class PeerHost:
         log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
         await trio.aclose_forcefully(stream)
 
-    async def _run_connection(self, connection: Connection, incoming: bool) -> None:
+    async def _run_connection(
+        self, connection: Connection, incoming: bool, *, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
         peer = connection.remote_peer_id
         existing = self._connections.get(peer)
         if existing is None or existing.is_closed:
             self._connections[peer] = connection
+        elif existing.relayed_via is not None and connection.relayed_via is None:
+            # a direct path (hole punched, or the peer became reachable) takes over from the relay;
+            # calls already on the relayed connection get a grace period to finish
+            self._connections[peer] = connection
+            self._nursery.start_soon(_close_after, existing, RELAY_HANDOVER_GRACE)
         for callback in self.on_connection:
             callback(connection, incoming)
+        task_status.started()
         try:
             await connection.run()
         finally:
@@ -274,6 +327,24 @@ class PeerHost:
         return dial.connection
 
     async def _dial(self, address: PeerAddress) -> Connection:
+        if address.relay is not None:
+            if self.relay_dialer is None:
+                raise ConnectError(f"{address}: this peer does not dial through relays")
+            stream = await self.relay_dialer(address)
+        else:
+            stream = await self.open_stream(address)
+        connection = await self.secure_outgoing(stream, address)
+        endpoint = (address.host, address.port)
+        if address.relay is None:
+            self._endpoint_peer.pop(endpoint, None)
+            self._endpoint_peer[endpoint] = connection.remote_peer_id
+            while len(self._endpoint_peer) > MAX_KNOWN_ENDPOINTS:
+                del self._endpoint_peer[next(iter(self._endpoint_peer))]
+        log.debug("connected to %s at %s", connection.remote_peer_id, address)
+        return connection
+
+    async def open_stream(self, address: PeerAddress) -> trio.SocketStream:
+        """A plain TCP stream to ``address``'s endpoint (ConnectError on failure)."""
         try:
             with trio.fail_after(self.connect_timeout):
                 stream = await trio.open_tcp_stream(address.host, address.port)
@@ -284,6 +355,11 @@ class PeerHost:
         except ValueError as error:  # a host name that cannot even be encoded (IDNA), from a contact
             raise ConnectError(f"{address}: not a usable host name ({error})") from None
         tune_connection(stream)
+        return stream
+
+    async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress, *, pool: bool = True) -> Connection:
+        """Run the handshake as initiator on ``stream`` (pinning ``address.peer_id``) and start the
+        connection in this host (pooled unless ``pool`` is False); the stream is closed on failure."""
         try:
             channel = await secure_handshake(
                 stream,
@@ -304,17 +380,12 @@ class PeerHost:
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise
         connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
+        connection.relayed_via = address.relay
         try:
             self._nursery.start_soon(self._run_connection, connection, False)
         except RuntimeError:  # the host is shutting down; callers running outside it see a clean error
             await channel.aclose()
             raise ConnectError(f"{address}: this peer's host is shutting down") from None
-        endpoint = (address.host, address.port)
-        self._endpoint_peer.pop(endpoint, None)
-        self._endpoint_peer[endpoint] = connection.remote_peer_id
-        while len(self._endpoint_peer) > MAX_KNOWN_ENDPOINTS:
-            del self._endpoint_peer[next(iter(self._endpoint_peer))]
-        log.debug("connected to %s at %s", connection.remote_peer_id, address.endpoint)
         return connection
 
     async def call(
@@ -323,6 +394,24 @@ class PeerHost:
         """Connect (or reuse the pooled connection) and make one unary call."""
         connection = await self.connect(address)
         return await connection.call(method, body, payload=payload, timeout=timeout)
+
+
+# The first byte of a relayed circuit's end (peer/relay.py); a Noise handshake record starts with
+# its 4-byte big-endian length, whose first byte is 0 for anything a handshake could be.
+CIRCUIT_MAGIC = 0xFF
+
+
+async def _opens_circuit(stream: trio.SocketStream) -> bool:
+    """Whether the incoming ``stream`` is a circuit end rather than a handshake (peeks, reads nothing)."""
+    import socket
+
+    first = await stream.socket.recv(1, socket.MSG_PEEK)
+    return bool(first) and first[0] == CIRCUIT_MAGIC
+
+
+async def _close_after(connection: Connection, delay: float) -> None:
+    await trio.sleep(delay)
+    connection.close()
 
 
 def _os_reason(error: OSError) -> str:

@@ -20,6 +20,7 @@ import trio
 from .address import PeerAddress
 from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
+from .identity import PeerID
 from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
@@ -85,6 +86,7 @@ class Connection:
         self.protocol = RPCProtocol(channel.initiator)
         self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
+        self.relayed_via: PeerID | None = None  # the relay this connection runs through, if any
         self.closed = trio.Event()
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
@@ -111,7 +113,7 @@ class Connection:
                 host = self.channel.stream.socket.getpeername()[0]
             except (AttributeError, OSError):
                 return None
-        return PeerAddress(host, advertised.port, self.remote_peer_id)
+        return PeerAddress(host, advertised.port, self.remote_peer_id, advertised.relay)
 
     @functools.cached_property
     def remote_node_id(self) -> NodeIDProof:

@@ -333,9 +333,16 @@ class Lab:
         _run("ip", "-n", namespace, "route", "add", "default", "via", f"{net}.1")
         _in(router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         masquerade = "masquerade random" if random_ports else "masquerade"
-        # forward: only connections the inside opened come back in; postrouting: rewrite the source
+        # forward: only connections the inside opened come back in; postrouting: rewrite the source;
+        # input: a connection from outside to the router itself is dropped, as a home router's
+        # firewall does, rather than reset (a reset would also leave a conntrack entry that takes
+        # the public port a hole-punching peer behind it is about to use)
         rules = f"""
 table ip pdlab_nat {{
+    chain input {{
+        type filter hook input priority 0; policy accept;
+        iifname "wan" ct state new drop
+    }}
     chain forward {{
         type filter hook forward priority 0; policy drop;
         iifname "lan" oifname "wan" accept

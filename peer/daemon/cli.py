@@ -176,6 +176,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         access=access,
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
+        relay=args.relay,
         task=args.task,
         model_size=args.model_size,
         mode=args.mode,
@@ -203,8 +204,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     width = max(len(key) for key in status)
     for key, value in status.items():
+        if key == "reachability" and isinstance(value, dict):
+            value = _reachability_line(value)
         print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
+
+
+def _reachability_line(reachability: dict) -> str:
+    """``nat; seen as HOST:PORT; via RELAYED...; 3 direct, 1 relayed connections`` for humans."""
+    parts = [str(reachability.get("status", "?"))]
+    if reachability.get("observed_address"):
+        parts.append(f"seen as {reachability['observed_address']}")
+    if reachability.get("relayed_addresses"):
+        parts.append("reached via " + ", ".join(map(str, reachability["relayed_addresses"])))
+    if reachability.get("client_mode_fallback"):
+        parts.append("client mode: no relay found")
+    connections = reachability.get("connections") or {}
+    parts.append(f"{connections.get('direct', 0)} direct, {connections.get('relayed', 0)} relayed connections")
+    return "; ".join(parts)
 
 
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ from peer import (
     SwarmAccess,
     open_peer_host,
 )
+from peer.nat import NatTraversal
 
 from .metrics import PeerMetrics
 from .ports import naming_port
@@ -58,6 +59,7 @@ class DaemonConfig:
     access: SwarmAccess | None = None  # a private swarm's allowlist and key (peer/access.py)
     bootstrap_timeout: float = 15.0
     client_mode: bool = False
+    relay: bool = True  # relay for peers behind NAT (peer/nat.py), within per-circuit limits
     task: str | None = None
     model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
@@ -90,6 +92,7 @@ class Daemon:
         self.host: PeerHost | None = None
         self.dht = None
         self.trainer = None
+        self.nat: NatTraversal | None = None
         self.status_port: int | None = None
         self.data_shard: str | None = None  # "I/N" once chosen
         self.started = time.time()
@@ -114,6 +117,7 @@ class Daemon:
             "bits_per_byte": None,
             "peers_known": len(host.connected_peers) + 1 if host else 1,
             "last_averaging": None,
+            "reachability": self.nat.status() if self.nat is not None else None,
         }
         if self.trainer is not None:
             training = self.trainer.status
@@ -152,6 +156,7 @@ class Daemon:
                     )
                 )
             self.host = host
+            self.nat = NatTraversal(host, relay=config.relay, initial_peers=config.initial_peers)
             async with trio.open_nursery() as nursery:
                 host.on_connection.append(functools.partial(_log_connection, nursery, self.pages.metrics))
                 if config.status_port is not None:
@@ -168,6 +173,7 @@ class Daemon:
                 dht_config = DHTConfig(bootstrap_timeout=config.bootstrap_timeout)
                 async with DHTNode.open(host=host, initial_peers=config.initial_peers, config=dht_config) as dht:
                     self.dht = dht
+                    nursery.start_soon(self.nat.run)
                     if config.experts is not None:
                         nursery.start_soon(self._serve_experts, dht)
                     if config.task is not None:

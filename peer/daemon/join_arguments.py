@@ -131,6 +131,15 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     )
     env_setting(
         join.add_argument(
+            "--relay",
+            action=argparse.BooleanOptionalAction,
+            default=settings.parsed("RELAY", parse_bool, True),
+            help="relay connections for peers behind NAT while this peer is reachable (limited per circuit)",
+        ),
+        "RELAY",
+    )
+    env_setting(
+        join.add_argument(
             "--task",
             default=env("TASK"),
             help="train this task: a built-in name (digits, textlm) or package.module:factory",

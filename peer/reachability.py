@@ -1,0 +1,145 @@
+"""Reachability: whether other peers can dial us, and the address they see us at (as libp2p's AutoNAT).
+
+A peer calls ``nat.dialback {port}`` on a few public peers. Each dials a fresh connection to the
+address it sees the call coming from, at the port the caller names (its listen port), and runs the
+handshake pinned to the caller's peer ID; it answers whether that worked and the observed
+``[host, port]`` of the calling connection. One success proves we are reachable (nobody else can
+complete a handshake with our key); failures from several peers and no success mean a NAT or a
+firewall is in the way.
+
+The dial-back goes only to the caller's observed address, never to one it names, and is rate
+limited per endpoint and in total (``DialBackLimiter``), so nobody can use us to dial third parties
+or to hammer one host. A call over a relayed connection is refused: its observed address is the
+relay's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from .address import PeerAddress
+from .host import ConnectError, PeerHost
+from .nat_state import NAT, PUBLIC, UNKNOWN, DialBackLimiter, most_common, reachability_verdict
+from .router import Request
+from .rpc_errors import BadRequest, Busy, RPCError
+from .secure_channel import secure_handshake
+
+__all__ = ["DIALBACK", "Reachability", "ReachabilityService", "check_reachability", "PUBLIC", "NAT", "UNKNOWN"]
+
+log = logging.getLogger("peerd.reachability")
+
+DIALBACK = "nat.dialback"
+DIALBACK_TIMEOUT = 5.0  # the dial and the handshake; the caller waits a little longer
+
+
+@dataclass(frozen=True)
+class Reachability:
+    status: str  # PUBLIC, NAT or UNKNOWN
+    observed: tuple[str, int] | None  # how peers see our connections' source (host, port)
+    answers: int  # how many peers answered
+    reason: str  # in words, for logs and the status page
+
+    def as_dict(self) -> dict[str, Any]:
+        observed = f"{self.observed[0]}:{self.observed[1]}" if self.observed else None
+        return {"status": self.status, "observed_address": observed, "answers": self.answers, "reason": self.reason}
+
+
+class ReachabilityService:
+    """Answers other peers' dial-back requests (``host.service(ReachabilityService)``)."""
+
+    def __init__(self, host: PeerHost):
+        self.host = host
+        self.limiter = DialBackLimiter(trio.current_time())
+        host.router.add_unary(DIALBACK, self._dialback)
+
+    async def _dialback(self, request: Request) -> Any:
+        connection = self.host.connection_to(request.peer)
+        if connection is None or connection.relayed_via is not None:
+            raise BadRequest("a dial-back needs a direct connection")
+        try:
+            observed_host, observed_port = connection.channel.stream.socket.getpeername()[:2]
+        except (AttributeError, OSError):
+            raise BadRequest("cannot tell this connection's remote address") from None
+        port = request.body.get("port") if isinstance(request.body, dict) else None
+        if type(port) is not int or not 0 < port < 65536:
+            raise BadRequest("expected {port: 1..65535}")
+        endpoint = f"{observed_host}:{port}"
+        why_not = self.limiter.start(endpoint, trio.current_time())
+        if why_not is not None:
+            raise Busy(why_not)
+        try:
+            reachable, reason = await self._probe(PeerAddress(observed_host, port, request.peer))
+        finally:
+            self.limiter.finished(endpoint)
+        return {"reachable": reachable, "observed": [observed_host, observed_port], "reason": reason}
+
+    async def _probe(self, address: PeerAddress) -> tuple[bool, str]:
+        host = self.host
+        with trio.move_on_after(DIALBACK_TIMEOUT):
+            try:
+                stream = await host.open_stream(address)
+            except ConnectError as error:
+                return False, str(error)
+            try:
+                channel = await secure_handshake(
+                    stream,
+                    host.identity,
+                    host._hello(),
+                    initiator=True,
+                    expected_peer=address.peer_id,
+                    timeout=DIALBACK_TIMEOUT,
+                    access=host.access,
+                )
+            except Exception as error:
+                await trio.aclose_forcefully(stream)
+                return False, f"{address}: handshake failed ({error!r})"
+            await channel.aclose()
+            return True, "dialed back"
+        return False, f"{address}: no answer within {DIALBACK_TIMEOUT} s"
+
+
+async def check_reachability(
+    host: PeerHost, servers: list[PeerAddress], *, port: int | None = None, max_servers: int = 3
+) -> Reachability:
+    """Ask up to ``max_servers`` of ``servers`` (public peers, not relayed) to dial us back at
+    ``port`` (default: our listen port)."""
+    if port is None:
+        if host.listen_address is None:
+            return Reachability(UNKNOWN, None, 0, "this peer does not listen")
+        port = host.listen_address.port
+    answers: list[bool] = []
+    observed: list[tuple[str, int]] = []
+    reasons: list[str] = []
+
+    async def ask(server: PeerAddress) -> None:
+        try:
+            reply = await host.call(server, DIALBACK, {"port": port}, timeout=DIALBACK_TIMEOUT + 5)
+        except (ConnectError, RPCError, trio.TooSlowError) as error:
+            log.debug("dial-back request to %s: %s", server, error)
+            return
+        body = reply.body if isinstance(reply.body, dict) else {}
+        seen = body.get("observed")
+        if not isinstance(body.get("reachable"), bool):
+            return
+        answers.append(body["reachable"])
+        reason = body.get("reason")
+        if isinstance(reason, str):
+            reasons.append(reason[:200])
+        if isinstance(seen, list) and len(seen) == 2 and isinstance(seen[0], str) and type(seen[1]) is int:
+            observed.append((seen[0][:100], seen[1]))
+
+    async with trio.open_nursery() as nursery:
+        for server in servers[:max_servers]:
+            nursery.start_soon(ask, server)
+    status = reachability_verdict(answers)
+    if status == PUBLIC:
+        reason = f"{sum(answers)} of {len(answers)} peers dialed us back"
+    elif status == NAT:
+        reason = f"none of {len(answers)} peers could dial us back at port {port} ({reasons[0] if reasons else '?'})"
+    else:
+        reason = f"only {len(answers)} peer(s) answered a dial-back request"
+    return Reachability(status, most_common(observed), len(answers), reason)

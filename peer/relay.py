@@ -1,0 +1,334 @@
+"""Circuit relays: a public peer forwards the bytes of a connection between two peers, one of which
+cannot be reached directly (behind NAT). The relay sees only ciphertext.
+
+The protocol, with R the relay, B the peer behind NAT and A the peer that wants to reach it:
+
+1. B keeps an RPC connection to R and reserves a slot (``relay.reserve``, renewed before the
+   reservation's TTL runs out). B announces ``R_HOST:R_PORT/R_ID/relay`` as its address.
+2. A calls ``relay.connect {target: B}`` on R. R checks the reservation and its limits
+   (``peer/nat_state.py``), makes one random token per end and tells B ``relay.incoming {source:
+   A, token}`` over B's reservation connection; A gets its own token in the reply.
+3. A and B each open a fresh TCP connection to R's listen port and send ``0xFF`` + their token
+   (the host tells such a stream from a Noise handshake by its first byte). R pairs the two by
+   their tokens and from then on copies bytes both ways, within the circuit's rate and lifetime.
+4. Over the joined stream A and B run the ordinary Noise handshake (A initiates, pinning B's ID;
+   B checks that the peer is the ``source`` R named) and the ordinary RPC connection: end-to-end
+   authenticated and encrypted, so R can neither read nor alter the traffic unnoticed.
+
+The ends are real TCP sockets, so the secure channel's direct-I/O path runs on both peers; the
+relay's copying costs one receive and one send per chunk. ``Relay`` is the relay's side,
+``RelayClient`` the NAT'd peer's side (reservations and incoming circuits), ``dial_through_relay``
+the dialer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .address import PeerAddress
+from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
+from .identity import PeerID
+from .nat_state import TOKEN_BYTES, Circuit, RelayBook, RelayLimits, RelayRefused, TokenBucket
+from .router import Request
+from .rpc_errors import BadRequest, Busy, RPCError
+from .secure_channel import secure_handshake
+
+__all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE", "CONNECT", "INCOMING"]
+
+log = logging.getLogger("peerd.relay")
+
+RESERVE, CONNECT, INCOMING = "relay.reserve", "relay.connect", "relay.incoming"
+TOKEN_TIMEOUT = 5.0  # an end must present its token this soon after connecting
+MAX_WAITING_ENDS = 256  # raw connections still presenting a token or waiting for their partner
+CHUNK = 256 * 1024
+CALL_TIMEOUT = 5.0
+MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
+RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
+
+
+class Relay:
+    """The relay a public peer runs for others (``host.relay``)."""
+
+    def __init__(self, host: PeerHost, limits: RelayLimits | None = None):
+        self.host = host
+        self.book: RelayBook[PeerID] = RelayBook(limits)
+        self.bytes_relayed = 0
+        # Whether to take reservations: a peer that cannot be reached itself is no use as a relay
+        # (``NatTraversal`` keeps this to "our reachability is not nat").
+        self.accepting = True
+        self._waiting_ends = 0
+        host.router.add_unary(RESERVE, self._reserve)
+        host.router.add_unary(CONNECT, self._connect)
+        host.relay = self
+
+    async def _reserve(self, request: Request) -> Any:
+        connection = self.host.connection_to(request.peer)
+        if connection is None or connection.relayed_via is not None:
+            raise BadRequest("reserve over a direct connection to the relay")
+        if not self.accepting:
+            raise Busy("this peer cannot be reached itself, so it relays for nobody")
+        try:
+            self.book.reserve(request.peer, trio.current_time())
+        except RelayRefused as error:
+            raise Busy(str(error)) from None
+        return {"ttl": self.book.limits.reservation_ttl}
+
+    async def _connect(self, request: Request) -> Any:
+        body = request.body
+        if not isinstance(body, dict) or not isinstance(body.get("target"), bytes):
+            raise BadRequest("expected {target: peer ID bytes}")
+        target = PeerID(body["target"])
+        connection = self.host.connection_to(target)
+        if connection is None or connection.relayed_via is not None:
+            raise Busy("the target is not connected to this relay")
+        try:
+            circuit = self.book.open_circuit(request.peer, target, trio.current_time())
+        except RelayRefused as error:
+            raise Busy(str(error)) from None
+        circuit.waiter = trio.Event()
+        try:
+            await connection.call(
+                INCOMING, {"source": request.peer.to_bytes(), "token": circuit.tokens[1]}, timeout=CALL_TIMEOUT
+            )
+        except (RPCError, trio.TooSlowError) as error:
+            self._forget(circuit)
+            raise Busy(f"the target did not take the circuit: {error}") from None
+        return {"token": circuit.tokens[0]}
+
+    def _forget(self, circuit: Circuit[PeerID]) -> None:
+        self.book.close_circuit(circuit)
+        circuit.waiter.set()  # a waiting end sees the circuit is not active and closes
+
+    async def accept_circuit_end(self, stream: trio.SocketStream) -> None:
+        """An incoming stream that opened with the circuit byte: pair it by its token, or drop it."""
+        if self._waiting_ends >= MAX_WAITING_ENDS:
+            await trio.aclose_forcefully(stream)
+            return
+        self._waiting_ends += 1
+        try:
+            circuit = None
+            with trio.move_on_after(TOKEN_TIMEOUT):
+                try:
+                    head = await _receive_exactly(stream, 1 + TOKEN_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    head = None  # whatever a stranger does, it costs them the connection only
+                if head is not None:
+                    circuit = self.book.arrive(head[1:], stream, trio.current_time())
+            if circuit is None:
+                await trio.aclose_forcefully(stream)
+                return
+            if not circuit.active:
+                with trio.move_on_at(circuit.expires):
+                    await circuit.waiter.wait()
+                if not circuit.active:
+                    self._forget(circuit)
+                    await trio.aclose_forcefully(stream)
+                # else: the partner's task carries the circuit
+                return
+        finally:
+            self._waiting_ends -= 1
+        circuit.waiter.set()
+        await self._splice(circuit)
+
+    async def _splice(self, circuit: Circuit[PeerID]) -> None:
+        first, second = circuit.arrived
+        limits = self.book.limits
+        bucket = TokenBucket(limits.circuit_bytes_per_s, limits.circuit_burst_bytes, trio.current_time())
+        log.debug("relaying %s -> %s", circuit.source, circuit.target)
+        try:
+            with trio.move_on_at(circuit.expires):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, first, second, bucket, nursery.cancel_scope)
+                    nursery.start_soon(self._pump, second, first, bucket, nursery.cancel_scope)
+        finally:
+            self.book.close_circuit(circuit)
+            for stream in (first, second):
+                await trio.aclose_forcefully(stream)
+
+    async def _pump(self, source: Any, sink: Any, bucket: TokenBucket, scope: trio.CancelScope) -> None:
+        try:
+            while data := await source.receive_some(CHUNK):
+                wait = bucket.take(len(data), trio.current_time())
+                if wait > 0:
+                    await trio.sleep(wait)  # the circuit's byte rate
+                await sink.send_all(data)
+                self.bytes_relayed += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            scope.cancel()  # one direction ended: the circuit is over
+
+
+async def _receive_exactly(stream: trio.SocketStream, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = await stream.receive_some(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.SocketStream:
+    """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake."""
+    if address.peer_id is None:
+        raise ConnectError(f"{address}: a relayed address must name the peer")
+    relay = address.relay_address
+    connection = await host.connect(relay)
+    try:
+        reply = await connection.call(CONNECT, {"target": address.peer_id.to_bytes()}, timeout=CALL_TIMEOUT)
+    except (RPCError, trio.TooSlowError) as error:
+        raise ConnectError(f"{address}: the relay refused: {error}") from None
+    token = reply.body.get("token") if isinstance(reply.body, dict) else None
+    if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+        raise ConnectError(f"{address}: the relay sent a malformed circuit token")
+    stream = await host.open_stream(relay)
+    try:
+        await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
+    except (trio.BrokenResourceError, OSError):
+        await trio.aclose_forcefully(stream)
+        raise ConnectError(f"{address}: the relay closed the circuit") from None
+    return stream
+
+
+class RelayClient:
+    """Reservations with up to ``wanted`` relays, for a peer that cannot be reached directly, and
+    the circuits they bring. ``run`` keeps the reservations and ``host.announced`` up to date."""
+
+    def __init__(self, host: PeerHost, *, wanted: int = 2):
+        self.host = host
+        self.wanted = wanted
+        self.reserved: dict[PeerID, PeerAddress] = {}
+        self._pending_incoming = 0
+        self.changed = trio.Event()
+        host.router.add_unary(INCOMING, self._incoming)
+        host.relay_dialer = lambda address: dial_through_relay(host, address)
+
+    async def _incoming(self, request: Request) -> Any:
+        relay = self.reserved.get(request.peer)
+        if relay is None:
+            raise BadRequest("no reservation with this peer")
+        body = request.body
+        if not isinstance(body, dict) or not isinstance(body.get("source"), bytes):
+            raise BadRequest("expected {source, token}")
+        token = body.get("token")
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+            raise BadRequest("malformed circuit token")
+        source = PeerID(body["source"])
+        if self._pending_incoming >= MAX_PENDING_INCOMING:
+            raise Busy("too many circuits being set up")
+        self._pending_incoming += 1
+        try:
+            self.host._nursery.start_soon(self._answer, relay, source, token)
+        except BaseException:
+            self._pending_incoming -= 1
+            raise
+        return {"ok": True}
+
+    async def _answer(self, relay: PeerAddress, source: PeerID, token: bytes) -> None:
+        host = self.host
+        try:
+            try:
+                stream = await host.open_stream(relay)
+            except ConnectError as error:
+                log.debug("circuit from %s via %s: %s", source, relay, error)
+                return
+            try:
+                await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
+                channel = await secure_handshake(
+                    stream,
+                    host.identity,
+                    host._hello(),
+                    initiator=False,
+                    timeout=host.handshake_timeout,
+                    access=host.access,
+                )
+            except Exception as error:
+                log.debug("circuit from %s via %s failed: %r", source, relay, error)
+                await trio.aclose_forcefully(stream)
+                return
+            if channel.remote_peer_id != source:
+                log.info("relay %s named %s but %s came through; closed", relay.peer_id, source, channel.remote_peer_id)
+                await channel.aclose()
+                return
+        finally:
+            self._pending_incoming -= 1
+        await host.accept_channel(channel, f"relay:{relay.peer_id}", relayed_via=relay.peer_id)
+
+    async def reserve(self, relay: PeerAddress) -> tuple[PeerID, float]:
+        """Reserve (or renew) with ``relay``; returns the relay's ID and the reservation's TTL.
+        Raises ConnectError (also for a relay reached through a relay, or a malformed answer),
+        RPCError or trio.TooSlowError."""
+        connection = await self.host.connect(relay)
+        if connection.relayed_via is not None:
+            raise ConnectError(f"{relay}: a relay must be reached directly")
+        reply = await connection.call(RESERVE, None, timeout=CALL_TIMEOUT)
+        ttl = reply.body.get("ttl") if isinstance(reply.body, dict) else None
+        if type(ttl) not in (int, float) or not 1 <= ttl <= 86400:
+            raise ConnectError(f"{relay}: the relay sent a malformed reservation")
+        relay_id = connection.remote_peer_id
+        self.reserved[relay_id] = relay.with_peer_id(relay_id)
+        return relay_id, float(ttl)
+
+    def _announce(self) -> None:
+        self.host.announced = [PeerAddress(a.host, a.port, None, a.peer_id) for a in self.reserved.values()]
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def run(self, candidates: Callable[[], list[PeerAddress]], *, retry: float | None = None) -> None:
+        """Keep ``wanted`` reservations among ``candidates()`` (public peers, tried in order);
+        a relay whose connection closes or that refuses is replaced at the next pass."""
+        retry = RESERVE_RETRY if retry is None else retry
+        renew_at: dict[PeerID, float] = {}
+        while True:
+            now = trio.current_time()
+            for relay_id, address in list(self.reserved.items()):
+                if self.host.connection_to(relay_id) is None or renew_at.get(relay_id, 0) <= now:
+                    try:
+                        _, ttl = await self.reserve(address)
+                        renew_at[relay_id] = trio.current_time() + ttl / 3
+                    except (ConnectError, RPCError, trio.TooSlowError) as error:
+                        log.info("lost the reservation with relay %s: %s", relay_id, error)
+                        del self.reserved[relay_id]
+                        renew_at.pop(relay_id, None)
+            for candidate in candidates():
+                if len(self.reserved) >= self.wanted:
+                    break
+                if candidate.peer_id in self.reserved or candidate.peer_id == self.host.peer_id:
+                    continue
+                try:
+                    relay_id, ttl = await self.reserve(candidate)
+                except (ConnectError, RPCError, trio.TooSlowError) as error:
+                    log.debug("relay candidate %s: %s", candidate, error)
+                    continue
+                renew_at[relay_id] = trio.current_time() + ttl / 3
+                log.info("reserved a relayed address with %s", self.reserved[relay_id])
+            if [str(a) for a in self.host.announced] != [
+                str(PeerAddress(a.host, a.port, None, a.peer_id)) for a in self.reserved.values()
+            ]:
+                self._announce()
+            now = trio.current_time()
+            wait = min([60.0, *(at - now for at in renew_at.values())])
+            if len(self.reserved) < self.wanted:
+                wait = min(wait, retry)
+            with trio.move_on_after(max(0.5, wait)):
+                await self._any_relay_lost()
+
+    async def _any_relay_lost(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for relay_id in list(self.reserved):
+                connection = self.host.connection_to(relay_id)
+                if connection is None:
+                    return
+                nursery.start_soon(_wait_then_cancel, connection.closed, nursery.cancel_scope)
+            if not self.reserved:
+                await trio.sleep_forever()
+
+
+async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -1,0 +1,350 @@
+"""Circuit relays and reachability on loopback: a peer reached only through a relay answers calls
+end to end (the relay forwards ciphertext only), relay limits hold against a greedy client, and
+dial-back tells a listening peer from one nobody can reach."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+from peer import BusyError, ConnectError, Identity, PeerAddress, Router, open_peer_host
+from peer.holepunch import HolePuncher
+from peer.nat import NatTraversal
+from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
+from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
+from peer.relay import Relay, RelayClient
+
+SECRET = b"plaintext-the-relay-must-never-see" * 4
+
+
+async def until(condition) -> None:
+    """Poll ``condition`` (the caller's deadline bounds the wait)."""
+    while not condition():
+        await trio.sleep(0.01)
+
+
+def echo_router() -> Router:
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return {"echo": request.body, "payload_size": len(request.payload)}
+
+    return router
+
+
+@pytest.fixture
+async def relayed():
+    """(relay host, relay service, NAT'd host B with a reservation, dialer host A)."""
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as dialer,
+    ):
+        relay = Relay(relay_host)
+        client = RelayClient(behind)
+        RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        await client.reserve(relay_host.listen_address)
+        yield relay_host, relay, behind, dialer
+
+
+async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted(relayed):
+    relay_host, relay, behind, dialer = relayed
+    seen: list[bytes] = []
+    pump = relay._pump
+
+    async def tapped(source, sink, bucket, scope):
+        original = source.receive_some
+
+        async def tap(size):
+            data = await original(size)
+            seen.append(bytes(data))
+            return data
+
+        source.receive_some = tap
+        await pump(source, sink, bucket, scope)
+
+    relay._pump = tapped
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    assert PeerAddress.parse(str(address)) == address
+    reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
+    assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
+    connection = dialer.connection_to(behind.peer_id)
+    assert connection is not None and connection.relayed_via == relay_host.peer_id
+    # B accepted it as a relayed connection, and sees A's identity
+    incoming = behind.connection_to(dialer.peer_id)
+    assert incoming is not None and incoming.relayed_via == relay_host.peer_id
+    relayed_bytes = b"".join(seen)
+    assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
+    assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
+    assert relay.book.circuits == 1
+    connection.close()
+    with trio.fail_after(5):
+        await until(lambda: relay.book.circuits == 0)
+
+
+async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
+    relay_host, relay, behind, dialer = relayed
+    stranger = Identity.generate().peer_id
+    address = PeerAddress(relay_host.listen_address.host, relay_host.listen_address.port, stranger, relay_host.peer_id)
+    with pytest.raises(ConnectError, match="relay refused"):
+        await dialer.connect(address)
+    # a relay that found itself behind NAT takes no reservations
+    relay.accepting = False
+    with pytest.raises(BusyError, match="relays for nobody"):
+        await dialer.call(relay_host.listen_address, "relay.reserve", None, timeout=5)
+    assert dialer.peer_id not in relay.book.reservations
+    # a raw circuit end with a token nobody issued is dropped at once
+    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+    await stream.send_all(b"\xff" + bytes(16))
+    with trio.fail_after(5):
+        assert await stream.receive_some(10) == b""
+        await until(lambda: relay._waiting_ends == 0)
+    assert relay.book.circuits == 0
+
+
+async def test_a_circuit_end_reset_midway_through_its_token_costs_only_that_connection(relayed):
+    relay_host, relay, behind, dialer = relayed
+    for _ in range(3):
+        sock = socket.create_connection((relay_host.listen_address.host, relay_host.listen_address.port))
+        sock.sendall(b"\xff" + bytes(5))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, not a clean end
+    with trio.fail_after(5):
+        await until(lambda: relay._waiting_ends == 0)
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    assert (await dialer.call(address, "echo", 1, timeout=10)).body["echo"] == 1  # the relay still relays
+
+
+async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed, monkeypatch):
+    relay_host, relay, _, _ = relayed
+    monkeypatch.setattr("peer.relay.TOKEN_TIMEOUT", 0.3)
+    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+    await stream.send_all(b"\xff")
+    with trio.fail_after(5):
+        assert await stream.receive_some(10) == b""
+        await until(lambda: relay._waiting_ends == 0)
+
+
+def test_relay_book_caps_circuits_and_expires_pending_ones():
+    book = RelayBook(RelayLimits(max_reservations=2, max_circuits=3, max_circuits_per_peer=2, pending_timeout=5))
+    book.reserve("b", 0)
+    book.reserve("c", 0)
+    with pytest.raises(RelayRefused, match="reservations"):
+        book.reserve("d", 0)
+    book.reserve("b", 1)  # renewing is not a new reservation
+    with pytest.raises(RelayRefused, match="no reservation"):
+        book.open_circuit("a", "d", 0)
+    first = book.open_circuit("a", "b", 0)
+    book.open_circuit("a", "c", 0)
+    with pytest.raises(RelayRefused, match="a is at its maximum"):
+        book.open_circuit("a", "b", 0)  # one requester cannot hold more than its share
+    book.open_circuit("x", "c", 0)
+    with pytest.raises(RelayRefused, match="maximum of 3 circuits"):
+        book.open_circuit("y", "b", 0)
+    # tokens are one-time; both ends make the circuit active with its lifetime
+    assert book.arrive(first.tokens[0], "end-a", 1) is first and not first.active
+    assert book.arrive(first.tokens[0], "again", 1) is None
+    assert book.arrive(first.tokens[1], "end-b", 1) is first and first.active
+    # the other two never got their ends: they expire, freeing their slots
+    assert len(book.expire(10)) == 2 and book.circuits == 1
+    assert book.arrive(bytes(16), "junk", 10) is None
+    book.close_circuit(first)
+    assert book.circuits == 0 and not book._per_peer
+
+
+def test_token_bucket_and_dial_back_limits():
+    bucket = TokenBucket(rate=100, burst=50, now=0)
+    assert bucket.take(50, 0) == 0
+    assert bucket.take(100, 0) == pytest.approx(1.0)
+    limiter = DialBackLimiter(0, rate=1, burst=2, per_address_interval=10)
+    assert limiter.start("1.2.3.4:1", 0) is None
+    assert "in progress" in limiter.start("1.2.3.4:1", 0)
+    limiter.finished("1.2.3.4:1")
+    assert "ago" in limiter.start("1.2.3.4:1", 1)
+    assert limiter.start("5.6.7.8:1", 1) is None
+    assert limiter.start("6.6.6.6:1", 1) is None  # the bucket (2, one more per second) is now empty
+    assert "too many" in limiter.start("9.9.9.9:1", 1)
+    assert limiter.start("1.2.3.4:1", 11) is None
+    assert reachability_verdict([]) == UNKNOWN
+    assert reachability_verdict([False]) == UNKNOWN
+    assert reachability_verdict([False, False]) == NAT
+    assert reachability_verdict([False, True]) == PUBLIC
+
+
+async def test_dial_back_tells_a_reachable_peer_from_an_unreachable_one():
+    async with open_peer_host(Identity.generate()) as one, open_peer_host(Identity.generate()) as two:
+        async with open_peer_host(Identity.generate()) as asker:
+            servers = [one.listen_address, two.listen_address]
+            for server in (one, two):
+                server.service(ReachabilityService)
+            result = await check_reachability(asker, servers)
+            assert result.status == PUBLIC, result
+            assert result.observed is not None and result.observed[0] == "127.0.0.1"
+            # a port nobody listens on stands for a NAT that drops unsolicited connections
+            closed = trio.socket.socket()
+            await closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]
+            closed.close()
+            result = await check_reachability(asker, servers, port=port)
+            assert result.status == NAT, result
+            assert "could dial us back" in result.reason
+            # asking again at once is refused by the rate limit: unknown, not a wrong verdict
+            again = await check_reachability(asker, servers, port=port)
+            assert again.status == UNKNOWN, again
+
+
+async def test_hole_punching_moves_a_relayed_connection_to_a_direct_one(relayed, monkeypatch):
+    relay_host, relay, behind, dialer = relayed
+    monkeypatch.setattr("peer.host.RELAY_HANDOVER_GRACE", 0.2)
+    punchers = [HolePuncher(host, lambda: "127.0.0.1") for host in (behind, dialer)]
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    relayed_connection = await dialer.connect(address)
+    assert relayed_connection.relayed_via == relay_host.peer_id
+    with trio.fail_after(10):
+        await until(lambda: punchers[1].successes + punchers[1].failures > 0)
+    assert punchers[1].successes == 1, punchers[1].status()
+    with trio.fail_after(5):
+        await until(lambda: (c := behind.connection_to(dialer.peer_id)) is not None and c.relayed_via is None)
+    direct = dialer.connection_to(behind.peer_id)
+    assert direct is not None and direct.relayed_via is None
+    # the punched connection runs from one listen port to the other, and carries calls
+    sockname = direct.channel.stream.socket.getsockname()
+    peername = direct.channel.stream.socket.getpeername()
+    assert sockname[1] == dialer.listen_address.port and peername[1] == behind.listen_address.port
+    reply = await dialer.call(address, "echo", "direct", timeout=5)
+    assert reply.body["echo"] == "direct"
+    with trio.fail_after(5):
+        await relayed_connection.closed.wait()  # the relay is let go after the grace period
+        await until(lambda: relay.book.circuits == 0)
+
+
+async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes_it(monkeypatch):
+    verdict = Reachability(NAT, ("203.0.113.7", 40000), 3, "none of 3 peers could dial us back")
+
+    async def unreachable(host, servers, **options):
+        return verdict
+
+    monkeypatch.setattr("peer.nat.check_reachability", unreachable)
+    monkeypatch.setattr("peer.nat.RELAY_GRACE", 0.1)
+    monkeypatch.setattr("peer.relay.RESERVE_RETRY", 0.1)
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as behind,
+        open_peer_host(Identity.generate()) as other,
+        trio.open_nursery() as nursery,
+    ):
+        NatTraversal(relay_host)
+        nat = NatTraversal(behind)  # knows no public peer yet: nobody to relay for it
+        NatTraversal(other, relay=False)  # --no-relay: it will not relay for anyone
+        await behind.connect(other.listen_address)
+        nursery.start_soon(nat.run)
+        with trio.fail_after(5):
+            await until(lambda: nat.fallback_client_mode)
+        assert behind.client_mode and nat.status()["status"] == NAT
+        assert not nat.relay.accepting  # a peer behind NAT relays for nobody
+        assert nat.status()["observed_address"] == "203.0.113.7:40000"
+        # a public peer to relay through appears: reserved, announced, pushed to connected peers
+        nat.initial_peers.append(relay_host.listen_address)
+        with trio.fail_after(5):
+            await until(lambda: not nat.fallback_client_mode)
+            seen = other.connection_to(behind.peer_id)
+            await until(lambda: seen.remote_listen_address is not None and seen.remote_listen_address.relay)
+        assert not behind.client_mode
+        assert seen.remote_listen_address.relay == relay_host.peer_id
+        assert nat.status()["relayed_addresses"] == [str(behind.announced[0])]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_circuit_is_held_to_its_byte_rate_and_lifetime():
+    limits = RelayLimits(circuit_bytes_per_s=2 * 2**20, circuit_burst_bytes=256 * 1024, circuit_lifetime=3.0)
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as dialer,
+    ):
+        relay = Relay(relay_host, limits)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        RelayClient(dialer)
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        connection = await dialer.connect(address)
+        opened = trio.current_time()
+        payload = bytes(4 * 2**20)
+        await dialer.call(address, "echo", None, payload=payload, timeout=30)
+        # 4 MiB at 2 MiB/s after a 256 KiB burst cannot pass in less than ~1.9 s
+        assert trio.current_time() - opened >= (len(payload) - limits.circuit_burst_bytes) / limits.circuit_bytes_per_s
+        with trio.fail_after(limits.circuit_lifetime + 3):
+            await connection.closed.wait()  # the relay ends the circuit at its lifetime
+        assert trio.current_time() - opened >= limits.circuit_lifetime - 0.5
+        with trio.fail_after(2):
+            await until(lambda: relay.book.circuits == 0)
+
+
+def test_peerd_status_says_in_one_line_how_the_peer_is_reached():
+    from peer.daemon.cli import _reachability_line
+
+    line = _reachability_line(
+        {
+            "status": "nat",
+            "observed_address": "203.0.113.7:31337",
+            "relayed_addresses": ["198.51.100.1:31337/RELAY/relay"],
+            "client_mode_fallback": False,
+            "connections": {"direct": 3, "relayed": 1},
+        }
+    )
+    assert line == (
+        "nat; seen as 203.0.113.7:31337; reached via 198.51.100.1:31337/RELAY/relay; 3 direct, 1 relayed connections"
+    )
+
+
+class _Owner:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    @asynccontextmanager
+    async def locked_tensors(self):
+        yield self.tensors
+
+    def state_metadata(self):
+        return {"epoch": 7}
+
+
+async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_relay():
+    import torch
+
+    from averaging.state_sharing import StateSharing
+    from dht.node import DHTNode
+
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as donor_host,
+        open_peer_host(Identity.generate()) as newcomer_host,
+    ):
+        Relay(relay_host)
+        listen = relay_host.listen_address
+        # behind NAT from its first hello on: it announces only the relayed address
+        donor_host.announced = [PeerAddress(listen.host, listen.port, None, relay_host.peer_id)]
+        await RelayClient(donor_host).reserve(listen)
+        RelayClient(newcomer_host)
+        async with (
+            DHTNode.open(host=relay_host) as relay_node,
+            DHTNode.open(host=donor_host, initial_peers=[relay_node.address]) as donor_node,
+            DHTNode.open(host=newcomer_host, initial_peers=[relay_node.address]) as newcomer_node,
+        ):
+            state = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 4)]
+            donor = StateSharing(donor_host, donor_node, "run.state", _Owner(state))
+            await donor.announce(5)
+            newcomer = StateSharing(newcomer_host, newcomer_node, "run.state", _Owner([]))
+            metadata, tensors = await newcomer.download([torch.zeros(1000), torch.zeros(3, 4)], timeout=20)
+            assert metadata == {"epoch": 7}
+            assert all(torch.equal(got, want) for got, want in zip(tensors, state, strict=True))
+            connection = newcomer_host.connection_to(donor_host.peer_id)
+            assert connection is not None and connection.relayed_via == relay_host.peer_id
