@@ -46,6 +46,7 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
+from .robust import Aggregation
 from .round_links import RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
 
@@ -159,6 +160,7 @@ class AllReduceService:
         reducer_timeout: float | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         deadlines: DeadlineRules = DEFAULT_DEADLINES,
+        aggregation: Aggregation | str = Aggregation.MEAN,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group``.
 
@@ -168,7 +170,8 @@ class AllReduceService:
 
         The tensors are read while the round runs (a single contiguous float32 CPU tensor is sent
         straight from its memory, without a copy) and written only when it is over, so they must
-        not change in between; a cancelled round leaves them as they were."""
+        not change in between; a cancelled round leaves them as they were. ``aggregation``: how
+        our shard, if we reduce one, is aggregated from the senders' parts (``robust.py``)."""
         me = self.host.peer_id
         member = group.member(me)
         if member is None:
@@ -196,7 +199,7 @@ class AllReduceService:
             reducer = None
             if my_shard is not None:
                 lease = holds.enter_context(self._buffers.lease())
-                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links)
+                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, Aggregation(aggregation))
             sender = None
             if flat is not None:
                 header = ReduceHeader(group.group_id, weight, total)
@@ -240,11 +243,22 @@ class AllReduceService:
             return result
 
     def _reducer_role(
-        self, group: GroupInfo, plan: AllReducePlan, my_shard: int, codec: Codec, lease: BufferLease, links: RoundLinks
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        my_shard: int,
+        codec: Codec,
+        lease: BufferLease,
+        links: RoundLinks,
+        aggregation: Aggregation,
     ) -> ReducerRole:
         part_sizes = [end - start for start, end in plan.parts(my_shard)]
         sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
-        shard = ReducerShard(part_sizes, [m.peer_id for m in group.senders], sum_buffer)
+        senders = [m.peer_id for m in group.senders]
+        workspace = None
+        if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
+            workspace = lease.take(len(senders) * max(part_sizes))
+        shard = ReducerShard(part_sizes, senders, sum_buffer, aggregation, workspace)
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

@@ -102,6 +102,7 @@ class WorkerConfig:
     part_size: int
     gloo_port: int
     workdir: Path
+    aggregation: str = "mean"
 
 
 def worker_main(config: WorkerConfig) -> None:
@@ -173,6 +174,7 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
                 sender_timeout=SENDER_TIMEOUT,
                 reducer_timeout=REDUCER_TIMEOUT,
                 part_size=config.part_size,
+                aggregation=config.aggregation,
             )
             seconds = time.perf_counter() - start
             await barrier()  # usage counts until every peer is done (serving others included)
@@ -270,7 +272,9 @@ def write_true_mean(path: Path, world: int, numel: int) -> None:
     (total / world).to(torch.float32).numpy().tofile(path)
 
 
-def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float) -> dict[str, Any]:
+def run_group(
+    world: int, numel: int, reps: int, part_size: int, timeout: float, aggregation: str = "mean"
+) -> dict[str, Any]:
     """Spawn ``world`` workers, collect their reports, and reduce them to one row of figures."""
     with tempfile.TemporaryDirectory(prefix="peerd-allreduce-") as tmp:
         workdir = Path(tmp)
@@ -282,7 +286,7 @@ def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float)
             for rank in range(world):
                 command = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(rank), str(world)]
                 command += ["--numel", str(numel), "--reps", str(reps), "--part-size", str(part_size)]
-                command += ["--port", str(port), "--dir", tmp]
+                command += ["--port", str(port), "--dir", tmp, "--aggregation", aggregation]
                 logs.append(open(workdir / f"worker{rank}.err", "wb"))  # noqa: SIM115 (closed below)
                 workers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=logs[-1], text=True))
             deadline = time.monotonic() + timeout
@@ -294,7 +298,7 @@ def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float)
                 worker.wait()
             for log in logs:
                 log.close()
-    return {**summarize(world, numel, reps, reports), "part_size": part_size}
+    return {**summarize(world, numel, reps, reports), "part_size": part_size, "aggregation": aggregation}
 
 
 def _collect(worker: subprocess.Popen, rank: int, workdir: Path, deadline: float) -> dict[str, Any]:
@@ -377,10 +381,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, help="timed rounds per group size (default 5; --quick: 3)")
     parser.add_argument("--part-size", type=int, default=DEFAULT_PART_SIZE, help="values per streamed part")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per group size")
+    parser.add_argument(
+        "--aggregation",
+        choices=["mean", "centered-clip"],
+        default="mean",
+        help="how reducers aggregate (centered-clip is robust, not exact: max_abs_error grows)",
+    )
     args = parser.parse_args()
     peer_counts = args.peers or ([4] if args.quick else [2, 4, 8])
     reps = args.reps or (3 if args.quick else 5)
-    runs = [run_group(world, args.numel, reps, args.part_size, args.timeout) for world in peer_counts]
+    runs = [run_group(world, args.numel, reps, args.part_size, args.timeout, args.aggregation) for world in peer_counts]
     print_table(runs)
     headline = next((run for run in runs if run["peers"] == 4), runs[0])
     summary = dict(headline)
@@ -397,9 +407,10 @@ def parse_worker(argv: list[str]) -> WorkerConfig:
     parser.add_argument("--part-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--aggregation", default="mean")
     args = parser.parse_args(argv)
     rank, world = args.worker
-    return WorkerConfig(rank, world, args.numel, args.reps, args.part_size, args.port, args.dir)
+    return WorkerConfig(rank, world, args.numel, args.reps, args.part_size, args.port, args.dir, args.aggregation)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""Robust aggregation of one part: CenteredClip over the senders' contributions, sans I/O.
+
+A reducer that takes the plain weighted mean hands any single sender the whole result: one finite
+1e30 contribution, or one claimed weight of 2**40, sets the average. With ``centered-clip`` a
+reducer aggregates each part with CenteredClip (Karimireddy, He and Jaggi, "Learning from History
+for Byzantine Robust Optimization", ICML 2021; used per part by BTARD, Gorbunov et al., "Secure
+Distributed Training at Scale", ICML 2022)::
+
+    v <- v + sum_i w_i * (x_i - v) * min(1, tau / ||x_i - v||) / sum_i w_i
+
+a fixed-point iteration whose every step moves ``v`` by at most ``tau * w_i / sum(w)`` on account
+of sender ``i``, however far away its ``x_i`` lies. A hostile minority can therefore pull the
+result by O(tau * hostile weight share), not more.
+
+Choices the papers leave open, and ours:
+
+- **Start.** The papers start from the last round's result (momentum); a part has no such memory
+  here (shards follow the group), and the mean is no start (1e30 / n away). We start from a point
+  the reducer trusts: its own contribution (a reducer that sends nothing: the coordinate-wise
+  median).
+- **Radius.** ``tau`` is the ``floor(n / 2)``-th smallest distance from that start to the ``n``
+  contributions (its own, at 0, included). While fewer than half are hostile, at least
+  ``floor(n / 2) + 1`` are honest, so tau is at most the distance to the farthest honest one: it
+  scales with the honest spread (BTARD's choice of tau follows
+  the honest variance) with no knob to tune per model. In high dimensions honest contributions
+  lie at nearly equal distances from each other and from their mean, so on a clean group almost
+  nothing is clipped and the result is the mean up to the tolerance. Peers that check a reducer
+  (``verification.py``) recompute with the tau it used, after bounding it by their own.
+- **Iterations.** At most ``MAX_ITERATIONS``, ending once a step moves ``v`` by less than
+  ``TOLERANCE * tau``; from its own contribution a clean group takes 2-3.
+- **Weights.** Claimed weights are clipped to ``MAX_WEIGHT_RATIO`` times the median positive
+  weight of the part's contributors before anything else (``clip_weights``).
+
+Contributions are taken relative to the start, one row each of a workspace, so an iteration is
+two passes over them (distances to ``v`` from ``rows @ v``, then the step); values too large for
+float32 squares (a 1e30 contribution) switch the part to float64, which only hostile inputs need.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = [
+    "Aggregation",
+    "MAX_ITERATIONS",
+    "MAX_WEIGHT_RATIO",
+    "TOLERANCE",
+    "centered_clip",
+    "clip_weights",
+    "resolve_aggregation",
+]
+
+# A peer's weight is the samples it accumulated; honest peers of one swarm differ by their speed.
+# 2x the group's median lets a peer that did twice the typical work count double, while a hostile
+# quarter of a group (each claiming the cap) holds at most 2f / (2f + n - f) <= 2/5 of the weight
+# whenever the honest weights are at least the median: under CenteredClip's breakdown point of
+# one half, so the clipped iteration stays anchored to the honest majority.
+MAX_WEIGHT_RATIO = 2.0
+# Bounded work per part: from the reducer's own contribution, a clean group converges in 2-3 steps; attackers far away
+# are clipped from the first step on, so the bound only cuts off a slow crawl near the fixed point.
+MAX_ITERATIONS = 20
+# A step shorter than this share of tau ends the iteration: far below what any single
+# contribution may move the result by (tau * its weight share).
+TOLERANCE = 1e-4
+
+
+class Aggregation(str, enum.Enum):
+    MEAN = "mean"  # the weighted mean: exact, and at any one sender's mercy
+    CENTERED_CLIP = "centered-clip"  # CenteredClip, weights clipped to the median's ratio
+
+
+def resolve_aggregation(aggregation: Aggregation | str, private: bool) -> Aggregation:
+    """``auto``: centered-clip in public swarms (anyone may join), the exact mean in private ones
+    (every member is known)."""
+    if aggregation == "auto":
+        return Aggregation.MEAN if private else Aggregation.CENTERED_CLIP
+    return Aggregation(aggregation)
+
+
+def clip_weights(weights: list[float], ratio: float = MAX_WEIGHT_RATIO) -> list[float]:
+    """Each weight capped at ``ratio`` times the median positive weight (the lower median: with
+    fewer than half the weights hostile it is at most an honest one)."""
+    positive = sorted(w for w in weights if w > 0)
+    if not positive:
+        return list(weights)
+    cap = ratio * positive[(len(positive) - 1) // 2]
+    return [min(w, cap) for w in weights]
+
+
+def centered_clip(
+    parts: list[torch.Tensor],
+    weights: list[float],
+    out: torch.Tensor,
+    *,
+    center: torch.Tensor | None = None,
+    tau: float | None = None,
+    workspace: torch.Tensor | None = None,
+) -> float:
+    """Write the CenteredClip aggregate of ``parts`` (1-d float32, all finite, weights positive
+    and already clipped) into ``out``; returns the clipping radius tau (0 for a single part).
+
+    ``center``: a contribution this peer trusts (its own); the iteration starts there, and the
+    contributions are taken relative to it (exact distances in float32 even where they are tiny
+    next to the values, as between replicas' parameters). Without one it starts from the
+    coordinate-wise median (a sort: several times the cost). ``tau``: the radius to use instead
+    of choosing one (to recompute another peer's aggregate). ``workspace``: at least
+    ``len(parts) * numel`` float32 values to work in (else allocated)."""
+    n = len(parts)
+    if n == 0:
+        raise ValueError("nothing to aggregate")
+    if n == 1:
+        out.copy_(parts[0])
+        return 0.0
+    numel = parts[0].numel()
+    if workspace is not None and workspace.numel() >= n * numel:
+        rows = workspace[: n * numel].view(n, numel)
+    else:
+        rows = torch.empty(n, numel, dtype=torch.float32)
+    if center is None:
+        center = torch.stack(parts, out=rows).median(dim=0).values
+    for row, part in zip(rows, parts, strict=True):
+        torch.sub(part, center, out=row)
+    squares = torch.linalg.vector_norm(rows, dim=1).double().square()
+    if not torch.isfinite(squares).all():  # beyond float32's squares: only hostile values get here
+        rows = torch.stack([part.double() for part in parts]).sub_(center.double())
+        squares = torch.linalg.vector_norm(rows, dim=1).square()
+    if tau is None:
+        tau = float(squares.sqrt().sort().values[n // 2])
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    # v, relative to the start, lives in ``out`` (float32) unless the rows had to be float64
+    v = out if rows.dtype == torch.float32 else torch.empty(numel, dtype=rows.dtype)
+    dist = squares.sqrt()
+    for iteration in range(MAX_ITERATIONS if tau > 0 else 1):
+        if tau > 0:
+            scale = w * torch.clamp(tau / dist.clamp(min=1e-300), max=1.0)
+        else:  # every contribution is the same point
+            scale = w
+        if iteration == 0:  # v is 0: the step is the clipped mean of the rows
+            torch.mv(rows.t(), scale.to(rows.dtype), out=v)
+            moved = float(torch.linalg.vector_norm(v))
+        else:
+            step = scale.to(rows.dtype) @ rows
+            step.sub_(v, alpha=float(scale.sum()))
+            v += step
+            moved = float(torch.linalg.vector_norm(step))
+        if moved <= TOLERANCE * tau:
+            break
+        projections = (rows @ v).double()
+        dist = (squares - 2 * projections + float(torch.linalg.vector_norm(v)) ** 2).clamp_(min=0).sqrt_()
+    if v is out:
+        out.add_(center)
+    else:
+        torch.add(v, center, out=out)
+    return tau
