@@ -46,6 +46,7 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
+from .reducer_checks import ReducerChecks
 from .robust import Aggregation
 from .round_links import RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
@@ -82,6 +83,9 @@ class AllReduceResult:
     my_shard: int | None = None
     # what this peer's link achieved in the round (bytes/s, the slower direction), if measurable
     link_rate: float | None = None
+    # the reducer this peer checked after the round (``verification.py``), and why it was caught
+    # (None: its answer held)
+    reducer_check: tuple[PeerID, str | None] | None = None
     seconds: float = 0.0  # the round itself, from the start to the averages written back
 
     @property
@@ -92,8 +96,12 @@ class AllReduceResult:
 class AllReduceService:
     """Serves ``avg.reduce`` for every all-reduce this peer takes part in."""
 
-    def __init__(self, host: PeerHost, router: Router | None = None):
+    def __init__(self, host: PeerHost, router: Router | None = None, *, shard_type: type[ReducerShard] = ReducerShard):
+        """``shard_type``: what reduces our shard (tests and benchmarks substitute hostile ones)."""
         self.host = host
+        self.shard_type = shard_type
+        # reducers checked after robust rounds, and those caught (``banned``: left out of groups)
+        self.checks = ReducerChecks(host, router or host.router)
         self._buffers = PartBuffers()
         # group ID -> our reducer role in that round (None: we reduce nothing in it)
         self._rounds: dict[bytes, ReducerRole | None] = {}
@@ -200,6 +208,8 @@ class AllReduceService:
             if my_shard is not None:
                 lease = holds.enter_context(self._buffers.lease())
                 reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, Aggregation(aggregation))
+                if reducer.shard.reduction.keep_inputs:
+                    self.checks.keep(group, reducer.shard.reduction)
             sender = None
             if flat is not None:
                 header = ReduceHeader(group.group_id, weight, total)
@@ -235,12 +245,23 @@ class AllReduceService:
             if reducer is not None:
                 assert my_shard is not None
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
+            robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
+            if robust and reducer is not None:  # kept from now on
+                self.checks.keep(group, reducer.shard.reduction)
+            pending = None
+            if robust and sender is not None:  # (before the averages overwrite our values)
+                assert flat is not None
+                pending = self.checks.pick(
+                    group, plan, flat, weight, sender.averaged, result.part_contributors, the_codec
+                )
             if sender is not None:
                 await in_thread(write_back, tensors, sender.averaged + own_average)
             for peer in result.failed_peers:
                 log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
-            result.seconds = trio.current_time() - started
-            return result
+        if pending is not None:
+            result.reducer_check = (pending.reducer.peer_id, await self.checks.run(pending))
+        result.seconds = trio.current_time() - started
+        return result
 
     def _reducer_role(
         self,
@@ -258,7 +279,8 @@ class AllReduceService:
         workspace = None
         if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
-        shard = ReducerShard(part_sizes, senders, sum_buffer, aggregation, workspace)
+        shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
+        shard.reduction.keep_inputs = aggregation is Aggregation.CENTERED_CLIP  # for the senders' checks
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

@@ -105,7 +105,7 @@ class GroupAverager:
         self.last_result: AllReduceResult | None = None
         self.last_timing: RoundTiming | None = None
         self._service = all_reduce_service(self.host)
-        self._matchmaker = Matchmaker(self.host, dht, prefix)
+        self._matchmaker = Matchmaker(self.host, dht, prefix, excluded=self._service.checks.banned.__contains__)
         # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
         # synchronous facade can acquire and release it from two different loop tasks.
         self._lock = trio.Semaphore(1, max_value=1)

@@ -81,6 +81,11 @@ class ShardReduction:
         self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
         self.part_weights_used: list[list[float]] = []  # per averaged part, the weights after clipping
+        # Set to keep each part's inputs after it is aggregated (for the senders' checks,
+        # ``verification.py``): per part, the senders with positive weight, their claimed weights
+        # and a copy of their values (one row each).
+        self.keep_inputs = False
+        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor]] = []
 
     @property
     def num_parts(self) -> int:
@@ -201,12 +206,16 @@ class ShardReduction:
                 center = staged[self.own] if self.own in positive else None
                 parts = [staged[s] for s in positive]
                 tau = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
+                if self.keep_inputs:
+                    self.kept_inputs.append((positive, [self._weights[s] for s in positive], torch.stack(parts)))
             else:
                 (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], weights
                 torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
                 for values, w in zip(rest, rest_weights, strict=True):
                     out.add_(values, alpha=w)
                 out.div_(total)
+        if self.keep_inputs and not positive:
+            self.kept_inputs.append((positive, [self._weights[s] for s in positive], torch.empty(0)))
         self.part_taus.append(tau)
         self.part_weights_used.append(weights)
         staged.clear()

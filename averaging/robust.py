@@ -48,6 +48,7 @@ __all__ = [
     "MAX_WEIGHT_RATIO",
     "TOLERANCE",
     "centered_clip",
+    "clip_radius",
     "clip_weights",
     "resolve_aggregation",
 ]
@@ -87,6 +88,17 @@ def clip_weights(weights: list[float], ratio: float = MAX_WEIGHT_RATIO) -> list[
         return list(weights)
     cap = ratio * positive[(len(positive) - 1) // 2]
     return [min(w, cap) for w in weights]
+
+
+def clip_radius(parts: list[torch.Tensor], center: torch.Tensor | None) -> float:
+    """The radius ``centered_clip`` picks for ``parts`` from ``center`` (see the module docstring)."""
+    if len(parts) < 2:
+        return 0.0
+    if center is None:
+        center = torch.stack(parts).median(dim=0).values
+    center64 = center.double()
+    distances = sorted(float(torch.linalg.vector_norm(part.double() - center64)) for part in parts)
+    return distances[len(parts) // 2]
 
 
 def centered_clip(

@@ -1,0 +1,143 @@
+"""The trio side of reducer checks (``verification.py``): the sender picks a part before its
+round writes the averages back, asks the reducer once the round is over, and bans a liar; the
+reducer keeps its inputs and answers."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from peer import Message, PeerHost, PeerID, Request, Router
+
+from .compression import Codec, codec_of
+from .group import GroupInfo, GroupMember
+from .partition import AllReducePlan
+from .reduction import ShardReduction
+from .round_roles import in_thread
+from .verification import CHECK_METHOD, CHECK_TIMEOUT, BanList, KeptInputs, PartCheck, PartInputs
+
+__all__ = ["PendingCheck", "ReducerChecks"]
+
+log = logging.getLogger("peerd.averaging")
+
+
+@dataclass
+class PendingCheck:
+    reducer: GroupMember
+    group_id: bytes
+    part: int  # index within the reducer's shard
+    senders: int  # the group's senders: at most this many inputs
+    check: PartCheck
+
+
+def _as_sent(codec: Codec, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a reducer decodes them from what we send (a copy)."""
+    if codec.encodes_as_view:
+        return values.clone()
+    meta, payload = codec.encode_finite(values)
+    out = torch.empty(values.numel(), dtype=torch.float32)
+    decoded = codec_of(meta).decode_into(meta, payload, out)
+    return decoded if decoded is out else decoded.clone()
+
+
+def _requantizer(codec: Codec):
+    if codec.encodes_as_view:
+        return None
+
+    def requantize(values: torch.Tensor) -> torch.Tensor:
+        meta, payload = codec.encode(values)
+        return codec_of(meta).decode_into(meta, payload, torch.empty_like(values)).clone()
+
+    return requantize
+
+
+class ReducerChecks:
+    """One host's checks: the inputs its reductions keep, the checks its rounds make, and the
+    peers it caught (``banned``; matchmaking leaves them out)."""
+
+    def __init__(self, host: PeerHost, router: Router):
+        self.host = host
+        self.kept = KeptInputs()
+        self.banned = BanList()
+        self.caught = 0  # reducers this peer has caught lying
+        router.add_unary(CHECK_METHOD, self._handle_check)
+
+    async def _handle_check(self, request: Request) -> Message:
+        body = request.body if isinstance(request.body, dict) else {}
+        inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
+        answer, payload = inputs.to_message()
+        return Message(answer, payload)
+
+    def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
+        """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
+        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then)."""
+
+        def inputs(index: int) -> PartInputs | None:
+            if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
+                return None
+            senders, weights, values = reduction.kept_inputs[index]
+            if not senders:
+                return None
+            return PartInputs(list(senders), weights, values, reduction.part_taus[index], reduction.aggregation)
+
+        self.kept.keep(group.group_id, [m.peer_id for m in group.senders], inputs, trio.current_time())
+
+    def pick(
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        flat: torch.Tensor,
+        weight: float,
+        received: list[tuple[int, torch.Tensor]],
+        part_contributors: dict[int, list[list[PeerID]]],
+        codec: Codec,
+    ) -> PendingCheck | None:
+        """Choose, in private, one part of one other reducer's shard that we received, and copy
+        what the check will need (call before the averages are written back into ``flat``)."""
+        me = self.host.peer_id
+        by_start = dict((start, values) for start, values in received)
+        choices = []
+        for index, member in enumerate(group.reducers):
+            if member.peer_id == me or index not in part_contributors:
+                continue
+            for part, (start, end) in enumerate(plan.parts(index)):
+                if start in by_start and part < len(part_contributors[index]):
+                    choices.append((index, part, start, end))
+        if not choices:
+            return None
+        index, part, start, end = choices[secrets.randbelow(len(choices))]
+        check = PartCheck(
+            me,
+            group.reducers[index].peer_id,
+            _as_sent(codec, flat[start:end]),
+            float(weight),
+            list(part_contributors[index][part]),
+            by_start[start].clone(),
+            _requantizer(codec),
+        )
+        return PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check)
+
+    async def run(self, pending: PendingCheck) -> str | None:
+        """Ask the reducer for the part's inputs and judge its answer; a liar is banned. Returns
+        why it was caught, or None."""
+        reducer = pending.reducer
+        verdict: str | None = f"it did not answer the check within {CHECK_TIMEOUT:g} s"
+        with trio.move_on_after(CHECK_TIMEOUT):
+            try:
+                assert reducer.address is not None
+                reply = await self.host.call(
+                    reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
+                )
+                inputs = PartInputs.parse(reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
+                verdict = await in_thread(pending.check.verdict, inputs)
+            except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
+                verdict = f"its check answer failed: {type(error).__name__}: {error}"
+        if verdict is not None:
+            self.caught += reducer.peer_id not in self.banned
+            self.banned.ban(reducer.peer_id, verdict)
+            log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)
+        return verdict
