@@ -83,9 +83,9 @@ class AllReduceResult:
     my_shard: int | None = None
     # what this peer's link achieved in the round (bytes/s, the slower direction), if measurable
     link_rate: float | None = None
-    # the reducer this peer checked after the round (``verification.py``), and why it was caught
-    # (None: its answer held)
-    reducer_check: tuple[PeerID, str | None] | None = None
+    # reducers this peer checked after the round (``verification.py``): shard index -> the
+    # reducer, and why it was caught (None: its answer held); a caught one's shard stays local
+    reducer_checks: dict[int, tuple[PeerID, str | None]] = field(default_factory=dict)
     seconds: float = 0.0  # the round itself, from the start to the averages written back
 
     @property
@@ -169,6 +169,7 @@ class AllReduceService:
         part_size: int = DEFAULT_PART_SIZE,
         deadlines: DeadlineRules = DEFAULT_DEADLINES,
         aggregation: Aggregation | str = Aggregation.MEAN,
+        check_reducers: bool | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group``.
 
@@ -179,7 +180,9 @@ class AllReduceService:
         The tensors are read while the round runs (a single contiguous float32 CPU tensor is sent
         straight from its memory, without a copy) and written only when it is over, so they must
         not change in between; a cancelled round leaves them as they were. ``aggregation``: how
-        our shard, if we reduce one, is aggregated from the senders' parts (``robust.py``)."""
+        our shard, if we reduce one, is aggregated from the senders' parts (``robust.py``);
+        ``check_reducers``: whether to check the other reducers before using their averages
+        (``verification.py``; default: with centered-clip, which the checks recompute)."""
         me = self.host.peer_id
         member = group.member(me)
         if member is None:
@@ -248,20 +251,38 @@ class AllReduceService:
             robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
             if robust and reducer is not None:  # kept from now on
                 self.checks.keep(group, reducer.shard.reduction)
-            pending = None
-            if robust and sender is not None:  # (before the averages overwrite our values)
-                assert flat is not None
-                pending = self.checks.pick(
-                    group, plan, flat, weight, sender.averaged, result.part_contributors, the_codec
-                )
             if sender is not None:
-                await in_thread(write_back, tensors, sender.averaged + own_average)
+                averaged = sender.averaged
+                if robust if check_reducers is None else check_reducers:  # before their averages land
+                    averaged = await self._checked(group, plan, flat, weight, averaged, result, the_codec)
+                await in_thread(write_back, tensors, averaged + own_average)
             for peer in result.failed_peers:
                 log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
-        if pending is not None:
-            result.reducer_check = (pending.reducer.peer_id, await self.checks.run(pending))
         result.seconds = trio.current_time() - started
         return result
+
+    async def _checked(
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        flat: torch.Tensor | None,
+        weight: float,
+        averaged: list[tuple[int, torch.Tensor]],
+        result: AllReduceResult,
+        codec: Codec,
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Check the other reducers (``reducer_checks.py``); the shards of those caught keep our
+        own values. Returns the averaged parts that remain."""
+        assert flat is not None
+        pending = self.checks.pick(group, plan, flat, weight, averaged, result.part_contributors, codec)
+        result.reducer_checks = await self.checks.run_all(pending)
+        for index, (reducer, verdict) in result.reducer_checks.items():
+            if verdict is not None:
+                result.local_shards[index] = f"reducer caught lying: {verdict}"
+                result.failed_peers.add(reducer)
+                start, end = plan.shard_bounds(index)
+                averaged = [(offset, values) for offset, values in averaged if not start <= offset < end]
+        return averaged
 
     def _reducer_role(
         self,

@@ -20,9 +20,16 @@ from .reduction import ShardReduction
 from .round_roles import in_thread
 from .verification import CHECK_METHOD, CHECK_TIMEOUT, BanList, KeptInputs, PartCheck, PartInputs
 
-__all__ = ["PendingCheck", "ReducerChecks"]
+__all__ = ["PendingCheck", "ReducerChecks", "CHECK_BUDGET"]
 
 log = logging.getLogger("peerd.averaging")
+
+# What a sender downloads for its checks per round, as a share of the averaged vector (a round
+# moves about twice the vector through each peer's link): every other reducer is checked when
+# their parts' inputs fit, which is when the shards are small; else a random subset of them.
+CHECK_BUDGET = 0.25
+# Small vectors: checking every reducer costs less than a round's fixed costs anyway.
+MIN_CHECK_BUDGET = 1 << 20
 
 
 @dataclass
@@ -95,31 +102,58 @@ class ReducerChecks:
         received: list[tuple[int, torch.Tensor]],
         part_contributors: dict[int, list[list[PeerID]]],
         codec: Codec,
-    ) -> PendingCheck | None:
-        """Choose, in private, one part of one other reducer's shard that we received, and copy
-        what the check will need (call before the averages are written back into ``flat``)."""
+    ) -> list[tuple[int, PendingCheck]]:
+        """Choose, in private, one part of each other reducer's shard that we received (as many
+        reducers as ``CHECK_BUDGET`` allows, at least one), and copy what each check will need
+        (call before the averages are written back into ``flat``). Returns (shard, check) pairs."""
         me = self.host.peer_id
         by_start = dict((start, values) for start, values in received)
-        choices = []
+        shards: list[list[tuple[int, int, int]]] = []
         for index, member in enumerate(group.reducers):
             if member.peer_id == me or index not in part_contributors:
                 continue
-            for part, (start, end) in enumerate(plan.parts(index)):
-                if start in by_start and part < len(part_contributors[index]):
-                    choices.append((index, part, start, end))
-        if not choices:
-            return None
-        index, part, start, end = choices[secrets.randbelow(len(choices))]
-        check = PartCheck(
-            me,
-            group.reducers[index].peer_id,
-            _as_sent(codec, flat[start:end]),
-            float(weight),
-            list(part_contributors[index][part]),
-            by_start[start].clone(),
-            _requantizer(codec),
-        )
-        return PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check)
+            parts = [
+                (part, start, end)
+                for part, (start, end) in enumerate(plan.parts(index))
+                if start in by_start and part < len(part_contributors[index])
+            ]
+            if parts:
+                shards.append([(index, *part) for part in parts])
+        if not shards:
+            return []
+        # each check downloads one part per sender
+        cost = len(group.senders) * max(end - start for shard in shards for _i, _p, start, end in shard)
+        affordable = max(1, int(max(CHECK_BUDGET * plan.total, MIN_CHECK_BUDGET) // max(cost, 1)))
+        while len(shards) > affordable:
+            shards.pop(secrets.randbelow(len(shards)))
+        pending = []
+        for shard in shards:
+            index, part, start, end = shard[secrets.randbelow(len(shard))]
+            check = PartCheck(
+                me,
+                group.reducers[index].peer_id,
+                _as_sent(codec, flat[start:end]),
+                float(weight),
+                list(part_contributors[index][part]),
+                by_start[start].clone(),
+                _requantizer(codec),
+            )
+            pending.append(
+                (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
+            )
+        return pending
+
+    async def run_all(self, pending: list[tuple[int, PendingCheck]]) -> dict[int, tuple[PeerID, str | None]]:
+        """Run the checks at once; shard index -> (its reducer, why it was caught or None)."""
+        verdicts: dict[int, tuple[PeerID, str | None]] = {}
+
+        async def one(index: int, check: PendingCheck) -> None:
+            verdicts[index] = (check.reducer.peer_id, await self.run(check))
+
+        async with trio.open_nursery() as nursery:
+            for index, check in pending:
+                nursery.start_soon(one, index, check)
+        return verdicts
 
     async def run(self, pending: PendingCheck) -> str | None:
         """Ask the reducer for the part's inputs and judge its answer; a liar is banned. Returns

@@ -39,6 +39,7 @@ float32 squares (a 1e30 contribution) switch the part to float64, which only hos
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 
@@ -96,9 +97,8 @@ def clip_radius(parts: list[torch.Tensor], center: torch.Tensor | None) -> float
         return 0.0
     if center is None:
         center = torch.stack(parts).median(dim=0).values
-    center64 = center.double()
-    distances = sorted(float(torch.linalg.vector_norm(part.double() - center64)) for part in parts)
-    return distances[len(parts) // 2]
+    distances = torch.linalg.vector_norm(torch.stack(parts).double() - center.double(), dim=1)
+    return float(distances.sort().values[len(parts) // 2])
 
 
 def centered_clip(
@@ -134,34 +134,36 @@ def centered_clip(
         center = torch.stack(parts, out=rows).median(dim=0).values
     for row, part in zip(rows, parts, strict=True):
         torch.sub(part, center, out=row)
-    squares = torch.linalg.vector_norm(rows, dim=1).double().square()
-    if not torch.isfinite(squares).all():  # beyond float32's squares: only hostile values get here
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if not torch.isfinite(norms).all():  # beyond float32's squares: only hostile values get here
         rows = torch.stack([part.double() for part in parts]).sub_(center.double())
-        squares = torch.linalg.vector_norm(rows, dim=1).square()
+        norms = torch.linalg.vector_norm(rows, dim=1)
+    # The n-long quantities (distances, weights, clip factors) are Python floats: for the small
+    # parts of small models, tensor calls on 8 numbers would cost more than the parts themselves.
+    dist = [float(d) for d in norms.double().tolist()]
+    squares = [d * d for d in dist]
     if tau is None:
-        tau = float(squares.sqrt().sort().values[n // 2])
-    w = torch.tensor(weights, dtype=torch.float64)
-    w = w / w.sum()
+        tau = sorted(dist)[n // 2]
+    total = math.fsum(weights)
+    w = [weight / total for weight in weights]
     # v, relative to the start, lives in ``out`` (float32) unless the rows had to be float64
     v = out if rows.dtype == torch.float32 else torch.empty(numel, dtype=rows.dtype)
-    dist = squares.sqrt()
     for iteration in range(MAX_ITERATIONS if tau > 0 else 1):
-        if tau > 0:
-            scale = w * torch.clamp(tau / dist.clamp(min=1e-300), max=1.0)
-        else:  # every contribution is the same point
-            scale = w
+        scale = [wi if d <= tau else wi * tau / d for wi, d in zip(w, dist, strict=True)]
+        coefficients = torch.tensor(scale, dtype=rows.dtype)
         if iteration == 0:  # v is 0: the step is the clipped mean of the rows
-            torch.mv(rows.t(), scale.to(rows.dtype), out=v)
+            torch.matmul(coefficients.unsqueeze(0), rows, out=v.unsqueeze(0))
             moved = float(torch.linalg.vector_norm(v))
         else:
-            step = scale.to(rows.dtype) @ rows
-            step.sub_(v, alpha=float(scale.sum()))
+            step = coefficients @ rows
+            step.sub_(v, alpha=math.fsum(scale))
             v += step
             moved = float(torch.linalg.vector_norm(step))
         if moved <= TOLERANCE * tau:
             break
-        projections = (rows @ v).double()
-        dist = (squares - 2 * projections + float(torch.linalg.vector_norm(v)) ** 2).clamp_(min=0).sqrt_()
+        projections = (rows @ v).double().tolist()
+        v_square = float(torch.linalg.vector_norm(v)) ** 2
+        dist = [math.sqrt(max(0.0, sq - 2 * p + v_square)) for sq, p in zip(squares, projections, strict=True)]
     if v is out:
         out.add_(center)
     else:

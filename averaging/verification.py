@@ -191,11 +191,15 @@ class PartCheck:
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.
-        start = parts[inputs.senders.index(self.reducer)] if self.reducer in inputs.senders else None
-        expected = clip_radius(parts, start)
+        radii = start_radii(inputs.values)
+        if self.reducer in inputs.senders:
+            start = parts[inputs.senders.index(self.reducer)]
+            expected = radii[inputs.senders.index(self.reducer)]
+        else:
+            start, expected = None, clip_radius(parts, None)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
             return f"its clip radius {inputs.tau:.6g} is not the one its inputs give ({expected:.6g})"
-        typical = typical_radius(inputs.values)
+        typical = sorted(radii)[(len(radii) - 1) // 2]
         if expected > TAU_SLACK * typical:
             return f"its own contribution lies far from the others (radius {expected:.4g}, typical {typical:.4g})"
         recomputed = torch.empty_like(self.reply)
@@ -210,12 +214,15 @@ class PartCheck:
         return None
 
 
-def typical_radius(values: torch.Tensor) -> float:
-    """The median, over the contributions, of the radius each would give as a start."""
+def start_radii(values: torch.Tensor) -> list[float]:
+    """For each contribution (a row of ``values``), the radius ``centered_clip`` would pick with
+    it as the start."""
     rows = values.double()
     n = rows.shape[0]
-    radii = sorted(float(torch.linalg.vector_norm(rows - rows[j], dim=1).sort().values[n // 2]) for j in range(n))
-    return radii[(n - 1) // 2]
+    if n < 2:
+        return [0.0] * n
+    distances = torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")
+    return distances.sort(dim=1).values[:, n // 2].tolist()
 
 
 @dataclass
