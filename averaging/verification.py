@@ -2,10 +2,13 @@
 
 A reducer could answer anything it likes for its shard; robust aggregation (``robust.py``) only
 helps while the reducer runs it. So, in the style of BTARD's verification (Gorbunov et al. 2022),
-after every round in which it used CenteredClip each sender picks, at random and in private, one
-part of one other reducer's shard and asks that reducer (``avg.check``) for the part's inputs: the
-contributions it aggregated, the weights they claimed, and the clip radius it used. The reducer
-keeps them for ``KEEP_SECONDS`` (the last ``KEPT_ROUNDS`` rounds) to answer. The sender then
+in a round that uses CenteredClip each sender, before it uses any reducer's averages, picks at
+random and in private one part of each other reducer's shard (of a random subset of the reducers
+when their inputs would exceed ``reducer_checks.CHECK_BUDGET`` of the vector) and asks that
+reducer (``avg.check``) for the part's inputs: the contributions it aggregated, the weights they
+claimed, and the clip radius it used. The reducer keeps them from the moment each part is
+aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender
+then
 
 1. finds its own contribution and weight among the inputs, exactly as it sent them;
 2. recomputes the radius the reducer's start (its own contribution among the inputs) gives, and
@@ -16,20 +19,20 @@ keeps them for ``KEEP_SECONDS`` (the last ``KEPT_ROUNDS`` rounds) to answer. The
    with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
    rounds).
 
-Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, puts the
-reducer on this peer's ban list for ``BAN_SECONDS``: matchmaking leaves it out of our groups.
+Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
+reducer's shard with the sender's own values and puts the reducer on this peer's ban list for
+``BAN_SECONDS``: matchmaking leaves it out of our groups.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
 answer and on what this sender itself sent and received. A reducer that returns anything but the
 aggregate of its claimed inputs is caught by whoever checks that part; one that makes its claimed
 inputs fit a false answer must misstate some honest sender's contribution or weight, and that
-sender catches it when it checks that part. Every sender checks one part per round, drawn from all
-the parts it received from other reducers, so a reducer that lies on its whole shard is caught in
-a round by at least one of ``h`` honest senders with probability about ``1 - (1 - 1/(r - 1))**h``
-for ``r`` reducers of equal shards (0.6 for 8 peers, 6 of them honest), and one that lies on a
-single part of ``P``, ``P`` times less often per sender.
-The honest cost per round: one part's inputs downloaded (group size x part size) and one
-CenteredClip of one part; a reducer keeps a copy of its inputs for a few rounds.
+sender catches it when it checks that part. A reducer that lies on its whole shard is
+therefore caught in its first round by every sender that checks it (all of them, while the inputs
+fit the budget), and its lie is never used by those; one that lies on a single part of ``P``
+is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
+per reducer checked, one RPC carrying one part's inputs (group size x part size) and one
+CenteredClip of that part; a reducer keeps a copy of its inputs for a few rounds.
 """
 
 from __future__ import annotations
