@@ -18,7 +18,16 @@ from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
 from .reduction import ShardReduction
 from .round_roles import in_thread
-from .verification import CHECK_METHOD, CHECK_TIMEOUT, BanList, KeptInputs, PartCheck, PartInputs
+from .verification import (
+    CHECK_METHOD,
+    CHECK_TIMEOUT,
+    IMPLAUSIBLE,
+    IMPLAUSIBLE_STRIKES,
+    BanList,
+    KeptInputs,
+    PartCheck,
+    PartInputs,
+)
 
 __all__ = ["PendingCheck", "ReducerChecks", "CHECK_BUDGET"]
 
@@ -26,8 +35,9 @@ log = logging.getLogger("peerd.averaging")
 
 # What a sender downloads for its checks per round, as a share of the averaged vector (a round
 # moves about twice the vector through each peer's link): every other reducer is checked when
-# their parts' inputs fit, which is when the shards are small; else a random subset of them.
-CHECK_BUDGET = 0.25
+# their parts' inputs fit, which is when the shards are small; else a random subset of them, at
+# least one (a part's inputs: group size x part size).
+CHECK_BUDGET = 1 / 8
 # Small vectors: checking every reducer costs less than a round's fixed costs anyway.
 MIN_CHECK_BUDGET = 1 << 20
 
@@ -170,7 +180,15 @@ class ReducerChecks:
                 verdict = await in_thread(pending.check.verdict, inputs)
             except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
                 verdict = f"its check answer failed: {type(error).__name__}: {error}"
-        if verdict is not None:
+        if verdict is None:
+            self.banned.cleared(reducer.peer_id)
+        elif verdict.startswith(IMPLAUSIBLE):
+            if self.banned.strike(reducer.peer_id, verdict):
+                self.caught += 1
+                log.warning("reducer %s banned: %s, %d rounds in a row", reducer.peer_id, verdict, IMPLAUSIBLE_STRIKES)
+            else:
+                log.info("not using reducer %s's shard: %s", reducer.peer_id, verdict)
+        else:
             self.caught += reducer.peer_id not in self.banned
             self.banned.ban(reducer.peer_id, verdict)
             log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)

@@ -21,7 +21,9 @@ then
 
 Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
 reducer's shard with the sender's own values and puts the reducer on this peer's ban list for
-``BAN_SECONDS``: matchmaking leaves it out of our groups.
+``BAN_SECONDS``: matchmaking leaves it out of our groups. An implausible start alone (2.) may be an
+honest replica that lags the others (state averaging next to replicas that agree exactly): its
+shard is not used, and only ``IMPLAUSIBLE_STRIKES`` such rounds in a row ban it.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
 answer and on what this sender itself sent and received. A reducer that returns anything but the
@@ -76,6 +78,13 @@ TAU_SLACK = 4.0
 # fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
 # far less than a single contribution may move the aggregate by (tau * its weight share).
 CHECK_TOLERANCE = 0.01
+# A start far from the others is a lie or a lagging replica (state averaging: a peer that missed
+# rounds, next to replicas that agree exactly): its shard is not used, and only this many such
+# rounds in a row get it banned; an honest one is pulled in by the other shards meanwhile.
+IMPLAUSIBLE = "its own contribution lies far from the others"
+IMPLAUSIBLE_STRIKES = 3
+# Bans and strikes are kept per peer we were grouped with: this bounds them against Sybils.
+MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
 # mistake (it crashed while answering) comes back.
 BAN_SECONDS = 600.0
@@ -202,9 +211,6 @@ class PartCheck:
             start, expected = None, clip_radius(parts, None)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
             return f"its clip radius {inputs.tau:.6g} is not the one its inputs give ({expected:.6g})"
-        typical = sorted(radii)[(len(radii) - 1) // 2]
-        if expected > TAU_SLACK * typical:
-            return f"its own contribution lies far from the others (radius {expected:.4g}, typical {typical:.4g})"
         recomputed = torch.empty_like(self.reply)
         centered_clip(parts, clip_weights(inputs.weights), recomputed, center=start, tau=inputs.tau)
         allowed = CHECK_TOLERANCE * inputs.tau + 1e-5 * float(recomputed.norm()) + 1e-6
@@ -214,17 +220,23 @@ class PartCheck:
         off = float((recomputed - self.reply).norm())
         if not off <= allowed:
             return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
+        # (after the recomputation: a start far away with a false answer is a plain lie)
+        typical = sorted(radii)[(len(radii) - 1) // 2]
+        if expected > TAU_SLACK * typical:
+            return IMPLAUSIBLE + f" (radius {expected:.4g}, typical {typical:.4g})"
         return None
 
 
 def start_radii(values: torch.Tensor) -> list[float]:
     """For each contribution (a row of ``values``), the radius ``centered_clip`` would pick with
     it as the start."""
-    rows = values.double()
-    n = rows.shape[0]
+    n = values.shape[0]
     if n < 2:
         return [0.0] * n
-    distances = torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")
+    distances = torch.cdist(values, values, compute_mode="donot_use_mm_for_euclid_dist")
+    if not torch.isfinite(distances).all():  # beyond float32 (hostile values)
+        rows = values.double()
+        distances = torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")
     return distances.sort(dim=1).values[:, n // 2].tolist()
 
 
@@ -234,8 +246,24 @@ class BanList:
 
     until: dict[PeerID, float] = field(default_factory=dict)
     reasons: dict[PeerID, str] = field(default_factory=dict)
+    strikes: dict[PeerID, int] = field(default_factory=dict)  # implausible rounds in a row
+
+    def strike(self, peer: PeerID, reason: str) -> bool:
+        """One more implausible round of ``peer``'s; bans it (and returns True) at the limit."""
+        count = self.strikes[peer] = self.strikes.get(peer, 0) + 1
+        if count >= IMPLAUSIBLE_STRIKES:
+            self.ban(peer, reason)
+            return True
+        return False
+
+    def cleared(self, peer: PeerID) -> None:
+        """``peer``'s answer held: its strikes start over."""
+        self.strikes.pop(peer, None)
 
     def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
+        self.strikes.pop(peer, None)
+        if len(self.until) >= MAX_BANNED and peer not in self.until:  # drop the ban closest to expiry
+            del self.until[min(self.until, key=self.until.__getitem__)]
         self.until[peer] = time.monotonic() + seconds
         self.reasons[peer] = reason
 
