@@ -18,6 +18,10 @@ own values. Every wait is also capped: by what the peer could owe at a floor rat
 happened, and how fast this peer's link moved the round's bytes (``link_rate``): the averager
 declares that as its bandwidth in the next round.
 
+A reducer aggregates its shard with the weighted mean or, robust to a hostile minority, with
+CenteredClip (``robust.py``); after a CenteredClip round each sender checks other reducers' answers
+before it uses them (``verification.py``, ``reducer_checks.py``).
+
 The messages and what each side does with them are sans-I/O objects in ``allreduce_protocol.py``.
 Here a round is two small roles driven by trio (``round_roles.py``): ``ReducerRole`` (one
 shard's reduction, fed by a handler per sender stream) and ``SenderRole`` (one exchange per

@@ -62,10 +62,12 @@ __all__ = [
 ]
 
 CHECK_METHOD = "avg.check"
-# Senders check right after their round: a few seconds would do; this leaves slow links room.
-KEEP_SECONDS = 30.0
-# A peer runs one or two averagers (gradients, state), each a round at a time.
-KEPT_ROUNDS = 4
+# Senders check as soon as they have our replies, before our round is over: the check's own
+# deadline after the round leaves slow links room.
+KEEP_SECONDS = 20.0
+# A peer runs one or two averagers (gradients, state), each a round at a time; a round's inputs
+# are about one vector's worth (every sender's part of our shard), so few are kept.
+KEPT_ROUNDS = 2
 # One part's inputs (group size x part size float32, at most 8 x 2 MiB by default) over a slow
 # link, and one CenteredClip of them.
 CHECK_TIMEOUT = 10.0

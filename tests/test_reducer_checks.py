@@ -3,6 +3,7 @@ banned, and left out of their groups; honest reducers pass every check."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 
@@ -172,4 +173,19 @@ async def test_a_caught_reducer_is_left_out_of_the_groups_that_caught_it():
         await step_all(averagers[:3], results)
         for i in range(3):
             assert results[i].group.member(liar) is None and len(results[i].group.members) == 3
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("codec", ["float16", "uint8", "blockwise_8bit"])
+async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", codec=codec)
+        for i in range(4):
+            assert results[i].succeeded
+            assert len(results[i].reducer_checks) == 3
+            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
         nursery.cancel_scope.cancel()
