@@ -80,7 +80,6 @@ class ShardReduction:
         self.workspace = workspace
         self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
-        self.part_weights_used: list[list[float]] = []  # per averaged part, the weights after clipping
         # Set to keep each part's inputs after it is aggregated (for the senders' checks,
         # ``verification.py``): per part, the senders with positive weight, their claimed weights
         # and a copy of their values (one row each).
@@ -217,7 +216,6 @@ class ShardReduction:
         if self.keep_inputs and not positive:
             self.kept_inputs.append((positive, [self._weights[s] for s in positive], torch.empty(0)))
         self.part_taus.append(tau)
-        self.part_weights_used.append(weights)
         staged.clear()
         self.part_contributors.append(contributors)
         self.part_weights.append(total)
