@@ -132,7 +132,8 @@ class PartInputs:
         aggregation = Aggregation(body.get("aggregation"))
         if payload is None or len(payload) != 4 * part_size * len(senders):
             raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
-        values = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(len(senders), part_size)
+        buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
+        values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
         if not torch.isfinite(values).all():
             raise ValueError("non-finite inputs (a reducer refuses those)")
         return cls(senders, [float(w) for w in weights], values, float(tau), aggregation)
@@ -205,10 +206,9 @@ class PartCheck:
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.
-        radii = start_radii(inputs.values)
-        if self.reducer in inputs.senders:
-            start = parts[inputs.senders.index(self.reducer)]
-            expected = radii[inputs.senders.index(self.reducer)]
+        reducer_row = inputs.senders.index(self.reducer) if self.reducer in inputs.senders else None
+        if reducer_row is not None:
+            start, expected = parts[reducer_row], radius_from(inputs.values, reducer_row)
         else:
             start, expected = None, clip_radius(parts, None)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
@@ -223,23 +223,38 @@ class PartCheck:
         if not off <= allowed:
             return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
         # (after the recomputation: a start far away with a false answer is a plain lie)
-        typical = sorted(radii)[(len(radii) - 1) // 2]
+        trusted = inputs.senders.index(self.me) if self.me in inputs.senders else (reducer_row or 0)
+        typical = typical_radius(inputs.values, trusted)
         if expected > TAU_SLACK * typical:
             return IMPLAUSIBLE + f" (radius {expected:.4g}, typical {typical:.4g})"
         return None
 
 
-def start_radii(values: torch.Tensor) -> list[float]:
-    """For each contribution (a row of ``values``), the radius ``centered_clip`` would pick with
-    it as the start."""
-    n = values.shape[0]
-    if n < 2:
-        return [0.0] * n
-    distances = torch.cdist(values, values, compute_mode="donot_use_mm_for_euclid_dist")
+def radius_from(values: torch.Tensor, row: int) -> float:
+    """The radius ``centered_clip`` picks for the rows of ``values`` starting from row ``row``."""
+    distances = torch.linalg.vector_norm(values - values[row], dim=1)
     if not torch.isfinite(distances).all():  # beyond float32 (hostile values)
         rows = values.double()
-        distances = torch.cdist(rows, rows, compute_mode="donot_use_mm_for_euclid_dist")
-    return distances.sort(dim=1).values[:, n // 2].tolist()
+        distances = torch.linalg.vector_norm(rows - rows[row], dim=1)
+    return float(distances.sort().values[values.shape[0] // 2])
+
+
+def typical_radius(values: torch.Tensor, trusted: int) -> float:
+    """The median over the rows of the radius each would give as a start: from one Gram matrix of
+    the rows taken relative to a ``trusted`` one (ours: exact where the rows are close), as a
+    bound it need not be exact."""
+    n = values.shape[0]
+    if n < 2:
+        return 0.0
+    rows = values - values[trusted]
+    gram = (rows @ rows.T).double()
+    if not torch.isfinite(gram).all():
+        rows = rows.double()
+        gram = rows @ rows.T
+    squares = gram.diagonal()
+    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_(min=0).sqrt_()
+    radii = distances.sort(dim=1).values[:, n // 2].sort().values
+    return float(radii[(n - 1) // 2])
 
 
 @dataclass
