@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from peer import PeerID
+from peer.tensors import all_finite
 
 from .robust import Aggregation, centered_clip, clip_radius, clip_weights
 
@@ -134,7 +135,7 @@ class PartInputs:
             raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
         buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
         values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
-        if not torch.isfinite(values).all():
+        if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
         return cls(senders, [float(w) for w in weights], values, float(tau), aggregation)
 
