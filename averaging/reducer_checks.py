@@ -21,8 +21,6 @@ from .round_roles import in_thread
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
-    IMPLAUSIBLE,
-    IMPLAUSIBLE_STRIKES,
     BanList,
     KeptInputs,
     PartCheck,
@@ -96,10 +94,11 @@ class ReducerChecks:
         def inputs(index: int) -> PartInputs | None:
             if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
                 return None
-            senders, weights, values = reduction.kept_inputs[index]
+            senders, weights, values, start = reduction.kept_inputs[index]
             if not senders:
                 return None
-            return PartInputs(list(senders), weights, values, reduction.part_taus[index], reduction.aggregation)
+            tau = reduction.part_taus[index]
+            return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start)
 
         self.kept.keep(group.group_id, [m.peer_id for m in group.senders], inputs, trio.current_time())
 
@@ -180,15 +179,7 @@ class ReducerChecks:
                 verdict = await in_thread(pending.check.verdict, inputs)
             except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
                 verdict = f"its check answer failed: {type(error).__name__}: {error}"
-        if verdict is None:
-            self.banned.cleared(reducer.peer_id)
-        elif verdict.startswith(IMPLAUSIBLE):
-            if self.banned.strike(reducer.peer_id, verdict):
-                self.caught += 1
-                log.warning("reducer %s banned: %s, %d rounds in a row", reducer.peer_id, verdict, IMPLAUSIBLE_STRIKES)
-            else:
-                log.info("not using reducer %s's shard: %s", reducer.peer_id, verdict)
-        else:
+        if verdict is not None:
             self.caught += reducer.peer_id not in self.banned
             self.banned.ban(reducer.peer_id, verdict)
             log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)

@@ -81,10 +81,11 @@ class ShardReduction:
         self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
         # Set to keep each part's inputs after it is aggregated (for the senders' checks,
-        # ``verification.py``): per part, the senders with positive weight, their claimed weights
-        # and a copy of their values (one row each).
+        # ``verification.py``): per part, the senders with positive weight, their claimed weights,
+        # a copy of their values (one row each), and the row CenteredClip started from (None:
+        # the coordinate-wise median).
         self.keep_inputs = False
-        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor]] = []
+        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None]] = []
 
     @property
     def num_parts(self) -> int:
@@ -204,9 +205,11 @@ class ShardReduction:
             if self.aggregation is Aggregation.CENTERED_CLIP:
                 center = staged[self.own] if self.own in positive else None
                 parts = [staged[s] for s in positive]
-                tau = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
+                tau, moved_to = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
                 if self.keep_inputs:
-                    self.kept_inputs.append((positive, [self._weights[s] for s in positive], torch.stack(parts)))
+                    start = moved_to if moved_to is not None or center is None else positive.index(self.own)
+                    raw = [self._weights[s] for s in positive]
+                    self.kept_inputs.append((positive, raw, torch.stack(parts), start))
             else:
                 (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], weights
                 torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
@@ -214,7 +217,7 @@ class ShardReduction:
                     out.add_(values, alpha=w)
                 out.div_(total)
         if self.keep_inputs and not positive:
-            self.kept_inputs.append((positive, [self._weights[s] for s in positive], torch.empty(0)))
+            self.kept_inputs.append((positive, [], torch.empty(0), None))
         self.part_taus.append(tau)
         staged.clear()
         self.part_contributors.append(contributors)

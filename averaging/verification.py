@@ -11,19 +11,17 @@ aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` roun
 then
 
 1. finds its own contribution and weight among the inputs, exactly as it sent them;
-2. recomputes the radius the reducer's start (its own contribution among the inputs) gives, and
-   requires that start to be a plausible one: its radius at most ``TAU_SLACK`` times the median of
-   the radii every contribution would give (a start far away makes tau huge, CenteredClip the
-   mean, and the reducer's own contribution the result);
+2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
+   far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
+   most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
+   (a start far away makes tau huge, CenteredClip the mean, and the start the result);
 3. recomputes CenteredClip over the inputs from that start with that radius, and compares it
    with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
    rounds).
 
 Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
 reducer's shard with the sender's own values and puts the reducer on this peer's ban list for
-``BAN_SECONDS``: matchmaking leaves it out of our groups. An implausible start alone (2.) may be an
-honest replica that lags the others (state averaging next to replicas that agree exactly): its
-shard is not used, and only ``IMPLAUSIBLE_STRIKES`` such rounds in a row ban it.
+``BAN_SECONDS``: matchmaking leaves it out of our groups.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
 answer and on what this sender itself sent and received. A reducer that returns anything but the
@@ -50,7 +48,7 @@ import torch
 from peer import PeerID
 from peer.tensors import all_finite
 
-from .robust import Aggregation, centered_clip, clip_radius, clip_weights
+from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
 
 __all__ = [
     "BAN_SECONDS",
@@ -72,21 +70,14 @@ KEPT_ROUNDS = 2
 # One part's inputs (group size x part size float32, at most 8 x 2 MiB by default) over a slow
 # link, and one CenteredClip of them.
 CHECK_TIMEOUT = 10.0
-# A reducer's radius follows from its own contribution, which is its to choose: one placed far
-# from the others would make tau huge and CenteredClip the mean. Honest high-dimensional
-# contributions give radii within a few percent of each other; a radius beyond 4x the members'
-# median radius is taken for such a placement (it would let the reducer pull 4x a typical share).
-TAU_SLACK = 4.0
+# The reducer judges its start on radii estimated from a sample of coordinates, we on exact ones:
+# this margin keeps an honest reducer's borderline choice from looking like a lie.
+START_MARGIN = 1.25
 # Two honest CenteredClips with one radius from different starts end within TOLERANCE * tau of the
 # fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
 # far less than a single contribution may move the aggregate by (tau * its weight share).
 CHECK_TOLERANCE = 0.01
-# A start far from the others is a lie or a lagging replica (state averaging: a peer that missed
-# rounds, next to replicas that agree exactly): its shard is not used, and only this many such
-# rounds in a row get it banned; an honest one is pulled in by the other shards meanwhile.
-IMPLAUSIBLE = "its own contribution lies far from the others"
-IMPLAUSIBLE_STRIKES = 3
-# Bans and strikes are kept per peer we were grouped with: this bounds them against Sybils.
+# Bans are kept per peer we were grouped with: this bounds them against Sybils.
 MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
 # mistake (it crashed while answering) comes back.
@@ -103,6 +94,7 @@ class PartInputs:
     values: torch.Tensor  # len(senders) x part size, float32
     tau: float
     aggregation: Aggregation
+    start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
 
     def to_message(self) -> tuple[dict[str, Any], memoryview]:
         body = {
@@ -110,6 +102,7 @@ class PartInputs:
             "weights": list(self.weights),
             "tau": self.tau,
             "aggregation": self.aggregation.value,
+            "start": self.start,
         }
         return body, memoryview(self.values.contiguous().numpy()).cast("B")
 
@@ -131,13 +124,16 @@ class PartInputs:
         if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
             raise ValueError("malformed clip radius")
         aggregation = Aggregation(body.get("aggregation"))
+        start = body.get("start")
+        if not (start is None or (type(start) is int and 0 <= start < len(senders))):
+            raise ValueError("malformed start")
         if payload is None or len(payload) != 4 * part_size * len(senders):
             raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
         buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
         values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
         if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
-        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation)
+        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start)
 
 
 class KeptInputs:
@@ -207,15 +203,15 @@ class PartCheck:
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.
-        reducer_row = inputs.senders.index(self.reducer) if self.reducer in inputs.senders else None
-        if reducer_row is not None:
-            start, expected = parts[reducer_row], radius_from(inputs.values, reducer_row)
+        if inputs.start is not None:
+            start, expected = parts[inputs.start], radius_from(inputs.values, inputs.start)
         else:
             start, expected = None, clip_radius(parts, None)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
             return f"its clip radius {inputs.tau:.6g} is not the one its inputs give ({expected:.6g})"
         recomputed = torch.empty_like(self.reply)
-        centered_clip(parts, clip_weights(inputs.weights), recomputed, center=start, tau=inputs.tau)
+        weights = clip_weights(inputs.weights)
+        centered_clip(parts, weights, recomputed, center=start, tau=inputs.tau, choose_start=False)
         allowed = CHECK_TOLERANCE * inputs.tau + 1e-5 * float(recomputed.norm()) + 1e-6
         if self.requantize is not None:
             rounded = self.requantize(recomputed)
@@ -223,11 +219,12 @@ class PartCheck:
         off = float((recomputed - self.reply).norm())
         if not off <= allowed:
             return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
-        # (after the recomputation: a start far away with a false answer is a plain lie)
-        trusted = inputs.senders.index(self.me) if self.me in inputs.senders else (reducer_row or 0)
-        typical = typical_radius(inputs.values, trusted)
-        if expected > TAU_SLACK * typical:
-            return IMPLAUSIBLE + f" (radius {expected:.4g}, typical {typical:.4g})"
+        if inputs.start is not None:  # (the median needs no bound)
+            trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
+            radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+            typical = sorted(radii)[(len(radii) - 1) // 2]
+            if expected > START_MARGIN * START_SLACK * typical:
+                return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
         return None
 
 
@@ -240,46 +237,14 @@ def radius_from(values: torch.Tensor, row: int) -> float:
     return float(distances.sort().values[values.shape[0] // 2])
 
 
-def typical_radius(values: torch.Tensor, trusted: int) -> float:
-    """The median over the rows of the radius each would give as a start: from one Gram matrix of
-    the rows taken relative to a ``trusted`` one (ours: exact where the rows are close), as a
-    bound it need not be exact."""
-    n = values.shape[0]
-    if n < 2:
-        return 0.0
-    rows = values - values[trusted]
-    gram = (rows @ rows.T).double()
-    if not torch.isfinite(gram).all():
-        rows = rows.double()
-        gram = rows @ rows.T
-    squares = gram.diagonal()
-    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_(min=0).sqrt_()
-    radii = distances.sort(dim=1).values[:, n // 2].sort().values
-    return float(radii[(n - 1) // 2])
-
-
 @dataclass
 class BanList:
     """Peers caught lying, each until its ban expires (monotonic seconds)."""
 
     until: dict[PeerID, float] = field(default_factory=dict)
     reasons: dict[PeerID, str] = field(default_factory=dict)
-    strikes: dict[PeerID, int] = field(default_factory=dict)  # implausible rounds in a row
-
-    def strike(self, peer: PeerID, reason: str) -> bool:
-        """One more implausible round of ``peer``'s; bans it (and returns True) at the limit."""
-        count = self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        if count >= IMPLAUSIBLE_STRIKES:
-            self.ban(peer, reason)
-            return True
-        return False
-
-    def cleared(self, peer: PeerID) -> None:
-        """``peer``'s answer held: its strikes start over."""
-        self.strikes.pop(peer, None)
 
     def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
-        self.strikes.pop(peer, None)
         if len(self.until) >= MAX_BANNED and peer not in self.until:  # drop the ban closest to expiry
             del self.until[min(self.until, key=self.until.__getitem__)]
         self.until[peer] = time.monotonic() + seconds

@@ -1,6 +1,7 @@
 """All-reduce benchmark: peerd's butterfly all-reduce against ``torch.distributed`` (gloo).
 
     python benchmarks/allreduce.py [--quick] [--peers 2 4 8] [--numel N] [--reps R] [--part-size N]
+                                   [--aggregation mean|centered-clip]
 
 What is measured, for each group size (2, 4 and 8 peers; ``--quick``: 4 only), with ``--numel``
 float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its own OS process
@@ -13,6 +14,9 @@ float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its
   already formed: every repetition reuses the members of one matchmaking round under a fresh group
   ID that all peers derive from the same seed. It includes everything a caller waits for:
   flattening, the encrypted streams, reduction and writing the average back into the tensors.
+  With ``--aggregation centered-clip`` the reducers use CenteredClip and every peer checks
+  reducers before using their averages (``averaging/robust.py``, ``averaging/verification.py``):
+  what robustness costs; the default is the exact mean.
 * ``matchmaking_s``: one DHT matchmaking round (``Matchmaker.form_group``) that formed that group,
   timed once, separately.
 * ``max_abs_error``: the largest difference, over every peer and repetition, between what our

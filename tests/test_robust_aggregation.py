@@ -29,7 +29,7 @@ def spread(points: list[torch.Tensor]) -> float:
 def test_clean_contributions_give_the_mean():
     points = honest_cloud(8)
     out = torch.empty(DIM)
-    centered_clip(points, [1.0] * 8, out, center=points[0])
+    assert centered_clip(points, [1.0] * 8, out, center=points[0])[1] is None  # from our own
     assert torch.allclose(out, torch.stack(points).mean(0), atol=1e-3)
 
 
@@ -42,6 +42,10 @@ def test_huge_contributions_move_the_result_by_a_bounded_amount():
             out = torch.empty(DIM)
             centered_clip(points, [1.0] * len(points), out, center=honest[0])
             assert torch.isfinite(out).all()
+            assert float((out - mean).norm()) < bound, (attackers, float((out - mean).norm()), bound)
+            # a reducer whose own contribution is the hostile one starts from an honest one
+            _tau, moved_to = centered_clip(points, [1.0] * len(points), out, center=hostile)
+            assert moved_to is not None and moved_to < len(honest)
             assert float((out - mean).norm()) < bound, (attackers, float((out - mean).norm()), bound)
             # a reducer that sends nothing starts from the coordinate-wise median instead
             centered_clip(points, [1.0] * len(points), out)
