@@ -1,7 +1,7 @@
 """All-reduce benchmark: peerd's butterfly all-reduce against ``torch.distributed`` (gloo).
 
     python benchmarks/allreduce.py [--quick] [--peers 2 4 8] [--numel N] [--reps R] [--part-size N]
-                                   [--aggregation mean|centered-clip]
+                                   [--aggregation mean|centered-clip [--no-checks]]
 
 What is measured, for each group size (2, 4 and 8 peers; ``--quick``: 4 only), with ``--numel``
 float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its own OS process
@@ -16,7 +16,7 @@ float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its
   flattening, the encrypted streams, reduction and writing the average back into the tensors.
   With ``--aggregation centered-clip`` the reducers use CenteredClip and every peer checks
   reducers before using their averages (``averaging/robust.py``, ``averaging/verification.py``):
-  what robustness costs; the default is the exact mean.
+  what robustness costs (``--no-checks``: CenteredClip alone); the default is the exact mean.
 * ``matchmaking_s``: one DHT matchmaking round (``Matchmaker.form_group``) that formed that group,
   timed once, separately.
 * ``max_abs_error``: the largest difference, over every peer and repetition, between what our
@@ -107,6 +107,7 @@ class WorkerConfig:
     gloo_port: int
     workdir: Path
     aggregation: str = "mean"
+    check_reducers: bool = True
 
 
 def worker_main(config: WorkerConfig) -> None:
@@ -179,6 +180,7 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
                 reducer_timeout=REDUCER_TIMEOUT,
                 part_size=config.part_size,
                 aggregation=config.aggregation,
+                check_reducers=config.check_reducers and config.aggregation == "centered-clip",
             )
             seconds = time.perf_counter() - start
             await barrier()  # usage counts until every peer is done (serving others included)
@@ -277,7 +279,13 @@ def write_true_mean(path: Path, world: int, numel: int) -> None:
 
 
 def run_group(
-    world: int, numel: int, reps: int, part_size: int, timeout: float, aggregation: str = "mean"
+    world: int,
+    numel: int,
+    reps: int,
+    part_size: int,
+    timeout: float,
+    aggregation: str = "mean",
+    checks: bool = True,
 ) -> dict[str, Any]:
     """Spawn ``world`` workers, collect their reports, and reduce them to one row of figures."""
     with tempfile.TemporaryDirectory(prefix="peerd-allreduce-") as tmp:
@@ -291,6 +299,7 @@ def run_group(
                 command = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(rank), str(world)]
                 command += ["--numel", str(numel), "--reps", str(reps), "--part-size", str(part_size)]
                 command += ["--port", str(port), "--dir", tmp, "--aggregation", aggregation]
+                command += [] if checks else ["--no-checks"]
                 logs.append(open(workdir / f"worker{rank}.err", "wb"))  # noqa: SIM115 (closed below)
                 workers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=logs[-1], text=True))
             deadline = time.monotonic() + timeout
@@ -302,7 +311,8 @@ def run_group(
                 worker.wait()
             for log in logs:
                 log.close()
-    return {**summarize(world, numel, reps, reports), "part_size": part_size, "aggregation": aggregation}
+    summary = summarize(world, numel, reps, reports)
+    return {**summary, "part_size": part_size, "aggregation": aggregation, "checks": checks}
 
 
 def _collect(worker: subprocess.Popen, rank: int, workdir: Path, deadline: float) -> dict[str, Any]:
@@ -391,10 +401,14 @@ def main() -> None:
         default="mean",
         help="how reducers aggregate (centered-clip is robust, not exact: max_abs_error grows)",
     )
+    parser.add_argument("--no-checks", action="store_true", help="centered-clip without the reducer checks")
     args = parser.parse_args()
     peer_counts = args.peers or ([4] if args.quick else [2, 4, 8])
     reps = args.reps or (3 if args.quick else 5)
-    runs = [run_group(world, args.numel, reps, args.part_size, args.timeout, args.aggregation) for world in peer_counts]
+    runs = [
+        run_group(world, args.numel, reps, args.part_size, args.timeout, args.aggregation, not args.no_checks)
+        for world in peer_counts
+    ]
     print_table(runs)
     headline = next((run for run in runs if run["peers"] == 4), runs[0])
     summary = dict(headline)
@@ -412,9 +426,12 @@ def parse_worker(argv: list[str]) -> WorkerConfig:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--aggregation", default="mean")
+    parser.add_argument("--no-checks", action="store_true")
     args = parser.parse_args(argv)
     rank, world = args.worker
-    return WorkerConfig(rank, world, args.numel, args.reps, args.part_size, args.port, args.dir, args.aggregation)
+    return WorkerConfig(
+        rank, world, args.numel, args.reps, args.part_size, args.port, args.dir, args.aggregation, not args.no_checks
+    )
 
 
 if __name__ == "__main__":
