@@ -27,17 +27,18 @@ from .verification import (
     PartInputs,
 )
 
-__all__ = ["PendingCheck", "ReducerChecks", "CHECK_BUDGET"]
+__all__ = ["PendingCheck", "ReducerChecks", "CHECK_SHARE", "CHECK_ALL_BELOW"]
 
 log = logging.getLogger("peerd.averaging")
 
-# What a sender downloads for its checks per round, as a share of the averaged vector (a round
-# moves about twice the vector through each peer's link): every other reducer is checked when
-# their parts' inputs fit, which is when the shards are small; else a random subset of them, at
-# least one (a part's inputs: group size x part size).
-CHECK_BUDGET = 1 / 8
-# Small vectors: checking every reducer costs less than a round's fixed costs anyway.
-MIN_CHECK_BUDGET = 1 << 20
+# A check of a reducer's part makes it upload that part's inputs (group size x part size) again;
+# its round uploads (senders - 1) x its shard. Each sender checks a reducer with the probability
+# that keeps what all checks cost it, in expectation, to this share of its round's upload: for a
+# shard of k parts that is k / (2 x senders), every time from 2 x senders parts on.
+CHECK_SHARE = 0.5
+# Vectors this small: every sender checks every reducer (a round costs more in fixed costs than
+# the whole vector's bytes), so a lie is caught in its first round and used by nobody.
+CHECK_ALL_BELOW = 1 << 16
 
 
 @dataclass
@@ -68,6 +69,15 @@ def _requantizer(codec: Codec):
         return codec_of(meta).decode_into(meta, payload, torch.empty_like(values)).clone()
 
     return requantize
+
+
+def _draw(probability: float) -> bool:
+    """True with ``probability``, from private randomness (a reducer must not guess our checks)."""
+    return probability >= 1 or secrets.randbelow(1 << 30) < probability * (1 << 30)
+
+
+def max_part(shard: list[tuple[int, int, int, int]]) -> int:
+    return max(end - start for *_, start, end in shard)
 
 
 class ReducerChecks:
@@ -112,12 +122,13 @@ class ReducerChecks:
         part_contributors: dict[int, list[list[PeerID]]],
         codec: Codec,
     ) -> list[tuple[int, PendingCheck]]:
-        """Choose, in private, one part of each other reducer's shard that we received (as many
-        reducers as ``CHECK_BUDGET`` allows, at least one), and copy what each check will need
-        (call before the averages are written back into ``flat``). Returns (shard, check) pairs."""
+        """Choose, in private, one part of each other reducer's shard that we received (each
+        reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
+        need (call before the averages are written back into ``flat``). Returns (shard, check)
+        pairs."""
         me = self.host.peer_id
         by_start = dict((start, values) for start, values in received)
-        shards: list[list[tuple[int, int, int]]] = []
+        shards: list[list[tuple[int, int, int, int]]] = []
         for index, member in enumerate(group.reducers):
             if member.peer_id == me or index not in part_contributors:
                 continue
@@ -130,11 +141,13 @@ class ReducerChecks:
                 shards.append([(index, *part) for part in parts])
         if not shards:
             return []
-        # each check downloads one part per sender
-        cost = len(group.senders) * max(end - start for shard in shards for _i, _p, start, end in shard)
-        affordable = max(1, int(max(CHECK_BUDGET * plan.total, MIN_CHECK_BUDGET) // max(cost, 1)))
-        while len(shards) > affordable:
-            shards.pop(secrets.randbelow(len(shards)))
+        senders = len(group.senders)
+        if plan.total > CHECK_ALL_BELOW:
+            shards = [
+                shard
+                for shard in shards
+                if _draw(CHECK_SHARE * sum(end - start for *_, start, end in shard) / (senders * max_part(shard)))
+            ]
         pending = []
         for shard in shards:
             index, part, start, end = shard[secrets.randbelow(len(shard))]

@@ -3,8 +3,9 @@
 A reducer could answer anything it likes for its shard; robust aggregation (``robust.py``) only
 helps while the reducer runs it. So, in the style of BTARD's verification (Gorbunov et al. 2022),
 in a round that uses CenteredClip each sender, before it uses any reducer's averages, picks at
-random and in private one part of each other reducer's shard (of a random subset of the reducers
-when their inputs would exceed ``reducer_checks.CHECK_BUDGET`` of the vector) and asks that
+random and in private one part of each other reducer's shard (of each with a probability that
+bounds what the checks cost the reducer's uplink, ``reducer_checks.CHECK_SHARE``, on all but
+small vectors) and asks that
 reducer (``avg.check``) for the part's inputs: the contributions it aggregated, the weights they
 claimed, and the clip radius it used. The reducer keeps them from the moment each part is
 aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender
@@ -28,8 +29,8 @@ answer and on what this sender itself sent and received. A reducer that returns 
 aggregate of its claimed inputs is caught by whoever checks that part; one that makes its claimed
 inputs fit a false answer must misstate some honest sender's contribution or weight, and that
 sender catches it when it checks that part. A reducer that lies on its whole shard is
-therefore caught in its first round by every sender that checks it (all of them, while the inputs
-fit the budget), and its lie is never used by those; one that lies on a single part of ``P``
+therefore caught in its first round by every sender that checks it (all of them on small
+vectors), and its lie is never used by those; one that lies on a single part of ``P``
 is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
 per reducer checked, one RPC carrying one part's inputs (group size x part size) and one
 CenteredClip of that part; a reducer keeps a copy of its inputs for a few rounds.
