@@ -34,8 +34,10 @@ log = logging.getLogger("peerd.averaging")
 # A check of a reducer's part makes it upload that part's inputs (group size x part size) again;
 # its round uploads (senders - 1) x its shard. Each sender checks a reducer with the probability
 # that keeps what all checks cost it, in expectation, to this share of its round's upload: for a
-# shard of k parts that is k / (2 x senders), every time from 2 x senders parts on.
-CHECK_SHARE = 0.5
+# shard of k parts that is k / (4 x senders), every time from 4 x senders parts on. (Half the
+# upload made a 16M-value round on loopback cost 2x the mean's CPU; a quarter is the trade made
+# here between that cost and how many rounds a liar's answers are used before it is caught.)
+CHECK_SHARE = 0.25
 # Vectors this small: every sender checks every reducer (a round costs more in fixed costs than
 # the whole vector's bytes), so a lie is caught in its first round and used by nobody.
 CHECK_ALL_BELOW = 1 << 16
