@@ -18,6 +18,10 @@ own values. Every wait is also capped: by what the peer could owe at a floor rat
 happened, and how fast this peer's link moved the round's bytes (``link_rate``): the averager
 declares that as its bandwidth in the next round.
 
+A reducer aggregates its shard with the weighted mean or, robust to a hostile minority, with
+CenteredClip (``robust.py``); after a CenteredClip round each sender checks other reducers' answers
+before it uses them (``verification.py``, ``reducer_checks.py``).
+
 The messages and what each side does with them are sans-I/O objects in ``allreduce_protocol.py``.
 Here a round is two small roles driven by trio (``round_roles.py``): ``ReducerRole`` (one
 shard's reduction, fed by a handler per sender stream) and ``SenderRole`` (one exchange per
@@ -46,6 +50,8 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
+from .reducer_checks import ReducerChecks
+from .robust import Aggregation
 from .round_links import RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
 
@@ -81,6 +87,9 @@ class AllReduceResult:
     my_shard: int | None = None
     # what this peer's link achieved in the round (bytes/s, the slower direction), if measurable
     link_rate: float | None = None
+    # reducers this peer checked after the round (``verification.py``): shard index -> the
+    # reducer, and why it was caught (None: its answer held); a caught one's shard stays local
+    reducer_checks: dict[int, tuple[PeerID, str | None]] = field(default_factory=dict)
     seconds: float = 0.0  # the round itself, from the start to the averages written back
 
     @property
@@ -91,8 +100,12 @@ class AllReduceResult:
 class AllReduceService:
     """Serves ``avg.reduce`` for every all-reduce this peer takes part in."""
 
-    def __init__(self, host: PeerHost, router: Router | None = None):
+    def __init__(self, host: PeerHost, router: Router | None = None, *, shard_type: type[ReducerShard] = ReducerShard):
+        """``shard_type``: what reduces our shard (tests and benchmarks substitute hostile ones)."""
         self.host = host
+        self.shard_type = shard_type
+        # reducers checked after robust rounds, and those caught (``banned``: left out of groups)
+        self.checks = ReducerChecks(host, router or host.router)
         self._buffers = PartBuffers()
         # group ID -> our reducer role in that round (None: we reduce nothing in it)
         self._rounds: dict[bytes, ReducerRole | None] = {}
@@ -159,6 +172,8 @@ class AllReduceService:
         reducer_timeout: float | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         deadlines: DeadlineRules = DEFAULT_DEADLINES,
+        aggregation: Aggregation | str = Aggregation.MEAN,
+        check_reducers: bool | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group``.
 
@@ -168,7 +183,10 @@ class AllReduceService:
 
         The tensors are read while the round runs (a single contiguous float32 CPU tensor is sent
         straight from its memory, without a copy) and written only when it is over, so they must
-        not change in between; a cancelled round leaves them as they were."""
+        not change in between; a cancelled round leaves them as they were. ``aggregation``: how
+        our shard, if we reduce one, is aggregated from the senders' parts (``robust.py``);
+        ``check_reducers``: whether to check the other reducers before using their averages
+        (``verification.py``; default: with centered-clip, which the checks recompute)."""
         me = self.host.peer_id
         member = group.member(me)
         if member is None:
@@ -196,7 +214,9 @@ class AllReduceService:
             reducer = None
             if my_shard is not None:
                 lease = holds.enter_context(self._buffers.lease())
-                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links)
+                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, Aggregation(aggregation))
+                if reducer.shard.reduction.keep_inputs:
+                    self.checks.keep(group, reducer.shard.reduction)
             sender = None
             if flat is not None:
                 header = ReduceHeader(group.group_id, weight, total)
@@ -232,19 +252,60 @@ class AllReduceService:
             if reducer is not None:
                 assert my_shard is not None
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
+            robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
+            if robust and reducer is not None:  # kept from now on
+                self.checks.keep(group, reducer.shard.reduction)
             if sender is not None:
-                await in_thread(write_back, tensors, sender.averaged + own_average)
+                averaged = sender.averaged
+                if robust if check_reducers is None else check_reducers:  # before their averages land
+                    averaged = await self._checked(group, plan, flat, weight, averaged, result, the_codec)
+                await in_thread(write_back, tensors, averaged + own_average)
             for peer in result.failed_peers:
                 log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
-            result.seconds = trio.current_time() - started
-            return result
+        result.seconds = trio.current_time() - started
+        return result
+
+    async def _checked(
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        flat: torch.Tensor | None,
+        weight: float,
+        averaged: list[tuple[int, torch.Tensor]],
+        result: AllReduceResult,
+        codec: Codec,
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Check the other reducers (``reducer_checks.py``); the shards of those caught keep our
+        own values. Returns the averaged parts that remain."""
+        assert flat is not None
+        pending = self.checks.pick(group, plan, flat, weight, averaged, result.part_contributors, codec)
+        result.reducer_checks = await self.checks.run_all(pending)
+        for index, (reducer, verdict) in result.reducer_checks.items():
+            if verdict is not None:
+                result.local_shards[index] = f"reducer caught lying: {verdict}"
+                result.failed_peers.add(reducer)
+                start, end = plan.shard_bounds(index)
+                averaged = [(offset, values) for offset, values in averaged if not start <= offset < end]
+        return averaged
 
     def _reducer_role(
-        self, group: GroupInfo, plan: AllReducePlan, my_shard: int, codec: Codec, lease: BufferLease, links: RoundLinks
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        my_shard: int,
+        codec: Codec,
+        lease: BufferLease,
+        links: RoundLinks,
+        aggregation: Aggregation,
     ) -> ReducerRole:
         part_sizes = [end - start for start, end in plan.parts(my_shard)]
         sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
-        shard = ReducerShard(part_sizes, [m.peer_id for m in group.senders], sum_buffer)
+        senders = [m.peer_id for m in group.senders]
+        workspace = None
+        if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
+            workspace = lease.take(len(senders) * max(part_sizes))
+        shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
+        shard.reduction.keep_inputs = aggregation is Aggregation.CENTERED_CLIP  # for the senders' checks
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

@@ -47,6 +47,7 @@ from peer.tensors import all_finite
 from .compression import Codec, codec_of
 from .part_buffers import PartSink
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
+from .robust import Aggregation
 
 __all__ = [
     "REDUCE_METHOD",
@@ -197,8 +198,15 @@ class ReducerShard:
     """A reducer's side of one round: the shard's reduction, and its replies part by part, each
     encoded once for all senders (codecs are deterministic) as soon as the part is averaged."""
 
-    def __init__(self, part_sizes: list[int], senders: list[PeerID], sum_buffer: torch.Tensor | None):
-        self.reduction = ShardReduction(part_sizes, senders, sum_buffer)
+    def __init__(
+        self,
+        part_sizes: list[int],
+        senders: list[PeerID],
+        sum_buffer: torch.Tensor | None,
+        aggregation: Aggregation = Aggregation.MEAN,
+        workspace: torch.Tensor | None = None,
+    ):
+        self.reduction = ShardReduction(part_sizes, senders, sum_buffer, aggregation, workspace)
         self.replies: list[tuple[dict[str, Any], Any]] = []  # (body, payload) of parts 0, 1, ...
         self.error: ValueError | None = None  # a part could not be averaged or encoded: no more replies
 

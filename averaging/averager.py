@@ -23,6 +23,7 @@ from .group import MAX_BANDWIDTH, AveragingMode, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
+from .robust import Aggregation, resolve_aggregation
 from .state_sharing import StateSharing
 
 __all__ = ["GroupAverager", "RoundTiming", "tensor_schema", "MatchmakingError"]
@@ -73,7 +74,11 @@ class GroupAverager:
         part_size: int = DEFAULT_PART_SIZE,
         allow_state_sharing: bool = True,
         settle_time: float | None = None,
+        aggregation: Aggregation | str = "auto",
     ):
+        """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
+        ``centered-clip`` (robust to a hostile minority, ``robust.py``), or ``auto``:
+        centered-clip in a public swarm, the mean in a private one (``peer/access.py``)."""
         self.tensors = list(tensors)
         self.dht = dht
         self.host: PeerHost = dht.host
@@ -88,6 +93,7 @@ class GroupAverager:
         self.target_group_size = target_group_size
         self.min_group_size = min_group_size
         self.codec = codec
+        self.aggregation = resolve_aggregation(aggregation, self.host.access.private)
         self.matchmaking_timeout = matchmaking_timeout
         self.sender_timeout = sender_timeout
         self.reducer_timeout = reducer_timeout
@@ -99,7 +105,7 @@ class GroupAverager:
         self.last_result: AllReduceResult | None = None
         self.last_timing: RoundTiming | None = None
         self._service = all_reduce_service(self.host)
-        self._matchmaker = Matchmaker(self.host, dht, prefix)
+        self._matchmaker = Matchmaker(self.host, dht, prefix, excluded=self._service.checks.banned.__contains__)
         # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
         # synchronous facade can acquire and release it from two different loop tasks.
         self._lock = trio.Semaphore(1, max_value=1)
@@ -145,6 +151,7 @@ class GroupAverager:
                 sender_timeout=self.sender_timeout,
                 reducer_timeout=self.reducer_timeout,
                 part_size=self.part_size,
+                aggregation=self.aggregation,
             )
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))

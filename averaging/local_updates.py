@@ -69,6 +69,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         codec: str = "blockwise_8bit",
+        aggregation: str = "auto",
         error_feedback: bool = True,
         target_group_size: int = 4,
         min_group_size: int = 2,
@@ -98,6 +99,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout,
             settle_time=settle_time,
+            aggregation=aggregation,
         )
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging

@@ -16,7 +16,9 @@
    of the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
    and, with a peer ID that ranks first, be elected; it must not cost the others the round.
 
-Peers whose tensor schemas differ never meet: the schema hash is part of what is matched.
+Peers whose tensor schemas differ never meet: the schema hash is part of what is matched. Peers
+this one ``excluded`` (reducers caught lying, ``verification.py``) are left out of its candidates,
+refused as joiners, and a leader's group that holds one is passed over.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import trio
@@ -144,8 +147,16 @@ class _Gathering:
 class Matchmaker:
     """Runs matchmaking for one prefix on one peer; serves ``avg.join`` for it."""
 
-    def __init__(self, host: PeerHost, dht, prefix: str, router: Router | None = None):
+    def __init__(
+        self,
+        host: PeerHost,
+        dht,
+        prefix: str,
+        router: Router | None = None,
+        excluded: Callable[[PeerID], bool] | None = None,
+    ):
         self.host = host
+        self.excluded = excluded or (lambda peer: False)
         self.dht = dht
         self.prefix = prefix
         self._gathering: _Gathering | None = None
@@ -169,6 +180,8 @@ class Matchmaker:
         declaration = Declaration.from_wire(request.peer, request.body)
         if gathering is None:
             raise ValueError("not gathering a group now")
+        if self.excluded(request.peer):
+            raise ValueError("this peer excludes you from its groups")
         if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
             raise ValueError("schema differs from this group's, or the joiner is a round ahead")
         patience = request.body.get("patience")
@@ -270,7 +283,7 @@ class Matchmaker:
         found = await self.dht.get(self.key, latest=True)
         candidates = {me.peer_id: me}
         for peer, declaration in peer_entries(found, Declaration.from_wire):
-            if declaration.schema == me.schema:
+            if declaration.schema == me.schema and not self.excluded(peer):
                 candidates[peer] = declaration
         return candidates
 
@@ -309,6 +322,8 @@ class Matchmaker:
                 raise LeaderFailed(f"the leader {leader.peer_id} answered with a malformed group: {error}") from None
             if group.member(me.peer_id) is None:
                 raise LeaderFailed(f"the leader {leader.peer_id}'s group does not include this peer")
+            if any(self.excluded(member.peer_id) for member in group.members):
+                raise LeaderFailed(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
             return group
         raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")
 

@@ -87,6 +87,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         averaging_timeout: float = 15.0,
         settle_time: float | None = None,
         codec: str = "none",
+        aggregation: str = "auto",
         progress_interval: float = 0.25,
         load_state_timeout: float = 30.0,
         delay_updates: trio.Nursery | None = None,
@@ -118,6 +119,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout,
             settle_time=settle_time if settle_time is not None else max(progress_interval, 0.05),
+            aggregation=aggregation,
         )
         # Only gradients go through ``codec``: parameters and optimizer state are averaged exactly
         # (8-bit Adam moments or step counts would wreck the next steps).

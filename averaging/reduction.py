@@ -9,6 +9,11 @@ part's average is therefore exactly the weighted average of the contributions th
 (``part_contributors``), never a mix. Memory: staged parts wait only for the slowest sender's
 same part, at most one shard per sender.
 
+How a part's contributions become its average is the ``aggregation``: the weighted mean, or
+CenteredClip with weights clipped to a ratio of their median (``robust.py``), which needs the
+contributions kept apart until the part is aggregated — as they already are, staged. Its
+workspace is one part per sender (the group size bounds it), reused from part to part.
+
 The methods do tensor work and are meant to be called from a worker thread, one call at a time
 per ``ShardReduction`` (the trio driver serialises them).
 """
@@ -22,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.tensors import all_finite
+
+from .robust import Aggregation, centered_clip, clip_weights
 
 __all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT"]
 
@@ -43,9 +50,17 @@ class ReductionOutcome:
 
 
 class ShardReduction:
-    def __init__(self, part_sizes: list[int], senders: list[Hashable], sum_buffer: torch.Tensor | None = None):
+    def __init__(
+        self,
+        part_sizes: list[int],
+        senders: list[Hashable],
+        sum_buffer: torch.Tensor | None = None,
+        aggregation: Aggregation = Aggregation.MEAN,
+        workspace: torch.Tensor | None = None,
+    ):
         """``sum_buffer``: float32 storage for the averages of the shard's parts, e.g. reused from
-        an earlier round; a fresh one is allocated if it is None."""
+        an earlier round; a fresh one is allocated if it is None. ``workspace``: float32 scratch for
+        CenteredClip, ``len(senders) * max(part_sizes)`` values (else allocated per part)."""
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.shard_size = sum(self.part_sizes)
@@ -61,6 +76,16 @@ class ShardReduction:
         self.part_contributors: list[list[Hashable]] = []
         self.part_weights: list[float] = []
         self._outcome: ReductionOutcome | None = None
+        self.aggregation = Aggregation(aggregation)
+        self.workspace = workspace
+        self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
+        self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
+        # Set to keep each part's inputs after it is aggregated (for the senders' checks,
+        # ``verification.py``): per part, the senders with positive weight, their claimed weights,
+        # a copy of their values (one row each), and the row CenteredClip started from (None:
+        # the coordinate-wise median).
+        self.keep_inputs = False
+        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None]] = []
 
     @property
     def num_parts(self) -> int:
@@ -119,6 +144,7 @@ class ShardReduction:
         """A reducer's own contribution: the whole shard at once. The caller has checked ``values``
         finite (the all-reduce checks its whole flattened tensor once)."""
         self.set_weight(sender, weight)
+        self.own = sender
         if values.numel() != self.shard_size:
             raise ContributionRejected("local shard has the wrong size")
         flat = values.reshape(-1).to(torch.float32)
@@ -165,18 +191,34 @@ class ShardReduction:
             raise RuntimeError(f"part {index} is not ready")
         staged = self._staged[index]
         contributors = [s for s in self.expected if s in staged]
-        weighted = [(staged[s], self._weights[s]) for s in contributors if self._weights[s] > 0]
-        total = sum(weight for _values, weight in weighted)
-        if weighted:
+        positive = [s for s in contributors if self._weights[s] > 0]
+        weights = [self._weights[s] for s in positive]
+        if self.aggregation is Aggregation.CENTERED_CLIP:
+            weights = clip_weights(weights)
+        total = sum(weights)
+        tau = 0.0
+        if positive:
             if self._sum is None:
                 self._sum = torch.empty(self.shard_size, dtype=torch.float32)
             offset = self.part_offsets[index]
             out = self._sum[offset : offset + self.part_sizes[index]]
-            (first, weight), rest = weighted[0], weighted[1:]
-            torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
-            for values, weight in rest:
-                out.add_(values, alpha=weight)
-            out.div_(total)
+            if self.aggregation is Aggregation.CENTERED_CLIP:
+                center = staged[self.own] if self.own in positive else None
+                parts = [staged[s] for s in positive]
+                tau, moved_to = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
+                if self.keep_inputs:
+                    start = moved_to if moved_to is not None or center is None else positive.index(self.own)
+                    raw = [self._weights[s] for s in positive]
+                    self.kept_inputs.append((positive, raw, torch.stack(parts), start))
+            else:
+                (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], weights
+                torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
+                for values, w in zip(rest, rest_weights, strict=True):
+                    out.add_(values, alpha=w)
+                out.div_(total)
+        if self.keep_inputs and not positive:
+            self.kept_inputs.append((positive, [], torch.empty(0), None))
+        self.part_taus.append(tau)
         staged.clear()
         self.part_contributors.append(contributors)
         self.part_weights.append(total)

@@ -96,6 +96,7 @@ def averaging_options(
     matchmaking_timeout: float,
     averaging_timeout: float,
     settle_time: float | None,
+    aggregation: str = "auto",
 ) -> dict[str, Any]:
     """GroupAverager options from an optimizer's knobs: senders get half the round's deadline, so a
     dead sender is dropped while the reducers still have time to answer."""
@@ -106,6 +107,7 @@ def averaging_options(
         "sender_timeout": averaging_timeout / 2,
         "reducer_timeout": averaging_timeout,
         "settle_time": settle_time,
+        "aggregation": aggregation,
     }
 
 

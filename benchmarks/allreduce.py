@@ -1,6 +1,7 @@
 """All-reduce benchmark: peerd's butterfly all-reduce against ``torch.distributed`` (gloo).
 
     python benchmarks/allreduce.py [--quick] [--peers 2 4 8] [--numel N] [--reps R] [--part-size N]
+                                   [--aggregation mean|centered-clip [--no-checks]]
 
 What is measured, for each group size (2, 4 and 8 peers; ``--quick``: 4 only), with ``--numel``
 float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its own OS process
@@ -13,6 +14,9 @@ float32 values per peer (16M = 2^24 by default, one flat tensor), every peer its
   already formed: every repetition reuses the members of one matchmaking round under a fresh group
   ID that all peers derive from the same seed. It includes everything a caller waits for:
   flattening, the encrypted streams, reduction and writing the average back into the tensors.
+  With ``--aggregation centered-clip`` the reducers use CenteredClip and every peer checks
+  reducers before using their averages (``averaging/robust.py``, ``averaging/verification.py``):
+  what robustness costs (``--no-checks``: CenteredClip alone); the default is the exact mean.
 * ``matchmaking_s``: one DHT matchmaking round (``Matchmaker.form_group``) that formed that group,
   timed once, separately.
 * ``max_abs_error``: the largest difference, over every peer and repetition, between what our
@@ -102,6 +106,8 @@ class WorkerConfig:
     part_size: int
     gloo_port: int
     workdir: Path
+    aggregation: str = "mean"
+    check_reducers: bool = True
 
 
 def worker_main(config: WorkerConfig) -> None:
@@ -173,6 +179,8 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
                 sender_timeout=SENDER_TIMEOUT,
                 reducer_timeout=REDUCER_TIMEOUT,
                 part_size=config.part_size,
+                aggregation=config.aggregation,
+                check_reducers=config.check_reducers and config.aggregation == "centered-clip",
             )
             seconds = time.perf_counter() - start
             await barrier()  # usage counts until every peer is done (serving others included)
@@ -270,7 +278,15 @@ def write_true_mean(path: Path, world: int, numel: int) -> None:
     (total / world).to(torch.float32).numpy().tofile(path)
 
 
-def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float) -> dict[str, Any]:
+def run_group(
+    world: int,
+    numel: int,
+    reps: int,
+    part_size: int,
+    timeout: float,
+    aggregation: str = "mean",
+    checks: bool = True,
+) -> dict[str, Any]:
     """Spawn ``world`` workers, collect their reports, and reduce them to one row of figures."""
     with tempfile.TemporaryDirectory(prefix="peerd-allreduce-") as tmp:
         workdir = Path(tmp)
@@ -282,7 +298,8 @@ def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float)
             for rank in range(world):
                 command = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(rank), str(world)]
                 command += ["--numel", str(numel), "--reps", str(reps), "--part-size", str(part_size)]
-                command += ["--port", str(port), "--dir", tmp]
+                command += ["--port", str(port), "--dir", tmp, "--aggregation", aggregation]
+                command += [] if checks else ["--no-checks"]
                 logs.append(open(workdir / f"worker{rank}.err", "wb"))  # noqa: SIM115 (closed below)
                 workers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=logs[-1], text=True))
             deadline = time.monotonic() + timeout
@@ -294,7 +311,8 @@ def run_group(world: int, numel: int, reps: int, part_size: int, timeout: float)
                 worker.wait()
             for log in logs:
                 log.close()
-    return {**summarize(world, numel, reps, reports), "part_size": part_size}
+    summary = summarize(world, numel, reps, reports)
+    return {**summary, "part_size": part_size, "aggregation": aggregation, "checks": checks}
 
 
 def _collect(worker: subprocess.Popen, rank: int, workdir: Path, deadline: float) -> dict[str, Any]:
@@ -377,10 +395,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, help="timed rounds per group size (default 5; --quick: 3)")
     parser.add_argument("--part-size", type=int, default=DEFAULT_PART_SIZE, help="values per streamed part")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per group size")
+    parser.add_argument(
+        "--aggregation",
+        choices=["mean", "centered-clip"],
+        default="mean",
+        help="how reducers aggregate (centered-clip is robust, not exact: max_abs_error grows)",
+    )
+    parser.add_argument("--no-checks", action="store_true", help="centered-clip without the reducer checks")
     args = parser.parse_args()
     peer_counts = args.peers or ([4] if args.quick else [2, 4, 8])
     reps = args.reps or (3 if args.quick else 5)
-    runs = [run_group(world, args.numel, reps, args.part_size, args.timeout) for world in peer_counts]
+    runs = [
+        run_group(world, args.numel, reps, args.part_size, args.timeout, args.aggregation, not args.no_checks)
+        for world in peer_counts
+    ]
     print_table(runs)
     headline = next((run for run in runs if run["peers"] == 4), runs[0])
     summary = dict(headline)
@@ -397,9 +425,13 @@ def parse_worker(argv: list[str]) -> WorkerConfig:
     parser.add_argument("--part-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--aggregation", default="mean")
+    parser.add_argument("--no-checks", action="store_true")
     args = parser.parse_args(argv)
     rank, world = args.worker
-    return WorkerConfig(rank, world, args.numel, args.reps, args.part_size, args.port, args.dir)
+    return WorkerConfig(
+        rank, world, args.numel, args.reps, args.part_size, args.port, args.dir, args.aggregation, not args.no_checks
+    )
 
 
 if __name__ == "__main__":

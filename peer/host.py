@@ -149,6 +149,13 @@ class PeerHost:
             service = self._services[kind] = kind(self)
         return service
 
+    def provide_service(self, kind: type[Service], service: Service) -> None:
+        """Make ``service`` this host's ``kind`` (one built with other options, or a substitute in
+        tests and benchmarks); only before anyone used ``service(kind)``."""
+        if kind in self._services:
+            raise ValueError(f"this host already has its {kind.__name__}")
+        self._services[kind] = service
+
     # ------------------------------------------------------------------ listening
     def _hello(self) -> Hello:
         if self.announced:

@@ -69,7 +69,16 @@ async def open_swarm(nursery, count: int):
 
 
 def make_averagers(nodes, values, **options):
-    options = {"prefix": "test", "matchmaking_timeout": 4.0, "sender_timeout": 3.0, "reducer_timeout": 5.0, **options}
+    # These tests check exact averages: the plain mean (public swarms default to centered-clip,
+    # which clips outliers of these few scalars; tests/test_robust_aggregation.py covers it).
+    options = {
+        "prefix": "test",
+        "matchmaking_timeout": 4.0,
+        "sender_timeout": 3.0,
+        "reducer_timeout": 5.0,
+        "aggregation": "mean",
+        **options,
+    }
     return [GroupAverager([torch.tensor([float(v)])], node, **options) for node, v in zip(nodes, values, strict=True)]
 
 

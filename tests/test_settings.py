@@ -144,3 +144,13 @@ def test_an_abbreviated_config_flag_overrides_a_bad_peerd_config(tmp_path, monke
     assert parse_command_line(["join", "--conf", str(path)]).run_id == "from-file"
     with pytest.raises(SettingsError, match="missing.toml"):
         parse_command_line(["join"])
+
+
+def test_aggregation_comes_from_flag_variable_or_file_and_defaults_to_auto(tmp_path):
+    assert join_args(Settings.load(None, environ={})).aggregation == "auto"
+    settings = Settings.load(write_config(tmp_path, 'aggregation = "mean"\n'), environ={})
+    assert join_args(settings).aggregation == "mean"
+    settings = Settings.load(None, environ={"PEERD_AGGREGATION": "centered-clip"})
+    assert join_args(settings).aggregation == "centered-clip"
+    with pytest.raises(SystemExit):
+        join_args(Settings.load(None, environ={}), "--aggregation", "median")

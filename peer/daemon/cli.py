@@ -182,6 +182,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         mode=args.mode,
         delay_updates=args.delay_updates,
         compression=args.compression,
+        aggregation=args.aggregation,
         device=args.device,
         shard=shard,
         target_batch_size=args.target_batch_size,

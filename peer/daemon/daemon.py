@@ -65,6 +65,7 @@ class DaemonConfig:
     mode: str = "collaborative"  # or "local-updates"
     delay_updates: bool = False  # collaborative: average while the next epoch accumulates
     compression: str | None = None  # codec name; None: each mode's default
+    aggregation: str = "auto"  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
     device: str | None = None  # None: CUDA when available
     shard: Any = None  # peer.daemon.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
     target_batch_size: int | None = None
@@ -214,6 +215,7 @@ class Daemon:
         prefix = f"{config.run_id}.{task.name}"
         async with trio.open_nursery() as background:
             codec = {} if config.compression is None else {"codec": config.compression}
+            codec["aggregation"] = config.aggregation
             if config.mode == "local-updates":
                 # (averaging of each round overlaps the next round's local steps, in `background`)
                 optimizer = LocalUpdatesOptimizer(

@@ -172,6 +172,17 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
         ),
         "COMPRESSION",
     )
+    aggregations = ("auto", "mean", "centered-clip")
+    env_setting(
+        join.add_argument(
+            "--aggregation",
+            choices=aggregations,
+            default=settings.parsed("AGGREGATION", _choice(*aggregations), "auto"),
+            help="how a reducer aggregates its shard: the weighted mean, or centered-clip (robust to a "
+            "hostile minority); auto: centered-clip in a public swarm, mean in a private one",
+        ),
+        "AGGREGATION",
+    )
     modes = ("collaborative", "local-updates")
     env_setting(
         join.add_argument(

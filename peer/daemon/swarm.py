@@ -75,6 +75,12 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
         f"(textlm: {TEXTLM_TARGET_BPB}, a bit below byte frequencies' 4.47); replaces --target-accuracy",
     )
     swarm.add_argument("--model-size", default=None, help="model shape for sized tasks (textlm: see peerd join)")
+    swarm.add_argument(
+        "--aggregation",
+        choices=["auto", "mean", "centered-clip"],
+        default="auto",
+        help="how reducers aggregate (see peerd join); auto: centered-clip, as the swarm is public",
+    )
     swarm.add_argument("--max-epochs", type=int, default=200, help="stop when every peer has passed this epoch")
     swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="stop after this long")
     swarm.add_argument(
@@ -109,6 +115,7 @@ def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, 
         # come up (``data_shards.py``), as peers joining a real swarm do.
         "--data-shard", f"0/{count}" if index == 0 else "auto",
         *(["--model-size", args.model_size] if args.model_size else []),
+        "--aggregation", args.aggregation,
         "--status-port", "0",
         # Local peers on one machine: the price on node IDs buys nothing here, the start-up does.
         "--node-id-difficulty", str(LOCAL_DIFFICULTY),

@@ -1,0 +1,201 @@
+"""The trio side of reducer checks (``verification.py``): the sender picks a part before its
+round writes the averages back, asks the reducer once the round is over, and bans a liar; the
+reducer keeps its inputs and answers."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from peer import Message, PeerHost, PeerID, Request, Router
+
+from .compression import Codec, codec_of
+from .group import GroupInfo, GroupMember
+from .partition import AllReducePlan
+from .reduction import ShardReduction
+from .round_roles import in_thread
+from .verification import (
+    CHECK_METHOD,
+    CHECK_TIMEOUT,
+    BanList,
+    KeptInputs,
+    PartCheck,
+    PartInputs,
+)
+
+__all__ = ["PendingCheck", "ReducerChecks", "CHECK_SHARE", "CHECK_ALL_BELOW"]
+
+log = logging.getLogger("peerd.averaging")
+
+# A check of a reducer's part makes it upload that part's inputs (group size x part size) again;
+# its round uploads (senders - 1) x its shard. Each sender checks a reducer with the probability
+# that keeps what all checks cost it, in expectation, to this share of its round's upload: for a
+# shard of k parts that is k / (4 x senders), every time from 4 x senders parts on. (Half the
+# upload made a 16M-value round on loopback cost 2x the mean's CPU; a quarter is the trade made
+# here between that cost and how many rounds a liar's answers are used before it is caught.)
+CHECK_SHARE = 0.25
+# Vectors this small: every sender checks every reducer (a round costs more in fixed costs than
+# the whole vector's bytes), so a lie is caught in its first round and used by nobody.
+CHECK_ALL_BELOW = 1 << 16
+
+
+@dataclass
+class PendingCheck:
+    reducer: GroupMember
+    group_id: bytes
+    part: int  # index within the reducer's shard
+    senders: int  # the group's senders: at most this many inputs
+    check: PartCheck
+
+
+def _as_sent(codec: Codec, values: torch.Tensor) -> torch.Tensor:
+    """``values`` as a reducer decodes them from what we send (a copy)."""
+    if codec.encodes_as_view:
+        return values.clone()
+    meta, payload = codec.encode_finite(values)
+    out = torch.empty(values.numel(), dtype=torch.float32)
+    decoded = codec_of(meta).decode_into(meta, payload, out)
+    return decoded if decoded is out else decoded.clone()
+
+
+def _requantizer(codec: Codec):
+    if codec.encodes_as_view:
+        return None
+
+    def requantize(values: torch.Tensor) -> torch.Tensor:
+        meta, payload = codec.encode(values)
+        return codec_of(meta).decode_into(meta, payload, torch.empty_like(values)).clone()
+
+    return requantize
+
+
+def _draw(probability: float) -> bool:
+    """True with ``probability``, from private randomness (a reducer must not guess our checks)."""
+    return probability >= 1 or secrets.randbelow(1 << 30) < probability * (1 << 30)
+
+
+def max_part(shard: list[tuple[int, int, int, int]]) -> int:
+    return max(end - start for *_, start, end in shard)
+
+
+class ReducerChecks:
+    """One host's checks: the inputs its reductions keep, the checks its rounds make, and the
+    peers it caught (``banned``; matchmaking leaves them out)."""
+
+    def __init__(self, host: PeerHost, router: Router):
+        self.host = host
+        self.kept = KeptInputs()
+        self.banned = BanList()
+        self.caught = 0  # reducers this peer has caught lying
+        router.add_unary(CHECK_METHOD, self._handle_check)
+
+    async def _handle_check(self, request: Request) -> Message:
+        body = request.body if isinstance(request.body, dict) else {}
+        inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
+        answer, payload = inputs.to_message()
+        return Message(answer, payload)
+
+    def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
+        """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
+        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then)."""
+
+        def inputs(index: int) -> PartInputs | None:
+            if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
+                return None
+            senders, weights, values, start = reduction.kept_inputs[index]
+            if not senders:
+                return None
+            tau = reduction.part_taus[index]
+            return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start)
+
+        self.kept.keep(group.group_id, [m.peer_id for m in group.senders], inputs, trio.current_time())
+
+    def pick(
+        self,
+        group: GroupInfo,
+        plan: AllReducePlan,
+        flat: torch.Tensor,
+        weight: float,
+        received: list[tuple[int, torch.Tensor]],
+        part_contributors: dict[int, list[list[PeerID]]],
+        codec: Codec,
+    ) -> list[tuple[int, PendingCheck]]:
+        """Choose, in private, one part of each other reducer's shard that we received (each
+        reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
+        need (call before the averages are written back into ``flat``). Returns (shard, check)
+        pairs."""
+        me = self.host.peer_id
+        by_start = dict((start, values) for start, values in received)
+        shards: list[list[tuple[int, int, int, int]]] = []
+        for index, member in enumerate(group.reducers):
+            if member.peer_id == me or index not in part_contributors:
+                continue
+            parts = [
+                (part, start, end)
+                for part, (start, end) in enumerate(plan.parts(index))
+                if start in by_start and part < len(part_contributors[index])
+            ]
+            if parts:
+                shards.append([(index, *part) for part in parts])
+        if not shards:
+            return []
+        senders = len(group.senders)
+        if plan.total > CHECK_ALL_BELOW:
+            shards = [
+                shard
+                for shard in shards
+                if _draw(CHECK_SHARE * sum(end - start for *_, start, end in shard) / (senders * max_part(shard)))
+            ]
+        pending = []
+        for shard in shards:
+            index, part, start, end = shard[secrets.randbelow(len(shard))]
+            check = PartCheck(
+                me,
+                group.reducers[index].peer_id,
+                _as_sent(codec, flat[start:end]),
+                float(weight),
+                list(part_contributors[index][part]),
+                by_start[start].clone(),
+                _requantizer(codec),
+            )
+            pending.append(
+                (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
+            )
+        return pending
+
+    async def run_all(self, pending: list[tuple[int, PendingCheck]]) -> dict[int, tuple[PeerID, str | None]]:
+        """Run the checks at once; shard index -> (its reducer, why it was caught or None)."""
+        verdicts: dict[int, tuple[PeerID, str | None]] = {}
+
+        async def one(index: int, check: PendingCheck) -> None:
+            verdicts[index] = (check.reducer.peer_id, await self.run(check))
+
+        async with trio.open_nursery() as nursery:
+            for index, check in pending:
+                nursery.start_soon(one, index, check)
+        return verdicts
+
+    async def run(self, pending: PendingCheck) -> str | None:
+        """Ask the reducer for the part's inputs and judge its answer; a liar is banned. Returns
+        why it was caught, or None."""
+        reducer = pending.reducer
+        verdict: str | None = f"it did not answer the check within {CHECK_TIMEOUT:g} s"
+        with trio.move_on_after(CHECK_TIMEOUT):
+            try:
+                assert reducer.address is not None
+                reply = await self.host.call(
+                    reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
+                )
+                inputs = PartInputs.parse(reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
+                verdict = await in_thread(pending.check.verdict, inputs)
+            except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
+                verdict = f"its check answer failed: {type(error).__name__}: {error}"
+        if verdict is not None:
+            self.caught += reducer.peer_id not in self.banned
+            self.banned.ban(reducer.peer_id, verdict)
+            log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)
+        return verdict

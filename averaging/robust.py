@@ -1,0 +1,214 @@
+"""Robust aggregation of one part: CenteredClip over the senders' contributions, sans I/O.
+
+A reducer that takes the plain weighted mean hands any single sender the whole result: one finite
+1e30 contribution, or one claimed weight of 2**40, sets the average. With ``centered-clip`` a
+reducer aggregates each part with CenteredClip (Karimireddy, He and Jaggi, "Learning from History
+for Byzantine Robust Optimization", ICML 2021; used per part by BTARD, Gorbunov et al., "Secure
+Distributed Training at Scale", ICML 2022)::
+
+    v <- v + sum_i w_i * (x_i - v) * min(1, tau / ||x_i - v||) / sum_i w_i
+
+a fixed-point iteration whose every step moves ``v`` by at most ``tau * w_i / sum(w)`` on account
+of sender ``i``, however far away its ``x_i`` lies. A hostile minority can therefore pull the
+result by O(tau * hostile weight share), not more.
+
+Choices the papers leave open, and ours:
+
+- **Start.** The papers start from the last round's result (momentum); a part has no such memory
+  here (shards follow the group), and the mean is no start (1e30 / n away). We start from a point
+  the reducer trusts: its own contribution (a reducer that sends nothing: the coordinate-wise
+  median), unless that lies far out (its radius, below, beyond ``START_SLACK`` times the median
+  of the radii every contribution would give, estimated from one Gram matrix): then from the
+  contribution of smallest radius, which lies within the honest cloud while fewer than half are
+  hostile.
+- **Radius.** ``tau`` is the ``floor(n / 2)``-th smallest distance from that start to the ``n``
+  contributions (its own, at 0, included). While fewer than half are hostile, at least
+  ``floor(n / 2) + 1`` are honest, so from an honest start tau is at most the distance to the
+  farthest honest one: it scales with the honest spread (BTARD's choice of tau follows the
+  honest variance) with no knob to tune per model. In high dimensions honest contributions
+  lie at nearly equal distances from each other and from their mean, so on a clean group almost
+  nothing is clipped and the result is the mean up to the tolerance. Peers that check a reducer
+  (``verification.py``) recompute the radius from the reducer's start, and bound that start.
+- **Iterations.** At most ``MAX_ITERATIONS``, ending once a step moves ``v`` by less than
+  ``TOLERANCE * tau``; from its own contribution a clean group takes 2-3.
+- **Weights.** Claimed weights are clipped to ``MAX_WEIGHT_RATIO`` times the median positive
+  weight of the part's contributors before anything else (``clip_weights``).
+
+Contributions are taken relative to the trusted point, one row each of a workspace, so an iteration is
+two passes over them (distances to ``v`` from ``rows @ v``, then the step); values too large for
+float32 squares (a 1e30 contribution) switch the part to float64, which only hostile inputs need.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+__all__ = [
+    "START_SLACK",
+    "Aggregation",
+    "MAX_ITERATIONS",
+    "MAX_WEIGHT_RATIO",
+    "TOLERANCE",
+    "centered_clip",
+    "clip_radius",
+    "clip_weights",
+    "resolve_aggregation",
+]
+
+# A peer's weight is the samples it accumulated; honest peers of one swarm differ by their speed.
+# 2x the group's median lets a peer that did twice the typical work count double, while a hostile
+# quarter of a group (each claiming the cap) holds at most 2f / (2f + n - f) <= 2/5 of the weight
+# whenever the honest weights are at least the median: under CenteredClip's breakdown point of
+# one half, so the clipped iteration stays anchored to the honest majority.
+MAX_WEIGHT_RATIO = 2.0
+# Bounded work per part: from the reducer's own contribution a clean group converges in 2-3 steps;
+# attackers far away are clipped from the first step on, so the bound only cuts off a slow crawl
+# near the fixed point.
+MAX_ITERATIONS = 20
+# A start is plausible while its radius is within this factor of the members' median radius:
+# honest high-dimensional contributions give radii within a few percent of each other, and a
+# replica that lags (state averaging next to replicas that agree exactly) or a hostile one lies
+# far beyond. From a start far out, tau would be huge and CenteredClip the mean.
+START_SLACK = 4.0
+# A step shorter than this share of tau ends the iteration: far below what any single
+# contribution may move the result by (tau * its weight share).
+TOLERANCE = 1e-4
+
+
+class Aggregation(str, enum.Enum):
+    MEAN = "mean"  # the weighted mean: exact, and at any one sender's mercy
+    CENTERED_CLIP = "centered-clip"  # CenteredClip, weights clipped to the median's ratio
+
+
+def resolve_aggregation(aggregation: Aggregation | str, private: bool) -> Aggregation:
+    """``auto``: centered-clip in public swarms (anyone may join), the exact mean in private ones
+    (every member is known)."""
+    if aggregation == "auto":
+        return Aggregation.MEAN if private else Aggregation.CENTERED_CLIP
+    return Aggregation(aggregation)
+
+
+def clip_weights(weights: list[float], ratio: float = MAX_WEIGHT_RATIO) -> list[float]:
+    """Each weight capped at ``ratio`` times the median positive weight (the lower median: with
+    fewer than half the weights hostile it is at most an honest one)."""
+    positive = sorted(w for w in weights if w > 0)
+    if not positive:
+        return list(weights)
+    cap = ratio * positive[(len(positive) - 1) // 2]
+    return [min(w, cap) for w in weights]
+
+
+def clip_radius(parts: list[torch.Tensor], center: torch.Tensor | None) -> float:
+    """The radius ``centered_clip`` picks for ``parts`` from ``center`` (see the module docstring)."""
+    if len(parts) < 2:
+        return 0.0
+    if center is None:
+        center = torch.stack(parts).median(dim=0).values
+    distances = torch.linalg.vector_norm(torch.stack(parts).double() - center.double(), dim=1)
+    return float(distances.sort().values[len(parts) // 2])
+
+
+def centered_clip(
+    parts: list[torch.Tensor],
+    weights: list[float],
+    out: torch.Tensor,
+    *,
+    center: torch.Tensor | None = None,
+    tau: float | None = None,
+    workspace: torch.Tensor | None = None,
+    choose_start: bool = True,
+) -> tuple[float, int | None]:
+    """Write the CenteredClip aggregate of ``parts`` (1-d float32, all finite, weights positive
+    and already clipped) into ``out``; returns the clipping radius tau (0 for a single part), and
+    the index of the part it started from instead of ``center``, if it did (see "Start").
+
+    ``center``: a contribution this peer trusts (its own); the iteration starts there, and the
+    contributions are taken relative to it (exact distances in float32 even where they are tiny
+    next to the values, as between replicas' parameters). Without one it starts from the
+    coordinate-wise median (a sort: several times the cost). ``tau``: the radius to use instead
+    of choosing one, and ``choose_start=False`` to start at ``center`` whatever it is (to recompute
+    another peer's aggregate). ``workspace``: at least ``len(parts) * numel`` float32 values to
+    work in (else allocated)."""
+    n = len(parts)
+    if n == 0:
+        raise ValueError("nothing to aggregate")
+    if n == 1:
+        out.copy_(parts[0])
+        return 0.0, None
+    numel = parts[0].numel()
+    if workspace is not None and workspace.numel() >= n * numel:
+        rows = workspace[: n * numel].view(n, numel)
+    else:
+        rows = torch.empty(n, numel, dtype=torch.float32)
+    trusted = center is not None
+    if center is None:
+        center = torch.stack(parts, out=rows).median(dim=0).values
+    for row, part in zip(rows, parts, strict=True):
+        torch.sub(part, center, out=row)
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if not torch.isfinite(norms).all():  # beyond float32's squares: only hostile values get here
+        rows = torch.stack([part.double() for part in parts]).sub_(center.double())
+        norms = torch.linalg.vector_norm(rows, dim=1)
+    # The n-long quantities (distances, weights, clip factors) are Python floats: for the small
+    # parts of small models, tensor calls on 8 numbers would cost more than the parts themselves.
+    dist = [float(d) for d in norms.double().tolist()]
+    squares = [d * d for d in dist]
+    if trusted and choose_start and n > 2:
+        radii = start_radii(rows)
+        typical = sorted(radii)[(n - 1) // 2]
+        if sorted(dist)[n // 2] > START_SLACK * typical:  # our own contribution is far out
+            moved_to = min(range(n), key=radii.__getitem__)
+            start = parts[moved_to]
+            tau, _ = centered_clip(parts, weights, out, center=start, tau=tau, workspace=workspace, choose_start=False)
+            return tau, moved_to
+    if tau is None:
+        tau = sorted(dist)[n // 2]
+    total = math.fsum(weights)
+    w = [weight / total for weight in weights]
+    # v, relative to the start, lives in ``out`` (float32) unless the rows had to be float64
+    v = out if rows.dtype == torch.float32 else torch.empty(numel, dtype=rows.dtype)
+    for iteration in range(MAX_ITERATIONS if tau > 0 else 1):
+        scale = [wi if d <= tau else wi * tau / d for wi, d in zip(w, dist, strict=True)]
+        coefficients = torch.tensor(scale, dtype=rows.dtype)
+        if iteration == 0:  # v is 0: the step is the clipped mean of the rows
+            torch.matmul(coefficients.unsqueeze(0), rows, out=v.unsqueeze(0))
+            moved = float(torch.linalg.vector_norm(v))
+        else:
+            step = coefficients @ rows
+            step.sub_(v, alpha=math.fsum(scale))
+            v += step
+            moved = float(torch.linalg.vector_norm(step))
+        if moved <= TOLERANCE * tau:
+            break
+        projections = (rows @ v).double().tolist()
+        v_square = float(torch.linalg.vector_norm(v)) ** 2
+        dist = [math.sqrt(max(0.0, sq - 2 * p + v_square)) for sq, p in zip(squares, projections, strict=True)]
+    if v is out:
+        out.add_(center)
+    else:
+        torch.add(v, center, out=out)
+    return tau, None
+
+
+# The rows that ``start_radii`` samples at most: enough for its estimate to hold within a few
+# percent on high-dimensional contributions, and one small matrix product however large a part.
+RADII_SAMPLE = 1 << 16
+
+
+def start_radii(rows: torch.Tensor, exact: bool = False) -> list[float]:
+    """For each row, the radius ``centered_clip`` would pick starting there: from one Gram matrix
+    of the rows (best taken relative to a trusted one, so that they are small where they are
+    close), over an even sample of ``RADII_SAMPLE`` coordinates unless ``exact``."""
+    n, numel = rows.shape
+    if not exact and numel > RADII_SAMPLE:
+        rows = rows[:, :: -(-numel // RADII_SAMPLE)]
+    gram = (rows @ rows.T).double()
+    if not torch.isfinite(gram).all():
+        rows = rows.double()
+        gram = rows @ rows.T
+    squares = gram.diagonal()
+    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_(min=0).sqrt_()
+    return distances.sort(dim=1).values[:, n // 2].tolist()

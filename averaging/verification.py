@@ -1,0 +1,265 @@
+"""Reducers are checked: a sender recomputes one part of another reducer's shard, sans I/O.
+
+A reducer could answer anything it likes for its shard; robust aggregation (``robust.py``) only
+helps while the reducer runs it. So, in the style of BTARD's verification (Gorbunov et al. 2022),
+in a round that uses CenteredClip each sender, before it uses any reducer's averages, picks at
+random and in private one part of each other reducer's shard (of each with a probability that
+bounds what the checks cost the reducer's uplink, ``reducer_checks.CHECK_SHARE``, on all but
+small vectors) and asks that
+reducer (``avg.check``) for the part's inputs: the contributions it aggregated, the weights they
+claimed, and the clip radius it used. The reducer keeps them from the moment each part is
+aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender
+then
+
+1. finds its own contribution and weight among the inputs, exactly as it sent them;
+2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
+   far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
+   most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
+   (a start far away makes tau huge, CenteredClip the mean, and the start the result);
+3. recomputes CenteredClip over the inputs from that start with that radius, and compares it
+   with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
+   rounds).
+
+Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
+reducer's shard with the sender's own values and puts the reducer on this peer's ban list for
+``BAN_SECONDS``: matchmaking leaves it out of our groups.
+
+Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
+answer and on what this sender itself sent and received. A reducer that returns anything but the
+aggregate of its claimed inputs is caught by whoever checks that part; one that makes its claimed
+inputs fit a false answer must misstate some honest sender's contribution or weight, and that
+sender catches it when it checks that part. A reducer that lies on its whole shard is
+therefore caught in its first round by every sender that checks it (all of them on small
+vectors), and its lie is never used by those; one that lies on a single part of ``P``
+is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
+per reducer checked, one RPC carrying one part's inputs (group size x part size) and one
+CenteredClip of that part; a reducer keeps a copy of its inputs for a few rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peer import PeerID
+from peer.tensors import all_finite
+
+from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
+
+__all__ = [
+    "BAN_SECONDS",
+    "CHECK_METHOD",
+    "CHECK_TIMEOUT",
+    "BanList",
+    "KeptInputs",
+    "PartInputs",
+    "PartCheck",
+]
+
+CHECK_METHOD = "avg.check"
+# Senders check as soon as they have our replies, before our round is over: the check's own
+# deadline after the round leaves slow links room.
+KEEP_SECONDS = 20.0
+# A peer runs one or two averagers (gradients, state), each a round at a time; a round's inputs
+# are about one vector's worth (every sender's part of our shard), so few are kept.
+KEPT_ROUNDS = 2
+# One part's inputs (group size x part size float32, at most 8 x 2 MiB by default) over a slow
+# link, and one CenteredClip of them.
+CHECK_TIMEOUT = 10.0
+# The reducer judges its start on radii estimated from a sample of coordinates, we on exact ones:
+# this margin keeps an honest reducer's borderline choice from looking like a lie.
+START_MARGIN = 1.25
+# Two honest CenteredClips with one radius from different starts end within TOLERANCE * tau of the
+# fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
+# far less than a single contribution may move the aggregate by (tau * its weight share).
+CHECK_TOLERANCE = 0.01
+# Bans are kept per peer we were grouped with: this bounds them against Sybils.
+MAX_BANNED = 4096
+# Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
+# mistake (it crashed while answering) comes back.
+BAN_SECONDS = 600.0
+
+
+@dataclass
+class PartInputs:
+    """What a reducer aggregated for one part: who (in order), their claimed weights, their
+    values (one row each), and the clip radius."""
+
+    senders: list[PeerID]
+    weights: list[float]
+    values: torch.Tensor  # len(senders) x part size, float32
+    tau: float
+    aggregation: Aggregation
+    start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
+
+    def to_message(self) -> tuple[dict[str, Any], memoryview]:
+        body = {
+            "senders": [p.to_bytes() for p in self.senders],
+            "weights": list(self.weights),
+            "tau": self.tau,
+            "aggregation": self.aggregation.value,
+            "start": self.start,
+        }
+        return body, memoryview(self.values.contiguous().numpy()).cast("B")
+
+    @classmethod
+    def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
+        """A check's answer, checked field by field (raises ValueError)."""
+        if not isinstance(body, dict):
+            raise ValueError("a check answer is a map")
+        raw, weights, tau = body.get("senders"), body.get("weights"), body.get("tau")
+        if not (isinstance(raw, list) and isinstance(weights, list) and 0 < len(raw) == len(weights) <= max_senders):
+            raise ValueError("a check answer names its senders and their weights")
+        if not all(isinstance(p, bytes) for p in raw):
+            raise ValueError("malformed sender")
+        senders = [PeerID(p) for p in raw]
+        if len(set(senders)) != len(senders):
+            raise ValueError("a sender named twice")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError("malformed weight")
+        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+            raise ValueError("malformed clip radius")
+        aggregation = Aggregation(body.get("aggregation"))
+        start = body.get("start")
+        if not (start is None or (type(start) is int and 0 <= start < len(senders))):
+            raise ValueError("malformed start")
+        if payload is None or len(payload) != 4 * part_size * len(senders):
+            raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
+        buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
+        values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
+        if not all_finite(values):
+            raise ValueError("non-finite inputs (a reducer refuses those)")
+        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start)
+
+
+class KeptInputs:
+    """A reducer's inputs of its last rounds, part by part, for the senders' checks. A round is
+    registered as it starts, with a function that gives a part's inputs once it is aggregated:
+    a sender may ask as soon as it has our reply for that part, before our round is over."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[bytes, tuple[float, list[PeerID], Callable[[int], PartInputs | None]]] = {}
+
+    def keep(
+        self, group_id: bytes, senders: list[PeerID], inputs: Callable[[int], PartInputs | None], now: float
+    ) -> None:
+        """Register (or, at the end of the round, renew) round ``group_id``'s inputs."""
+        self._expire(now)
+        self._rounds.pop(group_id, None)
+        self._rounds[group_id] = (now + KEEP_SECONDS, senders, inputs)
+        while len(self._rounds) > KEPT_ROUNDS:
+            del self._rounds[next(iter(self._rounds))]
+
+    def answer(self, group_id: Any, index: Any, asker: PeerID, now: float) -> PartInputs:
+        """Part ``index``'s inputs of round ``group_id``, for one of that round's senders."""
+        self._expire(now)
+        kept = self._rounds.get(group_id) if isinstance(group_id, bytes) else None
+        if kept is None:
+            raise ValueError("no inputs kept for that round")
+        _expires, senders, inputs = kept
+        if asker not in senders:
+            raise ValueError("only the round's senders may check it")
+        found = inputs(index) if type(index) is int and index >= 0 else None
+        if found is None:
+            raise ValueError("no such part aggregated")
+        return found
+
+    def _expire(self, now: float) -> None:
+        for group_id in [g for g, (expires, _s, _p) in self._rounds.items() if expires <= now]:
+            del self._rounds[group_id]
+
+
+@dataclass
+class PartCheck:
+    """One sender's check of one part: what it sent (as the reducer decoded it) and with which
+    weight, whom the reply named, and the reply itself; ``verdict`` judges the reducer's answer."""
+
+    me: PeerID
+    reducer: PeerID
+    own: torch.Tensor  # our contribution to the part, as the reducer decoded it
+    weight: float
+    contributors: list[PeerID]  # named in the reply for this part
+    reply: torch.Tensor  # the part's aggregate as we received (decoded) it
+    requantize: Any = None  # values -> values as the reply's codec would round them, if lossy
+
+    def verdict(self, inputs: PartInputs) -> str | None:
+        """Why the reducer lied, or None if its answer holds."""
+        if inputs.aggregation is not Aggregation.CENTERED_CLIP:
+            return f"it aggregates with {inputs.aggregation.value}, not centered-clip"
+        if not set(inputs.senders) <= set(self.contributors):
+            return "its inputs name senders its reply left out"
+        if self.weight > 0:
+            if self.me not in inputs.senders:
+                return "it left our contribution out of its inputs"
+            row = inputs.senders.index(self.me)
+            if inputs.weights[row] != self.weight:
+                return f"it misstated our weight ({inputs.weights[row]!r}, we sent {self.weight!r})"
+            if not torch.equal(inputs.values[row], self.own):
+                return "it misstated our contribution"
+        parts = list(inputs.values.unbind(0))
+        # The reducer starts from its own contribution (the coordinate-wise median if it sent
+        # none), and its radius follows from that start: recompute both exactly as it must have.
+        if inputs.start is not None:
+            start, expected = parts[inputs.start], radius_from(inputs.values, inputs.start)
+        else:
+            start, expected = None, clip_radius(parts, None)
+        if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
+            return f"its clip radius {inputs.tau:.6g} is not the one its inputs give ({expected:.6g})"
+        recomputed = torch.empty_like(self.reply)
+        weights = clip_weights(inputs.weights)
+        centered_clip(parts, weights, recomputed, center=start, tau=inputs.tau, choose_start=False)
+        allowed = CHECK_TOLERANCE * inputs.tau + 1e-5 * float(recomputed.norm()) + 1e-6
+        if self.requantize is not None:
+            rounded = self.requantize(recomputed)
+            allowed += 2 * float((rounded - recomputed).norm())
+        off = float((recomputed - self.reply).norm())
+        if not off <= allowed:
+            return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
+        if inputs.start is not None:  # (the median needs no bound)
+            trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
+            radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+            typical = sorted(radii)[(len(radii) - 1) // 2]
+            if expected > START_MARGIN * START_SLACK * typical:
+                return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
+        return None
+
+
+def radius_from(values: torch.Tensor, row: int) -> float:
+    """The radius ``centered_clip`` picks for the rows of ``values`` starting from row ``row``."""
+    distances = torch.linalg.vector_norm(values - values[row], dim=1)
+    if not torch.isfinite(distances).all():  # beyond float32 (hostile values)
+        rows = values.double()
+        distances = torch.linalg.vector_norm(rows - rows[row], dim=1)
+    return float(distances.sort().values[values.shape[0] // 2])
+
+
+@dataclass
+class BanList:
+    """Peers caught lying, each until its ban expires (monotonic seconds)."""
+
+    until: dict[PeerID, float] = field(default_factory=dict)
+    reasons: dict[PeerID, str] = field(default_factory=dict)
+
+    def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
+        if len(self.until) >= MAX_BANNED and peer not in self.until:  # drop the ban closest to expiry
+            del self.until[min(self.until, key=self.until.__getitem__)]
+        self.until[peer] = time.monotonic() + seconds
+        self.reasons[peer] = reason
+
+    def __contains__(self, peer: object) -> bool:
+        expires = self.until.get(peer)  # type: ignore[call-overload]
+        if expires is None:
+            return False
+        if expires <= time.monotonic():
+            del self.until[peer]  # type: ignore[arg-type]
+            self.reasons.pop(peer, None)  # type: ignore[call-overload]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return sum(1 for peer in list(self.until) if peer in self)

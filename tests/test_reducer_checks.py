@@ -1,0 +1,194 @@
+"""Reducer checks: a reducer that lies about its shard is caught by the senders that check it,
+banned, and left out of their groups; honest reducers pass every check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from averaging.allreduce import AllReduceService
+from averaging.averager import GroupAverager
+from averaging.matchmaking import MatchmakingError
+from averaging.robust import Aggregation, centered_clip, clip_weights
+from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
+from peer import Identity, PeerID
+
+from .hostile_reducers import LyingShard, lying_service
+from .test_allreduce import flat, make_group, random_tensors, run_round
+from .test_matchmaking import open_swarm, step_all
+
+DIM = 1024
+
+
+def ids(count: int) -> list[PeerID]:
+    return [Identity.generate().peer_id for _ in range(count)]
+
+
+def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(len(peers), DIM, generator=generator)
+    values[-1] = 1e30  # a hostile sender: its clipped contribution is part of the honest answer
+    # (the reducer is peers[0], and starts from its own contribution)
+    weights = [1.0] * (len(peers) - 1) + [2.0**40]
+    reply = torch.empty(DIM)
+    tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
+    assert moved_to is None
+    return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0), reply
+
+
+def test_an_honest_answer_holds_and_every_lie_is_named():
+    peers = ids(5)
+    inputs, reply = honest_inputs(peers)
+    me = peers[2]
+    check = PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
+    assert check.verdict(inputs) is None
+    lies = {
+        "reply": PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
+        "our values": PartCheck(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
+        "our weight": PartCheck(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
+        "left out": PartCheck(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
+    }
+    lies["left out"].me = ids(1)[0]
+    for name, lie in lies.items():
+        assert lie.verdict(inputs) is not None, name
+    for tau in (inputs.tau * 10, inputs.tau / 10):  # loosened to the mean, or tightened to its start
+        assert check.verdict(PartInputs(peers, inputs.weights, inputs.values, tau, inputs.aggregation, 0)) is not None
+    # a reducer that starts from a contribution of its own far away: a huge radius, the mean
+    far = inputs.values.clone()
+    far[0] = 1e6
+    weights = inputs.weights
+    parts = list(far.unbind(0))
+    tau, _ = centered_clip(parts, clip_weights(weights), reply, center=far[0], choose_start=False)
+    honest_looking = PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
+    lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0)
+    assert "far" in (honest_looking.verdict(lie) or "")
+    # an honest reducer whose own contribution lies far out (a replica that lags) starts elsewhere
+    tau, moved_to = centered_clip(parts, clip_weights(weights), reply, center=far[0])
+    assert moved_to not in (None, 0)
+    honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to)
+    assert PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
+    mean = PartInputs(peers, inputs.weights, inputs.values, inputs.tau, Aggregation.MEAN, 0)
+    assert "mean" in (check.verdict(mean) or "")
+
+
+def test_kept_inputs_answer_only_the_round_senders_and_expire():
+    peers = ids(3)
+    inputs, _reply = honest_inputs(peers)
+    kept = KeptInputs()
+    kept.keep(b"g" * 16, peers, lambda index: inputs if index == 0 else None, now=0.0)
+    assert kept.answer(b"g" * 16, 0, peers[1], now=1.0) is inputs
+    for group_id, index, asker, now in (
+        (b"g" * 16, 0, ids(1)[0], 1.0),
+        (b"g" * 16, 1, peers[1], 1.0),
+        (b"g" * 16, 0, peers[1], 1e6),
+    ):
+        try:
+            kept.answer(group_id, index, asker, now)
+        except ValueError:
+            continue
+        raise AssertionError("answered what it must not")
+    body, payload = inputs.to_message()
+    parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=3)
+    assert torch.equal(parsed.values, inputs.values) and parsed.senders == peers
+
+
+def test_bans_expire():
+    banned = BanList()
+    peer = ids(1)[0]
+    banned.ban(peer, "lied", seconds=60)
+    assert peer in banned and len(banned) == 1
+    banned.ban(peer, "lied", seconds=-1)
+    assert peer not in banned and len(banned) == 0
+
+
+async def start_with_liar(nursery, count: int, liar: int):
+    from peer import open_peer_host
+
+    from .test_allreduce import Peer
+
+    peers = []
+
+    async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with open_peer_host(Identity.generate()) as host:
+            shard_type = LyingShard if index == liar else None
+            service = AllReduceService(host) if shard_type is None else AllReduceService(host, shard_type=shard_type)
+            task_status.started(Peer(host, service, trio.CancelScope(), None))
+            await trio.sleep_forever()
+
+    for index in range(count):
+        peers.append(await nursery.start(run_peer, index))
+    return peers
+
+
+async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are():
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=3)
+        liar = peers[3].host.peer_id
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        before = [flat(t).clone() for t in tensors]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        shard = [m.peer_id for m in group.reducers].index(liar)
+        start, end = results[0].plan.shard_bounds(shard)
+        for i in range(3):
+            verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
+            assert set(verdicts) == {m.peer_id for m in group.reducers} - {peers[i].host.peer_id}
+            assert all((verdict is not None) == (reducer == liar) for reducer, verdict in verdicts.items()), verdicts
+            assert set(peers[i].service.checks.banned.until) == {liar}
+            # the lie never reached our values: that shard kept them
+            assert "caught" in results[i].local_shards[shard]
+            assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])
+        nursery.cancel_scope.cancel()
+
+
+async def step_each(averagers) -> None:
+    """A step on every averager; a group that did not form is no failure here."""
+
+    async def one(averager) -> None:
+        try:
+            await averager.step()
+        except MatchmakingError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for averager in averagers:
+            nursery.start_soon(one, averager)
+
+
+async def test_a_caught_reducer_is_left_out_of_the_groups_that_caught_it():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        lying_service(nodes[3].host)
+        averagers = [
+            GroupAverager([torch.randn(512)], node, prefix="test", matchmaking_timeout=2.0, aggregation="centered-clip")
+            for node in nodes
+        ]
+        liar = nodes[3].host.peer_id
+        banned = [a._service.checks.banned for a in averagers[:3]]
+        for _round in range(20):
+            await step_each(averagers)
+            if all(liar in b for b in banned):
+                break
+        assert all(liar in b for b in banned)
+        results = {}
+        await step_all(averagers[:3], results)
+        for i in range(3):
+            assert results[i].group.member(liar) is None and len(results[i].group.members) == 3
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("codec", ["float16", "uint8", "blockwise_8bit"])
+async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", codec=codec)
+        for i in range(4):
+            assert results[i].succeeded
+            assert len(results[i].reducer_checks) == 3
+            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        nursery.cancel_scope.cancel()
