@@ -19,6 +19,10 @@ first ``step()`` after the round is done: parameters are one epoch stale for a w
 communication hides behind computation instead of stalling it. At most one round is in flight: if
 the next epoch is ready first, ``step()`` waits for it. The epoch counts as done when the round
 starts, so the swarm's progress moves on at once.
+
+With a ``background`` nursery (or ``delay_updates``'s) a peer forms its group for the epoch's
+round while it still accumulates, once the swarm is predicted to reach the target within the time
+matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Any
 import torch
 import trio
 
-from .averager import GroupAverager
+from .averager import FormedGroup, GroupAverager
+from .match_ahead import MatchAhead
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
 from .replica import (
@@ -61,6 +66,7 @@ class _DelayedRound:
 
     epoch: int
     weight: float
+    group: FormedGroup | None  # formed ahead of the step, if it was
     record: AveragingRecord | None = None
     done: trio.Event = field(default_factory=trio.Event)  # averaged: its step may land
     exited: trio.Event = field(default_factory=trio.Event)  # the task is over, however it ended
@@ -90,6 +96,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         progress_interval: float = 0.25,
         load_state_timeout: float = 30.0,
         delay_updates: trio.Nursery | None = None,
+        background: trio.Nursery | None = None,
     ):
         self.optimizer = optimizer
         self.dht = dht
@@ -128,6 +135,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
         self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging, target_batch_size)
+        nursery = background if background is not None else delay_updates
+        self.match_ahead = (
+            None if nursery is None else MatchAhead(self.grad_averager, nursery, refresh_interval=progress_interval)
+        )
         self.replica.state.epoch_of = self._served_epoch
         self.local_samples = 0
         self._last_fetch = -float("inf")
@@ -174,6 +185,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return False
         self._first_step = False
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
+            if self.match_ahead is not None:
+                self.match_ahead.consider(view, replica.epoch, self.target_batch_size)
             return False
         if self.delay_updates is not None:
             await self._launch_delayed()
@@ -189,6 +202,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
         replica = self.replica
+        if self.match_ahead is not None:  # a group for an epoch we are leaving
+            await self.match_ahead.cancel()
         if self._in_flight is not None:  # its step was computed for parameters we are replacing
             in_flight, self._in_flight = self._in_flight, None
             in_flight.scope.cancel()
@@ -277,6 +292,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             epoch=replica.epoch,
             weight=float(self.local_samples),
             fallback="stepping on local gradients",
+            group=await self._group_formed_ahead(),
         )
         async with replica.state.locked_tensors():  # a donor never sends half a step
             await trio.to_thread.run_sync(self._apply_gradients)
@@ -296,7 +312,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         samples = max(self.local_samples, 1)
         for averaged, accumulator in zip(self._averaged, self.gradients, strict=True):
             torch.div(accumulator, samples, out=averaged)
-        in_flight = _DelayedRound(replica.epoch, float(self.local_samples))
+        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), await self._group_formed_ahead())
         self._in_flight = in_flight
         replica.count_round(None)  # provisional: a group one epoch ahead moves us once more on landing
         self._reset_accumulators()
@@ -313,6 +329,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                     epoch=in_flight.epoch,
                     weight=in_flight.weight,
                     fallback="stepping on local gradients",
+                    group=in_flight.group,
                 )
                 in_flight.done.set()
         finally:
@@ -330,6 +347,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
+
+    async def _group_formed_ahead(self) -> FormedGroup | None:
+        """The group formed for this epoch's round while it accumulated, if one was."""
+        return None if self.match_ahead is None else await self.match_ahead.take(self.replica.epoch)
 
     def _served_epoch(self) -> int:
         """The epoch our parameters belong to, as donors tell newcomers: while a delayed round is in

@@ -19,7 +19,7 @@ import torch
 from peer import PeerID
 
 from .allreduce import AllReduceError
-from .averager import GroupAverager
+from .averager import FormedGroup, GroupAverager
 from .group import is_counter
 from .matchmaking import MatchmakingError
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
@@ -87,16 +87,19 @@ def averaging_options(
     }
 
 
-async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fallback: str) -> AveragingRecord:
+async def average_once(
+    averager: GroupAverager, *, epoch: int, weight: float, fallback: str, group: FormedGroup | None = None
+) -> AveragingRecord:
     """Average the averager's tensors with a group, or leave them this peer's own and say so
     (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
     keeps training, so nothing raises out of here but cancellation.
 
     The round is declared at ``epoch``; matchmaking moves it to the newest epoch declared in the
-    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was."""
+    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was.
+    ``group``: one formed ahead of the step for ``epoch`` (``match_ahead.py``), averaged with at once."""
     averager.round = epoch
     try:
-        result = await averager.step(weight=weight)
+        result = await averager.step(weight=weight, group=group)
     except Exception as error:
         if not isinstance(error, (MatchmakingError, AllReduceError)):
             log.exception("unexpected failure while averaging")

@@ -224,6 +224,7 @@ class Daemon:
                     prefix=prefix,
                     target_batch_size=config.target_batch_size or task.target_batch_size,
                     delay_updates=background if config.delay_updates else None,
+                    background=background,  # where the next epoch's group forms ahead of the step
                     **codec,
                 )
             self.trainer = Trainer(task, optimizer)
