@@ -57,7 +57,8 @@ def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lea
 
 @dataclass
 class _Pending:
-    epoch: int
+    key: int  # the epoch of the step that will use the group
+    round: int | None
     started: float
     formed: FormedGroup | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -83,26 +84,25 @@ class MatchAhead:
         measured = LEAD_MARGIN * self.last_formation_s if self.last_formation_s is not None else 0.0
         return min(max(self.base_lead, measured), MAX_LEAD)
 
-    def consider(self, view: SwarmProgress, epoch: int, target_batch_size: int) -> None:
-        """Start matchmaking for ``epoch`` if it is due and not started yet."""
+    def start(self, key: int, round_number: int | None = None) -> None:
+        """Start forming the group for the round the step at epoch ``key`` will average in (declared
+        at ``round_number``; None: the averager's own round), unless that is under way already."""
         pending = self._pending
-        if pending is not None and pending.epoch == epoch:
-            return
-        if not matchmaking_due(view, epoch, target_batch_size, self.lead):
+        if pending is not None and pending.key == key:
             return
         if pending is not None:  # for an epoch we left: its group is of no use
             pending.scope.cancel()
-        self._pending = _Pending(epoch, trio.current_time())
+        self._pending = _Pending(key, round_number, trio.current_time())
         self.nursery.start_soon(self._match, self._pending)
 
-    async def take(self, epoch: int) -> FormedGroup | None:
-        """The group formed ahead for ``epoch`` (waiting while it forms), or None: none was looked
-        for, matchmaking failed, or it was for another epoch."""
+    async def take(self, key: int) -> FormedGroup | None:
+        """The group formed ahead for the step at epoch ``key`` (waiting while it forms), or None:
+        none was looked for, matchmaking failed, or it was for another epoch."""
         pending, self._pending = self._pending, None
         self.last_wait_s = 0.0
         if pending is None:
             return None
-        if pending.epoch != epoch:
+        if pending.key != key:
             pending.scope.cancel()
             await pending.exited.wait()
             return None
@@ -121,9 +121,9 @@ class MatchAhead:
     async def _match(self, pending: _Pending) -> None:
         try:
             with pending.scope:
-                pending.formed = await self.averager.find_group(pending.epoch)
+                pending.formed = await self.averager.find_group(pending.round)
                 self.last_formation_s = pending.formed.formed_at - pending.started
         except Exception as error:  # a background task: whatever failed, the step matches itself
-            log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.epoch, error)
+            log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.key, error)
         finally:
             pending.exited.set()

@@ -36,7 +36,7 @@ import torch
 import trio
 
 from .averager import FormedGroup, GroupAverager
-from .match_ahead import MatchAhead
+from .match_ahead import MatchAhead, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
 from .replica import (
@@ -135,10 +135,14 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
         self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging, target_batch_size)
+        # Groups formed while the epoch accumulates: the gradients' round, and the state's when the
+        # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
-        self.match_ahead = (
-            None if nursery is None else MatchAhead(self.grad_averager, nursery, refresh_interval=progress_interval)
-        )
+        self.match_ahead: MatchAhead | None = None
+        self.state_ahead: MatchAhead | None = None
+        if nursery is not None:
+            self.match_ahead = MatchAhead(self.grad_averager, nursery, refresh_interval=progress_interval)
+            self.state_ahead = MatchAhead(self.replica.state, nursery, refresh_interval=progress_interval)
         self.replica.state.epoch_of = self._served_epoch
         self.local_samples = 0
         self._last_fetch = -float("inf")
@@ -185,8 +189,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return False
         self._first_step = False
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
-            if self.match_ahead is not None:
-                self.match_ahead.consider(view, replica.epoch, self.target_batch_size)
+            self._match_ahead(view)
             return False
         if self.delay_updates is not None:
             await self._launch_delayed()
@@ -202,8 +205,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
         replica = self.replica
-        if self.match_ahead is not None:  # a group for an epoch we are leaving
-            await self.match_ahead.cancel()
+        for ahead in (self.match_ahead, self.state_ahead):  # groups for an epoch we are leaving
+            if ahead is not None:
+                await ahead.cancel()
         if self._in_flight is not None:  # its step was computed for parameters we are replacing
             in_flight, self._in_flight = self._in_flight, None
             in_flight.scope.cancel()
@@ -348,6 +352,18 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
 
+    def _match_ahead(self, view: SwarmProgress) -> None:
+        """Start forming this epoch's groups once the swarm is predicted to end it within the time
+        that takes."""
+        if self.match_ahead is None or self.state_ahead is None:
+            return
+        epoch = self.replica.epoch
+        if not matchmaking_due(view, epoch, self.target_batch_size, self.match_ahead.lead):
+            return
+        self.match_ahead.start(epoch, round_number=epoch)
+        if self.average_state_every and (epoch + 1) % self.average_state_every == 0:
+            self.state_ahead.start(epoch + 1)  # _after_step averages the state at the next epoch
+
     async def _group_formed_ahead(self) -> FormedGroup | None:
         """The group formed for this epoch's round while it accumulated, if one was."""
         return None if self.match_ahead is None else await self.match_ahead.take(self.replica.epoch)
@@ -369,7 +385,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await replica.publish(self.local_samples)
         await replica.announce_state()
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
-            if await average_state(replica.state, replica.epoch):
+            group = None if self.state_ahead is None else await self.state_ahead.take(replica.epoch)
+            if await average_state(replica.state, replica.epoch, group=group):
                 await self._sanitize_state()
 
     def _apply_gradients(self) -> None:

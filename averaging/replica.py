@@ -113,11 +113,11 @@ async def average_once(
     )
 
 
-async def average_state(averager: GroupAverager, epoch: int) -> bool:
-    """One periodic round of state averaging; False if no group formed or the round failed (it
-    only pulls replicas together, so the next period will do)."""
+async def average_state(averager: GroupAverager, epoch: int, group: FormedGroup | None = None) -> bool:
+    """One periodic round of state averaging (in ``group`` if one formed ahead); False if no group
+    formed or the round failed (it only pulls replicas together, so the next period will do)."""
     try:
-        await averager.step()
+        await averager.step(group=group)
     except (MatchmakingError, AllReduceError) as error:
         log.info("state averaging skipped at epoch %d: %s", epoch, error)
         return False

@@ -122,12 +122,13 @@ class Line(torch.nn.Module):
 async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matchmaking():
     """Batches that take 20 ms (a model's compute, simulated), epochs of about 2 s, a settle time of
     0.4 s: the group forms while the epoch accumulates, so between the swarm reaching the target
-    and the all-reduce starting there is next to nothing, not a settle time and a DHT round."""
+    and the all-reduce starting there is next to nothing, not a settle time and a DHT round; the
+    same for the state's round every ``average_state_every`` epochs."""
     settle = 0.4
     async with trio.open_nursery() as nursery:
         nodes, _ = await open_swarm(nursery, 3)
         target = torch.arange(8, dtype=torch.float32)
-        waits, groups = [], []
+        waits, groups, state_waits = [], [], []
 
         async def train(node, seed):
             model = Line()
@@ -141,7 +142,7 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
                 matchmaking_timeout=3.0,
                 averaging_timeout=6.0,
                 progress_interval=0.1,
-                average_state_every=0,
+                average_state_every=2,
                 background=nursery,
             )
             generator = torch.Generator().manual_seed(seed)
@@ -155,6 +156,9 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
                     if optimizer.epoch > 1 and timing is not None:  # the first epoch had no rate to predict from
                         waits.append(optimizer.match_ahead.last_wait_s + timing.matchmaking_s)
                         groups.append(optimizer.last_averaging["group"])
+                    state_timing = optimizer.state_averager.last_timing
+                    if optimizer.epoch % 2 == 0 and state_timing is not None:  # the state averaged too
+                        state_waits.append(optimizer.state_ahead.last_wait_s + state_timing.matchmaking_s)
             return model
 
         with trio.fail_after(60):
@@ -163,4 +167,5 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
                     peers.start_soon(train, node, i)
         assert groups and all(size == 3 for size in groups), groups
         assert statistics.median(waits) < settle / 4, waits
+        assert len(state_waits) == 6 and statistics.median(state_waits) < settle / 4, state_waits
         nursery.cancel_scope.cancel()
