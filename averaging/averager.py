@@ -132,10 +132,14 @@ class GroupAverager:
         address = None if self.mode is AveragingMode.CLIENT else self.host.listen_address
         return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
 
-    async def find_group(self, round_number: int | None = None, timeout: float | None = None) -> FormedGroup:
+    async def find_group(
+        self, round_number: int | None = None, timeout: float | None = None, hold_open: trio.Event | None = None
+    ) -> FormedGroup:
         """Matchmaking alone: find a group for ``round_number`` (default: ``self.round``) without
         averaging yet; ``step(group=...)`` runs its all-reduce later. Raises MatchmakingError if
-        no group formed within ``timeout`` (default: ``matchmaking_timeout``)."""
+        no group formed within ``timeout`` (default: ``matchmaking_timeout``). ``hold_open``: as
+        a leader, keep admitting latecomers until the group is full or the event is set
+        (``Matchmaker.form_group``)."""
         declaration = self._declaration()
         if round_number is not None:
             declaration = dataclasses.replace(declaration, round=round_number)
@@ -146,6 +150,7 @@ class GroupAverager:
                 min_group_size=self.min_group_size,
                 timeout=timeout if timeout is not None else self.matchmaking_timeout,
                 settle_time=self.settle_time,
+                hold_open=hold_open,
             )
             formed = FormedGroup(group, self._matchmaker.last_round, trio.current_time())
         log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))

@@ -11,6 +11,9 @@ costs nothing but an older group (one that a member may have left by the step).
 
 What can happen to a group formed ahead, and what the step does:
 
+* a peer starts matching a little after the others (it saw the swarm's progress later): a leader
+  matching ahead keeps admitting latecomers until its group is full or its own step comes, so
+  one that declared after the leader read the declarations still joins;
 * our epoch ends before the group formed: the step waits for it, bounded by the matchmaking
   deadline (still less than starting matchmaking then);
 * a member's epoch ends later than ours: peers see the target reached within a progress refresh
@@ -61,6 +64,7 @@ class _Pending:
     round: int | None
     started: float
     formed: FormedGroup | None = None
+    due: trio.Event = field(default_factory=trio.Event)  # the step came: stop waiting for latecomers
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     exited: trio.Event = field(default_factory=trio.Event)
 
@@ -107,6 +111,7 @@ class MatchAhead:
             await pending.exited.wait()
             return None
         began = trio.current_time()
+        pending.due.set()
         await pending.exited.wait()  # bounded: matchmaking gives up at its own deadline
         self.last_wait_s = trio.current_time() - began
         return pending.formed
@@ -121,7 +126,7 @@ class MatchAhead:
     async def _match(self, pending: _Pending) -> None:
         try:
             with pending.scope:
-                pending.formed = await self.averager.find_group(pending.round)
+                pending.formed = await self.averager.find_group(pending.round, hold_open=pending.due)
                 self.last_formation_s = pending.formed.formed_at - pending.started
         except Exception as error:  # a background task: whatever failed, the step matches itself
             log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.key, error)

@@ -34,9 +34,9 @@ async def open_swarm(nursery, count: int):
     return nodes, scopes
 
 
-def make_averagers(nodes, values, size=3000):
+def make_averagers(nodes, values, size=3000, **extra):
     options = {"prefix": "ahead", "matchmaking_timeout": 4.0, "sender_timeout": 3.0, "reducer_timeout": 5.0}
-    options["target_group_size"] = len(nodes)
+    options.update(target_group_size=len(nodes), **extra)
     pairs = zip(nodes, values, strict=True)
     return [GroupAverager([torch.full((size,), float(v))], node, **options) for node, v in pairs]
 
@@ -110,6 +110,30 @@ async def test_a_member_that_left_after_the_group_formed_is_dropped_and_the_rest
             values = set(averagers[i].tensors[0].tolist())
             # the shards the live members reduced hold their mean; the leaver's kept local values
             assert 2.0 in values and values <= {2.0, [1.0, 3.0][i]}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_leader_matching_ahead_admits_a_peer_that_declared_after_it_read_the_declarations():
+    """Two peers start matching; the third (not the one that would lead) declares once they have
+    read the declarations without it. Held open, the leader takes it in when it asks, and the
+    group is whole; without holding it open the first two would have formed a pair."""
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        nodes.sort(key=lambda node: node.host.peer_id.to_bytes())  # the last one never leads
+        averagers = make_averagers(nodes, [1.0, 2.0, 3.0], settle_time=0.1)
+        due = trio.Event()
+        formed = {}
+
+        async def match(i, delay):
+            await trio.sleep(delay)  # this peer saw the swarm's progress later than the others
+            formed[i] = await averagers[i].find_group(2, hold_open=due)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as matching:
+                for i, delay in enumerate([0.0, 0.0, 0.6]):
+                    matching.start_soon(match, i, delay)
+        assert {len(f.group.members) for f in formed.values()} == {3}
+        assert len({f.group.group_id for f in formed.values()}) == 1
         nursery.cancel_scope.cancel()
 
 
