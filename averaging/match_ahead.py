@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .averager import FormedGroup, GroupAverager
+from .matchmaking import MAX_SETTLE
 from .progress import SwarmProgress
 
 __all__ = ["MatchAhead", "matchmaking_due"]
@@ -40,13 +41,10 @@ __all__ = ["MatchAhead", "matchmaking_due"]
 log = logging.getLogger("peerd.training")
 
 # What a group formation takes beyond the settle time and a progress refresh: a DHT read and the
-# joins, a few round trips (well under a second on the WANs peers train over).
+# joins, a few round trips (well under a second on the WANs peers train over). Formation times
+# are not measured to set the lead: a leader held open until its step (``hold_open``) would measure
+# the lead itself, and every epoch would start matchmaking earlier than the last.
 JOIN_ALLOWANCE = 0.5
-# The lead follows the formation times measured here (the last one, times this margin), so a
-# slower DHT moves matchmaking earlier; never further than this, so one slow round (a leader that
-# waited for a member that never came) does not make every later group minutes old.
-LEAD_MARGIN = 1.5
-MAX_LEAD = 30.0
 
 
 def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lead: float) -> bool:
@@ -62,7 +60,6 @@ def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lea
 class _Pending:
     key: int  # the epoch of the step that will use the group
     round: int | None
-    started: float
     formed: FormedGroup | None = None
     due: trio.Event = field(default_factory=trio.Event)  # the step came: stop waiting for latecomers
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -76,17 +73,11 @@ class MatchAhead:
     def __init__(self, averager: GroupAverager, nursery: trio.Nursery, *, refresh_interval: float):
         self.averager = averager
         self.nursery = nursery
-        settle = averager.settle_time if averager.settle_time is not None else 0.5
-        self.base_lead = settle + refresh_interval + JOIN_ALLOWANCE
-        self.last_formation_s: float | None = None
+        settle = averager.settle_time if averager.settle_time is not None else MAX_SETTLE
+        # how long before the predicted end of the epoch matchmaking starts
+        self.lead = settle + refresh_interval + JOIN_ALLOWANCE
         self.last_wait_s = 0.0  # how long the last step waited for its group once its epoch ended
         self._pending: _Pending | None = None
-
-    @property
-    def lead(self) -> float:
-        """How long before the predicted end of the epoch matchmaking starts."""
-        measured = LEAD_MARGIN * self.last_formation_s if self.last_formation_s is not None else 0.0
-        return min(max(self.base_lead, measured), MAX_LEAD)
 
     def start(self, key: int, round_number: int | None = None) -> None:
         """Start forming the group for the round the step at epoch ``key`` will average in (declared
@@ -96,7 +87,7 @@ class MatchAhead:
             return
         if pending is not None:  # for an epoch we left: its group is of no use
             pending.scope.cancel()
-        self._pending = _Pending(key, round_number, trio.current_time())
+        self._pending = _Pending(key, round_number)
         self.nursery.start_soon(self._match, self._pending)
 
     async def take(self, key: int) -> FormedGroup | None:
@@ -127,7 +118,6 @@ class MatchAhead:
         try:
             with pending.scope:
                 pending.formed = await self.averager.find_group(pending.round, hold_open=pending.due)
-                self.last_formation_s = pending.formed.formed_at - pending.started
         except Exception as error:  # a background task: whatever failed, the step matches itself
             log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.key, error)
         finally:
