@@ -6,6 +6,7 @@ synchronous ``Averager`` in ``averaging/facade.py`` wraps it for plain scripts.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -19,14 +20,14 @@ import trio
 from peer import PeerHost
 
 from .allreduce import AllReduceResult, AllReduceService
-from .group import MAX_BANDWIDTH, AveragingMode, is_counter
+from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
 from .partition import DEFAULT_PART_SIZE
 from .robust import Aggregation, resolve_aggregation
 from .state_sharing import StateSharing
 
-__all__ = ["GroupAverager", "RoundTiming", "tensor_schema", "MatchmakingError"]
+__all__ = ["FormedGroup", "GroupAverager", "RoundTiming", "tensor_schema", "MatchmakingError"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -41,6 +42,16 @@ class RoundTiming:
 
     matchmaking_s: float
     allreduce_s: float
+
+
+@dataclass(frozen=True)
+class FormedGroup:
+    """A group that matchmaking agreed on, before its all-reduce: ``round`` is the round it formed
+    in (the one declared, or the next if the group had caught up to it), ``formed_at`` when."""
+
+    group: GroupInfo
+    round: int
+    formed_at: float
 
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
@@ -109,6 +120,9 @@ class GroupAverager:
         # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
         # synchronous facade can acquire and release it from two different loop tasks.
         self._lock = trio.Semaphore(1, max_value=1)
+        # One matchmaking at a time (the matchmaker serves one gathering): a group looked for ahead
+        # of the step (``find_group``) may be forming while the previous round's all-reduce runs.
+        self._matching = trio.Lock()
         self.state_sharing = StateSharing(self.host, dht, prefix, self)
 
     @property
@@ -124,27 +138,48 @@ class GroupAverager:
         address = None if self.mode is AveragingMode.CLIENT else self.host.public_address
         return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
 
-    async def step(self, weight: float = 1.0, timeout: float | None = None) -> AllReduceResult:
-        """Find a group and average with it. Raises MatchmakingError if no group formed in time.
-
-        ``timeout`` bounds matchmaking (default: ``matchmaking_timeout``); the all-reduce itself is
-        bounded by deadlines that follow each peer's progress (``allreduce.py``), capped by
-        ``sender_timeout`` and ``reducer_timeout`` where they are set.
-        """
-        async with self._lock:
-            started = trio.current_time()
+    async def find_group(
+        self, round_number: int | None = None, timeout: float | None = None, hold_open: trio.Event | None = None
+    ) -> FormedGroup:
+        """Matchmaking alone: find a group for ``round_number`` (default: ``self.round``) without
+        averaging yet; ``step(group=...)`` runs its all-reduce later. Raises MatchmakingError if
+        no group formed within ``timeout`` (default: ``matchmaking_timeout``). ``hold_open``: as
+        a leader, keep admitting latecomers until the group is full or the event is set
+        (``Matchmaker.form_group``)."""
+        declaration = self._declaration()
+        if round_number is not None:
+            declaration = dataclasses.replace(declaration, round=round_number)
+        async with self._matching:
             group = await self._matchmaker.form_group(
-                self._declaration(),
+                declaration,
                 target_group_size=self.target_group_size,
                 min_group_size=self.min_group_size,
                 timeout=timeout if timeout is not None else self.matchmaking_timeout,
                 settle_time=self.settle_time,
+                hold_open=hold_open,
             )
-            self.round = self._matchmaker.last_round + 1
-            log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))
-            formed = trio.current_time()
+            formed = FormedGroup(group, self._matchmaker.last_round, trio.current_time())
+        log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))
+        return formed
+
+    async def step(
+        self, weight: float = 1.0, timeout: float | None = None, group: FormedGroup | None = None
+    ) -> AllReduceResult:
+        """Find a group and average with it. Raises MatchmakingError if no group formed in time.
+
+        ``timeout`` bounds matchmaking (default: ``matchmaking_timeout``); the all-reduce itself is
+        bounded by deadlines that follow each peer's progress (``allreduce.py``), capped by
+        ``sender_timeout`` and ``reducer_timeout`` where they are set. ``group``: one that
+        ``find_group`` formed ahead of time, to average with at once instead of matching now.
+        """
+        async with self._lock:
+            started = trio.current_time()
+            if group is None:
+                group = await self.find_group(self.round, timeout)
+            self.round = group.round + 1
+            formed = max(started, group.formed_at)
             result = await self._service.run(
-                group,
+                group.group,
                 self.tensors,
                 weight=weight,
                 codec=self.codec,
@@ -156,7 +191,7 @@ class GroupAverager:
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:
-                log.info("round done with %d peers", len(group.members))
+                log.info("round done with %d peers", len(group.group.members))
             self.link_speed.update(result.link_rate)
             self.last_result = result
             self.last_timing = RoundTiming(formed - started, trio.current_time() - formed)

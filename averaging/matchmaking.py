@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import trio
@@ -140,8 +140,21 @@ class _Gathering:
         return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
 
     @property
+    def full(self) -> bool:
+        return len(self.joined) + 1 >= self.target
+
+    @property
     def complete(self) -> bool:
-        return self.expected <= set(self.joined) or len(self.joined) + 1 >= self.target
+        return self.expected <= set(self.joined) or self.full
+
+    def changed_when(self, event: trio.Event) -> Callable[[], Awaitable[None]]:
+        """A task that wakes the leader once ``event`` is set."""
+
+        async def wake() -> None:
+            await event.wait()
+            self._changed()
+
+        return wake
 
 
 class Matchmaker:
@@ -205,11 +218,15 @@ class Matchmaker:
         min_group_size: int,
         timeout: float,
         settle_time: float | None = None,
+        hold_open: trio.Event | None = None,
     ) -> GroupInfo:
         """Declare, agree on a group and return it; raises MatchmakingError after ``timeout``.
 
         ``settle_time`` is how long to let declarations spread before reading them (default: a
-        quarter of the timeout, at most MAX_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty)."""
+        quarter of the timeout, at most MAX_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty).
+        ``hold_open``: matching ahead of the round, a leader whose expected members all joined
+        keeps admitting latecomers (peers that declared after it read the declarations) until the
+        group is full or the event is set (the round is due), within its followers' patience."""
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
         deadline = trio.current_time() + timeout
@@ -248,7 +265,7 @@ class Matchmaker:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 try:
                     if proposal.leader == me.peer_id.to_bytes():
-                        group = await self._lead(me, expected, target_group_size, min_group_size, deadline)
+                        group = await self._lead(me, expected, target_group_size, min_group_size, deadline, hold_open)
                     else:
                         group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
                     if own_round:
@@ -288,18 +305,29 @@ class Matchmaker:
         return candidates
 
     async def _lead(
-        self, me: Declaration, expected: set[PeerID], target: int, min_size: int, deadline: float
+        self,
+        me: Declaration,
+        expected: set[PeerID],
+        target: int,
+        min_size: int,
+        deadline: float,
+        hold_open: trio.Event | None = None,
     ) -> GroupInfo:
         gathering = _Gathering(me, expected, target)
         self._gathering = gathering
         try:
-            # Wait for the expected members, but not for the whole deadline: leave the followers
-            # time to receive the answer and the all-reduce time to start.
-            while not gathering.complete:
-                with trio.move_on_at(min(deadline - ANSWER_MARGIN, gathering.answer_by)) as scope:
-                    await gathering.changed.wait()
-                if scope.cancelled_caught:
-                    break
+            async with trio.open_nursery() as waking:
+                if hold_open is not None:
+                    waking.start_soon(gathering.changed_when(hold_open))
+                # Wait for the expected members (and, held open, for latecomers), but not for the
+                # whole deadline: leave the followers time to receive the answer and the all-reduce
+                # time to start.
+                while not (gathering.full or (gathering.complete and (hold_open is None or hold_open.is_set()))):
+                    with trio.move_on_at(min(deadline - ANSWER_MARGIN, gathering.answer_by)) as scope:
+                        await gathering.changed.wait()
+                    if scope.cancelled_caught:
+                        break
+                waking.cancel_scope.cancel()
             members = [me, *sorted(gathering.joined.values(), key=lambda d: d.peer_id.to_bytes())]
             if len(members) < min_size:
                 raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size})")

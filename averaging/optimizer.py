@@ -19,6 +19,10 @@ first ``step()`` after the round is done: parameters are one epoch stale for a w
 communication hides behind computation instead of stalling it. At most one round is in flight: if
 the next epoch is ready first, ``step()`` waits for it. The epoch counts as done when the round
 starts, so the swarm's progress moves on at once.
+
+With a ``background`` nursery (or ``delay_updates``'s) a peer forms its group for the epoch's
+round while it still accumulates, once the swarm is predicted to reach the target within the time
+matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from typing import Any
 import torch
 import trio
 
-from .averager import GroupAverager
+from .averager import FormedGroup, GroupAverager
+from .match_ahead import MatchAhead, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
 from .replica import (
@@ -61,6 +66,7 @@ class _DelayedRound:
 
     epoch: int
     weight: float
+    group: FormedGroup | None  # formed ahead of the step, if it was
     record: AveragingRecord | None = None
     done: trio.Event = field(default_factory=trio.Event)  # averaged: its step may land
     exited: trio.Event = field(default_factory=trio.Event)  # the task is over, however it ended
@@ -91,6 +97,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         progress_interval: float = 0.25,
         load_state_timeout: float = 30.0,
         delay_updates: trio.Nursery | None = None,
+        background: trio.Nursery | None = None,
     ):
         self.optimizer = optimizer
         self.dht = dht
@@ -130,6 +137,14 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # the start and a newcomer has somewhere to load a donor's state into.
         self.optimizer_state = state_tensors(optimizer) if materialize_state(optimizer) else []
         self.replica = Replica(dht, prefix, self.params + self.optimizer_state, averaging, target_batch_size)
+        # Groups formed while the epoch accumulates: the gradients' round, and the state's when the
+        # step ends a state-averaging period.
+        nursery = background if background is not None else delay_updates
+        self.match_ahead: MatchAhead | None = None
+        self.state_ahead: MatchAhead | None = None
+        if nursery is not None:
+            self.match_ahead = MatchAhead(self.grad_averager, nursery, refresh_interval=progress_interval)
+            self.state_ahead = MatchAhead(self.replica.state, nursery, refresh_interval=progress_interval)
         self.replica.state.epoch_of = self._served_epoch
         self.local_samples = 0
         self._last_fetch = -float("inf")
@@ -176,6 +191,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return False
         self._first_step = False
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
+            self._match_ahead(view)
             return False
         if self.delay_updates is not None:
             await self._launch_delayed()
@@ -191,6 +207,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         If no peer can send its state, move to the swarm's epoch with our own parameters: the
         next parameter averaging pulls them toward the swarm's, and training goes on."""
         replica = self.replica
+        for ahead in (self.match_ahead, self.state_ahead):  # groups for an epoch we are leaving
+            if ahead is not None:
+                await ahead.cancel()
         if self._in_flight is not None:  # its step was computed for parameters we are replacing
             in_flight, self._in_flight = self._in_flight, None
             in_flight.scope.cancel()
@@ -279,6 +298,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             epoch=replica.epoch,
             weight=float(self.local_samples),
             fallback="stepping on local gradients",
+            group=await self._group_formed_ahead(),
         )
         async with replica.state.locked_tensors():  # a donor never sends half a step
             await trio.to_thread.run_sync(self._apply_gradients)
@@ -298,7 +318,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         samples = max(self.local_samples, 1)
         for averaged, accumulator in zip(self._averaged, self.gradients, strict=True):
             torch.div(accumulator, samples, out=averaged)
-        in_flight = _DelayedRound(replica.epoch, float(self.local_samples))
+        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), await self._group_formed_ahead())
         self._in_flight = in_flight
         replica.count_round(None)  # provisional: a group one epoch ahead moves us once more on landing
         self._reset_accumulators()
@@ -315,6 +335,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                     epoch=in_flight.epoch,
                     weight=in_flight.weight,
                     fallback="stepping on local gradients",
+                    group=in_flight.group,
                 )
                 in_flight.done.set()
         finally:
@@ -333,6 +354,22 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
 
+    def _match_ahead(self, view: SwarmProgress) -> None:
+        """Start forming this epoch's groups once the swarm is predicted to end it within the time
+        that takes."""
+        if self.match_ahead is None or self.state_ahead is None:
+            return
+        epoch = self.replica.epoch
+        if not matchmaking_due(view, epoch, self.target_batch_size, self.match_ahead.lead):
+            return
+        self.match_ahead.start(epoch, round_number=epoch)
+        if self.average_state_every and (epoch + 1) % self.average_state_every == 0:
+            self.state_ahead.start(epoch + 1)  # _after_step averages the state at the next epoch
+
+    async def _group_formed_ahead(self) -> FormedGroup | None:
+        """The group formed for this epoch's round while it accumulated, if one was."""
+        return None if self.match_ahead is None else await self.match_ahead.take(self.replica.epoch)
+
     def _served_epoch(self) -> int:
         """The epoch our parameters belong to, as donors tell newcomers: while a delayed round is in
         flight the epoch already counts as done but its step has not landed, so one less."""
@@ -350,7 +387,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await replica.publish(self.local_samples)
         await replica.announce_state()
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
-            if await average_state(replica.state, replica.epoch):
+            group = None if self.state_ahead is None else await self.state_ahead.take(replica.epoch)
+            if await average_state(replica.state, replica.epoch, group=group):
                 await self._sanitize_state()
 
     def _apply_gradients(self) -> None:

@@ -21,7 +21,7 @@ import trio
 from peer import PeerID
 
 from .allreduce import AllReduceError
-from .averager import GroupAverager
+from .averager import FormedGroup, GroupAverager
 from .group import is_counter
 from .matchmaking import LeaderFailed, MatchmakingError, NoOtherPeers
 from .progress import PeerProgress, ProgressTracker, SwarmProgress
@@ -111,20 +111,23 @@ def averaging_options(
     }
 
 
-async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fallback: str) -> AveragingRecord:
+async def average_once(
+    averager: GroupAverager, *, epoch: int, weight: float, fallback: str, group: FormedGroup | None = None
+) -> AveragingRecord:
     """Average the averager's tensors with a group, or leave them this peer's own and say so
     (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
     keeps training, so nothing raises out of here but cancellation.
 
     The round is declared at ``epoch``; matchmaking moves it to the newest epoch declared in the
-    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was."""
+    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was.
+    ``group``: one formed ahead of the step for ``epoch`` (``match_ahead.py``), averaged with at once."""
     averager.round = epoch
     traffic = averager.host.traffic
     bytes_before = traffic.bytes_sent + traffic.bytes_received
     started = trio.current_time()
     averager.last_timing = None
     try:
-        result = await averager.step(weight=weight)
+        result = await averager.step(weight=weight, group=group)
     except Exception as error:
         if isinstance(error, NoOtherPeers):
             if averager in _alone:
@@ -168,11 +171,11 @@ async def average_once(averager: GroupAverager, *, epoch: int, weight: float, fa
     )
 
 
-async def average_state(averager: GroupAverager, epoch: int) -> bool:
-    """One periodic round of state averaging; False if no group formed or the round failed (it
-    only pulls replicas together, so the next period will do)."""
+async def average_state(averager: GroupAverager, epoch: int, group: FormedGroup | None = None) -> bool:
+    """One periodic round of state averaging (in ``group`` if one formed ahead); False if no group
+    formed or the round failed (it only pulls replicas together, so the next period will do)."""
     try:
-        await averager.step()
+        await averager.step(group=group)
     except (MatchmakingError, AllReduceError) as error:
         level = logging.DEBUG if isinstance(error, NoOtherPeers) else logging.INFO
         log.log(level, "state averaging skipped at epoch %d: %s", epoch, error)

@@ -141,15 +141,19 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
     task = await trio.to_thread.run_sync(_make_task, config.rank, config.world)  # a fresh model, ahead of time
     if phase.kind == "solo":
         return await trio.to_thread.run_sync(_solo_phase, task, start, end, config.target_accuracy)
-    optimizer = CollaborativeOptimizer(  # as peer/daemon/daemon.py builds it, but for the target batch size
-        task.make_optimizer(list(task.model.parameters())),
-        node,
-        prefix=f"{config.run_id}.{phase.name}",
-        target_batch_size=phase.target_batch_size,
-        target_group_size=config.world,
-        settle_time=config.settle_time,
-    )
-    return await _collab_phase(Trainer(task, optimizer), start, end, config.target_accuracy)
+    async with trio.open_nursery() as background:
+        optimizer = CollaborativeOptimizer(  # as peer/daemon/daemon.py builds it, but for the target batch size
+            task.make_optimizer(list(task.model.parameters())),
+            node,
+            prefix=f"{config.run_id}.{phase.name}",
+            target_batch_size=phase.target_batch_size,
+            target_group_size=config.world,
+            settle_time=config.settle_time,
+            background=background,
+        )
+        result = await _collab_phase(Trainer(task, optimizer), start, end, config.target_accuracy)
+        background.cancel_scope.cancel()
+    return result
 
 
 def _make_task(rank: int, world: int) -> Task:

@@ -4,7 +4,13 @@ import pytest
 import torch
 import trio
 
-from averaging.partition import AllReducePlan, split_by_bandwidth
+from averaging.partition import (
+    DEFAULT_PART_SIZE,
+    MIN_PART_SIZE,
+    MIN_PARTS_PER_SHARD,
+    AllReducePlan,
+    split_by_bandwidth,
+)
 from averaging.reduction import ContributionRejected, ShardReduction
 from averaging.round_roles import PartPacer
 
@@ -30,6 +36,17 @@ def test_parts_tile_each_shard():
         covered.extend(parts)
     flat = [i for start, end in covered for i in range(start, end)]
     assert flat == list(range(1000))
+
+
+def test_parts_shrink_until_every_shard_streams_in_several():
+    """Answers flow back part by part: 16 MiB among 4 peers goes in 8 parts per shard, not 2,
+    while large shards keep the full part size and parts never get tiny."""
+    wan = AllReducePlan.build(1 << 22, [1, 1, 1, 1])
+    assert wan.part_size == 1 << 17 and wan.num_parts(0) == MIN_PARTS_PER_SHARD
+    assert AllReducePlan.build(1 << 24, [1, 1, 1, 1]).part_size == DEFAULT_PART_SIZE
+    assert AllReducePlan.build(1 << 24, [1, 1, 1, 1], part_size=1000).part_size == 1000  # a caller's smaller size
+    small = AllReducePlan.build(10_000, [1, 1])
+    assert small.part_size == MIN_PART_SIZE and small.num_parts(0) == 1
 
 
 def reduction_with(part_sizes, senders=("a", "b", "c")):

@@ -44,7 +44,8 @@ def make_trainer(node, index, count, **options):
 async def test_three_peers_reach_target_accuracy_on_digits():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 3)
-        trainers = [make_trainer(node, i, 3) for i, node in enumerate(nodes)]
+        # as the daemon trains: each epoch's group forms in the background while it accumulates
+        trainers = [make_trainer(node, i, 3, background=nursery) for i, node in enumerate(nodes)]
         statuses = {}
 
         async def train(i):

@@ -228,6 +228,7 @@ class Daemon:
                     prefix=prefix,
                     target_batch_size=config.target_batch_size or task.target_batch_size,
                     delay_updates=background if config.delay_updates else None,
+                    background=background,  # where the next epoch's group forms ahead of the step
                     **codec,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count

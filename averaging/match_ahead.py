@@ -1,0 +1,124 @@
+"""Matchmaking ahead of the step: a collaborative peer looks for its group while it still
+accumulates the epoch, so that when the swarm reaches the target batch the all-reduce starts at
+once instead of after a DHT round, a settle time and the joins.
+
+As Hivemind schedules it: once the swarm's predicted time to the target batch (the samples still
+missing over the swarm's samples per second) is within the time matchmaking takes (``lead``), the
+peer declares itself for the epoch's round and forms the group in the background. A group holds
+no tensors and no weights; those go in at the step, which runs the group's all-reduce. The swarm's
+rate is the sum of the peers' claims: an overstated one only starts matchmaking earlier, which
+costs nothing but an older group (one that a member may have left by the step).
+
+What can happen to a group formed ahead, and what the step does:
+
+* a peer starts matching a little after the others (it saw the swarm's progress later): a leader
+  matching ahead keeps admitting latecomers until its group is full or its own step comes, so
+  one that declared after the leader read the declarations still joins;
+* our epoch ends before the group formed: the step waits for it, bounded by the matchmaking
+  deadline (still less than starting matchmaking then);
+* a member's epoch ends later than ours: peers see the target reached within a progress refresh
+  (plus a local batch) of each other, and a reducer waits ``allreduce.ROUND_WAIT`` for a member's
+  round to start, which covers that skew;
+* a member leaves, or never steps (it loaded state instead): the all-reduce drops it as it drops a
+  member that dies after matchmaking, and the others average without it;
+* matchmaking ahead failed, or the group is for another epoch (we loaded state and moved on): it
+  is dropped, and the step matches then as it would without matching ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import trio
+
+from .averager import FormedGroup, GroupAverager
+from .matchmaking import MAX_SETTLE
+from .progress import SwarmProgress
+
+__all__ = ["MatchAhead", "matchmaking_due"]
+
+log = logging.getLogger("peerd.training")
+
+# What a group formation takes beyond the settle time and a progress refresh: a DHT read and the
+# joins, a few round trips (well under a second on the WANs peers train over). Formation times
+# are not measured to set the lead: a leader held open until its step (``hold_open``) would measure
+# the lead itself, and every epoch would start matchmaking earlier than the last.
+JOIN_ALLOWANCE = 0.5
+
+
+def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lead: float) -> bool:
+    """The swarm is predicted to reach ``target_batch_size`` for ``epoch`` within ``lead`` seconds."""
+    missing = target_batch_size - view.samples_at(epoch)
+    if missing <= 0:
+        return True
+    rate = view.samples_per_s
+    return rate > 0 and missing <= rate * lead
+
+
+@dataclass
+class _Pending:
+    key: int  # the epoch of the step that will use the group
+    round: int | None
+    formed: FormedGroup | None = None
+    due: trio.Event = field(default_factory=trio.Event)  # the step came: stop waiting for latecomers
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    exited: trio.Event = field(default_factory=trio.Event)
+
+
+class MatchAhead:
+    """Forms the group of ``averager``'s next round in ``nursery`` ahead of the step; at most one
+    matchmaking in flight."""
+
+    def __init__(self, averager: GroupAverager, nursery: trio.Nursery, *, refresh_interval: float):
+        self.averager = averager
+        self.nursery = nursery
+        settle = averager.settle_time if averager.settle_time is not None else MAX_SETTLE
+        # how long before the predicted end of the epoch matchmaking starts
+        self.lead = settle + refresh_interval + JOIN_ALLOWANCE
+        self.last_wait_s = 0.0  # how long the last step waited for its group once its epoch ended
+        self._pending: _Pending | None = None
+
+    def start(self, key: int, round_number: int | None = None) -> None:
+        """Start forming the group for the round the step at epoch ``key`` will average in (declared
+        at ``round_number``; None: the averager's own round), unless that is under way already."""
+        pending = self._pending
+        if pending is not None and pending.key == key:
+            return
+        if pending is not None:  # for an epoch we left: its group is of no use
+            pending.scope.cancel()
+        self._pending = _Pending(key, round_number)
+        self.nursery.start_soon(self._match, self._pending)
+
+    async def take(self, key: int) -> FormedGroup | None:
+        """The group formed ahead for the step at epoch ``key`` (waiting while it forms), or None:
+        none was looked for, matchmaking failed, or it was for another epoch."""
+        pending, self._pending = self._pending, None
+        self.last_wait_s = 0.0
+        if pending is None:
+            return None
+        if pending.key != key:
+            pending.scope.cancel()
+            await pending.exited.wait()
+            return None
+        began = trio.current_time()
+        pending.due.set()
+        await pending.exited.wait()  # bounded: matchmaking gives up at its own deadline
+        self.last_wait_s = trio.current_time() - began
+        return pending.formed
+
+    async def cancel(self) -> None:
+        """Drop any matchmaking in flight and wait until it is out."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.scope.cancel()
+            await pending.exited.wait()
+
+    async def _match(self, pending: _Pending) -> None:
+        try:
+            with pending.scope:
+                pending.formed = await self.averager.find_group(pending.round, hold_open=pending.due)
+        except Exception as error:  # a background task: whatever failed, the step matches itself
+            log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.key, error)
+        finally:
+            pending.exited.set()
