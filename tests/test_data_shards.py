@@ -118,3 +118,21 @@ async def test_three_peers_started_together_pick_different_shards():
         assert not any(r.choosing for r in records.values())
         assert choose_shard(late.host.peer_id, records)[0][1] == 4
         nursery.cancel_scope.cancel()
+
+
+def test_a_shard_setting_with_digits_int_cannot_read_is_refused_not_a_crash():
+    """``str.isdigit`` accepts superscripts that ``int`` refuses: the setting's value must still get
+    the named error (``SettingsError``), not a traceback out of ``join``."""
+    import argparse
+
+    import pytest
+
+    from peer.daemon.join_arguments import data_shard, data_shard_from_args
+    from peer.daemon.settings import SettingsError
+
+    for text in ("\u00b2/3", "0/\u00b3", "1/2\u00b9"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            data_shard(text)
+        args = argparse.Namespace(data_shard=None, data_shard_setting=(text, "PEERD_DATA_SHARD"))
+        with pytest.raises(SettingsError, match="PEERD_DATA_SHARD"):
+            data_shard_from_args(args)
