@@ -3,8 +3,11 @@ it, and the page it feeds fetches nothing from the network."""
 
 from __future__ import annotations
 
+import json
 import re
 from importlib import resources
+
+import pytest
 
 from averaging.replica import AveragingRecord
 from peer.daemon.history import PeerBook, RoundLog, TimeSeries
@@ -61,3 +64,15 @@ def test_dashboard_url_is_one_a_local_browser_can_open():
     assert dashboard_url("0.0.0.0", 8080) == "http://127.0.0.1:8080/"
     assert dashboard_url("::", 8080) == "http://[::1]:8080/"
     assert dashboard_url("10.0.0.5", 1) == "http://10.0.0.5:1/"
+
+
+def test_json_pages_are_strict_json_when_training_diverged():
+    """A diverged run (an infinite loss, NaN bits per byte) must not turn the dashboard's data into
+    text a browser's JSON.parse refuses: JSON has no NaN or Infinity, such a figure is unknown."""
+    status = {"peer_id": "me", "loss": float("inf"), "bits_per_byte": float("nan"), "nested": [float("-inf"), 1.5]}
+    pages = StatusPages(lambda: dict(status)).routes()
+    for path in ("/dashboard.json", "/status"):
+        text = pages[path]().body.decode()
+        decoded = json.loads(text, parse_constant=lambda name, path=path: pytest.fail(f"{path} has {name}"))
+        body = decoded["status"] if path == "/dashboard.json" else decoded
+        assert body["loss"] is None and body["bits_per_byte"] is None and body["nested"] == [None, 1.5]

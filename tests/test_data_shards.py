@@ -118,3 +118,54 @@ async def test_three_peers_started_together_pick_different_shards():
         assert not any(r.choosing for r in records.values())
         assert choose_shard(late.host.peer_id, records)[0][1] == 4
         nursery.cancel_scope.cancel()
+
+
+def test_a_shard_setting_with_digits_int_cannot_read_is_refused_not_a_crash():
+    """``str.isdigit`` accepts superscripts that ``int`` refuses: the setting's value must still get
+    the named error (``SettingsError``), not a traceback out of ``join``."""
+    import argparse
+
+    import pytest
+
+    from peer.daemon.join_arguments import data_shard, data_shard_from_args
+    from peer.daemon.settings import SettingsError
+
+    for text in ("\u00b2/3", "0/\u00b3", "1/2\u00b9"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            data_shard(text)
+        args = argparse.Namespace(data_shard=None, data_shard_setting=(text, "PEERD_DATA_SHARD"))
+        with pytest.raises(SettingsError, match="PEERD_DATA_SHARD"):
+            data_shard_from_args(args)
+
+
+class _RecordingTracker:
+    """A tracker with no DHT: no other peers, and every published record with its (virtual) time."""
+
+    def __init__(self) -> None:
+        self.me = Identity.generate().peer_id
+        self.data_shard = None
+        self.published: list[tuple[float, PeerProgress]] = []
+
+    async def records(self) -> dict:
+        return {}
+
+    async def publish(self, progress: PeerProgress) -> None:
+        self.published.append((trio.current_time(), progress))
+
+
+async def test_a_claim_is_held_while_the_data_loads_longer_than_a_record_lives(autojump_clock):
+    """A task whose data takes a minute to load: its final claim is stored again often enough that
+    it never lapses (a newcomer choosing meanwhile counts it), until the hold is cancelled."""
+    from averaging.progress import PROGRESS_TTL
+    from peer.daemon.data_shards import hold_claim
+
+    tracker = _RecordingTracker()
+    shard = await claim_shard(tracker, settle=0.5)
+    claimed = len(tracker.published)
+    with trio.move_on_after(60):
+        await hold_claim(tracker, shard)
+    held = tracker.published[claimed - 1 :]
+    times = [t for t, _ in held]
+    assert all(later - earlier < PROGRESS_TTL for earlier, later in zip(times, times[1:], strict=False))
+    assert trio.current_time() - times[-1] < PROGRESS_TTL
+    assert all(p.shard == shard and not p.choosing and p.samples == 0 for _, p in held)

@@ -110,6 +110,23 @@ async def test_a_loopback_port_answers_only_requests_addressed_to_loopback():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_page_h11_cannot_send_costs_its_connection_not_the_server():
+    """A route whose page cannot go out as HTTP (a header value with a line break, a wrong type) is
+    a bug behind one page: that connection closes, the server (in the peer's nursery) goes on."""
+    routes = {
+        **ROUTES,
+        "/bad-header": lambda: Page("text/plain\r\nX-Injected: 1", b"x"),
+        "/not-a-page": lambda: "a string",
+    }
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_http(0, routes, task_status=task_status))
+        for path in (b"/bad-header", b"/not-a-page"):
+            answer = await exchange(port, b"GET " + path + b" HTTP/1.0\r\n\r\n")
+            assert b"X-Injected" not in answer
+            assert json.loads(await trio.to_thread.run_sync(fetch_status, port)) == {"epoch": 3}
+        nursery.cancel_scope.cancel()
+
+
 def test_fetch_status_says_what_answered():
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]

@@ -158,3 +158,17 @@ def test_bad_task_name_is_a_clear_error(tmp_path):
         )
         assert result.returncode == 1
         assert "unknown task 'nope'" in result.stderr and "digits" in result.stderr
+
+
+def test_a_folder_kept_with_keep_files_is_not_taken_for_a_killed_launchers(tmp_path):
+    """--keep-files keeps the keys and logs for the user to read after the run: the next swarm must
+    not remove them as the leftovers of a killed launcher (the kept folder's launcher is gone too)."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    run = [*PEERD, "swarm", "--task", "nope"]
+    kept = subprocess.run([*run, "--keep-files"], capture_output=True, text=True, timeout=60, env=env)
+    assert kept.returncode == 1 and "unknown task" in kept.stderr
+    folders = list(tmp_path.glob("peerd-swarm-*"))
+    assert len(folders) == 1, folders
+    result = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1 and "unknown task" in result.stderr
+    assert list(tmp_path.glob("peerd-swarm-*")) == folders

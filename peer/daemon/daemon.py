@@ -197,20 +197,26 @@ class Daemon:
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
         from averaging.progress import ProgressTracker
 
-        from .data_shards import claim_shard
+        from .data_shards import claim_shard, hold_claim
         from .tasks import ShardSpec, load_task, task_name
         from .training import Trainer
 
         config = self.config
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shard = config.shard or ShardSpec()
+        claim = None
         if shard == "auto":
             name = await trio.to_thread.run_sync(task_name, config.task, config.model_size)
-            shard = ShardSpec(*await claim_shard(ProgressTracker(dht, f"{config.run_id}.{name}")))
+            claim = ProgressTracker(dht, f"{config.run_id}.{name}")
+            shard = ShardSpec(*await claim_shard(claim))
         self.data_shard = f"{shard.index}/{shard.count}"
-        task = await trio.to_thread.run_sync(
-            lambda: load_task(config.task, shard=shard, device=device, model_size=config.model_size)
-        )
+        async with trio.open_nursery() as loading:
+            if claim is not None:  # newcomers must count our shard while the data loads
+                loading.start_soon(hold_claim, claim, (shard.index, shard.count))
+            task = await trio.to_thread.run_sync(
+                lambda: load_task(config.task, shard=shard, device=device, model_size=config.model_size)
+            )
+            loading.cancel_scope.cancel()
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{config.run_id}.{task.name}"
         async with trio.open_nursery() as background:

@@ -40,10 +40,10 @@ from collections.abc import Mapping
 
 import trio
 
-from averaging.progress import PeerProgress, ProgressTracker
+from averaging.progress import PROGRESS_TTL, PeerProgress, ProgressTracker
 from peer import PeerID
 
-__all__ = ["ShardChoice", "choose_shard", "overlap", "claim_shard", "MAX_AUTO_SHARDS"]
+__all__ = ["ShardChoice", "choose_shard", "overlap", "claim_shard", "hold_claim", "MAX_AUTO_SHARDS"]
 
 log = logging.getLogger("peerd.shards")
 
@@ -56,6 +56,9 @@ MAX_AUTO_SHARDS = 16
 SETTLE = 0.5
 # Peers choosing at once settle one per round in rank order; later ones are told apart sooner.
 MAX_ROUNDS = 8
+# A held claim is stored again this often: three times per record lifetime, so one lost store
+# does not let it lapse.
+HOLD_PERIOD = PROGRESS_TTL / 3
 
 
 def overlap(candidate: tuple[int, int], claim: tuple[int, int]) -> float:
@@ -125,3 +128,13 @@ async def claim_shard(
     await tracker.publish(PeerProgress(0, 0, 0.0, shard))
     log.info("training data shard %d/%d (the least covered of %d, after %d rounds)", *shard, shard[1], choice.rounds)
     return shard
+
+
+async def hold_claim(tracker: ProgressTracker, shard: tuple[int, int], period: float = HOLD_PERIOD) -> None:
+    """Store the final claim again every ``period`` until cancelled. Run it while the task's data
+    loads, which can outlast a record's life (``PROGRESS_TTL``): without it the claim would lapse
+    before the trainer's first progress record names the shard, and a newcomer choosing then would
+    not count it. Cancel it before the trainer publishes: its records carry the real progress."""
+    while True:
+        await trio.sleep(period)
+        await tracker.publish(PeerProgress(0, 0, 0.0, shard))

@@ -30,9 +30,14 @@ def data_shard(text: str) -> tuple[int, int] | str:
     if text.strip().lower() == AUTO:
         return AUTO
     index, _, count = text.partition("/")
-    if not (index.isdigit() and count.isdigit() and 0 <= int(index) < int(count)):
+    # ASCII digits only: str.isdigit also accepts superscripts, which int() refuses
+    if not (_number(index) and _number(count) and 0 <= int(index) < int(count)):
         raise argparse.ArgumentTypeError(f"--data-shard wants I/N with 0 <= I < N, or auto, got {text!r}")
     return int(index), int(count)
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def data_shard_from_args(args: argparse.Namespace) -> tuple[int, int] | str:

@@ -14,6 +14,7 @@ runs ``keep_history`` in its nursery and hands it each averaging round as the tr
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -45,7 +46,19 @@ def dashboard_url(host: str, port: int) -> str:
 
 
 def _json(value: Any) -> Page:
-    return Page.text("application/json", json.dumps(value, default=str) + "\n")
+    """Strict JSON (a browser's ``JSON.parse`` refuses NaN and Infinity, which a diverged run's
+    loss can be): a non-finite number is unknown, null."""
+    return Page.text("application/json", json.dumps(_finite(value), default=str, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 class StatusPages:

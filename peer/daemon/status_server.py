@@ -103,6 +103,8 @@ async def serve_http(
                 open_connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
             pass
+        except Exception:  # a bug (e.g. a page h11 refuses to send) costs this connection, not the server
+            log.exception("status connection failed")
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -198,7 +200,10 @@ def _route(request: h11.Request, routes: Mapping[str, Route]) -> tuple[int, Page
     if route is None:
         return _error(404, f"no page {path}; try / (the dashboard), /status or /metrics")
     try:
-        return 200, route()
+        page = route()
+        if not isinstance(page, Page):
+            raise TypeError(f"the route made {type(page).__name__}, not a Page")
+        return 200, page
     except Exception:  # a bug behind one page must not take the server (or the peer) down
         log.exception("status page %s failed", path)
         return _error(500, "this page failed; the peer's log says why")

@@ -124,11 +124,15 @@ def _join_args(index: int, count: int, args: argparse.Namespace, key_dir: Path, 
 
 
 WORK_DIR_PREFIX = "peerd-swarm-"
+# A folder kept on purpose (--keep-files) is named so that no later swarm takes it for a killed
+# launcher's leftovers: where the PID would be, this word.
+KEPT_DIR_PREFIX = f"{WORK_DIR_PREFIX}kept-"
 
 
 def _remove_stale_work_dirs() -> None:
     """Remove the temporary folders (with private keys) of launchers that were killed before they
-    could: ours carry the launcher's process ID, and a folder whose launcher is gone is stale."""
+    could: ours carry the launcher's process ID, and a folder whose launcher is gone is stale
+    (a ``--keep-files`` folder carries ``kept`` there, and stays)."""
     for path in Path(tempfile.gettempdir()).glob(f"{WORK_DIR_PREFIX}*-*"):
         pid = path.name.removeprefix(WORK_DIR_PREFIX).split("-", 1)[0]
         try:
@@ -175,7 +179,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     display = TableDisplay(sys.stdout)
     _remove_stale_work_dirs()
     # keys (0600, in a 0700 folder)
-    work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))
+    work_dir = Path(tempfile.mkdtemp(prefix=f"{KEPT_DIR_PREFIX if args.keep_files else WORK_DIR_PREFIX}{os.getpid()}-"))
     curves = _Curves()
     log_dir = args.log_dir or work_dir
     run_id = f"swarm-{os.getpid()}-{int(time.time())}"
