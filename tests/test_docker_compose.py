@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import tomllib
 import yaml
 
 if sys.version_info >= (3, 11):
