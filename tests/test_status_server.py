@@ -110,6 +110,19 @@ async def test_a_loopback_port_answers_only_requests_addressed_to_loopback():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_port_bound_to_all_addresses_answers_ip_literals_and_short_names_but_no_domain():
+    """Docker and ``--status-host 0.0.0.0``: a rebound domain name still gets nothing."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(lambda task_status: serve_http(0, ROUTES, host="0.0.0.0", task_status=task_status))
+        for host in (b"127.0.0.1", b"localhost:1", b"10.1.2.3:%d" % port, b"[fe80::1]", b"peer", b"bootstrap:8080"):
+            answer = await exchange(port, b"GET /status HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 "), host
+        for host in (b"evil.example", b"evil.example:8080", b"a.b.c.d.example."):
+            answer = await exchange(port, b"GET /status HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 403 "), host
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_page_h11_cannot_send_costs_its_connection_not_the_server():
     """A route whose page cannot go out as HTTP (a header value with a line break, a wrong type) is
     a bug behind one page: that connection closes, the server (in the peer's nursery) goes on."""

@@ -8,9 +8,11 @@ take to arrive and a response to be taken (``REQUEST_TIMEOUT``, ``SEND_TIMEOUT``
 of open connections (``MAX_CONNECTIONS``; the next one is answered 503 and closed). A slow or
 hostile client can at most keep the port busy, never grow the peer's memory or stall training.
 
-Bound to a loopback address, the port also refuses requests whose ``Host`` is not a loopback name
-(403): a web page the user visits could otherwise point its own domain at 127.0.0.1 ("DNS
-rebinding") and read the peer's pages from the user's browser.
+A web page the user visits could point its own domain at the peer's address ("DNS rebinding") and
+read the peer's pages from the user's browser; so the port refuses (403) requests whose ``Host``
+could be such a domain. Bound to a loopback address it answers only loopback names; bound to
+another or the wildcard address (Docker, ``--status-host 0.0.0.0``), it also answers IP literals
+and single-label names (a compose service name, a host's short name), never a dotted domain name.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ async def serve_http(
     """Serve ``routes`` (path -> a function that makes the page) on ``host:port`` until cancelled;
     ``task_status.started`` gets the bound port. A failing route is a 500, never a dead server."""
     open_connections = 0
-    loopback_only = _is_loopback(host)
+    host_allowed = _is_loopback if _is_loopback(host) else _is_not_a_domain
 
     async def handler(stream: trio.SocketStream) -> None:
         nonlocal open_connections
@@ -98,7 +100,7 @@ async def serve_http(
                 return
             open_connections += 1
             try:
-                await _serve_connection(stream, routes, limits, loopback_only)
+                await _serve_connection(stream, routes, limits, host_allowed)
             finally:
                 open_connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
@@ -123,7 +125,7 @@ async def _refuse_busy(stream: trio.SocketStream) -> None:
 
 
 async def _serve_connection(
-    stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits, loopback_only: bool
+    stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits, host_allowed: Callable[[str], bool]
 ) -> None:
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_request_head)
     while True:
@@ -144,8 +146,8 @@ async def _serve_connection(
                 await _send(stream, connection, limits, None, page, close=True)
             return
         assert isinstance(request, h11.Request)
-        if loopback_only and not _addressed_to_loopback(request):
-            answer = _error(403, "this status port answers requests for 127.0.0.1 or localhost only")
+        if not _addressed_to(request, host_allowed):
+            answer = _error(403, "this status port answers requests for its IP address or localhost only")
         else:
             answer = _route(request, routes)
         await _send(stream, connection, limits, request, answer)
@@ -171,9 +173,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _addressed_to_loopback(request: h11.Request) -> bool:
-    """The request's ``Host`` names a loopback address or localhost (or is absent: an HTTP/1.0
-    client; browsers always send one)."""
+def _is_not_a_domain(host: str) -> bool:
+    """An IP literal or a single-label name: nothing a web page's own domain can rebind."""
+    if "." not in host:
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _addressed_to(request: h11.Request, host_allowed: Callable[[str], bool]) -> bool:
+    """The request's ``Host`` is one ``host_allowed`` accepts (or is absent: an HTTP/1.0 client;
+    browsers always send one)."""
     for name, value in request.headers:
         if name == b"host":
             text = value.decode("ascii", errors="replace")
@@ -181,7 +194,7 @@ def _addressed_to_loopback(request: h11.Request) -> bool:
                 hostname = text[1:].split("]", 1)[0]
             else:
                 hostname = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
-            return _is_loopback(hostname.lower())
+            return host_allowed(hostname.lower())
     return True
 
 
