@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import ipaddress
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -269,13 +270,15 @@ async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadli
                 return TAKEN
             log.debug("punch dial to %s:%d: %r", *remote, error)
             return None
-        except trio.TooSlowError as error:
+        except (trio.TooSlowError, ValueError) as error:  # ValueError: a host the resolver cannot encode
             log.debug("punch dial to %s:%d: %r", *remote, error)
             return None
 
 
 def _parse_addresses(body: Any) -> list[tuple[str, int]]:
-    """At most MAX_ADDRESSES ``HOST:PORT`` endpoints from a punch message (others are ignored)."""
+    """At most MAX_ADDRESSES ``IP:PORT`` endpoints from a punch message (others are ignored). Only
+    IP literals: a peer's public address is what others observed, never a name, and a name would
+    have us resolve (or fail to encode) whatever a remote wrote."""
     listed = body.get("addresses") if isinstance(body, dict) else None
     if not isinstance(listed, list):
         raise ValueError("expected {addresses: [HOST:PORT, ...]}")
@@ -286,6 +289,14 @@ def _parse_addresses(body: Any) -> list[tuple[str, int]]:
                 address = PeerAddress.parse(text)
             except ValueError:
                 continue
-            if address.relay is None:
+            if address.relay is None and _is_ip(address.host):
                 found.append((address.host, address.port))
     return found
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,28 @@
+"""NAT traversal against a hostile remote: claims in hole-punch messages, dial-back answers and
+raw circuit ends cost the attacker, never crash us or buy it more than a bounded share."""
+
+from __future__ import annotations
+
+import trio
+
+from peer import PeerAddress
+from peer.holepunch import HolePuncher, _connect_until
+
+from .test_relay import relayed, until  # noqa: F401 (a fixture)
+
+
+async def test_a_punch_naming_a_host_that_cannot_be_encoded_costs_the_caller_only(relayed):  # noqa: F811
+    """A punch's addresses are the caller's claims: one naming a host the resolver cannot even
+    encode (IDNA) must fail that dial, not escape into the host and take the peer down."""
+    relay_host, _, behind, dialer = relayed
+    puncher = HolePuncher(behind, lambda: "127.0.0.1")
+    listen = relay_host.listen_address
+    connection = await dialer.connect(PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id))
+    assert connection.relayed_via == relay_host.peer_id
+    await connection.call("nat.punch", {"addresses": ["bad..host:1", "x" * 70 + ":2"]}, timeout=5)
+    await connection.call("nat.sync", {"delay": 0}, timeout=5)
+    with trio.fail_after(5):
+        await until(lambda: not puncher._in_progress)
+    assert (await connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
+    # and a dial to such a host, however it got there, is one failed dial
+    assert await _connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
