@@ -23,6 +23,7 @@ import trio
 
 from .address import PeerAddress
 from .host import ConnectError, PeerHost
+from .identity import PeerID
 from .nat_state import NAT, PUBLIC, UNKNOWN, DialBackLimiter, most_common, reachability_verdict
 from .router import Request
 from .rpc_errors import BadRequest, Busy, RPCError
@@ -106,7 +107,8 @@ async def check_reachability(
     host: PeerHost, servers: list[PeerAddress], *, port: int | None = None, max_servers: int = 3
 ) -> Reachability:
     """Ask up to ``max_servers`` of ``servers`` (public peers, not relayed) to dial us back at
-    ``port`` (default: our listen port)."""
+    ``port`` (default: our listen port). A peer named by several addresses answers once: the
+    verdict's failures must come from distinct peers, so one liar cannot make it ``nat``."""
     if port is None:
         if host.listen_address is None:
             return Reachability(UNKNOWN, None, 0, "this peer does not listen")
@@ -114,10 +116,15 @@ async def check_reachability(
     answers: list[bool] = []
     observed: list[tuple[str, int]] = []
     reasons: list[str] = []
+    asked: set[PeerID] = {host.peer_id}  # one answer per peer, however many addresses name it
 
     async def ask(server: PeerAddress) -> None:
         try:
-            reply = await host.call(server, DIALBACK, {"port": port}, timeout=DIALBACK_TIMEOUT + 5)
+            connection = await host.connect(server)
+            if connection.remote_peer_id in asked:
+                return
+            asked.add(connection.remote_peer_id)
+            reply = await connection.call(DIALBACK, {"port": port}, timeout=DIALBACK_TIMEOUT + 5)
         except (ConnectError, RPCError, trio.TooSlowError) as error:
             log.debug("dial-back request to %s: %s", server, error)
             return

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import trio
 
-from peer import PeerAddress
+from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher, _connect_until
+from peer.reachability import UNKNOWN, check_reachability
 
 from .test_relay import relayed, until  # noqa: F401 (a fixture)
 
@@ -26,3 +27,20 @@ async def test_a_punch_naming_a_host_that_cannot_be_encoded_costs_the_caller_onl
     assert (await connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
     # and a dial to such a host, however it got there, is one failed dial
     assert await _connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
+
+
+async def test_a_nat_verdict_needs_failures_from_two_distinct_peers():
+    """One peer listed under two addresses (say an initial peer by name and by the address it
+    announces) answers for one peer only: its two "could not dial you" make no NAT verdict."""
+    router = Router()
+
+    @router.unary("nat.dialback")
+    async def lie(request):
+        return {"reachable": False, "observed": ["127.0.0.1", 1], "reason": "says it could not"}
+
+    async with open_peer_host(Identity.generate(), router=router) as liar, open_peer_host(Identity.generate()) as asker:
+        listen = liar.listen_address
+        servers = [PeerAddress(listen.host, listen.port), PeerAddress(listen.host, listen.port, liar.peer_id)]
+        result = await check_reachability(asker, servers)
+        assert result.status == UNKNOWN, result
+        assert result.answers == 1
