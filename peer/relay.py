@@ -42,8 +42,7 @@ __all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE
 log = logging.getLogger("peerd.relay")
 
 RESERVE, CONNECT, INCOMING = "relay.reserve", "relay.connect", "relay.incoming"
-TOKEN_TIMEOUT = 5.0  # an end must present its token this soon after connecting
-MAX_WAITING_ENDS = 256  # raw connections still presenting a token or waiting for their partner
+MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
 CALL_TIMEOUT = 5.0
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
@@ -103,21 +102,15 @@ class Relay:
         self.book.close_circuit(circuit)
         circuit.waiter.set()  # a waiting end sees the circuit is not active and closes
 
-    async def accept_circuit_end(self, stream: trio.SocketStream) -> None:
-        """An incoming stream that opened with the circuit byte: pair it by its token, or drop it."""
+    async def accept_circuit_end(self, stream: trio.SocketStream, token: bytes) -> None:
+        """An incoming stream that opened with the circuit byte and ``token`` (read by the host
+        under its limits on pending handshakes): pair it, or drop it."""
         if self._waiting_ends >= MAX_WAITING_ENDS:
             await trio.aclose_forcefully(stream)
             return
         self._waiting_ends += 1
         try:
-            circuit = None
-            with trio.move_on_after(TOKEN_TIMEOUT):
-                try:
-                    head = await _receive_exactly(stream, 1 + TOKEN_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    head = None  # whatever a stranger does, it costs them the connection only
-                if head is not None:
-                    circuit = self.book.arrive(head[1:], stream, trio.current_time())
+            circuit = self.book.arrive(token, stream, trio.current_time())
             if circuit is None:
                 await trio.aclose_forcefully(stream)
                 return
@@ -161,16 +154,6 @@ class Relay:
             pass
         finally:
             scope.cancel()  # one direction ended: the circuit is over
-
-
-async def _receive_exactly(stream: trio.SocketStream, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = await stream.receive_some(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.SocketStream:

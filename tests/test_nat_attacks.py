@@ -8,6 +8,7 @@ import trio
 from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher, _connect_until
 from peer.reachability import UNKNOWN, check_reachability
+from peer.relay import MAX_WAITING_ENDS
 
 from .test_relay import relayed, until  # noqa: F401 (a fixture)
 
@@ -44,3 +45,21 @@ async def test_a_nat_verdict_needs_failures_from_two_distinct_peers():
         result = await check_reachability(asker, servers)
         assert result.status == UNKNOWN, result
         assert result.answers == 1
+
+
+async def test_silent_circuit_ends_cannot_hold_the_relay_door(relayed):  # noqa: F811
+    """Raw ends that open with the circuit byte and then say nothing cost a stranger nothing: they
+    wait for their token under the same fair limits as pending handshakes (the oldest yields), so
+    a crowd of them cannot keep a real circuit's ends out."""
+    relay_host, relay, behind, dialer = relayed
+    listen = relay_host.listen_address
+    silent = []
+    for _ in range(MAX_WAITING_ENDS + 8):
+        stream = await trio.open_tcp_stream(listen.host, listen.port)
+        await stream.send_all(b"\xff")
+        silent.append(stream)
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    with trio.fail_after(10):
+        assert (await dialer.call(address, "echo", "through", timeout=5)).body["echo"] == "through"
+    for stream in silent:
+        await trio.aclose_forcefully(stream)
