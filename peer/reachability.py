@@ -4,7 +4,8 @@ A peer calls ``nat.dialback {port}`` on a few public peers. Each dials a fresh c
 address it sees the call coming from, at the port the caller names (its listen port), and runs the
 handshake pinned to the caller's peer ID; it answers whether that worked and the observed
 ``[host, port]`` of the calling connection. One success proves we are reachable (nobody else can
-complete a handshake with our key); failures from several peers and no success mean a NAT or a
+complete a handshake with our key), once the caller has seen that peer's connection arrive (an
+answer alone is a claim); failures from two distinct peers and no success mean a NAT or a
 firewall is in the way.
 
 The dial-back goes only to the caller's observed address, never to one it names, and is rate
@@ -35,6 +36,9 @@ log = logging.getLogger("peerd.reachability")
 
 DIALBACK = "nat.dialback"
 DIALBACK_TIMEOUT = 5.0  # the dial and the handshake; the caller waits a little longer
+# After "reachable": how long the caller waits for that peer's dial-back connection to show up
+# (its handshake ends on the server before the answer is sent, but the two travel apart).
+DIALBACK_EVIDENCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -117,13 +121,21 @@ async def check_reachability(
     observed: list[tuple[str, int]] = []
     reasons: list[str] = []
     asked: set[PeerID] = {host.peer_id}  # one answer per peer, however many addresses name it
+    dialed_back: dict[PeerID, trio.Event] = {}  # set when that peer's direct connection reaches us
+
+    def arrived(connection: Any, incoming: bool) -> None:
+        event = dialed_back.get(connection.remote_peer_id)
+        if event is not None and incoming and connection.relayed_via is None:
+            event.set()
 
     async def ask(server: PeerAddress) -> None:
         try:
             connection = await host.connect(server)
-            if connection.remote_peer_id in asked:
+            peer = connection.remote_peer_id
+            if peer in asked:
                 return
-            asked.add(connection.remote_peer_id)
+            asked.add(peer)
+            dialed_back[peer] = trio.Event()
             reply = await connection.call(DIALBACK, {"port": port}, timeout=DIALBACK_TIMEOUT + 5)
         except (ConnectError, RPCError, trio.TooSlowError) as error:
             log.debug("dial-back request to %s: %s", server, error)
@@ -132,6 +144,13 @@ async def check_reachability(
         seen = body.get("observed")
         if not isinstance(body.get("reachable"), bool):
             return
+        if body["reachable"]:
+            # a claim until its connection shows up: a liar could otherwise keep us from relays
+            with trio.move_on_after(DIALBACK_EVIDENCE):
+                await dialed_back[peer].wait()
+            if not dialed_back[peer].is_set():
+                log.info("%s said it dialed us back, but no connection of its came", peer)
+                return
         answers.append(body["reachable"])
         reason = body.get("reason")
         if isinstance(reason, str):
@@ -139,9 +158,13 @@ async def check_reachability(
         if isinstance(seen, list) and len(seen) == 2 and isinstance(seen[0], str) and type(seen[1]) is int:
             observed.append((seen[0][:100], seen[1]))
 
-    async with trio.open_nursery() as nursery:
-        for server in servers[:max_servers]:
-            nursery.start_soon(ask, server)
+    host.on_connection.append(arrived)
+    try:
+        async with trio.open_nursery() as nursery:
+            for server in servers[:max_servers]:
+                nursery.start_soon(ask, server)
+    finally:
+        host.on_connection.remove(arrived)
     status = reachability_verdict(answers)
     if status == PUBLIC:
         reason = f"{sum(answers)} of {len(answers)} peers dialed us back"

@@ -7,7 +7,7 @@ import trio
 
 from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher, _connect_until
-from peer.reachability import UNKNOWN, check_reachability
+from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_WAITING_ENDS
 
 from .test_relay import relayed, until  # noqa: F401 (a fixture)
@@ -63,3 +63,25 @@ async def test_silent_circuit_ends_cannot_hold_the_relay_door(relayed):  # noqa:
         assert (await dialer.call(address, "echo", "through", timeout=5)).body["echo"] == "through"
     for stream in silent:
         await trio.aclose_forcefully(stream)
+
+
+async def test_a_peer_that_says_it_dialed_us_back_must_have_done_so(monkeypatch):
+    """ "reachable: true" is a claim: it counts only if that peer's dial-back connection really
+    reached us. Otherwise one liar among the servers keeps a peer behind NAT from ever taking a
+    relay (it would announce an address nobody can dial)."""
+    monkeypatch.setattr("peer.reachability.DIALBACK_EVIDENCE", 0.3)
+    router = Router()
+
+    @router.unary("nat.dialback")
+    async def lie(request):
+        return {"reachable": True, "observed": ["127.0.0.1", 1], "reason": "says it could"}
+
+    async with (
+        open_peer_host(Identity.generate(), router=router) as liar,
+        open_peer_host(Identity.generate()) as honest,
+        open_peer_host(Identity.generate()) as asker,
+    ):
+        honest.service(ReachabilityService)
+        assert (await check_reachability(asker, [liar.listen_address])).status == UNKNOWN
+        result = await check_reachability(asker, [liar.listen_address, honest.listen_address])
+        assert result.status == PUBLIC and result.answers == 1, result
