@@ -57,7 +57,7 @@ MAX_TRACKED = 1024
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
-REFUSED_RETRY = 0.05  # between dials a NAT refused (see _connect_until)
+REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see _connect_until)
 TAKEN = object()  # _connect_until: the connection exists already (the other side's dial got in)
 
 
@@ -257,14 +257,17 @@ async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadli
     """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
     between the two already exists (the other side's SYN reached our listener). A refusal is tried
     again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a
-    reset, and the other side's SYN opens it a moment later."""
+    reset, and the other side's SYN opens it a moment later. The pauses double (about 6 dials in
+    an attempt), since the address may name a third party."""
+    pause = REFUSED_RETRY
     while True:
         try:
             return await connect_from(local, remote, max(0.0, deadline - trio.current_time()))
         except ConnectionRefusedError:
-            if trio.current_time() + REFUSED_RETRY >= deadline:
+            if trio.current_time() + pause >= deadline:
                 return None
-            await trio.sleep(REFUSED_RETRY)
+            await trio.sleep(pause)
+            pause *= 2  # the addresses are claims: a third party that refuses gets a few SYNs only
         except OSError as error:
             if error.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
                 return TAKEN

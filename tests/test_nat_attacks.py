@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from peer import Identity, PeerAddress, Router, open_peer_host
-from peer.holepunch import HolePuncher, _connect_until
+from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, _connect_until
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_WAITING_ENDS
 
@@ -85,3 +85,21 @@ async def test_a_peer_that_says_it_dialed_us_back_must_have_done_so(monkeypatch)
         assert (await check_reachability(asker, [liar.listen_address])).status == UNKNOWN
         result = await check_reachability(asker, [liar.listen_address, honest.listen_address])
         assert result.status == PUBLIC and result.answers == 1, result
+
+
+async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(monkeypatch, autojump_clock):
+    """A punch's addresses may name a third party. A refusal is retried (a NAT refuses until its
+    own peer's SYN opens the mapping), but with growing pauses: a few dials per address, not one
+    every 50 ms for the whole attempt, or each punch would send a victim over a hundred SYNs."""
+    dials = []
+
+    async def refuse(local, remote, timeout):
+        dials.append(trio.current_time())
+        await trio.lowlevel.checkpoint()
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr("peer.holepunch.connect_from", refuse)
+    start = trio.current_time()
+    assert await _connect_until(("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
+    assert 4 <= len(dials) <= 8, dials
+    assert dials[1] - dials[0] < 0.2  # the first retry comes soon: the other side's SYN is near
