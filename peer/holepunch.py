@@ -128,7 +128,7 @@ class HolePuncher:
                 try:
                     reply = await relayed.call(PUNCH, {"addresses": self._addresses()}, timeout=CALL_TIMEOUT)
                     rtt = trio.current_time() - sent
-                    theirs = _parse_addresses(reply.body)
+                    theirs = _parse_addresses(reply.body, self.observed_host())
                     if not theirs:
                         break  # the peer does not know its public address: nothing to dial
                     await relayed.call(SYNC, {"delay": rtt / 2}, timeout=CALL_TIMEOUT)
@@ -172,7 +172,7 @@ class HolePuncher:
             raise Busy("too many hole punching attempts from all peers")
         budget.take(1, trio.current_time())
         self._everyone.take(1, trio.current_time())
-        theirs = _parse_addresses(request.body)
+        theirs = _parse_addresses(request.body, self.observed_host())
         while len(self._offered) >= MAX_TRACKED:
             del self._offered[next(iter(self._offered))]
         self._offered[peer] = theirs
@@ -278,13 +278,16 @@ async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadli
             return None
 
 
-def _parse_addresses(body: Any) -> list[tuple[str, int]]:
+def _parse_addresses(body: Any, ours: str | None) -> list[tuple[str, int]]:
     """At most MAX_ADDRESSES ``IP:PORT`` endpoints from a punch message (others are ignored). Only
     IP literals: a peer's public address is what others observed, never a name, and a name would
-    have us resolve (or fail to encode) whatever a remote wrote."""
+    have us resolve (or fail to encode) whatever a remote wrote. Never one that dials our own
+    machine (unspecified, or loopback unless our own public host ``ours`` is: peers on one host),
+    nor a multicast one: the addresses are claims, and would aim us at our local services."""
     listed = body.get("addresses") if isinstance(body, dict) else None
     if not isinstance(listed, list):
         raise ValueError("expected {addresses: [HOST:PORT, ...]}")
+    local_ok = ours is not None and (ip := _ip(ours)) is not None and ip.is_loopback
     found = []
     for text in listed[:MAX_ADDRESSES]:
         if isinstance(text, str) and len(text) < 100:
@@ -292,14 +295,18 @@ def _parse_addresses(body: Any) -> list[tuple[str, int]]:
                 address = PeerAddress.parse(text)
             except ValueError:
                 continue
-            if address.relay is None and _is_ip(address.host):
-                found.append((address.host, address.port))
+            ip = _ip(address.host)
+            if address.relay is not None or ip is None or ip.is_unspecified or ip.is_multicast:
+                continue
+            if ip.is_loopback and not local_ok:
+                continue
+            found.append((address.host, address.port))
     return found
 
 
-def _is_ip(host: str) -> bool:
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(host)
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return False
-    return True
+        return None
+    return ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip

@@ -103,3 +103,28 @@ async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(monkeyp
     assert await _connect_until(("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
     assert 4 <= len(dials) <= 8, dials
     assert dials[1] - dials[0] < 0.2  # the first retry comes soon: the other side's SYN is near
+
+
+async def test_a_punch_cannot_aim_a_peer_at_its_own_machine(relayed, monkeypatch):  # noqa: F811
+    """A public peer's address is never loopback or unspecified (0.0.0.0 dials this machine): a
+    punch naming one would have the peer send handshake bytes to its own local services."""
+    relay_host, _, behind, dialer = relayed
+    dials = []
+
+    async def record(local, remote, timeout):
+        dials.append(remote)
+        await trio.lowlevel.checkpoint()
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr("peer.holepunch.connect_from", record)
+    HolePuncher(behind, lambda: "198.51.100.7")
+    listen = relay_host.listen_address
+    connection = await dialer.connect(PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id))
+    monkeypatch.setattr("peer.holepunch.ATTEMPT_TIMEOUT", 0.2)
+    local = (["127.0.0.1:6379", "0.0.0.0:6379"], ["[::ffff:127.0.0.1]:6379"])
+    for claims in (*local, ["192.0.2.1:9"]):  # then a public one
+        await connection.call("nat.punch", {"addresses": claims}, timeout=5)
+        await connection.call("nat.sync", {"delay": 0}, timeout=5)
+    with trio.fail_after(5):
+        await until(lambda: dials)
+    assert dials[0] == ("192.0.2.1", 9), dials
