@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 from .address import PeerAddress
+from .admission import address_group
 from .host import ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import NAT, PUBLIC, UNKNOWN, DialBackLimiter, most_common, reachability_verdict
@@ -73,7 +74,7 @@ class ReachabilityService:
         if type(port) is not int or not 0 < port < 65536:
             raise BadRequest("expected {port: 1..65535}")
         endpoint = f"{observed_host}:{port}"
-        why_not = self.limiter.start(endpoint, trio.current_time())
+        why_not = self.limiter.start(endpoint, trio.current_time(), group=address_group(observed_host))
         if why_not is not None:
             raise Busy(why_not)
         try:

@@ -7,6 +7,7 @@ import trio
 
 from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, _connect_until
+from peer.nat_state import DialBackLimiter
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_WAITING_ENDS
 
@@ -128,3 +129,15 @@ async def test_a_punch_cannot_aim_a_peer_at_its_own_machine(relayed, monkeypatch
     with trio.fail_after(5):
         await until(lambda: dials)
     assert dials[0] == ("192.0.2.1", 9), dials
+
+
+def test_one_address_cannot_spend_everyone_s_dial_backs():
+    """Dial-backs are limited per endpoint, but an endpoint's port is the caller's to choose: one
+    host naming port after port would take the whole budget, and every newcomer's check would be
+    refused (unknown reachability: a peer behind NAT then never looks for a relay)."""
+    limiter = DialBackLimiter(0)
+    granted = [limiter.start(f"198.51.100.7:{port}", 0, group="198.51.100.7") for port in range(1, 9)]
+    assert granted[:4] == [None] * 4  # a few peers behind one NAT check at once
+    assert all(why is not None and "address" in why for why in granted[4:]), granted
+    assert limiter.start("203.0.113.9:31337", 0, group="203.0.113.9") is None  # others still get theirs
+    assert limiter.start("198.51.100.7:99", 30, group="198.51.100.7") is None  # and it gets more later
