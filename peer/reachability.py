@@ -109,10 +109,16 @@ class ReachabilityService:
 
 
 async def check_reachability(
-    host: PeerHost, servers: list[PeerAddress], *, port: int | None = None, max_servers: int = 3
+    host: PeerHost,
+    servers: list[PeerAddress],
+    *,
+    port: int | None = None,
+    max_servers: int = 3,
+    max_batches: int = 3,
 ) -> Reachability:
-    """Ask up to ``max_servers`` of ``servers`` (public peers, not relayed) to dial us back at
-    ``port`` (default: our listen port). A peer named by several addresses answers once: the
+    """Ask ``servers`` (public peers, not relayed), ``max_servers`` at once, to dial us back at
+    ``port`` (default: our listen port); the next ones (up to ``max_batches`` batches) while the
+    answers give no verdict. A peer named by several addresses answers once: the
     verdict's failures must come from distinct peers, so one liar cannot make it ``nat``."""
     if port is None:
         if host.listen_address is None:
@@ -161,9 +167,14 @@ async def check_reachability(
 
     host.on_connection.append(arrived)
     try:
-        async with trio.open_nursery() as nursery:
-            for server in servers[:max_servers]:
-                nursery.start_soon(ask, server)
+        # a batch at a time, until a verdict: servers that are gone or refuse (the first listed
+        # are the initial peers) must not leave us unknown while others could answer
+        for start in range(0, min(len(servers), max_servers * max_batches), max_servers):
+            async with trio.open_nursery() as nursery:
+                for server in servers[start : start + max_servers]:
+                    nursery.start_soon(ask, server)
+            if reachability_verdict(answers) != UNKNOWN:
+                break
     finally:
         host.on_connection.remove(arrived)
     status = reachability_verdict(answers)

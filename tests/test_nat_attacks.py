@@ -141,3 +141,20 @@ def test_one_address_cannot_spend_everyone_s_dial_backs():
     assert all(why is not None and "address" in why for why in granted[4:]), granted
     assert limiter.start("203.0.113.9:31337", 0, group="203.0.113.9") is None  # others still get theirs
     assert limiter.start("198.51.100.7:99", 30, group="198.51.100.7") is None  # and it gets more later
+
+
+async def test_servers_that_do_not_answer_are_passed_over_for_others():
+    """The first servers listed (the initial peers) may be gone, or refuse: the check then asks
+    the next ones rather than stay unknown forever (behind NAT that would mean never a relay)."""
+    async with open_peer_host(Identity.generate()) as one, open_peer_host(Identity.generate()) as two:
+        async with open_peer_host(Identity.generate()) as asker:
+            for server in (one, two):
+                server.service(ReachabilityService)
+            gone = []
+            for _ in range(3):
+                closed = trio.socket.socket()
+                await closed.bind(("127.0.0.1", 0))
+                gone.append(PeerAddress("127.0.0.1", closed.getsockname()[1]))
+                closed.close()
+            result = await check_reachability(asker, [*gone, one.listen_address, two.listen_address])
+            assert result.status == PUBLIC and result.answers == 2, result
