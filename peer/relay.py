@@ -24,6 +24,7 @@ the dialer's.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
 CALL_TIMEOUT = 5.0
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
+MAX_PENDING_PER_SOURCE = 4  # of those, from one source
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 
 
@@ -186,7 +188,7 @@ class RelayClient:
         self.host = host
         self.wanted = wanted
         self.reserved: dict[PeerID, PeerAddress] = {}
-        self._pending_incoming = 0
+        self._pending_incoming: Counter[PeerID] = Counter()  # circuits in setup, per source
         self.changed = trio.Event()
         host.router.add_unary(INCOMING, self._incoming)
         host.relay_dialer = lambda address: dial_through_relay(host, address)
@@ -202,13 +204,15 @@ class RelayClient:
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
             raise BadRequest("malformed circuit token")
         source = PeerID(body["source"])
-        if self._pending_incoming >= MAX_PENDING_INCOMING:
+        if self._pending_incoming.total() >= MAX_PENDING_INCOMING:
             raise Busy("too many circuits being set up")
-        self._pending_incoming += 1
+        if self._pending_incoming[source] >= MAX_PENDING_PER_SOURCE:
+            raise Busy("too many circuits from this source being set up")
+        self._pending_incoming[source] += 1
         try:
             self.host._nursery.start_soon(self._answer, relay, source, token)
         except BaseException:
-            self._pending_incoming -= 1
+            self._settled(source)
             raise
         return {"ok": True}
 
@@ -239,8 +243,13 @@ class RelayClient:
                 await channel.aclose()
                 return
         finally:
-            self._pending_incoming -= 1
+            self._settled(source)
         await host.accept_channel(channel, f"relay:{relay.peer_id}", relayed_via=relay.peer_id)
+
+    def _settled(self, source: PeerID) -> None:
+        self._pending_incoming[source] -= 1
+        if self._pending_incoming[source] <= 0:
+            del self._pending_incoming[source]
 
     async def reserve(self, relay: PeerAddress) -> tuple[PeerID, float]:
         """Reserve (or renew) with ``relay``; returns the relay's ID and the reservation's TTL.

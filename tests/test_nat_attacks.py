@@ -3,13 +3,14 @@ raw circuit ends cost the attacker, never crash us or buy it more than a bounded
 
 from __future__ import annotations
 
+import pytest
 import trio
 
-from peer import Identity, PeerAddress, Router, open_peer_host
+from peer import BusyError, Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, _connect_until
 from peer.nat_state import DialBackLimiter
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
-from peer.relay import MAX_WAITING_ENDS
+from peer.relay import MAX_PENDING_PER_SOURCE, MAX_WAITING_ENDS
 
 from .test_relay import relayed, until  # noqa: F401 (a fixture)
 
@@ -158,3 +159,26 @@ async def test_servers_that_do_not_answer_are_passed_over_for_others():
                 closed.close()
             result = await check_reachability(asker, [*gone, one.listen_address, two.listen_address])
             assert result.status == PUBLIC and result.answers == 2, result
+
+
+async def test_one_source_cannot_take_every_slot_for_incoming_circuits(relayed, monkeypatch):  # noqa: F811
+    """Each circuit the relay announces has us dial it and wait for a handshake; one source (a
+    relay allows 8 circuits per peer) must leave room for others' circuits."""
+    relay_host, _, behind, _ = relayed
+
+    async def slow(address):
+        await trio.sleep_forever()  # a slow relay: the circuit stays in setup
+
+    monkeypatch.setattr(behind, "open_stream", slow)
+    reservation = relay_host.connection_to(behind.peer_id)
+    greedy, other = Identity.generate().peer_id, Identity.generate().peer_id
+
+    async def incoming(source):
+        body = {"source": source.to_bytes(), "token": bytes(16)}
+        return await reservation.call("relay.incoming", body, timeout=5)
+
+    for _ in range(MAX_PENDING_PER_SOURCE):
+        await incoming(greedy)
+    with pytest.raises(BusyError):
+        await incoming(greedy)
+    await incoming(other)
