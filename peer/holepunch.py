@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import ipaddress
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,7 @@ MAX_TRACKED = 1024
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
-REFUSED_RETRY = 0.05  # between dials a NAT refused (see _connect_until)
+REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see _connect_until)
 TAKEN = object()  # _connect_until: the connection exists already (the other side's dial got in)
 
 
@@ -127,7 +128,7 @@ class HolePuncher:
                 try:
                     reply = await relayed.call(PUNCH, {"addresses": self._addresses()}, timeout=CALL_TIMEOUT)
                     rtt = trio.current_time() - sent
-                    theirs = _parse_addresses(reply.body)
+                    theirs = _parse_addresses(reply.body, self.observed_host())
                     if not theirs:
                         break  # the peer does not know its public address: nothing to dial
                     await relayed.call(SYNC, {"delay": rtt / 2}, timeout=CALL_TIMEOUT)
@@ -171,7 +172,7 @@ class HolePuncher:
             raise Busy("too many hole punching attempts from all peers")
         budget.take(1, trio.current_time())
         self._everyone.take(1, trio.current_time())
-        theirs = _parse_addresses(request.body)
+        theirs = _parse_addresses(request.body, self.observed_host())
         while len(self._offered) >= MAX_TRACKED:
             del self._offered[next(iter(self._offered))]
         self._offered[peer] = theirs
@@ -256,29 +257,37 @@ async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadli
     """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
     between the two already exists (the other side's SYN reached our listener). A refusal is tried
     again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a
-    reset, and the other side's SYN opens it a moment later."""
+    reset, and the other side's SYN opens it a moment later. The pauses double (about 6 dials in
+    an attempt), since the address may name a third party."""
+    pause = REFUSED_RETRY
     while True:
         try:
             return await connect_from(local, remote, max(0.0, deadline - trio.current_time()))
         except ConnectionRefusedError:
-            if trio.current_time() + REFUSED_RETRY >= deadline:
+            if trio.current_time() + pause >= deadline:
                 return None
-            await trio.sleep(REFUSED_RETRY)
+            await trio.sleep(pause)
+            pause *= 2  # the addresses are claims: a third party that refuses gets a few SYNs only
         except OSError as error:
             if error.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
                 return TAKEN
             log.debug("punch dial to %s:%d: %r", *remote, error)
             return None
-        except trio.TooSlowError as error:
+        except (trio.TooSlowError, ValueError) as error:  # ValueError: a host the resolver cannot encode
             log.debug("punch dial to %s:%d: %r", *remote, error)
             return None
 
 
-def _parse_addresses(body: Any) -> list[tuple[str, int]]:
-    """At most MAX_ADDRESSES ``HOST:PORT`` endpoints from a punch message (others are ignored)."""
+def _parse_addresses(body: Any, ours: str | None) -> list[tuple[str, int]]:
+    """At most MAX_ADDRESSES ``IP:PORT`` endpoints from a punch message (others are ignored). Only
+    IP literals: a peer's public address is what others observed, never a name, and a name would
+    have us resolve (or fail to encode) whatever a remote wrote. Never one that dials our own
+    machine (unspecified, or loopback unless our own public host ``ours`` is: peers on one host),
+    nor a multicast one: the addresses are claims, and would aim us at our local services."""
     listed = body.get("addresses") if isinstance(body, dict) else None
     if not isinstance(listed, list):
         raise ValueError("expected {addresses: [HOST:PORT, ...]}")
+    local_ok = ours is not None and (ip := _ip(ours)) is not None and ip.is_loopback
     found = []
     for text in listed[:MAX_ADDRESSES]:
         if isinstance(text, str) and len(text) < 100:
@@ -286,6 +295,18 @@ def _parse_addresses(body: Any) -> list[tuple[str, int]]:
                 address = PeerAddress.parse(text)
             except ValueError:
                 continue
-            if address.relay is None:
-                found.append((address.host, address.port))
+            ip = _ip(address.host)
+            if address.relay is not None or ip is None or ip.is_unspecified or ip.is_multicast:
+                continue
+            if ip.is_loopback and not local_ok:
+                continue
+            found.append((address.host, address.port))
     return found
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip

@@ -23,6 +23,7 @@ from .access import SwarmAccess
 from .address import PeerAddress
 from .admission import Admission, address_group
 from .identity import Identity, PeerID
+from .nat_state import TOKEN_BYTES
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
 from .reuse_port import open_listeners
 from .router import Message, Router
@@ -195,15 +196,20 @@ class PeerHost:
 
     async def _handle_incoming(self, stream: trio.SocketStream) -> None:
         group = address_group(_remote_host(stream))
-        circuit_end = False
+        circuit_token: bytes | None = None
         with trio.CancelScope() as pending:
             for older in self.admission.handshake_started(pending, group):
                 older.cancel()  # the oldest pending handshake of this address (or overall) yields
             try:
                 tune_connection(stream)
-                with trio.fail_after(self.handshake_timeout):  # the first byte and the handshake
-                    circuit_end = await _opens_circuit(stream)
-                    if not circuit_end:
+                # the first byte and the handshake, or a circuit end's token: both under the fair
+                # limits on pending handshakes, so silent circuit ends cannot hold the door either
+                with trio.fail_after(self.handshake_timeout):
+                    if await _opens_circuit(stream):
+                        if self.relay is None:
+                            raise ConnectError("a circuit end, but this peer relays nothing")
+                        circuit_token = await _circuit_token(stream)
+                    else:
                         channel = await secure_handshake(
                             stream,
                             self.identity,
@@ -221,11 +227,8 @@ class PeerHost:
             log.debug("dropped a pending handshake from %s to make room", group)
             await trio.aclose_forcefully(stream)
             return
-        if circuit_end:  # one end of a relayed circuit (peer/relay.py), if we relay at all
-            if self.relay is None:
-                await trio.aclose_forcefully(stream)
-            else:
-                await self.relay.accept_circuit_end(stream)
+        if circuit_token is not None:  # one end of a relayed circuit (peer/relay.py)
+            await self.relay.accept_circuit_end(stream, circuit_token)
             return
         await self.accept_channel(channel, group)
 
@@ -414,6 +417,17 @@ async def _opens_circuit(stream: trio.SocketStream) -> bool:
 
     first = await stream.socket.recv(1, socket.MSG_PEEK)
     return bool(first) and first[0] == CIRCUIT_MAGIC
+
+
+async def _circuit_token(stream: trio.SocketStream) -> bytes:
+    """The token after a circuit end's first byte (BrokenResourceError if the stream ends first)."""
+    head = b""
+    while len(head) < 1 + TOKEN_BYTES:
+        chunk = await stream.receive_some(1 + TOKEN_BYTES - len(head))
+        if not chunk:
+            raise trio.BrokenResourceError("the circuit end closed before its token")
+        head += chunk
+    return head[1:]
 
 
 async def _close_after(connection: Connection, delay: float) -> None:

@@ -2,7 +2,8 @@
 
 ``DialBackLimiter``: a peer asked to dial another back (``peer/reachability.py``) dials only the
 address it saw the request come from, and only so often: at most one dial-back in flight per source
-address, one per source address per ``per_address_interval``, and a global token bucket. A peer
+address, one per source address per ``per_address_interval``, a token bucket per address group
+(the caller picks the port, so a host could otherwise take every slot) and a global one. A peer
 therefore cannot make us dial arbitrary hosts, nor one host at a high rate.
 
 ``RelayBook``: what a relay (``peer/relay.py``) has promised. A reservation lets a peer behind NAT
@@ -70,23 +71,40 @@ class DialBackLimiter:
         burst: float = 8.0,
         per_address_interval: float = 10.0,
         max_addresses: int = 4096,
+        group_rate: float = 0.5,
+        group_burst: float = 4.0,
     ):
         self._bucket = TokenBucket(rate, burst, now)
         self.per_address_interval = per_address_interval
         self.max_addresses = max_addresses
+        self.group_rate, self.group_burst = group_rate, group_burst
         self._last: dict[str, float] = {}  # address -> when its last dial-back started
+        self._groups: dict[str, TokenBucket] = {}  # address group -> its share of the dial-backs
         self._in_flight: set[str] = set()
 
-    def start(self, address: str, now: float) -> str | None:
-        """None if a dial-back to ``address`` may start (and is counted as started), else why not."""
+    def start(self, address: str, now: float, *, group: str | None = None) -> str | None:
+        """None if a dial-back to ``address`` may start (and is counted as started), else why not.
+        ``group``: the caller's address group (``peer/admission.py``; None: no per-group limit).
+        An endpoint's port is the caller's to choose, so one host gets ``group_burst`` dial-backs
+        and ``group_rate`` a second, not the whole budget."""
         if address in self._in_flight:
             return "a dial-back to this address is already in progress"
         last = self._last.get(address)
         if last is not None and now - last < self.per_address_interval:
             return f"this address was dialed back {now - last:.1f} s ago"
+        group_bucket = None
+        if group is not None:
+            group_bucket = self._groups.pop(group, None) or TokenBucket(self.group_rate, self.group_burst, now)
+            self._groups[group] = group_bucket  # the most recently seen group goes last
+            while len(self._groups) > self.max_addresses:
+                del self._groups[next(iter(self._groups))]
+            if group_bucket.available(now) < 1:
+                return "too many dial-back requests from this address; try later"
         if self._bucket.available(now) < 1:
             return "too many dial-back requests; try later"
         self._bucket.take(1, now)
+        if group_bucket is not None:
+            group_bucket.take(1, now)
         self._last.pop(address, None)
         self._last[address] = now
         while len(self._last) > self.max_addresses:

@@ -24,6 +24,7 @@ the dialer's.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,11 +43,11 @@ __all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE
 log = logging.getLogger("peerd.relay")
 
 RESERVE, CONNECT, INCOMING = "relay.reserve", "relay.connect", "relay.incoming"
-TOKEN_TIMEOUT = 5.0  # an end must present its token this soon after connecting
-MAX_WAITING_ENDS = 256  # raw connections still presenting a token or waiting for their partner
+MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
 CALL_TIMEOUT = 5.0
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
+MAX_PENDING_PER_SOURCE = 4  # of those, from one source
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 
 
@@ -103,21 +104,15 @@ class Relay:
         self.book.close_circuit(circuit)
         circuit.waiter.set()  # a waiting end sees the circuit is not active and closes
 
-    async def accept_circuit_end(self, stream: trio.SocketStream) -> None:
-        """An incoming stream that opened with the circuit byte: pair it by its token, or drop it."""
+    async def accept_circuit_end(self, stream: trio.SocketStream, token: bytes) -> None:
+        """An incoming stream that opened with the circuit byte and ``token`` (read by the host
+        under its limits on pending handshakes): pair it, or drop it."""
         if self._waiting_ends >= MAX_WAITING_ENDS:
             await trio.aclose_forcefully(stream)
             return
         self._waiting_ends += 1
         try:
-            circuit = None
-            with trio.move_on_after(TOKEN_TIMEOUT):
-                try:
-                    head = await _receive_exactly(stream, 1 + TOKEN_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    head = None  # whatever a stranger does, it costs them the connection only
-                if head is not None:
-                    circuit = self.book.arrive(head[1:], stream, trio.current_time())
+            circuit = self.book.arrive(token, stream, trio.current_time())
             if circuit is None:
                 await trio.aclose_forcefully(stream)
                 return
@@ -163,16 +158,6 @@ class Relay:
             scope.cancel()  # one direction ended: the circuit is over
 
 
-async def _receive_exactly(stream: trio.SocketStream, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = await stream.receive_some(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
 async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.SocketStream:
     """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake."""
     if address.peer_id is None:
@@ -203,7 +188,7 @@ class RelayClient:
         self.host = host
         self.wanted = wanted
         self.reserved: dict[PeerID, PeerAddress] = {}
-        self._pending_incoming = 0
+        self._pending_incoming: Counter[PeerID] = Counter()  # circuits in setup, per source
         self.changed = trio.Event()
         host.router.add_unary(INCOMING, self._incoming)
         host.relay_dialer = lambda address: dial_through_relay(host, address)
@@ -219,13 +204,15 @@ class RelayClient:
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
             raise BadRequest("malformed circuit token")
         source = PeerID(body["source"])
-        if self._pending_incoming >= MAX_PENDING_INCOMING:
+        if self._pending_incoming.total() >= MAX_PENDING_INCOMING:
             raise Busy("too many circuits being set up")
-        self._pending_incoming += 1
+        if self._pending_incoming[source] >= MAX_PENDING_PER_SOURCE:
+            raise Busy("too many circuits from this source being set up")
+        self._pending_incoming[source] += 1
         try:
             self.host._nursery.start_soon(self._answer, relay, source, token)
         except BaseException:
-            self._pending_incoming -= 1
+            self._settled(source)
             raise
         return {"ok": True}
 
@@ -256,8 +243,13 @@ class RelayClient:
                 await channel.aclose()
                 return
         finally:
-            self._pending_incoming -= 1
+            self._settled(source)
         await host.accept_channel(channel, f"relay:{relay.peer_id}", relayed_via=relay.peer_id)
+
+    def _settled(self, source: PeerID) -> None:
+        self._pending_incoming[source] -= 1
+        if self._pending_incoming[source] <= 0:
+            del self._pending_incoming[source]
 
     async def reserve(self, relay: PeerAddress) -> tuple[PeerID, float]:
         """Reserve (or renew) with ``relay``; returns the relay's ID and the reservation's TTL.
