@@ -215,3 +215,34 @@ async def test_a_step_cancelled_while_it_waits_for_its_group_ends_the_matchmakin
         with trio.fail_after(2):
             await pending.exited.wait()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_reducer_banned_after_the_group_formed_ahead_does_not_set_our_values():
+    """The group is formed ahead; before the step, peer 0 catches the third member lying (in the
+    round still in flight) and bans it. Its shard of the group's round keeps peer 0's own values."""
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0])
+        formed = await find_groups(averagers)
+        liar = nodes[2].host.peer_id
+        averagers[0]._service.checks.banned.ban(liar, "lied")
+        results = {}
+
+        async def step(i):
+            results[i] = await averagers[i].step(weight=1.0, group=formed[i])
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as steps:
+                for i in range(3):
+                    steps.start_soon(step, i)
+        group = formed[0].group
+        index = next(i for i, m in enumerate(group.reducers) if m.peer_id == liar)
+        start, end = results[0].plan.shard_bounds(index)
+        assert end > start and index in results[0].local_shards and liar in results[0].failed_peers
+        mine = averagers[0].tensors[0]
+        assert torch.equal(mine[start:end], torch.full((end - start,), 1.0))
+        assert torch.equal(mine[:start], torch.full((start,), 3.0)) and torch.equal(
+            mine[end:], torch.full((3000 - end,), 3.0)
+        )
+        assert torch.equal(averagers[1].tensors[0], torch.full((3000,), 3.0))  # peer 1 banned no one
+        nursery.cancel_scope.cancel()
