@@ -256,7 +256,7 @@ class AllReduceService:
             if robust and reducer is not None:  # kept from now on
                 self.checks.keep(group, reducer.shard.reduction)
             if sender is not None:
-                averaged = sender.averaged
+                averaged = self._unbanned(group, plan, sender.averaged, result)
                 if robust if check_reducers is None else check_reducers:  # before their averages land
                     averaged = await self._checked(group, plan, flat, weight, averaged, result, the_codec)
                 await in_thread(write_back, tensors, averaged + own_average)
@@ -264,6 +264,20 @@ class AllReduceService:
                 log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         result.seconds = trio.current_time() - started
         return result
+
+    def _unbanned(
+        self, group: GroupInfo, plan: AllReducePlan, averaged: list[tuple[int, torch.Tensor]], result: AllReduceResult
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The averaged parts less those of reducers on our ban list: matchmaking keeps banned peers
+        out of our groups, but a group formed ahead of the step (``match_ahead.py``) may predate
+        the ban, and a caught liar's shard must not be believed in it."""
+        for index, member in enumerate(group.reducers):
+            if member.peer_id != self.host.peer_id and member.peer_id in self.checks.banned:
+                result.local_shards[index] = "reducer banned: " + self.checks.banned.reasons.get(member.peer_id, "")
+                result.failed_peers.add(member.peer_id)
+                start, end = plan.shard_bounds(index)
+                averaged = [(offset, values) for offset, values in averaged if not start <= offset < end]
+        return averaged
 
     async def _checked(
         self,

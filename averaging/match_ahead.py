@@ -103,7 +103,11 @@ class MatchAhead:
             return None
         began = trio.current_time()
         pending.due.set()
-        await pending.exited.wait()  # bounded: matchmaking gives up at its own deadline
+        try:
+            await pending.exited.wait()  # bounded: matchmaking gives up at its own deadline
+        except BaseException:  # the step was cancelled: nobody will average in the group
+            pending.scope.cancel()
+            raise
         self.last_wait_s = trio.current_time() - began
         return pending.formed
 

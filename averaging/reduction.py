@@ -41,6 +41,11 @@ class ContributionRejected(ValueError):
     """A part that cannot be accepted (wrong size, duplicate, non-finite values, bad weight)."""
 
 
+# Below this, a part's weights are taken relative to the largest before the weighted sum: as
+# float32 factors they would vanish. Sample counts never come near it; only odd claims do.
+TINY_WEIGHT = 2.0**-64
+
+
 @dataclass
 class ReductionOutcome:
     averaged: torch.Tensor | None  # None when some part got no contribution of positive weight
@@ -211,11 +216,16 @@ class ShardReduction:
                     raw = [self._weights[s] for s in positive]
                     self.kept_inputs.append((positive, raw, torch.stack(parts), start))
             else:
-                (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], weights
+                scaled, divisor = weights, total
+                if max(weights) < TINY_WEIGHT:  # claims that float32 products would round to 0 (0 / 0)
+                    largest = max(weights)
+                    scaled = [w / largest for w in weights]
+                    divisor = math.fsum(scaled)
+                (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], scaled
                 torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
                 for values, w in zip(rest, rest_weights, strict=True):
                     out.add_(values, alpha=w)
-                out.div_(total)
+                out.div_(divisor)
         if self.keep_inputs and not positive:
             self.kept_inputs.append((positive, [], torch.empty(0), None))
         self.part_taus.append(tau)

@@ -247,7 +247,9 @@ class BanList:
 
     def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
         if len(self.until) >= MAX_BANNED and peer not in self.until:  # drop the ban closest to expiry
-            del self.until[min(self.until, key=self.until.__getitem__)]
+            evicted = min(self.until, key=self.until.__getitem__)
+            del self.until[evicted]
+            self.reasons.pop(evicted, None)
         self.until[peer] = time.monotonic() + seconds
         self.reasons[peer] = reason
 

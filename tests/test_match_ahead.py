@@ -10,7 +10,7 @@ import torch
 import trio
 
 from averaging.averager import GroupAverager
-from averaging.match_ahead import matchmaking_due
+from averaging.match_ahead import MatchAhead, matchmaking_due
 from averaging.optimizer import CollaborativeOptimizer
 from averaging.progress import PeerProgress, SwarmProgress
 from dht.node import DHTNode
@@ -195,4 +195,54 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
         assert groups and all(size == 3 for size in groups), groups
         assert statistics.median(waits) < settle / 4, waits
         assert len(state_waits) == 6 and statistics.median(state_waits) < settle / 4, state_waits
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_step_cancelled_while_it_waits_for_its_group_ends_the_matchmaking_ahead():
+    """A lone peer matches ahead (it will find no one until the matchmaking deadline); its step is
+    cancelled while it waits for the group: the matchmaking behind it ends with it, instead of
+    running on (and, as a leader, forming a group nobody will average in)."""
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 1)
+        averager = GroupAverager(
+            [torch.zeros(8)], nodes[0], prefix="alone", target_group_size=2, min_group_size=2, matchmaking_timeout=30.0
+        )
+        ahead = MatchAhead(averager, nursery, refresh_interval=0.1)
+        ahead.start(5, round_number=5)
+        pending = ahead._pending
+        with trio.move_on_after(0.3):
+            await ahead.take(5)
+        with trio.fail_after(2):
+            await pending.exited.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reducer_banned_after_the_group_formed_ahead_does_not_set_our_values():
+    """The group is formed ahead; before the step, peer 0 catches the third member lying (in the
+    round still in flight) and bans it. Its shard of the group's round keeps peer 0's own values."""
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0])
+        formed = await find_groups(averagers)
+        liar = nodes[2].host.peer_id
+        averagers[0]._service.checks.banned.ban(liar, "lied")
+        results = {}
+
+        async def step(i):
+            results[i] = await averagers[i].step(weight=1.0, group=formed[i])
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as steps:
+                for i in range(3):
+                    steps.start_soon(step, i)
+        group = formed[0].group
+        index = next(i for i, m in enumerate(group.reducers) if m.peer_id == liar)
+        start, end = results[0].plan.shard_bounds(index)
+        assert end > start and index in results[0].local_shards and liar in results[0].failed_peers
+        mine = averagers[0].tensors[0]
+        assert torch.equal(mine[start:end], torch.full((end - start,), 1.0))
+        assert torch.equal(mine[:start], torch.full((start,), 3.0)) and torch.equal(
+            mine[end:], torch.full((3000 - end,), 3.0)
+        )
+        assert torch.equal(averagers[1].tensors[0], torch.full((3000,), 3.0))  # peer 1 banned no one
         nursery.cancel_scope.cancel()

@@ -102,6 +102,17 @@ def test_bans_expire():
     assert peer not in banned and len(banned) == 0
 
 
+def test_bans_of_many_identities_stay_bounded():
+    """Sybil identities caught one after another: the list keeps at most MAX_BANNED of them, with
+    their reasons (those of evicted bans go with them)."""
+    from averaging.verification import MAX_BANNED
+
+    banned = BanList()
+    for i in range(MAX_BANNED + 50):
+        banned.ban(PeerID(i.to_bytes(20, "big")), "lied")
+    assert len(banned.until) == MAX_BANNED and banned.reasons.keys() == banned.until.keys()
+
+
 async def start_with_liar(nursery, count: int, liar: int):
     from peer import open_peer_host
 

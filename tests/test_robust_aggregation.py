@@ -122,3 +122,14 @@ async def test_a_hostile_sender_does_not_steer_a_robust_all_reduce():
             assert results[i].succeeded
             assert float((flat(tensors[i]) - mean).norm()) < bound
         nursery.cancel_scope.cancel()
+
+
+def test_weights_too_small_for_float32_still_give_the_weighted_mean():
+    """Claims of 1e-300 (finite, positive, within bounds) underflow float32: the part's average
+    must still be their weighted mean, never 0 / 0."""
+    points = honest_cloud(3)
+    for aggregation in (Aggregation.MEAN, Aggregation.CENTERED_CLIP):
+        averaged = reduce_shard(points, [1e-300, 1e-300, 2e-300], aggregation)
+        assert torch.isfinite(averaged).all(), aggregation
+    expected = (points[0] + points[1] + 2 * points[2]) / 4
+    assert torch.allclose(reduce_shard(points, [1e-300, 1e-300, 2e-300], Aggregation.MEAN), expected, atol=1e-5)
