@@ -74,6 +74,31 @@ def test_ctrl_c_while_join_bootstraps(tmp_path):
             assert_interrupted_cleanly(peer)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a live process has used so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's CPU time from /proc")
+def test_sigterm_to_a_training_peer_exits_at_once(tmp_path):
+    # Tearing down the interpreter's heap (torch, the data set, the model) object by object cost
+    # a lone digits peer ~0.5 s of CPU after SIGTERM: seconds of wall time for peers stopping
+    # together on busy cores. CPU time, unlike wall time, says so on a quiet machine too.
+    args = join_args(tmp_path, "--node-id-difficulty", str(LOCAL_DIFFICULTY), "--task", "digits")
+    with PeerdProcess(args, tmp_path / "join.log") as peer:
+        peer.wait_for_log("training task", timeout=60)
+        before = cpu_seconds(peer.process.pid)
+        start = time.monotonic()
+        peer.process.send_signal(signal.SIGTERM)
+        _, status, usage = os.wait4(peer.process.pid, 0)
+        peer.process.returncode = os.waitstatus_to_exitcode(status)
+        wall, cpu = time.monotonic() - start, usage.ru_utime + usage.ru_stime - before
+        assert peer.process.returncode == 0, peer.log()
+        assert "Traceback" not in peer.log(), peer.log()
+        assert wall < 2.0 and cpu < 0.25, f"exit took {wall:.2f} s, {cpu:.2f} s of CPU\n{peer.log()}"
+
+
 @pytest.fixture
 def swarm_tmp(tmp_path):
     """tmp_path, with any process still naming it SIGKILLed at teardown: a broken launcher must

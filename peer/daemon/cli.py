@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import trio
 
@@ -27,7 +28,7 @@ from .identity_lock import IdentityInUseError, lock_identity
 from .join_arguments import AUTO, add_join_arguments, data_shard_from_args, initial_peers_from_args
 from .node_ids import node_id_for
 from .private_swarm import access_from_args
-from .runner import EXIT_UNREACHABLE, run_joining, until_stopped
+from .runner import EXIT_UNREACHABLE, exit_process, run_joining, until_stopped
 from .settings import Settings, SettingsError
 from .status_pages import dashboard_url
 from .status_server import fetch_status
@@ -243,6 +244,11 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run() -> NoReturn:
+    """The ``peerd`` program: ``main()`` and exit with its code at once (see ``exit_process``)."""
+    exit_process(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -297,4 +303,4 @@ def _config_path(argv: list[str] | None) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
