@@ -231,7 +231,7 @@ class ReducerShard:
             self.error = ValueError(f"part {index} of the shard got no contribution")
             return
         try:
-            meta, payload = codec.encode(averaged)  # checks finiteness: weighted values can overflow to inf
+            meta, payload = codec.encode(averaged)  # checks finiteness again before anything is sent
         except ValueError as error:
             self.error = error
             return
