@@ -49,6 +49,8 @@ import torch
 from peer import PeerID
 from peer.tensors import all_finite
 
+from .commitments import SignedPart, verify_part
+from .compression import codec_of
 from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
 
 __all__ = [
@@ -78,6 +80,8 @@ START_MARGIN = 1.25
 # fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
 # far less than a single contribution may move the aggregate by (tau * its weight share).
 CHECK_TOLERANCE = 0.01
+# An encoded input is at most float32 (and a few bytes of header) per value.
+MAX_ENCODED_BYTES_PER_VALUE = 5
 # Bans are kept per peer we were grouped with: this bounds them against Sybils.
 MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
@@ -88,7 +92,9 @@ BAN_SECONDS = 600.0
 @dataclass
 class PartInputs:
     """What a reducer aggregated for one part: who (in order), their claimed weights, their
-    values (one row each), and the clip radius."""
+    values (one row each), the clip radius, and each input as its sender signed it
+    (``commitments.py``): on the wire the values travel only as those signed parts, and the
+    checker decodes them itself."""
 
     senders: list[PeerID]
     weights: list[float]
@@ -96,20 +102,28 @@ class PartInputs:
     tau: float
     aggregation: Aggregation
     start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
+    signed: list[SignedPart] = field(default_factory=list)  # one per sender (the answer's only values)
 
-    def to_message(self) -> tuple[dict[str, Any], memoryview]:
+    def to_message(self) -> tuple[dict[str, Any], bytes]:
+        if len(self.signed) != len(self.senders):
+            raise ValueError("every input needs its signed part")
         body = {
             "senders": [p.to_bytes() for p in self.senders],
             "weights": list(self.weights),
             "tau": self.tau,
             "aggregation": self.aggregation.value,
             "start": self.start,
+            "keys": [s.public_key for s in self.signed],
+            "sigs": [s.signature for s in self.signed],
+            "metas": [s.meta for s in self.signed],
+            "sizes": [len(s.payload) for s in self.signed],
         }
-        return body, memoryview(self.values.contiguous().numpy()).cast("B")
+        return body, b"".join(s.payload for s in self.signed)
 
     @classmethod
     def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
-        """A check's answer, checked field by field (raises ValueError)."""
+        """A check's answer, checked field by field and its inputs decoded (raises ValueError);
+        the signatures are checked by ``PartCheck.verdict``."""
         if not isinstance(body, dict):
             raise ValueError("a check answer is a map")
         raw, weights, tau = body.get("senders"), body.get("weights"), body.get("tau")
@@ -128,13 +142,30 @@ class PartInputs:
         start = body.get("start")
         if not (start is None or (type(start) is int and 0 <= start < len(senders))):
             raise ValueError("malformed start")
-        if payload is None or len(payload) != 4 * part_size * len(senders):
-            raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
-        buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
-        values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
+        keys, sigs, metas, sizes = (body.get(name) for name in ("keys", "sigs", "metas", "sizes"))
+        if not all(isinstance(f, list) and len(f) == len(senders) for f in (keys, sigs, metas, sizes)):
+            raise ValueError("a check answer gives every input's key, signature, meta and size")
+        if not all(type(n) is int and 0 <= n <= MAX_ENCODED_BYTES_PER_VALUE * part_size for n in sizes):
+            raise ValueError("malformed input size")
+        if payload is None or len(payload) != sum(sizes):
+            raise ValueError(f"expected {sum(sizes)} bytes of inputs")
+        view = memoryview(payload).cast("B")
+        values = torch.empty(len(senders), part_size, dtype=torch.float32)
+        signed, offset = [], 0
+        for row, (key, sig, meta, size) in enumerate(zip(keys, sigs, metas, sizes, strict=True)):
+            if not (isinstance(key, bytes) and isinstance(sig, bytes)):
+                raise ValueError("malformed key or signature")
+            encoded = bytes(view[offset : offset + size])
+            offset += size
+            decoded = codec_of(meta).decode_into(meta, encoded, values[row])
+            if decoded.dtype != torch.float32 or decoded.numel() != part_size:
+                raise ValueError(f"an input decoded to {decoded.numel()} values, expected {part_size}")
+            if decoded is not values[row]:
+                values[row].copy_(decoded)
+            signed.append(SignedPart(key, sig, meta, encoded))
         if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
-        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start)
+        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed)
 
 
 class KeptInputs:
@@ -186,6 +217,8 @@ class PartCheck:
     contributors: list[PeerID]  # named in the reply for this part
     reply: torch.Tensor  # the part's aggregate as we received (decoded) it
     requantize: Any = None  # values -> values as the reply's codec would round them, if lossy
+    group_id: bytes = b""  # the round
+    part: int = 0  # the part's index in the reducer's shard
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
@@ -193,6 +226,12 @@ class PartCheck:
             return f"it aggregates with {inputs.aggregation.value}, not centered-clip"
         if not set(inputs.senders) <= set(self.contributors):
             return "its inputs name senders its reply left out"
+        if len(inputs.signed) != len(inputs.senders):
+            return "its inputs are not signed"
+        for sender, weight, signed in zip(inputs.senders, inputs.weights, inputs.signed, strict=True):
+            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, signed.payload)
+            if not verify_part(signed.public_key, signed.signature, *args):
+                return f"it states an input of {sender} that {sender} did not sign"
         if self.weight > 0:
             if self.me not in inputs.senders:
                 return "it left our contribution out of its inputs"

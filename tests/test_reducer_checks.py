@@ -9,6 +9,8 @@ import trio
 
 from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
+from averaging.commitments import SignedPart, sign_part
+from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
 from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
@@ -21,8 +23,28 @@ from .test_matchmaking import open_swarm, step_all
 DIM = 1024
 
 
+GROUP = b"g" * 16
+KEYS: dict[PeerID, Identity] = {}
+
+
 def ids(count: int) -> list[PeerID]:
-    return [Identity.generate().peer_id for _ in range(count)]
+    identities = [Identity.generate() for _ in range(count)]
+    KEYS.update((i.peer_id, i) for i in identities)
+    return [i.peer_id for i in identities]
+
+
+def signed_rows(peers: list[PeerID], weights: list[float], values: torch.Tensor) -> list[SignedPart]:
+    """Each row as its sender (``KEYS``) signs it for part 0 of ``peers[0]``'s shard."""
+    codec, rows = get_codec("none"), []
+    for peer, weight, row in zip(peers, weights, values, strict=True):
+        meta, payload = codec.encode(row)
+        signature = sign_part(KEYS[peer], GROUP, peers[0], 0, weight, meta, payload)
+        rows.append(SignedPart(KEYS[peer].public_key, signature, meta, bytes(payload)))
+    return rows
+
+
+def checker(me, reducer, own, weight, contributors, reply) -> PartCheck:
+    return PartCheck(me, reducer, own, weight, contributors, reply, None, GROUP, 0)
 
 
 def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch.Tensor]:
@@ -34,40 +56,44 @@ def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch
     reply = torch.empty(DIM)
     tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
     assert moved_to is None
-    return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0), reply
+    signed = signed_rows(peers, weights, values)
+    return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0, signed), reply
 
 
 def test_an_honest_answer_holds_and_every_lie_is_named():
     peers = ids(5)
     inputs, reply = honest_inputs(peers)
     me = peers[2]
-    check = PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
+    check = checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
     assert check.verdict(inputs) is None
     lies = {
-        "reply": PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
-        "our values": PartCheck(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
-        "our weight": PartCheck(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
-        "left out": PartCheck(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
+        "reply": checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
+        "our values": checker(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
+        "our weight": checker(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
+        "left out": checker(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
     }
     lies["left out"].me = ids(1)[0]
     for name, lie in lies.items():
         assert lie.verdict(inputs) is not None, name
     for tau in (inputs.tau * 10, inputs.tau / 10):  # loosened to the mean, or tightened to its start
-        assert check.verdict(PartInputs(peers, inputs.weights, inputs.values, tau, inputs.aggregation, 0)) is not None
+        assert (
+            check.verdict(PartInputs(peers, inputs.weights, inputs.values, tau, inputs.aggregation, 0, inputs.signed))
+            is not None
+        )
     # a reducer that starts from a contribution of its own far away: a huge radius, the mean
     far = inputs.values.clone()
     far[0] = 1e6
     weights = inputs.weights
     parts = list(far.unbind(0))
     tau, _ = centered_clip(parts, clip_weights(weights), reply, center=far[0], choose_start=False)
-    honest_looking = PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
-    lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0)
+    honest_looking = checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
+    lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0, signed_rows(peers, weights, far))
     assert "far" in (honest_looking.verdict(lie) or "")
     # an honest reducer whose own contribution lies far out (a replica that lags) starts elsewhere
     tau, moved_to = centered_clip(parts, clip_weights(weights), reply, center=far[0])
     assert moved_to not in (None, 0)
-    honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to)
-    assert PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
+    honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to, signed_rows(peers, weights, far))
+    assert checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
     mean = PartInputs(peers, inputs.weights, inputs.values, inputs.tau, Aggregation.MEAN, 0)
     assert "mean" in (check.verdict(mean) or "")
 
