@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
@@ -16,7 +17,7 @@ from averaging.robust import Aggregation, centered_clip, clip_weights
 from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
 from peer import Identity, PeerID
 
-from .hostile_reducers import LyingShard, lying_service
+from .hostile_reducers import LyingShard, fabricating_service, lying_service
 from .test_allreduce import flat, make_group, random_tensors, run_round
 from .test_matchmaking import open_swarm, step_all
 
@@ -128,7 +129,14 @@ def test_bans_expire():
     assert peer not in banned and len(banned) == 0
 
 
-async def start_with_liar(nursery, count: int, liar: int):
+class MisSigning(Identity):
+    """Signs every part over something other than what it sends (a sender out to frame reducers)."""
+
+    def sign(self, message: bytes) -> bytes:
+        return super().sign(message + b"!" if message.startswith(b"peerd-signed-part") else message)
+
+
+async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_signer: int = -1):
     from peer import open_peer_host
 
     from .test_allreduce import Peer
@@ -136,9 +144,14 @@ async def start_with_liar(nursery, count: int, liar: int):
     peers = []
 
     async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with open_peer_host(Identity.generate()) as host:
-            shard_type = LyingShard if index == liar else None
-            service = AllReduceService(host) if shard_type is None else AllReduceService(host, shard_type=shard_type)
+        identity = MisSigning(Ed25519PrivateKey.generate()) if index == mis_signer else Identity.generate()
+        async with open_peer_host(identity) as host:
+            if index != liar:
+                service = AllReduceService(host)
+            elif make_liar is not None:
+                service = make_liar(host)
+            else:
+                service = AllReduceService(host, shard_type=LyingShard)
             task_status.started(Peer(host, service, trio.CancelScope(), None))
             await trio.sleep_forever()
 
@@ -147,9 +160,12 @@ async def start_with_liar(nursery, count: int, liar: int):
     return peers
 
 
-async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are():
+@pytest.mark.parametrize("make_liar", [None, fabricating_service], ids=["true-inputs", "fabricated-inputs"])
+async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are(make_liar):
+    """Also one that states each checker's own contribution truly and fabricates every other to
+    fit its lie: the fabricated inputs do not carry their senders' signatures."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=3)
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_liar)
         liar = peers[3].host.peer_id
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(4)]
@@ -217,4 +233,26 @@ async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
             assert results[i].succeeded
             assert len(results[i].reducer_checks) == 3
             assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sender_whose_parts_do_not_match_its_signatures_is_refused_and_frames_nobody():
+    """Its parts never enter a reducer's inputs, so every honest reducer's answers stay provable."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1, mis_signer=3)
+        hostile = peers[3].host.peer_id
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        honest = [m.peer_id for m in group.reducers if m.peer_id != hostile]
+        for i in range(3):
+            assert hostile in results[i].failed_peers
+            for shard, parts in results[i].part_contributors.items():
+                assert group.reducers[shard].peer_id == hostile or all(hostile not in part for part in parts)
+            verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
+            assert set(verdicts) == {m.peer_id for m in group.reducers} - {peers[i].host.peer_id}
+            assert all(verdicts[r] is None for r in honest if r != peers[i].host.peer_id), verdicts
+            # (as a reducer it states its own parts under signatures that do not match them)
+            assert set(peers[i].service.checks.banned.until) <= {hostile}
         nursery.cancel_scope.cancel()
