@@ -5,13 +5,14 @@ helps while the reducer runs it. So, in the style of BTARD's verification (Gorbu
 in a round that uses CenteredClip each sender, before it uses any reducer's averages, picks at
 random and in private one part of each other reducer's shard (of each with a probability that
 bounds what the checks cost the reducer's uplink, ``reducer_checks.CHECK_SHARE``, on all but
-small vectors) and asks that
-reducer (``avg.check``) for the part's inputs: the contributions it aggregated, the weights they
-claimed, and the clip radius it used. The reducer keeps them from the moment each part is
-aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender
-then
+small vectors) and asks that reducer (``avg.check``) for the part's inputs: the contributions it
+aggregated, each as its sender sent and signed it (``commitments.py``), the weights they claimed,
+and the clip radius it used. The reducer keeps them from the moment each part is aggregated until
+``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender then
 
-1. finds its own contribution and weight among the inputs, exactly as it sent them;
+1. requires every input to carry its sender's signature over it, for this round, this reducer,
+   this part and the weight stated with it, and decodes the inputs itself; and finds its own
+   contribution and weight among them, exactly as it sent them;
 2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
    far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
    most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
@@ -25,15 +26,20 @@ reducer's shard with the sender's own values and puts the reducer on this peer's
 ``BAN_SECONDS``: matchmaking leaves it out of our groups.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
-answer and on what this sender itself sent and received. A reducer that returns anything but the
-aggregate of its claimed inputs is caught by whoever checks that part; one that makes its claimed
-inputs fit a false answer must misstate some honest sender's contribution or weight, and that
-sender catches it when it checks that part. A reducer that lies on its whole shard is
-therefore caught in its first round by every sender that checks it (all of them on small
-vectors), and its lie is never used by those; one that lies on a single part of ``P``
-is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
-per reducer checked, one RPC carrying one part's inputs (group size x part size) and one
-CenteredClip of that part; a reducer keeps a copy of its inputs for a few rounds.
+answer, on what this sender itself sent and received, and on the other senders' signatures. A
+reducer that returns anything but the aggregate of its claimed inputs is caught by whoever checks
+that part; one that makes its claimed inputs fit a false answer must misstate some honest sender's
+contribution or weight. It answers each checker in private, so it could state the checker's own
+contribution truly and misstate only the others'; but it cannot sign for them, so any such input
+fails its signature check. Nor can a sender frame an honest reducer: a part that does not match
+its signature is refused at receipt (``allreduce_protocol.py``) and never becomes an input. A
+reducer that lies on its whole shard is therefore caught in its first round by every sender that
+checks it (all of them on small vectors), and its lie is never used by those; one that lies on a
+single part of ``P`` is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
+per reducer checked, one RPC carrying one part's inputs (group size x part size, as encoded), their
+decoding, a hash and a signature verification per input, and one CenteredClip of that part; a
+reducer keeps a copy of its inputs (decoded, and as sent) for a few rounds; in a checked round
+every part sent is hashed and signed, every part received hashed and verified.
 """
 
 from __future__ import annotations
