@@ -206,7 +206,7 @@ class ContributionInbox:
         part as sent, for the checks (``commitments.py``)."""
         signing = self.signing
         assert signing is not None and isinstance(self.sender, PeerID)
-        payload = bytes(part.payload)  # (a received buffer is reused once its part is averaged)
+        payload = part.payload
         if not verify_part(
             signing.key,
             part.signature,
@@ -219,7 +219,10 @@ class ContributionInbox:
             payload,
         ):
             raise ContributionRejected(f"part {part.index} does not match its sender's signature")
-        part.signed = SignedPart(signing.key, part.signature, part.meta, payload)
+        # A float32 part's bytes are its values, which the reduction keeps (``kept_inputs``); any
+        # other is copied (a received buffer is reused once its part is averaged).
+        kept = None if part.codec.encodes_as_view else bytes(payload)
+        part.signed = SignedPart(signing.key, part.signature, part.meta, kept)
 
     def stage(self, index: int, values: torch.Tensor, signed: SignedPart | None = None) -> None:
         """Hand the values to the reduction, which checks them (finite, the right size, not a

@@ -118,7 +118,7 @@ class ReducerChecks:
                 if signed[row] is None and sender == identity.peer_id:  # our own: we sign it as float32
                     meta, payload = plain.encode_finite(values[row])
                     signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
-                    signed[row] = SignedPart(identity.public_key, signature, meta, bytes(payload))
+                    signed[row] = SignedPart(identity.public_key, signature, meta, None)
             tau = reduction.part_taus[index]
             return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 

@@ -234,9 +234,13 @@ class ReducerRole:
                 part = inbox.part(message.body, message.payload)
                 # A payload that landed in its buffer is only checked; anything else is decoded
                 # (a copy at least) in a worker thread.
-                # (A signed part is hashed and its signature verified, in the thread too.)
-                inline = part.landed and inbox.signing is None
-                values = inbox.decode(part) if inline else await in_thread(inbox.decode, part)
+                # (A signed one is hashed and its signature verified too: inline for usual sizes.)
+                if part.landed and inbox.signing is None:
+                    values = inbox.decode(part)
+                elif part.landed:
+                    values = await _small_inline(part.numel, inbox.decode, part)
+                else:
+                    values = await in_thread(inbox.decode, part)
                 async with self.lock:
                     # stage checks the part for NaN/inf: on the event loop for parts of the usual
                     # size (a fraction of a millisecond, while the part is still in cache; a thread
@@ -434,9 +438,9 @@ class SenderRole:
 
     async def _encode(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:
         # Our flattened values were checked finite as a whole, so parts skip that pass; a codec
-        # whose payload is a view of the part needs no worker thread, unless we sign it.
-        if self.codec.encodes_as_view and not self.signed:
-            return (*self.codec.encode_finite(part), None)
+        # whose payload is a view of the part needs no worker thread.
+        if self.codec.encodes_as_view:  # (signing hashes it: inline for parts of the usual size)
+            return await _small_inline(part.numel() if self.signed else 0, self._encode_and_sign, part, reducer, index)
         return await in_thread(self._encode_and_sign, part, reducer, index)
 
     def _encode_and_sign(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:

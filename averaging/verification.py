@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from peer import PeerID
-from peer.tensors import all_finite
+from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import SignedPart, verify_part
 from .compression import codec_of
@@ -110,9 +110,15 @@ class PartInputs:
     start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
     signed: list[SignedPart] = field(default_factory=list)  # one per sender (the answer's only values)
 
-    def to_message(self) -> tuple[dict[str, Any], bytes]:
+    def row_payload(self, row: int) -> Any:
+        """Input ``row`` as its sender sent it (a float32 one is its kept values)."""
+        payload = self.signed[row].payload
+        return tensor_bytes(self.values[row]) if payload is None else payload
+
+    def to_message(self) -> tuple[dict[str, Any], Any]:
         if len(self.signed) != len(self.senders):
             raise ValueError("every input needs its signed part")
+        payloads = [self.row_payload(row) for row in range(len(self.senders))]
         body = {
             "senders": [p.to_bytes() for p in self.senders],
             "weights": list(self.weights),
@@ -122,9 +128,11 @@ class PartInputs:
             "keys": [s.public_key for s in self.signed],
             "sigs": [s.signature for s in self.signed],
             "metas": [s.meta for s in self.signed],
-            "sizes": [len(s.payload) for s in self.signed],
+            "sizes": [len(p) for p in payloads],
         }
-        return body, b"".join(s.payload for s in self.signed)
+        if all(s.payload is None for s in self.signed):  # all float32: the kept values as they are
+            return body, tensor_bytes(self.values.contiguous())
+        return body, b"".join(payloads)
 
     @classmethod
     def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
@@ -161,7 +169,7 @@ class PartInputs:
         for row, (key, sig, meta, size) in enumerate(zip(keys, sigs, metas, sizes, strict=True)):
             if not (isinstance(key, bytes) and isinstance(sig, bytes)):
                 raise ValueError("malformed key or signature")
-            encoded = bytes(view[offset : offset + size])
+            encoded = view[offset : offset + size]
             offset += size
             decoded = codec_of(meta).decode_into(meta, encoded, values[row])
             if decoded.dtype != torch.float32 or decoded.numel() != part_size:
@@ -234,8 +242,8 @@ class PartCheck:
             return "its inputs name senders its reply left out"
         if len(inputs.signed) != len(inputs.senders):
             return "its inputs are not signed"
-        for sender, weight, signed in zip(inputs.senders, inputs.weights, inputs.signed, strict=True):
-            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, signed.payload)
+        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
+            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, inputs.row_payload(row))
             if not verify_part(signed.public_key, signed.signature, *args):
                 return f"it states an input of {sender} that {sender} did not sign"
         if self.weight > 0:
