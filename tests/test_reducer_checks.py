@@ -3,6 +3,8 @@ banned, and left out of their groups; honest reducers pass every check."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 import torch
 import trio
@@ -16,6 +18,7 @@ from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
 from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
 from peer import Identity, PeerID
+from peer.tensors import tensor_bytes
 
 from .hostile_reducers import LyingShard, fabricating_service, lying_service
 from .test_allreduce import flat, make_group, random_tensors, run_round
@@ -95,6 +98,14 @@ def test_an_honest_answer_holds_and_every_lie_is_named():
     assert moved_to not in (None, 0)
     honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to, signed_rows(peers, weights, far))
     assert checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
+    # another sender's input changed (to fit a lie) under its own signature, or without one
+    fabricated = inputs.values.clone()
+    fabricated[1] = reply
+    forged = list(inputs.signed)
+    forged[1] = SignedPart(forged[1].public_key, forged[1].signature, forged[1].meta, bytes(tensor_bytes(reply)))
+    stated = PartInputs(peers, inputs.weights, fabricated, inputs.tau, inputs.aggregation, 0, forged)
+    assert "did not sign" in (check.verdict(stated) or "")
+    assert "not signed" in (check.verdict(PartInputs(peers, *astuple(stated)[1:6], forged[:-1])) or "")
     mean = PartInputs(peers, inputs.weights, inputs.values, inputs.tau, Aggregation.MEAN, 0)
     assert "mean" in (check.verdict(mean) or "")
 
