@@ -135,7 +135,7 @@ class AllReduceService:
             sink.part_sizes = role.shard.reduction.part_sizes
             with role.lease:
                 try:
-                    await role.serve(stream, sink, header.weight)
+                    await role.serve(stream, sink, header)
                 except BaseException:
                     role.lease.forfeit_all()  # a reply cut short may still sit in the send queue
                     raise
@@ -219,7 +219,9 @@ class AllReduceService:
                     self.checks.keep(group, reducer.shard.reduction)
             sender = None
             if flat is not None:
-                header = ReduceHeader(group.group_id, weight, total)
+                # the reducers' checks cover CenteredClip rounds: there every part is signed
+                key = self.host.identity.public_key if Aggregation(aggregation) is Aggregation.CENTERED_CLIP else None
+                header = ReduceHeader(group.group_id, weight, total, key)
                 sender = SenderRole(self.host, plan, flat, header, the_codec, links)
             result = AllReduceResult(group, plan=plan, my_shard=my_shard)
             self._announce(group.group_id, reducer)
@@ -319,7 +321,9 @@ class AllReduceService:
         if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
-        shard.reduction.keep_inputs = aggregation is Aggregation.CENTERED_CLIP  # for the senders' checks
+        if aggregation is Aggregation.CENTERED_CLIP:  # for the senders' checks: signed parts, kept
+            shard.reduction.keep_inputs = True
+            shard.signed_round = (group.group_id, self.host.peer_id)
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

@@ -13,7 +13,8 @@ import trio
 
 from peer import Message, PeerHost, PeerID, Request, Router
 
-from .compression import Codec, codec_of
+from .commitments import SignedPart, sign_part
+from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
 from .reduction import ShardReduction
@@ -96,21 +97,30 @@ class ReducerChecks:
     async def _handle_check(self, request: Request) -> Message:
         body = request.body if isinstance(request.body, dict) else {}
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
-        answer, payload = inputs.to_message()
+        answer, payload = await in_thread(inputs.to_message)
         return Message(answer, payload)
 
     def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
         """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
         round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then)."""
 
+        identity = self.host.identity
+        plain = get_codec("none")
+
         def inputs(index: int) -> PartInputs | None:
             if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
                 return None
-            senders, weights, values, start = reduction.kept_inputs[index]
+            senders, weights, values, start, signed = reduction.kept_inputs[index]
             if not senders:
                 return None
+            signed = list(signed)
+            for row, sender in enumerate(senders):
+                if signed[row] is None and sender == identity.peer_id:  # our own: we sign it as float32
+                    meta, payload = plain.encode_finite(values[row])
+                    signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
+                    signed[row] = SignedPart(identity.public_key, signature, meta, None)
             tau = reduction.part_taus[index]
-            return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start)
+            return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 
         self.kept.keep(group.group_id, [m.peer_id for m in group.senders], inputs, trio.current_time())
 
@@ -161,6 +171,8 @@ class ReducerChecks:
                 list(part_contributors[index][part]),
                 by_start[start].clone(),
                 _requantizer(codec),
+                group.group_id,
+                part,
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
@@ -190,7 +202,8 @@ class ReducerChecks:
                 reply = await self.host.call(
                     reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
                 )
-                inputs = PartInputs.parse(reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
+                parse = PartInputs.parse
+                inputs = await in_thread(parse, reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
                 verdict = await in_thread(pending.check.verdict, inputs)
             except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
                 verdict = f"its check answer failed: {type(error).__name__}: {error}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,9 +88,11 @@ class ShardReduction:
         # Set to keep each part's inputs after it is aggregated (for the senders' checks,
         # ``verification.py``): per part, the senders with positive weight, their claimed weights,
         # a copy of their values (one row each), and the row CenteredClip started from (None:
-        # the coordinate-wise median).
+        # the coordinate-wise median), and per sender what it signed for the part (``signed`` of
+        # ``add_part``; None for our own contribution and in unsigned rounds).
         self.keep_inputs = False
-        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None]] = []
+        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None, list[Any]]] = []
+        self._signed: list[dict[Hashable, Any]] = [{} for _ in self.part_sizes]  # of parts not averaged
 
     @property
     def num_parts(self) -> int:
@@ -122,10 +125,11 @@ class ShardReduction:
         self._weights[sender] = float(weight)
         self._delivered.setdefault(sender, set())
 
-    def add_part(self, sender: Hashable, part_index: int, values: torch.Tensor) -> None:
+    def add_part(self, sender: Hashable, part_index: int, values: torch.Tensor, signed: Any = None) -> None:
         """Stage one part; raises ContributionRejected (the caller then drops the sender).
 
-        ``values`` is kept, not copied, until its part is averaged: pass a tensor nobody modifies."""
+        ``values`` is kept, not copied, until its part is averaged: pass a tensor nobody modifies.
+        ``signed``: the sender's signed part as sent, kept with the inputs (``keep_inputs``)."""
         self._check_sender(sender)
         if sender not in self._weights:
             raise ContributionRejected("a part arrived before the sender's weight")
@@ -143,6 +147,8 @@ class ShardReduction:
             raise ContributionRejected(f"part {part_index} contains NaN or infinite values")
         delivered.add(part_index)  # (a part is averaged only once every live sender delivered it)
         self._staged[part_index][sender] = values
+        if signed is not None and self.keep_inputs:
+            self._signed[part_index][sender] = signed
 
     def add_local(self, sender: Hashable, values: torch.Tensor, weight: float) -> None:
         """A reducer's own contribution: the whole shard at once. The caller has checked ``values``
@@ -172,6 +178,8 @@ class ShardReduction:
         self.dropped[sender] = reason
         for staged in self._staged[self.averaged_parts :]:
             staged.pop(sender, None)
+        for signed in self._signed[self.averaged_parts :]:
+            signed.pop(sender, None)
 
     def drop_pending(self, reason: str) -> None:
         for sender in self.pending:
@@ -213,7 +221,8 @@ class ShardReduction:
                 if self.keep_inputs:
                     start = moved_to if moved_to is not None or center is None else positive.index(self.own)
                     raw = [self._weights[s] for s in positive]
-                    self.kept_inputs.append((positive, raw, torch.stack(parts), start))
+                    signed = [self._signed[index].get(s) for s in positive]
+                    self.kept_inputs.append((positive, raw, torch.stack(parts), start, signed))
             else:
                 # Weights normalised first (in float64): every partial sum is then a part of a convex
                 # combination, never larger than the largest value, so finite contributions give a
@@ -226,9 +235,10 @@ class ShardReduction:
                 for values, w in zip(rest, rest_weights, strict=True):
                     out.add_(values, alpha=w)
         if self.keep_inputs and not positive:
-            self.kept_inputs.append((positive, [], torch.empty(0), None))
+            self.kept_inputs.append((positive, [], torch.empty(0), None, []))
         self.part_taus.append(tau)
         staged.clear()
+        self._signed[index].clear()
         self.part_contributors.append(contributors)
         self.part_weights.append(total)
         return index

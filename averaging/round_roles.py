@@ -28,6 +28,7 @@ from .allreduce_protocol import (
     ReducerShard,
     part_body,
 )
+from .commitments import sign_part
 from .compression import Codec
 from .group import GroupInfo, GroupMember
 from .link_speed import DeadlineRules, ProgressDeadline
@@ -175,7 +176,7 @@ class ReducerRole:
 
         return give_up
 
-    async def serve(self, stream, sink: PartSink, weight: Any) -> None:
+    async def serve(self, stream, sink: PartSink, header: ReduceHeader) -> None:
         """One sender's stream: its parts until it ends (or the round moves on), and at the same
         time the replies, each as soon as it is made."""
         sender = stream.peer
@@ -183,11 +184,11 @@ class ReducerRole:
         reduction = self.shard.reduction
         try:
             async with self.lock:
-                reduction.set_weight(sender, weight)
+                reduction.set_weight(sender, header.weight)
+            inbox = self.shard.inbox(sender, sink, header)
         except ContributionRejected as error:
             await self._drop(sender, str(error))
             raise
-        inbox = self.shard.inbox(sender, sink)
         # once every reply is sent, every part is averaged: nothing more is needed from the sender
         await _alongside(partial(self._receive, inbox, stream), partial(self._send_replies, stream))
 
@@ -233,12 +234,18 @@ class ReducerRole:
                 part = inbox.part(message.body, message.payload)
                 # A payload that landed in its buffer is only checked; anything else is decoded
                 # (a copy at least) in a worker thread.
-                values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
+                # (A signed one is hashed and its signature verified too: inline for usual sizes.)
+                if part.landed and inbox.signing is None:
+                    values = inbox.decode(part)
+                elif part.landed:
+                    values = await _small_inline(part.numel, inbox.decode, part)
+                else:
+                    values = await in_thread(inbox.decode, part)
                 async with self.lock:
                     # stage checks the part for NaN/inf: on the event loop for parts of the usual
                     # size (a fraction of a millisecond, while the part is still in cache; a thread
                     # hop costs more), in a worker thread for unusually large ones.
-                    await _small_inline(values.numel(), inbox.stage, part.index, values)
+                    await _small_inline(values.numel(), inbox.stage, part.index, values, part.signed)
                 self._note_arrival()
             async with self.lock:
                 inbox.finish()  # drops the sender if parts are missing
@@ -331,6 +338,7 @@ class SenderRole:
         # caller's tensors only when the round is over, so a cancelled round leaves them untouched
         self.averaged: list[tuple[int, torch.Tensor]] = []
         self.pacer = PartPacer()
+        self.signed = header.key is not None  # every part is signed (``commitments.py``)
 
     def will_exchange(self, index: int) -> None:
         """Called for every shard this peer will send, before any exchange starts."""
@@ -397,7 +405,7 @@ class SenderRole:
         async with connection.stream(REDUCE_METHOD) as stream:
             stream.set_buffer_provider(inbox.sink)
             # once the reducer has answered in full, sending is over (it may have dropped us)
-            sending = partial(self._send_parts, index, stream, inbox, progress)
+            sending = partial(self._send_parts, index, reducer.peer_id, stream, inbox, progress)
             await _alongside(sending, partial(self._receive_average, stream, inbox, progress))
         return inbox
 
@@ -410,13 +418,15 @@ class SenderRole:
             values = inbox.decode(part) if part.landed else await in_thread(inbox.decode, part)
             await _small_inline(values.numel(), inbox.accept, values)  # (see ReducerRole._receive)
 
-    async def _send_parts(self, index: int, stream, inbox: AverageInbox, progress: ProgressDeadline) -> None:
+    async def _send_parts(
+        self, index: int, reducer: PeerID, stream, inbox: AverageInbox, progress: ProgressDeadline
+    ) -> None:
         try:
             await stream.send(self.header.to_body())
             for part_index, (start, end) in enumerate(inbox.ranges):
                 await self.pacer.turn(index, progress.rules.stall / 2)
-                meta, payload = await self._encode(self.flat[start:end])
-                await stream.send(part_body(part_index, meta), payload)
+                meta, payload, signature = await self._encode(self.flat[start:end], reducer, part_index)
+                await stream.send(part_body(part_index, meta, signature), payload)
                 self.pacer.sent(index)
             await stream.end()
         except RPCError:
@@ -426,9 +436,17 @@ class SenderRole:
         if not inbox.all_in:
             progress.quiet = True  # the reducer may wait for the other senders before it answers
 
-    async def _encode(self, part: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    async def _encode(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:
         # Our flattened values were checked finite as a whole, so parts skip that pass; a codec
         # whose payload is a view of the part needs no worker thread.
-        if self.codec.encodes_as_view:
-            return self.codec.encode_finite(part)
-        return await in_thread(self.codec.encode_finite, part)
+        if self.codec.encodes_as_view:  # (signing hashes it: inline for parts of the usual size)
+            return await _small_inline(part.numel() if self.signed else 0, self._encode_and_sign, part, reducer, index)
+        return await in_thread(self._encode_and_sign, part, reducer, index)
+
+    def _encode_and_sign(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:
+        meta, payload = self.codec.encode_finite(part)
+        if not self.signed:
+            return meta, payload, None
+        header = self.header
+        signature = sign_part(self.host.identity, header.group_id, reducer, index, float(header.weight), meta, payload)
+        return meta, payload, signature

@@ -5,13 +5,14 @@ helps while the reducer runs it. So, in the style of BTARD's verification (Gorbu
 in a round that uses CenteredClip each sender, before it uses any reducer's averages, picks at
 random and in private one part of each other reducer's shard (of each with a probability that
 bounds what the checks cost the reducer's uplink, ``reducer_checks.CHECK_SHARE``, on all but
-small vectors) and asks that
-reducer (``avg.check``) for the part's inputs: the contributions it aggregated, the weights they
-claimed, and the clip radius it used. The reducer keeps them from the moment each part is
-aggregated until ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender
-then
+small vectors) and asks that reducer (``avg.check``) for the part's inputs: the contributions it
+aggregated, each as its sender sent and signed it (``commitments.py``), the weights they claimed,
+and the clip radius it used. The reducer keeps them from the moment each part is aggregated until
+``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender then
 
-1. finds its own contribution and weight among the inputs, exactly as it sent them;
+1. requires every input to carry its sender's signature over it, for this round, this reducer,
+   this part and the weight stated with it, and decodes the inputs itself; and finds its own
+   contribution and weight among them, exactly as it sent them;
 2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
    far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
    most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
@@ -25,15 +26,20 @@ reducer's shard with the sender's own values and puts the reducer on this peer's
 ``BAN_SECONDS``: matchmaking leaves it out of our groups.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
-answer and on what this sender itself sent and received. A reducer that returns anything but the
-aggregate of its claimed inputs is caught by whoever checks that part; one that makes its claimed
-inputs fit a false answer must misstate some honest sender's contribution or weight, and that
-sender catches it when it checks that part. A reducer that lies on its whole shard is
-therefore caught in its first round by every sender that checks it (all of them on small
-vectors), and its lie is never used by those; one that lies on a single part of ``P``
-is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
-per reducer checked, one RPC carrying one part's inputs (group size x part size) and one
-CenteredClip of that part; a reducer keeps a copy of its inputs for a few rounds.
+answer, on what this sender itself sent and received, and on the other senders' signatures. A
+reducer that returns anything but the aggregate of its claimed inputs is caught by whoever checks
+that part; one that makes its claimed inputs fit a false answer must misstate some honest sender's
+contribution or weight. It answers each checker in private, so it could state the checker's own
+contribution truly and misstate only the others'; but it cannot sign for them, so any such input
+fails its signature check. Nor can a sender frame an honest reducer: a part that does not match
+its signature is refused at receipt (``allreduce_protocol.py``) and never becomes an input. A
+reducer that lies on its whole shard is therefore caught in its first round by every sender that
+checks it (all of them on small vectors), and its lie is never used by those; one that lies on a
+single part of ``P`` is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
+per reducer checked, one RPC carrying one part's inputs (group size x part size, as encoded), their
+decoding, a hash and a signature verification per input, and one CenteredClip of that part; a
+reducer keeps a copy of its inputs (decoded, and as sent) for a few rounds; in a checked round
+every part sent is hashed and signed, every part received hashed and verified.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ from typing import Any
 import torch
 
 from peer import PeerID
-from peer.tensors import all_finite
+from peer.tensors import all_finite, tensor_bytes
 
+from .commitments import SignedPart, verify_part
+from .compression import codec_of
 from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
 
 __all__ = [
@@ -78,6 +86,8 @@ START_MARGIN = 1.25
 # fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
 # far less than a single contribution may move the aggregate by (tau * its weight share).
 CHECK_TOLERANCE = 0.01
+# An encoded input is at most float32 (and a few bytes of header) per value.
+MAX_ENCODED_BYTES_PER_VALUE = 5
 # Bans are kept per peer we were grouped with: this bounds them against Sybils.
 MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
@@ -88,7 +98,9 @@ BAN_SECONDS = 600.0
 @dataclass
 class PartInputs:
     """What a reducer aggregated for one part: who (in order), their claimed weights, their
-    values (one row each), and the clip radius."""
+    values (one row each), the clip radius, and each input as its sender signed it
+    (``commitments.py``): on the wire the values travel only as those signed parts, and the
+    checker decodes them itself."""
 
     senders: list[PeerID]
     weights: list[float]
@@ -96,20 +108,36 @@ class PartInputs:
     tau: float
     aggregation: Aggregation
     start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
+    signed: list[SignedPart] = field(default_factory=list)  # one per sender (the answer's only values)
 
-    def to_message(self) -> tuple[dict[str, Any], memoryview]:
+    def row_payload(self, row: int) -> Any:
+        """Input ``row`` as its sender sent it (a float32 one is its kept values)."""
+        payload = self.signed[row].payload
+        return tensor_bytes(self.values[row]) if payload is None else payload
+
+    def to_message(self) -> tuple[dict[str, Any], Any]:
+        if len(self.signed) != len(self.senders):
+            raise ValueError("every input needs its signed part")
+        payloads = [self.row_payload(row) for row in range(len(self.senders))]
         body = {
             "senders": [p.to_bytes() for p in self.senders],
             "weights": list(self.weights),
             "tau": self.tau,
             "aggregation": self.aggregation.value,
             "start": self.start,
+            "keys": [s.public_key for s in self.signed],
+            "sigs": [s.signature for s in self.signed],
+            "metas": [s.meta for s in self.signed],
+            "sizes": [len(p) for p in payloads],
         }
-        return body, memoryview(self.values.contiguous().numpy()).cast("B")
+        if all(s.payload is None for s in self.signed):  # all float32: the kept values as they are
+            return body, tensor_bytes(self.values.contiguous())
+        return body, b"".join(payloads)
 
     @classmethod
     def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
-        """A check's answer, checked field by field (raises ValueError)."""
+        """A check's answer, checked field by field and its inputs decoded (raises ValueError);
+        the signatures are checked by ``PartCheck.verdict``."""
         if not isinstance(body, dict):
             raise ValueError("a check answer is a map")
         raw, weights, tau = body.get("senders"), body.get("weights"), body.get("tau")
@@ -128,13 +156,30 @@ class PartInputs:
         start = body.get("start")
         if not (start is None or (type(start) is int and 0 <= start < len(senders))):
             raise ValueError("malformed start")
-        if payload is None or len(payload) != 4 * part_size * len(senders):
-            raise ValueError(f"expected {len(senders)} x {part_size} float32 values")
-        buffer = payload if isinstance(payload, bytearray) else bytearray(payload)  # (writable)
-        values = torch.frombuffer(buffer, dtype=torch.float32).view(len(senders), part_size)
+        keys, sigs, metas, sizes = (body.get(name) for name in ("keys", "sigs", "metas", "sizes"))
+        if not all(isinstance(f, list) and len(f) == len(senders) for f in (keys, sigs, metas, sizes)):
+            raise ValueError("a check answer gives every input's key, signature, meta and size")
+        if not all(type(n) is int and 0 <= n <= MAX_ENCODED_BYTES_PER_VALUE * part_size for n in sizes):
+            raise ValueError("malformed input size")
+        if payload is None or len(payload) != sum(sizes):
+            raise ValueError(f"expected {sum(sizes)} bytes of inputs")
+        view = memoryview(payload).cast("B")
+        values = torch.empty(len(senders), part_size, dtype=torch.float32)
+        signed, offset = [], 0
+        for row, (key, sig, meta, size) in enumerate(zip(keys, sigs, metas, sizes, strict=True)):
+            if not (isinstance(key, bytes) and isinstance(sig, bytes)):
+                raise ValueError("malformed key or signature")
+            encoded = view[offset : offset + size]
+            offset += size
+            decoded = codec_of(meta).decode_into(meta, encoded, values[row])
+            if decoded.dtype != torch.float32 or decoded.numel() != part_size:
+                raise ValueError(f"an input decoded to {decoded.numel()} values, expected {part_size}")
+            if decoded is not values[row]:
+                values[row].copy_(decoded)
+            signed.append(SignedPart(key, sig, meta, encoded))
         if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
-        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start)
+        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed)
 
 
 class KeptInputs:
@@ -186,6 +231,8 @@ class PartCheck:
     contributors: list[PeerID]  # named in the reply for this part
     reply: torch.Tensor  # the part's aggregate as we received (decoded) it
     requantize: Any = None  # values -> values as the reply's codec would round them, if lossy
+    group_id: bytes = b""  # the round
+    part: int = 0  # the part's index in the reducer's shard
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
@@ -193,6 +240,12 @@ class PartCheck:
             return f"it aggregates with {inputs.aggregation.value}, not centered-clip"
         if not set(inputs.senders) <= set(self.contributors):
             return "its inputs name senders its reply left out"
+        if len(inputs.signed) != len(inputs.senders):
+            return "its inputs are not signed"
+        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
+            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, inputs.row_payload(row))
+            if not verify_part(signed.public_key, signed.signature, *args):
+                return f"it states an input of {sender} that {sender} did not sign"
         if self.weight > 0:
             if self.me not in inputs.senders:
                 return "it left our contribution out of its inputs"

@@ -1,6 +1,6 @@
 """Reducers that lie about their shard, for tests and ``benchmarks/byzantine.py``: they aggregate
-as honest ones do (and keep their true inputs for the senders' checks), then answer with
-something else."""
+as honest ones do, then answer with something else. ``LyingShard`` keeps its true inputs for the
+senders' checks; ``fabricating_service`` answers each check with inputs made to fit its lie."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import torch
 
 from averaging.allreduce import AllReduceService
 from averaging.allreduce_protocol import ReducerShard
-from averaging.compression import Codec
+from averaging.commitments import SignedPart, sign_part
+from averaging.compression import Codec, get_codec
+from averaging.verification import KeptInputs, PartInputs, radius_from
 
 
 class LyingShard(ReducerShard):
-    """Answers every part with its aggregate times ``FACTOR`` (a sign flip, scaled up)."""
+    """Answers every part with its aggregate times ``FACTOR`` (a sign flip, scaled up); the lies
+    it sent are in ``lies`` (part index -> values)."""
 
     FACTOR = -10.0
 
@@ -25,7 +28,9 @@ class LyingShard(ReducerShard):
             body, _payload = self.replies[-1]
             averaged = self.reduction.part_average(body["part"])
             assert averaged is not None
-            meta, payload = codec.encode(self.lie(averaged))
+            lie = self.lie(averaged)
+            self.reduction.lies = {**getattr(self.reduction, "lies", {}), body["part"]: lie}  # type: ignore[attr-defined]
+            meta, payload = codec.encode(lie)
             self.replies[-1] = ({**body, "meta": meta}, payload)
 
     def lie(self, averaged: torch.Tensor) -> torch.Tensor:
@@ -36,4 +41,52 @@ def lying_service(host: Any) -> AllReduceService:
     """Install an all-reduce service whose reductions lie as ``host``'s (before any averager)."""
     service = AllReduceService(host, shard_type=LyingShard)
     host.provide_service(AllReduceService, service)
+    return service
+
+
+class FabricatedInputs(KeptInputs):
+    """Answers each checker with its own contribution as it sent it and every other contribution
+    (ours included) equal to the lie we replied: CenteredClip of those, from ours, is the lie. The
+    other senders' signatures are passed on unchanged (we cannot make theirs)."""
+
+    def __init__(self, host: Any):
+        super().__init__()
+        self.host = host
+        self.reductions: dict[bytes, Any] = {}
+
+    def answer(self, group_id: Any, index: Any, asker: Any, now: float) -> PartInputs:
+        true = super().answer(group_id, index, asker, now)
+        lie = self.reductions[group_id].lies[index]
+        values = true.values.clone()
+        me = self.host.identity
+        plain, signed = get_codec("none"), list(true.signed)
+        for row, sender in enumerate(true.senders):
+            if sender == asker:
+                continue
+            values[row] = lie
+            meta, payload = plain.encode(lie)
+            if sender == me.peer_id:  # ours we may sign as we like
+                signature = sign_part(me, group_id, me.peer_id, index, true.weights[row], meta, payload)
+                signed[row] = SignedPart(me.public_key, signature, meta, bytes(payload))
+            elif row < len(signed):
+                signed[row] = SignedPart(signed[row].public_key, signed[row].signature, meta, bytes(payload))
+        start = true.senders.index(me.peer_id)
+        tau = radius_from(values, start)
+        return PartInputs(true.senders, true.weights, values, tau, true.aggregation, start, signed)
+
+
+def fabricating_service(host: Any) -> AllReduceService:
+    """A service whose reductions lie as ``LyingShard`` does and whose check answers fabricate
+    the other senders' inputs to fit the lie (``FabricatedInputs``)."""
+    service = AllReduceService(host, shard_type=LyingShard)
+    checks = service.checks
+    kept = FabricatedInputs(host)
+    checks.kept = kept
+    keep = checks.keep
+
+    def keep_and_note(group: Any, reduction: Any) -> None:
+        kept.reductions[group.group_id] = reduction
+        keep(group, reduction)
+
+    checks.keep = keep_and_note  # type: ignore[method-assign]
     return service

@@ -3,26 +3,52 @@ banned, and left out of their groups; honest reducers pass every check."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 import torch
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
+from averaging.commitments import SignedPart, sign_part
+from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
 from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
 from peer import Identity, PeerID
+from peer.tensors import tensor_bytes
 
-from .hostile_reducers import LyingShard, lying_service
+from .hostile_reducers import LyingShard, fabricating_service, lying_service
 from .test_allreduce import flat, make_group, random_tensors, run_round
 from .test_matchmaking import open_swarm, step_all
 
 DIM = 1024
 
 
+GROUP = b"g" * 16
+KEYS: dict[PeerID, Identity] = {}
+
+
 def ids(count: int) -> list[PeerID]:
-    return [Identity.generate().peer_id for _ in range(count)]
+    identities = [Identity.generate() for _ in range(count)]
+    KEYS.update((i.peer_id, i) for i in identities)
+    return [i.peer_id for i in identities]
+
+
+def signed_rows(peers: list[PeerID], weights: list[float], values: torch.Tensor) -> list[SignedPart]:
+    """Each row as its sender (``KEYS``) signs it for part 0 of ``peers[0]``'s shard."""
+    codec, rows = get_codec("none"), []
+    for peer, weight, row in zip(peers, weights, values, strict=True):
+        meta, payload = codec.encode(row)
+        signature = sign_part(KEYS[peer], GROUP, peers[0], 0, weight, meta, payload)
+        rows.append(SignedPart(KEYS[peer].public_key, signature, meta, bytes(payload)))
+    return rows
+
+
+def checker(me, reducer, own, weight, contributors, reply) -> PartCheck:
+    return PartCheck(me, reducer, own, weight, contributors, reply, None, GROUP, 0)
 
 
 def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch.Tensor]:
@@ -34,40 +60,52 @@ def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch
     reply = torch.empty(DIM)
     tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
     assert moved_to is None
-    return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0), reply
+    signed = signed_rows(peers, weights, values)
+    return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0, signed), reply
 
 
 def test_an_honest_answer_holds_and_every_lie_is_named():
     peers = ids(5)
     inputs, reply = honest_inputs(peers)
     me = peers[2]
-    check = PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
+    check = checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
     assert check.verdict(inputs) is None
     lies = {
-        "reply": PartCheck(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
-        "our values": PartCheck(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
-        "our weight": PartCheck(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
-        "left out": PartCheck(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
+        "reply": checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
+        "our values": checker(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
+        "our weight": checker(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
+        "left out": checker(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
     }
     lies["left out"].me = ids(1)[0]
     for name, lie in lies.items():
         assert lie.verdict(inputs) is not None, name
     for tau in (inputs.tau * 10, inputs.tau / 10):  # loosened to the mean, or tightened to its start
-        assert check.verdict(PartInputs(peers, inputs.weights, inputs.values, tau, inputs.aggregation, 0)) is not None
+        assert (
+            check.verdict(PartInputs(peers, inputs.weights, inputs.values, tau, inputs.aggregation, 0, inputs.signed))
+            is not None
+        )
     # a reducer that starts from a contribution of its own far away: a huge radius, the mean
     far = inputs.values.clone()
     far[0] = 1e6
     weights = inputs.weights
     parts = list(far.unbind(0))
     tau, _ = centered_clip(parts, clip_weights(weights), reply, center=far[0], choose_start=False)
-    honest_looking = PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
-    lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0)
+    honest_looking = checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
+    lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0, signed_rows(peers, weights, far))
     assert "far" in (honest_looking.verdict(lie) or "")
     # an honest reducer whose own contribution lies far out (a replica that lags) starts elsewhere
     tau, moved_to = centered_clip(parts, clip_weights(weights), reply, center=far[0])
     assert moved_to not in (None, 0)
-    honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to)
-    assert PartCheck(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
+    honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to, signed_rows(peers, weights, far))
+    assert checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
+    # another sender's input changed (to fit a lie) under its own signature, or without one
+    fabricated = inputs.values.clone()
+    fabricated[1] = reply
+    forged = list(inputs.signed)
+    forged[1] = SignedPart(forged[1].public_key, forged[1].signature, forged[1].meta, bytes(tensor_bytes(reply)))
+    stated = PartInputs(peers, inputs.weights, fabricated, inputs.tau, inputs.aggregation, 0, forged)
+    assert "did not sign" in (check.verdict(stated) or "")
+    assert "not signed" in (check.verdict(PartInputs(peers, *astuple(stated)[1:6], forged[:-1])) or "")
     mean = PartInputs(peers, inputs.weights, inputs.values, inputs.tau, Aggregation.MEAN, 0)
     assert "mean" in (check.verdict(mean) or "")
 
@@ -113,7 +151,14 @@ def test_bans_of_many_identities_stay_bounded():
     assert len(banned.until) == MAX_BANNED and banned.reasons.keys() == banned.until.keys()
 
 
-async def start_with_liar(nursery, count: int, liar: int):
+class MisSigning(Identity):
+    """Signs every part over something other than what it sends (a sender out to frame reducers)."""
+
+    def sign(self, message: bytes) -> bytes:
+        return super().sign(message + b"!" if message.startswith(b"peerd-signed-part") else message)
+
+
+async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_signer: int = -1):
     from peer import open_peer_host
 
     from .test_allreduce import Peer
@@ -121,9 +166,14 @@ async def start_with_liar(nursery, count: int, liar: int):
     peers = []
 
     async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with open_peer_host(Identity.generate()) as host:
-            shard_type = LyingShard if index == liar else None
-            service = AllReduceService(host) if shard_type is None else AllReduceService(host, shard_type=shard_type)
+        identity = MisSigning(Ed25519PrivateKey.generate()) if index == mis_signer else Identity.generate()
+        async with open_peer_host(identity) as host:
+            if index != liar:
+                service = AllReduceService(host)
+            elif make_liar is not None:
+                service = make_liar(host)
+            else:
+                service = AllReduceService(host, shard_type=LyingShard)
             task_status.started(Peer(host, service, trio.CancelScope(), None))
             await trio.sleep_forever()
 
@@ -132,9 +182,12 @@ async def start_with_liar(nursery, count: int, liar: int):
     return peers
 
 
-async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are():
+@pytest.mark.parametrize("make_liar", [None, fabricating_service], ids=["true-inputs", "fabricated-inputs"])
+async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are(make_liar):
+    """Also one that states each checker's own contribution truly and fabricates every other to
+    fit its lie: the fabricated inputs do not carry their senders' signatures."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=3)
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_liar)
         liar = peers[3].host.peer_id
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(4)]
@@ -202,4 +255,26 @@ async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
             assert results[i].succeeded
             assert len(results[i].reducer_checks) == 3
             assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sender_whose_parts_do_not_match_its_signatures_is_refused_and_frames_nobody():
+    """Its parts never enter a reducer's inputs, so every honest reducer's answers stay provable."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1, mis_signer=3)
+        hostile = peers[3].host.peer_id
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        honest = [m.peer_id for m in group.reducers if m.peer_id != hostile]
+        for i in range(3):
+            assert hostile in results[i].failed_peers
+            for shard, parts in results[i].part_contributors.items():
+                assert group.reducers[shard].peer_id == hostile or all(hostile not in part for part in parts)
+            verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
+            assert set(verdicts) == {m.peer_id for m in group.reducers} - {peers[i].host.peer_id}
+            assert all(verdicts[r] is None for r in honest if r != peers[i].host.peer_id), verdicts
+            # (as a reducer it states its own parts under signatures that do not match them)
+            assert set(peers[i].service.checks.banned.until) <= {hostile}
         nursery.cancel_scope.cancel()
