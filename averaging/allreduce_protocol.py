@@ -303,7 +303,7 @@ class ReducerShard:
             self.error = ValueError(f"part {index} of the shard got no contribution")
             return
         try:
-            meta, payload = codec.encode(averaged)  # checks finiteness again before anything is sent
+            meta, payload = codec.encode(averaged)  # checks finiteness: weighted values can overflow to inf
         except ValueError as error:
             self.error = error
             return

@@ -44,6 +44,7 @@ class ContributionRejected(ValueError):
 
 # Below this, a part's weights are taken relative to the largest before the weighted sum: as
 # float32 factors they would vanish. Sample counts never come near it; only odd claims do.
+TINY_WEIGHT = 2.0**-64
 
 
 @dataclass
@@ -224,16 +225,16 @@ class ShardReduction:
                     signed = [self._signed[index].get(s) for s in positive]
                     self.kept_inputs.append((positive, raw, torch.stack(parts), start, signed))
             else:
-                # Weights normalised first (in float64): every partial sum is then a part of a convex
-                # combination, never larger than the largest value, so finite contributions give a
-                # finite mean however large the values or claimed weights (2 x 3e38, 2**40 x 1e30),
-                # and claims too small for float32 (1e-300) do not round to 0 / 0.
-                divisor = math.fsum(weights)
-                scaled = [w / divisor for w in weights]
+                scaled, divisor = weights, total
+                if max(weights) < TINY_WEIGHT:  # claims that float32 products would round to 0 (0 / 0)
+                    largest = max(weights)
+                    scaled = [w / largest for w in weights]
+                    divisor = math.fsum(scaled)
                 (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], scaled
                 torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
                 for values, w in zip(rest, rest_weights, strict=True):
                     out.add_(values, alpha=w)
+                out.div_(divisor)
         if self.keep_inputs and not positive:
             self.kept_inputs.append((positive, [], torch.empty(0), None, []))
         self.part_taus.append(tau)

@@ -193,20 +193,11 @@ def test_with_a_lossy_codec_the_reducer_keeps_what_the_senders_decode(pool):
     assert torch.equal(shard.own_average(codec), codec.decode(body["meta"], payload, 3))
 
 
-class RefusingSecondPart(type(get_codec("none"))):
-    """A codec that cannot encode the second part, as any codec refuses non-finite values."""
-
-    def encode(self, tensor):
-        if tensor.item() == 2.0:
-            raise ValueError("part contains NaN or infinite values")
-        return super().encode(tensor)
-
-
-def test_an_average_its_codec_refuses_is_not_sent_nor_anything_after_it(pool):
+def test_an_average_that_overflows_is_not_sent(pool):
     shard = reducer(pool, part_sizes=(1, 1), senders=(A, B))
-    shard.reduction.add_local(A, torch.tensor([1.0, 2.0]), 1.0)
-    shard.reduction.add_local(B, torch.tensor([1.0, 2.0]), 1.0)
-    shard.close("late", RefusingSecondPart())
+    shard.reduction.add_local(A, torch.tensor([1.0, 3e38]), 1.0)
+    shard.reduction.add_local(B, torch.tensor([1.0, 3e38]), 1.0)  # the weighted sum overflows to inf
+    shard.close("late", get_codec("none"))
     assert len(shard.replies) == 1 and "NaN or infinite" in str(shard.error)  # no more replies after
 
 
