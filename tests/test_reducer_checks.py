@@ -252,9 +252,10 @@ async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
         results = {}
         await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", codec=codec)
         for i in range(4):
-            assert results[i].succeeded
+            assert results[i].succeeded, results[i]
             assert len(results[i].reducer_checks) == 3
-            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+            verdicts = [verdict for _reducer, verdict in results[i].reducer_checks.values()]
+            assert all(verdict is None for verdict in verdicts), verdicts
         nursery.cancel_scope.cancel()
 
 
