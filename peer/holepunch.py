@@ -41,7 +41,6 @@ from .reuse_port import connect_from
 from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
-from .secure_channel import secure_handshake
 
 __all__ = ["HolePuncher", "PUNCH", "SYNC"]
 
@@ -233,14 +232,7 @@ class HolePuncher:
                     continue
                 return True
             try:
-                channel = await secure_handshake(
-                    stream,
-                    self.host.identity,
-                    self.host._hello(),
-                    initiator=False,
-                    timeout=self.host.handshake_timeout,
-                    access=self.host.access,
-                )
+                channel = await self.host.secure_responder(stream)
             except Exception as error:
                 log.debug("punched connection from %s: %r", address, error)
                 await trio.aclose_forcefully(stream)

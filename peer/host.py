@@ -210,14 +210,7 @@ class PeerHost:
                             raise ConnectError("a circuit end, but this peer relays nothing")
                         circuit_token = await _circuit_token(stream)
                     else:
-                        channel = await secure_handshake(
-                            stream,
-                            self.identity,
-                            self._hello(),
-                            initiator=False,
-                            timeout=self.handshake_timeout,
-                            access=self.access,
-                        )
+                        channel = await self.secure_responder(stream)
             except Exception as error:  # whatever a stranger sends, it costs them the connection only
                 await self._refuse(stream, error)
                 return
@@ -366,6 +359,13 @@ class PeerHost:
             raise ConnectError(f"{address}: not a usable host name ({error})") from None
         tune_connection(stream)
         return stream
+
+    async def secure_responder(self, stream: trio.abc.Stream) -> SecureChannel:
+        """Run the handshake as responder on ``stream`` with this host's identity, hello, access
+        rules and deadline: for accepted connections, relayed circuit ends and punched ones."""
+        return await secure_handshake(
+            stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout, access=self.access
+        )
 
     async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress, *, pool: bool = True) -> Connection:
         """Run the handshake as initiator on ``stream`` (pinning ``address.peer_id``) and start the

@@ -36,7 +36,6 @@ from .identity import PeerID
 from .nat_state import TOKEN_BYTES, Circuit, RelayBook, RelayLimits, RelayRefused, TokenBucket
 from .router import Request
 from .rpc_errors import BadRequest, Busy, RPCError
-from .secure_channel import secure_handshake
 
 __all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE", "CONNECT", "INCOMING"]
 
@@ -226,14 +225,7 @@ class RelayClient:
                 return
             try:
                 await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
-                channel = await secure_handshake(
-                    stream,
-                    host.identity,
-                    host._hello(),
-                    initiator=False,
-                    timeout=host.handshake_timeout,
-                    access=host.access,
-                )
+                channel = await host.secure_responder(stream)
             except Exception as error:
                 log.debug("circuit from %s via %s failed: %r", source, relay, error)
                 await trio.aclose_forcefully(stream)

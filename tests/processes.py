@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -10,7 +11,25 @@ import sys
 import time
 from pathlib import Path
 
+from peer.daemon.status_server import fetch_status
+
 PEERD = [sys.executable, "-m", "peer.daemon.cli"]
+
+
+def status_of(port: int) -> dict | None:
+    """A peer's /status on 127.0.0.1:port, or None while it does not answer."""
+    try:
+        return json.loads(fetch_status(port, timeout=2))
+    except OSError:
+        return None
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` (a real process's state) until it holds; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
 
 
 class PeerdProcess:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -16,27 +15,13 @@ import pytest
 
 from peer.daemon.status_server import fetch_status
 
-from .processes import PeerdProcess
+from .processes import PeerdProcess, status_of, wait_until
 from .test_metrics import promtool_check, value
 
 SWARM_TIMEOUT = 90.0
 # Virtual time the page gets in headless Chromium: its first poll at load and two more after it
 # (virtual time stands still while a fetch is under way, so this is not a race with the peer).
 VIRTUAL_TIME_MS = 5000
-
-
-def status_of(port: int) -> dict | None:
-    try:
-        return json.loads(fetch_status(port, timeout=2))
-    except OSError:
-        return None
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 class Swarm:

@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 from peer.daemon.curves_png import PEER_COLOURS
 from peer.daemon.status_server import fetch_status
 from peer.daemon.swarm_table import PLAIN_PERIOD
 
 from .png_reader import read_png
-from .processes import PEERD, PeerdProcess
+from .processes import PEERD, PeerdProcess, status_of, wait_until
 
 STATUS_FIELDS = {"peer_id", "address", "run_id", "epoch", "samples_per_s", "loss", "peers_known", "last_averaging"}
 
@@ -30,20 +29,6 @@ def start_peer(tmp_path, index: int, count: int, initial: str | None) -> tuple[P
     process.read_line(timeout=60)  # listening
     port = int(process.read_line(timeout=60).rsplit(":", 1)[1].split("/")[0])
     return process, port
-
-
-def status_of(port: int) -> dict | None:
-    try:
-        return json.loads(fetch_status(port, timeout=2))
-    except OSError:
-        return None
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def test_killing_one_of_three_peers_mid_run(tmp_path):
