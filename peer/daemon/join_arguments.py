@@ -130,7 +130,7 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
             "--client-mode",
             action=argparse.BooleanOptionalAction,
             default=settings.parsed("CLIENT_MODE", parse_bool, False),
-            help="behind NAT: make requests, accept none",
+            help="make requests, accept none (not needed behind NAT: relays and hole punching reach such a peer)",
         ),
         "CLIENT_MODE",
     )
