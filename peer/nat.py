@@ -24,7 +24,7 @@ from .relay import Relay, RelayClient
 from .router import Request
 from .rpc_errors import BadRequest, RPCError
 
-__all__ = ["NatTraversal", "ADDRESSES"]
+__all__ = ["NatTraversal", "ADDRESSES", "relay_limits"]
 
 log = logging.getLogger("peerd.nat")
 
@@ -34,6 +34,19 @@ RECHECK_KNOWN = 300.0
 RELAY_GRACE = 15.0  # behind NAT: how long to look for a relay before falling back to client mode
 MAX_ANNOUNCED = 4
 MAX_LISTED_PEERS = 64  # connections named on the status page
+
+
+def relay_limits(total_mib_per_s: float) -> RelayLimits:
+    """The relay's default limits with all circuits together held to ``total_mib_per_s``; one
+    circuit never gets more than the total."""
+    total = total_mib_per_s * 2**20
+    defaults = RelayLimits()
+    return RelayLimits(
+        circuit_bytes_per_s=min(defaults.circuit_bytes_per_s, total),
+        circuit_burst_bytes=min(defaults.circuit_burst_bytes, total / 4),
+        total_bytes_per_s=total,
+        total_burst_bytes=min(defaults.total_burst_bytes, total / 4),
+    )
 
 
 class NatTraversal:

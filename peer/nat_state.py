@@ -144,6 +144,10 @@ class RelayLimits:
     circuit_bytes_per_s: float = 16 * 2**20
     circuit_burst_bytes: float = 4 * 2**20
     circuit_lifetime: float = 3600.0
+    # All circuits together: a few Sybil identities opening every circuit must not take more of
+    # the relay's uplink than this (its own training traffic keeps the rest).
+    total_bytes_per_s: float = 32 * 2**20
+    total_burst_bytes: float = 8 * 2**20
     pending_timeout: float = 10.0  # both ends must arrive within this after the circuit is set up
 
 

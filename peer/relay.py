@@ -61,6 +61,8 @@ class Relay:
         # (``NatTraversal`` keeps this to "our reachability is not nat").
         self.accepting = True
         self._waiting_ends = 0
+        limits = self.book.limits
+        self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
         host.relay = self
@@ -146,9 +148,10 @@ class Relay:
     async def _pump(self, source: Any, sink: Any, bucket: TokenBucket, scope: trio.CancelScope) -> None:
         try:
             while data := await source.receive_some(CHUNK):
-                wait = bucket.take(len(data), trio.current_time())
+                now = trio.current_time()
+                wait = max(bucket.take(len(data), now), self._all_circuits.take(len(data), now))
                 if wait > 0:
-                    await trio.sleep(wait)  # the circuit's byte rate
+                    await trio.sleep(wait)  # the circuit's byte rate and the relay's total
                 await sink.send_all(data)
                 self.bytes_relayed += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

@@ -4,6 +4,7 @@ dial-back tells a listening peer from one nobody can reach."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ import trio
 
 from peer import BusyError, ConnectError, Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher
-from peer.nat import NatTraversal
+from peer.nat import NatTraversal, relay_limits
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
 from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
 from peer.relay import Relay, RelayClient
@@ -349,3 +350,41 @@ async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_re
             assert all(torch.equal(got, want) for got, want in zip(tensors, state, strict=True))
             connection = newcomer_host.connection_to(donor_host.peer_id)
             assert connection is not None and connection.relayed_via == relay_host.peer_id
+
+
+async def test_all_circuits_together_are_held_to_the_relay_s_total_rate():
+    """Circuits from several identities share one budget: each alone may use its own rate, but
+    together they cannot take more of the relay's uplink than the total."""
+    limits = RelayLimits(
+        circuit_bytes_per_s=4 * 2**20,
+        circuit_burst_bytes=256 * 1024,
+        total_bytes_per_s=2 * 2**20,
+        total_burst_bytes=256 * 1024,
+    )
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as first,
+        open_peer_host(Identity.generate()) as second,
+    ):
+        relay = Relay(relay_host, limits)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        payload = bytes(2 * 2**20)
+        opened = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for dialer in (first, second):
+                RelayClient(dialer)
+                nursery.start_soon(functools.partial(dialer.call, address, "echo", None, payload=payload, timeout=30))
+        # 2 x 2 MiB through one 2 MiB/s budget (each circuit alone could do 4 MiB/s)
+        relayed = 2 * len(payload)
+        assert relay.bytes_relayed >= relayed
+        assert trio.current_time() - opened >= (relayed - limits.total_burst_bytes) / limits.total_bytes_per_s - 0.1
+
+
+def test_relay_limits_hold_one_circuit_to_the_total():
+    limits = relay_limits(4.0)
+    assert limits.total_bytes_per_s == 4 * 2**20
+    assert limits.circuit_bytes_per_s == 4 * 2**20  # below the per-circuit default of 16 MiB/s
+    assert relay_limits(100.0).circuit_bytes_per_s == RelayLimits().circuit_bytes_per_s

@@ -178,6 +178,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         bootstrap_timeout=args.bootstrap_timeout,
         client_mode=args.client_mode,
         relay=args.relay,
+        relay_mib_per_s=args.relay_rate,
         task=args.task,
         model_size=args.model_size,
         mode=args.mode,

@@ -33,7 +33,7 @@ from peer import (
     SwarmAccess,
     open_peer_host,
 )
-from peer.nat import NatTraversal
+from peer.nat import NatTraversal, relay_limits
 
 from .metrics import PeerMetrics
 from .ports import naming_port
@@ -60,6 +60,7 @@ class DaemonConfig:
     bootstrap_timeout: float = 15.0
     client_mode: bool = False
     relay: bool = True  # relay for peers behind NAT (peer/nat.py), within per-circuit limits
+    relay_mib_per_s: float = 32.0  # all relayed circuits together
     task: str | None = None
     model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
@@ -157,7 +158,8 @@ class Daemon:
                     )
                 )
             self.host = host
-            self.nat = NatTraversal(host, relay=config.relay, initial_peers=config.initial_peers)
+            limits = relay_limits(config.relay_mib_per_s)
+            self.nat = NatTraversal(host, relay=config.relay, limits=limits, initial_peers=config.initial_peers)
             async with trio.open_nursery() as nursery:
                 host.on_connection.append(functools.partial(_log_connection, nursery, self.pages.metrics))
                 if config.status_port is not None:

@@ -36,6 +36,16 @@ def data_shard(text: str) -> tuple[int, int] | str:
     return int(index), int(count)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+    return value
+
+
 def _number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
@@ -142,6 +152,16 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
             help="relay connections for peers behind NAT while this peer is reachable (limited per circuit)",
         ),
         "RELAY",
+    )
+    env_setting(
+        join.add_argument(
+            "--relay-rate",
+            type=positive_float,
+            default=settings.parsed("RELAY_RATE", positive_float, 32.0),
+            metavar="MIB_PER_S",
+            help="the most this peer relays per second, all circuits together (each circuit: at most 16)",
+        ),
+        "RELAY_RATE",
     )
     env_setting(
         join.add_argument(
