@@ -141,6 +141,10 @@ class RelayLimits:
     reservation_ttl: float = 120.0  # renewed by the client well before it runs out
     max_circuits: int = 64
     max_circuits_per_peer: int = 8  # per reserving peer and per requesting peer
+    # Per source address (IPv4, or IPv6 /64; loopback exempt): identities cost nothing to make, so
+    # one host's Sybils must not hold every slot. A NAT puts a few volunteers behind one address.
+    max_reservations_per_address: int = 16
+    max_circuits_per_address: int = 16
     circuit_bytes_per_s: float = 16 * 2**20
     circuit_burst_bytes: float = 4 * 2**20
     circuit_lifetime: float = 3600.0
@@ -164,6 +168,7 @@ class Circuit(Generic[Peer]):
     arrived: list = field(default_factory=lambda: [None, None])  # each end's stream once it came
     active: bool = False
     waiter: Any = None  # the driver's: what the first end to arrive waits on
+    groups: tuple[str, ...] = ()  # the address groups it counts against
 
 
 class RelayBook(Generic[Peer]):
@@ -172,29 +177,41 @@ class RelayBook(Generic[Peer]):
     def __init__(self, limits: RelayLimits | None = None):
         self.limits = limits if limits is not None else RelayLimits()
         self.reservations: dict[Peer, float] = {}  # peer -> expiry
+        self._reserved_from: dict[Peer, str | None] = {}  # peer -> its address group
         self._by_token: dict[bytes, tuple[Circuit[Peer], int]] = {}
         self._circuits: set[int] = set()
         self._all: dict[int, Circuit[Peer]] = {}
         self._per_peer: Counter = Counter()
+        self._per_address: Counter = Counter()  # circuits per address group, either end
 
     @property
     def circuits(self) -> int:
         return len(self._all)
 
-    def reserve(self, peer: Peer, now: float) -> float:
-        """Reserve (or renew) for ``peer``; returns the expiry. Raises RelayRefused when full."""
+    def reserve(self, peer: Peer, now: float, group: str | None = None) -> float:
+        """Reserve (or renew) for ``peer``, whose connection comes from address ``group`` (None:
+        loopback, no per-address limit); returns the expiry. Raises RelayRefused when full."""
         self.expire(now)
-        if peer not in self.reservations and len(self.reservations) >= self.limits.max_reservations:
-            raise RelayRefused(f"this relay holds its maximum of {self.limits.max_reservations} reservations")
+        if peer not in self.reservations:
+            if len(self.reservations) >= self.limits.max_reservations:
+                raise RelayRefused(f"this relay holds its maximum of {self.limits.max_reservations} reservations")
+            same_address = sum(1 for other in self._reserved_from.values() if group is not None and other == group)
+            if same_address >= self.limits.max_reservations_per_address:
+                raise RelayRefused(
+                    f"{group} holds its maximum of {self.limits.max_reservations_per_address} reservations"
+                )
         expiry = now + self.limits.reservation_ttl
         self.reservations[peer] = expiry
+        self._reserved_from[peer] = group
         return expiry
 
     def drop_reservation(self, peer: Peer) -> None:
         self.reservations.pop(peer, None)
+        self._reserved_from.pop(peer, None)
 
-    def open_circuit(self, source: Peer, target: Peer, now: float) -> Circuit[Peer]:
-        """A pending circuit from ``source`` to the reserved ``target``, with a fresh token per end."""
+    def open_circuit(self, source: Peer, target: Peer, now: float, source_group: str | None = None) -> Circuit[Peer]:
+        """A pending circuit from ``source`` (calling from address ``source_group``) to the reserved
+        ``target``, with a fresh token per end."""
         self.expire(now)
         if source == target:
             raise RelayRefused("a peer cannot relay to itself")
@@ -205,15 +222,21 @@ class RelayBook(Generic[Peer]):
         for peer in (source, target):
             if self._per_peer[peer] >= self.limits.max_circuits_per_peer:
                 raise RelayRefused(f"{peer} is at its maximum of {self.limits.max_circuits_per_peer} circuits")
+        groups = tuple(g for g in {source_group, self._reserved_from.get(target)} if g is not None)
+        for group in groups:
+            if self._per_address[group] >= self.limits.max_circuits_per_address:
+                raise RelayRefused(f"{group} is at its maximum of {self.limits.max_circuits_per_address} circuits")
         circuit = Circuit(
             source,
             target,
             (secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES)),
             now + self.limits.pending_timeout,
+            groups=groups,
         )
         self._all[id(circuit)] = circuit
         self._per_peer[source] += 1
         self._per_peer[target] += 1
+        self._per_address.update(groups)
         for side, token in enumerate(circuit.tokens):
             self._by_token[token] = (circuit, side)
         return circuit
@@ -241,12 +264,16 @@ class RelayBook(Generic[Peer]):
             self._per_peer[peer] -= 1
             if self._per_peer[peer] <= 0:
                 del self._per_peer[peer]
+        for group in circuit.groups:
+            self._per_address[group] -= 1
+            if self._per_address[group] <= 0:
+                del self._per_address[group]
 
     def expire(self, now: float) -> list[Circuit[Peer]]:
         """Drop expired reservations and pending circuits; returns the circuits dropped (their
         arrived ends are the driver's to close). Active circuits end by their own deadline."""
         for peer in [peer for peer, expiry in self.reservations.items() if expiry <= now]:
-            del self.reservations[peer]
+            self.drop_reservation(peer)
         dropped = [c for c in self._all.values() if not c.active and c.expires <= now]
         for circuit in dropped:
             self.close_circuit(circuit)

@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 from .address import PeerAddress
+from .admission import address_group
 from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import TOKEN_BYTES, Circuit, RelayBook, RelayLimits, RelayRefused, TokenBucket
@@ -74,7 +75,7 @@ class Relay:
         if not self.accepting:
             raise Busy("this peer cannot be reached itself, so it relays for nobody")
         try:
-            self.book.reserve(request.peer, trio.current_time())
+            self.book.reserve(request.peer, trio.current_time(), group=_address_group_of(connection))
         except RelayRefused as error:
             raise Busy(str(error)) from None
         return {"ttl": self.book.limits.reservation_ttl}
@@ -87,8 +88,9 @@ class Relay:
         connection = self.host.connection_to(target)
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
+        source_group = _address_group_of(self.host.connection_to(request.peer))
         try:
-            circuit = self.book.open_circuit(request.peer, target, trio.current_time())
+            circuit = self.book.open_circuit(request.peer, target, trio.current_time(), source_group)
         except RelayRefused as error:
             raise Busy(str(error)) from None
         circuit.waiter = trio.Event()
@@ -314,6 +316,15 @@ class RelayClient:
                 nursery.start_soon(_wait_then_cancel, connection.closed, nursery.cancel_scope)
             if not self.reserved:
                 await trio.sleep_forever()
+
+
+def _address_group_of(connection: Any) -> str | None:
+    """The per-address limit group of a direct connection's remote end (a closed or relayed one
+    counts as its own unknown address)."""
+    try:
+        return address_group(connection.channel.stream.socket.getpeername()[0])
+    except (AttributeError, OSError):
+        return "unknown"
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

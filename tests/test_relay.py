@@ -160,6 +160,31 @@ def test_relay_book_caps_circuits_and_expires_pending_ones():
     assert book.circuits == 0 and not book._per_peer
 
 
+def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identities():
+    limits = RelayLimits(max_reservations_per_address=2, max_circuits_per_address=3, pending_timeout=5)
+    book = RelayBook(limits)
+    book.reserve("sybil-1", 0, group="203.0.113.7")
+    book.reserve("sybil-2", 0, group="203.0.113.7")
+    with pytest.raises(RelayRefused, match="203.0.113.7 holds its maximum of 2 reservations"):
+        book.reserve("sybil-3", 0, group="203.0.113.7")
+    book.reserve("sybil-1", 1, group="203.0.113.7")  # renewing is not a new reservation
+    book.reserve("honest", 0, group="198.51.100.1")  # another address still gets a slot
+    book.reserve("local", 0, group=None)  # loopback has no per-address limit
+    for caller in ("sybil-a", "sybil-b", "sybil-c"):  # fresh identities, one address
+        book.open_circuit(caller, "honest", 0, "192.0.2.9")
+    with pytest.raises(RelayRefused, match="192.0.2.9 is at its maximum of 3 circuits"):
+        book.open_circuit("sybil-d", "local", 0, "192.0.2.9")
+    book.open_circuit("other", "local", 0, "192.0.2.10")
+    # a target's address counts too: circuits to the Sybils' reservations share their address's cap
+    for caller in ("p", "q", "r"):
+        book.open_circuit(caller, "sybil-1", 0, None)
+    with pytest.raises(RelayRefused, match="203.0.113.7 is at its maximum"):
+        book.open_circuit("s", "sybil-2", 0, None)
+    assert len(book.expire(10)) == 7 and not book._per_address
+    book.drop_reservation("sybil-1")
+    book.reserve("sybil-3", 11, group="203.0.113.7")  # a dropped reservation frees its address's slot
+
+
 def test_token_bucket_and_dial_back_limits():
     bucket = TokenBucket(rate=100, burst=50, now=0)
     assert bucket.take(50, 0) == 0
