@@ -56,6 +56,7 @@ from peer import LOCAL_DIFFICULTY, Identity  # noqa: E402
 
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
 
+from benchmarks.wan_cases import hivemind_baseline  # noqa: E402
 from tests.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
 from tests.test_lab_group_faults import read_line  # noqa: E402
 
@@ -108,7 +109,7 @@ def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]
     return {"mbit_s": measured["bytes"] * 8 / measured["seconds"] / 1e6, "bytes": measured["bytes"]}
 
 
-def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]:
+def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str | None) -> dict[str, Any]:
     hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
     keys = []
     for index in range(PEERS):
@@ -130,17 +131,29 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, An
     script = "benchmarks/faults_cases/matchmaking_member.py"
     processes = spawn_all(lab, hosts[:1], workdir, script, argv)
     processes += spawn_all(lab, hosts[1:], workdir, script, lambda i: argv(i + 1))
-    steps, failures = [], []
-    for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
-        tell(processes, "step")
-        deadline = time.monotonic() + round_limit
-        outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
-        if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
-            failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
-        elif number > 0:
-            steps.append(
-                {"step_s": max(r["seconds"] for r in outcome), "allreduce_s": max(r["allreduce_s"] for r in outcome)}
-            )
+    baseline = hivemind and hivemind_baseline.HivemindPeers(lab, hosts, workdir, hivemind, VALUES, START_TIMEOUT)
+    steps, failures, hm_steps, hm_failures = [], [], [], []
+    try:
+        for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
+            if baseline and number % 2:  # alternate which goes first: neither always follows the other
+                _hivemind_step(baseline, round_limit, number, hm_steps, hm_failures)
+            tell(processes, "step")
+            deadline = time.monotonic() + round_limit
+            outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
+            if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
+                failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
+            elif number > 0:
+                steps.append(
+                    {
+                        "step_s": max(r["seconds"] for r in outcome),
+                        "allreduce_s": max(r["allreduce_s"] for r in outcome),
+                    }
+                )
+            if baseline and not number % 2:
+                _hivemind_step(baseline, round_limit, number, hm_steps, hm_failures)
+    finally:
+        if baseline:
+            baseline.stop()
     if not steps:
         raise RuntimeError(f"no step averaged all {PEERS} peers: {failures[:3]}")
     allreduce_s = statistics.median(s["allreduce_s"] for s in steps)
@@ -154,7 +167,18 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, An
         "steps": steps,
         "failed_steps": len(failures),
         "failures": failures[:3],
+        "hivemind": hivemind_baseline.figures(hm_steps, hm_failures, bound) if baseline else None,
     }
+
+
+def _hivemind_step(
+    baseline: hivemind_baseline.HivemindPeers, limit: float, number: int, steps: list, failures: list
+) -> None:
+    outcome = baseline.step(limit)
+    if not hivemind_baseline.full_group(outcome, PEERS):
+        failures.append([r.get("error") or r.get("size") for r in outcome])
+    elif number > 0:
+        steps.append(hivemind_baseline.step_times(outcome))
 
 
 def _rate(samples: list[tuple[float, int]]) -> float:
@@ -260,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument(
+        "--hivemind",
+        metavar="PYTHON",
+        default=os.environ.get("PEERD_WAN_HIVEMIND"),
+        help="an interpreter with hivemind installed: the all-reduce part also steps Hivemind's averager "
+        "(default: $PEERD_WAN_HIVEMIND; none: no baseline)",
+    )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
     if reason is not None:
@@ -278,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     bodies = {
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
-        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick),
+        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
         "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
         "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
@@ -315,6 +346,11 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
             return None
         return part["samples_per_s_per_peer"] / solo_rate
 
+    hivemind = reduce_.get("hivemind") or {}
+
+    def versus(figure: str) -> float | None:  # peerd's time ÷ Hivemind's: < 1 where peerd is faster
+        return reduce_[figure] / hivemind[figure] if reduce_.get(figure) and hivemind.get(figure) else None
+
     loss_ratio = None
     if local.get("bits_per_byte") and single_.get("bits_per_byte"):
         loss_ratio = local["bits_per_byte"] / single_["bits_per_byte"]
@@ -331,6 +367,12 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "allreduce_s": _figure(reduce_.get("allreduce_s")),
         "step_s": _figure(reduce_.get("step_s")),
         "line_rate_bound_s": _figure(line_rate_bound_s(VALUES, PEERS, rate)),
+        "hivemind_step_s": _figure(hivemind.get("step_s")),
+        "hivemind_allreduce_s": _figure(hivemind.get("allreduce_s")),
+        "hivemind_step_line_rate_fraction": _figure(hivemind.get("step_line_rate_fraction")),
+        "hivemind_allreduce_line_rate_fraction": _figure(hivemind.get("allreduce_line_rate_fraction")),
+        "step_vs_hivemind": _figure(versus("step_s")),
+        "allreduce_vs_hivemind": _figure(versus("allreduce_s")),
         "solo_samples_per_s": _figure(solo_rate, 2),
         "window_s": window,
         "targets": {
@@ -355,6 +397,12 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         "step_s",
         "allreduce_line_rate_fraction",
         "step_line_rate_fraction",
+        "hivemind_step_s",
+        "hivemind_allreduce_s",
+        "hivemind_step_line_rate_fraction",
+        "hivemind_allreduce_line_rate_fraction",
+        "step_vs_hivemind",
+        "allreduce_vs_hivemind",
         "solo_samples_per_s",
         "utilization_local_updates",
         "utilization_collaborative",
