@@ -4,6 +4,7 @@ compute utilisation, with every host on its own shaped link.
     python benchmarks/wan.py --quick              # within 180 s on 2 busy cores, 100 Mbit/s
     python benchmarks/wan.py --rate 20            # 20 Mbit/s links, longer windows
     python benchmarks/wan.py --only allreduce     # one part
+    python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind
 
 Runs in the network lab (``tests/netlab.py``: one network namespace per host on a private bridge,
 each host's link shaped by tbf on both ends; real processes started with ``ip netns exec``), so it
@@ -17,6 +18,18 @@ Parts (rows of the table):
                  rate (2.01 s at 100 Mbit/s). Figures: ``allreduce_line_rate_fraction`` = bound ÷
                  median all-reduce time (group formed until the round is done, slowest peer), and
                  ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
+                 With ``--hivemind PYTHON`` (or ``$PEERD_WAN_HIVEMIND``), 4 Hivemind 1.1.12
+                 ``DecentralizedAverager``s of the same tensor run on the same hosts
+                 (``wan_cases/hivemind_averager.py``: ``target_group_size=4``,
+                 ``min_matchmaking_time=0.5``, no compression), stepped in turn with peerd's, the
+                 order alternating. ``hivemind_step_s``: its whole ``step()``, matchmaking included
+                 (as ``step_s``); ``hivemind_allreduce_s``: from the step entering its
+                 ``RUNNING_ALLREDUCE`` stage (group formed) to the step's end (as ``allreduce_s``).
+                 ``step_vs_hivemind`` and ``allreduce_vs_hivemind`` = peerd's time ÷ Hivemind's
+                 (< 1: peerd is faster). Without the flag they are null. PYTHON is an interpreter
+                 with Hivemind installed apart from the project's environment, e.g.
+                     python -m venv --system-site-packages /work/hmvenv   # reuses the installed torch
+                     /work/hmvenv/bin/pip install hivemind==1.1.12        # its wheel bundles p2pd
   solo           4 trainers with no swarm (``wan_cases/solo_trainer.py``), one per host, side by
                  side on the same CPU: the fair baseline on a shared machine. Figure: samples/s
                  per trainer.
@@ -31,7 +44,8 @@ Parts (rows of the table):
 
 The last line is one JSON object: ``allreduce_line_rate_fraction``, ``step_line_rate_fraction``,
 ``utilization_local_updates``, ``utilization_collaborative``, ``bytes_per_sample`` (local updates),
-``loss_ratio``, ``rate_mbit``, and per-part details; null where a part failed or did not run.
+``loss_ratio``, ``rate_mbit``, the Hivemind figures, and per-part details; null where a part
+failed or did not run.
 """
 
 from __future__ import annotations
