@@ -145,12 +145,12 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str |
     script = "benchmarks/faults_cases/matchmaking_member.py"
     processes = spawn_all(lab, hosts[:1], workdir, script, argv)
     processes += spawn_all(lab, hosts[1:], workdir, script, lambda i: argv(i + 1))
-    baseline = hivemind and hivemind_baseline.HivemindPeers(lab, hosts, workdir, hivemind, VALUES, START_TIMEOUT)
-    steps, failures, hm_steps, hm_failures = [], [], [], []
+    baseline = hivemind and hivemind_baseline.Baseline(lab, hosts, workdir, hivemind, VALUES, START_TIMEOUT)
+    steps, failures = [], []
     try:
         for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
             if baseline and number % 2:  # alternate which goes first: neither always follows the other
-                _hivemind_step(baseline, round_limit, number, hm_steps, hm_failures)
+                baseline.step(number, round_limit)
             tell(processes, "step")
             deadline = time.monotonic() + round_limit
             outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
@@ -164,7 +164,7 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str |
                     }
                 )
             if baseline and not number % 2:
-                _hivemind_step(baseline, round_limit, number, hm_steps, hm_failures)
+                baseline.step(number, round_limit)
     finally:
         if baseline:
             baseline.stop()
@@ -181,18 +181,8 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str |
         "steps": steps,
         "failed_steps": len(failures),
         "failures": failures[:3],
-        "hivemind": hivemind_baseline.figures(hm_steps, hm_failures, bound) if baseline else None,
+        "hivemind": baseline.figures(bound) if baseline else None,
     }
-
-
-def _hivemind_step(
-    baseline: hivemind_baseline.HivemindPeers, limit: float, number: int, steps: list, failures: list
-) -> None:
-    outcome = baseline.step(limit)
-    if not hivemind_baseline.full_group(outcome, PEERS):
-        failures.append([r.get("error") or r.get("size") for r in outcome])
-    elif number > 0:
-        steps.append(hivemind_baseline.step_times(outcome))
 
 
 def _rate(samples: list[tuple[float, int]]) -> float:
@@ -387,6 +377,7 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "hivemind_allreduce_line_rate_fraction": _figure(hivemind.get("allreduce_line_rate_fraction")),
         "step_vs_hivemind": _figure(versus("step_s")),
         "allreduce_vs_hivemind": _figure(versus("allreduce_s")),
+        "hivemind_error": hivemind.get("error"),
         "solo_samples_per_s": _figure(solo_rate, 2),
         "window_s": window,
         "targets": {
@@ -427,6 +418,8 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         print(f"{name:<32} {cell(summary.get(name)):>10} {cell(summary['targets'].get(name)):>8}")
     for name, error in summary.get("errors", {}).items():
         print(f"  {name} failed: {error.splitlines()[0]}")
+    if summary.get("hivemind_error"):
+        print(f"  hivemind baseline failed: {summary['hivemind_error'].splitlines()[0]}")
 
 
 if __name__ == "__main__":

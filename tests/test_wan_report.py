@@ -4,6 +4,10 @@ benchmark's own; this checks the arithmetic and the bookkeeping on made-up outco
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
 from benchmarks.wan import line_rate_bound_s, summarize
 from benchmarks.wan_cases import hivemind_baseline
 
@@ -25,6 +29,7 @@ def test_without_the_baseline_the_hivemind_figures_are_null():
             "hivemind_allreduce_line_rate_fraction",
             "step_vs_hivemind",
             "allreduce_vs_hivemind",
+            "hivemind_error",
         ]
     )
     assert all(summary[name] is None for name in names)
@@ -58,3 +63,22 @@ def test_a_partial_or_inexact_hivemind_step_is_a_failure_not_a_time():
     failed = hivemind_baseline.figures([], [["TimeoutError"]], BOUND)
     assert "step_s" not in failed and failed["failed_steps"] == 1
     assert summarize({"allreduce": peerd_part(failed)}, 100.0, 20.0)["step_vs_hivemind"] is None
+
+
+class LocalLab:
+    """Starts the processes as the lab would, in this namespace: enough for a start that fails."""
+
+    def spawn(self, host, args: list[str], log_path: Path, python: str) -> subprocess.Popen:
+        with open(log_path, "wb") as log:
+            return subprocess.Popen([python, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+
+
+def test_a_hivemind_that_does_not_start_is_the_baselines_error_and_steps_nothing(tmp_path):
+    hosts = [SimpleNamespace(address="127.0.0.1") for _ in range(4)]
+    baseline = hivemind_baseline.Baseline(LocalLab(), hosts, tmp_path, "/bin/false", 1000, start_timeout=10)
+    assert baseline.peers is None and "did not answer" in baseline.error
+    baseline.step(1, limit=5)  # a no-op, not a hang on a dead process's pipe
+    baseline.stop()
+    figures = baseline.figures(BOUND)
+    assert figures["error"] == baseline.error and "step_s" not in figures
+    assert summarize({"allreduce": peerd_part(figures)}, 100.0, 20.0)["hivemind_error"] == baseline.error

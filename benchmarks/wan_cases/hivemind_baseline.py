@@ -32,14 +32,18 @@ class HivemindPeers:
         self.processes: list[subprocess.Popen] = []
         self.logs = [workdir / f"hivemind{index}.log" for index in range(len(hosts))]
         common = ["--group-size", str(len(hosts)), "--values", str(values)]
-        self._spawn(lab, hosts[0], 0, python, common)
-        maddrs = json.loads(self._line(0, start_timeout))["maddrs"]
-        self._expect_ready(0, start_timeout)
-        joins = [flag for maddr in maddrs for flag in ("--initial-peer", maddr)]
-        for index, host in enumerate(hosts[1:], start=1):
-            self._spawn(lab, host, index, python, [*common, *joins])
-        for index in range(1, len(hosts)):
-            self._expect_ready(index, start_timeout)
+        try:
+            self._spawn(lab, hosts[0], 0, python, common)
+            maddrs = json.loads(self._line(0, start_timeout))["maddrs"]
+            self._expect_ready(0, start_timeout)
+            joins = [flag for maddr in maddrs for flag in ("--initial-peer", maddr)]
+            for index, host in enumerate(hosts[1:], start=1):
+                self._spawn(lab, host, index, python, [*common, *joins])
+            for index in range(1, len(hosts)):
+                self._expect_ready(index, start_timeout)
+        except BaseException:
+            self.stop()  # the lab would kill only the interpreters, not what they forked
+            raise
 
     def _spawn(self, lab, host, index: int, python: str, flags: list[str]) -> subprocess.Popen:
         argv = [SCRIPT, "--index", str(index), "--address", host.address, *flags]
@@ -80,6 +84,45 @@ class HivemindPeers:
                 process.wait(max(0.0, deadline - time.monotonic()))
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)  # the script made its pid its session's group
+
+
+class Baseline:
+    """Hivemind's steps within ``wan.py``'s all-reduce part. Hivemind failing to start or to finish
+    a step ends the baseline with its error in the figures; peerd's figures never depend on it."""
+
+    def __init__(self, lab, hosts, workdir: Path, python: str, values: int, start_timeout: float):
+        self.size = len(hosts)
+        self.steps: list[dict[str, float | None]] = []
+        self.failures: list = []
+        self.error: str | None = None
+        self.peers: HivemindPeers | None = None
+        try:
+            self.peers = HivemindPeers(lab, hosts, workdir, python, values, start_timeout)
+        except (RuntimeError, OSError, ValueError, KeyError) as error:
+            self.error = f"{type(error).__name__}: {error}"[:400]
+
+    def step(self, number: int, limit: float) -> None:
+        """Step ``number`` (0 warms up and is not counted) on every peer, within ``limit`` seconds."""
+        if self.peers is None:
+            return
+        try:
+            outcome = self.peers.step(limit)
+        except (RuntimeError, OSError, ValueError) as error:  # a peer died or hung: its output is out of step
+            self.error = f"step {number}: {type(error).__name__}: {error}"[:400]
+            self.stop()
+            return
+        if not full_group(outcome, self.size):
+            self.failures.append([r.get("error") or r.get("size") for r in outcome])
+        elif number > 0:
+            self.steps.append(step_times(outcome))
+
+    def stop(self) -> None:
+        if self.peers is not None:
+            self.peers.stop()
+            self.peers = None
+
+    def figures(self, bound: float) -> dict[str, Any]:
+        return {**figures(self.steps, self.failures, bound), "error": self.error}
 
 
 def full_group(outcome: list[dict[str, Any]], size: int) -> bool:
