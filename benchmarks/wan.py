@@ -4,6 +4,7 @@ compute utilisation, with every host on its own shaped link.
     python benchmarks/wan.py --quick              # within 180 s on 2 busy cores, 100 Mbit/s
     python benchmarks/wan.py --rate 20            # 20 Mbit/s links, longer windows
     python benchmarks/wan.py --only allreduce     # one part
+    python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind
 
 Runs in the network lab (``tests/netlab.py``: one network namespace per host on a private bridge,
 each host's link shaped by tbf on both ends; real processes started with ``ip netns exec``), so it
@@ -17,6 +18,18 @@ Parts (rows of the table):
                  rate (2.01 s at 100 Mbit/s). Figures: ``allreduce_line_rate_fraction`` = bound ÷
                  median all-reduce time (group formed until the round is done, slowest peer), and
                  ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
+                 With ``--hivemind PYTHON`` (or ``$PEERD_WAN_HIVEMIND``), 4 Hivemind 1.1.12
+                 ``DecentralizedAverager``s of the same tensor run on the same hosts
+                 (``wan_cases/hivemind_averager.py``: ``target_group_size=4``,
+                 ``min_matchmaking_time=0.5``, no compression), stepped in turn with peerd's, the
+                 order alternating. ``hivemind_step_s``: its whole ``step()``, matchmaking included
+                 (as ``step_s``); ``hivemind_allreduce_s``: from the step entering its
+                 ``RUNNING_ALLREDUCE`` stage (group formed) to the step's end (as ``allreduce_s``).
+                 ``step_vs_hivemind`` and ``allreduce_vs_hivemind`` = peerd's time ÷ Hivemind's
+                 (< 1: peerd is faster). Without the flag they are null. PYTHON is an interpreter
+                 with Hivemind installed apart from the project's environment, e.g.
+                     python -m venv --system-site-packages /work/hmvenv   # reuses the installed torch
+                     /work/hmvenv/bin/pip install hivemind==1.1.12        # its wheel bundles p2pd
   solo           4 trainers with no swarm (``wan_cases/solo_trainer.py``), one per host, side by
                  side on the same CPU: the fair baseline on a shared machine. Figure: samples/s
                  per trainer.
@@ -31,7 +44,8 @@ Parts (rows of the table):
 
 The last line is one JSON object: ``allreduce_line_rate_fraction``, ``step_line_rate_fraction``,
 ``utilization_local_updates``, ``utilization_collaborative``, ``bytes_per_sample`` (local updates),
-``loss_ratio``, ``rate_mbit``, and per-part details; null where a part failed or did not run.
+``loss_ratio``, ``rate_mbit``, the Hivemind figures, and per-part details; null where a part
+failed or did not run.
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ from peer import LOCAL_DIFFICULTY, Identity  # noqa: E402
 
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
 
+from benchmarks.wan_cases import hivemind_baseline  # noqa: E402
 from tests.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
 from tests.test_lab_group_faults import read_line  # noqa: E402
 
@@ -108,7 +123,7 @@ def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]
     return {"mbit_s": measured["bytes"] * 8 / measured["seconds"] / 1e6, "bytes": measured["bytes"]}
 
 
-def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]:
+def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str | None) -> dict[str, Any]:
     hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
     keys = []
     for index in range(PEERS):
@@ -130,17 +145,29 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, An
     script = "benchmarks/faults_cases/matchmaking_member.py"
     processes = spawn_all(lab, hosts[:1], workdir, script, argv)
     processes += spawn_all(lab, hosts[1:], workdir, script, lambda i: argv(i + 1))
+    baseline = hivemind and hivemind_baseline.Baseline(lab, hosts, workdir, hivemind, VALUES, START_TIMEOUT)
     steps, failures = [], []
-    for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
-        tell(processes, "step")
-        deadline = time.monotonic() + round_limit
-        outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
-        if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
-            failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
-        elif number > 0:
-            steps.append(
-                {"step_s": max(r["seconds"] for r in outcome), "allreduce_s": max(r["allreduce_s"] for r in outcome)}
-            )
+    try:
+        for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
+            if baseline and number % 2:  # alternate which goes first: neither always follows the other
+                baseline.step(number, round_limit)
+            tell(processes, "step")
+            deadline = time.monotonic() + round_limit
+            outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
+            if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
+                failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
+            elif number > 0:
+                steps.append(
+                    {
+                        "step_s": max(r["seconds"] for r in outcome),
+                        "allreduce_s": max(r["allreduce_s"] for r in outcome),
+                    }
+                )
+            if baseline and not number % 2:
+                baseline.step(number, round_limit)
+    finally:
+        if baseline:
+            baseline.stop()
     if not steps:
         raise RuntimeError(f"no step averaged all {PEERS} peers: {failures[:3]}")
     allreduce_s = statistics.median(s["allreduce_s"] for s in steps)
@@ -154,6 +181,7 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, An
         "steps": steps,
         "failed_steps": len(failures),
         "failures": failures[:3],
+        "hivemind": baseline.figures(bound) if baseline else None,
     }
 
 
@@ -260,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument(
+        "--hivemind",
+        metavar="PYTHON",
+        default=os.environ.get("PEERD_WAN_HIVEMIND"),
+        help="an interpreter with hivemind installed: the all-reduce part also steps Hivemind's averager "
+        "(default: $PEERD_WAN_HIVEMIND; none: no baseline)",
+    )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
     if reason is not None:
@@ -278,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     bodies = {
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
-        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick),
+        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
         "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
         "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
@@ -315,6 +350,11 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
             return None
         return part["samples_per_s_per_peer"] / solo_rate
 
+    hivemind = reduce_.get("hivemind") or {}
+
+    def versus(figure: str) -> float | None:  # peerd's time ÷ Hivemind's: < 1 where peerd is faster
+        return reduce_[figure] / hivemind[figure] if reduce_.get(figure) and hivemind.get(figure) else None
+
     loss_ratio = None
     if local.get("bits_per_byte") and single_.get("bits_per_byte"):
         loss_ratio = local["bits_per_byte"] / single_["bits_per_byte"]
@@ -331,6 +371,13 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "allreduce_s": _figure(reduce_.get("allreduce_s")),
         "step_s": _figure(reduce_.get("step_s")),
         "line_rate_bound_s": _figure(line_rate_bound_s(VALUES, PEERS, rate)),
+        "hivemind_step_s": _figure(hivemind.get("step_s")),
+        "hivemind_allreduce_s": _figure(hivemind.get("allreduce_s")),
+        "hivemind_step_line_rate_fraction": _figure(hivemind.get("step_line_rate_fraction")),
+        "hivemind_allreduce_line_rate_fraction": _figure(hivemind.get("allreduce_line_rate_fraction")),
+        "step_vs_hivemind": _figure(versus("step_s")),
+        "allreduce_vs_hivemind": _figure(versus("allreduce_s")),
+        "hivemind_error": hivemind.get("error"),
         "solo_samples_per_s": _figure(solo_rate, 2),
         "window_s": window,
         "targets": {
@@ -355,6 +402,12 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         "step_s",
         "allreduce_line_rate_fraction",
         "step_line_rate_fraction",
+        "hivemind_step_s",
+        "hivemind_allreduce_s",
+        "hivemind_step_line_rate_fraction",
+        "hivemind_allreduce_line_rate_fraction",
+        "step_vs_hivemind",
+        "allreduce_vs_hivemind",
         "solo_samples_per_s",
         "utilization_local_updates",
         "utilization_collaborative",
@@ -365,6 +418,8 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         print(f"{name:<32} {cell(summary.get(name)):>10} {cell(summary['targets'].get(name)):>8}")
     for name, error in summary.get("errors", {}).items():
         print(f"  {name} failed: {error.splitlines()[0]}")
+    if summary.get("hivemind_error"):
+        print(f"  hivemind baseline failed: {summary['hivemind_error'].splitlines()[0]}")
 
 
 if __name__ == "__main__":

@@ -399,14 +399,15 @@ table ip pdlab_nat {{
         self.peers.append(peer)
         return peer
 
-    def spawn(self, host: LabHost, args: list[str], log_path: Path) -> subprocess.Popen:
-        """A Python process (``args`` after the interpreter) in ``host``'s namespace with pipes for
-        stdin and stdout and stderr to ``log_path``; killed when the lab closes."""
+    def spawn(self, host: LabHost, args: list[str], log_path: Path, python: str = sys.executable) -> subprocess.Popen:
+        """A Python process (``args`` after the interpreter, ``python``: another one may hold other
+        packages) in ``host``'s namespace with pipes for stdin and stdout and stderr to
+        ``log_path``; killed when the lab closes."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                ["ip", "netns", "exec", host.namespace, sys.executable, *args],
+                ["ip", "netns", "exec", host.namespace, python, *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
