@@ -2,7 +2,7 @@
 compute utilisation, with every host on its own shaped link.
 
     python benchmarks/wan.py --quick              # within 180 s on 2 busy cores, 100 Mbit/s
-    python benchmarks/wan.py --rate 20            # 20 Mbit/s links, longer windows
+    python benchmarks/wan.py --rate 20mbit        # 20 Mbit/s links, longer windows
     python benchmarks/wan.py --only allreduce     # one part
     python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind
 
@@ -280,10 +280,21 @@ def _figure(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
+def mbit_per_s(text: str) -> float:
+    """``20``, ``20mbit`` or ``1gbit`` as Mbit/s (tc's spelling, as the issue writes rates)."""
+    lowered = text.strip().lower()
+    for suffix, scale in (("gbit", 1000.0), ("mbit", 1.0)):
+        if lowered.endswith(suffix):
+            return float(lowered[: -len(suffix)]) * scale
+    return float(lowered)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="within 180 s: short windows, fewer steps")
-    parser.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every host's link (default 100)")
+    parser.add_argument(
+        "--rate", type=mbit_per_s, default=100.0, help="Mbit/s of every host's link: 20 or 20mbit (default 100)"
+    )
     parts = ["raw_tcp", "allreduce", "solo", "local_updates", "collaborative", "single"]
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")

@@ -82,3 +82,11 @@ def test_a_hivemind_that_does_not_start_is_the_baselines_error_and_steps_nothing
     figures = baseline.figures(BOUND)
     assert figures["error"] == baseline.error and "step_s" not in figures
     assert summarize({"allreduce": peerd_part(figures)}, 100.0, 20.0)["hivemind_error"] == baseline.error
+
+
+def test_link_rates_read_as_tc_writes_them():
+    from benchmarks.wan import mbit_per_s
+
+    assert mbit_per_s("20") == 20.0
+    assert mbit_per_s("20mbit") == 20.0
+    assert mbit_per_s("1gbit") == 1000.0
