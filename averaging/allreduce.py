@@ -200,6 +200,11 @@ class AllReduceService:
             self._finish(group.group_id)
             raise
         total = sum(t.numel() for t in tensors)
+        robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
+        # Checked rounds (CenteredClip by default): every part is signed and each reducer keeps its
+        # inputs for the checks; a round nobody checks does neither. Like the aggregation, this is
+        # the swarm's setting: a reducer that keeps no inputs fails the checks of a peer that checks.
+        checked = robust if check_reducers is None else check_reducers
         plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], part_size)
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
         sender_rules = dataclasses.replace(deadlines, cap=_tighter(deadlines.cap, sender_timeout))
@@ -214,13 +219,13 @@ class AllReduceService:
             reducer = None
             if my_shard is not None:
                 lease = holds.enter_context(self._buffers.lease())
-                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, Aggregation(aggregation))
+                aggregated = Aggregation(aggregation)
+                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, aggregated, checked)
                 if reducer.shard.reduction.keep_inputs:
                     self.checks.keep(group, reducer.shard.reduction)
             sender = None
             if flat is not None:
-                # the reducers' checks cover CenteredClip rounds: there every part is signed
-                key = self.host.identity.public_key if Aggregation(aggregation) is Aggregation.CENTERED_CLIP else None
+                key = self.host.identity.public_key if checked and robust else None
                 header = ReduceHeader(group.group_id, weight, total, key)
                 sender = SenderRole(self.host, plan, flat, header, the_codec, links)
             result = AllReduceResult(group, plan=plan, my_shard=my_shard)
@@ -254,12 +259,11 @@ class AllReduceService:
             if reducer is not None:
                 assert my_shard is not None
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
-            robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
-            if robust and reducer is not None:  # kept from now on
+            if reducer is not None and reducer.shard.reduction.keep_inputs:  # kept from now on
                 self.checks.keep(group, reducer.shard.reduction)
             if sender is not None:
                 averaged = self._unbanned(group, plan, sender.averaged, result)
-                if robust if check_reducers is None else check_reducers:  # before their averages land
+                if checked:  # before their averages land
                     averaged = await self._checked(group, plan, flat, weight, averaged, result, the_codec)
                 await in_thread(write_back, tensors, averaged + own_average)
             for peer in result.failed_peers:
@@ -313,6 +317,7 @@ class AllReduceService:
         lease: BufferLease,
         links: RoundLinks,
         aggregation: Aggregation,
+        checked: bool,
     ) -> ReducerRole:
         part_sizes = [end - start for start, end in plan.parts(my_shard)]
         sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
@@ -321,7 +326,7 @@ class AllReduceService:
         if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
-        if aggregation is Aggregation.CENTERED_CLIP:  # for the senders' checks: signed parts, kept
+        if aggregation is Aggregation.CENTERED_CLIP and checked:  # for the senders' checks: signed parts, kept
             shard.reduction.keep_inputs = True
             shard.signed_round = (group.group_id, self.host.peer_id)
         return ReducerRole(shard, lease, plan.total, codec, links)

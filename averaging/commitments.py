@@ -14,8 +14,8 @@ requires its sender's signature on it: a reducer can no longer state a contribut
 sender did not send it.
 
 A sender's public key travels with its stream's header and with each check answer; its peer ID is
-the hash of that key (``peer/identity.py``), so the key proves itself. Plain-mean rounds are not
-checked and carry no signatures.
+the hash of that key (``peer/identity.py``), so the key proves itself. Rounds nobody checks (the
+plain mean, or CenteredClip with the checks off) carry no signatures.
 
 Cost: one BLAKE3 pass over each encoded part and one Ed25519 signature per part sent, one pass and
 one verification per part received, and the checker's passes and verifications over the parts it

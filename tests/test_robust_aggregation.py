@@ -124,6 +124,28 @@ async def test_a_hostile_sender_does_not_steer_a_robust_all_reduce():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_robust_round_nobody_checks_signs_and_keeps_nothing(monkeypatch):
+    """Signatures and kept inputs serve only the reducer checks: with the checks off a
+    centered-clip round neither signs a part nor keeps a reducer's inputs, and still averages."""
+    import averaging.round_roles
+
+    def no_signing(*args, **kwargs):
+        raise AssertionError("a part was signed in a round nobody checks")
+
+    monkeypatch.setattr(averaging.round_roles, "sign_part", no_signing)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 4)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", check_reducers=False)
+        for i in range(4):
+            assert results[i].succeeded and not results[i].reducer_checks
+            assert not peers[i].service.checks.kept._rounds
+        assert all(torch.allclose(flat(t), flat(tensors[0])) for t in tensors)
+        nursery.cancel_scope.cancel()
+
+
 def test_weights_too_small_for_float32_still_give_the_weighted_mean():
     """Claims of 1e-300 (finite, positive, within bounds) underflow float32: the part's average
     must still be their weighted mean, never 0 / 0."""
