@@ -124,6 +124,40 @@ async def test_a_hostile_sender_does_not_steer_a_robust_all_reduce():
         nursery.cancel_scope.cancel()
 
 
+def test_small_parts_iterate_on_their_gram_matrix_to_the_same_aggregate(monkeypatch):
+    """The Gram-matrix iteration of small parts and the streamed one of large parts agree: on a
+    clean cloud, with hostile 1e30 and float32-extreme values, from a start far out, from the
+    median, and on identical contributions (a radius of 0)."""
+    import averaging.robust as robust
+
+    cloud = honest_cloud(7)
+    far = [p.clone() for p in cloud]
+    far[0] += 1000.0
+    cases = [
+        (cloud, [1.0] * 7, cloud[0]),
+        (cloud + [torch.full((DIM,), 1e30)], [1.0] * 7 + [2.0], cloud[0]),
+        (cloud + [torch.full((DIM,), 3e38), torch.full((DIM,), -3e38)], [1.0] * 9, cloud[0]),
+        (far, [1.0] * 7, far[0]),
+        (cloud, [1.0, 2.0, 1.0, 1.0, 0.5, 1.0, 1.0], None),
+        ([cloud[0].clone() for _ in range(4)], [1.0] * 4, cloud[0]),
+    ]
+    for parts, weights, center in cases:
+        results = []
+        for limit in (0, len(parts) * DIM):
+            monkeypatch.setattr(robust, "GRAM_LIMIT", limit)
+            out = torch.empty(DIM)
+            tau, moved_to = centered_clip(parts, weights, out, center=center)
+            results.append((tau, moved_to, out))
+        (tau, moved_to, streamed), (gram_tau, gram_moved_to, gram) = results
+        if moved_to is None:
+            assert gram_moved_to is None and abs(tau - gram_tau) <= 1e-5 * tau
+            assert float((streamed - gram).norm()) <= 1e-4 * tau + 1e-6
+        else:  # both moved to the honest contribution of least radius: near-ties may pick another
+            assert gram_moved_to is not None and abs(tau - gram_tau) <= 0.05 * tau
+            assert float((streamed - gram).norm()) <= 0.02 * tau
+    assert results[0][0] == 0.0  # the identical contributions
+
+
 async def test_a_robust_round_nobody_checks_signs_and_keeps_nothing(monkeypatch):
     """Signatures and kept inputs serve only the reducer checks: with the checks off a
     centered-clip round neither signs a part nor keeps a reducer's inputs, and still averages."""
