@@ -18,7 +18,7 @@ from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
 from .reduction import ShardReduction
-from .round_roles import in_thread
+from .round_roles import INLINE_WORK_LIMIT, in_thread
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
@@ -74,6 +74,14 @@ def _requantizer(codec: Codec):
     return requantize
 
 
+async def _inline_if_small(numel: int, fn, *args):
+    """``fn(*args)`` on the event loop for a check of a small part (a worker thread's hop costs
+    more than its work: a tiny model's round makes one check per reducer per sender), else in one."""
+    if numel <= INLINE_WORK_LIMIT:
+        return fn(*args)
+    return await in_thread(fn, *args)
+
+
 def _draw(probability: float) -> bool:
     """True with ``probability``, from private randomness (a reducer must not guess our checks)."""
     return probability >= 1 or secrets.randbelow(1 << 30) < probability * (1 << 30)
@@ -97,7 +105,7 @@ class ReducerChecks:
     async def _handle_check(self, request: Request) -> Message:
         body = request.body if isinstance(request.body, dict) else {}
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
-        answer, payload = await in_thread(inputs.to_message)
+        answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
         return Message(answer, payload)
 
     def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
@@ -106,6 +114,7 @@ class ReducerChecks:
 
         identity = self.host.identity
         plain = get_codec("none")
+        own_signed: dict[int, SignedPart] = {}  # part -> our own input, signed once for every checker
 
         def inputs(index: int) -> PartInputs | None:
             if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
@@ -116,9 +125,11 @@ class ReducerChecks:
             signed = list(signed)
             for row, sender in enumerate(senders):
                 if signed[row] is None and sender == identity.peer_id:  # our own: we sign it as float32
-                    meta, payload = plain.encode_finite(values[row])
-                    signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
-                    signed[row] = SignedPart(identity.public_key, signature, meta, None)
+                    if index not in own_signed:
+                        meta, payload = plain.encode_finite(values[row])
+                        signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
+                        own_signed[index] = SignedPart(identity.public_key, signature, meta, None)
+                    signed[row] = own_signed[index]
             tau = reduction.part_taus[index]
             return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 
@@ -202,9 +213,10 @@ class ReducerChecks:
                 reply = await self.host.call(
                     reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
                 )
-                parse = PartInputs.parse
-                inputs = await in_thread(parse, reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
-                verdict = await in_thread(pending.check.verdict, inputs)
+                parse, numel = PartInputs.parse, pending.check.reply.numel()
+                work = numel * pending.senders
+                inputs = await _inline_if_small(work, parse, reply.body, reply.payload, numel, pending.senders)
+                verdict = await _inline_if_small(work, pending.check.verdict, inputs)
             except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
                 verdict = f"its check answer failed: {type(error).__name__}: {error}"
         if verdict is not None:

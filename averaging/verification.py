@@ -242,18 +242,21 @@ class PartCheck:
             return "its inputs name senders its reply left out"
         if len(inputs.signed) != len(inputs.senders):
             return "its inputs are not signed"
-        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
-            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, inputs.row_payload(row))
-            if not verify_part(signed.public_key, signed.signature, *args):
-                return f"it states an input of {sender} that {sender} did not sign"
+        ours = None
         if self.weight > 0:
             if self.me not in inputs.senders:
                 return "it left our contribution out of its inputs"
-            row = inputs.senders.index(self.me)
-            if inputs.weights[row] != self.weight:
-                return f"it misstated our weight ({inputs.weights[row]!r}, we sent {self.weight!r})"
-            if not torch.equal(inputs.values[row], self.own):
+            ours = inputs.senders.index(self.me)
+            if inputs.weights[ours] != self.weight:
+                return f"it misstated our weight ({inputs.weights[ours]!r}, we sent {self.weight!r})"
+            if not torch.equal(inputs.values[ours], self.own):
                 return "it misstated our contribution"
+        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
+            if row == ours:  # what we sent, as we sent it: our own signature would prove nothing more
+                continue
+            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, inputs.row_payload(row))
+            if not verify_part(signed.public_key, signed.signature, *args):
+                return f"it states an input of {sender} that {sender} did not sign"
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.

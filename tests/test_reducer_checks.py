@@ -70,6 +70,10 @@ def test_an_honest_answer_holds_and_every_lie_is_named():
     me = peers[2]
     check = checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
     assert check.verdict(inputs) is None
+    # our own input is compared with what we sent: its signature is not verified (it proves nothing more)
+    unsigned_ours, ours = list(inputs.signed), inputs.signed[2]
+    unsigned_ours[2] = SignedPart(ours.public_key, b"x" * 64, ours.meta, ours.payload)
+    assert check.verdict(PartInputs(*astuple(inputs)[:6], unsigned_ours)) is None
     lies = {
         "reply": checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
         "our values": checker(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
