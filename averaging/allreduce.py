@@ -209,6 +209,14 @@ class AllReduceService:
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
         sender_rules = dataclasses.replace(deadlines, cap=_tighter(deadlines.cap, sender_timeout))
         reducer_rules = dataclasses.replace(deadlines, cap=_tighter(deadlines.cap, reducer_timeout))
+        committed = None  # our commitment to our parts, and the parts, encoded (``commitments.py``)
+        if checked and robust and flat is not None:
+            try:
+                committed = await in_thread(self.checks.commit, group, plan, flat, weight, the_codec)
+            except BaseException:
+                self._finish(group.group_id)
+                raise
+        commitment = committed[0] if committed is not None else None
         # Checked here, with no await between it and the announcement below: a leader that reused a
         # live group ID would have the two rounds take each other's parts.
         if group.group_id in self._rounds:
@@ -222,12 +230,12 @@ class AllReduceService:
                 aggregated = Aggregation(aggregation)
                 reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, aggregated, checked)
                 if reducer.shard.reduction.keep_inputs:
-                    self.checks.keep(group, reducer.shard.reduction)
+                    self.checks.keep(group, reducer.shard.reduction, commitment)
             sender = None
             if flat is not None:
-                key = self.host.identity.public_key if checked and robust else None
-                header = ReduceHeader(group.group_id, weight, total, key)
+                header = ReduceHeader(group.group_id, weight, total, commitment and commitment.to_wire())
                 sender = SenderRole(self.host, plan, flat, header, the_codec, links)
+                sender.prepared = committed[1] if committed is not None else None
             result = AllReduceResult(group, plan=plan, my_shard=my_shard)
             self._announce(group.group_id, reducer)
             try:
@@ -260,7 +268,7 @@ class AllReduceService:
                 assert my_shard is not None
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
             if reducer is not None and reducer.shard.reduction.keep_inputs:  # kept from now on
-                self.checks.keep(group, reducer.shard.reduction)
+                self.checks.keep(group, reducer.shard.reduction, commitment)
             if sender is not None:
                 averaged = self._unbanned(group, plan, sender.averaged, result)
                 if checked:  # before their averages land
@@ -329,6 +337,7 @@ class AllReduceService:
         if aggregation is Aggregation.CENTERED_CLIP and checked:  # for the senders' checks: signed parts, kept
             shard.reduction.keep_inputs = True
             shard.signed_round = (group.group_id, self.host.peer_id)
+            shard.verified = self.checks.verified
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
 
 from peer import Message, PeerHost, PeerID, Request, Router
 
-from .commitments import SignedPart, sign_part
+from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, part_digest
 from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
@@ -100,6 +101,7 @@ class ReducerChecks:
         self.kept = KeptInputs()
         self.banned = BanList()
         self.caught = 0  # reducers this peer has caught lying
+        self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
         router.add_unary(CHECK_METHOD, self._handle_check)
 
     async def _handle_check(self, request: Request) -> Message:
@@ -108,13 +110,35 @@ class ReducerChecks:
         answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
         return Message(answer, payload)
 
-    def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
+    def commit(
+        self, group: GroupInfo, plan: AllReducePlan, flat: torch.Tensor, weight: float, codec: Codec
+    ) -> tuple[Commitment, dict[tuple[PeerID, int], tuple[Any, Any]]]:
+        """Encode every part we send in a checked round and commit to them all (``commitments.py``;
+        tensor work): returns the commitment and the encoded parts, by (reducer, part index). Our
+        own shard is committed to as float32, as our checks' answers state it."""
+        me, plain = self.host.peer_id, get_codec("none")
+        encoded: dict[tuple[PeerID, int], tuple[Any, Any]] = {}
+        shards = []
+        for index, member in enumerate(group.reducers):
+            if not plan.shard_sizes[index]:
+                continue
+            own = member.peer_id == me
+            digests = []
+            for part, (start, end) in enumerate(plan.parts(index)):
+                meta, payload = (plain if own else codec).encode_finite(flat[start:end])
+                if not own:
+                    encoded[(member.peer_id, part)] = (meta, payload)
+                digests.append(part_digest(meta, payload))
+            shards.append((member.peer_id, digests))
+        return commit(self.host.identity, group.group_id, float(weight), shards), encoded
+
+    def keep(self, group: GroupInfo, reduction: ShardReduction, commitment: Commitment | None = None) -> None:
         """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
-        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then)."""
+        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then); ``commitment``:
+        ours, to our own contribution."""
 
         identity = self.host.identity
         plain = get_codec("none")
-        own_signed: dict[int, SignedPart] = {}  # part -> our own input, signed once for every checker
 
         def inputs(index: int) -> PartInputs | None:
             if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
@@ -124,12 +148,8 @@ class ReducerChecks:
                 return None
             signed = list(signed)
             for row, sender in enumerate(senders):
-                if signed[row] is None and sender == identity.peer_id:  # our own: we sign it as float32
-                    if index not in own_signed:
-                        meta, payload = plain.encode_finite(values[row])
-                        signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
-                        own_signed[index] = SignedPart(identity.public_key, signature, meta, None)
-                    signed[row] = own_signed[index]
+                if signed[row] is None and sender == identity.peer_id and commitment is not None:
+                    signed[row] = SignedPart(commitment, plain.encode_finite(values[row])[0], None)  # as float32
             tau = reduction.part_taus[index]
             return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 
@@ -184,6 +204,7 @@ class ReducerChecks:
                 _requantizer(codec),
                 group.group_id,
                 part,
+                self.verified,
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))

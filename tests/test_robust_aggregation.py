@@ -159,14 +159,15 @@ def test_small_parts_iterate_on_their_gram_matrix_to_the_same_aggregate(monkeypa
 
 
 async def test_a_robust_round_nobody_checks_signs_and_keeps_nothing(monkeypatch):
-    """Signatures and kept inputs serve only the reducer checks: with the checks off a
-    centered-clip round neither signs a part nor keeps a reducer's inputs, and still averages."""
-    import averaging.round_roles
+    """Commitments and kept inputs serve only the reducer checks: with the checks off a
+    centered-clip round neither commits to its parts nor keeps a reducer's inputs, and still
+    averages."""
+    import averaging.reducer_checks
 
     def no_signing(*args, **kwargs):
-        raise AssertionError("a part was signed in a round nobody checks")
+        raise AssertionError("parts were committed to in a round nobody checks")
 
-    monkeypatch.setattr(averaging.round_roles, "sign_part", no_signing)
+    monkeypatch.setattr(averaging.reducer_checks, "commit", no_signing)
     async with trio.open_nursery() as nursery:
         peers = await start_peers(nursery, 4)
         group = make_group(peers)
