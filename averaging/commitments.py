@@ -103,12 +103,16 @@ class Commitment:
     ) -> bool:
         """Whether ``sender`` (whose key this must be) signed this commitment for round
         ``group_id`` with ``weight``; never raises."""
+        claim = (self.public_key, self.signature, group_id, sender.to_bytes(), float(weight), self.digests)
+        if verified is not None and claim in verified:
+            return True
         if PeerID.from_public_key(self.public_key) != sender:
             return False
-        message = _statement(group_id, sender, weight, self.digests)
+        if not verify_signature(self.public_key, self.signature, _statement(group_id, sender, weight, self.digests)):
+            return False
         if verified is not None:
-            return verified.verify(self.public_key, self.signature, message)
-        return verify_signature(self.public_key, self.signature, message)
+            verified.add(claim)
+        return True
 
     def to_wire(self) -> list[Any]:
         return [self.public_key, self.signature, [list(entry) for entry in self.digests]]
@@ -125,15 +129,14 @@ class Commitment:
             raise ValueError("malformed commitment signature")
         if not (isinstance(entries, list) and len(entries) <= MAX_REDUCERS):
             raise ValueError("malformed commitment digests")
-        digests, parts = [], 0
+        digests, size = [], 0
         for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, bytes) for e in entry)):
+            if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is bytes and type(entry[1]) is bytes):
                 raise ValueError("malformed commitment entry")
-            peer, blob = entry
-            parts += len(blob) // DIGEST_BYTES
-            if len(blob) % DIGEST_BYTES or parts > MAX_PARTS:
-                raise ValueError("malformed commitment digests")
-            digests.append((peer, blob))
+            size += len(entry[1])
+            digests.append((entry[0], entry[1]))
+        if size > MAX_PARTS * DIGEST_BYTES or any(len(blob) % DIGEST_BYTES for _peer, blob in digests):
+            raise ValueError("malformed commitment digests")
         return cls(key, signature, tuple(digests))
 
 
@@ -150,28 +153,26 @@ def commit(identity: Identity, group_id: bytes, weight: float, shards: list[tupl
 
 
 # Commitments a peer verified lately: a round's members, in its last few rounds, with room.
-VERIFIED_KEPT = 1024
+VERIFIED_KEPT = 256
 
 
 class VerifiedSignatures:
-    """Signatures this peer verified lately, so that the same commitment, met again in the same
-    round (as a reducer, then in each check), is verified once. Only successes are kept, by a
-    digest of key, signature and message; the oldest go first beyond ``VERIFIED_KEPT``."""
+    """Commitments this peer verified lately, so that the same one, met again in the same round
+    (as a reducer, then in each check), is verified once. Only successes are kept, each as the
+    whole claim it verified (key, signature, round, sender, weight, digests); the oldest go first
+    beyond ``VERIFIED_KEPT``."""
 
     def __init__(self, kept: int = VERIFIED_KEPT):
         self.kept = kept
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
 
-    def verify(self, public_key: bytes, signature: bytes, message: bytes) -> bool:
-        digest = blake3(struct.pack(">I", len(message)) + message + public_key + signature).digest()
-        if digest in self._seen:
-            return True
-        if not verify_signature(public_key, signature, message):
-            return False
-        self._seen[digest] = None
+    def __contains__(self, claim: tuple[Any, ...]) -> bool:
+        return claim in self._seen
+
+    def add(self, claim: tuple[Any, ...]) -> None:
+        self._seen[claim] = None
         while len(self._seen) > self.kept:
             self._seen.popitem(last=False)
-        return True
 
 
 @dataclass(frozen=True)
