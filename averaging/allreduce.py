@@ -201,9 +201,9 @@ class AllReduceService:
             raise
         total = sum(t.numel() for t in tensors)
         robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
-        # Checked rounds (CenteredClip by default): every part is signed and each reducer keeps its
-        # inputs for the checks; a round nobody checks does neither. Like the aggregation, this is
-        # the swarm's setting: a reducer that keeps no inputs fails the checks of a peer that checks.
+        # Checked rounds (CenteredClip by default): every part is committed to and each reducer
+        # keeps its inputs for the checks; a round nobody checks does neither. Like the aggregation,
+        # this is the swarm's setting: a reducer that keeps no inputs fails a checking peer's checks.
         checked = robust if check_reducers is None else check_reducers
         plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], part_size)
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
@@ -334,7 +334,7 @@ class AllReduceService:
         if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
-        if aggregation is Aggregation.CENTERED_CLIP and checked:  # for the senders' checks: signed parts, kept
+        if aggregation is Aggregation.CENTERED_CLIP and checked:  # for the senders' checks: committed parts, kept
             shard.reduction.keep_inputs = True
             shard.signed_round = (group.group_id, self.host.peer_id)
             shard.verified = self.checks.verified

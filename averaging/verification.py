@@ -103,8 +103,8 @@ BAN_SECONDS = 600.0
 @dataclass
 class PartInputs:
     """What a reducer aggregated for one part: who (in order), their claimed weights, their
-    values (one row each), the clip radius, and each input as its sender signed it
-    (``commitments.py``): on the wire the values travel only as those signed parts, and the
+    values (one row each), the clip radius, and each input as its sender sent it, with its
+    commitment (``commitments.py``): on the wire the values travel only as those parts, and the
     checker decodes them itself."""
 
     senders: list[PeerID]
