@@ -55,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from peer import PeerID
@@ -62,7 +63,7 @@ from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
+from .robust import GRAM_LIMIT, START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
 
 __all__ = [
     "BAN_SECONDS",
@@ -269,7 +270,14 @@ class PartCheck:
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.
-        if inputs.start is not None:
+        n = len(parts)
+        trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
+        between = None  # small parts: every distance between inputs at once (their radii too)
+        if inputs.start is not None and n * parts[0].numel() <= GRAM_LIMIT:
+            assert trusted is not None
+            between = pairwise_distances(inputs.values, trusted)
+            start, expected = parts[inputs.start], float(np.sort(between[inputs.start])[n // 2])
+        elif inputs.start is not None:
             start, expected = parts[inputs.start], radius_from(inputs.values, inputs.start)
         else:
             start, expected = None, clip_radius(parts, None)
@@ -286,12 +294,24 @@ class PartCheck:
         if not off <= allowed:
             return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
         if inputs.start is not None:  # (the median needs no bound)
-            trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
-            radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+            if between is not None:
+                radii = np.sort(between, axis=1)[:, n // 2].tolist()
+            else:
+                radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
             typical = sorted(radii)[(len(radii) - 1) // 2]
             if expected > START_MARGIN * START_SLACK * typical:
                 return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
         return None
+
+
+def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:
+    """The distances between the rows of ``values``, from their float64 Gram matrix relative to
+    row ``trusted`` (exact, and small where the rows are close to it)."""
+    rows = values.double()
+    rows -= rows[trusted].clone()
+    gram = (rows @ rows.T).numpy()
+    squares = gram.diagonal()
+    return np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
 
 
 def radius_from(values: torch.Tensor, row: int) -> float:
