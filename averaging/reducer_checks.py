@@ -19,7 +19,7 @@ from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
 from .reduction import ShardReduction
-from .round_roles import INLINE_WORK_LIMIT, in_thread
+from .round_roles import in_thread
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
@@ -75,10 +75,15 @@ def _requantizer(codec: Codec):
     return requantize
 
 
+# A check over at most this many values (inputs x part size) runs on the event loop: a worker
+# thread's hop costs more than its work (a tiny model's round makes one check per reducer per
+# sender), and a check is a few passes over them (decoding, digests, CenteredClip): ~1 ms at most.
+CHECK_INLINE_LIMIT = 1 << 16
+
+
 async def _inline_if_small(numel: int, fn, *args):
-    """``fn(*args)`` on the event loop for a check of a small part (a worker thread's hop costs
-    more than its work: a tiny model's round makes one check per reducer per sender), else in one."""
-    if numel <= INLINE_WORK_LIMIT:
+    """``fn(*args)`` on the event loop for a check of a small part, else in a worker thread."""
+    if numel <= CHECK_INLINE_LIMIT:
         return fn(*args)
     return await in_thread(fn, *args)
 
