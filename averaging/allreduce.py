@@ -200,10 +200,23 @@ class AllReduceService:
             self._finish(group.group_id)
             raise
         total = sum(t.numel() for t in tensors)
+        robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
+        # Checked rounds (CenteredClip by default): every part is committed to and each reducer
+        # keeps its inputs for the checks; a round nobody checks does neither. Like the aggregation,
+        # this is the swarm's setting: a reducer that keeps no inputs fails a checking peer's checks.
+        checked = robust if check_reducers is None else check_reducers
         plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], part_size)
         my_shard = next((i for i, m in enumerate(group.reducers) if m.peer_id == me), None)
         sender_rules = dataclasses.replace(deadlines, cap=_tighter(deadlines.cap, sender_timeout))
         reducer_rules = dataclasses.replace(deadlines, cap=_tighter(deadlines.cap, reducer_timeout))
+        committed = None  # our commitment to our parts, and the parts, encoded (``commitments.py``)
+        if checked and robust and flat is not None:
+            try:
+                committed = await in_thread(self.checks.commit, group, plan, flat, weight, the_codec)
+            except BaseException:
+                self._finish(group.group_id)
+                raise
+        commitment = committed[0] if committed is not None else None
         # Checked here, with no await between it and the announcement below: a leader that reused a
         # live group ID would have the two rounds take each other's parts.
         if group.group_id in self._rounds:
@@ -214,15 +227,15 @@ class AllReduceService:
             reducer = None
             if my_shard is not None:
                 lease = holds.enter_context(self._buffers.lease())
-                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, Aggregation(aggregation))
+                aggregated = Aggregation(aggregation)
+                reducer = self._reducer_role(group, plan, my_shard, the_codec, lease, links, aggregated, checked)
                 if reducer.shard.reduction.keep_inputs:
-                    self.checks.keep(group, reducer.shard.reduction)
+                    self.checks.keep(group, reducer.shard.reduction, commitment)
             sender = None
             if flat is not None:
-                # the reducers' checks cover CenteredClip rounds: there every part is signed
-                key = self.host.identity.public_key if Aggregation(aggregation) is Aggregation.CENTERED_CLIP else None
-                header = ReduceHeader(group.group_id, weight, total, key)
+                header = ReduceHeader(group.group_id, weight, total, commitment and commitment.to_wire())
                 sender = SenderRole(self.host, plan, flat, header, the_codec, links)
+                sender.prepared = committed[1] if committed is not None else None
             result = AllReduceResult(group, plan=plan, my_shard=my_shard)
             self._announce(group.group_id, reducer)
             try:
@@ -254,12 +267,11 @@ class AllReduceService:
             if reducer is not None:
                 assert my_shard is not None
                 own_average = await self._own_shard(reducer, my_shard, plan, result, wanted=sender is not None)
-            robust = Aggregation(aggregation) is Aggregation.CENTERED_CLIP
-            if robust and reducer is not None:  # kept from now on
-                self.checks.keep(group, reducer.shard.reduction)
+            if reducer is not None and reducer.shard.reduction.keep_inputs:  # kept from now on
+                self.checks.keep(group, reducer.shard.reduction, commitment)
             if sender is not None:
                 averaged = self._unbanned(group, plan, sender.averaged, result)
-                if robust if check_reducers is None else check_reducers:  # before their averages land
+                if checked:  # before their averages land
                     averaged = await self._checked(group, plan, flat, weight, averaged, result, the_codec)
                 await in_thread(write_back, tensors, averaged + own_average)
             for peer in result.failed_peers:
@@ -313,6 +325,7 @@ class AllReduceService:
         lease: BufferLease,
         links: RoundLinks,
         aggregation: Aggregation,
+        checked: bool,
     ) -> ReducerRole:
         part_sizes = [end - start for start, end in plan.parts(my_shard)]
         sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
@@ -321,9 +334,10 @@ class AllReduceService:
         if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace)
-        if aggregation is Aggregation.CENTERED_CLIP:  # for the senders' checks: signed parts, kept
+        if aggregation is Aggregation.CENTERED_CLIP and checked:  # for the senders' checks: committed parts, kept
             shard.reduction.keep_inputs = True
             shard.signed_round = (group.group_id, self.host.peer_id)
+            shard.verified = self.checks.verified
         return ReducerRole(shard, lease, plan.total, codec, links)
 
     async def _own_shard(

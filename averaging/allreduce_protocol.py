@@ -3,8 +3,8 @@
 One ``avg.reduce`` stream runs from every sender to every reducer (the sender opens it). The
 sender's half::
 
-    {"group_id": bytes, "weight": float, "total": int[, "key": ed25519 public key]}
-    {"part": i, "meta": codec meta[, "sig": signature]} + payload, for i = 0, 1, ... (then end)
+    {"group_id": bytes, "weight": float, "total": int[, "commit": commitment]}
+    {"part": i, "meta": codec meta} + payload, for i = 0, 1, ... (then end)
 
 and, at the same time, the reducer's half::
 
@@ -20,9 +20,10 @@ averaged (no contribution of positive weight) or encoded (the average overflowed
 reducer's half with an error instead; a sender keeps its own values for a shard it did not receive
 whole.
 
-In a round the reducers' checks cover (CenteredClip), the header carries the sender's public key
-and every part its signature over the part as sent (``commitments.py``): the reducer refuses a
-sender whose key is not its peer ID's or whose signature does not match the part.
+In a round the reducers' checks cover (CenteredClip), the header carries the sender's signed
+commitment to the digest of every part it sends (``commitments.py``): the reducer refuses a sender
+whose commitment is not signed with its peer ID's key, or does not commit to exactly this shard's
+parts, and a part whose digest is not the committed one.
 
 Parts are the plan's parts of the reducer's shard (``AllReducePlan.parts``), encoded by a codec
 that the meta names (``averaging/compression.py``). Everything a remote peer sends is checked
@@ -48,7 +49,7 @@ import torch
 from peer import PeerID
 from peer.tensors import all_finite
 
-from .commitments import PUBLIC_KEY_BYTES, SignedPart, verify_part
+from .commitments import DIGEST_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import Codec, codec_of
 from .part_buffers import PartSink
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
@@ -62,7 +63,7 @@ __all__ = [
     "IncomingPart",
     "ReduceHeader",
     "ReducerShard",
-    "SigningContext",
+    "CommittedSender",
     "parse_contributors",
     "part_body",
 ]
@@ -82,37 +83,31 @@ class ReduceHeader:
     group_id: bytes
     weight: Any  # checked by ShardReduction.set_weight, which rejects only this sender for it
     total: int
-    key: Any = None  # the sender's public key, when its parts are signed (checked by the inbox)
+    commitment: Any = None  # the sender's commitment (wire form), in a checked round (checked by the inbox)
 
     def to_body(self) -> dict[str, Any]:
         body = {"group_id": self.group_id, "weight": self.weight, "total": self.total}
-        if self.key is not None:
-            body["key"] = self.key
+        if self.commitment is not None:
+            body["commit"] = self.commitment
         return body
 
     @classmethod
     def parse(cls, body: Any) -> ReduceHeader:
         if not (isinstance(body, dict) and isinstance(body.get("group_id"), bytes) and type(body.get("total")) is int):
             raise ValueError("avg.reduce expects {'group_id': bytes, 'weight': float, 'total': int}")
-        return cls(body["group_id"], body.get("weight"), body["total"], body.get("key"))
+        return cls(body["group_id"], body.get("weight"), body["total"], body.get("commit"))
 
 
-def part_body(index: int, meta: dict[str, Any], signature: bytes | None = None) -> dict[str, Any]:
-    body = {"part": index, "meta": meta}
-    if signature is not None:
-        body["sig"] = signature
-    return body
+def part_body(index: int, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"part": index, "meta": meta}
 
 
 @dataclass(frozen=True)
-class SigningContext:
-    """What a reducer checks each signed part against: the round, itself, and the sender's key
-    and weight as its header stated them."""
+class CommittedSender:
+    """A sender's verified commitment, and the digests it commits to for this reducer's parts."""
 
-    group_id: bytes
-    reducer: PeerID
-    key: Any
-    weight: Any
+    commitment: Commitment
+    digests: bytes  # this shard's parts' digests, concatenated
 
 
 @dataclass
@@ -127,8 +122,7 @@ class IncomingPart:
     # The payload was received straight into ``out``, and its codec says such bytes are the values
     # themselves (``Codec.in_place_numel``, checked when the buffer was lent): nothing to decode.
     landed: bool
-    signature: Any = None  # the sender's signature, in a signed round
-    signed: SignedPart | None = None  # set once the signature is verified
+    signed: SignedPart | None = None  # set once the part matches its sender's commitment
 
     @property
     def numel(self) -> int:
@@ -154,9 +148,7 @@ def _read_part(body: Any, payload: Any, part_sizes: list[int], sink: PartSink) -
     codec = codec_of(meta)  # raises ValueError for a codec we do not know
     if payload is None:
         raise ValueError(f"part {index} has no payload")
-    return IncomingPart(
-        index, codec, meta, payload, *sink.target(index, payload, part_sizes[index]), signature=body.get("sig")
-    )
+    return IncomingPart(index, codec, meta, payload, *sink.target(index, payload, part_sizes[index]))
 
 
 class ContributionInbox:
@@ -164,12 +156,12 @@ class ContributionInbox:
     reason), and commit the contribution when the sender ends its stream."""
 
     def __init__(
-        self, reduction: ShardReduction, sender: Hashable, sink: PartSink, signing: SigningContext | None = None
+        self, reduction: ShardReduction, sender: Hashable, sink: PartSink, signing: CommittedSender | None = None
     ):
         self.reduction = reduction
         self.sender = sender
         self.sink = sink
-        self.signing = signing  # None: parts are not signed (a plain-mean round)
+        self.signing = signing  # None: parts are not committed to (a round nobody checks)
         self._buffers: dict[int, torch.Tensor] = {}  # part index -> the buffer its values went into
 
     def part(self, body: Any, payload: Any) -> IncomingPart:
@@ -181,8 +173,6 @@ class ContributionInbox:
         except ValueError as error:
             raise ContributionRejected(str(error)) from None
         self._buffers.setdefault(part.index, part.out)
-        if self.signing is not None and part.signature is None:
-            raise ContributionRejected(f"part {part.index} is not signed")
         return part
 
     def unaveraged_buffers(self) -> list[torch.Tensor]:
@@ -190,8 +180,8 @@ class ContributionInbox:
         return [buffer for index, buffer in self._buffers.items() if index >= self.reduction.averaged_parts]
 
     def decode(self, part: IncomingPart) -> torch.Tensor:
-        """The part's values (tensor work unless the payload landed in place and is not signed),
-        once its signature, in a signed round, is verified against the part as received."""
+        """The part's values (tensor work unless the payload landed in place and is not committed
+        to), once it matches its sender's commitment, in a checked round."""
         if self.signing is not None:
             self.verify(part)
         try:
@@ -202,32 +192,27 @@ class ContributionInbox:
             raise ContributionRejected(str(error)) from None
 
     def verify(self, part: IncomingPart) -> None:
-        """Check the part's signature (raises ContributionRejected) and keep it with a copy of the
-        part as sent, for the checks (``commitments.py``)."""
+        """Check the part against its sender's commitment (raises ContributionRejected) and keep
+        it with a copy of the part as sent, for the checks (``commitments.py``)."""
         signing = self.signing
-        assert signing is not None and isinstance(self.sender, PeerID)
+        assert signing is not None
         payload = part.payload
-        if not verify_part(
-            signing.key,
-            part.signature,
-            signing.group_id,
-            signing.reducer,
-            part.index,
-            self.sender,
-            signing.weight,
-            part.meta,
-            payload,
-        ):
-            raise ContributionRejected(f"part {part.index} does not match its sender's signature")
+        committed = signing.digests[part.index * DIGEST_BYTES : (part.index + 1) * DIGEST_BYTES]
+        try:
+            digest = part_digest(part.meta, payload)
+        except (TypeError, ValueError):  # meta that msgpack cannot pack (it came from the wire: it can)
+            raise ContributionRejected(f"part {part.index} has a malformed meta") from None
+        if digest != committed:
+            raise ContributionRejected(f"part {part.index} is not the one its sender committed to")
         # A float32 part's bytes are its values, which the reduction keeps (``kept_inputs``); any
         # other is copied (a received buffer is reused once its part is averaged).
         kept = None if part.codec.encodes_as_view else bytes(payload)
-        part.signed = SignedPart(signing.key, part.signature, part.meta, kept)
+        part.signed = SignedPart(signing.commitment, part.meta, kept)
 
     def stage(self, index: int, values: torch.Tensor, signed: SignedPart | None = None) -> None:
         """Hand the values to the reduction, which checks them (finite, the right size, not a
         duplicate) and keeps them until their part is averaged (``signed``: the part as sent and
-        its verified signature, in a signed round)."""
+        its sender's commitment, in a checked round)."""
         if self.signing is not None and signed is None:
             raise ContributionRejected(f"part {index} was not verified")
         self.reduction.add_part(self.sender, index, values, signed)
@@ -271,18 +256,28 @@ class ReducerShard:
         self.reduction = ShardReduction(part_sizes, senders, sum_buffer, aggregation, workspace)
         self.replies: list[tuple[dict[str, Any], Any]] = []  # (body, payload) of parts 0, 1, ...
         self.error: ValueError | None = None  # a part could not be averaged or encoded: no more replies
-        # (group ID, this reducer): set when the senders sign their parts (rounds that are checked)
+        # (group ID, this reducer): set when the senders commit to their parts (rounds that are checked)
         self.signed_round: tuple[bytes, PeerID] | None = None
+        self.verified: VerifiedSignatures | None = None  # the peer's, shared with its checks
 
     def inbox(self, sender: PeerID, sink: PartSink, header: ReduceHeader | None = None) -> ContributionInbox:
-        """A sender's inbox; in a signed round its header's key must be its peer ID's."""
+        """A sender's inbox; in a checked round its header must carry its commitment, signed with
+        its peer ID's key, to exactly this shard's parts."""
         signing = None
         if self.signed_round is not None:
-            key = header.key if header is not None else None
-            if not (isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES and PeerID.from_public_key(key) == sender):
-                raise ContributionRejected("a signed round needs the sender's public key")
+            group_id, me = self.signed_round
+            try:
+                commitment = Commitment.from_wire(header.commitment if header is not None else None)
+            except ValueError as error:
+                raise ContributionRejected(f"a checked round needs the sender's commitment: {error}") from None
             assert header is not None
-            signing = SigningContext(*self.signed_round, key, float(header.weight))
+            digests = commitment.parts_of(me)
+            if digests is None or len(digests) != DIGEST_BYTES * self.reduction.num_parts:
+                raise ContributionRejected("the sender's commitment does not name this shard's parts")
+            weight = header.weight
+            if not (isinstance(weight, (int, float)) and commitment.verify(group_id, sender, weight, self.verified)):
+                raise ContributionRejected("the sender's commitment is not signed by it")
+            signing = CommittedSender(commitment, digests)
         return ContributionInbox(self.reduction, sender, sink, signing)
 
     @property

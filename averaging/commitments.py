@@ -1,30 +1,40 @@
-"""Signed parts: a sender's commitment to each part it sends a reducer, sans I/O.
+"""Committed parts: a sender's signed commitment to every part it sends in a round, sans I/O.
 
-In a round that the reducers' checks cover (CenteredClip, ``verification.py``), a reducer answers
-each checker in private, so without more it could state the checker's own contribution truly and
-fabricate the others' so that they fit a false aggregate. Every sender therefore signs, with its
-identity key, each part it sends: the signature binds the round (group ID), the reducer, the part's
-index in that reducer's shard, the sender, its weight, and a digest of the part exactly as sent on
-the wire (its codec meta and encoded payload). The reducer verifies the signature against what it
-received before it accepts the part (a part that does not match is refused, as any malformed one,
-so a hostile sender cannot plant a contribution that would later make an honest reducer look like
-a liar), keeps the encoded part and its signature with the inputs it keeps for the checks, and
-hands both over with each check's answer. The checker decodes every stated input itself and
-requires its sender's signature on it: a reducer can no longer state a contribution that its
-sender did not send it.
+In a round that the reducers' checks cover (``verification.py``), a reducer answers each checker
+in private, so without more it could state the checker's own contribution truly and fabricate the
+others' so that they fit a false aggregate. Every sender therefore commits, before it sends
+anything, to every part it will send in the round: it encodes them all, and signs with its
+identity key one statement that binds the round (group ID), itself, its weight, and per reducer
+the digests of that reducer's parts exactly as they will go on the wire (codec meta and encoded
+payload). The commitment travels in the header of each of its streams. A reducer verifies the
+signature once per sender, then each part's digest against the commitment as it arrives; a part
+that does not match is refused, as any malformed one, so a hostile sender cannot plant a
+contribution that would later make an honest reducer look like a liar. The reducer keeps each
+input as sent, with its sender's commitment, and hands both over with each check's answer. The
+checker decodes every stated input itself and requires it to match its sender's signed digest for
+that reducer and part: a reducer can no longer state a contribution that its sender did not send
+it. (A sender that signs two different commitments for one round only commits itself: each
+reducer holds a signed statement of what that sender sent it.)
 
-A sender's public key travels with its stream's header and with each check answer; its peer ID is
-the hash of that key (``peer/identity.py``), so the key proves itself. Plain-mean rounds are not
-checked and carry no signatures.
+One statement per sender and round, not one per part, is what keeps the checks cheap: a checker
+meets the same commitments in every check of the round, and already verified most of them as a
+reducer, so each is verified once (``VerifiedSignatures``) and a check costs digests, not
+signature verifications.
 
-Cost: one BLAKE3 pass over each encoded part and one Ed25519 signature per part sent, one pass and
-one verification per part received, and the checker's passes and verifications over the parts it
-checks.
+A sender's public key travels with its commitment; its peer ID is the hash of that key
+(``peer/identity.py``), so the key proves itself. Rounds nobody checks (the plain mean, or
+CenteredClip with the checks off) carry no commitments.
+
+Cost: one BLAKE3 pass over each encoded part by its sender and one by its reducer, one Ed25519
+signature per sender and round, one verification per sender at each reducer and each checker
+that meets a commitment it has not verified; every part is encoded before the first one is sent
+(for a lossy codec, the encoded vector is held for the round).
 """
 
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +44,25 @@ from peer import PeerID
 from peer.identity import Identity, verify_signature
 from peer.packing import packb
 
-__all__ = ["PUBLIC_KEY_BYTES", "SIGNATURE_BYTES", "SignedPart", "part_digest", "sign_part", "verify_part"]
+__all__ = [
+    "DIGEST_BYTES",
+    "PUBLIC_KEY_BYTES",
+    "SIGNATURE_BYTES",
+    "Commitment",
+    "SignedPart",
+    "VerifiedSignatures",
+    "commit",
+    "part_digest",
+]
 
-_CONTEXT = b"peerd-signed-part\0"
+_CONTEXT = b"peerd-committed-round\0"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
+DIGEST_BYTES = 32
+# A commitment names at most this many reducers and parts: a group's, with room (a 2**31-value
+# vector in parts of 2**15 values); anything larger is refused before it is hashed.
+MAX_REDUCERS = 1024
+MAX_PARTS = 1 << 16
 
 
 def part_digest(meta: Any, payload: Any) -> bytes:
@@ -53,50 +77,110 @@ def part_digest(meta: Any, payload: Any) -> bytes:
     return digest.digest()
 
 
-def _statement(group_id: bytes, reducer: PeerID, part: int, sender: PeerID, weight: float, digest: bytes) -> bytes:
-    return _CONTEXT + packb([group_id, reducer.to_bytes(), part, sender.to_bytes(), float(weight), digest])
+@dataclass(frozen=True)
+class Commitment:
+    """A sender's signed statement of every part it sends in one round: per reducer (peer ID
+    bytes), the digests of its parts, concatenated. The round, the sender and its weight are
+    not carried: whoever verifies supplies them, as it knows them."""
+
+    public_key: bytes
+    signature: bytes
+    digests: tuple[tuple[bytes, bytes], ...]
+
+    def digest(self, reducer: PeerID, part: int) -> bytes | None:
+        """The committed digest of part ``part`` of ``reducer``'s shard, if there is one."""
+        blob = self.parts_of(reducer)
+        if blob is None or not 0 <= part < len(blob) // DIGEST_BYTES:
+            return None
+        return blob[part * DIGEST_BYTES : (part + 1) * DIGEST_BYTES]
+
+    def parts_of(self, reducer: PeerID) -> bytes | None:
+        wanted = reducer.to_bytes()
+        return next((blob for peer, blob in self.digests if peer == wanted), None)
+
+    def verify(
+        self, group_id: bytes, sender: PeerID, weight: float, verified: VerifiedSignatures | None = None
+    ) -> bool:
+        """Whether ``sender`` (whose key this must be) signed this commitment for round
+        ``group_id`` with ``weight``; never raises."""
+        claim = (self.public_key, self.signature, group_id, sender.to_bytes(), float(weight), self.digests)
+        if verified is not None and claim in verified:
+            return True
+        if PeerID.from_public_key(self.public_key) != sender:
+            return False
+        if not verify_signature(self.public_key, self.signature, _statement(group_id, sender, weight, self.digests)):
+            return False
+        if verified is not None:
+            verified.add(claim)
+        return True
+
+    def to_wire(self) -> list[Any]:
+        return [self.public_key, self.signature, [list(entry) for entry in self.digests]]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Commitment:
+        """A commitment as received, checked for shape and bounds (raises ValueError)."""
+        if not (isinstance(raw, list) and len(raw) == 3):
+            raise ValueError("a commitment is [key, signature, digests]")
+        key, signature, entries = raw
+        if not (isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES):
+            raise ValueError("malformed commitment key")
+        if not (isinstance(signature, bytes) and len(signature) == SIGNATURE_BYTES):
+            raise ValueError("malformed commitment signature")
+        if not (isinstance(entries, list) and len(entries) <= MAX_REDUCERS):
+            raise ValueError("malformed commitment digests")
+        digests, size = [], 0
+        for entry in entries:
+            if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is bytes and type(entry[1]) is bytes):
+                raise ValueError("malformed commitment entry")
+            size += len(entry[1])
+            digests.append((entry[0], entry[1]))
+        if size > MAX_PARTS * DIGEST_BYTES or any(len(blob) % DIGEST_BYTES for _peer, blob in digests):
+            raise ValueError("malformed commitment digests")
+        return cls(key, signature, tuple(digests))
 
 
-def sign_part(
-    identity: Identity, group_id: bytes, reducer: PeerID, part: int, weight: float, meta: Any, payload: Any
-) -> bytes:
-    """Our signature on part ``part`` of ``reducer``'s shard in round ``group_id``, as encoded."""
-    digest = part_digest(meta, payload)
-    return identity.sign(_statement(group_id, reducer, part, identity.peer_id, weight, digest))
+def _statement(group_id: bytes, sender: PeerID, weight: float, digests: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    return _CONTEXT + packb([group_id, sender.to_bytes(), float(weight), [list(entry) for entry in digests]])
 
 
-def verify_part(
-    public_key: Any,
-    signature: Any,
-    group_id: bytes,
-    reducer: PeerID,
-    part: int,
-    sender: PeerID,
-    weight: float,
-    meta: Any,
-    payload: Any,
-) -> bool:
-    """Whether ``sender`` (whose key ``public_key`` must be) signed this part as sent; never raises."""
-    if not (isinstance(public_key, bytes) and len(public_key) == PUBLIC_KEY_BYTES):
-        return False
-    if not (isinstance(signature, bytes) and len(signature) == SIGNATURE_BYTES):
-        return False
-    if PeerID.from_public_key(public_key) != sender:
-        return False
-    try:
-        digest = part_digest(meta, payload)
-    except (TypeError, ValueError):  # meta that msgpack cannot pack (it came from the wire: it can)
-        return False
-    return verify_signature(public_key, signature, _statement(group_id, reducer, part, sender, weight, digest))
+def commit(identity: Identity, group_id: bytes, weight: float, shards: list[tuple[PeerID, list[bytes]]]) -> Commitment:
+    """Our commitment, for round ``group_id``, to the parts of each reducer's shard whose digests
+    ``shards`` lists (reducer, its parts' digests in order)."""
+    digests = tuple((reducer.to_bytes(), b"".join(parts)) for reducer, parts in shards)
+    signature = identity.sign(_statement(group_id, identity.peer_id, weight, digests))
+    return Commitment(identity.public_key, signature, digests)
+
+
+# Commitments a peer verified lately: a round's members, in its last few rounds, with room.
+VERIFIED_KEPT = 256
+
+
+class VerifiedSignatures:
+    """Commitments this peer verified lately, so that the same one, met again in the same round
+    (as a reducer, then in each check), is verified once. Only successes are kept, each as the
+    whole claim it verified (key, signature, round, sender, weight, digests); the oldest go first
+    beyond ``VERIFIED_KEPT``."""
+
+    def __init__(self, kept: int = VERIFIED_KEPT):
+        self.kept = kept
+        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+
+    def __contains__(self, claim: tuple[Any, ...]) -> bool:
+        return claim in self._seen
+
+    def add(self, claim: tuple[Any, ...]) -> None:
+        self._seen[claim] = None
+        while len(self._seen) > self.kept:
+            self._seen.popitem(last=False)
 
 
 @dataclass(frozen=True)
 class SignedPart:
-    """One sender's part as it was sent and signed: what a reducer keeps for the checks.
-    ``payload`` None: the part is float32 as is (codec "none"), and its bytes are the values the
-    reducer keeps anyway (no second copy)."""
+    """One sender's part as it was sent, and the sender's commitment to it: what a reducer keeps
+    for the checks. ``payload`` None: the part is float32 as is (codec "none"), and its bytes are
+    the values the reducer keeps anyway (no second copy)."""
 
-    public_key: bytes
-    signature: bytes
+    commitment: Commitment
     meta: Any
     payload: Any  # bytes-like, or None (see above)

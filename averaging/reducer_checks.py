@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
 
 from peer import Message, PeerHost, PeerID, Request, Router
 
-from .commitments import SignedPart, sign_part
+from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, part_digest
 from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
@@ -74,6 +75,19 @@ def _requantizer(codec: Codec):
     return requantize
 
 
+# A check over at most this many values (inputs x part size) runs on the event loop: a worker
+# thread's hop costs more than its work (a tiny model's round makes one check per reducer per
+# sender), and a check is a few passes over them (decoding, digests, CenteredClip): ~1 ms at most.
+CHECK_INLINE_LIMIT = 1 << 16
+
+
+async def _inline_if_small(numel: int, fn, *args):
+    """``fn(*args)`` on the event loop for a check of a small part, else in a worker thread."""
+    if numel <= CHECK_INLINE_LIMIT:
+        return fn(*args)
+    return await in_thread(fn, *args)
+
+
 def _draw(probability: float) -> bool:
     """True with ``probability``, from private randomness (a reducer must not guess our checks)."""
     return probability >= 1 or secrets.randbelow(1 << 30) < probability * (1 << 30)
@@ -92,17 +106,41 @@ class ReducerChecks:
         self.kept = KeptInputs()
         self.banned = BanList()
         self.caught = 0  # reducers this peer has caught lying
+        self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
         router.add_unary(CHECK_METHOD, self._handle_check)
 
     async def _handle_check(self, request: Request) -> Message:
         body = request.body if isinstance(request.body, dict) else {}
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
-        answer, payload = await in_thread(inputs.to_message)
+        answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
         return Message(answer, payload)
 
-    def keep(self, group: GroupInfo, reduction: ShardReduction) -> None:
+    def commit(
+        self, group: GroupInfo, plan: AllReducePlan, flat: torch.Tensor, weight: float, codec: Codec
+    ) -> tuple[Commitment, dict[tuple[PeerID, int], tuple[Any, Any]]]:
+        """Encode every part we send in a checked round and commit to them all (``commitments.py``;
+        tensor work): returns the commitment and the encoded parts, by (reducer, part index). Our
+        own shard is committed to as float32, as our checks' answers state it."""
+        me, plain = self.host.peer_id, get_codec("none")
+        encoded: dict[tuple[PeerID, int], tuple[Any, Any]] = {}
+        shards = []
+        for index, member in enumerate(group.reducers):
+            if not plan.shard_sizes[index]:
+                continue
+            own = member.peer_id == me
+            digests = []
+            for part, (start, end) in enumerate(plan.parts(index)):
+                meta, payload = (plain if own else codec).encode_finite(flat[start:end])
+                if not own:
+                    encoded[(member.peer_id, part)] = (meta, payload)
+                digests.append(part_digest(meta, payload))
+            shards.append((member.peer_id, digests))
+        return commit(self.host.identity, group.group_id, float(weight), shards), encoded
+
+    def keep(self, group: GroupInfo, reduction: ShardReduction, commitment: Commitment | None = None) -> None:
         """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
-        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then)."""
+        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then); ``commitment``:
+        ours, to our own contribution."""
 
         identity = self.host.identity
         plain = get_codec("none")
@@ -115,10 +153,8 @@ class ReducerChecks:
                 return None
             signed = list(signed)
             for row, sender in enumerate(senders):
-                if signed[row] is None and sender == identity.peer_id:  # our own: we sign it as float32
-                    meta, payload = plain.encode_finite(values[row])
-                    signature = sign_part(identity, group.group_id, sender, index, weights[row], meta, payload)
-                    signed[row] = SignedPart(identity.public_key, signature, meta, None)
+                if signed[row] is None and sender == identity.peer_id and commitment is not None:
+                    signed[row] = SignedPart(commitment, plain.encode_finite(values[row])[0], None)  # as float32
             tau = reduction.part_taus[index]
             return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 
@@ -173,6 +209,7 @@ class ReducerChecks:
                 _requantizer(codec),
                 group.group_id,
                 part,
+                self.verified,
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
@@ -202,9 +239,10 @@ class ReducerChecks:
                 reply = await self.host.call(
                     reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
                 )
-                parse = PartInputs.parse
-                inputs = await in_thread(parse, reply.body, reply.payload, pending.check.reply.numel(), pending.senders)
-                verdict = await in_thread(pending.check.verdict, inputs)
+                parse, numel = PartInputs.parse, pending.check.reply.numel()
+                work = numel * pending.senders
+                inputs = await _inline_if_small(work, parse, reply.body, reply.payload, numel, pending.senders)
+                verdict = await _inline_if_small(work, pending.check.verdict, inputs)
             except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
                 verdict = f"its check answer failed: {type(error).__name__}: {error}"
         if verdict is not None:

@@ -89,8 +89,8 @@ class ShardReduction:
         # Set to keep each part's inputs after it is aggregated (for the senders' checks,
         # ``verification.py``): per part, the senders with positive weight, their claimed weights,
         # a copy of their values (one row each), and the row CenteredClip started from (None:
-        # the coordinate-wise median), and per sender what it signed for the part (``signed`` of
-        # ``add_part``; None for our own contribution and in unsigned rounds).
+        # the coordinate-wise median), and per sender its part as sent with its commitment
+        # (``signed`` of ``add_part``; None for our own contribution and in rounds nobody checks).
         self.keep_inputs = False
         self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None, list[Any]]] = []
         self._signed: list[dict[Hashable, Any]] = [{} for _ in self.part_sizes]  # of parts not averaged
@@ -130,7 +130,7 @@ class ShardReduction:
         """Stage one part; raises ContributionRejected (the caller then drops the sender).
 
         ``values`` is kept, not copied, until its part is averaged: pass a tensor nobody modifies.
-        ``signed``: the sender's signed part as sent, kept with the inputs (``keep_inputs``)."""
+        ``signed``: the sender's part as sent, with its commitment, kept with the inputs (``keep_inputs``)."""
         self._check_sender(sender)
         if sender not in self._weights:
             raise ContributionRejected("a part arrived before the sender's weight")

@@ -37,6 +37,9 @@ Choices the papers leave open, and ours:
 Contributions are taken relative to the trusted point, one row each of a workspace, so an iteration is
 two passes over them (distances to ``v`` from ``rows @ v``, then the step); values too large for
 float32 squares (a 1e30 contribution) switch the part to float64, which only hostile inputs need.
+Small parts (``GRAM_LIMIT`` values over all contributions: a small model's, where each torch call
+costs more than the values it touches) iterate instead on the rows' float64 Gram matrix, n x n
+numbers, and read the rows once more only for the result (``_centered_clip_gram``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import enum
 import math
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -139,6 +143,8 @@ def centered_clip(
         out.copy_(parts[0])
         return 0.0, None
     numel = parts[0].numel()
+    if n * numel <= GRAM_LIMIT:
+        return _centered_clip_gram(parts, weights, out, center, tau, choose_start)
     if workspace is not None and workspace.numel() >= n * numel:
         rows = workspace[: n * numel].view(n, numel)
     else:
@@ -190,6 +196,66 @@ def centered_clip(
         out.add_(center)
     else:
         torch.add(v, center, out=out)
+    return tau, None
+
+
+# Parts of at most this many values, over all contributions, iterate on their Gram matrix
+# (``_centered_clip_gram``): one float64 matrix product, then n x n steps. Above it the rows are
+# streamed each step, which costs fewer passes than the Gram matrix's n for large groups and keeps
+# float32.
+GRAM_LIMIT = 1 << 18
+
+
+def _centered_clip_gram(
+    parts: list[torch.Tensor],
+    weights: list[float],
+    out: torch.Tensor,
+    center: torch.Tensor | None,
+    tau: float | None,
+    choose_start: bool,
+) -> tuple[float, int | None]:
+    """``centered_clip`` for small parts, where a step over the rows costs less than the calls
+    that make it: ``v`` stays a combination ``c @ rows`` of the contributions relative to the start
+    (it starts at 0 and each step is one), so with the rows' Gram matrix ``G`` every distance is
+    ``sqrt(G_ii - 2 (G c)_i + c G c)`` and every step's length ``sqrt(d G d)``: the iteration runs
+    on n numbers, and the rows are read twice (the Gram matrix, then ``v``). Exact float64
+    throughout (the rows as float64 differences: no squares overflow), so the tolerance test is as
+    sharp as the streamed one's."""
+    n = len(parts)
+    trusted = center is not None
+    stacked = torch.stack(parts).double()
+    start = stacked.median(dim=0).values if center is None else center.double()
+    rows = stacked.sub_(start)
+    gram = (rows @ rows.T).numpy()
+    squares = gram.diagonal().copy()
+    dist = np.sqrt(squares)
+    if trusted and choose_start and n > 2:
+        between = np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
+        radii = np.sort(between, axis=1)[:, n // 2]
+        typical = float(np.sort(radii)[(n - 1) // 2])
+        if float(np.sort(dist)[n // 2]) > START_SLACK * typical:  # our own contribution is far out
+            moved_to = int(np.argmin(radii))
+            tau, _ = _centered_clip_gram(parts, weights, out, parts[moved_to], tau, False)
+            return tau, moved_to
+    if tau is None:
+        tau = float(np.sort(dist)[n // 2])
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / math.fsum(weights)
+    c = np.zeros(n)
+    gram_c = np.zeros(n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for _iteration in range(MAX_ITERATIONS if tau > 0 else 1):
+            scale = np.where(dist <= tau, w, w * tau / dist)
+            step = scale - scale.sum() * c  # v + sum_i scale_i (x_i - v), as coefficients
+            c += step
+            gram_step = gram @ step
+            gram_c += gram_step
+            if math.sqrt(max(0.0, float(step @ gram_step))) <= TOLERANCE * tau:
+                break
+            dist = np.sqrt(np.maximum(squares - 2 * gram_c + float(c @ gram_c), 0.0))
+    v = torch.from_numpy(c) @ rows
+    torch.add(v, start, out=v)
+    out.copy_(v)
     return tau, None
 
 

@@ -28,7 +28,6 @@ from .allreduce_protocol import (
     ReducerShard,
     part_body,
 )
-from .commitments import sign_part
 from .compression import Codec
 from .group import GroupInfo, GroupMember
 from .link_speed import DeadlineRules, ProgressDeadline
@@ -234,7 +233,7 @@ class ReducerRole:
                 part = inbox.part(message.body, message.payload)
                 # A payload that landed in its buffer is only checked; anything else is decoded
                 # (a copy at least) in a worker thread.
-                # (A signed one is hashed and its signature verified too: inline for usual sizes.)
+                # (A committed one is hashed and checked too: inline for usual sizes.)
                 if part.landed and inbox.signing is None:
                     values = inbox.decode(part)
                 elif part.landed:
@@ -338,7 +337,9 @@ class SenderRole:
         # caller's tensors only when the round is over, so a cancelled round leaves them untouched
         self.averaged: list[tuple[int, torch.Tensor]] = []
         self.pacer = PartPacer()
-        self.signed = header.key is not None  # every part is signed (``commitments.py``)
+        # a checked round's parts, encoded before it and committed to (``commitments.py``):
+        # (reducer, part index) -> (meta, payload)
+        self.prepared: dict[tuple[PeerID, int], tuple[Any, Any]] | None = None
 
     def will_exchange(self, index: int) -> None:
         """Called for every shard this peer will send, before any exchange starts."""
@@ -425,8 +426,8 @@ class SenderRole:
             await stream.send(self.header.to_body())
             for part_index, (start, end) in enumerate(inbox.ranges):
                 await self.pacer.turn(index, progress.rules.stall / 2)
-                meta, payload, signature = await self._encode(self.flat[start:end], reducer, part_index)
-                await stream.send(part_body(part_index, meta, signature), payload)
+                meta, payload = await self._encode(self.flat[start:end], reducer, part_index)
+                await stream.send(part_body(part_index, meta), payload)
                 self.pacer.sent(index)
             await stream.end()
         except RPCError:
@@ -436,17 +437,11 @@ class SenderRole:
         if not inbox.all_in:
             progress.quiet = True  # the reducer may wait for the other senders before it answers
 
-    async def _encode(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:
+    async def _encode(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any]:
         # Our flattened values were checked finite as a whole, so parts skip that pass; a codec
         # whose payload is a view of the part needs no worker thread.
-        if self.codec.encodes_as_view:  # (signing hashes it: inline for parts of the usual size)
-            return await _small_inline(part.numel() if self.signed else 0, self._encode_and_sign, part, reducer, index)
-        return await in_thread(self._encode_and_sign, part, reducer, index)
-
-    def _encode_and_sign(self, part: torch.Tensor, reducer: PeerID, index: int) -> tuple[dict[str, Any], Any, Any]:
-        meta, payload = self.codec.encode_finite(part)
-        if not self.signed:
-            return meta, payload, None
-        header = self.header
-        signature = sign_part(self.host.identity, header.group_id, reducer, index, float(header.weight), meta, payload)
-        return meta, payload, signature
+        if self.prepared is not None:
+            return self.prepared[(reducer, index)]
+        if self.codec.encodes_as_view:
+            return self.codec.encode_finite(part)
+        return await in_thread(self.codec.encode_finite, part)

@@ -6,13 +6,15 @@ in a round that uses CenteredClip each sender, before it uses any reducer's aver
 random and in private one part of each other reducer's shard (of each with a probability that
 bounds what the checks cost the reducer's uplink, ``reducer_checks.CHECK_SHARE``, on all but
 small vectors) and asks that reducer (``avg.check``) for the part's inputs: the contributions it
-aggregated, each as its sender sent and signed it (``commitments.py``), the weights they claimed,
+aggregated, each as its sender sent it with its sender's signed commitment (``commitments.py``),
+the weights they claimed,
 and the clip radius it used. The reducer keeps them from the moment each part is aggregated until
 ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender then
 
-1. requires every input to carry its sender's signature over it, for this round, this reducer,
-   this part and the weight stated with it, and decodes the inputs itself; and finds its own
-   contribution and weight among them, exactly as it sent them;
+1. finds its own contribution and weight among the inputs, exactly as it sent them; requires
+   every other input to be the one its sender committed to, for this round, this reducer, this
+   part and the weight stated with it (its digest in a commitment the sender signed), and decodes
+   the inputs itself;
 2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
    far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
    most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
@@ -26,20 +28,23 @@ reducer's shard with the sender's own values and puts the reducer on this peer's
 ``BAN_SECONDS``: matchmaking leaves it out of our groups.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
-answer, on what this sender itself sent and received, and on the other senders' signatures. A
+answer, on what this sender itself sent and received, and on the other senders' commitments. A
 reducer that returns anything but the aggregate of its claimed inputs is caught by whoever checks
 that part; one that makes its claimed inputs fit a false answer must misstate some honest sender's
 contribution or weight. It answers each checker in private, so it could state the checker's own
 contribution truly and misstate only the others'; but it cannot sign for them, so any such input
-fails its signature check. Nor can a sender frame an honest reducer: a part that does not match
-its signature is refused at receipt (``allreduce_protocol.py``) and never becomes an input. A
+fails its commitment check. Nor can a sender frame an honest reducer: a sender whose commitment
+is not signed by it, and a part that does not match its sender's commitment, are refused at
+receipt (``allreduce_protocol.py``) and never become an input. A
 reducer that lies on its whole shard is therefore caught in its first round by every sender that
 checks it (all of them on small vectors), and its lie is never used by those; one that lies on a
-single part of ``P`` is caught by each checking sender with probability ``1 / P`` per round. The honest cost per round:
-per reducer checked, one RPC carrying one part's inputs (group size x part size, as encoded), their
-decoding, a hash and a signature verification per input, and one CenteredClip of that part; a
+single part of ``P`` is caught by each checking sender with probability ``1 / P`` per round. The
+honest cost per round: per reducer checked, one RPC carrying one part's inputs (group size x part
+size, as encoded, and their senders' commitments), their decoding, a hash per input, and one
+CenteredClip of that part; a signature verification only per commitment this peer has not met yet
+(each sender signs one per round, and a peer that reduces has verified all of them already); a
 reducer keeps a copy of its inputs (decoded, and as sent) for a few rounds; in a checked round
-every part sent is hashed and signed, every part received hashed and verified.
+every part sent is encoded before the first goes out and hashed, every part received hashed.
 """
 
 from __future__ import annotations
@@ -50,14 +55,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from peer import PeerID
 from peer.tensors import all_finite, tensor_bytes
 
-from .commitments import SignedPart, verify_part
+from .commitments import Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .robust import START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
+from .robust import GRAM_LIMIT, START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
 
 __all__ = [
     "BAN_SECONDS",
@@ -98,8 +104,8 @@ BAN_SECONDS = 600.0
 @dataclass
 class PartInputs:
     """What a reducer aggregated for one part: who (in order), their claimed weights, their
-    values (one row each), the clip radius, and each input as its sender signed it
-    (``commitments.py``): on the wire the values travel only as those signed parts, and the
+    values (one row each), the clip radius, and each input as its sender sent it, with its
+    commitment (``commitments.py``): on the wire the values travel only as those parts, and the
     checker decodes them itself."""
 
     senders: list[PeerID]
@@ -125,8 +131,7 @@ class PartInputs:
             "tau": self.tau,
             "aggregation": self.aggregation.value,
             "start": self.start,
-            "keys": [s.public_key for s in self.signed],
-            "sigs": [s.signature for s in self.signed],
+            "commits": [s.commitment.to_wire() for s in self.signed],
             "metas": [s.meta for s in self.signed],
             "sizes": [len(p) for p in payloads],
         }
@@ -137,7 +142,7 @@ class PartInputs:
     @classmethod
     def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
         """A check's answer, checked field by field and its inputs decoded (raises ValueError);
-        the signatures are checked by ``PartCheck.verdict``."""
+        the commitments are checked by ``PartCheck.verdict``."""
         if not isinstance(body, dict):
             raise ValueError("a check answer is a map")
         raw, weights, tau = body.get("senders"), body.get("weights"), body.get("tau")
@@ -156,9 +161,9 @@ class PartInputs:
         start = body.get("start")
         if not (start is None or (type(start) is int and 0 <= start < len(senders))):
             raise ValueError("malformed start")
-        keys, sigs, metas, sizes = (body.get(name) for name in ("keys", "sigs", "metas", "sizes"))
-        if not all(isinstance(f, list) and len(f) == len(senders) for f in (keys, sigs, metas, sizes)):
-            raise ValueError("a check answer gives every input's key, signature, meta and size")
+        commits, metas, sizes = (body.get(name) for name in ("commits", "metas", "sizes"))
+        if not all(isinstance(f, list) and len(f) == len(senders) for f in (commits, metas, sizes)):
+            raise ValueError("a check answer gives every input's commitment, meta and size")
         if not all(type(n) is int and 0 <= n <= MAX_ENCODED_BYTES_PER_VALUE * part_size for n in sizes):
             raise ValueError("malformed input size")
         if payload is None or len(payload) != sum(sizes):
@@ -166,9 +171,8 @@ class PartInputs:
         view = memoryview(payload).cast("B")
         values = torch.empty(len(senders), part_size, dtype=torch.float32)
         signed, offset = [], 0
-        for row, (key, sig, meta, size) in enumerate(zip(keys, sigs, metas, sizes, strict=True)):
-            if not (isinstance(key, bytes) and isinstance(sig, bytes)):
-                raise ValueError("malformed key or signature")
+        for row, (raw_commitment, meta, size) in enumerate(zip(commits, metas, sizes, strict=True)):
+            commitment = Commitment.from_wire(raw_commitment)
             encoded = view[offset : offset + size]
             offset += size
             decoded = codec_of(meta).decode_into(meta, encoded, values[row])
@@ -176,7 +180,7 @@ class PartInputs:
                 raise ValueError(f"an input decoded to {decoded.numel()} values, expected {part_size}")
             if decoded is not values[row]:
                 values[row].copy_(decoded)
-            signed.append(SignedPart(key, sig, meta, encoded))
+            signed.append(SignedPart(commitment, meta, encoded))
         if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
         return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed)
@@ -233,6 +237,7 @@ class PartCheck:
     requantize: Any = None  # values -> values as the reply's codec would round them, if lossy
     group_id: bytes = b""  # the round
     part: int = 0  # the part's index in the reducer's shard
+    verified: VerifiedSignatures | None = None  # commitments this peer verified lately
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
@@ -242,22 +247,37 @@ class PartCheck:
             return "its inputs name senders its reply left out"
         if len(inputs.signed) != len(inputs.senders):
             return "its inputs are not signed"
-        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
-            args = (self.group_id, self.reducer, self.part, sender, weight, signed.meta, inputs.row_payload(row))
-            if not verify_part(signed.public_key, signed.signature, *args):
-                return f"it states an input of {sender} that {sender} did not sign"
+        ours = None
         if self.weight > 0:
             if self.me not in inputs.senders:
                 return "it left our contribution out of its inputs"
-            row = inputs.senders.index(self.me)
-            if inputs.weights[row] != self.weight:
-                return f"it misstated our weight ({inputs.weights[row]!r}, we sent {self.weight!r})"
-            if not torch.equal(inputs.values[row], self.own):
+            ours = inputs.senders.index(self.me)
+            if inputs.weights[ours] != self.weight:
+                return f"it misstated our weight ({inputs.weights[ours]!r}, we sent {self.weight!r})"
+            if not torch.equal(inputs.values[ours], self.own):
                 return "it misstated our contribution"
+        for row, (sender, weight, signed) in enumerate(zip(inputs.senders, inputs.weights, inputs.signed, strict=True)):
+            if row == ours:  # what we sent, as we sent it: our own signature would prove nothing more
+                continue
+            try:
+                digest = part_digest(signed.meta, inputs.row_payload(row))
+            except (TypeError, ValueError):
+                digest = None
+            if digest is None or digest != signed.commitment.digest(self.reducer, self.part):
+                return f"it states an input of {sender} that {sender} did not commit to"
+            if not signed.commitment.verify(self.group_id, sender, weight, self.verified):
+                return f"it states an input of {sender} under a commitment {sender} did not sign"
         parts = list(inputs.values.unbind(0))
         # The reducer starts from its own contribution (the coordinate-wise median if it sent
         # none), and its radius follows from that start: recompute both exactly as it must have.
-        if inputs.start is not None:
+        n = len(parts)
+        trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
+        between = None  # small parts: every distance between inputs at once (their radii too)
+        if inputs.start is not None and n * parts[0].numel() <= GRAM_LIMIT:
+            assert trusted is not None
+            between = pairwise_distances(inputs.values, trusted)
+            start, expected = parts[inputs.start], float(np.sort(between[inputs.start])[n // 2])
+        elif inputs.start is not None:
             start, expected = parts[inputs.start], radius_from(inputs.values, inputs.start)
         else:
             start, expected = None, clip_radius(parts, None)
@@ -274,12 +294,24 @@ class PartCheck:
         if not off <= allowed:
             return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
         if inputs.start is not None:  # (the median needs no bound)
-            trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
-            radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+            if between is not None:
+                radii = np.sort(between, axis=1)[:, n // 2].tolist()
+            else:
+                radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
             typical = sorted(radii)[(len(radii) - 1) // 2]
             if expected > START_MARGIN * START_SLACK * typical:
                 return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
         return None
+
+
+def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:
+    """The distances between the rows of ``values``, from their float64 Gram matrix relative to
+    row ``trusted`` (exact, and small where the rows are close to it)."""
+    rows = values.double()
+    rows -= rows[trusted].clone()
+    gram = (rows @ rows.T).numpy()
+    squares = gram.diagonal()
+    return np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
 
 
 def radius_from(values: torch.Tensor, row: int) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from averaging.allreduce import AllReduceService
 from averaging.allreduce_protocol import ReducerShard
-from averaging.commitments import SignedPart, sign_part
+from averaging.commitments import SignedPart, commit, part_digest
 from averaging.compression import Codec, get_codec
 from averaging.verification import KeptInputs, PartInputs, radius_from
 
@@ -47,7 +47,8 @@ def lying_service(host: Any) -> AllReduceService:
 class FabricatedInputs(KeptInputs):
     """Answers each checker with its own contribution as it sent it and every other contribution
     (ours included) equal to the lie we replied: CenteredClip of those, from ours, is the lie. The
-    other senders' signatures are passed on unchanged (we cannot make theirs)."""
+    other senders' commitments are passed on unchanged (we cannot sign theirs); ours we make anew,
+    to the lie."""
 
     def __init__(self, host: Any):
         super().__init__()
@@ -66,10 +67,11 @@ class FabricatedInputs(KeptInputs):
             values[row] = lie
             meta, payload = plain.encode(lie)
             if sender == me.peer_id:  # ours we may sign as we like
-                signature = sign_part(me, group_id, me.peer_id, index, true.weights[row], meta, payload)
-                signed[row] = SignedPart(me.public_key, signature, meta, bytes(payload))
+                digests = [part_digest(meta, payload) if part == index else bytes(32) for part in range(index + 1)]
+                commitment = commit(me, group_id, true.weights[row], [(me.peer_id, digests)])
+                signed[row] = SignedPart(commitment, meta, bytes(payload))
             elif row < len(signed):
-                signed[row] = SignedPart(signed[row].public_key, signed[row].signature, meta, bytes(payload))
+                signed[row] = SignedPart(signed[row].commitment, meta, bytes(payload))
         start = true.senders.index(me.peer_id)
         tau = radius_from(values, start)
         return PartInputs(true.senders, true.weights, values, tau, true.aggregation, start, signed)
@@ -84,9 +86,9 @@ def fabricating_service(host: Any) -> AllReduceService:
     checks.kept = kept
     keep = checks.keep
 
-    def keep_and_note(group: Any, reduction: Any) -> None:
+    def keep_and_note(group: Any, reduction: Any, commitment: Any = None) -> None:
         kept.reductions[group.group_id] = reduction
-        keep(group, reduction)
+        keep(group, reduction, commitment)
 
     checks.keep = keep_and_note  # type: ignore[method-assign]
     return service

@@ -1,37 +1,83 @@
-"""Signed parts (``averaging/commitments.py``): a signature holds for exactly the part, round,
-reducer, sender and weight it was made for."""
+"""Committed parts (``averaging/commitments.py``): a commitment holds for exactly the round, sender
+and weight it was signed for, names each reducer's parts by digest as sent, and is verified once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from averaging.commitments import sign_part, verify_part
+import averaging.commitments as commitments
+from averaging.commitments import Commitment, VerifiedSignatures, commit, part_digest
 from averaging.compression import get_codec
 from peer import Identity
 
 
-def test_a_signature_binds_the_part_as_sent_and_its_context():
+def test_a_commitment_binds_the_parts_as_sent_and_their_context():
     sender, reducer, other = Identity.generate(), Identity.generate(), Identity.generate()
-    meta, payload = get_codec("blockwise_8bit").encode(torch.randn(4096))
-    payload = bytes(payload)
+    codec = get_codec("blockwise_8bit")
+    encoded = [codec.encode(torch.randn(4096)) for _ in range(3)]
+    digests = [part_digest(meta, bytes(payload)) for meta, payload in encoded]
     group = b"g" * 16
-    signature = sign_part(sender, group, reducer.peer_id, 3, 2.0, meta, payload)
-    claim = (group, reducer.peer_id, 3, sender.peer_id, 2.0, meta, payload)
-    assert verify_part(sender.public_key, signature, *claim)
+    commitment = commit(sender, group, 2.0, [(reducer.peer_id, digests[:2]), (other.peer_id, digests[2:])])
+    assert commitment.verify(group, sender.peer_id, 2.0)
+    assert commitment.digest(reducer.peer_id, 1) == digests[1] and commitment.digest(other.peer_id, 0) == digests[2]
+    assert commitment.digest(reducer.peer_id, 2) is None and commitment.digest(sender.peer_id, 0) is None
+    # the digest covers meta and payload as sent
+    meta, payload = encoded[0]
     tampered = bytearray(payload)
     tampered[-1] ^= 1
-    changed = [
-        (group[:-1] + b"h", *claim[1:]),
-        (group, other.peer_id, *claim[2:]),
-        (*claim[:2], 4, *claim[3:]),
-        (*claim[:3], other.peer_id, *claim[4:]),
-        (*claim[:4], 2.5, *claim[5:]),
-        (*claim[:5], {**meta, "codec": "none"}, payload),
-        (*claim[:6], bytes(tampered)),
-    ]
-    for changed_claim in changed:
-        assert not verify_part(sender.public_key, signature, *changed_claim)
-    # a key that is not the sender's, and malformed keys or signatures, never verify (nor raise)
-    assert not verify_part(other.public_key, sign_part(other, *claim[:3], 2.0, meta, payload), *claim)
-    for key, sig in ((b"", signature), (sender.public_key, b"x" * 64), (None, signature), (sender.public_key, 7)):
-        assert not verify_part(key, sig, *claim)
+    assert part_digest(meta, bytes(tampered)) != digests[0]
+    assert part_digest({**meta, "codec": "none"}, bytes(payload)) != digests[0]
+    # another round, sender or weight, or other digests under the same signature: no
+    assert not commitment.verify(group[:-1] + b"h", sender.peer_id, 2.0)
+    assert not commitment.verify(group, other.peer_id, 2.0)
+    assert not commitment.verify(group, sender.peer_id, 2.5)
+    swapped = ((commitment.digests[0][0], digests[1] + digests[0]), commitment.digests[1])
+    assert not Commitment(commitment.public_key, commitment.signature, swapped).verify(group, sender.peer_id, 2.0)
+    # a key that is not the sender's, and a bad signature
+    theirs = commit(other, group, 2.0, [(reducer.peer_id, digests[:2])])
+    assert not Commitment(theirs.public_key, theirs.signature, theirs.digests).verify(group, sender.peer_id, 2.0)
+    assert not Commitment(sender.public_key, b"x" * 64, commitment.digests).verify(group, sender.peer_id, 2.0)
+    # the wire form round-trips
+    assert Commitment.from_wire(commitment.to_wire()) == commitment
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        [],
+        [b"k" * 31, b"s" * 64, []],
+        [b"k" * 32, b"s" * 63, []],
+        [b"k" * 32, b"s" * 64, [[b"r", b"d" * 31]]],
+        [b"k" * 32, b"s" * 64, [[b"r"]]],
+        [b"k" * 32, b"s" * 64, [[b"r", 7]]],
+        [b"k" * 32, b"s" * 64, [[b"r", b"d" * 32 * (commitments.MAX_PARTS + 1)]]],
+        [b"k" * 32, b"s" * 64, [[b"r", b""]] * (commitments.MAX_REDUCERS + 1)],
+    ],
+)
+def test_malformed_commitments_are_refused(raw):
+    with pytest.raises(ValueError):
+        Commitment.from_wire(raw)
+
+
+def test_a_commitment_is_verified_once_and_only_successes_are_kept(monkeypatch):
+    sender = Identity.generate()
+    calls = []
+    real = commitments.verify_signature
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(commitments, "verify_signature", counted)
+    verified = VerifiedSignatures(kept=2)
+    good = commit(sender, b"g" * 16, 1.0, [(sender.peer_id, [b"d" * 32])])
+    bad = Commitment(good.public_key, b"x" * 64, good.digests)
+    for _ in range(3):
+        assert good.verify(b"g" * 16, sender.peer_id, 1.0, verified)
+        assert not bad.verify(b"g" * 16, sender.peer_id, 1.0, verified)
+    assert len(calls) == 1 + 3  # the good one once, the bad one every time
+    for group in (b"a" * 16, b"b" * 16):  # two more successes push the first out
+        commit(sender, group, 1.0, [(sender.peer_id, [b"d" * 32])]).verify(group, sender.peer_id, 1.0, verified)
+    assert good.verify(b"g" * 16, sender.peer_id, 1.0, verified) and len(calls) == 4 + 2 + 1

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
-from averaging.commitments import SignedPart, sign_part
+from averaging.commitments import Commitment, SignedPart, commit, part_digest
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
@@ -38,12 +38,12 @@ def ids(count: int) -> list[PeerID]:
 
 
 def signed_rows(peers: list[PeerID], weights: list[float], values: torch.Tensor) -> list[SignedPart]:
-    """Each row as its sender (``KEYS``) signs it for part 0 of ``peers[0]``'s shard."""
+    """Each row as its sender (``KEYS``) commits to it as part 0 of ``peers[0]``'s shard."""
     codec, rows = get_codec("none"), []
     for peer, weight, row in zip(peers, weights, values, strict=True):
         meta, payload = codec.encode(row)
-        signature = sign_part(KEYS[peer], GROUP, peers[0], 0, weight, meta, payload)
-        rows.append(SignedPart(KEYS[peer].public_key, signature, meta, bytes(payload)))
+        commitment = commit(KEYS[peer], GROUP, weight, [(peers[0], [part_digest(meta, payload)])])
+        rows.append(SignedPart(commitment, meta, bytes(payload)))
     return rows
 
 
@@ -64,12 +64,22 @@ def honest_inputs(peers: list[PeerID], seed: int = 0) -> tuple[PartInputs, torch
     return PartInputs(list(peers), weights, values, tau, Aggregation.CENTERED_CLIP, 0, signed), reply
 
 
-def test_an_honest_answer_holds_and_every_lie_is_named():
+@pytest.mark.parametrize("distances", ["gram", "streamed"])
+def test_an_honest_answer_holds_and_every_lie_is_named(distances, monkeypatch):
+    """(The radii of small parts come from one Gram matrix, of large ones from passes over the
+    rows: both judge alike.)"""
+    if distances == "streamed":
+        monkeypatch.setattr("averaging.verification.GRAM_LIMIT", 0)
+        monkeypatch.setattr("averaging.robust.GRAM_LIMIT", 0)
     peers = ids(5)
     inputs, reply = honest_inputs(peers)
     me = peers[2]
     check = checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply)
     assert check.verdict(inputs) is None
+    # our own input is compared with what we sent: its commitment is not verified (it proves nothing more)
+    unsigned_ours, ours = list(inputs.signed), inputs.signed[2].commitment
+    unsigned_ours[2] = SignedPart(Commitment(ours.public_key, b"x" * 64, ours.digests), *astuple(inputs.signed[2])[1:])
+    assert check.verdict(PartInputs(*astuple(inputs)[:6], unsigned_ours)) is None
     lies = {
         "reply": checker(me, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * -10),
         "our values": checker(me, peers[0], inputs.values[2] + 1, 1.0, list(peers), reply),
@@ -98,11 +108,17 @@ def test_an_honest_answer_holds_and_every_lie_is_named():
     assert moved_to not in (None, 0)
     honest = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, moved_to, signed_rows(peers, weights, far))
     assert checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply).verdict(honest) is None
-    # another sender's input changed (to fit a lie) under its own signature, or without one
+    # another sender's input changed (to fit a lie) under its own commitment, or under one it did
+    # not sign, or without one
     fabricated = inputs.values.clone()
     fabricated[1] = reply
     forged = list(inputs.signed)
-    forged[1] = SignedPart(forged[1].public_key, forged[1].signature, forged[1].meta, bytes(tensor_bytes(reply)))
+    forged[1] = SignedPart(forged[1].commitment, forged[1].meta, bytes(tensor_bytes(reply)))
+    stated = PartInputs(peers, inputs.weights, fabricated, inputs.tau, inputs.aggregation, 0, forged)
+    assert "did not commit to" in (check.verdict(stated) or "")
+    theirs = forged[1].commitment
+    digests = ((theirs.digests[0][0], part_digest(forged[1].meta, forged[1].payload)),)
+    forged[1] = SignedPart(Commitment(theirs.public_key, theirs.signature, digests), *astuple(forged[1])[1:])
     stated = PartInputs(peers, inputs.weights, fabricated, inputs.tau, inputs.aggregation, 0, forged)
     assert "did not sign" in (check.verdict(stated) or "")
     assert "not signed" in (check.verdict(PartInputs(peers, *astuple(stated)[1:6], forged[:-1])) or "")
@@ -155,10 +171,23 @@ class MisSigning(Identity):
     """Signs every part over something other than what it sends (a sender out to frame reducers)."""
 
     def sign(self, message: bytes) -> bytes:
-        return super().sign(message + b"!" if message.startswith(b"peerd-signed-part") else message)
+        return super().sign(message + b"!" if message.startswith(b"peerd-committed-round") else message)
 
 
-async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_signer: int = -1):
+def commit_to_other_values(service: AllReduceService) -> None:
+    """A sender that signs a true commitment to values other than those it sends (out to frame
+    the reducers that take them)."""
+    checks = service.checks
+    honest = checks.commit
+
+    def commit(group, plan, flat, weight, codec):
+        commitment, _parts = honest(group, plan, flat + 1.0, weight, codec)
+        return commitment, honest(group, plan, flat, weight, codec)[1]
+
+    checks.commit = commit  # type: ignore[method-assign]
+
+
+async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_signer: int = -1, mis_committer=-1):
     from peer import open_peer_host
 
     from .test_allreduce import Peer
@@ -170,6 +199,8 @@ async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_si
         async with open_peer_host(identity) as host:
             if index != liar:
                 service = AllReduceService(host)
+                if index == mis_committer:
+                    commit_to_other_values(service)
             elif make_liar is not None:
                 service = make_liar(host)
             else:
@@ -259,10 +290,15 @@ async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
         nursery.cancel_scope.cancel()
 
 
-async def test_a_sender_whose_parts_do_not_match_its_signatures_is_refused_and_frames_nobody():
-    """Its parts never enter a reducer's inputs, so every honest reducer's answers stay provable."""
+@pytest.mark.parametrize("hostile_sender", ["mis-signed", "mis-committed"])
+async def test_a_sender_whose_parts_do_not_match_its_commitment_is_refused_and_frames_nobody(hostile_sender):
+    """A commitment it did not sign, or a signed one to other values than it sends: its parts
+    never enter a reducer's inputs, so every honest reducer's answers stay provable."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=-1, mis_signer=3)
+        if hostile_sender == "mis-signed":
+            peers = await start_with_liar(nursery, 4, liar=-1, mis_signer=3)
+        else:
+            peers = await start_with_liar(nursery, 4, liar=-1, mis_committer=3)
         hostile = peers[3].host.peer_id
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(4)]
@@ -278,4 +314,31 @@ async def test_a_sender_whose_parts_do_not_match_its_signatures_is_refused_and_f
             assert all(verdicts[r] is None for r in honest if r != peers[i].host.peer_id), verdicts
             # (as a reducer it states its own parts under signatures that do not match them)
             assert set(peers[i].service.checks.banned.until) <= {hostile}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatch):
+    """Every peer meets each other sender's commitment as a reducer and again in each of its
+    checks: it verifies the signature once (``VerifiedSignatures``), not once per check input."""
+    import averaging.commitments
+
+    calls = []
+    real = averaging.commitments.verify_signature
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(averaging.commitments, "verify_signature", counted)
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip")
+        for i in range(4):
+            assert results[i].succeeded and len(results[i].reducer_checks) == 3
+            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        # each of 4 peers, the 3 others' commitments (its own it never verifies)
+        assert len(calls) == 4 * 3
         nursery.cancel_scope.cancel()

@@ -124,6 +124,63 @@ async def test_a_hostile_sender_does_not_steer_a_robust_all_reduce():
         nursery.cancel_scope.cancel()
 
 
+def test_small_parts_iterate_on_their_gram_matrix_to_the_same_aggregate(monkeypatch):
+    """The Gram-matrix iteration of small parts and the streamed one of large parts agree: on a
+    clean cloud, with hostile 1e30 and float32-extreme values, from a start far out, from the
+    median, and on identical contributions (a radius of 0)."""
+    import averaging.robust as robust
+
+    cloud = honest_cloud(7)
+    far = [p.clone() for p in cloud]
+    far[0] += 1000.0
+    cases = [
+        (cloud, [1.0] * 7, cloud[0]),
+        (cloud + [torch.full((DIM,), 1e30)], [1.0] * 7 + [2.0], cloud[0]),
+        (cloud + [torch.full((DIM,), 3e38), torch.full((DIM,), -3e38)], [1.0] * 9, cloud[0]),
+        (far, [1.0] * 7, far[0]),
+        (cloud, [1.0, 2.0, 1.0, 1.0, 0.5, 1.0, 1.0], None),
+        ([cloud[0].clone() for _ in range(4)], [1.0] * 4, cloud[0]),
+    ]
+    for parts, weights, center in cases:
+        results = []
+        for limit in (0, len(parts) * DIM):
+            monkeypatch.setattr(robust, "GRAM_LIMIT", limit)
+            out = torch.empty(DIM)
+            tau, moved_to = centered_clip(parts, weights, out, center=center)
+            results.append((tau, moved_to, out))
+        (tau, moved_to, streamed), (gram_tau, gram_moved_to, gram) = results
+        if moved_to is None:
+            assert gram_moved_to is None and abs(tau - gram_tau) <= 1e-5 * tau
+            assert float((streamed - gram).norm()) <= 1e-4 * tau + 1e-6
+        else:  # both moved to the honest contribution of least radius: near-ties may pick another
+            assert gram_moved_to is not None and abs(tau - gram_tau) <= 0.05 * tau
+            assert float((streamed - gram).norm()) <= 0.02 * tau
+    assert results[0][0] == 0.0  # the identical contributions
+
+
+async def test_a_robust_round_nobody_checks_signs_and_keeps_nothing(monkeypatch):
+    """Commitments and kept inputs serve only the reducer checks: with the checks off a
+    centered-clip round neither commits to its parts nor keeps a reducer's inputs, and still
+    averages."""
+    import averaging.reducer_checks
+
+    def no_signing(*args, **kwargs):
+        raise AssertionError("parts were committed to in a round nobody checks")
+
+    monkeypatch.setattr(averaging.reducer_checks, "commit", no_signing)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 4)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", check_reducers=False)
+        for i in range(4):
+            assert results[i].succeeded and not results[i].reducer_checks
+            assert not peers[i].service.checks.kept._rounds
+        assert all(torch.allclose(flat(t), flat(tensors[0])) for t in tensors)
+        nursery.cancel_scope.cancel()
+
+
 def test_weights_too_small_for_float32_still_give_the_weighted_mean():
     """Claims of 1e-300 (finite, positive, within bounds) underflow float32: the part's average
     must still be their weighted mean, never 0 / 0."""
