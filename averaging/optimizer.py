@@ -17,8 +17,11 @@ With ``delay_updates=nursery`` (Hivemind's delayed parameter updates) an epoch's
 averaged in that nursery while the next epoch accumulates, and the step they make lands at the
 first ``step()`` after the round is done: parameters are one epoch stale for a while, and
 communication hides behind computation instead of stalling it. At most one round is in flight: if
-the next epoch is ready first, ``step()`` waits for it. The epoch counts as done when the round
-starts, so the swarm's progress moves on at once.
+the next epoch is ready first, it keeps accumulating until the round lands (the target batch size
+is a minimum, so that epoch simply gets more samples) while its group forms ahead; the trainer
+never waits for a round. The group formed ahead for a launched round is waited for in the
+background as well. The epoch counts as done when the round starts, so the swarm's progress moves
+on at once.
 
 With a ``background`` nursery (or ``delay_updates``'s) a peer forms its group for the epoch's
 round while it still accumulates, once the swarm is predicted to reach the target within the time
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +70,7 @@ class _DelayedRound:
 
     epoch: int
     weight: float
-    group: FormedGroup | None  # formed ahead of the step, if it was
+    group: Callable[[], Awaitable[FormedGroup | None]]  # waits for the group formed ahead, if one is
     record: AveragingRecord | None = None
     done: trio.Event = field(default_factory=trio.Event)  # averaged: its step may land
     exited: trio.Event = field(default_factory=trio.Event)  # the task is over, however it ended
@@ -194,6 +198,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             self._match_ahead(view)
             return False
         if self.delay_updates is not None:
+            if self._in_flight is not None:  # the last round still averages: this epoch gets more samples
+                self._match_ahead(view)
+                return False
             await self._launch_delayed()
         else:
             await self._averaged_step()
@@ -310,15 +317,15 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await self._after_step(record)
 
     async def _launch_delayed(self) -> None:
-        """Hand this epoch's gradients to a round in the background and start the next epoch."""
-        if self._in_flight is not None:  # one round in flight at most: the previous step lands first
-            await self._in_flight.done.wait()
-            await self._land_delayed()
+        """Hand this epoch's gradients to a round in the background and start the next epoch (only
+        when no round is in flight: its buffers are the round's until it lands)."""
+        assert self._in_flight is None
         replica = self.replica
         samples = max(self.local_samples, 1)
         for averaged, accumulator in zip(self._averaged, self.gradients, strict=True):
             torch.div(accumulator, samples, out=averaged)
-        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), await self._group_formed_ahead())
+        group = self.match_ahead.hand_over(replica.epoch) if self.match_ahead is not None else _no_group
+        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), group)
         self._in_flight = in_flight
         replica.count_round(None)  # provisional: a group one epoch ahead moves us once more on landing
         self._reset_accumulators()
@@ -335,7 +342,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                     epoch=in_flight.epoch,
                     weight=in_flight.weight,
                     fallback="stepping on local gradients",
-                    group=in_flight.group,
+                    group=await in_flight.group(),
                 )
                 in_flight.done.set()
         finally:
@@ -399,3 +406,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_scheduler()
+
+
+async def _no_group() -> FormedGroup | None:
+    return None

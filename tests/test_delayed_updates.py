@@ -3,9 +3,14 @@ background while the next epoch accumulates, and the swarm still converges toget
 
 from __future__ import annotations
 
+import pytest
+import torch
 import trio
 
-from tests.test_training import make_trainer, open_swarm
+from averaging.matchmaking import MatchmakingError
+from averaging.optimizer import CollaborativeOptimizer
+from dht.node import DHTNode
+from tests.test_training import FAST, make_trainer, open_swarm
 
 
 async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_while_averaging():
@@ -45,6 +50,73 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
         epochs = [t.optimizer.epoch for t in trainers]
         assert max(epochs) - min(epochs) <= 1, epochs
         nursery.cancel_scope.cancel()
+
+
+def lone_delayed_optimizer(node, background, target_batch_size=64) -> CollaborativeOptimizer:
+    """A one-parameter model whose gradient is always 1, so the accumulators count samples."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = CollaborativeOptimizer(
+        torch.optim.SGD([param], lr=0.1),
+        node,
+        prefix="held",
+        target_batch_size=target_batch_size,
+        delay_updates=background,
+        **FAST,
+    )
+    return optimizer
+
+
+async def batch(optimizer: CollaborativeOptimizer, size: int = 32) -> bool:
+    optimizer.params[0].grad = torch.ones(1)
+    with trio.fail_after(5):  # a step that waits for the round in flight would hang here
+        return await optimizer.step(size)
+
+
+async def test_the_next_epoch_accumulates_past_the_target_while_the_last_round_still_averages():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background)
+        release, weights = trio.Event(), []
+
+        async def held_round(weight=1.0, timeout=None, group=None):
+            weights.append(weight)
+            await release.wait()
+            raise MatchmakingError("held by the test")
+
+        optimizer.grad_averager.step = held_round
+        assert [await batch(optimizer) for _ in range(2)] == [False, True]  # 64 samples: launched
+        # Ten more batches: the next epoch reached its target long ago, but the round is in flight,
+        # so it keeps accumulating instead of waiting for it.
+        assert [await batch(optimizer) for _ in range(10)] == [False] * 10
+        assert optimizer.averaging_in_background and optimizer.epoch == 1
+        assert optimizer.local_samples == 320
+        release.set()
+        with trio.fail_after(5):
+            while optimizer.averaging_in_background:
+                await trio.sleep(0.01)
+        # The round landed at the next batch and the ready epoch launched with all 352 samples.
+        assert await batch(optimizer) is True
+        with trio.fail_after(10):  # the new round starts once its matchmaking ahead gives up
+            while len(weights) < 2:
+                await trio.sleep(0.01)
+        assert optimizer.epoch == 2 and weights == [64.0, 352.0]
+        assert optimizer.params[0].item() == pytest.approx(-0.1)  # the first round's (local) step landed
+        background.cancel_scope.cancel()
+
+
+async def test_launching_a_round_does_not_wait_for_its_group_to_form():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background)
+        formed = trio.Event()
+
+        async def forming(round_number=None, timeout=None, hold_open=None):
+            await formed.wait()
+            raise MatchmakingError("no group, as the test says")
+
+        optimizer.grad_averager.find_group = forming
+        assert [await batch(optimizer) for _ in range(4)] == [False, True, False, False]
+        assert optimizer.averaging_in_background  # still waiting for its group, in the background
+        formed.set()
+        background.cancel_scope.cancel()
 
 
 def test_join_refuses_an_unknown_compression_in_one_line(tmp_path):
