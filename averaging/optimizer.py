@@ -25,7 +25,11 @@ on at once.
 
 With a ``background`` nursery (or ``delay_updates``'s) a peer forms its group for the epoch's
 round while it still accumulates, once the swarm is predicted to reach the target within the time
-matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone.
+matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone. In that nursery
+it also exchanges progress (publishes its record, reads the swarm's) and announces itself as a
+donor, so no batch waits for a DHT round trip: ``step()`` decides on the view of the last
+exchange, at most one refresh older than it would be otherwise. The first step still reads the
+swarm before deciding, so a newcomer never starts an epoch the swarm has left.
 """
 
 from __future__ import annotations
@@ -144,6 +148,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # Groups formed while the epoch accumulates: the gradients' round, and the state's when the
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
+        self._background = nursery
+        self._exchanging = False  # a progress exchange runs in the background
+        self._exchange_again = False  # ... and our record changed since it published
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:
@@ -179,8 +186,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         now = trio.current_time()
         if now - self._last_fetch >= self.progress_interval:
             self._last_fetch = now
-            await replica.publish(self.local_samples)
-            await replica.fetch(self.local_samples)
+            if self._background is None or self._first_step:
+                await self._exchange_progress()
+            else:
+                self._exchange_progress_soon()
         view = SwarmProgress(
             {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
             max(replica.swarm.epoch, replica.epoch),
@@ -332,7 +341,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self._update_epoch_throughput(samples)
         assert self.delay_updates is not None
         self.delay_updates.start_soon(self._average_in_background, in_flight)
-        await replica.publish(self.local_samples)
+        self._exchange_progress_soon()
 
     async def _average_in_background(self, in_flight: _DelayedRound) -> None:
         try:
@@ -360,6 +369,39 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
+
+    async def _exchange_progress(self) -> None:
+        """Publish our record and read the swarm's."""
+        await self.replica.publish(self.local_samples)
+        await self.replica.fetch(self.local_samples)
+
+    def _exchange_progress_soon(self) -> None:
+        """Exchange progress in the background; one exchange at a time, and one more after it if
+        our record changed while it ran."""
+        if self._exchanging:
+            self._exchange_again = True
+            return
+        self._exchanging = True
+        assert self._background is not None
+        self._background.start_soon(self._exchange_in_background)
+
+    async def _exchange_in_background(self) -> None:
+        try:
+            while True:
+                self._exchange_again = False
+                await self._exchange_progress()
+                if not self._exchange_again:
+                    return
+        except Exception as error:  # a background task: training goes on, the next refresh retries
+            log.warning("exchanging progress failed (%s); retrying at the next refresh", error)
+        finally:
+            self._exchanging = False
+
+    async def _announce_state(self) -> None:
+        try:
+            await self.replica.announce_state()
+        except Exception as error:  # as above: the next step announces again
+            log.warning("announcing our state failed (%s)", error)
 
     def _match_ahead(self, view: SwarmProgress) -> None:
         """Start forming this epoch's groups once the swarm is predicted to end it within the time
@@ -391,8 +433,12 @@ class CollaborativeOptimizer(ReplicaOptimizer):
     async def _after_step(self, record: AveragingRecord) -> None:
         replica = self.replica
         replica.last_round = record
-        await replica.publish(self.local_samples)
-        await replica.announce_state()
+        if self._background is None:
+            await replica.publish(self.local_samples)
+            await replica.announce_state()
+        else:
+            self._exchange_progress_soon()
+            self._background.start_soon(self._announce_state)
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
             group = None if self.state_ahead is None else await self.state_ahead.take(replica.epoch)
             if await average_state(replica.state, replica.epoch, group=group):

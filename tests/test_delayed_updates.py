@@ -146,3 +146,29 @@ def test_delay_updates_outside_collaborative_training_is_refused_in_one_line(tmp
         )
         assert result.returncode == 1, result.stderr
         assert "--delay-updates applies to training (--task) in collaborative mode only" in result.stderr
+
+
+async def test_after_the_first_step_no_batch_waits_for_the_progress_exchange():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background, target_batch_size=10**6)
+        assert await batch(optimizer) is False  # the first step reads the swarm before deciding
+        replica, fetching, release = optimizer.replica, trio.Event(), trio.Event()
+        fetch = replica.fetch
+
+        async def slow_fetch(samples):
+            fetching.set()
+            await release.wait()
+            return await fetch(samples)
+
+        replica.fetch = slow_fetch
+        with trio.fail_after(5):
+            while not fetching.is_set():  # batches go on while an exchange is due and then under way
+                assert await batch(optimizer) is False
+                await trio.sleep(optimizer.progress_interval / 4)
+            for _ in range(5):
+                assert await batch(optimizer) is False
+        release.set()
+        with trio.fail_after(5):  # the exchange finishes in the background and the view moves on
+            while replica.swarm.peers[replica.tracker.me].samples < optimizer.local_samples - 5 * 32:
+                await trio.sleep(0.01)
+        background.cancel_scope.cancel()
