@@ -10,7 +10,7 @@ import trio
 from averaging.matchmaking import MatchmakingError
 from averaging.optimizer import CollaborativeOptimizer
 from dht.node import DHTNode
-from tests.test_training import FAST, make_trainer, open_swarm
+from tests.test_training import FAST, make_trainer, open_swarm, single_process_accuracy, train_to_target
 
 
 async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_while_averaging():
@@ -50,6 +50,28 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
         epochs = [t.optimizer.epoch for t in trainers]
         assert max(epochs) - min(epochs) <= 1, epochs
         nursery.cancel_scope.cancel()
+
+
+async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_at_the_target_batch():
+    """The default in ``peerd join``: steps one epoch stale, and epochs that take more samples than
+    the target while a round is in flight, must not cost accuracy per epoch against one process
+    stepping on the target batch."""
+    epochs = 40
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        async with trio.open_nursery() as background:
+
+            def make(node, index, count):
+                return make_trainer(node, index, count, delay_updates=background)
+
+            with trio.fail_after(120):
+                trainers, _ = await train_to_target(nodes, make, target=None, max_epochs=epochs)
+            background.cancel_scope.cancel()
+        accuracies = [t.task.evaluate(t.task.model)["accuracy"] for t in trainers]
+        nursery.cancel_scope.cancel()
+    single_accuracy = single_process_accuracy(trainers[0].task.target_batch_size, epochs)
+    assert single_accuracy > 0.85  # it learned: a bound below an untrained model's proves nothing
+    assert min(accuracies) >= single_accuracy - 0.02, (accuracies, single_accuracy)
 
 
 def lone_delayed_optimizer(node, background, target_batch_size=64) -> CollaborativeOptimizer:

@@ -63,7 +63,7 @@ class DaemonConfig:
     task: str | None = None
     model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
-    delay_updates: bool = False  # collaborative: average while the next epoch accumulates
+    delay_updates: bool = True  # collaborative: average while the next epoch accumulates
     compression: str | None = None  # codec name; None: each mode's default
     aggregation: str = "auto"  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
     device: str | None = None  # None: CUDA when available
