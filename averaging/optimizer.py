@@ -83,7 +83,12 @@ class _DelayedRound:
 
 class CollaborativeOptimizer(ReplicaOptimizer):
     """Wraps any ``torch.optim`` optimizer. Call ``await opt.step(batch_size)`` after each
-    ``loss.backward()``; it returns True when the swarm stepped (an epoch passed)."""
+    ``loss.backward()``; it returns True when the swarm stepped (an epoch passed).
+
+    Between swarm steps it only accumulates: ``step(n)`` after the gradients of the mean loss over
+    several batches of ``n`` samples in all is the same as one ``step`` per batch."""
+
+    accumulates_batches = True
 
     def __init__(
         self,

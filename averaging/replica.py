@@ -262,6 +262,9 @@ class ReplicaOptimizer:
     """What the daemon's trainer, the status endpoint and scripts read from either optimizer."""
 
     replica: Replica
+    # True: ``step(n)`` only accumulates gradients between swarm steps, so the trainer may hand it
+    # several batches' gradients at once (``peer/daemon/training.py``); False: it steps every call.
+    accumulates_batches = False
 
     @property
     def epoch(self) -> int:
