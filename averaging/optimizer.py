@@ -154,8 +154,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
         self._background = nursery
-        self._exchanging = False  # a progress exchange runs in the background
-        self._exchange_again = False  # ... and our record changed since it published
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:
@@ -192,9 +190,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if now - self._last_fetch >= self.progress_interval:
             self._last_fetch = now
             if self._background is None or self._first_step:
-                await self._exchange_progress()
+                await replica.exchange(self.local_samples)
             else:
-                self._exchange_progress_soon()
+                replica.exchange_soon(self._background, lambda: self.local_samples)
         view = SwarmProgress(
             {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
             max(replica.swarm.epoch, replica.epoch),
@@ -346,7 +344,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self._update_epoch_throughput(samples)
         assert self.delay_updates is not None
         self.delay_updates.start_soon(self._average_in_background, in_flight)
-        self._exchange_progress_soon()
+        replica.exchange_soon(self.delay_updates, lambda: self.local_samples)
 
     async def _average_in_background(self, in_flight: _DelayedRound) -> None:
         try:
@@ -374,39 +372,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
         await self._after_step(record)
-
-    async def _exchange_progress(self) -> None:
-        """Publish our record and read the swarm's."""
-        await self.replica.publish(self.local_samples)
-        await self.replica.fetch(self.local_samples)
-
-    def _exchange_progress_soon(self) -> None:
-        """Exchange progress in the background; one exchange at a time, and one more after it if
-        our record changed while it ran."""
-        if self._exchanging:
-            self._exchange_again = True
-            return
-        self._exchanging = True
-        assert self._background is not None
-        self._background.start_soon(self._exchange_in_background)
-
-    async def _exchange_in_background(self) -> None:
-        try:
-            while True:
-                self._exchange_again = False
-                await self._exchange_progress()
-                if not self._exchange_again:
-                    return
-        except Exception as error:  # a background task: training goes on, the next refresh retries
-            log.warning("exchanging progress failed (%s); retrying at the next refresh", error)
-        finally:
-            self._exchanging = False
-
-    async def _announce_state(self) -> None:
-        try:
-            await self.replica.announce_state()
-        except Exception as error:  # as above: the next step announces again
-            log.warning("announcing our state failed (%s)", error)
 
     def _match_ahead(self, view: SwarmProgress) -> None:
         """Start forming this epoch's groups once the swarm is predicted to end it within the time
@@ -442,8 +407,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             await replica.publish(self.local_samples)
             await replica.announce_state()
         else:
-            self._exchange_progress_soon()
-            self._background.start_soon(self._announce_state)
+            replica.exchange_soon(self._background, lambda: self.local_samples)
+            replica.announce_state_soon(self._background)
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
             group = None if self.state_ahead is None else await self.state_ahead.take(replica.epoch)
             if await average_state(replica.state, replica.epoch, group=group):
