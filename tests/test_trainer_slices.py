@@ -1,5 +1,6 @@
-"""The trainer hands cheap batches to its worker thread several at a time, when the optimizer only
-accumulates them: the gradients it then steps on are exactly those of one step per batch."""
+"""The trainer's share of work around the batches: cheap batches go to its worker thread several at a
+time when the optimizer only accumulates them (the gradients it then steps on are exactly those of
+one step per batch), and held-out evaluation takes a bounded share of its time."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 
 import torch
 
+from averaging.progress import SwarmProgress
+from peer.daemon import training
 from peer.daemon.tasks import ShardSpec, digits_task
 from peer.daemon.training import MIN_SLICE_S, Trainer
 
@@ -52,3 +55,44 @@ def test_only_an_accumulating_optimizer_gets_several_cheap_batches_per_step():
     stepping = Trainer(task, Recording(task.model.parameters(), accumulates=False))
     stepping._batch_s = MIN_SLICE_S / 10
     assert stepping._slice() == 1
+
+
+class SteppingEveryBatch(Recording):
+    """An optimizer stand-in that ends an epoch at every step."""
+
+    def __init__(self, params):
+        super().__init__(params, accumulates=False)
+        self.epoch = 0
+        self.samples_per_s = 0.0
+        self.swarm = SwarmProgress({}, 0)
+        self.last_round = None
+        self.last_averaging = None
+
+    async def step(self, batch_size: int) -> bool:
+        self.epoch += 1
+        return True
+
+
+async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run(monkeypatch):
+    """An evaluation costing as much as a batch (textlm's does) runs every ~1 / EVAL_SHARE epochs
+    here, not every epoch; the run's last epoch is always evaluated."""
+    clock = [0.0]
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    task = digits_task(shard=ShardSpec(0, 1))
+    evaluated_at: list[int] = []
+    trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()))
+    train_loss = task.loss_fn
+
+    def batch_costing_10ms(model, batch):
+        clock[0] += 0.01
+        return train_loss(model, batch)
+
+    def evaluation_costing_10ms(model):
+        clock[0] += 0.01
+        evaluated_at.append(trainer.optimizer.epoch)
+        return {"accuracy": 0.5, "loss": 1.0}
+
+    task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
+    await trainer.run(max_epochs=100)
+    assert evaluated_at[0] == 1 and evaluated_at[-1] == 100
+    assert 3 <= len(evaluated_at) <= 100 * training.EVAL_SHARE + 2, evaluated_at

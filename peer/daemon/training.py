@@ -33,6 +33,12 @@ log = logging.getLogger("peerd.training")
 # a few percent of the compute at most, and the swarm sees our samples at most this much later.
 MIN_SLICE_S = 0.005
 MAX_SLICE_BATCHES = 64
+# Held-out evaluation watches training and is no part of it, so it takes at most this share of
+# the trainer's time: after an evaluation that took e seconds, the next comes e / EVAL_SHARE
+# seconds later at the earliest. A digits evaluation (~1 ms) still runs every epoch; a textlm one
+# costs about a training batch (~0.3 s of a CPU core), which every round of 10-20 local steps
+# would lose 5-10% of the compute to.
+EVAL_SHARE = 0.03
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Trainer:
         self.round_observers: list[Callable[[Any], None]] = []
         self._last_round = None
         self._batch_s = math.inf  # compute time of one batch, as last measured
+        self._next_evaluation = -math.inf  # (time.monotonic) not before then: EVAL_SHARE
 
     def _forward_backward(self, batches: list) -> float:
         """Gradients of the mean loss over ``batches`` (summed into ``.grad``); returns that loss."""
@@ -83,9 +90,13 @@ class Trainer:
         return max(1, min(MAX_SLICE_BATCHES, int(MIN_SLICE_S / self._batch_s)))
 
     def _evaluate(self) -> dict[str, float]:
+        started = time.monotonic()
         self.task.model.eval()
         with torch.no_grad():
-            return self.task.evaluate(self.task.model)
+            metrics = self.task.evaluate(self.task.model)
+        finished = time.monotonic()
+        self._next_evaluation = finished + (finished - started) * (1 / EVAL_SHARE - 1)
+        return metrics
 
     async def run(self, *, max_epochs: int | None = None, target_accuracy: float | None = None) -> TrainingStatus:
         """Train until ``max_epochs`` or ``target_accuracy`` (whichever first; forever if neither)."""
@@ -107,7 +118,9 @@ class Trainer:
             if self.optimizer.epoch != status.epoch:  # stepped, or caught up by loading state
                 status.epoch = self.optimizer.epoch
                 status.last_averaging = self.optimizer.last_averaging
-                if stepped and status.epoch % self.evaluate_every == 0:
+                last = max_epochs is not None and status.epoch >= max_epochs  # the figures it ends with
+                due = status.epoch % self.evaluate_every == 0 and time.monotonic() >= self._next_evaluation
+                if stepped and (due or last):
                     metrics = await trio.to_thread.run_sync(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
                     status.bits_per_byte = metrics.get("bits_per_byte")
