@@ -35,7 +35,9 @@ swarm before deciding, so a newcomer never starts an epoch the swarm has left.
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,12 @@ log = logging.getLogger("peerd.training")
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
+# Epochs hold at least the target batch, and with delayed updates often many times more (an epoch
+# ready while the last round averages keeps accumulating). The epoch evidence bounds how fast a
+# peer's claimed epoch may advance by the swarm's samples per second over the samples an epoch
+# takes, so it is told what the swarm's recent epochs held: the median of this many, as this peer
+# counted them when it stepped (other peers' shares bounded as in ``SwarmProgress.samples_at``).
+EPOCH_SIZES_KEPT = 9
 
 
 @dataclass
@@ -154,6 +162,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
         self._background = nursery
+        self._epoch_sizes: deque[int] = deque(maxlen=EPOCH_SIZES_KEPT)
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:
@@ -209,14 +218,20 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
             self._match_ahead(view)
             return False
+        if self.delay_updates is not None and self._in_flight is not None:
+            self._match_ahead(view)  # the last round still averages: this epoch gets more samples
+            return False
+        self._count_epoch_size(view.samples_at(replica.epoch))
         if self.delay_updates is not None:
-            if self._in_flight is not None:  # the last round still averages: this epoch gets more samples
-                self._match_ahead(view)
-                return False
             await self._launch_delayed()
         else:
             await self._averaged_step()
         return True
+
+    def _count_epoch_size(self, samples: int) -> None:
+        self._epoch_sizes.append(samples)
+        evidence = self.replica.tracker.evidence
+        evidence.samples_per_epoch = max(self.target_batch_size, int(statistics.median(self._epoch_sizes)))
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
         """Adopt a peer's parameters, optimizer state and epoch (we fell behind or just joined).
