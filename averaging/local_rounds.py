@@ -81,11 +81,6 @@ class OverlappedRounds:
         self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
         self._run: LocalRound | None = None
 
-    @property
-    def anchor(self) -> list[torch.Tensor]:
-        """Where the parameters stood when the delta in flight was taken (empty before the first)."""
-        return self._anchor
-
     async def end_round(self, run: LocalRound, weight: float) -> bool:
         if self._run is not None and self._run is not run:
             raise RuntimeError("an OverlappedRounds schedule holds one optimizer's round: make one per optimizer")

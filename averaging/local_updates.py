@@ -22,17 +22,16 @@ more model-sized message per that many rounds) and move their parameters by the 
 The outer momentum is not averaged: differences in it decay by the momentum factor each round.
 Newcomers load both the start and the momentum.
 
-With overlapped rounds nothing between rounds stalls the inner steps either: progress records and
-donor announcements go out in the background nursery, and so does the periodic averaging of the
-start (a copy of it), whose correction lands at the first step after it is done, and in any case
-before the next outer step moves the start.
+With overlapped rounds, progress records and donor announcements go out in the background nursery
+between rounds. The start's averaging stays in line: besides pulling replicas together, its
+matchmaking holds a peer whose rounds run ahead until the others arrive (up to the matchmaking
+deadline), which keeps the swarm's round boundaries close enough for the deltas' groups to form.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -55,16 +54,6 @@ from .state_sharing import StateUnavailable
 __all__ = ["LocalUpdatesOptimizer"]
 
 log = logging.getLogger("peerd.training")
-
-
-@dataclass
-class _StartAveraging:
-    """An averaging of the start running in the background; ``averaged`` once it succeeded."""
-
-    epoch: int
-    averaged: bool = False
-    done: trio.Event = field(default_factory=trio.Event)
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 class LocalUpdatesOptimizer(ReplicaOptimizer):
@@ -102,9 +91,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         if rounds is None:
             rounds = OverlappedRounds(background) if background is not None else SequentialRounds()
         self.rounds = rounds
-        # where work between rounds runs without stalling the inner steps (overlapped rounds only)
+        # where progress goes out between rounds without stalling the inner steps (overlapped only)
         self._background = rounds.background if isinstance(rounds, OverlappedRounds) else None
-        self._start_averaging: _StartAveraging | None = None
         self.inner = inner_optimizer
         self.dht = dht
         self.local_steps = local_steps
@@ -166,7 +154,6 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         if self._round_started is None:
             self._round_started = trio.current_time()
             await self._catch_up_if_behind()
-        await self._land_start_averaging(wait=False)
         await trio.to_thread.run_sync(self._inner_step)
         self.inner_steps += 1
         self.local_samples += batch_size
@@ -187,10 +174,6 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
 
     async def load_state_from_peers(self) -> None:
         """Adopt a peer's start, outer momentum and round, and train on from that start."""
-        averaging, self._start_averaging = self._start_averaging, None
-        if averaging is not None:  # a correction for the start we are about to replace
-            averaging.scope.cancel()
-            await averaging.done.wait()
         try:
             await self.replica.load_state_from_peers(self.load_state_timeout)
         except StateUnavailable as error:
@@ -217,7 +200,6 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         """Apply an outer step and count the round ``record`` averaged (the group's epoch, which a
         peer that loaded state while its donor's step was in flight is one behind), as one change
         for anyone downloading our state (start, momentum and epoch must belong together)."""
-        await self._land_start_averaging(wait=True)  # its correction is for the start before this step
         async with self.replica.state.locked_tensors():
             await trio.to_thread.run_sync(apply)
             self.replica.count_round(record)
@@ -231,42 +213,15 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         replica = self.replica
         self.restart_round()
         replica.last_round = record
-        due = self.average_state_every and replica.epoch % self.average_state_every == 0
+        if self.average_state_every and replica.epoch % self.average_state_every == 0:
+            await self._average_start()
         if self._background is None:
-            if due:
-                await self._average_start()
             await replica.publish(0)
             await replica.announce_state()
             await replica.fetch(0)
-            return
-        if due:
-            await self._land_start_averaging(wait=True)  # one at a time (it had a whole period)
-            await trio.to_thread.run_sync(self._outer_step.copy_start_for_averaging)
-            self._start_averaging = _StartAveraging(replica.epoch)
-            self._background.start_soon(self._average_start_in_background, self._start_averaging)
-        replica.exchange_soon(self._background, lambda: self.local_samples)
-        replica.announce_state_soon(self._background)
-
-    async def _average_start_in_background(self, averaging: _StartAveraging) -> None:
-        try:
-            with averaging.scope:
-                averaging.averaged = await average_state(self.start_averager, averaging.epoch)
-        finally:
-            averaging.done.set()
-
-    async def _land_start_averaging(self, *, wait: bool) -> None:
-        """Move parameters and start by the correction of the start averaged in the background, if
-        it is done (``wait``: once it is): between steps, and before any outer step moves the start
-        the correction was computed for."""
-        averaging = self._start_averaging
-        if averaging is None or not (wait or averaging.done.is_set()):
-            return
-        await averaging.done.wait()  # bounded by the averager's own deadlines
-        self._start_averaging = None
-        if averaging.averaged:
-            anchor = self.rounds.anchor if isinstance(self.rounds, OverlappedRounds) else None
-            async with self.replica.state.locked_tensors():
-                await trio.to_thread.run_sync(self._outer_step.move_to_averaged_start, anchor)
+        else:
+            replica.exchange_soon(self._background, lambda: self.local_samples)
+            replica.announce_state_soon(self._background)
 
     async def _average_start(self) -> None:
         """Average the shared start with a group; parameters move by the same correction, keeping

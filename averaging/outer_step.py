@@ -68,19 +68,12 @@ class OuterStep:
             for target, source in zip(self.start_average, self.start, strict=True):
                 target.copy_(source)
 
-    def move_to_averaged_start(self, anchor: list[torch.Tensor] | None = None) -> None:
-        """Parameters move by the same correction as the start, keeping their local progress; so
-        does ``anchor`` (of ``compute_deltas_and_anchor``, for a delta in flight), so that the
-        correction does not count as progress made since it was taken."""
+    def move_to_averaged_start(self) -> None:
+        """Parameters move by the same correction as the start, keeping their local progress."""
         with torch.no_grad():
-            for index, (param, start, averaged) in enumerate(
-                zip(self.params, self.start, self.start_average, strict=True)
-            ):
-                correction = averaged - start
-                param.add_(correction.to(param.device, param.dtype))
+            for param, start, averaged in zip(self.params, self.start, self.start_average, strict=True):
+                param.add_((averaged - start).to(param.device, param.dtype))
                 start.copy_(averaged)
-                if anchor:
-                    anchor[index].add_(correction)
 
     def reset_params_to_start(self) -> None:
         """After loading a donor's start: train on from there."""
