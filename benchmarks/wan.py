@@ -25,9 +25,9 @@ Parts (rows of the table):
                  ``COLLABORATIVE_BATCH``. Figures: samples/s per peer ÷ the solo figure
                  (``utilization_*``), bytes sent per sample, held-out bits per byte at the end.
   single         (not with ``--quick``) one trainer alone, for as many samples as the
-                 local-updates swarm took in total: ``loss_ratio`` = the swarm's held-out bits per
-                 byte ÷ this trainer's (the swarm's figure is its last evaluation, at or before
-                 that sample count, so the ratio errs against the swarm).
+                 local-updates swarm had taken when its best peer last evaluated (that peer's
+                 samples then × the number of peers): ``loss_ratio`` = the swarm's held-out bits
+                 per byte ÷ this trainer's.
 
 The utilisations compare wall-clock rates of parts run one after the other, which other load on a
 shared machine moves; ``cpu_utilization_*`` compare samples per CPU second instead (each process's
@@ -230,14 +230,17 @@ def swarm(lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick:
     time.sleep(window)
     after, t1, cpu_after = _status_all(peers), time.monotonic(), [cpu_seconds(p.process.pid) for p in peers]
     samples = [a["samples"] - b["samples"] for a, b in zip(after, before, strict=True)]
+    evaluated = [a for a in after if a.get("bits_per_byte") and a.get("evaluated_samples")]
+    best = min(evaluated, key=lambda a: a["bits_per_byte"], default=None)
     sent = sum(a["bytes_sent"] - b["bytes_sent"] for a, b in zip(after, before, strict=True))
     result = {
         "samples_per_s_per_peer": statistics.mean(samples) / (t1 - t0),
         "samples_per_cpu_s": sum(samples) / sum(a - b for a, b in zip(cpu_after, cpu_before, strict=True)),
         "bytes_per_sample": sent / max(1, sum(samples)),
         "epochs": [a["epoch"] for a in after],
-        "bits_per_byte": min((a["bits_per_byte"] for a in after if a.get("bits_per_byte")), default=None),
-        "total_samples": sum(a["samples"] for a in after),
+        "bits_per_byte": best["bits_per_byte"] if best else None,
+        # the swarm's samples when that figure was taken: the peers train at about one speed
+        "total_samples": best["evaluated_samples"] * len(after) if best else sum(a["samples"] for a in after),
     }
     for peer in peers:
         peer.stop()

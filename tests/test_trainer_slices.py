@@ -95,4 +95,5 @@ async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_th
     task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
     await trainer.run(max_epochs=100)
     assert evaluated_at[0] == 1 and evaluated_at[-1] == 100
+    assert trainer.status.evaluated_samples == trainer.status.samples  # what the figures belong to
     assert 3 <= len(evaluated_at) <= 100 * training.EVAL_SHARE + 2, evaluated_at

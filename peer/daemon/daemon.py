@@ -116,6 +116,7 @@ class Daemon:
             "loss": None,
             "accuracy": None,
             "bits_per_byte": None,
+            "evaluated_samples": None,
             "peers_known": len(host.connected_peers) + 1 if host else 1,
             "last_averaging": None,
             "reachability": self.nat.status() if self.nat is not None else None,
@@ -129,6 +130,7 @@ class Daemon:
                 loss=None if math.isnan(training.loss) else round(training.loss, 5),
                 accuracy=training.accuracy,
                 bits_per_byte=training.bits_per_byte,
+                evaluated_samples=training.evaluated_samples,
                 peers_known=training.peers_known,
                 last_averaging=training.last_averaging,
             )

@@ -50,6 +50,7 @@ class TrainingStatus:
     accuracy: float | None = None
     eval_loss: float | None = None
     bits_per_byte: float | None = None  # text tasks report it; lower is better
+    evaluated_samples: int | None = None  # this peer's samples when the figures above were taken
     peers_known: int = 1
     last_averaging: dict[str, Any] | None = None
     started: float = field(default_factory=time.time)
@@ -124,6 +125,7 @@ class Trainer:
                     metrics = await trio.to_thread.run_sync(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
                     status.bits_per_byte = metrics.get("bits_per_byte")
+                    status.evaluated_samples = status.samples
                     log.info(
                         "epoch %d: loss %.3f, held-out accuracy %.3f%s, %.0f samples/s",
                         status.epoch,
