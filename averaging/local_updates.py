@@ -21,6 +21,11 @@ averaging pulls replicas back: their differences add up round after round. So ev
 more model-sized message per that many rounds) and move their parameters by the same correction.
 The outer momentum is not averaged: differences in it decay by the momentum factor each round.
 Newcomers load both the start and the momentum.
+
+With overlapped rounds, progress records and donor announcements go out in the background nursery
+between rounds. The start's averaging stays in line: besides pulling replicas together, its
+matchmaking holds a peer whose rounds run ahead until the others arrive (up to the matchmaking
+deadline), which keeps the swarm's round boundaries close enough for the deltas' groups to form.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         if rounds is None:
             rounds = OverlappedRounds(background) if background is not None else SequentialRounds()
         self.rounds = rounds
+        # where progress goes out between rounds without stalling the inner steps (overlapped only)
+        self._background = rounds.background if isinstance(rounds, OverlappedRounds) else None
         self.inner = inner_optimizer
         self.dht = dht
         self.local_steps = local_steps
@@ -208,9 +215,13 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         replica.last_round = record
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
             await self._average_start()
-        await replica.publish(0)
-        await replica.announce_state()
-        await replica.fetch(0)
+        if self._background is None:
+            await replica.publish(0)
+            await replica.announce_state()
+            await replica.fetch(0)
+        else:
+            replica.exchange_soon(self._background, lambda: self.local_samples)
+            replica.announce_state_soon(self._background)
 
     async def _average_start(self) -> None:
         """Average the shared start with a group; parameters move by the same correction, keeping

@@ -27,7 +27,9 @@ What can happen to a group formed ahead, and what the step does:
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -93,7 +95,16 @@ class MatchAhead:
     async def take(self, key: int) -> FormedGroup | None:
         """The group formed ahead for the step at epoch ``key`` (waiting while it forms), or None:
         none was looked for, matchmaking failed, or it was for another epoch."""
+        return await self.hand_over(key)()
+
+    def hand_over(self, key: int) -> Callable[[], Awaitable[FormedGroup | None]]:
+        """``take`` in two halves: the matchmaking for ``key`` is detached from this object now (a
+        ``start`` for the next epoch no longer touches it), and the returned function waits for its
+        group, as ``take`` does, wherever it is awaited (a round running in the background)."""
         pending, self._pending = self._pending, None
+        return functools.partial(self._collect, key, pending)
+
+    async def _collect(self, key: int, pending: _Pending | None) -> FormedGroup | None:
         self.last_wait_s = 0.0
         if pending is None:
             return None

@@ -17,18 +17,28 @@ With ``delay_updates=nursery`` (Hivemind's delayed parameter updates) an epoch's
 averaged in that nursery while the next epoch accumulates, and the step they make lands at the
 first ``step()`` after the round is done: parameters are one epoch stale for a while, and
 communication hides behind computation instead of stalling it. At most one round is in flight: if
-the next epoch is ready first, ``step()`` waits for it. The epoch counts as done when the round
-starts, so the swarm's progress moves on at once.
+the next epoch is ready first, it keeps accumulating until the round lands (the target batch size
+is a minimum, so that epoch simply gets more samples) while its group forms ahead; the trainer
+never waits for a round. The group formed ahead for a launched round is waited for in the
+background as well. The epoch counts as done when the round starts, so the swarm's progress moves
+on at once.
 
 With a ``background`` nursery (or ``delay_updates``'s) a peer forms its group for the epoch's
 round while it still accumulates, once the swarm is predicted to reach the target within the time
-matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone.
+matchmaking takes (``match_ahead.py``): the step then costs the all-reduce alone. In that nursery
+it also exchanges progress (publishes its record, reads the swarm's) and announces itself as a
+donor, so no batch waits for a DHT round trip: ``step()`` decides on the view of the last
+exchange, at most one refresh older than it would be otherwise. The first step still reads the
+swarm before deciding, so a newcomer never starts an epoch the swarm has left.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +68,12 @@ log = logging.getLogger("peerd.training")
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
+# Epochs hold at least the target batch, and with delayed updates often many times more (an epoch
+# ready while the last round averages keeps accumulating). The epoch evidence bounds how fast a
+# peer's claimed epoch may advance by the swarm's samples per second over the samples an epoch
+# takes, so it is told what the swarm's recent epochs held: the median of this many, as this peer
+# counted them when it stepped (other peers' shares bounded as in ``SwarmProgress.samples_at``).
+EPOCH_SIZES_KEPT = 9
 
 
 @dataclass
@@ -66,7 +82,7 @@ class _DelayedRound:
 
     epoch: int
     weight: float
-    group: FormedGroup | None  # formed ahead of the step, if it was
+    group: Callable[[], Awaitable[FormedGroup | None]]  # waits for the group formed ahead, if one is
     record: AveragingRecord | None = None
     done: trio.Event = field(default_factory=trio.Event)  # averaged: its step may land
     exited: trio.Event = field(default_factory=trio.Event)  # the task is over, however it ended
@@ -75,7 +91,12 @@ class _DelayedRound:
 
 class CollaborativeOptimizer(ReplicaOptimizer):
     """Wraps any ``torch.optim`` optimizer. Call ``await opt.step(batch_size)`` after each
-    ``loss.backward()``; it returns True when the swarm stepped (an epoch passed)."""
+    ``loss.backward()``; it returns True when the swarm stepped (an epoch passed).
+
+    Between swarm steps it only accumulates: ``step(n)`` after the gradients of the mean loss over
+    several batches of ``n`` samples in all is the same as one ``step`` per batch."""
+
+    accumulates_batches = True
 
     def __init__(
         self,
@@ -140,6 +161,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # Groups formed while the epoch accumulates: the gradients' round, and the state's when the
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
+        self._background = nursery
+        self._epoch_sizes: deque[int] = deque(maxlen=EPOCH_SIZES_KEPT)
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:
@@ -175,8 +198,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         now = trio.current_time()
         if now - self._last_fetch >= self.progress_interval:
             self._last_fetch = now
-            await replica.publish(self.local_samples)
-            await replica.fetch(self.local_samples)
+            if self._background is None or self._first_step:
+                await replica.exchange(self.local_samples)
+            else:
+                replica.exchange_soon(self._background, lambda: self.local_samples)
         view = SwarmProgress(
             {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
             max(replica.swarm.epoch, replica.epoch),
@@ -193,11 +218,20 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if not view.ready_to_step(replica.epoch, self.target_batch_size):
             self._match_ahead(view)
             return False
+        if self.delay_updates is not None and self._in_flight is not None:
+            self._match_ahead(view)  # the last round still averages: this epoch gets more samples
+            return False
+        self._count_epoch_size(view.samples_at(replica.epoch))
         if self.delay_updates is not None:
             await self._launch_delayed()
         else:
             await self._averaged_step()
         return True
+
+    def _count_epoch_size(self, samples: int) -> None:
+        self._epoch_sizes.append(samples)
+        evidence = self.replica.tracker.evidence
+        evidence.samples_per_epoch = max(self.target_batch_size, int(statistics.median(self._epoch_sizes)))
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
         """Adopt a peer's parameters, optimizer state and epoch (we fell behind or just joined).
@@ -310,22 +344,22 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await self._after_step(record)
 
     async def _launch_delayed(self) -> None:
-        """Hand this epoch's gradients to a round in the background and start the next epoch."""
-        if self._in_flight is not None:  # one round in flight at most: the previous step lands first
-            await self._in_flight.done.wait()
-            await self._land_delayed()
+        """Hand this epoch's gradients to a round in the background and start the next epoch (only
+        when no round is in flight: its buffers are the round's until it lands)."""
+        assert self._in_flight is None
         replica = self.replica
         samples = max(self.local_samples, 1)
         for averaged, accumulator in zip(self._averaged, self.gradients, strict=True):
             torch.div(accumulator, samples, out=averaged)
-        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), await self._group_formed_ahead())
+        group = self.match_ahead.hand_over(replica.epoch) if self.match_ahead is not None else _no_group
+        in_flight = _DelayedRound(replica.epoch, float(self.local_samples), group)
         self._in_flight = in_flight
         replica.count_round(None)  # provisional: a group one epoch ahead moves us once more on landing
         self._reset_accumulators()
         self._update_epoch_throughput(samples)
         assert self.delay_updates is not None
         self.delay_updates.start_soon(self._average_in_background, in_flight)
-        await replica.publish(self.local_samples)
+        replica.exchange_soon(self.delay_updates, lambda: self.local_samples)
 
     async def _average_in_background(self, in_flight: _DelayedRound) -> None:
         try:
@@ -335,7 +369,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                     epoch=in_flight.epoch,
                     weight=in_flight.weight,
                     fallback="stepping on local gradients",
-                    group=in_flight.group,
+                    group=await in_flight.group(),
                 )
                 in_flight.done.set()
         finally:
@@ -384,8 +418,12 @@ class CollaborativeOptimizer(ReplicaOptimizer):
     async def _after_step(self, record: AveragingRecord) -> None:
         replica = self.replica
         replica.last_round = record
-        await replica.publish(self.local_samples)
-        await replica.announce_state()
+        if self._background is None:
+            await replica.publish(self.local_samples)
+            await replica.announce_state()
+        else:
+            replica.exchange_soon(self._background, lambda: self.local_samples)
+            replica.announce_state_soon(self._background)
         if self.average_state_every and replica.epoch % self.average_state_every == 0:
             group = None if self.state_ahead is None else await self.state_ahead.take(replica.epoch)
             if await average_state(replica.state, replica.epoch, group=group):
@@ -399,3 +437,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_scheduler()
+
+
+async def _no_group() -> FormedGroup | None:
+    return None

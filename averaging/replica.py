@@ -199,6 +199,8 @@ class Replica:
         self.swarm = SwarmProgress({}, 0)  # the last view fetched from the DHT
         self.last_round: AveragingRecord | None = None
         self.tracker = ProgressTracker(dht, prefix, samples_per_epoch)
+        self._exchanging = False  # a progress exchange runs in the background
+        self._exchange_again = False  # ... and our record changed since it published
         # Averaged now and then to pull replicas together, and what newcomers download.
         self.state = EpochStateAverager(lambda: self.epoch, state, dht, prefix=f"{prefix}.state", **averaging)
 
@@ -212,6 +214,44 @@ class Replica:
         """The swarm's progress as the DHT has it, with this peer's own as of now."""
         self.swarm = await self.tracker.fetch(self.progress(samples))
         return self.swarm
+
+    async def exchange(self, samples: int) -> None:
+        """Publish our record and read the swarm's."""
+        await self.publish(samples)
+        await self.fetch(samples)
+
+    def exchange_soon(self, nursery: trio.Nursery, samples: Callable[[], int]) -> None:
+        """``exchange`` in ``nursery``, with the sample count as it is when it runs: the caller
+        goes on training meanwhile. One exchange at a time, and one more after it if this is
+        asked for again while it runs (our record changed)."""
+        if self._exchanging:
+            self._exchange_again = True
+            return
+        self._exchanging = True
+        nursery.start_soon(self._exchange_in_background, samples)
+
+    async def _exchange_in_background(self, samples: Callable[[], int]) -> None:
+        try:
+            while True:
+                self._exchange_again = False
+                await self.exchange(samples())
+                if not self._exchange_again:
+                    return
+        except Exception as error:  # a background task: training goes on, the next refresh retries
+            log.warning("exchanging progress failed (%s); retrying at the next refresh", error)
+        finally:
+            self._exchanging = False
+
+    def announce_state_soon(self, nursery: trio.Nursery) -> None:
+        """``announce_state`` in ``nursery`` (a failure is logged: the next round announces again)."""
+
+        async def announce() -> None:
+            try:
+                await self.announce_state()
+            except Exception as error:
+                log.warning("announcing our state failed (%s)", error)
+
+        nursery.start_soon(announce)
 
     def count_round(self, record: AveragingRecord | None) -> None:
         """Count the round averaged in ``record`` as done (call as its step lands).
@@ -262,6 +302,9 @@ class ReplicaOptimizer:
     """What the daemon's trainer, the status endpoint and scripts read from either optimizer."""
 
     replica: Replica
+    # True: ``step(n)`` only accumulates gradients between swarm steps, so the trainer may hand it
+    # several batches' gradients at once (``peer/daemon/training.py``); False: it steps every call.
+    accumulates_batches = False
 
     @property
     def epoch(self) -> int:

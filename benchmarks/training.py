@@ -13,16 +13,24 @@ every phase starting at one wall-clock instant in all processes, each phase with
 * ``collab``, once per ``--target-batch-sizes`` entry (and per repeat): exactly what ``peerd join``
   runs - ``peer.daemon.training.Trainer`` around a ``CollaborativeOptimizer`` built as ``peer/daemon/daemon.py``
   builds it (groups of up to 4, matchmaking timeout 3 s, the default settle time, parameter
-  averaging every 5 epochs, no compression), the peers connected through one DHT. Each peer
-  accumulates gradients until the swarm has seen ``target_batch_size`` samples, then averages them
-  with a group and steps. ``collab_samples_per_s`` = the sum over peers of the samples each
-  processed up to the end of its last whole epoch / the time that took, so averaging pauses count
-  against it and the phase's cut (mid-computation or mid-averaging) biases nothing.
+  averaging every 5 epochs, no compression, delayed parameter updates), the peers connected
+  through one DHT. Each peer accumulates gradients until the swarm has seen ``target_batch_size``
+  samples, then averages them with a group in the background and keeps accumulating the next
+  epoch; the averaged step lands at the first batch after the round is done. An epoch that is
+  ready while the last round still averages keeps accumulating (the target is a minimum), so at a
+  small target batch size epochs hold many more samples than the target. ``collab_samples_per_s``
+  = the sum over peers of the samples each processed up to the end of its last whole epoch / the
+  time that took: every sample counted went into a gradient that was averaged and stepped on
+  (the last epoch's round may still be in flight at the cut), pauses count against it, and the
+  phase's cut (mid-computation or mid-averaging) biases nothing.
 
 Solo phases bracket every collaborative one (solo, collab, solo, collab, ..., solo) and each
 collaborative phase (a trial) is compared with the mean of the two solo phases around it; a run
 (one target batch size) averages its trials: ``overhead_ratio = collab_samples_per_s /
-solo_samples_per_s`` (1.0: collaboration costs nothing; the target is >= 0.8).
+solo_samples_per_s`` (1.0: collaboration costs nothing; the target is >= 0.8). The same in CPU
+time, which other load on a shared machine disturbs far less: ``cpu_ratio`` = samples per CPU
+second of the workers' processes (all their threads) in the collaborative phase, every sample
+processed in it, / the same in the solo phases around it.
 ``seconds_to_target`` is the wall time from the start of a collaborative phase until the first
 peer's held-out accuracy (evaluated by the Trainer after every epoch) reaches ``--target-accuracy``
 (0.9); null if no peer got there before the phase ended. ``solo_seconds_to_target`` is the same for
@@ -139,8 +147,10 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
 
     end = start + phase.seconds
     task = await trio.to_thread.run_sync(_make_task, config.rank, config.world)  # a fresh model, ahead of time
+    cpu = time.process_time()  # waiting for the start costs none
     if phase.kind == "solo":
-        return await trio.to_thread.run_sync(_solo_phase, task, start, end, config.target_accuracy)
+        result = await trio.to_thread.run_sync(_solo_phase, task, start, end, config.target_accuracy)
+        return {**result, "cpu_s": time.process_time() - cpu}
     async with trio.open_nursery() as background:
         optimizer = CollaborativeOptimizer(  # as peer/daemon/daemon.py builds it, but for the target batch size
             task.make_optimizer(list(task.model.parameters())),
@@ -149,9 +159,11 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
             target_batch_size=phase.target_batch_size,
             target_group_size=config.world,
             settle_time=config.settle_time,
+            delay_updates=background,  # on by default in `peerd join`
             background=background,
         )
         result = await _collab_phase(Trainer(task, optimizer), start, end, config.target_accuracy)
+        result["cpu_s"] = time.process_time() - cpu
         background.cancel_scope.cancel()
     return result
 

@@ -21,11 +21,17 @@ def summarize(phases: list[Phase], reports: list[dict[str, Any]], target_accurac
     def rate(phase: Phase) -> float:
         return sum(r["samples"] for r in results[phase.name]) / phase.seconds
 
+    def per_cpu_s(phase: Phase) -> float:
+        return sum(r["samples"] for r in results[phase.name]) / max(sum(r["cpu_s"] for r in results[phase.name]), 1e-9)
+
     trials = []
     for index, phase in enumerate(phases):
         if phase.kind == "collab":
             solo = statistics.mean([rate(phases[index - 1]), rate(phases[index + 1])])
-            trials.append(_trial(phase, results[phase.name], solo, rate(phase)))
+            trial = _trial(phase, results[phase.name], solo, rate(phase))
+            solo_per_cpu_s = statistics.mean([per_cpu_s(phases[index - 1]), per_cpu_s(phases[index + 1])])
+            trial["cpu_ratio"] = per_cpu_s(phase) / solo_per_cpu_s
+            trials.append(trial)
     runs = []
     for batch_size in dict.fromkeys(trial["target_batch_size"] for trial in trials):
         mine = [trial for trial in trials if trial["target_batch_size"] == batch_size]
@@ -38,6 +44,7 @@ def summarize(phases: list[Phase], reports: list[dict[str, Any]], target_accurac
                 "collab_samples_per_s": collab,
                 "solo_samples_per_s": solo,
                 "overhead_ratio": collab / solo,
+                "cpu_ratio": statistics.mean(trial["cpu_ratio"] for trial in mine),
                 # the median over trials that got there; null unless every trial did
                 "seconds_to_target": statistics.median(reached) if len(reached) == len(mine) else None,
                 "seconds_per_epoch": _median([t["seconds_per_epoch"] for t in mine if t["seconds_per_epoch"]]),
@@ -52,6 +59,7 @@ def summarize(phases: list[Phase], reports: list[dict[str, Any]], target_accurac
         "collab_samples_per_s": headline["collab_samples_per_s"],
         "solo_samples_per_s": headline["solo_samples_per_s"],
         "overhead_ratio": headline["overhead_ratio"],
+        "cpu_ratio": headline["cpu_ratio"],
         "seconds_to_target": headline["seconds_to_target"],
         "target_accuracy": target_accuracy,
         "config": f"target_batch_size={headline['target_batch_size']}",
@@ -116,7 +124,7 @@ def print_table(summary: dict[str, Any], settle_time: float | None) -> None:
         f"{_fmt(summary['solo_seconds_to_target'], '.2f')} s (median)"
     )
     header = (
-        f"{'target batch':>12} {'collab sps':>10} {'solo sps':>9} {'ratio':>6} {'to target s':>11} "
+        f"{'target batch':>12} {'collab sps':>10} {'solo sps':>9} {'ratio':>6} {'cpu':>5} {'to target s':>11} "
         f"{'phase s':>7} {'epochs':>6} {'s/epoch':>7} {'averaged':>8} {'group':>5} {'best acc':>8}"
     )
     print(header)
@@ -125,7 +133,7 @@ def print_table(summary: dict[str, Any], settle_time: float | None) -> None:
         for trial in run["trials"]:
             print(
                 f"{trial['target_batch_size']:>12} {trial['collab_samples_per_s']:>10.0f}"
-                f" {trial['solo_samples_per_s']:>9.0f} {trial['overhead_ratio']:>6.2f}"
+                f" {trial['solo_samples_per_s']:>9.0f} {trial['overhead_ratio']:>6.2f} {trial['cpu_ratio']:>5.2f}"
                 f" {_fmt(trial['seconds_to_target'], '>11.2f')} {trial['seconds']:>7.0f} {trial['epochs']:>6}"
                 f" {_fmt(trial['seconds_per_epoch'], '>7.2f')} {_fmt(trial['averaged_fraction'], '>8.0%')}"
                 f" {_fmt(trial['mean_group_size'], '>5.1f')} {trial['best_accuracy']:>8.3f}"
@@ -133,11 +141,12 @@ def print_table(summary: dict[str, Any], settle_time: float | None) -> None:
         if len(run["trials"]) > 1:
             print(
                 f"{'mean':>12} {run['collab_samples_per_s']:>10.0f} {run['solo_samples_per_s']:>9.0f}"
-                f" {run['overhead_ratio']:>6.2f} {_fmt(run['seconds_to_target'], '>11.2f')}"
+                f" {run['overhead_ratio']:>6.2f} {run['cpu_ratio']:>5.2f} {_fmt(run['seconds_to_target'], '>11.2f')}"
             )
     print(
         "collab sps: samples/s of all peers over their whole epochs (averaging pauses included); solo sps: mean"
-        " of the solo phases just before and after; to target: first peer at the target accuracy, '-' = not"
+        " of the solo phases just before and after; cpu: samples per CPU second, collab / solo;"
+        " to target: first peer at the target accuracy, '-' = not"
         " within the phase"
     )
     if summary["max_late_s"] > LATE_WARNING:

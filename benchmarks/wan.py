@@ -38,14 +38,20 @@ Parts (rows of the table):
                  ``COLLABORATIVE_BATCH``. Figures: samples/s per peer ÷ the solo figure
                  (``utilization_*``), bytes sent per sample, held-out bits per byte at the end.
   single         (not with ``--quick``) one trainer alone, for as many samples as the
-                 local-updates swarm took in total: ``loss_ratio`` = the swarm's held-out bits per
-                 byte ÷ this trainer's (the swarm's figure is its last evaluation, at or before
-                 that sample count, so the ratio errs against the swarm).
+                 local-updates swarm had taken when its best peer last evaluated (that peer's
+                 samples then × the number of peers): ``loss_ratio`` = the swarm's held-out bits
+                 per byte ÷ this trainer's.
+
+The utilisations compare wall-clock rates of parts run one after the other, which other load on a
+shared machine moves; ``cpu_utilization_*`` compare samples per CPU second instead (each process's
+user and system time from ``/proc``, all its threads): the share of a peer's CPU that trains, the
+rest being averaging, compression, encryption and the DHT. On an otherwise idle machine where the
+four processes keep both cores busy, the two agree.
 
 The last line is one JSON object: ``allreduce_line_rate_fraction``, ``step_line_rate_fraction``,
-``utilization_local_updates``, ``utilization_collaborative``, ``bytes_per_sample`` (local updates),
-``loss_ratio``, ``rate_mbit``, the Hivemind figures, and per-part details; null where a part
-failed or did not run.
+``utilization_local_updates``, ``utilization_collaborative``, ``cpu_utilization_local_updates``,
+``cpu_utilization_collaborative``, ``bytes_per_sample`` (local updates), ``loss_ratio``,
+``rate_mbit``, the Hivemind figures, and per-part details; null where a part failed or did not run.
 """
 
 from __future__ import annotations
@@ -185,6 +191,13 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str |
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far, from ``/proc`` (``ip netns
+    exec`` becomes the command it runs, so the pid is the trainer's own)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _rate(samples: list[tuple[float, int]]) -> float:
     """Samples per second between the first and the last (time, samples) reading."""
     (t0, s0), (t1, s1) = samples[0], samples[-1]
@@ -198,16 +211,23 @@ def solo(lab: Lab, workdir: Path, rate: float, window: float) -> dict[str, Any]:
     processes = spawn_all(lab, hosts, workdir, script, lambda i: ["--shard", str(i), *argv])
     tell(processes, "go")
     readings: list[list[tuple[float, int]]] = [[] for _ in processes]
+    cpu: list[list[float]] = [[] for _ in processes]  # CPU seconds as each reading came in
     warm = 3.0  # the first seconds include the first steps' allocations
     while not all(r and r[-1][0] >= warm + window for r in readings):
         for index, process in enumerate(processes):
             report = json.loads(read_line(process, 60))
             if report["seconds"] >= warm:
                 readings[index].append((report["seconds"], report["samples"]))
+                cpu[index].append(cpu_seconds(process.pid))
     for process in processes:
         process.kill()
     rates = [_rate(r) for r in readings]
-    return {"samples_per_s_per_trainer": statistics.mean(rates), "per_trainer": rates}
+    samples = sum(r[-1][1] - r[0][1] for r in readings)
+    return {
+        "samples_per_s_per_trainer": statistics.mean(rates),
+        "per_trainer": rates,
+        "samples_per_cpu_s": samples / sum(c[-1] - c[0] for c in cpu),
+    }
 
 
 def _status_all(peers, patience: float = 30.0) -> list[dict]:
@@ -233,17 +253,21 @@ def swarm(lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick:
     peers = lab.start_swarm(hosts, run_id=f"wan-{mode}", extra=extra)
     # warm-up: every peer has taken a step (a round, in local-updates mode) with the others
     lab.wait_for(lambda: all((s.get("epoch") or 0) >= 1 for s in _status_all(peers)), 120, "a first epoch")
-    before, t0 = _status_all(peers), time.monotonic()
+    cpu_before, before, t0 = [cpu_seconds(p.process.pid) for p in peers], _status_all(peers), time.monotonic()
     time.sleep(window)
-    after, t1 = _status_all(peers), time.monotonic()
+    after, t1, cpu_after = _status_all(peers), time.monotonic(), [cpu_seconds(p.process.pid) for p in peers]
     samples = [a["samples"] - b["samples"] for a, b in zip(after, before, strict=True)]
+    evaluated = [a for a in after if a.get("bits_per_byte") and a.get("evaluated_samples")]
+    best = min(evaluated, key=lambda a: a["bits_per_byte"], default=None)
     sent = sum(a["bytes_sent"] - b["bytes_sent"] for a, b in zip(after, before, strict=True))
     result = {
         "samples_per_s_per_peer": statistics.mean(samples) / (t1 - t0),
+        "samples_per_cpu_s": sum(samples) / sum(a - b for a, b in zip(cpu_after, cpu_before, strict=True)),
         "bytes_per_sample": sent / max(1, sum(samples)),
         "epochs": [a["epoch"] for a in after],
-        "bits_per_byte": min((a["bits_per_byte"] for a in after if a.get("bits_per_byte")), default=None),
-        "total_samples": sum(a["samples"] for a in after),
+        "bits_per_byte": best["bits_per_byte"] if best else None,
+        # the swarm's samples when that figure was taken: the peers train at about one speed
+        "total_samples": best["evaluated_samples"] * len(after) if best else sum(a["samples"] for a in after),
     }
     for peer in peers:
         peer.stop()
@@ -366,6 +390,13 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
     def versus(figure: str) -> float | None:  # peerd's time ÷ Hivemind's: < 1 where peerd is faster
         return reduce_[figure] / hivemind[figure] if reduce_.get(figure) and hivemind.get(figure) else None
 
+    solo_per_cpu_s = (results.get("solo") or {}).get("samples_per_cpu_s")
+
+    def cpu_utilization(part: dict[str, Any]) -> float | None:
+        if not solo_per_cpu_s or "samples_per_cpu_s" not in part:
+            return None
+        return part["samples_per_cpu_s"] / solo_per_cpu_s
+
     loss_ratio = None
     if local.get("bits_per_byte") and single_.get("bits_per_byte"):
         loss_ratio = local["bits_per_byte"] / single_["bits_per_byte"]
@@ -374,6 +405,8 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "step_line_rate_fraction": _figure(reduce_.get("step_line_rate_fraction")),
         "utilization_local_updates": _figure(utilization(local)),
         "utilization_collaborative": _figure(utilization(collaborative)),
+        "cpu_utilization_local_updates": _figure(cpu_utilization(local)),
+        "cpu_utilization_collaborative": _figure(cpu_utilization(collaborative)),
         "bytes_per_sample": _figure(local.get("bytes_per_sample"), 0),
         "bytes_per_sample_collaborative": _figure(collaborative.get("bytes_per_sample"), 0),
         "loss_ratio": _figure(loss_ratio),
@@ -422,6 +455,8 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         "solo_samples_per_s",
         "utilization_local_updates",
         "utilization_collaborative",
+        "cpu_utilization_local_updates",
+        "cpu_utilization_collaborative",
         "bytes_per_sample",
         "bytes_per_sample_collaborative",
         "loss_ratio",

@@ -3,9 +3,14 @@ background while the next epoch accumulates, and the swarm still converges toget
 
 from __future__ import annotations
 
+import pytest
+import torch
 import trio
 
-from tests.test_training import make_trainer, open_swarm
+from averaging.matchmaking import MatchmakingError
+from averaging.optimizer import CollaborativeOptimizer
+from dht.node import DHTNode
+from tests.test_training import FAST, make_trainer, open_swarm, single_process_accuracy, train_to_target
 
 
 async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_while_averaging():
@@ -47,6 +52,97 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
         nursery.cancel_scope.cancel()
 
 
+async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_at_the_target_batch():
+    """The default in ``peerd join``: steps one epoch stale, and epochs that take more samples than
+    the target while a round is in flight, must not cost accuracy per epoch against one process
+    stepping on the target batch."""
+    epochs = 40
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        async with trio.open_nursery() as background:
+
+            def make(node, index, count):
+                return make_trainer(node, index, count, delay_updates=background)
+
+            with trio.fail_after(120):
+                trainers, _ = await train_to_target(nodes, make, target=None, max_epochs=epochs)
+            background.cancel_scope.cancel()
+        accuracies = [t.task.evaluate(t.task.model)["accuracy"] for t in trainers]
+        nursery.cancel_scope.cancel()
+    single_accuracy = single_process_accuracy(trainers[0].task.target_batch_size, epochs)
+    assert single_accuracy > 0.85  # it learned: a bound below an untrained model's proves nothing
+    assert min(accuracies) >= single_accuracy - 0.02, (accuracies, single_accuracy)
+
+
+def lone_delayed_optimizer(node, background, target_batch_size=64) -> CollaborativeOptimizer:
+    """A one-parameter model whose gradient is always 1, so the accumulators count samples."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = CollaborativeOptimizer(
+        torch.optim.SGD([param], lr=0.1),
+        node,
+        prefix="held",
+        target_batch_size=target_batch_size,
+        delay_updates=background,
+        **FAST,
+    )
+    return optimizer
+
+
+async def batch(optimizer: CollaborativeOptimizer, size: int = 32) -> bool:
+    optimizer.params[0].grad = torch.ones(1)
+    with trio.fail_after(5):  # a step that waits for the round in flight would hang here
+        return await optimizer.step(size)
+
+
+async def test_the_next_epoch_accumulates_past_the_target_while_the_last_round_still_averages():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background)
+        release, weights = trio.Event(), []
+
+        async def held_round(weight=1.0, timeout=None, group=None):
+            weights.append(weight)
+            await release.wait()
+            raise MatchmakingError("held by the test")
+
+        optimizer.grad_averager.step = held_round
+        assert [await batch(optimizer) for _ in range(2)] == [False, True]  # 64 samples: launched
+        # Ten more batches: the next epoch reached its target long ago, but the round is in flight,
+        # so it keeps accumulating instead of waiting for it.
+        assert [await batch(optimizer) for _ in range(10)] == [False] * 10
+        assert optimizer.averaging_in_background and optimizer.epoch == 1
+        assert optimizer.local_samples == 320
+        release.set()
+        with trio.fail_after(5):
+            while optimizer.averaging_in_background:
+                await trio.sleep(0.01)
+        # The round landed at the next batch and the ready epoch launched with all 352 samples.
+        assert await batch(optimizer) is True
+        with trio.fail_after(10):  # the new round starts once its matchmaking ahead gives up
+            while len(weights) < 2:
+                await trio.sleep(0.01)
+        assert optimizer.epoch == 2 and weights == [64.0, 352.0]
+        # The epoch evidence bounds claimed epochs by the samples epochs really take: (64 + 352) / 2.
+        assert optimizer.tracker.evidence.samples_per_epoch == 208
+        assert optimizer.params[0].item() == pytest.approx(-0.1)  # the first round's (local) step landed
+        background.cancel_scope.cancel()
+
+
+async def test_launching_a_round_does_not_wait_for_its_group_to_form():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background)
+        formed = trio.Event()
+
+        async def forming(round_number=None, timeout=None, hold_open=None):
+            await formed.wait()
+            raise MatchmakingError("no group, as the test says")
+
+        optimizer.grad_averager.find_group = forming
+        assert [await batch(optimizer) for _ in range(4)] == [False, True, False, False]
+        assert optimizer.averaging_in_background  # still waiting for its group, in the background
+        formed.set()
+        background.cancel_scope.cancel()
+
+
 def test_join_refuses_an_unknown_compression_in_one_line(tmp_path):
     import subprocess
     import sys
@@ -74,3 +170,29 @@ def test_delay_updates_outside_collaborative_training_is_refused_in_one_line(tmp
         )
         assert result.returncode == 1, result.stderr
         assert "--delay-updates applies to training (--task) in collaborative mode only" in result.stderr
+
+
+async def test_after_the_first_step_no_batch_waits_for_the_progress_exchange():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        optimizer = lone_delayed_optimizer(node, background, target_batch_size=10**6)
+        assert await batch(optimizer) is False  # the first step reads the swarm before deciding
+        replica, fetching, release = optimizer.replica, trio.Event(), trio.Event()
+        fetch = replica.fetch
+
+        async def slow_fetch(samples):
+            fetching.set()
+            await release.wait()
+            return await fetch(samples)
+
+        replica.fetch = slow_fetch
+        with trio.fail_after(5):
+            while not fetching.is_set():  # batches go on while an exchange is due and then under way
+                assert await batch(optimizer) is False
+                await trio.sleep(optimizer.progress_interval / 4)
+            for _ in range(5):
+                assert await batch(optimizer) is False
+        release.set()
+        with trio.fail_after(5):  # the exchange finishes in the background and the view moves on
+            while replica.swarm.peers[replica.tracker.me].samples < optimizer.local_samples - 5 * 32:
+                await trio.sleep(0.01)
+        background.cancel_scope.cancel()

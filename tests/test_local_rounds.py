@@ -10,6 +10,8 @@ import trio
 
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.matchmaking import MatchmakingError
+from dht.node import DHTNode
 from dht.peer_dictionary import peer_subkey
 
 from .test_training import open_swarm
@@ -113,3 +115,36 @@ async def test_a_declaration_far_ahead_from_outside_the_group_does_not_push_the_
                     peers.start_soon(train, i)
         assert epochs == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]}
         nursery.cancel_scope.cancel()
+
+
+async def test_between_overlapped_rounds_the_progress_exchange_does_not_stall_the_inner_steps():
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        weight = torch.nn.Parameter(torch.zeros(3))
+        optimizer = LocalUpdatesOptimizer(
+            torch.optim.SGD([weight], lr=0.1),
+            node,
+            prefix="exchange",
+            local_steps=2,
+            codec="none",
+            average_state_every=0,
+            rounds=OverlappedRounds(background),
+        )
+        never = trio.Event()
+
+        async def no_group(weight=1.0, timeout=None, group=None):
+            raise MatchmakingError("alone, as the test says")
+
+        async def hanging_fetch(samples):
+            await never.wait()
+
+        optimizer.delta_averager.step = no_group
+        stepped = []
+        with trio.fail_after(10):
+            weight.grad = torch.zeros(3)
+            stepped.append(await optimizer.step(1))  # the first step reads the swarm before training
+            optimizer.replica.fetch = hanging_fetch
+            while optimizer.epoch < 4:  # rounds end, and each one's exchange hangs in the background
+                weight.grad = torch.zeros(3)
+                stepped.append(await optimizer.step(1))
+        assert stepped.count(True) == 4
+        background.cancel_scope.cancel()

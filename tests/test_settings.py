@@ -11,7 +11,7 @@ import pytest
 
 from peer import LOCAL_DIFFICULTY
 from peer.daemon.cli import build_parser, main, parse_command_line
-from peer.daemon.join_arguments import data_shard_from_args
+from peer.daemon.join_arguments import data_shard_from_args, delay_updates_from_args
 from peer.daemon.settings import Settings, SettingsError
 
 from .processes import PEERD
@@ -77,6 +77,19 @@ def test_config_is_read_wherever_the_flag_stands(tmp_path, monkeypatch, argv):
 def test_a_flag_turns_off_what_the_file_turns_on(tmp_path):
     settings = Settings.load(write_config(tmp_path), environ={})
     assert join_args(settings, "--no-client-mode").client_mode is False
+
+
+def test_collaborative_training_delays_updates_unless_turned_off():
+    def delay(environ, *flags):
+        return delay_updates_from_args(join_args(Settings.load(None, environ=environ), *flags))
+
+    assert delay({}, "--task", "digits") is True
+    assert delay({}, "--task", "digits", "--no-delay-updates") is False
+    assert delay({"PEERD_DELAY_UPDATES": "0"}, "--task", "digits") is False
+    # Nothing to delay: off without a word, and refused in one line only where asked for.
+    assert delay({}) is False and delay({}, "--task", "digits", "--mode", "local-updates") is False
+    with pytest.raises(ValueError, match="collaborative mode only"):
+        delay({}, "--task", "digits", "--mode", "local-updates", "--delay-updates")
 
 
 def test_peerd_config_variable_names_the_file(tmp_path):

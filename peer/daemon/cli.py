@@ -25,7 +25,13 @@ from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTE
 from .expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
 from .help import PeerdArgumentParser, add_everywhere, env_setting
 from .identity_lock import IdentityInUseError, lock_identity
-from .join_arguments import AUTO, add_join_arguments, data_shard_from_args, initial_peers_from_args
+from .join_arguments import (
+    AUTO,
+    add_join_arguments,
+    data_shard_from_args,
+    delay_updates_from_args,
+    initial_peers_from_args,
+)
 from .node_ids import node_id_for
 from .private_swarm import access_from_args
 from .runner import EXIT_UNREACHABLE, exit_process, run_joining, until_stopped
@@ -156,8 +162,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         chosen = data_shard_from_args(args)
         shard = chosen if chosen == AUTO else ShardSpec(*chosen)
         check_task(args.task, args.model_size)  # fail now, with a clear message
-    if args.delay_updates and (args.task is None or args.mode != "collaborative"):
-        raise ValueError("--delay-updates applies to training (--task) in collaborative mode only")
+    delay_updates = delay_updates_from_args(args)
     if args.compression is not None:
         from averaging.compression import get_codec  # torch loads only in peers that train
 
@@ -182,7 +187,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         task=args.task,
         model_size=args.model_size,
         mode=args.mode,
-        delay_updates=args.delay_updates,
+        delay_updates=delay_updates,
         compression=args.compression,
         aggregation=args.aggregation,
         device=args.device,

@@ -64,7 +64,7 @@ class DaemonConfig:
     task: str | None = None
     model_size: str | None = None  # sized tasks only (textlm); None: the task's default
     mode: str = "collaborative"  # or "local-updates"
-    delay_updates: bool = False  # collaborative: average while the next epoch accumulates
+    delay_updates: bool = True  # collaborative: average while the next epoch accumulates
     compression: str | None = None  # codec name; None: each mode's default
     aggregation: str = "auto"  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
     device: str | None = None  # None: CUDA when available
@@ -117,6 +117,7 @@ class Daemon:
             "loss": None,
             "accuracy": None,
             "bits_per_byte": None,
+            "evaluated_samples": None,
             "peers_known": len(host.connected_peers) + 1 if host else 1,
             "last_averaging": None,
             "reachability": self.nat.status() if self.nat is not None else None,
@@ -130,6 +131,7 @@ class Daemon:
                 loss=None if math.isnan(training.loss) else round(training.loss, 5),
                 accuracy=training.accuracy,
                 bits_per_byte=training.bits_per_byte,
+                evaluated_samples=training.evaluated_samples,
                 peers_known=training.peers_known,
                 last_averaging=training.last_averaging,
             )

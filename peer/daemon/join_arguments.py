@@ -62,6 +62,15 @@ def data_shard_from_args(args: argparse.Namespace) -> tuple[int, int] | str:
         raise SettingsError(f"{origin}: {error}") from None
 
 
+def delay_updates_from_args(args: argparse.Namespace) -> bool:
+    """Delayed parameter updates: on for collaborative training unless turned off; asking for
+    them anywhere else is a ValueError (one line)."""
+    collaborative = args.task is not None and args.mode == "collaborative"
+    if args.delay_updates and not collaborative:
+        raise ValueError("--delay-updates applies to training (--task) in collaborative mode only")
+    return collaborative and args.delay_updates is not False
+
+
 def initial_peers_from_args(args: argparse.Namespace) -> list[PeerAddress]:
     if args.initial_peer is not None:
         return args.initial_peer
@@ -183,8 +192,9 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
         join.add_argument(
             "--delay-updates",
             action=argparse.BooleanOptionalAction,
-            default=settings.parsed("DELAY_UPDATES", parse_bool, False),
-            help="collaborative mode: average an epoch's gradients while the next one accumulates",
+            default=settings.parsed("DELAY_UPDATES", parse_bool, None),
+            help="collaborative mode: average an epoch's gradients while the next one accumulates, its "
+            "step landing one epoch late (default: on; --no-delay-updates averages and steps in turn)",
         ),
         "DELAY_UPDATES",
     )

@@ -1,6 +1,13 @@
 """The training loop a peer runs: batches from its task, compute in a worker thread, the
 collaborative optimizer in trio, an evaluation every few epochs. It keeps the figures that
 ``/status`` and ``/metrics`` show.
+
+Each trip to the worker thread and each optimizer step cost the event loop a fraction of a
+millisecond, as much as a whole batch of a tiny model. For an optimizer that only accumulates
+gradients until the swarm's batch is full (``accumulates_batches``), batches that cheap go to the
+thread several at a time, each one's loss weighted by its share of the samples, and the optimizer
+steps once for all of them: exactly the gradient sum that one step per batch would accumulate.
+An optimizer that steps on every batch (local updates) still gets one batch per step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,18 @@ __all__ = ["Trainer", "TrainingStatus"]
 
 log = logging.getLogger("peerd.training")
 
+# Batches go to the worker thread in slices of at least this much compute (when they may: see the
+# module's docstring): a thread hop and an optimizer step (~0.1-0.3 ms of the loop's CPU) then cost
+# a few percent of the compute at most, and the swarm sees our samples at most this much later.
+MIN_SLICE_S = 0.005
+MAX_SLICE_BATCHES = 64
+# Held-out evaluation watches training and is no part of it, so it takes at most this share of
+# the trainer's time: after an evaluation that took e seconds, the next comes e / EVAL_SHARE
+# seconds later at the earliest. A digits evaluation (~1 ms) still runs every epoch; a textlm one
+# costs about a training batch (~0.3 s of a CPU core), which every round of 10-20 local steps
+# would lose 5-10% of the compute to.
+EVAL_SHARE = 0.03
+
 
 @dataclass
 class TrainingStatus:
@@ -31,6 +50,7 @@ class TrainingStatus:
     accuracy: float | None = None
     eval_loss: float | None = None
     bits_per_byte: float | None = None  # text tasks report it; lower is better
+    evaluated_samples: int | None = None  # this peer's samples when the figures above were taken
     peers_known: int = 1
     last_averaging: dict[str, Any] | None = None
     started: float = field(default_factory=time.time)
@@ -48,27 +68,47 @@ class Trainer:
         # land: the daemon's metrics and dashboard
         self.round_observers: list[Callable[[Any], None]] = []
         self._last_round = None
+        self._batch_s = math.inf  # compute time of one batch, as last measured
+        self._next_evaluation = -math.inf  # (time.monotonic) not before then: EVAL_SHARE
 
-    def _forward_backward(self, batch) -> float:
+    def _forward_backward(self, batches: list) -> float:
+        """Gradients of the mean loss over ``batches`` (summed into ``.grad``); returns that loss."""
+        started = time.perf_counter()
         self.task.model.train()
-        loss = self.task.loss_fn(self.task.model, batch)
-        loss.backward()
-        return loss.item()
+        sizes = [len(batch[0]) for batch in batches]
+        total, mean = sum(sizes), 0.0
+        for batch, size in zip(batches, sizes, strict=True):
+            loss = self.task.loss_fn(self.task.model, batch)
+            (loss * (size / total) if len(batches) > 1 else loss).backward()
+            mean += loss.item() * size / total
+        self._batch_s = (time.perf_counter() - started) / len(batches)
+        return mean
+
+    def _slice(self) -> int:
+        """How many batches the next trip to the worker thread takes."""
+        if not getattr(self.optimizer, "accumulates_batches", False) or self._batch_s <= 0:
+            return 1
+        return max(1, min(MAX_SLICE_BATCHES, int(MIN_SLICE_S / self._batch_s)))
 
     def _evaluate(self) -> dict[str, float]:
+        started = time.monotonic()
         self.task.model.eval()
         with torch.no_grad():
-            return self.task.evaluate(self.task.model)
+            metrics = self.task.evaluate(self.task.model)
+        finished = time.monotonic()
+        self._next_evaluation = finished + (finished - started) * (1 / EVAL_SHARE - 1)
+        return metrics
 
     async def run(self, *, max_epochs: int | None = None, target_accuracy: float | None = None) -> TrainingStatus:
         """Train until ``max_epochs`` or ``target_accuracy`` (whichever first; forever if neither)."""
         status = self.status
         while max_epochs is None or self.optimizer.epoch < max_epochs:
-            batch = next(self.task.batches)
-            loss = await trio.to_thread.run_sync(self._forward_backward, batch)
+            batches = [next(self.task.batches) for _ in range(self._slice())]
+            samples = sum(len(batch[0]) for batch in batches)
+            loss = await trio.to_thread.run_sync(self._forward_backward, batches)
             status.loss = loss if math.isnan(status.loss) else 0.9 * status.loss + 0.1 * loss
-            stepped = await self.optimizer.step(len(batch[0]))
-            status.samples += len(batch[0])
+            stepped = await self.optimizer.step(samples)
+            status.samples += samples
             status.samples_per_s = self.optimizer.samples_per_s
             status.peers_known = max(1, len(self.optimizer.swarm.peers))
             record = self.optimizer.last_round
@@ -79,10 +119,13 @@ class Trainer:
             if self.optimizer.epoch != status.epoch:  # stepped, or caught up by loading state
                 status.epoch = self.optimizer.epoch
                 status.last_averaging = self.optimizer.last_averaging
-                if stepped and status.epoch % self.evaluate_every == 0:
+                last = max_epochs is not None and status.epoch >= max_epochs  # the figures it ends with
+                due = status.epoch % self.evaluate_every == 0 and time.monotonic() >= self._next_evaluation
+                if stepped and (due or last):
                     metrics = await trio.to_thread.run_sync(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
                     status.bits_per_byte = metrics.get("bits_per_byte")
+                    status.evaluated_samples = status.samples
                     log.info(
                         "epoch %d: loss %.3f, held-out accuracy %.3f%s, %.0f samples/s",
                         status.epoch,

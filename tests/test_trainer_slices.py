@@ -1,0 +1,99 @@
+"""The trainer's share of work around the batches: cheap batches go to its worker thread several at a
+time when the optimizer only accumulates them (the gradients it then steps on are exactly those of
+one step per batch), and held-out evaluation takes a bounded share of its time."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from averaging.progress import SwarmProgress
+from peer.daemon import training
+from peer.daemon.tasks import ShardSpec, digits_task
+from peer.daemon.training import MIN_SLICE_S, Trainer
+
+
+class Recording:
+    """An optimizer stand-in: all the trainer reads of it here is whether it accumulates."""
+
+    def __init__(self, params, accumulates: bool):
+        self.params = list(params)
+        self.accumulates_batches = accumulates
+
+
+def test_a_slice_of_batches_gives_the_gradient_sum_of_one_step_per_batch():
+    task = digits_task(shard=ShardSpec(0, 1))
+    trainer = Trainer(task, Recording(task.model.parameters(), accumulates=True))
+    batches = [next(task.batches) for _ in range(3)]
+    batches[2] = (batches[2][0][:8], batches[2][1][:8])  # uneven sizes weigh as their samples do
+    sizes = [len(b[0]) for b in batches]
+    params = list(task.model.parameters())
+
+    expected = [torch.zeros_like(p) for p in params]
+    for batch, size in zip(batches, sizes, strict=True):
+        trainer._forward_backward([batch])
+        for total, p in zip(expected, params, strict=True):
+            total.add_(p.grad, alpha=size)
+            p.grad = None
+    loss = trainer._forward_backward(batches)
+    for total, p in zip(expected, params, strict=True):
+        torch.testing.assert_close(p.grad * sum(sizes), total, rtol=1e-5, atol=1e-6)
+    assert loss > 0
+
+
+def test_only_an_accumulating_optimizer_gets_several_cheap_batches_per_step():
+    task = digits_task(shard=ShardSpec(0, 1))
+    accumulating = Trainer(task, Recording(task.model.parameters(), accumulates=True))
+    assert accumulating._slice() == 1  # nothing measured yet
+    accumulating._forward_backward([next(task.batches)] * 2)
+    assert 0 < accumulating._batch_s < math.inf  # measured per batch
+    accumulating._batch_s = MIN_SLICE_S / 10  # (a digits batch takes about this on an idle core)
+    assert accumulating._slice() == 10
+    accumulating._batch_s = MIN_SLICE_S * 3  # a batch that costs more than a hop goes alone
+    assert accumulating._slice() == 1
+    stepping = Trainer(task, Recording(task.model.parameters(), accumulates=False))
+    stepping._batch_s = MIN_SLICE_S / 10
+    assert stepping._slice() == 1
+
+
+class SteppingEveryBatch(Recording):
+    """An optimizer stand-in that ends an epoch at every step."""
+
+    def __init__(self, params):
+        super().__init__(params, accumulates=False)
+        self.epoch = 0
+        self.samples_per_s = 0.0
+        self.swarm = SwarmProgress({}, 0)
+        self.last_round = None
+        self.last_averaging = None
+
+    async def step(self, batch_size: int) -> bool:
+        self.epoch += 1
+        return True
+
+
+async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run(monkeypatch):
+    """An evaluation costing as much as a batch (textlm's does) runs every ~1 / EVAL_SHARE epochs
+    here, not every epoch; the run's last epoch is always evaluated."""
+    clock = [0.0]
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    task = digits_task(shard=ShardSpec(0, 1))
+    evaluated_at: list[int] = []
+    trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()))
+    train_loss = task.loss_fn
+
+    def batch_costing_10ms(model, batch):
+        clock[0] += 0.01
+        return train_loss(model, batch)
+
+    def evaluation_costing_10ms(model):
+        clock[0] += 0.01
+        evaluated_at.append(trainer.optimizer.epoch)
+        return {"accuracy": 0.5, "loss": 1.0}
+
+    task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
+    await trainer.run(max_epochs=100)
+    assert evaluated_at[0] == 1 and evaluated_at[-1] == 100
+    assert trainer.status.evaluated_samples == trainer.status.samples  # what the figures belong to
+    assert 3 <= len(evaluated_at) <= 100 * training.EVAL_SHARE + 2, evaluated_at
