@@ -200,3 +200,61 @@ async def test_link_progress_counts_what_the_fast_path_sent():
         with trio.fail_after(5):  # until the kernel has seen the ACKs of what was sent
             while connection.link_progress()[0] - before_delivered < sent:
                 await trio.sleep(0.01)
+
+
+async def test_urgent_messages_go_ahead_of_queued_ordinary_ones_in_their_own_order():
+    """A reducer's averaged part must not wait behind the parts its peer's own streams queued."""
+    channel = ScriptedChannel()
+    queue = SendQueue(channel, TrafficCounter())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.write_loop)
+        await settle()
+        channel.blocked = True  # the writer is stuck sending the first part
+        queue.append(b"part 1", memoryview(bytes(100)))
+        await settle()
+        queue.append(b"part 2", memoryview(bytes(100)))
+        queue.append(b"part 3")
+        queue.append(b"reply 1", memoryview(bytes(100)), urgent=True)
+        queue.append(b"reply 2", urgent=True)
+        channel.blocked = False
+        channel.unblocked.set()
+        await settle()
+        payload = bytes(100)
+        assert channel.received() == [
+            b"part 1",
+            payload,
+            b"reply 1",
+            payload,
+            b"reply 2",
+            b"part 2",
+            payload,
+            b"part 3",
+        ]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_urgent_message_never_cuts_into_a_message_already_on_its_way():
+    channel = ScriptedChannel()
+    queue = SendQueue(channel, TrafficCounter())
+    cut_off, urgent = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.write_loop)
+        await settle()
+        channel.kernel_room, channel.blocked = 10, True  # the kernel takes the start of the next one
+        queue.append(b"header", memoryview(bytes(1000)), cut_off, direct=True)
+        queue.append(b"reply", memoryview(bytes(10)), urgent, urgent=True, direct=True)
+        assert channel.direct_writes == 1  # queued: something is ahead of it
+        channel.kernel_room, channel.blocked = None, False
+        channel.unblocked.set()
+        await settle()
+        assert channel.received() == [b"header", bytes(1000), b"reply", bytes(10)]
+        assert cut_off.is_set() and urgent.is_set()
+        channel.blocked = True
+        channel.unblocked = trio.Event()
+        never_sent = trio.Event()
+        queue.append(b"stuck")
+        await settle()
+        queue.append(b"late", memoryview(bytes(10)), never_sent, urgent=True)
+        nursery.cancel_scope.cancel()
+    queue.release()  # the connection died: a waiting urgent sender is woken too
+    assert never_sent.is_set()
