@@ -365,7 +365,9 @@ async def test_a_swarm_that_stays_as_it_was_matches_without_waiting_out_the_sett
     settle = 1.5
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 4)
-        averagers = make_averagers(nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4, settle_time=settle)
+        averagers = make_averagers(
+            nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4, settle_time=settle, matchmaking_timeout=10.0
+        )
         await step_all(averagers)
         assert all(a.last_timing.matchmaking_s >= settle for a in averagers)
         results = await step_all(averagers)
