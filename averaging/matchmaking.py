@@ -48,8 +48,13 @@ JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
 # of the deadline (at most 0.5 s) lets stragglers' stores land while leaving most of it for joining.
 MAX_SETTLE = 0.5
-# While settling, the declarations are read this often to see whether the last view is complete.
+# While settling, the declarations are read to see whether the last view is complete: at most
+# SETTLE_READS times (the first at once), at least SETTLE_POLL apart, and only in swarms whose last
+# view had fewer than EARLY_SETTLE_VIEW other peers: there a read is a few small answers, while
+# in a large swarm every peer reading many times would multiply the load on the key's holders.
 SETTLE_POLL = 0.05
+SETTLE_READS = 4
+EARLY_SETTLE_VIEW = 16
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
@@ -296,15 +301,16 @@ class Matchmaker:
     async def _settle(self, me: Declaration, settle: float) -> dict[PeerID, Declaration] | None:
         """Let declarations spread for ``settle`` seconds, or until the view is as complete as the
         last one (``view_settled``); returns that complete view, or None after the full time."""
-        if not self._last_view:
+        if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
             await trio.sleep(settle)
             return None
         with trio.move_on_after(settle):
-            while True:
+            for _ in range(SETTLE_READS):
                 candidates = await self._read_candidates(me)
                 if view_settled(self._last_view, candidates, me.round):
                     return candidates
-                await trio.sleep(SETTLE_POLL)
+                await trio.sleep(max(SETTLE_POLL, settle / SETTLE_READS))
+            await trio.sleep(settle)  # (the rest of it)
         return None
 
     async def declare(self, me: Declaration, timeout: float) -> None:
