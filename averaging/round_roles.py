@@ -180,9 +180,6 @@ class ReducerRole:
         """One sender's stream: its parts until it ends (or the round moves on), and at the same
         time the replies, each as soon as it is made."""
         sender = stream.peer
-        # The sender waits for these replies while our own parts (and other reducers' streams)
-        # fill our link: they go ahead of what our connection to it has queued.
-        stream.set_urgent()
         self.links.add(sender, stream.link)
         reduction = self.shard.reduction
         try:

@@ -258,17 +258,11 @@ class Connection:
         if header is not None and not self.is_closed:
             self.enqueue(header)
 
-    def enqueue(
-        self,
-        header: bytes,
-        payload: memoryview | None = None,
-        encrypted: trio.Event | None = None,
-        urgent: bool = False,
-    ) -> None:
+    def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
         """Queue a header built by ``self.protocol`` (and its payload) for the writer; ``encrypted``
         is set once the payload has been encrypted or the connection is gone, so its buffer may be
-        reused; ``urgent``: ahead of the ordinary messages queued (``rpc_outgoing.py``)."""
-        self._outgoing.append(header, payload, encrypted, urgent=urgent)
+        reused."""
+        self._outgoing.append(header, payload, encrypted)
 
     def _alone(self) -> bool:
         """Whether only one call (the caller's) is in progress on this connection: its messages

@@ -19,12 +19,6 @@ encrypted in the order they go on the wire. What the kernel does not take (a ful
 becomes an already-encrypted item at the head of the queue, which the writer sends before anything
 else; its sender's ``encrypted`` event is set only once those bytes are out, so a message cut off
 by a dying connection still fails its send.
-
-Urgent messages (those of streams marked urgent: the averages an all-reduce reducer sends back,
-which its senders wait for) go ahead of every queued ordinary one, never ahead of the cut-off tail
-of a message already on its way: on a slow link that a peer's own parts keep full, a reply queued
-behind a part waited for the whole part (0.3-0.5 s measured at 100 Mbit/s). Each stream's messages
-stay in order, since all of one stream's data are of one kind.
 """
 
 from __future__ import annotations
@@ -86,7 +80,6 @@ class SendQueue:
         self._channel = channel
         self._traffic = traffic
         self._items: deque[_Outgoing] = deque()
-        self._urgent: deque[_Outgoing] = deque()  # sent before ``_items`` (see the module docstring)
         self._queued_reply_bytes = 0
         self._wakeup = trio.Event()
         # True only while the writer waits for work with nothing queued: the fast path may then use
@@ -104,13 +97,11 @@ class SendQueue:
         encrypted: trio.Event | None = None,
         *,
         direct: bool = False,
-        urgent: bool = False,
     ) -> None:
-        """Queue a message; ``direct``: the caller allows the fast path; ``urgent``: it goes ahead
-        of the ordinary messages queued (see the module docstring)."""
+        """Queue a message; ``direct``: the caller allows the fast path (see the module docstring)."""
         if direct and self.idle and not self._send_now(header, payload, encrypted, 0):
             return
-        (self._urgent if urgent else self._items).append((header, payload, encrypted, 0, None))
+        self._items.append((header, payload, encrypted, 0, None))
         self._wakeup.set()
 
     def append_reply(self, header: bytes, payload: memoryview | None = None, *, direct: bool = False) -> None:
@@ -128,7 +119,7 @@ class SendQueue:
         """The fast path (see the module docstring); False once the message is handled, True if it
         is for the writer (too large, or no socket to write to directly)."""
         size = len(header) + (len(payload) if payload is not None else 0)
-        if not self._fast or size > FAST_PATH_MAX or self._items or self._urgent:
+        if not self._fast or size > FAST_PATH_MAX or self._items:
             return True
         view, seal = self._view, self._channel.send_cipher.seal_into
         position = seal(header, view)
@@ -149,10 +140,9 @@ class SendQueue:
 
     def release(self) -> None:
         """The connection is gone: wake every sender still waiting for its payload to go out."""
-        for item in (*self._urgent, *self._items):
+        for item in self._items:
             if item[2] is not None:
                 item[2].set()
-        self._urgent.clear()
         self._items.clear()
 
     async def write_loop(self) -> None:
@@ -160,11 +150,11 @@ class SendQueue:
         channel, traffic = self._channel, self._traffic
         buffer, view = self._buffer, self._view
         seal = channel.send_cipher.seal_into
-        items, urgent = self._items, self._urgent
+        items = self._items
         item: _Outgoing | None = None
         try:
             while True:
-                while not items and not urgent:
+                while not items:
                     self._wakeup = trio.Event()
                     self.idle = True
                     try:
@@ -172,9 +162,8 @@ class SendQueue:
                     finally:
                         self.idle = False
                 position = 0
-                while items or urgent:
-                    # an urgent message goes next, unless a cut-off tail must be finished first
-                    item = urgent.popleft() if urgent and not (items and items[0][4] is not None) else items.popleft()
+                while items:
+                    item = items.popleft()
                     header, payload, encrypted, reply_bytes, sealed = item
                     self._queued_reply_bytes -= reply_bytes
                     if sealed is not None:

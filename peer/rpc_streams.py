@@ -28,16 +28,10 @@ class StreamTransport(Protocol):
     remote_peer_id: PeerID
     protocol: RPCProtocol  # the call's state: liveness, credit, and the headers to send
 
-    def enqueue(
-        self,
-        header: bytes,
-        payload: memoryview | None = None,
-        encrypted: trio.Event | None = None,
-        urgent: bool = False,
-    ) -> None:
+    def enqueue(self, header: bytes, payload: memoryview | None = None, encrypted: trio.Event | None = None) -> None:
         """Queue ``header`` (then ``payload``) for sending; set ``encrypted`` once the payload has
         been encrypted, or the connection has died (the call's ``error`` then says so), after which
-        its buffer may be reused. ``urgent``: ahead of the ordinary messages queued."""
+        its buffer may be reused."""
 
     def grant(self, call_id: int, nbytes: int, drained: bool = False) -> None:
         """The application has taken ``nbytes`` of the call's stream data (``drained``: and all
@@ -77,7 +71,6 @@ class _StreamBase:
         self._call_id = call_id
         self.method = method
         self._state = state
-        self._urgent = False
 
     @property
     def peer(self) -> PeerID:
@@ -107,21 +100,11 @@ class _StreamBase:
             state.credit = trio.Event()
             await state.credit.wait()
         encrypted = trio.Event() if view is not None else None
-        if self._urgent:
-            transport.enqueue(header, view, encrypted, urgent=True)
-        else:
-            transport.enqueue(header, view, encrypted)
+        transport.enqueue(header, view, encrypted)
         if encrypted is not None:
             await encrypted.wait()
             if state.error is not None:  # released by a connection that died before sending it all
                 raise state.error
-
-    def set_urgent(self) -> None:
-        """From now on this stream's messages go ahead of the ordinary messages queued on its
-        connection (never ahead of each other): for replies that the peer waits for while other
-        streams fill the link. Mark a stream before its first message, so that its messages keep
-        their order."""
-        self._urgent = True
 
     def set_buffer_provider(self, provider: BufferProvider | None) -> None:
         """Decrypt the payloads of incoming messages straight into buffers of the caller's choosing.
