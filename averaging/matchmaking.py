@@ -5,7 +5,10 @@
    with the deadline. Readers take the peer ID from the signed subkey, so nobody can declare, or
    squat on, another peer's place in a group.
 2. After a short settle time it reads all declarations, keeps those with its schema and round, and
-   applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader.
+   applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader. The settle
+   time ends early once every peer of the view that formed this peer's last group has declared
+   the new round (``view_settled``): a swarm that stays as it was matches at once, while a peer
+   that left or a newcomer costs the whole settle time, as before.
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
    and a fresh group ID. A follower whose leader refuses re-reads the declarations and tries
@@ -45,6 +48,13 @@ JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
 # of the deadline (at most 0.5 s) lets stragglers' stores land while leaving most of it for joining.
 MAX_SETTLE = 0.5
+# While settling, the declarations are read to see whether the last view is complete: at most
+# SETTLE_READS times (the first at once), at least SETTLE_POLL apart, and only in swarms whose last
+# view had fewer than EARLY_SETTLE_VIEW other peers: there a read is a few small answers, while
+# in a large swarm every peer reading many times would multiply the load on the key's holders.
+SETTLE_POLL = 0.05
+SETTLE_READS = 4
+EARLY_SETTLE_VIEW = 16
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
@@ -173,6 +183,9 @@ class Matchmaker:
         self.dht = dht
         self.prefix = prefix
         self._gathering: _Gathering | None = None
+        # the other peers of the view that formed our last group: once all of them declared the
+        # next round, that round's view is as complete as the last one was (``view_settled``)
+        self._last_view: frozenset[PeerID] = frozenset()
         self.last_round = 0  # the round the last form_group used (it may have caught up)
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
@@ -232,14 +245,14 @@ class Matchmaker:
         deadline = trio.current_time() + timeout
         own_round = me.round
         await self.declare(me, timeout)
-        await trio.sleep(settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
+        settled = await self._settle(me, settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
-            candidates = await self._read_candidates(me)
+            candidates, settled = settled or await self._read_candidates(me), None
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me = replace(me, round=newest)
@@ -270,6 +283,7 @@ class Matchmaker:
                         group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
                     if own_round:
                         self.last_round = confirmed_round(own_round, me.peer_id, group, candidates)
+                    self._last_view = frozenset(candidates) - {me.peer_id}
                     return group
                 except (ConnectError, ConnectionLost, LeaderFailed) as error:
                     unreachable.add(proposal.leader)
@@ -283,6 +297,21 @@ class Matchmaker:
             await trio.sleep(0.05)
         error = NoOtherPeers if alone else MatchmakingError
         raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
+
+    async def _settle(self, me: Declaration, settle: float) -> dict[PeerID, Declaration] | None:
+        """Let declarations spread for ``settle`` seconds, or until the view is as complete as the
+        last one (``view_settled``); returns that complete view, or None after the full time."""
+        if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
+            await trio.sleep(settle)
+            return None
+        with trio.move_on_after(settle):
+            for _ in range(SETTLE_READS):
+                candidates = await self._read_candidates(me)
+                if view_settled(self._last_view, candidates, me.round):
+                    return candidates
+                await trio.sleep(max(SETTLE_POLL, settle / SETTLE_READS))
+            await trio.sleep(settle)  # (the rest of it)
+        return None
 
     async def declare(self, me: Declaration, timeout: float) -> None:
         """Store our declaration under our own signed subkey, to live as long as the round."""
@@ -354,6 +383,15 @@ class Matchmaker:
                 raise LeaderFailed(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
             return group
         raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")
+
+
+def view_settled(last_view: frozenset[PeerID], declared: dict[PeerID, Declaration], round_number: int) -> bool:
+    """Whether every peer of ``last_view`` has declared ``round_number`` (or later): the view then
+    holds everyone the last one did, so waiting longer only waits for newcomers, which the settle
+    time never promised to catch. A missing peer (it left, or is slow) means waiting out the settle
+    time. Declarations are claims, but only their owners can store them: another peer's can
+    neither add to this view nor hold it back beyond the settle time."""
+    return bool(last_view) and all(peer in declared and declared[peer].round >= round_number for peer in last_view)
 
 
 def round_to_join(own_round: int, declared: list[int]) -> int:

@@ -13,7 +13,8 @@ needs root, ``ip`` and ``tc``; without them it prints one line saying what is mi
 Parts (rows of the table):
   raw_tcp        one plain TCP stream host 0 -> host 1: the wire's own speed, for reference.
   allreduce      4 peers, each a DHT node with a ``GroupAverager`` of 4,194,304 float32 values
-                 (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together. The baseline
+                 (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together, with the
+                 aggregation a public swarm uses (``--aggregation mean``: the exact mean). The baseline
                  is the line-rate bound of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal
                  rate (2.01 s at 100 Mbit/s). Figures: ``allreduce_line_rate_fraction`` = bound ÷
                  median all-reduce time (group formed until the round is done, slowest peer), and
@@ -129,7 +130,9 @@ def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]
     return {"mbit_s": measured["bytes"] * 8 / measured["seconds"] / 1e6, "bytes": measured["bytes"]}
 
 
-def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str | None) -> dict[str, Any]:
+def allreduce(
+    lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str | None, aggregation: str = "auto"
+) -> dict[str, Any]:
     hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
     keys = []
     for index in range(PEERS):
@@ -143,7 +146,7 @@ def allreduce(lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str |
         flags = [
             "--index", str(index), "--key", keys[index], "--listen", f"{hosts[index].address}:{MEMBER_PORT}",
             "--run-id", "wan", "--group-size", str(PEERS), "--values", str(VALUES),
-            "--matchmaking-timeout", "15", "--settle", "0.3",
+            "--matchmaking-timeout", "15", "--settle", "0.3", "--aggregation", aggregation,
             "--sender-timeout", str(10 * bound + 10), "--reducer-timeout", str(20 * bound + 20),
         ]  # fmt: skip
         return [*flags, "--initial-peer", f"{hosts[0].address}:{MEMBER_PORT}"] if index else flags
@@ -330,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         help="an interpreter with hivemind installed: the all-reduce part also steps Hivemind's averager "
         "(default: $PEERD_WAN_HIVEMIND; none: no baseline)",
     )
+    parser.add_argument(
+        "--aggregation",
+        choices=["auto", "mean", "centered-clip"],
+        default="auto",
+        help="the all-reduce part's aggregation (auto: what a public swarm uses, centered-clip with "
+        "reducer checks; mean: the exact mean, as Hivemind averages)",
+    )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
     if reason is not None:
@@ -348,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     bodies = {
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
-        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind),
+        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind, args.aggregation),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
         "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
         "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
@@ -363,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(results, args.rate, window)
-    summary.update(quick=args.quick, interrupted=interrupted, errors=errors)
+    summary.update(quick=args.quick, interrupted=interrupted, errors=errors, aggregation=args.aggregation)
     print_table(summary, results)
     if errors or interrupted or args.keep:
         print(f"logs: {workdir}")

@@ -340,3 +340,42 @@ def test_round_numbers_are_claims_that_move_a_peer_one_round_at_most():
     assert round_to_join(0, [7, 7, 10**12]) == 7  # a newcomer joins where most peers are
     assert round_to_join(0, [0, 10**12]) == 0  # the lower median: one liar cannot move it
     assert round_to_join(0, []) == 0
+
+
+def test_a_view_is_settled_once_everyone_of_the_last_one_declared_the_round():
+    from averaging.matchmaking import Declaration, view_settled
+
+    peers = [Identity.generate().peer_id for _ in range(3)]
+
+    def declared(*rounds):
+        return {p: Declaration(p, None, 1.0, "node", "s", r) for p, r in zip(peers, rounds, strict=False)}
+
+    last = frozenset(peers[:2])
+    assert view_settled(last, declared(5, 5), 5)
+    assert view_settled(last, declared(5, 6, 5), 5)  # one a round ahead, and a newcomer: not waited for
+    assert not view_settled(last, declared(5, 4), 5)  # its declaration is still the last round's
+    assert not view_settled(last, declared(5), 5)  # one of the last view is missing (it may have left)
+    assert not view_settled(frozenset(), declared(5, 5), 5)  # no last view: the settle time is waited out
+
+
+async def test_a_swarm_that_stays_as_it_was_matches_without_waiting_out_the_settle_time():
+    """Four peers, a long settle time: the first round waits it out; the next ones, whose views
+    hold everyone the last one did, match as soon as every peer has declared; once a peer has
+    left, the settle time is waited out again."""
+    settle = 1.5
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        averagers = make_averagers(
+            nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4, settle_time=settle, matchmaking_timeout=10.0
+        )
+        await step_all(averagers)
+        assert all(a.last_timing.matchmaking_s >= settle for a in averagers)
+        results = await step_all(averagers)
+        assert {len(r.group.members) for r in results.values()} == {4}
+        assert all(a.last_timing.matchmaking_s < settle for a in averagers), [a.last_timing for a in averagers]
+        assert all(a.tensors[0].item() == pytest.approx(3.0) for a in averagers)
+        await averagers[3].leave()
+        results = await step_all(averagers[:3])
+        assert {len(r.group.members) for r in results.values()} == {3}
+        assert all(a.last_timing.matchmaking_s >= settle for a in averagers[:3])
+        nursery.cancel_scope.cancel()

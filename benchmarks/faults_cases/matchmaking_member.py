@@ -68,6 +68,7 @@ async def main(args: argparse.Namespace) -> None:
             reducer_timeout=args.reducer_timeout,
             settle_time=args.settle,
             allow_state_sharing=False,
+            aggregation=args.aggregation,
         )
         print("ready", flush=True)
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
@@ -99,5 +100,6 @@ if __name__ == "__main__":
     parser.add_argument("--matchmaking-timeout", type=float, default=4.0)
     parser.add_argument("--sender-timeout", type=float, default=2.0)
     parser.add_argument("--reducer-timeout", type=float, default=4.0)
+    parser.add_argument("--aggregation", default="auto", choices=["auto", "mean", "centered-clip"])
     parser.add_argument("--settle", type=float, default=0.2, help="a LAN: declarations land within milliseconds")
     trio.run(main, parser.parse_args())
