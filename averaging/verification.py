@@ -63,7 +63,16 @@ from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .robust import GRAM_LIMIT, START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
+from .robust import (
+    GRAM_LIMIT,
+    START_SLACK,
+    Aggregation,
+    centered_clip,
+    clip_radius,
+    clip_weights,
+    row_distances,
+    start_radii,
+)
 
 __all__ = [
     "BAN_SECONDS",
@@ -297,7 +306,7 @@ class PartCheck:
             if between is not None:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
             else:
-                radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+                radii = start_radii(inputs.values, inputs.values[trusted], exact=True)
             typical = sorted(radii)[(len(radii) - 1) // 2]
             if expected > START_MARGIN * START_SLACK * typical:
                 return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
@@ -306,12 +315,9 @@ class PartCheck:
 
 def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:
     """The distances between the rows of ``values``, from their float64 Gram matrix relative to
-    row ``trusted`` (exact, and small where the rows are close to it)."""
-    rows = values.double()
-    rows -= rows[trusted].clone()
-    gram = (rows @ rows.T).numpy()
-    squares = gram.diagonal()
-    return np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
+    row ``trusted`` (small where the rows are close to it), exact where that cancels
+    (``row_distances``)."""
+    return row_distances(values, values[trusted])
 
 
 def radius_from(values: torch.Tensor, row: int) -> float:

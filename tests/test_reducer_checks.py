@@ -342,3 +342,27 @@ async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatc
         # each of 4 peers, the 3 others' commitments (its own it never verifies)
         assert len(calls) == 4 * 3
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("distances", ["gram", "streamed"])
+@pytest.mark.parametrize("spread", [1e-6, 0.0])
+def test_a_checker_far_from_the_others_judges_an_honest_reducer_honest(distances, spread, monkeypatch):
+    """A checker whose own contribution lags far behind replicas that agree (to 1e-6, or exactly)
+    judges distances between those replicas exactly, not from a Gram matrix taken relative to its
+    own row (where they cancel to noise), so an honest reducer among them passes."""
+    if distances == "streamed":
+        monkeypatch.setattr("averaging.verification.GRAM_LIMIT", 0)
+        monkeypatch.setattr("averaging.robust.GRAM_LIMIT", 0)
+    peers = ids(5)
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(DIM, generator=generator).repeat(5, 1)
+    values[1:] += spread * torch.randn(4, DIM, generator=generator)
+    values[2] += 100.0  # the checker, peers[2], lags far behind
+    weights = [1.0] * 5
+    reply = torch.empty(DIM)
+    tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
+    assert moved_to is None
+    signed = signed_rows(peers, weights, values)
+    inputs = PartInputs(peers, weights, values, tau, Aggregation.CENTERED_CLIP, 0, signed)
+    assert checker(peers[2], peers[0], values[2].clone(), 1.0, list(peers), reply).verdict(inputs) is None
+    assert checker(peers[3], peers[0], values[3].clone(), 1.0, list(peers), reply).verdict(inputs) is None
