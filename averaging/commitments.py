@@ -46,6 +46,7 @@ from peer.packing import packb
 
 __all__ = [
     "DIGEST_BYTES",
+    "MAX_COMMITMENT_BYTES",
     "PUBLIC_KEY_BYTES",
     "SIGNATURE_BYTES",
     "Commitment",
@@ -63,6 +64,9 @@ DIGEST_BYTES = 32
 # vector in parts of 2**15 values); anything larger is refused before it is hashed.
 MAX_REDUCERS = 1024
 MAX_PARTS = 1 << 16
+# A commitment's wire form (msgpack) is at most this long: its digests, and per reducer a peer ID
+# (a multihash: a few dozen bytes) and msgpack's framing, with room.
+MAX_COMMITMENT_BYTES = MAX_PARTS * DIGEST_BYTES + MAX_REDUCERS * 128 + 1024
 
 
 def part_digest(meta: Any, payload: Any) -> bytes:
