@@ -156,27 +156,37 @@ def commit(identity: Identity, group_id: bytes, weight: float, shards: list[tupl
     return Commitment(identity.public_key, signature, digests)
 
 
-# Commitments a peer verified lately: a round's members, in its last few rounds, with room.
+# Commitments a peer verified lately: a round's members, in its last few rounds, with room; and at
+# most this many bytes of digests among them (each claim holds its commitment's digests, which a
+# sender may pad with shards of reducers that do not exist up to its header's limit: 1 MiB).
 VERIFIED_KEPT = 256
+VERIFIED_BYTES = 32 << 20
 
 
 class VerifiedSignatures:
     """Commitments this peer verified lately, so that the same one, met again in the same round
     (as a reducer, then in each check), is verified once. Only successes are kept, each as the
     whole claim it verified (key, signature, round, sender, weight, digests); the oldest go first
-    beyond ``VERIFIED_KEPT``."""
+    beyond ``VERIFIED_KEPT`` claims or ``VERIFIED_BYTES`` of digests (one forgotten costs only
+    its verification again)."""
 
-    def __init__(self, kept: int = VERIFIED_KEPT):
+    def __init__(self, kept: int = VERIFIED_KEPT, kept_bytes: int = VERIFIED_BYTES):
         self.kept = kept
-        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self.kept_bytes = kept_bytes
+        self.bytes = 0  # of digests among the claims kept
+        self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
 
     def __contains__(self, claim: tuple[Any, ...]) -> bool:
         return claim in self._seen
 
     def add(self, claim: tuple[Any, ...]) -> None:
-        self._seen[claim] = None
-        while len(self._seen) > self.kept:
-            self._seen.popitem(last=False)
+        size = sum(len(peer) + len(blob) for peer, blob in claim[-1])
+        if size > self.kept_bytes or claim in self._seen:
+            return
+        self._seen[claim] = size
+        self.bytes += size
+        while len(self._seen) > self.kept or self.bytes > self.kept_bytes:
+            self.bytes -= self._seen.popitem(last=False)[1]
 
 
 @dataclass(frozen=True)
