@@ -34,6 +34,7 @@ that meets a commitment it has not verified; every part is encoded before the fi
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -168,25 +169,28 @@ class VerifiedSignatures:
     (as a reducer, then in each check), is verified once. Only successes are kept, each as the
     whole claim it verified (key, signature, round, sender, weight, digests); the oldest go first
     beyond ``VERIFIED_KEPT`` claims or ``VERIFIED_BYTES`` of digests (one forgotten costs only
-    its verification again)."""
+    its verification again). Thread-safe: a reducer adds on the event loop while checks of large
+    parts verify in worker threads."""
 
     def __init__(self, kept: int = VERIFIED_KEPT, kept_bytes: int = VERIFIED_BYTES):
         self.kept = kept
         self.kept_bytes = kept_bytes
         self.bytes = 0  # of digests among the claims kept
         self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, claim: tuple[Any, ...]) -> bool:
         return claim in self._seen
 
     def add(self, claim: tuple[Any, ...]) -> None:
         size = sum(len(peer) + len(blob) for peer, blob in claim[-1])
-        if size > self.kept_bytes or claim in self._seen:
-            return
-        self._seen[claim] = size
-        self.bytes += size
-        while len(self._seen) > self.kept or self.bytes > self.kept_bytes:
-            self.bytes -= self._seen.popitem(last=False)[1]
+        with self._lock:
+            if size > self.kept_bytes or claim in self._seen:
+                return
+            self._seen[claim] = size
+            self.bytes += size
+            while len(self._seen) > self.kept or self.bytes > self.kept_bytes:
+                self.bytes -= self._seen.popitem(last=False)[1]
 
 
 @dataclass(frozen=True)

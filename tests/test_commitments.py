@@ -3,6 +3,8 @@ and weight it was signed for, names each reducer's parts by digest as sent, and 
 
 from __future__ import annotations
 
+import sys
+import threading
 import tracemalloc
 
 import pytest
@@ -112,3 +114,25 @@ def test_verified_commitments_hold_a_bounded_share_of_memory():
     latest, group = padded(39)
     claim = (latest.public_key, latest.signature, group, sender.peer_id.to_bytes(), 1.0, latest.digests)
     assert claim in verified
+
+
+def test_verified_commitments_count_their_bytes_exactly_across_threads():
+    """Checks of large parts verify in worker threads while the reducer verifies on the event
+    loop: the byte count that bounds the remembered claims stays exact."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        verified = VerifiedSignatures(kept=64, kept_bytes=1 << 40)
+
+        def add(thread: int) -> None:
+            for i in range(20000):
+                verified.add((thread, i, ((b"p", b"d" * 32),)))
+
+        threads = [threading.Thread(target=add, args=(thread,)) for thread in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert verified.bytes == 64 * 33
