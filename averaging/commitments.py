@@ -34,6 +34,7 @@ that meets a commitment it has not verified; every part is encoded before the fi
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from peer.packing import packb
 
 __all__ = [
     "DIGEST_BYTES",
+    "MAX_COMMITMENT_BYTES",
     "PUBLIC_KEY_BYTES",
     "SIGNATURE_BYTES",
     "Commitment",
@@ -63,6 +65,9 @@ DIGEST_BYTES = 32
 # vector in parts of 2**15 values); anything larger is refused before it is hashed.
 MAX_REDUCERS = 1024
 MAX_PARTS = 1 << 16
+# A commitment's wire form (msgpack) is at most this long: its digests, and per reducer a peer ID
+# (a multihash: a few dozen bytes) and msgpack's framing, with room.
+MAX_COMMITMENT_BYTES = MAX_PARTS * DIGEST_BYTES + MAX_REDUCERS * 128 + 1024
 
 
 def part_digest(meta: Any, payload: Any) -> bytes:
@@ -152,27 +157,40 @@ def commit(identity: Identity, group_id: bytes, weight: float, shards: list[tupl
     return Commitment(identity.public_key, signature, digests)
 
 
-# Commitments a peer verified lately: a round's members, in its last few rounds, with room.
+# Commitments a peer verified lately: a round's members, in its last few rounds, with room; and at
+# most this many bytes of digests among them (each claim holds its commitment's digests, which a
+# sender may pad with shards of reducers that do not exist up to its header's limit: 1 MiB).
 VERIFIED_KEPT = 256
+VERIFIED_BYTES = 32 << 20
 
 
 class VerifiedSignatures:
     """Commitments this peer verified lately, so that the same one, met again in the same round
     (as a reducer, then in each check), is verified once. Only successes are kept, each as the
     whole claim it verified (key, signature, round, sender, weight, digests); the oldest go first
-    beyond ``VERIFIED_KEPT``."""
+    beyond ``VERIFIED_KEPT`` claims or ``VERIFIED_BYTES`` of digests (one forgotten costs only
+    its verification again). Thread-safe: a reducer adds on the event loop while checks of large
+    parts verify in worker threads."""
 
-    def __init__(self, kept: int = VERIFIED_KEPT):
+    def __init__(self, kept: int = VERIFIED_KEPT, kept_bytes: int = VERIFIED_BYTES):
         self.kept = kept
-        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self.kept_bytes = kept_bytes
+        self.bytes = 0  # of digests among the claims kept
+        self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, claim: tuple[Any, ...]) -> bool:
         return claim in self._seen
 
     def add(self, claim: tuple[Any, ...]) -> None:
-        self._seen[claim] = None
-        while len(self._seen) > self.kept:
-            self._seen.popitem(last=False)
+        size = sum(len(peer) + len(blob) for peer, blob in claim[-1])
+        with self._lock:
+            if size > self.kept_bytes or claim in self._seen:
+                return
+            self._seen[claim] = size
+            self.bytes += size
+            while len(self._seen) > self.kept or self.bytes > self.kept_bytes:
+                self.bytes -= self._seen.popitem(last=False)[1]
 
 
 @dataclass(frozen=True)

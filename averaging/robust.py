@@ -163,7 +163,8 @@ def centered_clip(
     dist = [float(d) for d in norms.double().tolist()]
     squares = [d * d for d in dist]
     if trusted and choose_start and n > 2:
-        radii = start_radii(rows)
+        step = -(-numel // RADII_SAMPLE)  # (the sample ``start_radii`` would take, without stacking the rest)
+        radii = start_radii(torch.stack([part[::step] for part in parts]), center[::step])
         typical = sorted(radii)[(n - 1) // 2]
         if sorted(dist)[n // 2] > START_SLACK * typical:  # our own contribution is far out
             moved_to = min(range(n), key=radii.__getitem__)
@@ -230,7 +231,7 @@ def _centered_clip_gram(
     squares = gram.diagonal().copy()
     dist = np.sqrt(squares)
     if trusted and choose_start and n > 2:
-        between = np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
+        between = row_distances(rows, None, gram)  # (float64 differences of float32 values: exact)
         radii = np.sort(between, axis=1)[:, n // 2]
         typical = float(np.sort(radii)[(n - 1) // 2])
         if float(np.sort(dist)[n // 2]) > START_SLACK * typical:  # our own contribution is far out
@@ -264,17 +265,42 @@ def _centered_clip_gram(
 RADII_SAMPLE = 1 << 16
 
 
-def start_radii(rows: torch.Tensor, exact: bool = False) -> list[float]:
-    """For each row, the radius ``centered_clip`` would pick starting there: from one Gram matrix
-    of the rows (best taken relative to a trusted one, so that they are small where they are
-    close), over an even sample of ``RADII_SAMPLE`` coordinates unless ``exact``."""
-    n, numel = rows.shape
+def start_radii(values: torch.Tensor, origin: torch.Tensor, exact: bool = False) -> list[float]:
+    """For each row of ``values``, the radius ``centered_clip`` would pick starting there
+    (``row_distances`` relative to ``origin``, best a trusted row), over an even sample of
+    ``RADII_SAMPLE`` coordinates unless ``exact``."""
+    n, numel = values.shape
     if not exact and numel > RADII_SAMPLE:
-        rows = rows[:, :: -(-numel // RADII_SAMPLE)]
-    gram = (rows @ rows.T).double()
-    if not torch.isfinite(gram).all():
-        rows = rows.double()
-        gram = rows @ rows.T
+        step = -(-numel // RADII_SAMPLE)
+        values, origin = values[:, ::step], origin[::step]
+    return np.sort(row_distances(values, origin), axis=1)[:, n // 2].tolist()
+
+
+# A squared distance below this share of the two rows' squares (relative to the origin) has lost
+# too many digits to the Gram matrix's cancellation (rows close to each other, far from the
+# origin): ``row_distances`` takes it from the rows' difference instead.
+CANCELLATION = 1e-6
+
+
+def row_distances(values: torch.Tensor, origin: torch.Tensor | None, gram: np.ndarray | None = None) -> np.ndarray:
+    """Every distance between the rows of ``values`` (n x m), in float64: from the Gram matrix
+    of the rows relative to ``origin`` (None: they are relative already; ``gram``: that matrix,
+    if the caller has it), except between rows
+    close to each other and far from the origin (a replica that lags as the origin, the others
+    in agreement), where ``|a|^2 + |b|^2 - 2ab`` cancels to noise: those from their difference,
+    taken on ``values`` themselves (a difference relative to the origin would be rounded)."""
+    if gram is None:
+        rows = values.double() if origin is None else values.double() - origin.double()
+        gram = (rows @ rows.T).numpy()
     squares = gram.diagonal()
-    distances = (squares[:, None] + squares[None, :] - 2 * gram).clamp_(min=0).sqrt_()
-    return distances.sort(dim=1).values[:, n // 2].tolist()
+    total = squares[:, None] + squares[None, :]
+    between = total - 2 * gram
+    lost = np.triu(between < CANCELLATION * total, 1)
+    distances = np.sqrt(np.maximum(between, 0.0))
+    for row in np.flatnonzero(lost.any(axis=1)):
+        others = np.flatnonzero(lost[row])
+        exact = torch.linalg.vector_norm(values[others].double() - values[row].double(), dim=1).numpy()
+        distances[row, others] = exact
+        distances[others, row] = exact
+    np.fill_diagonal(distances, 0.0)
+    return distances

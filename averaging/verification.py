@@ -59,11 +59,21 @@ import numpy as np
 import torch
 
 from peer import PeerID
+from peer.packing import packb, unpackb
 from peer.tensors import all_finite, tensor_bytes
 
-from .commitments import Commitment, SignedPart, VerifiedSignatures, part_digest
+from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .robust import GRAM_LIMIT, START_SLACK, Aggregation, centered_clip, clip_radius, clip_weights, start_radii
+from .robust import (
+    GRAM_LIMIT,
+    START_SLACK,
+    Aggregation,
+    centered_clip,
+    clip_radius,
+    clip_weights,
+    row_distances,
+    start_radii,
+)
 
 __all__ = [
     "BAN_SECONDS",
@@ -122,22 +132,27 @@ class PartInputs:
         return tensor_bytes(self.values[row]) if payload is None else payload
 
     def to_message(self) -> tuple[dict[str, Any], Any]:
+        """The answer: the fields in the body; the inputs as sent, then their senders'
+        commitments (msgpack, each its sender's whole round: group size x shards' parts x 32 bytes
+        in all, more than a body's one record holds for a large model in a large group), in the
+        payload."""
         if len(self.signed) != len(self.senders):
             raise ValueError("every input needs its signed part")
         payloads = [self.row_payload(row) for row in range(len(self.senders))]
+        commits = [packb(s.commitment.to_wire()) for s in self.signed]
         body = {
             "senders": [p.to_bytes() for p in self.senders],
             "weights": list(self.weights),
             "tau": self.tau,
             "aggregation": self.aggregation.value,
             "start": self.start,
-            "commits": [s.commitment.to_wire() for s in self.signed],
             "metas": [s.meta for s in self.signed],
             "sizes": [len(p) for p in payloads],
+            "commit_sizes": [len(c) for c in commits],
         }
         if all(s.payload is None for s in self.signed):  # all float32: the kept values as they are
-            return body, tensor_bytes(self.values.contiguous())
-        return body, b"".join(payloads)
+            payloads = [tensor_bytes(self.values.contiguous())]
+        return body, b"".join([*payloads, *commits])
 
     @classmethod
     def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
@@ -161,14 +176,21 @@ class PartInputs:
         start = body.get("start")
         if not (start is None or (type(start) is int and 0 <= start < len(senders))):
             raise ValueError("malformed start")
-        commits, metas, sizes = (body.get(name) for name in ("commits", "metas", "sizes"))
-        if not all(isinstance(f, list) and len(f) == len(senders) for f in (commits, metas, sizes)):
-            raise ValueError("a check answer gives every input's commitment, meta and size")
+        metas, sizes, commit_sizes = (body.get(name) for name in ("metas", "sizes", "commit_sizes"))
+        if not all(isinstance(f, list) and len(f) == len(senders) for f in (metas, sizes, commit_sizes)):
+            raise ValueError("a check answer gives every input's meta, size and commitment size")
         if not all(type(n) is int and 0 <= n <= MAX_ENCODED_BYTES_PER_VALUE * part_size for n in sizes):
             raise ValueError("malformed input size")
-        if payload is None or len(payload) != sum(sizes):
-            raise ValueError(f"expected {sum(sizes)} bytes of inputs")
+        if not all(type(n) is int and 0 < n <= MAX_COMMITMENT_BYTES for n in commit_sizes):
+            raise ValueError("malformed commitment size")
+        expected = sum(sizes) + sum(commit_sizes)
+        if payload is None or len(payload) != expected:
+            raise ValueError(f"expected {expected} bytes of inputs and commitments")
         view = memoryview(payload).cast("B")
+        commits, offset = [], sum(sizes)
+        for size in commit_sizes:
+            commits.append(unpackb(view[offset : offset + size], max_size=MAX_COMMITMENT_BYTES))
+            offset += size
         values = torch.empty(len(senders), part_size, dtype=torch.float32)
         signed, offset = [], 0
         for row, (raw_commitment, meta, size) in enumerate(zip(commits, metas, sizes, strict=True)):
@@ -297,7 +319,7 @@ class PartCheck:
             if between is not None:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
             else:
-                radii = start_radii(inputs.values - inputs.values[trusted], exact=True)
+                radii = start_radii(inputs.values, inputs.values[trusted], exact=True)
             typical = sorted(radii)[(len(radii) - 1) // 2]
             if expected > START_MARGIN * START_SLACK * typical:
                 return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
@@ -306,12 +328,9 @@ class PartCheck:
 
 def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:
     """The distances between the rows of ``values``, from their float64 Gram matrix relative to
-    row ``trusted`` (exact, and small where the rows are close to it)."""
-    rows = values.double()
-    rows -= rows[trusted].clone()
-    gram = (rows @ rows.T).numpy()
-    squares = gram.diagonal()
-    return np.sqrt(np.maximum(squares[:, None] + squares[None, :] - 2 * gram, 0.0))
+    row ``trusted`` (small where the rows are close to it), exact where that cancels
+    (``row_distances``)."""
+    return row_distances(values, values[trusted])
 
 
 def radius_from(values: torch.Tensor, row: int) -> float:

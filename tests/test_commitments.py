@@ -3,6 +3,10 @@ and weight it was signed for, names each reducer's parts by digest as sent, and 
 
 from __future__ import annotations
 
+import sys
+import threading
+import tracemalloc
+
 import pytest
 import torch
 
@@ -81,3 +85,54 @@ def test_a_commitment_is_verified_once_and_only_successes_are_kept(monkeypatch):
     for group in (b"a" * 16, b"b" * 16):  # two more successes push the first out
         commit(sender, group, 1.0, [(sender.peer_id, [b"d" * 32])]).verify(group, sender.peer_id, 1.0, verified)
     assert good.verify(b"g" * 16, sender.peer_id, 1.0, verified) and len(calls) == 4 + 2 + 1
+
+
+def test_verified_commitments_hold_a_bounded_share_of_memory():
+    """A sender may pad its commitment with shards of reducers that do not exist (a reducer
+    checks only its own): the commitments remembered as verified stay within a byte budget, not
+    ``VERIFIED_KEPT`` times the largest a header can carry, and the latest are still remembered."""
+    sender = Identity.generate()
+
+    def padded(round_number: int) -> tuple[Commitment, bytes]:
+        group = round_number.to_bytes(16, "big")
+        digests = tuple((bytes([i]) * 34, bytes(1 << 20)) for i in range(4))  # 4 MiB, fresh as received
+        signature = sender.sign(commitments._statement(group, sender.peer_id, 1.0, digests))
+        return Commitment(sender.public_key, signature, digests), group
+
+    verified = VerifiedSignatures()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for round_number in range(40):
+            commitment, group = padded(round_number)
+            assert commitment.verify(group, sender.peer_id, 1.0, verified)
+            del commitment
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= commitments.VERIFIED_BYTES + (5 << 20)
+    latest, group = padded(39)
+    claim = (latest.public_key, latest.signature, group, sender.peer_id.to_bytes(), 1.0, latest.digests)
+    assert claim in verified
+
+
+def test_verified_commitments_count_their_bytes_exactly_across_threads():
+    """Checks of large parts verify in worker threads while the reducer verifies on the event
+    loop: the byte count that bounds the remembered claims stays exact."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        verified = VerifiedSignatures(kept=64, kept_bytes=1 << 40)
+
+        def add(thread: int) -> None:
+            for i in range(20000):
+                verified.add((thread, i, ((b"p", b"d" * 32),)))
+
+        threads = [threading.Thread(target=add, args=(thread,)) for thread in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert verified.bytes == 64 * 33

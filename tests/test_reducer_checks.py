@@ -18,6 +18,8 @@ from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
 from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
 from peer import Identity, PeerID
+from peer.framing import MAX_RECORD_PLAINTEXT
+from peer.packing import packb
 from peer.tensors import tensor_bytes
 
 from .hostile_reducers import LyingShard, fabricating_service, lying_service
@@ -342,3 +344,53 @@ async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatc
         # each of 4 peers, the 3 others' commitments (its own it never verifies)
         assert len(calls) == 4 * 3
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("distances", ["gram", "streamed"])
+@pytest.mark.parametrize("spread", [1e-6, 0.0])
+def test_a_checker_far_from_the_others_judges_an_honest_reducer_honest(distances, spread, monkeypatch):
+    """A checker whose own contribution lags far behind replicas that agree (to 1e-6, or exactly)
+    judges distances between those replicas exactly, not from a Gram matrix taken relative to its
+    own row (where they cancel to noise), so an honest reducer among them passes."""
+    if distances == "streamed":
+        monkeypatch.setattr("averaging.verification.GRAM_LIMIT", 0)
+        monkeypatch.setattr("averaging.robust.GRAM_LIMIT", 0)
+    peers = ids(5)
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(DIM, generator=generator).repeat(5, 1)
+    values[1:] += spread * torch.randn(4, DIM, generator=generator)
+    values[2] += 100.0  # the checker, peers[2], lags far behind
+    weights = [1.0] * 5
+    reply = torch.empty(DIM)
+    tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
+    assert moved_to is None
+    signed = signed_rows(peers, weights, values)
+    inputs = PartInputs(peers, weights, values, tau, Aggregation.CENTERED_CLIP, 0, signed)
+    assert checker(peers[2], peers[0], values[2].clone(), 1.0, list(peers), reply).verdict(inputs) is None
+    assert checker(peers[3], peers[0], values[3].clone(), 1.0, list(peers), reply).verdict(inputs) is None
+
+
+def test_a_check_answer_fits_its_record_for_a_large_model_in_a_large_group():
+    """Every input's commitment covers its sender's whole round (here 16 senders, each committing
+    to 4096 parts, a 2-billion-value vector in parts of 2**19, over 16 reducers): together far more
+    than the one 1 MiB record an RPC body travels in, so they go in the payload, and the answer
+    still parses and holds."""
+    peers = ids(16)
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randn(len(peers), DIM, generator=generator)
+    weights = [1.0] * len(peers)
+    codec, signed = get_codec("none"), []
+    filler = [bytes(32)] * 255
+    for peer, row in zip(peers, values, strict=True):
+        meta, payload = codec.encode(row)
+        shards = [(peers[0], [part_digest(meta, payload), *filler])] + [
+            (other, filler + [bytes(32)]) for other in peers[1:]
+        ]
+        signed.append(SignedPart(commit(KEYS[peer], GROUP, 1.0, shards), meta, bytes(payload)))
+    reply = torch.empty(DIM)
+    tau, moved_to = centered_clip(list(values.unbind(0)), clip_weights(weights), reply, center=values[0])
+    inputs = PartInputs(peers, weights, values, tau, Aggregation.CENTERED_CLIP, moved_to or 0, signed)
+    body, payload = inputs.to_message()
+    assert len(packb(body)) < MAX_RECORD_PLAINTEXT // 4
+    parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=len(peers))
+    assert checker(peers[3], peers[0], values[3].clone(), 1.0, list(peers), reply).verdict(parsed) is None
