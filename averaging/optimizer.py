@@ -35,9 +35,7 @@ swarm before deciding, so a newcomer never starts an epoch the swarm has left.
 from __future__ import annotations
 
 import logging
-import statistics
 import warnings
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,11 +67,11 @@ log = logging.getLogger("peerd.training")
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
 # Epochs hold at least the target batch, and with delayed updates often many times more (an epoch
-# ready while the last round averages keeps accumulating). The epoch evidence bounds how fast a
-# peer's claimed epoch may advance by the swarm's samples per second over the samples an epoch
-# takes, so it is told what the swarm's recent epochs held: the median of this many, as this peer
-# counted them when it stepped (other peers' shares bounded as in ``SwarmProgress.samples_at``).
-EPOCH_SIZES_KEPT = 9
+# ready while the last round averages keeps accumulating). The epoch evidence's bound on how fast
+# claimed epochs may advance still divides by the target batch, the smallest epoch there can be:
+# another peer's epochs are not ours (a peer whose rounds were slow counts large epochs of its own
+# while a faster part of the swarm steps on small ones, as after a partition heals), and a bound
+# from our own sizes would refuse that part's honest epoch.
 
 
 @dataclass
@@ -162,7 +160,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
         self._background = nursery
-        self._epoch_sizes: deque[int] = deque(maxlen=EPOCH_SIZES_KEPT)
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:
@@ -221,17 +218,11 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if self.delay_updates is not None and self._in_flight is not None:
             self._match_ahead(view)  # the last round still averages: this epoch gets more samples
             return False
-        self._count_epoch_size(view.samples_at(replica.epoch))
         if self.delay_updates is not None:
             await self._launch_delayed()
         else:
             await self._averaged_step()
         return True
-
-    def _count_epoch_size(self, samples: int) -> None:
-        self._epoch_sizes.append(samples)
-        evidence = self.replica.tracker.evidence
-        evidence.samples_per_epoch = max(self.target_batch_size, int(statistics.median(self._epoch_sizes)))
 
     async def load_state_from_peers(self, swarm_epoch: int | None = None) -> None:
         """Adopt a peer's parameters, optimizer state and epoch (we fell behind or just joined).
