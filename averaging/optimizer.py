@@ -328,8 +328,11 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         async with replica.state.locked_tensors():  # a donor never sends half a step
             await trio.to_thread.run_sync(self._apply_gradients)
         # A peer one epoch behind steps when it sees the swarm ahead, and so averages in the
-        # swarm's round for the next epoch: it counts that epoch as done, as its group does.
+        # swarm's round for the next epoch: it counts that epoch as done, as its group does, and
+        # moves its schedule as far (``_apply_gradients`` stepped it for one epoch).
+        counted = replica.epoch
         replica.count_round(record)
+        self._step_scheduler(replica.epoch - counted - 1)
         self._reset_accumulators()
         self._update_epoch_throughput(samples)
         await self._after_step(record)
@@ -376,7 +379,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             self._in_flight = None  # with the step applied: donors serve these parameters as the epoch's
         record = in_flight.record
         if record.averaged and record.epoch > in_flight.epoch:  # as count_round: our group was ahead
+            counted = replica.epoch
             replica.epoch = max(replica.epoch, in_flight.epoch + 2)
+            self._step_scheduler(replica.epoch - counted)  # the schedule moves as far as the epoch
         await self._after_step(record)
 
     def _match_ahead(self, view: SwarmProgress) -> None:

@@ -197,3 +197,39 @@ async def test_after_the_first_step_no_batch_waits_for_the_progress_exchange():
             while replica.swarm.peers[replica.tracker.me].samples < optimizer.local_samples - 5 * 32:
                 await trio.sleep(0.01)
         background.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+async def test_an_epoch_counted_from_a_group_ahead_moves_the_learning_rate_schedule_too(monkeypatch, delayed):
+    """A peer a moment late averages in its group's round for the next epoch and counts that epoch
+    as done as well (``Replica.count_round``): its schedule must move as far as its epoch, or it
+    would run one more epoch behind the swarm's learning rate each time that happens."""
+    import averaging.optimizer as optimizer_module
+    from averaging.replica import AveragingRecord
+
+    async def group_one_epoch_ahead(averager, *, epoch, weight, fallback, group=None):
+        return AveragingRecord(epoch + 1, averaged=True, group=2)
+
+    monkeypatch.setattr(optimizer_module, "average_once", group_one_epoch_ahead)
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        param = torch.nn.Parameter(torch.zeros(1))
+        inner = torch.optim.SGD([param], lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda epoch: 1.0 / (epoch + 1))
+        optimizer = CollaborativeOptimizer(
+            inner,
+            node,
+            prefix="ahead",
+            target_batch_size=32,
+            scheduler=scheduler,
+            delay_updates=background if delayed else None,
+            **FAST,
+        )
+        with trio.fail_after(10):
+            assert await batch(optimizer) is True
+            while optimizer.averaging_in_background:
+                await trio.sleep(0.01)
+            await batch(optimizer)  # a delayed step lands at the next batch
+        assert optimizer.epoch >= 2
+        landed = optimizer.epoch - (1 if optimizer._in_flight is not None else 0)
+        assert scheduler.last_epoch == landed
+        background.cancel_scope.cancel()

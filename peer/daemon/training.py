@@ -37,7 +37,8 @@ MAX_SLICE_BATCHES = 64
 # the trainer's time: after an evaluation that took e seconds, the next comes e / EVAL_SHARE
 # seconds later at the earliest. A digits evaluation (~1 ms) still runs every epoch; a textlm one
 # costs about a training batch (~0.3 s of a CPU core), which every round of 10-20 local steps
-# would lose 5-10% of the compute to.
+# would lose 5-10% of the compute to. A run to a target accuracy evaluates every ``evaluate_every``
+# epochs all the same: there the evaluation decides when it ends.
 EVAL_SHARE = 0.03
 
 
@@ -120,7 +121,9 @@ class Trainer:
                 status.epoch = self.optimizer.epoch
                 status.last_averaging = self.optimizer.last_averaging
                 last = max_epochs is not None and status.epoch >= max_epochs  # the figures it ends with
-                due = status.epoch % self.evaluate_every == 0 and time.monotonic() >= self._next_evaluation
+                # with a target, the evaluation is what ends the run: never skipped to save time
+                spare = target_accuracy is not None or time.monotonic() >= self._next_evaluation
+                due = status.epoch % self.evaluate_every == 0 and spare
                 if stepped and (due or last):
                     metrics = await trio.to_thread.run_sync(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
