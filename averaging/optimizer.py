@@ -159,7 +159,11 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         # Groups formed while the epoch accumulates: the gradients' round, and the state's when the
         # step ends a state-averaging period.
         nursery = background if background is not None else delay_updates
-        self._background = nursery
+        # Progress exchange and donor announcements leave the trainer's path only with delayed
+        # updates, whose trainer never waits for a round; stepping in turn, a peer exchanges in line,
+        # so its view of the swarm is fresh when it decides (a stale view after a partition healed
+        # kept peers on old epochs in the lab).
+        self._background = delay_updates
         self.match_ahead: MatchAhead | None = None
         self.state_ahead: MatchAhead | None = None
         if nursery is not None:

@@ -13,7 +13,7 @@ every phase starting at one wall-clock instant in all processes, each phase with
 * ``collab``, once per ``--target-batch-sizes`` entry (and per repeat): exactly what ``peerd join``
   runs - ``peer.daemon.training.Trainer`` around a ``CollaborativeOptimizer`` built as ``peer/daemon/daemon.py``
   builds it (groups of up to 4, matchmaking timeout 3 s, the default settle time, parameter
-  averaging every 5 epochs, no compression, delayed parameter updates), the peers connected
+  averaging every 5 epochs, no compression; delayed parameter updates with ``--delay-updates``), the peers connected
   through one DHT. Each peer accumulates gradients until the swarm has seen ``target_batch_size``
   samples, then averages them with a group in the background and keeps accumulating the next
   epoch; the averaged step lands at the first batch after the round is done. An epoch that is
@@ -106,6 +106,7 @@ class WorkerConfig:
     target_accuracy: float
     settle_time: float | None
     phases: tuple[Phase, ...]
+    delay_updates: bool = False
 
 
 def worker_main(config: WorkerConfig) -> None:
@@ -159,7 +160,7 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
             target_batch_size=phase.target_batch_size,
             target_group_size=config.world,
             settle_time=config.settle_time,
-            delay_updates=background,  # on by default in `peerd join`
+            delay_updates=background if config.delay_updates else None,  # `peerd join --delay-updates`
             background=background,
         )
         result = await _collab_phase(Trainer(task, optimizer), start, end, config.target_accuracy)
@@ -319,6 +320,8 @@ def worker_command(rank: int, world: int, run_id: str, args: argparse.Namespace,
     command += ["--target-accuracy", str(args.target_accuracy), "--phases", json.dumps([asdict(p) for p in phases])]
     if args.settle_time is not None:
         command += ["--settle-time", str(args.settle_time)]
+    if args.delay_updates:
+        command.append("--delay-updates")
     return command
 
 
@@ -370,6 +373,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="times each target batch size is run (default 1)")
     parser.add_argument("--settle-time", type=float, help="matchmaking settle time (default: the optimizer's)")
     parser.add_argument("--target-accuracy", type=float, default=0.9)
+    parser.add_argument(
+        "--delay-updates", action="store_true", help="collaborative phases as `peerd join --delay-updates` runs them"
+    )
     args = parser.parse_args()
     if args.peers < 2:
         parser.error("--peers must be at least 2")
@@ -388,10 +394,13 @@ def parse_worker(argv: list[str]) -> WorkerConfig:
     parser.add_argument("--target-accuracy", type=float, required=True)
     parser.add_argument("--settle-time", type=float)
     parser.add_argument("--phases", required=True, help="JSON list of phases")
+    parser.add_argument("--delay-updates", action="store_true")
     args = parser.parse_args(argv)
     rank, world, run_id = args.worker
     phases = tuple(Phase(**phase) for phase in json.loads(args.phases))
-    return WorkerConfig(int(rank), int(world), run_id, args.target_accuracy, args.settle_time, phases)
+    return WorkerConfig(
+        int(rank), int(world), run_id, args.target_accuracy, args.settle_time, phases, args.delay_updates
+    )
 
 
 if __name__ == "__main__":

@@ -79,13 +79,14 @@ def test_a_flag_turns_off_what_the_file_turns_on(tmp_path):
     assert join_args(settings, "--no-client-mode").client_mode is False
 
 
-def test_collaborative_training_delays_updates_unless_turned_off():
+def test_collaborative_training_delays_updates_only_when_asked():
     def delay(environ, *flags):
         return delay_updates_from_args(join_args(Settings.load(None, environ=environ), *flags))
 
-    assert delay({}, "--task", "digits") is True
-    assert delay({}, "--task", "digits", "--no-delay-updates") is False
-    assert delay({"PEERD_DELAY_UPDATES": "0"}, "--task", "digits") is False
+    assert delay({}, "--task", "digits") is False
+    assert delay({}, "--task", "digits", "--delay-updates") is True
+    assert delay({"PEERD_DELAY_UPDATES": "1"}, "--task", "digits") is True
+    assert delay({"PEERD_DELAY_UPDATES": "1"}, "--task", "digits", "--no-delay-updates") is False
     # Nothing to delay: off without a word, and refused in one line only where asked for.
     assert delay({}) is False and delay({}, "--task", "digits", "--mode", "local-updates") is False
     with pytest.raises(ValueError, match="collaborative mode only"):

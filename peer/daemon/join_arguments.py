@@ -63,12 +63,14 @@ def data_shard_from_args(args: argparse.Namespace) -> tuple[int, int] | str:
 
 
 def delay_updates_from_args(args: argparse.Namespace) -> bool:
-    """Delayed parameter updates: on for collaborative training unless turned off; asking for
-    them anywhere else is a ValueError (one line)."""
+    """Delayed parameter updates: off unless asked for (``--delay-updates``), and only for
+    collaborative training; asking for them anywhere else is a ValueError (one line). Off by
+    default because a peer with a round in flight starts its next round late, after the group
+    formed ahead for it has begun: the lab's swarms fell out of step that way."""
     collaborative = args.task is not None and args.mode == "collaborative"
     if args.delay_updates and not collaborative:
         raise ValueError("--delay-updates applies to training (--task) in collaborative mode only")
-    return collaborative and args.delay_updates is not False
+    return collaborative and bool(args.delay_updates)
 
 
 def initial_peers_from_args(args: argparse.Namespace) -> list[PeerAddress]:
@@ -194,7 +196,7 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
             action=argparse.BooleanOptionalAction,
             default=settings.parsed("DELAY_UPDATES", parse_bool, None),
             help="collaborative mode: average an epoch's gradients while the next one accumulates, its "
-            "step landing one epoch late (default: on; --no-delay-updates averages and steps in turn)",
+            "step landing one epoch late (default: off, averaging and stepping in turn)",
         ),
         "DELAY_UPDATES",
     )
