@@ -201,20 +201,30 @@ class StateSharing:
         if the witnesses that answered all disagree (none answering leaves nothing to compare)."""
         witnesses = [address for address in donors if address.peer_id != donor.peer_id]
         self._rng.shuffle(witnesses)
-        disagreed = []
-        for witness in witnesses[:MAX_WITNESSES]:
-            indices = sample_indices([t.numel() for t in tensors], self._rng)
+        disagreed: list[str] = []
+        agreed = False
+
+        async def ask(witness: PeerAddress, indices: list[int], scope: trio.CancelScope) -> None:
+            # the witnesses are asked at once: one cut off or busy costs its deadline, not the sum
+            nonlocal agreed
             try:
                 with trio.fail_after(min(timeout, WITNESS_TIMEOUT)):
                     _, sample = await self._download_from(witness, [expected[i] for i in indices], timeout, indices)
             except (RPCError, ConnectError, ValueError, trio.EndOfChannel, trio.TooSlowError) as error:
                 log.info("witness %s could not send a sample: %s", witness.peer_id, error or "no answer in time")
-                continue
+                return
             distance = await trio.to_thread.run_sync(disagreement, [tensors[i] for i in indices], sample)
             if distance <= DONOR_AGREEMENT:
-                return
-            disagreed.append(f"{witness.peer_id} ({distance:.2f})")
-        if disagreed:
+                agreed = True
+                scope.cancel()
+            else:
+                disagreed.append(f"{witness.peer_id} ({distance:.2f})")
+
+        async with trio.open_nursery() as nursery:
+            for witness in witnesses[:MAX_WITNESSES]:
+                indices = sample_indices([t.numel() for t in tensors], self._rng)
+                nursery.start_soon(ask, witness, indices, nursery.cancel_scope)
+        if disagreed and not agreed:
             raise ValueError(f"its state disagrees with other donors': {', '.join(disagreed)}")
 
     async def _download_from(
