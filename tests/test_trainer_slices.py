@@ -73,13 +73,12 @@ class SteppingEveryBatch(Recording):
         return True
 
 
-async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run(monkeypatch):
-    """An evaluation costing as much as a batch (textlm's does) runs every ~1 / EVAL_SHARE epochs
-    here, not every epoch; the run's last epoch is always evaluated."""
+def trainer_on_a_fake_clock(monkeypatch, evaluate) -> Trainer:
+    """A digits trainer whose batches and evaluations each cost 10 ms of a fake monotonic clock;
+    ``evaluate(trainer)`` gives an evaluation's figures."""
     clock = [0.0]
     monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
     task = digits_task(shard=ShardSpec(0, 1))
-    evaluated_at: list[int] = []
     trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()))
     train_loss = task.loss_fn
 
@@ -89,10 +88,22 @@ async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_th
 
     def evaluation_costing_10ms(model):
         clock[0] += 0.01
+        return evaluate(trainer)
+
+    task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
+    return trainer
+
+
+async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run(monkeypatch):
+    """An evaluation costing as much as a batch (textlm's does) runs every ~1 / EVAL_SHARE epochs
+    here, not every epoch; the run's last epoch is always evaluated."""
+    evaluated_at: list[int] = []
+
+    def evaluate(trainer):
         evaluated_at.append(trainer.optimizer.epoch)
         return {"accuracy": 0.5, "loss": 1.0}
 
-    task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
+    trainer = trainer_on_a_fake_clock(monkeypatch, evaluate)
     await trainer.run(max_epochs=100)
     assert evaluated_at[0] == 1 and evaluated_at[-1] == 100
     assert trainer.status.evaluated_samples == trainer.status.samples  # what the figures belong to
@@ -102,20 +113,8 @@ async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_th
 async def test_a_run_to_a_target_accuracy_stops_at_the_first_epoch_that_reaches_it(monkeypatch):
     """With a target the evaluation decides when the run ends, so it is not skipped to save time:
     peers training to a target stop together instead of up to 1 / EVAL_SHARE epochs apart."""
-    clock = [0.0]
-    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
-    task = digits_task(shard=ShardSpec(0, 1))
-    trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()))
-    train_loss = task.loss_fn
-
-    def batch_costing_10ms(model, batch):
-        clock[0] += 0.01
-        return train_loss(model, batch)
-
-    def evaluation_costing_10ms(model):
-        clock[0] += 0.01
-        return {"accuracy": 0.95 if trainer.optimizer.epoch >= 10 else 0.5, "loss": 1.0}
-
-    task.loss_fn, task.evaluate = batch_costing_10ms, evaluation_costing_10ms
+    trainer = trainer_on_a_fake_clock(
+        monkeypatch, lambda trainer: {"accuracy": 0.95 if trainer.optimizer.epoch >= 10 else 0.5, "loss": 1.0}
+    )
     status = await trainer.run(max_epochs=100, target_accuracy=0.9)
     assert status.epoch == 10 and status.accuracy == 0.95
