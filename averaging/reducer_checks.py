@@ -158,7 +158,9 @@ class ReducerChecks:
             tau = reduction.part_taus[index]
             return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
 
-        self.kept.keep(group.group_id, [m.peer_id for m in group.senders], inputs, trio.current_time())
+        senders = [m.peer_id for m in group.senders]
+        values = len(senders) * reduction.shard_size
+        self.kept.keep(group.group_id, senders, inputs, trio.current_time(), values)
 
     def pick(
         self,

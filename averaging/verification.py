@@ -9,7 +9,8 @@ small vectors) and asks that reducer (``avg.check``) for the part's inputs: the 
 aggregated, each as its sender sent it with its sender's signed commitment (``commitments.py``),
 the weights they claimed,
 and the clip radius it used. The reducer keeps them from the moment each part is aggregated until
-``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds). The sender then
+``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds, and older ones within
+``KEPT_VALUES``). The sender then
 
 1. finds its own contribution and weight among the inputs, exactly as it sent them; requires
    every other input to be the one its sender committed to, for this round, this reducer, this
@@ -90,8 +91,14 @@ CHECK_METHOD = "avg.check"
 # deadline after the round leaves slow links room.
 KEEP_SECONDS = 20.0
 # A peer runs one or two averagers (gradients, state), each a round at a time; a round's inputs
-# are about one vector's worth (every sender's part of our shard), so few are kept.
+# are about one vector's worth (every sender's part of our shard). The last KEPT_ROUNDS are always
+# kept; older rounds within KEEP_SECONDS too, while all kept inputs stay within KEPT_VALUES
+# (float32: 64 MiB). A small model's rounds come many a second, and a sender whose own round was
+# held up by a dead peer checks ours only after it ends: had we forgotten our round by then, it
+# would ban us, an honest reducer, for "no inputs kept" (seen in the lab's partition test).
 KEPT_ROUNDS = 2
+KEPT_VALUES = 1 << 24
+MAX_KEPT_ROUNDS = 1024
 # One part's inputs (group size x part size float32, at most 8 x 2 MiB by default) over a slow
 # link, and one CenteredClip of them.
 CHECK_TIMEOUT = 10.0
@@ -214,17 +221,25 @@ class KeptInputs:
     a sender may ask as soon as it has our reply for that part, before our round is over."""
 
     def __init__(self) -> None:
-        self._rounds: dict[bytes, tuple[float, list[PeerID], Callable[[int], PartInputs | None]]] = {}
+        # group ID -> (expires at, senders, a part's inputs, how many values they hold at most)
+        self._rounds: dict[bytes, tuple[float, list[PeerID], Callable[[int], PartInputs | None], int]] = {}
 
     def keep(
-        self, group_id: bytes, senders: list[PeerID], inputs: Callable[[int], PartInputs | None], now: float
+        self,
+        group_id: bytes,
+        senders: list[PeerID],
+        inputs: Callable[[int], PartInputs | None],
+        now: float,
+        values: int = 0,
     ) -> None:
-        """Register (or, at the end of the round, renew) round ``group_id``'s inputs."""
+        """Register (or, at the end of the round, renew) round ``group_id``'s inputs, ``values``
+        of them at most (senders x our shard)."""
         self._expire(now)
         self._rounds.pop(group_id, None)
-        self._rounds[group_id] = (now + KEEP_SECONDS, senders, inputs)
-        while len(self._rounds) > KEPT_ROUNDS:
-            del self._rounds[next(iter(self._rounds))]
+        self._rounds[group_id] = (now + KEEP_SECONDS, senders, inputs, values)
+        held = sum(kept[3] for kept in self._rounds.values())
+        while len(self._rounds) > KEPT_ROUNDS and (held > KEPT_VALUES or len(self._rounds) > MAX_KEPT_ROUNDS):
+            held -= self._rounds.pop(next(iter(self._rounds)))[3]
 
     def answer(self, group_id: Any, index: Any, asker: PeerID, now: float) -> PartInputs:
         """Part ``index``'s inputs of round ``group_id``, for one of that round's senders."""
@@ -232,7 +247,7 @@ class KeptInputs:
         kept = self._rounds.get(group_id) if isinstance(group_id, bytes) else None
         if kept is None:
             raise ValueError("no inputs kept for that round")
-        _expires, senders, inputs = kept
+        _expires, senders, inputs, _values = kept
         if asker not in senders:
             raise ValueError("only the round's senders may check it")
         found = inputs(index) if type(index) is int and index >= 0 else None
@@ -241,7 +256,7 @@ class KeptInputs:
         return found
 
     def _expire(self, now: float) -> None:
-        for group_id in [g for g, (expires, _s, _p) in self._rounds.items() if expires <= now]:
+        for group_id in [g for g, (expires, *_rest) in self._rounds.items() if expires <= now]:
             del self._rounds[group_id]
 
 

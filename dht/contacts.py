@@ -26,6 +26,7 @@ from peer import Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
 from . import wire
 from .background import Background
 from .liveness import PeerHealth
+from .reconnect import LostContacts
 from .routing import Contact, RoutingTable
 
 __all__ = ["Contacts"]
@@ -49,12 +50,15 @@ class Contacts:
         self._background = background
         self._rpc_timeout = rpc_timeout
         self._pinging: set[bytes] = set()
+        # Contacts evicted for silence, pinged again until they answer (``reconnect.py``).
+        self.lost: LostContacts[Contact] = LostContacts()
         self.difficulty: int = host.node_id_difficulty  # the run's: every contact is checked against it
 
     # ------------------------------------------------------------------ what we learn
     def alive(self, contact: Contact) -> None:
         """An authenticated exchange with ``contact`` succeeded: (re)add it to the routing table."""
         self.health.succeeded(_claim(contact))
+        self.lost.found(contact.peer_id)
         connection = self.host.connection_to(contact.peer_id)
         if connection is not None:
             # Prefer the address and proof the peer itself showed in the authenticated hello over
@@ -87,6 +91,7 @@ class Contacts:
             held = self.table.get(contact.peer_id)
             if held is not None and held.address == contact.address:
                 self.table.remove_contact(held)
+                self.lost.lost(held.peer_id, held, self.health.clock())
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old

@@ -1,8 +1,11 @@
-"""Keeping a node's routing table filled: bootstrap from initial peers, then refresh stale buckets.
+"""Keeping a node's routing table filled: bootstrap from initial peers, refresh stale buckets, and
+find the swarm again after a link outage.
 
 Joining follows the paper (section 2.3): reach a known peer, look up our own ID, then refresh every
 bucket farther away than our closest neighbour. Afterwards any bucket that no lookup has touched for
-``refresh_interval`` gets a lookup of a random ID in its range.
+``refresh_interval`` gets a lookup of a random ID in its range, and contacts evicted for silence
+(and the initial peers, while the table is empty) are pinged again until one answers
+(``reconnect.py``); then a lookup of our own ID refills the table.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from peer.host import ConnectError
 from .config import DHTBootstrapError, DHTConfig
 from .contacts import Contacts
 from .lookup_driver import LookupDriver
+from .reconnect import PROBE_MIN, LostContacts
 from .routing import Contact, RoutingTable
 
 __all__ = ["TableMaintenance"]
@@ -44,11 +48,13 @@ class TableMaintenance:
         self.lookups = lookups
         self.node_id = node_id
         self.config = config
+        self.initial_peers: list[PeerAddress] = []
 
     async def bootstrap(self, initial_peers: Sequence[PeerAddress], timeout: float) -> None:
         """Meet the initial peers (retrying until the deadline), then fill the routing table.
         A peer that refused every connection for ``config.refused_grace`` is given up, so a
         mistyped or stopped initial peer fails within that, not the whole ``timeout``."""
+        self.initial_peers = list(initial_peers)
         reached: list[Contact] = []
         failures: dict[str, str] = {str(address): "no answer yet" for address in initial_peers}
         refusing: set[str] = set()  # given up: nothing listens there
@@ -59,10 +65,7 @@ class TableMaintenance:
             only_refused = True
             while True:
                 try:
-                    # Not ``contacts.call``: the address may not name a peer ID, and the connection's
-                    # handshake is what tells us whom we reached.
-                    connection = await self.host.connect(address)
-                    await connection.call("dht.ping", timeout=self.config.rpc_timeout)
+                    contact = await self._ping_address(address)
                 except (OSError, RPCError) as error:
                     failures[str(address)] = str(error).removeprefix(f"{address}: ")
                     if reached or "mismatch" in str(error):
@@ -72,9 +75,7 @@ class TableMaintenance:
                         refusing.add(str(address))
                         return
                 else:
-                    contact = Contact(self.host.remote_node_id(connection), address)
                     reached.append(contact)
-                    self.contacts.alive(contact)
                     return
                 await trio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX)
@@ -95,6 +96,15 @@ class TableMaintenance:
         if self.config.refresh_on_join:
             await self._refresh_beyond_closest()
 
+    async def _ping_address(self, address: PeerAddress) -> Contact:
+        """Reach the peer at ``address`` and add it to the table. Not ``contacts.call``: the address
+        may not name a peer ID, and the connection's handshake is what tells us whom we reached."""
+        connection = await self.host.connect(address)
+        await connection.call("dht.ping", timeout=self.config.rpc_timeout)
+        contact = Contact(self.host.remote_node_id(connection), address)
+        self.contacts.alive(contact)
+        return contact
+
     async def _refresh_beyond_closest(self) -> None:
         table = self.table
         closest = table.find_neighbors(Contact.for_id(self.node_id), 1)
@@ -109,3 +119,43 @@ class TableMaintenance:
             await trio.sleep(self.config.refresh_check_period)
             for bucket in self.table.stale_buckets(self.config.refresh_interval):
                 await self.lookups.run(random.randint(*bucket.range))
+
+    async def reconnect_forever(self) -> None:
+        """Ping lost contacts when they are due (and the initial peers while the table is empty);
+        after any of them answers, look up our own ID through it to refill the table."""
+        clock = self.contacts.health.clock
+        initial: LostContacts[PeerAddress] = LostContacts()
+        while True:
+            await trio.sleep(PROBE_MIN)
+            now = clock()
+            if len(self.table) == 0:
+                for address in self.initial_peers:
+                    initial.lost(str(address), address, now)
+            else:
+                initial = LostContacts()
+            contacts, addresses = self.contacts.lost.due(now), initial.due(now)
+            if not contacts and not addresses:
+                continue
+            if await self._reached_any(contacts, addresses):
+                await self.lookups.run(self.node_id)
+
+    async def _reached_any(self, contacts: list[Contact], addresses: list[PeerAddress]) -> bool:
+        """Ping them all at once; whether any answered (each answer is back in the table)."""
+        answered = []
+
+        async def ping(contact: Contact) -> None:
+            if await self.contacts.call(contact, "dht.ping", None) is not None:
+                answered.append(contact)
+
+        async def ping_address(address: PeerAddress) -> None:
+            try:
+                answered.append(await self._ping_address(address))
+            except (OSError, RPCError):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            for contact in contacts:
+                nursery.start_soon(ping, contact)
+            for address in addresses:
+                nursery.start_soon(ping_address, address)
+        return bool(answered)

@@ -10,7 +10,7 @@ existing one (the daemon's), registering its methods on that host's router.
 - ``DHTServer`` (server.py): the ``dht.*`` handlers, given only the records and the contacts;
 - ``LookupDriver`` (lookup_driver.py): runs ``IterativeLookup`` over the network, hedged;
 - ``Replicas`` (replicas.py): store on and get from the k nearest peers;
-- ``TableMaintenance`` (maintenance.py): bootstrap and bucket refresh.
+- ``TableMaintenance`` (maintenance.py): bootstrap, bucket refresh, reconnecting after outages.
 The rules themselves live in plain objects: ``RoutingTable``, ``IterativeLookup``, ``RecordStore``
 behind ``LocalRecords``, ``PeerHealth``, the validators, and ``wire``.
 """
@@ -179,6 +179,7 @@ class DHTNode:
                 if initial_peers:
                     await node.bootstrap(initial_peers)
                 nursery.start_soon(node._maintenance.refresh_forever)
+                nursery.start_soon(node._maintenance.reconnect_forever)
                 yield node
             finally:
                 node._server.stop()

@@ -21,6 +21,7 @@ from .address import PeerAddress
 from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
 from .identity import PeerID
+from .link_silence import LinkSilence
 from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
@@ -95,6 +96,7 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
+        self.silence = LinkSilence()  # how long calls have waited on a link that said nothing
 
     @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
@@ -206,6 +208,7 @@ class Connection:
             method, body, len(view) if view is not None else 0, self._deadline_budget(timeout)
         )
         state = self._pending[call_id] = PendingCall(method)
+        sent_at, progress = trio.current_time(), self.link_progress()
         outgoing = self._outgoing
         outgoing.append(header, view, direct=outgoing.idle and self._alone())
         try:
@@ -217,11 +220,25 @@ class Connection:
             if not state.done.is_set():  # timed out or cancelled from outside: tell the peer
                 self._abandon(call_id)
         if scope.cancelled_caught:
+            self._check_link(sent_at, progress)
             raise CallTimeoutError(f"{method} on peer {self.remote_peer_id} timed out after {timeout} s")
         if state.error is not None:
             raise state.error
         assert state.result is not None
+        self.silence.answered()
         return state.result
+
+    def _check_link(self, sent_at: float, progress: tuple[int, int]) -> None:
+        """A call timed out: close the connection if its link has been silent too long
+        (``link_silence.py``), so that the next call dials a fresh one."""
+        now = trio.current_time()
+        if self.silence.call_timed_out(sent_at, progress, self.link_progress(), now):
+            self._close_reason = (
+                f"the link to {self.remote_peer_id} said nothing for {self.silence.limit:g} s while calls"
+                " waited: taken for down"
+            )
+            log.info("dropping connection: %s", self._close_reason)
+            self._cancel_scope.cancel()
 
     @asynccontextmanager
     async def stream(self, method: str, *, timeout: float | None = None) -> AsyncIterator[ClientStream]:

@@ -16,7 +16,7 @@ from averaging.commitments import Commitment, SignedPart, commit, part_digest
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
-from averaging.verification import BanList, KeptInputs, PartCheck, PartInputs
+from averaging.verification import KEPT_VALUES, BanList, KeptInputs, PartCheck, PartInputs
 from peer import Identity, PeerID
 from peer.framing import MAX_RECORD_PLAINTEXT
 from peer.packing import packb
@@ -147,6 +147,24 @@ def test_kept_inputs_answer_only_the_round_senders_and_expire():
     body, payload = inputs.to_message()
     parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=3)
     assert torch.equal(parsed.values, inputs.values) and parsed.senders == peers
+
+
+def test_kept_inputs_outlast_many_small_rounds_within_their_budget():
+    """A small model's reducer runs many rounds while a slow sender's round is still going; the
+    sender's check of an early round must still be answered (else it bans an honest reducer)."""
+    peers = ids(3)
+    inputs, _reply = honest_inputs(peers)
+    kept = KeptInputs()
+    first = b"a" * 16
+    kept.keep(first, peers, lambda index: inputs, now=0.0, values=3 * DIM)
+    for round_number in range(50):
+        kept.keep(bytes([round_number]) * 16, peers, lambda index: None, now=0.1 * round_number, values=3 * DIM)
+    assert kept.answer(first, 0, peers[1], now=10.0) is inputs
+    # big rounds: beyond the last KEPT_ROUNDS, only KEPT_VALUES are kept
+    kept.keep(b"b" * 16, peers, lambda index: None, now=11.0, values=KEPT_VALUES)
+    kept.keep(b"c" * 16, peers, lambda index: None, now=11.0, values=KEPT_VALUES)
+    with pytest.raises(ValueError, match="no inputs kept"):
+        kept.answer(first, 0, peers[1], now=11.0)
 
 
 def test_bans_expire():

@@ -1,0 +1,79 @@
+"""Finding the swarm again after a link outage: which evicted contacts to ping, and when, sans I/O.
+
+A peer whose link goes down for longer than eviction takes (three unanswered requests, ~7 s)
+evicts every contact, and the peers on the other side evict it. When the link comes back neither
+side's routing table names the other and no lookup can cross: Kademlia repairs a table only when a
+peer happens to call, so a healed partition stayed split until some unrelated call crossed it (in
+the lab, 25 s after a 30 s cut).
+
+So a node remembers the contacts it evicted for silence (``LostContacts``, the MAX_LOST most
+recent) and pings them again, sooner while the loss is fresh and more rarely as it ages: a contact
+lost for ``age`` seconds is retried every ``age / 8`` seconds, at least every PROBE_MIN and at most
+every PROBE_MAX. One answer is enough: the contact is back in our table, we are back in its own
+(it was called by us), and a lookup of our own ID through it refills the rest
+(``TableMaintenance.reconnect_forever``). The initial peers are retried the same way whenever the
+table is empty (``initial``).
+
+Only contacts that were in the table (proof checked, reached over an authenticated connection) are
+ever remembered, and at most MAX_LOST of them, so a flood of Sybils that join and vanish costs
+pings to MAX_LOST addresses per PROBE_MIN at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["LostContacts", "MAX_LOST", "PROBE_MAX", "PROBE_MIN"]
+
+MAX_LOST = 64
+PROBE_MIN = 1.0
+PROBE_MAX = 60.0
+AGE_FRACTION = 1 / 8  # a retry every eighth of the outage so far: ~4 s after a 30 s outage
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Lost(Generic[T]):
+    target: T
+    lost_at: float
+    next_probe: float
+
+
+class LostContacts(Generic[T]):
+    """Targets (contacts, or initial peers' addresses) to ping again, keyed by who they are."""
+
+    def __init__(self, limit: int = MAX_LOST):
+        self.limit = limit
+        self._lost: dict[Hashable, _Lost[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._lost)
+
+    def lost(self, key: Hashable, target: T, now: float) -> None:
+        """``target`` stopped answering at ``now``; a target already lost keeps its first loss time."""
+        if key in self._lost:
+            return
+        self._lost[key] = _Lost(target, now, now + PROBE_MIN)
+        while len(self._lost) > self.limit:  # the oldest losses go first
+            del self._lost[next(iter(self._lost))]
+
+    def found(self, key: Hashable) -> None:
+        """``key`` answered (a probe, or any other exchange): nothing to retry."""
+        self._lost.pop(key, None)
+
+    def due(self, now: float) -> list[T]:
+        """The targets to ping now; each is scheduled for its next try as it is handed out."""
+        due = []
+        for entry in self._lost.values():
+            if entry.next_probe <= now:
+                due.append(entry.target)
+                wait = min(PROBE_MAX, max(PROBE_MIN, (now - entry.lost_at) * AGE_FRACTION))
+                entry.next_probe = now + wait
+        return due
+
+    def next_due(self) -> float | None:
+        """When the next target is due (None: nothing is lost)."""
+        return min((entry.next_probe for entry in self._lost.values()), default=None)

@@ -1,0 +1,122 @@
+"""Finding peers again after a link outage: a connection whose link went silent is dropped
+(``peer/link_silence.py``), and a DHT node pings the contacts it evicted while they were away
+until they answer (``dht/reconnect.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+
+from dht.reconnect import PROBE_MAX, PROBE_MIN, LostContacts
+from dht.testing import Swarm
+from peer import CallTimeoutError, Identity, Router, open_peer_host
+from peer.link_silence import LinkSilence
+
+
+def test_a_link_is_taken_for_down_only_after_it_said_nothing_for_the_limit():
+    silence = LinkSilence(limit=10.0)
+    frozen = (100, 200)
+    assert not silence.call_timed_out(0.0, frozen, frozen, 2.0)
+    assert not silence.call_timed_out(2.0, frozen, frozen, 4.0)  # silent since 0.0: 4 s
+    assert silence.call_timed_out(8.0, frozen, frozen, 10.0)  # silent since 0.0: 10 s
+
+
+def test_any_progress_or_answer_restarts_the_count():
+    silence = LinkSilence(limit=10.0)
+    assert not silence.call_timed_out(0.0, (1, 1), (1, 1), 9.0)
+    # the peer's kernel acknowledged our bytes: a busy peer, not a dead link
+    assert not silence.call_timed_out(9.0, (1, 1), (5, 1), 20.0)
+    assert not silence.call_timed_out(20.0, (5, 1), (5, 1), 22.0)  # a new silence from 20.0
+    # something moved between two silent calls: the silence starts again at the later call
+    assert not silence.call_timed_out(25.0, (9, 9), (9, 9), 31.0)
+    assert silence.call_timed_out(26.0, (9, 9), (9, 9), 35.0)
+    silence.answered()
+    assert not silence.call_timed_out(40.0, (9, 9), (9, 9), 42.0)
+
+
+def hanging_router() -> Router:
+    router = Router()
+
+    @router.unary("hang")
+    async def hang(request):
+        await trio.sleep_forever()
+
+    @router.unary("echo")
+    async def echo(request):
+        return request.body
+
+    return router
+
+
+async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_dials_again():
+    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            connection.silence.limit = 0.3
+            # A link that is down moves neither counter (on loopback the kernel always answers,
+            # so the socket's counters are frozen here by hand).
+            connection.channel.link_progress = lambda: (0, 0)
+            with pytest.raises(CallTimeoutError):
+                await connection.call("hang", timeout=0.2)
+            assert not connection.is_closed  # silent for 0.2 s: not yet
+            with pytest.raises(CallTimeoutError):
+                await connection.call("hang", timeout=0.2)
+            with trio.fail_after(2):
+                await connection.closed.wait()
+            assert "said nothing" in connection.close_reason
+            fresh = await client.connect(server.listen_address)
+            assert fresh is not connection
+            assert (await fresh.call("echo", 5, timeout=5)).body == 5
+
+
+async def test_a_busy_peer_whose_kernel_acknowledges_keeps_its_connection():
+    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            connection.silence.limit = 0.3
+            for _ in range(4):
+                with pytest.raises(CallTimeoutError):
+                    await connection.call("hang", timeout=0.2)
+            assert not connection.is_closed
+            assert (await connection.call("echo", 1, timeout=5)).body == 1
+
+
+def test_lost_contacts_are_retried_more_rarely_as_the_loss_ages():
+    lost: LostContacts[str] = LostContacts(limit=3)
+    lost.lost("a", "A", now=0.0)
+    assert lost.due(0.5) == []
+    assert lost.due(PROBE_MIN) == ["A"]
+    assert lost.due(PROBE_MIN + 0.5) == []  # just tried
+    assert lost.due(40.0) == ["A"]
+    assert lost.next_due() == pytest.approx(45.0)  # every eighth of the 40 s outage
+    assert lost.due(10_000.0) == ["A"]
+    assert lost.next_due() == pytest.approx(10_000.0 + PROBE_MAX)
+    lost.found("a")
+    assert len(lost) == 0 and lost.next_due() is None
+    for name in "bcde":  # bounded: the oldest losses go
+        lost.lost(name, name.upper(), now=1.0)
+    assert sorted(lost.due(5.0)) == ["C", "D", "E"]
+
+
+async def test_a_contact_evicted_while_away_is_found_again_when_it_comes_back():
+    identity = Identity.generate()
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, None, ())
+        away = await swarm.add(identity=identity)
+        port = away.address.port
+        node = await swarm.add([away.address])
+        assert away.peer_id in node.routing_table
+        await swarm.kill(away)
+        with trio.fail_after(20):  # our requests to it fail until it is evicted
+            while away.peer_id in node.routing_table:
+                await node.find_nearest(random.getrandbits(160))
+                await trio.sleep(0.1)
+        # it comes back at the same address knowing nobody: only our reconnect can join the two
+        back = await swarm.add(identity=identity, listen=("127.0.0.1", port))
+        assert len(back.routing_table) == 0
+        with trio.fail_after(10):
+            while back.peer_id not in node.routing_table or node.peer_id not in back.routing_table:
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
