@@ -235,7 +235,7 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
             "--local-steps",
             type=int,
             default=settings.parsed("LOCAL_STEPS", int, 20),
-            help="inner steps per round in local-updates mode",
+            help="inner steps per round in local-updates mode, per peer on average (faster peers take more)",
         ),
         "LOCAL_STEPS",
     )
