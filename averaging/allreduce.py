@@ -310,7 +310,7 @@ class AllReduceService:
         result.reducer_checks = await self.checks.run_all(pending)
         for index, (reducer, verdict) in result.reducer_checks.items():
             if verdict is not None:
-                result.local_shards[index] = f"reducer caught lying: {verdict}"
+                result.local_shards[index] = f"reducer failed its check: {verdict}"
                 result.failed_peers.add(reducer)
                 start, end = plan.shard_bounds(index)
                 averaged = [(offset, values) for offset, values in averaged if not start <= offset < end]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import trio
 
-from peer import Message, PeerHost, PeerID, Request, Router
+from peer import Message, PeerHost, PeerID, Request, Router, RPCError
 
 from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, part_digest
 from .compression import Codec, codec_of, get_codec
@@ -23,6 +23,7 @@ from .round_roles import in_thread
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
+    UNANSWERED_BAN_SECONDS,
     BanList,
     KeptInputs,
     PartCheck,
@@ -235,20 +236,32 @@ class ReducerChecks:
         why it was caught, or None."""
         reducer = pending.reducer
         verdict: str | None = f"it did not answer the check within {CHECK_TIMEOUT:g} s"
-        with trio.move_on_after(CHECK_TIMEOUT):
+        answered = False
+        with trio.move_on_after(CHECK_TIMEOUT) as waiting:
             try:
                 assert reducer.address is not None
                 reply = await self.host.call(
                     reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
                 )
-                parse, numel = PartInputs.parse, pending.check.reply.numel()
-                work = numel * pending.senders
-                inputs = await _inline_if_small(work, parse, reply.body, reply.payload, numel, pending.senders)
-                verdict = await _inline_if_small(work, pending.check.verdict, inputs)
-            except Exception as error:  # noqa: BLE001 (any failure to answer is the reducer's)
-                verdict = f"its check answer failed: {type(error).__name__}: {error}"
-        if verdict is not None:
+            except (OSError, RPCError) as error:  # no answer: unreachable, or it refused
+                verdict = f"its check went unanswered: {type(error).__name__}: {error}"
+            else:
+                answered = True
+                try:
+                    parse, numel = PartInputs.parse, pending.check.reply.numel()
+                    work = numel * pending.senders
+                    inputs = await _inline_if_small(work, parse, reply.body, reply.payload, numel, pending.senders)
+                    verdict = await _inline_if_small(work, pending.check.verdict, inputs)
+                except Exception as error:  # noqa: BLE001 (any failure of its answer is the reducer's)
+                    verdict = f"its check answer failed: {type(error).__name__}: {error}"
+        if verdict is None:
+            return None
+        if answered and not waiting.cancelled_caught:  # (a check we could not finish judging proves nothing)
             self.caught += reducer.peer_id not in self.banned
             self.banned.ban(reducer.peer_id, verdict)
             log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)
+        else:
+            self.banned.ban(reducer.peer_id, verdict, UNANSWERED_BAN_SECONDS)
+            seconds = UNANSWERED_BAN_SECONDS
+            log.warning("reducer %s left out of our groups for %g s: %s", reducer.peer_id, seconds, verdict)
         return verdict

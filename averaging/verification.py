@@ -25,8 +25,12 @@ and the clip radius it used. The reducer keeps them from the moment each part is
    rounds).
 
 Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
-reducer's shard with the sender's own values and puts the reducer on this peer's ban list for
-``BAN_SECONDS``: matchmaking leaves it out of our groups.
+reducer's shard with the sender's own values and puts the reducer on this peer's ban list:
+matchmaking leaves it out of our groups. A wrong or malformed answer is a lie and is banned for
+``BAN_SECONDS``; a check that went unanswered (no reply in time, the connection lost, or a refusal
+such as "no inputs kept") only for ``UNANSWERED_BAN_SECONDS``: an honest reducer cut off by a
+network outage cannot answer either, and a long ban would keep the swarm split for minutes after
+the link heals. A liar that never answers gains nothing by it: its shard is never used.
 
 Why this is sound without trusting any third peer: the verdict depends only on the reducer's own
 answer, on what this sender itself sent and received, and on the other senders' commitments. A
@@ -78,6 +82,7 @@ from .robust import (
 
 __all__ = [
     "BAN_SECONDS",
+    "UNANSWERED_BAN_SECONDS",
     "CHECK_METHOD",
     "CHECK_TIMEOUT",
     "BanList",
@@ -116,6 +121,9 @@ MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
 # mistake (it crashed while answering) comes back.
 BAN_SECONDS = 600.0
+# An unanswered check: long enough to leave the reducer out of the next few rounds, short enough
+# that peers on both sides of a healed partition group together again soon after.
+UNANSWERED_BAN_SECONDS = 60.0
 
 
 @dataclass
@@ -365,11 +373,15 @@ class BanList:
     reasons: dict[PeerID, str] = field(default_factory=dict)
 
     def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
+        """Ban ``peer`` for ``seconds`` from now; a longer ban it is already under stands."""
         if len(self.until) >= MAX_BANNED and peer not in self.until:  # drop the ban closest to expiry
             evicted = min(self.until, key=self.until.__getitem__)
             del self.until[evicted]
             self.reasons.pop(evicted, None)
-        self.until[peer] = time.monotonic() + seconds
+        until = time.monotonic() + seconds
+        if peer in self and self.until[peer] >= until:
+            return
+        self.until[peer] = until
         self.reasons[peer] = reason
 
     def __contains__(self, peer: object) -> bool:

@@ -3,6 +3,7 @@ banned, and left out of their groups; honest reducers pass every check."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import astuple
 
 import pytest
@@ -16,7 +17,14 @@ from averaging.commitments import Commitment, SignedPart, commit, part_digest
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
 from averaging.robust import Aggregation, centered_clip, clip_weights
-from averaging.verification import KEPT_VALUES, BanList, KeptInputs, PartCheck, PartInputs
+from averaging.verification import (
+    KEPT_VALUES,
+    UNANSWERED_BAN_SECONDS,
+    BanList,
+    KeptInputs,
+    PartCheck,
+    PartInputs,
+)
 from peer import Identity, PeerID
 from peer.framing import MAX_RECORD_PLAINTEXT
 from peer.packing import packb
@@ -169,10 +177,11 @@ def test_kept_inputs_outlast_many_small_rounds_within_their_budget():
 
 def test_bans_expire():
     banned = BanList()
-    peer = ids(1)[0]
+    peer, expired = ids(2)
     banned.ban(peer, "lied", seconds=60)
-    assert peer in banned and len(banned) == 1
-    banned.ban(peer, "lied", seconds=-1)
+    banned.ban(expired, "lied", seconds=-1)
+    assert peer in banned and expired not in banned and len(banned) == 1
+    banned.until[peer] = time.monotonic() - 1  # its minute is over
     assert peer not in banned and len(banned) == 0
 
 
@@ -253,8 +262,49 @@ async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_on
             assert all((verdict is not None) == (reducer == liar) for reducer, verdict in verdicts.items()), verdicts
             assert set(peers[i].service.checks.banned.until) == {liar}
             # the lie never reached our values: that shard kept them
-            assert "caught" in results[i].local_shards[shard]
+            assert "failed its check" in results[i].local_shards[shard]
             assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])
+        nursery.cancel_scope.cancel()
+
+
+class ForgetfulInputs(KeptInputs):
+    """An honest reducer that lost its inputs (restarted, or cut off): it refuses every check."""
+
+    def answer(self, group_id, index, asker, now):
+        raise ValueError("no inputs kept for that round")
+
+
+def forgetful_service(host) -> AllReduceService:
+    service = AllReduceService(host)
+    service.checks.kept = ForgetfulInputs()
+    return service
+
+
+async def test_an_unanswered_check_leaves_the_reducer_out_briefly_and_a_lie_for_long():
+    """After a partition, honest reducers that could not answer their checks were banned for ten
+    minutes, as liars are, and kept the healed swarm apart; an unanswered check costs a minute."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=forgetful_service)
+        forgetful = peers[3].host.peer_id
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        before = [flat(t).clone() for t in tensors]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        shard = [m.peer_id for m in group.reducers].index(forgetful)
+        start, end = results[0].plan.shard_bounds(shard)
+        for i in range(3):
+            checks = peers[i].service.checks
+            assert forgetful in checks.banned and checks.caught == 0
+            left = checks.banned.until[forgetful] - time.monotonic()
+            assert 0 < left <= UNANSWERED_BAN_SECONDS, left
+            assert "unanswered" in results[i].local_shards[shard]
+            assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])  # its shard unused
+            checks.banned.ban(forgetful, "lied")  # a lie found later bans it for long ...
+            checks.banned.ban(
+                forgetful, "no answer", UNANSWERED_BAN_SECONDS
+            )  # ... and an unanswered check cannot shorten that
+            assert checks.banned.until[forgetful] - time.monotonic() > UNANSWERED_BAN_SECONDS
         nursery.cancel_scope.cancel()
 
 
