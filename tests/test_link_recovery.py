@@ -37,6 +37,14 @@ def test_any_progress_or_answer_restarts_the_count():
     assert not silence.call_timed_out(40.0, (9, 9), (9, 9), 42.0)
 
 
+def test_a_long_call_sent_before_the_link_went_silent_does_not_restart_the_count():
+    silence = LinkSilence(limit=10.0)
+    assert not silence.call_timed_out(1.0, (5, 5), (5, 5), 3.0)  # silent since 1.0
+    # sent at -5.0 and acknowledged before 1.0: it saw progress, but none since the silence began
+    assert not silence.call_timed_out(-5.0, (1, 1), (5, 5), 7.0)
+    assert silence.call_timed_out(9.0, (5, 5), (5, 5), 11.0)  # silent since 1.0: 10 s
+
+
 def hanging_router() -> Router:
     router = Router()
 
