@@ -16,8 +16,12 @@ still finishing the previous round holds ours back until it catches up.
 Each peer's own steps stay within bounds: at least ``local_steps / MAX_STRETCH`` (a few inflated
 claims cannot turn rounds into single steps) and at most ``local_steps * MAX_STRETCH`` (peers that
 vanished, or claim to take part and never train, cannot hold a round open). When the evidence says
-the swarm already moved past our round, the round ends at once (after one step), so a peer that
-fell behind sends what it has and catches up. A peer with nobody in view takes ``local_steps``.
+the swarm already moved past our round, the round ends as soon as the lower bound allows, so a
+peer that fell behind sends what it has and catches up. The bound holds there too: the evidence
+takes a claim of one epoch past ours from any peer we last averaged with, or from two identities
+that agree (``epoch_evidence.py``), and such claims, renewed every round, would otherwise make
+every round a single step, an exchange of the whole model per batch. A peer with nobody in view
+takes ``local_steps``.
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ def round_over(view: SwarmProgress, epoch: int, own_steps: int, own_samples: int
     ``own_samples`` samples, given ``view`` (which holds this peer's own record as of now)."""
     if own_steps < 1:
         return False
-    if own_steps >= local_steps * MAX_STRETCH or view.epoch > epoch:
+    if own_steps >= local_steps * MAX_STRETCH:
         return True
+    floor = max(1, local_steps // MAX_STRETCH)
+    if view.epoch > epoch:
+        return own_steps >= floor
     taking_part = sum(
         1 for peer, progress in view.peers.items() if peer != view.me and abs(progress.epoch - epoch) <= 1
     )
     if taking_part == 0:
         return own_steps >= local_steps
-    if own_steps < max(1, local_steps // MAX_STRETCH):
+    if own_steps < floor:
         return False
     batch = own_samples / own_steps
     return view.samples_at(epoch) >= local_steps * batch * (1 + taking_part)

@@ -10,6 +10,7 @@ bucket farther away than our closest neighbour. Afterwards any bucket that no lo
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -124,7 +125,7 @@ class TableMaintenance:
         """Ping lost contacts when they are due (and the initial peers while the table is empty);
         after any of them answers, look up our own ID through it to refill the table."""
         clock = self.contacts.health.clock
-        initial: LostContacts[PeerAddress] = LostContacts()
+        initial: LostContacts[PeerAddress] = LostContacts(give_up_after=math.inf)
         while True:
             await trio.sleep(PROBE_MIN)
             now = clock()
@@ -132,7 +133,7 @@ class TableMaintenance:
                 for address in self.initial_peers:
                     initial.lost(str(address), address, now)
             else:
-                initial = LostContacts()
+                initial = LostContacts(give_up_after=math.inf)
             contacts, addresses = self.contacts.lost.due(now), initial.due(now)
             if not contacts and not addresses:
                 continue

@@ -16,7 +16,11 @@ table is empty (``initial``).
 
 Only contacts that were in the table (proof checked, reached over an authenticated connection) are
 ever remembered, and at most MAX_LOST of them, so a flood of Sybils that join and vanish costs
-pings to MAX_LOST addresses per PROBE_MIN at most.
+pings to MAX_LOST addresses per PROBE_MIN at most. A contact is given up GIVE_UP_AFTER its loss
+(about 65 pings in all): the address in its entry is the one its hello announced, which nobody
+checked, and a peer that announced someone else's address and left must not have every node
+that met it dial that address for good. The initial peers, which the operator chose, are never
+given up.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["LostContacts", "MAX_LOST", "PROBE_MAX", "PROBE_MIN"]
+__all__ = ["GIVE_UP_AFTER", "LostContacts", "MAX_LOST", "PROBE_MAX", "PROBE_MIN"]
 
 MAX_LOST = 64
 PROBE_MIN = 1.0
 PROBE_MAX = 60.0
 AGE_FRACTION = 1 / 8  # a retry every eighth of the outage so far: ~4 s after a 30 s outage
+# Longer than any partition worth healing this way (a longer one heals as peers rejoin through
+# their initial peers): ~43 pings while the interval grows to PROBE_MAX, then one a minute.
+GIVE_UP_AFTER = 1800.0
 
 T = TypeVar("T")
 
@@ -43,10 +50,12 @@ class _Lost(Generic[T]):
 
 
 class LostContacts(Generic[T]):
-    """Targets (contacts, or initial peers' addresses) to ping again, keyed by who they are."""
+    """Targets (contacts, or initial peers' addresses) to ping again, keyed by who they are;
+    each is given up ``give_up_after`` seconds after it was lost."""
 
-    def __init__(self, limit: int = MAX_LOST):
+    def __init__(self, limit: int = MAX_LOST, give_up_after: float = GIVE_UP_AFTER):
         self.limit = limit
+        self.give_up_after = give_up_after
         self._lost: dict[Hashable, _Lost[T]] = {}
 
     def __len__(self) -> int:
@@ -66,6 +75,8 @@ class LostContacts(Generic[T]):
 
     def due(self, now: float) -> list[T]:
         """The targets to ping now; each is scheduled for its next try as it is handed out."""
+        for key in [k for k, entry in self._lost.items() if now - entry.lost_at >= self.give_up_after]:
+            del self._lost[key]
         due = []
         for entry in self._lost.values():
             if entry.next_probe <= now:

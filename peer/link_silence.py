@@ -41,11 +41,15 @@ class LinkSilence:
 
     def call_timed_out(self, sent_at: float, progress_at_send: Progress, progress_now: Progress, now: float) -> bool:
         """A call sent at ``sent_at`` timed out at ``now``; True when the link is to be taken for
-        dead (silent for ``limit`` seconds, across this call and any silent ones before it)."""
+        dead (silent for ``limit`` seconds, across this call and any silent ones before it).
+        The counts only grow, so counts equal to those of the silence already noted mean nothing
+        moved since then, whatever this call saw: a long call sent before the link went down
+        does not restart the count."""
+        if self._silent_since is not None and self._silent_since[1] == progress_now:
+            return now - self._silent_since[0] >= self.limit
         if progress_now != progress_at_send:
             self._silent_since = None  # the peer's kernel acknowledged or sent something: alive
             return False
-        if self._silent_since is None or self._silent_since[1] != progress_at_send:
-            # the first silent call, or something moved between the last silent call and this one
-            self._silent_since = (sent_at, progress_at_send)
-        return now - self._silent_since[0] >= self.limit
+        # the first silent call, or something moved between the last silent call and this one
+        self._silent_since = (sent_at, progress_at_send)
+        return now - sent_at >= self.limit

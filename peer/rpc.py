@@ -164,7 +164,10 @@ class Connection:
 
     @property
     def is_closed(self) -> bool:
-        return self.closed.is_set()
+        """Closed, or closing: once the connection is told to go (``close()``, a failure, a silent
+        link), no new call may start on it, and the host's pool dials afresh instead of handing it
+        out again before its tasks have wound down."""
+        return self._cancel_scope.cancel_called or self.closed.is_set()
 
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)`` bytes of this connection so far, counted at the socket (see

@@ -4,12 +4,13 @@ until they answer (``dht/reconnect.py``)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import trio
 
-from dht.reconnect import PROBE_MAX, PROBE_MIN, LostContacts
+from dht.reconnect import GIVE_UP_AFTER, PROBE_MAX, PROBE_MIN, LostContacts
 from dht.testing import Swarm
 from peer import CallTimeoutError, Identity, Router, open_peer_host
 from peer.link_silence import LinkSilence
@@ -34,6 +35,14 @@ def test_any_progress_or_answer_restarts_the_count():
     assert silence.call_timed_out(26.0, (9, 9), (9, 9), 35.0)
     silence.answered()
     assert not silence.call_timed_out(40.0, (9, 9), (9, 9), 42.0)
+
+
+def test_a_long_call_sent_before_the_link_went_silent_does_not_restart_the_count():
+    silence = LinkSilence(limit=10.0)
+    assert not silence.call_timed_out(1.0, (5, 5), (5, 5), 3.0)  # silent since 1.0
+    # sent at -5.0 and acknowledged before 1.0: it saw progress, but none since the silence began
+    assert not silence.call_timed_out(-5.0, (1, 1), (5, 5), 7.0)
+    assert silence.call_timed_out(9.0, (5, 5), (5, 5), 11.0)  # silent since 1.0: 10 s
 
 
 def hanging_router() -> Router:
@@ -63,12 +72,13 @@ async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_di
             assert not connection.is_closed  # silent for 0.2 s: not yet
             with pytest.raises(CallTimeoutError):
                 await connection.call("hang", timeout=0.2)
-            with trio.fail_after(2):
-                await connection.closed.wait()
-            assert "said nothing" in connection.close_reason
+            # the very next call dials afresh, even before the old connection's tasks wound down
             fresh = await client.connect(server.listen_address)
             assert fresh is not connection
             assert (await fresh.call("echo", 5, timeout=5)).body == 5
+            with trio.fail_after(2):
+                await connection.closed.wait()
+            assert "said nothing" in connection.close_reason
 
 
 async def test_a_busy_peer_whose_kernel_acknowledges_keeps_its_connection():
@@ -91,13 +101,28 @@ def test_lost_contacts_are_retried_more_rarely_as_the_loss_ages():
     assert lost.due(PROBE_MIN + 0.5) == []  # just tried
     assert lost.due(40.0) == ["A"]
     assert lost.next_due() == pytest.approx(45.0)  # every eighth of the 40 s outage
-    assert lost.due(10_000.0) == ["A"]
-    assert lost.next_due() == pytest.approx(10_000.0 + PROBE_MAX)
+    assert lost.due(1000.0) == ["A"]
+    assert lost.next_due() == pytest.approx(1000.0 + PROBE_MAX)
     lost.found("a")
     assert len(lost) == 0 and lost.next_due() is None
     for name in "bcde":  # bounded: the oldest losses go
         lost.lost(name, name.upper(), now=1.0)
     assert sorted(lost.due(5.0)) == ["C", "D", "E"]
+
+
+def test_a_lost_contact_is_given_up_after_a_bounded_number_of_pings():
+    # Its address is the one its hello announced, unchecked: a peer that announced another host's
+    # address and left must not make us dial that host for good.
+    lost: LostContacts[str] = LostContacts()
+    lost.lost("a", "A", now=0.0)
+    pings = 0
+    while (when := lost.next_due()) is not None and when < 10 * GIVE_UP_AFTER:
+        pings += len(lost.due(when))
+    assert len(lost) == 0 and 0 < pings <= 100
+    # the initial peers (the operator's choice) are never given up
+    initial: LostContacts[str] = LostContacts(give_up_after=math.inf)
+    initial.lost("x", "X", now=0.0)
+    assert initial.due(10 * GIVE_UP_AFTER) == ["X"]
 
 
 async def test_a_contact_evicted_while_away_is_found_again_when_it_comes_back():

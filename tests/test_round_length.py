@@ -7,6 +7,7 @@ import pytest
 import torch
 import trio
 
+from averaging.epoch_evidence import EpochEvidence
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.progress import PeerProgress, SwarmProgress
@@ -15,7 +16,7 @@ from peer import PeerID
 
 from .test_training import open_swarm
 
-ME, A, B = (PeerID(bytes([i]) * 20) for i in (1, 2, 3))
+ME, A, B, C = (PeerID(bytes([i]) * 20) for i in (1, 2, 3, 4))
 
 
 def view(mine: PeerProgress, others: dict[PeerID, PeerProgress], evidenced: int | None = None) -> SwarmProgress:
@@ -57,10 +58,25 @@ def test_a_peer_still_in_the_previous_round_holds_ours_back_and_one_far_behind_d
     assert round_over(view(PeerProgress(3, 100, 1.0), {A: far_behind}), 3, 10, 100, 10)
 
 
-def test_when_the_swarm_moved_past_our_round_it_ends_at_once():
+def test_when_the_swarm_moved_past_our_round_it_ends_as_soon_as_the_floor_allows():
     ahead = view(PeerProgress(3, 10, 1.0), {A: PeerProgress(4, 0, 1.0)}, evidenced=4)
-    assert round_over(ahead, 3, 1, 10, local_steps=10)
+    floor = 10 // MAX_STRETCH
+    assert round_over(ahead, 3, floor, 10 * floor, local_steps=10)
     assert not round_over(ahead, 3, 0, 0, local_steps=10)
+
+
+def test_two_identities_claiming_the_next_round_cannot_make_rounds_single_steps():
+    """Claims of one epoch past ours are evidence from two identities that agree (or from one
+    peer we last averaged with); renewed every round, they ended every round after one step."""
+    evidence = EpochEvidence(ME, samples_per_epoch=None)
+    honest = PeerProgress(3, 10, 1.0)
+    for epoch in (3, 4, 5):  # whatever our round, the liars claim the next one
+        mine = PeerProgress(epoch, 10, 1.0)
+        claims = {ME: mine, A: PeerProgress(epoch + 1, 0, 1.0), B: PeerProgress(epoch + 1, 0, 1.0), C: honest}
+        swarm = SwarmProgress(claims, evidence.evidenced(claims, epoch, now=float(epoch)), ME)
+        assert swarm.epoch == epoch + 1  # the evidence takes their word for it
+        assert not round_over(swarm, epoch, 1, 10, local_steps=10)
+        assert round_over(swarm, epoch, 10 // MAX_STRETCH, 50, local_steps=10)
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
