@@ -194,6 +194,16 @@ class SecureChannel:
         self._last_progress = (max(0, self._written - unsent), self._read + unread)
         return self._last_progress
 
+    def unacknowledged(self) -> int:
+        """Bytes written to the socket that the peer's kernel has not acknowledged yet (0 without
+        a real socket, or once it is closed)."""
+        if self._socket is None:
+            return 0
+        try:
+            return _queued(self._descriptor(), termios.TIOCOUTQ)
+        except (OSError, trio.ClosedResourceError):
+            return 0
+
     async def send_all(self, data: memoryview) -> None:
         """Send every byte of ``data``.
 

@@ -67,6 +67,7 @@ async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_di
             # A link that is down moves neither counter (on loopback the kernel always answers,
             # so the socket's counters are frozen here by hand).
             connection.channel.link_progress = lambda: (0, 0)
+            connection.channel.unacknowledged = lambda: 100  # our request sits unacknowledged
             with pytest.raises(CallTimeoutError):
                 await connection.call("hang", timeout=0.2)
             assert not connection.is_closed  # silent for 0.2 s: not yet
@@ -91,6 +92,21 @@ async def test_a_busy_peer_whose_kernel_acknowledges_keeps_its_connection():
                     await connection.call("hang", timeout=0.2)
             assert not connection.is_closed
             assert (await connection.call("echo", 1, timeout=5)).body == 1
+
+
+async def test_calls_held_up_on_our_side_are_no_evidence_against_the_link():
+    """Our own event loop held up (nothing of ours reached the kernel, so nothing waits for the
+    peer's acknowledgement): frozen counters do not get a healthy connection dropped."""
+    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            connection.silence.limit = 0.3
+            connection.channel.link_progress = lambda: (0, 0)
+            connection.channel.unacknowledged = lambda: 0
+            for _ in range(4):
+                with pytest.raises(CallTimeoutError):
+                    await connection.call("hang", timeout=0.2)
+            assert not connection.is_closed
 
 
 def test_lost_contacts_are_retried_more_rarely_as_the_loss_ages():
