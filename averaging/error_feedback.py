@@ -50,6 +50,12 @@ class ErrorFeedback:
                 offset += size
             self._sent = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
 
+    def reset(self) -> None:
+        """Forget the residual (our parameters were replaced: what earlier rounds dropped no
+        longer belongs to them)."""
+        self.residual.zero_()
+        self._sent = None
+
     def settle(self, result: AllReduceResult | None) -> None:
         """After the round: the new residual is what the round's encoding dropped from our
         contribution (``result`` None: the round failed and our values were used as they are)."""

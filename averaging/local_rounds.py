@@ -51,6 +51,11 @@ class RoundSchedule(Protocol):
         """End the round whose local steps just finished; True if an outer step landed."""
         ...
 
+    async def abandon(self) -> None:
+        """The optimizer is loading a donor's state: drop the round in flight, if any (its outer
+        step would land on a start we no longer hold)."""
+        ...
+
 
 class SequentialRounds:
     """Each round averages before the next begins: the outer step is never stale, and the swarm's
@@ -62,6 +67,9 @@ class SequentialRounds:
         await run.advance(run.outer_step.apply, record)
         await run.finish_round(record)
         return True
+
+    async def abandon(self) -> None:
+        """Nothing is ever in flight between two of our rounds."""
 
 
 class OverlappedRounds:
@@ -80,6 +88,7 @@ class OverlappedRounds:
         self._record: AveragingRecord | None = None
         self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
         self._run: LocalRound | None = None
+        self._scope: trio.CancelScope | None = None  # the averaging in flight
 
     async def end_round(self, run: LocalRound, weight: float) -> bool:
         if self._run is not None and self._run is not run:
@@ -99,9 +108,20 @@ class OverlappedRounds:
         self.background.start_soon(self._average, run, run.epoch, weight, done)
         return stepped
 
+    async def abandon(self) -> None:
+        """Cancel the averaging in flight and forget its round: its outer step never lands."""
+        if self._done is None:
+            return
+        if self._scope is not None:
+            self._scope.cancel()
+        await self._done.wait()  # (set as the averaging task exits)
+        self._done, self._record, self._anchor = None, None, []
+
     async def _average(self, run: LocalRound, epoch: int, weight: float, done: trio.Event) -> None:
         self._record = None  # never the previous round's, should this one end without a record
+        scope = self._scope = trio.CancelScope()
         try:
-            self._record = await run.average_deltas(epoch, weight)
+            with scope:
+                self._record = await run.average_deltas(epoch, weight)
         finally:
             done.set()

@@ -161,20 +161,29 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def step(self, batch_size: int) -> bool:
         if self._round_started is None:
             self._round_started = trio.current_time()
-            await self._catch_up_if_behind()
+            swarm = await self.replica.fetch(self.local_samples)
+            if swarm.epoch > self.replica.epoch + 1:
+                await self._catch_up(swarm.epoch)
         await trio.to_thread.run_sync(self._inner_step)
         self.inner_steps += 1
         self.local_samples += batch_size
-        if not await self._round_over():
+        view = await self._view()
+        replica = self.replica
+        if view.epoch > replica.epoch + 1:
+            # We fell behind (cut off, or stalled): this round's steps start from a start the
+            # swarm left rounds ago, and no group of our round will form again.
+            await self._catch_up(view.epoch)
+            return False
+        if not round_over(view, replica.epoch, self.inner_steps, self.local_samples, self.local_steps):
             return False
         elapsed = max(trio.current_time() - self._round_started, 1e-9)
-        self.replica.samples_per_s = self.local_samples / elapsed
+        replica.samples_per_s = self.local_samples / elapsed
         return await self.rounds.end_round(self, float(self.local_samples))
 
-    async def _round_over(self) -> bool:
-        """Whether the swarm's samples for this round say it is over (``round_length.py``);
-        exchanges our progress every ``progress_interval`` (in the background between overlapped
-        rounds, so the inner steps never wait for the DHT)."""
+    async def _view(self) -> SwarmProgress:
+        """The swarm's progress with ours as of now, for ``round_length.round_over``; exchanges our
+        progress every ``progress_interval`` (in the background between overlapped rounds, so the
+        inner steps never wait for the DHT)."""
         replica = self.replica
         now = trio.current_time()
         if now - self._last_exchange >= self.progress_interval:
@@ -184,31 +193,38 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             else:
                 replica.exchange_soon(self._background, lambda: self.local_samples)
         me = replica.tracker.me
-        view = SwarmProgress(
+        return SwarmProgress(
             {**replica.swarm.peers, me: replica.progress(self.local_samples)},
             max(replica.swarm.epoch, replica.epoch),
             me,
         )
-        return round_over(view, replica.epoch, self.inner_steps, self.local_samples, self.local_steps)
+
+    async def _catch_up(self, swarm_epoch: int) -> None:
+        """Drop the round in flight and this round's steps, and take a donor's state; if none can
+        send it, move to the swarm's round with our own parameters (the start averaging pulls them
+        toward the swarm's), rather than asking again at every step."""
+        await self.rounds.abandon()
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+        if not await self.load_state_from_peers():
+            await self.replica.move_to_epoch(swarm_epoch)
+        self.restart_round()
 
     def _inner_step(self) -> None:
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
 
-    async def _catch_up_if_behind(self) -> None:
-        swarm = await self.replica.fetch(self.local_samples)
-        if swarm.epoch > self.replica.epoch + 1:
-            await self.load_state_from_peers()
-
-    async def load_state_from_peers(self) -> None:
-        """Adopt a peer's start, outer momentum and round, and train on from that start."""
+    async def load_state_from_peers(self) -> bool:
+        """Adopt a peer's start, outer momentum and round, and train on from that start; False if
+        no donor could send them."""
         try:
             await self.replica.load_state_from_peers(self.load_state_timeout)
         except StateUnavailable as error:
             log.warning("could not load state from peers: %s", error)
-            return
+            return False
         self._outer_step.reset_params_to_start()
         log.info("joined the swarm at outer round %d with its parameters", self.replica.epoch)
+        return True
 
     # What a round schedule (local_rounds.LocalRound) drives:
 

@@ -126,3 +126,62 @@ async def test_peers_of_different_speeds_end_their_rounds_together_and_average_e
         assert sum(fast[1:rounds]) > sum(slow[1:rounds]), steps
         background.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
+async def test_a_peer_that_fell_rounds_behind_while_running_loads_the_swarms_state(schedule):
+    """Only a peer's first step used to look for a swarm far ahead: one cut off for a while (here:
+    it stops stepping while the others run on) came back rounds behind and stayed there, ending
+    its rounds alone, since no group of its round forms again."""
+    local_steps = 2
+    async with trio.open_nursery() as nursery, trio.open_nursery() as background:
+        nodes = await open_swarm(nursery, 3)
+        weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
+        optimizers = [
+            LocalUpdatesOptimizer(
+                torch.optim.SGD([weight], lr=0.1),
+                node,
+                prefix="behind-later",
+                local_steps=local_steps,
+                codec="none",
+                target_group_size=3,
+                settle_time=0.1,
+                matchmaking_timeout=1.0,
+                average_state_every=0,
+                rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+                progress_interval=0.05,
+                load_state_timeout=10.0,
+            )
+            for weight, node in zip(weights, nodes, strict=True)
+        ]
+        away = trio.Event()
+
+        async def train(i: int, until: int) -> None:
+            optimizer = optimizers[i]
+            while optimizer.epoch < until:
+                if i == 2 and optimizer.epoch >= 2 and not away.is_set():
+                    away.set()
+                    return  # cut off: it stops here, and comes back below
+                weights[i].grad = torch.ones(4)
+                await optimizer.step(10)
+                await trio.sleep(0.01)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as peers:
+                for i in range(3):
+                    peers.start_soon(train, i, 9)
+        behind = optimizers[2].epoch
+        assert behind <= 3 and min(o.epoch for o in optimizers[:2]) >= 9
+        jumps = []
+        with trio.fail_after(30):  # it comes back: once it sees the swarm, it takes its state
+            while optimizers[2].epoch < 8:
+                weights[2].grad = torch.ones(4)
+                before = optimizers[2].epoch
+                await optimizers[2].step(10)
+                jumps.append(optimizers[2].epoch - before)
+                await trio.sleep(0.01)
+        assert max(jumps) >= 5, jumps  # not one round at a time, alone
+        starts = [optimizer.snapshot[0] for optimizer in optimizers]
+        assert torch.equal(starts[2], starts[0]) or torch.equal(starts[2], starts[1]), starts
+        background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
