@@ -21,7 +21,9 @@ class OuterStep:
 
     def __init__(self, params: list[torch.Tensor], *, lr: float, momentum: float):
         self.params = params
-        self.optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+        # Momentum 0 is plain SGD on the averaged delta (lr 1: the replicas' average), which torch's
+        # SGD refuses to build with Nesterov on.
+        self.optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.start = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
         self.deltas = [torch.zeros_like(s) for s in self.start]
         # The momentum buffer exists from the start, so newcomers have somewhere to load it into.

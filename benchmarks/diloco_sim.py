@@ -1,0 +1,280 @@
+"""How much of local-updates (DiLoCo) training's loss gap on ``textlm`` is the algorithm's own, and
+which settings close it: an in-process simulation, no network, no DHT.
+
+Four replicas of the ``textlm`` model train on shards 0..3 of 4, stepping in turn, and end their
+rounds with peerd's own arithmetic: ``OuterStep`` (outer Nesterov SGD from the shared start,
+``apply_delayed`` for overlapped rounds), the real codec (int8 blockwise by default) and
+``ErrorFeedback``. The all-reduce is simulated as peerd runs it: the flat delta is cut into one
+shard per peer; each reducer averages its own shard exactly and the others' as they decode, then
+every peer (the reducer too) takes the average as it decodes. Since every replica averages every
+round from the same start, the periodic start averaging is a no-op here and is left out.
+
+Baselines, on the same samples: ``solo`` (one trainer on the whole data, 4x the steps of a replica,
+the same batch and inner optimizer, as ``benchmarks/wan.py``'s single trainer) and ``sync`` (fully
+synchronous data parallelism: the four shards' batches averaged every step, i.e. one trainer with a
+4x batch and a quarter of solo's steps; the best any 4-way data-parallel scheme can do at the same
+inner hyperparameters). Figures are held-out bits per byte (``task.evaluate``) of the best replica,
+as ``wan.py`` reports the swarm's, and ratios against ``solo`` at the same total samples.
+
+Measured (small model, 6 rounds of 20 steps per replica, ratio against solo at 7,680 samples):
+sync DP 1.085 (the data-parallel bound at these inner settings), peerd's defaults (overlapped,
+int8+EF, outer lr 0.7 Nesterov 0.9) 1.227, the same sequential 1.154, float32 or no error
+feedback no different, sequential lr 1.0 momentum 0 (plain averaging) 1.134, overlapped lr 1.0
+momentum 0 1.177; lr 1.4, no Nesterov, H 5 or 10 and an H=5 warm-up were all worse. At 12 rounds:
+defaults 1.248, overlapped lr 1.0 momentum 0 1.194.
+
+Run: ``python benchmarks/diloco_sim.py`` (the full sweep, ~45 min at one thread), ``--only NAME,...``
+for chosen rows (and no sync baseline), ``--quick`` (tiny model, a few rows, < 50 s). Prints a table and, last, one JSON
+object with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from averaging.compression import get_codec  # noqa: E402
+from averaging.error_feedback import ErrorFeedback  # noqa: E402
+from averaging.outer_step import OuterStep  # noqa: E402
+from peer.daemon.tasks import ShardSpec, Task, load_task  # noqa: E402
+
+PEERS = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of running the swarm's rounds; the defaults are ``wan.py``'s (peerd's) settings."""
+
+    name: str
+    outer_lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    local_steps: int = 20
+    overlapped: bool = True  # round t's outer step lands at the end of round t+1
+    codec: str = "blockwise_8bit"
+    error_feedback: bool = True
+    warmup_rounds: int = 0  # the first rounds take warmup_steps local steps each
+    warmup_steps: int = 5
+    inner_lr_scale: float = 1.0
+
+    def round_lengths(self, steps: int) -> list[int]:
+        """Local steps of each round, adding up to ``steps``."""
+        lengths: list[int] = []
+        while sum(lengths) < steps:
+            size = self.warmup_steps if len(lengths) < self.warmup_rounds else self.local_steps
+            lengths.append(min(size, steps - sum(lengths)))
+        return lengths
+
+
+BENCH = Config("bench: overlapped int8+EF lr0.7 m0.9")
+SEQ = replace(BENCH, name="sequential int8+EF", overlapped=False)
+CONFIGS = [
+    BENCH,
+    SEQ,
+    replace(SEQ, name="sequential float32", codec="none", error_feedback=False),
+    replace(BENCH, name="overlapped float32", codec="none", error_feedback=False),
+    replace(SEQ, name="seq int8 no-EF", error_feedback=False),
+    replace(SEQ, name="seq lr1.0 m0.9", outer_lr=1.0),
+    replace(SEQ, name="seq lr1.4 m0.9", outer_lr=1.4),
+    replace(SEQ, name="seq lr1.0 m0 (=model avg)", outer_lr=1.0, momentum=0.0, nesterov=False),
+    replace(SEQ, name="seq lr0.7 m0.9 no-nesterov", nesterov=False),
+    replace(SEQ, name="seq H=10", local_steps=10),
+    replace(SEQ, name="seq H=5", local_steps=5),
+    replace(BENCH, name="overlapped lr1.0 m0", outer_lr=1.0, momentum=0.0, nesterov=False),
+    replace(SEQ, name="seq warm-up 4x H=5", warmup_rounds=4, warmup_steps=5),
+    replace(SEQ, name="seq inner lr x2", inner_lr_scale=2.0),
+]
+
+
+def _batches(task: Task, count: int) -> list:
+    return [next(task.batches) for _ in range(count)]
+
+
+def _evaluate(task: Task, model: torch.nn.Module) -> float:
+    model.eval()
+    figure = task.evaluate(model)["bits_per_byte"]
+    model.train()
+    return figure
+
+
+def _optimizer(task: Task, model: torch.nn.Module, lr_scale: float) -> torch.optim.Optimizer:
+    optimizer = task.make_optimizer(list(model.parameters()))
+    for group in optimizer.param_groups:
+        group["lr"] *= lr_scale
+    return optimizer
+
+
+def _train(task: Task, model, optimizer, batch) -> None:
+    task.loss_fn(model, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_solo(task: Task, batches: list, every: int, lr_scale: float = 1.0) -> dict[int, float]:
+    """bpb after each ``every`` steps (keyed by samples)."""
+    model = copy.deepcopy(task.model)
+    model.train()
+    optimizer = _optimizer(task, model, lr_scale)
+    curve = {}
+    for step, batch in enumerate(batches, 1):
+        _train(task, model, optimizer, batch)
+        if step % every == 0:
+            curve[step * task.batch_size] = _evaluate(task, model)
+    return curve
+
+
+def run_sync(task: Task, shard_batches: list[list], steps: int, every: int, lr_scale: float = 1.0) -> dict[int, float]:
+    """Gradients averaged over the peers every step: one batch of all their batches."""
+    merged = [tuple(torch.cat([shard_batches[p][i][k] for p in range(PEERS)]) for k in range(2)) for i in range(steps)]
+    curve = run_solo(task, merged, every, lr_scale)
+    return {samples * PEERS: value for samples, value in curve.items()}  # run_solo counted one peer's batch
+
+
+def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFeedback] | None) -> None:
+    """All-reduce the replicas' deltas in place, as peerd's butterfly all-reduce computes it."""
+    codec = get_codec(codec_name)
+    lossy = codec_name != "none"
+    if feedbacks is not None:
+        for feedback, outer in zip(feedbacks, replicas, strict=True):
+            feedback.add_residual(outer.deltas)
+    flats = [torch.cat([d.reshape(-1) for d in outer.deltas]) for outer in replicas]
+    total = flats[0].numel()
+    bounds = [(total * j // PEERS, total * (j + 1) // PEERS) for j in range(PEERS)]
+
+    def sent(values: torch.Tensor) -> torch.Tensor:
+        return codec.decode(*codec.encode(values.contiguous()), values.numel()) if lossy else values
+
+    averaged = torch.empty(total)
+    for reducer, (start, end) in enumerate(bounds):
+        parts = [flat[start:end] if i == reducer else sent(flat[start:end]) for i, flat in enumerate(flats)]
+        averaged[start:end] = sent(torch.stack(parts).mean(dim=0))
+    for outer in replicas:
+        offset = 0
+        for delta in outer.deltas:
+            delta.copy_(averaged[offset : offset + delta.numel()].view_as(delta))
+            offset += delta.numel()
+    if feedbacks is not None:
+        plan = SimpleNamespace(num_shards=PEERS, parts=lambda j: [bounds[j]])
+        for me, feedback in enumerate(feedbacks):
+            result = SimpleNamespace(plan=plan, my_shard=me, local_shards=(), part_contributors={}, contributors={})
+            feedback.settle(result)
+
+
+def _outer_step(model: torch.nn.Module, config: Config) -> OuterStep:
+    outer = OuterStep(list(model.parameters()), lr=config.outer_lr, momentum=0.9)
+    for group in outer.optimizer.param_groups:  # OuterStep always builds Nesterov momentum 0.9
+        group["momentum"], group["nesterov"] = config.momentum, config.nesterov
+    return outer
+
+
+def run_swarm(
+    tasks: list[Task], shard_batches: list[list], config: Config, steps: int, every: int
+) -> tuple[dict[int, float], int]:
+    """bpb of the best replica whenever each has taken a multiple of ``every`` steps (keyed by the
+    swarm's samples), and the payload bytes one peer sent per round, summed."""
+    models = [copy.deepcopy(tasks[0].model) for _ in range(PEERS)]
+    optimizers = [_optimizer(tasks[0], model, config.inner_lr_scale) for model in models]
+    outers = [_outer_step(model, config) for model in models]
+    feedbacks = (
+        [ErrorFeedback(outer.deltas, config.codec) for outer in outers]
+        if config.error_feedback and config.codec != "none"
+        else None
+    )
+    numel = sum(d.numel() for d in outers[0].deltas)
+    round_bytes = 2 * (PEERS - 1) * get_codec(config.codec).payload_size(numel // PEERS)  # out and back
+    anchors: list[list[torch.Tensor]] | None = None  # overlapped: where the deltas in flight were taken
+    curve: dict[int, float] = {}
+    sent_bytes, done = 0, 0
+    for length in config.round_lengths(steps):
+        for index in range(length):
+            for peer in range(PEERS):
+                _train(tasks[peer], models[peer], optimizers[peer], shard_batches[peer][done + index])
+        done += length
+        if config.overlapped:
+            if anchors is not None:  # the previous round's average lands now
+                for outer, anchor in zip(outers, anchors, strict=True):
+                    outer.apply_delayed(anchor)
+            anchors = [outer.compute_deltas_and_anchor() for outer in outers]
+            _average(outers, config.codec, feedbacks)  # in flight until the next round ends
+        else:
+            for outer in outers:
+                outer.compute_deltas()
+            _average(outers, config.codec, feedbacks)
+            for outer in outers:
+                outer.apply()
+        sent_bytes += round_bytes
+        if done % every == 0:
+            curve[done * PEERS * tasks[0].batch_size] = min(_evaluate(tasks[0], model) for model in models)
+    return curve, sent_bytes
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    size = "tiny" if args.quick else args.model_size
+    rounds, every = (3, 5) if args.quick else (args.rounds, args.every)
+    steps = rounds * (5 if args.quick else 20)  # each replica's steps: the benchmark's rounds of 20
+    configs = CONFIGS
+    if args.quick:
+        configs = [replace(c, local_steps=5) for c in CONFIGS[:3]]
+    elif args.only:
+        wanted = args.only.split(",")
+        configs = [c for c in CONFIGS if any(w in c.name for w in wanted)]
+    tasks = [load_task("textlm", shard=ShardSpec(i, PEERS), model_size=size) for i in range(PEERS)]
+    whole = load_task("textlm", shard=ShardSpec(0, 1), model_size=size)
+    shard_batches = [_batches(task, steps) for task in tasks]
+    batch = tasks[0].batch_size
+    started = time.process_time()
+    solo = run_solo(whole, _batches(whole, PEERS * steps), PEERS * every)
+    rows: list[tuple[str, dict[int, float], float | None]] = [("solo (4x steps)", solo, None)]
+    if not args.only:
+        rows.append(("sync DP", run_sync(tasks[0], shard_batches, steps, every), None))
+    if not args.quick and not args.only:
+        rows.append(("sync DP inner lr x2", run_sync(tasks[0], shard_batches, steps, every, lr_scale=2.0), None))
+    for name, curve, _ in rows:
+        print(f"{name}: " + " ".join(f"{v:.3f}" for v in curve.values()), file=sys.stderr, flush=True)
+    print(f"baselines: {time.process_time() - started:.0f} s CPU", file=sys.stderr, flush=True)
+    bench_bytes = None
+    for config in configs:
+        begun = time.process_time()
+        curve, sent = run_swarm(tasks, shard_batches, config, steps, every)
+        per_sample = sent / (steps * batch)
+        bench_bytes = per_sample if config is configs[0] else bench_bytes
+        rows.append((config.name, curve, per_sample))
+        trace = " ".join(f"{v:.3f}" for v in curve.values())
+        print(f"{config.name}: {trace} ({time.process_time() - begun:.0f} s CPU)", file=sys.stderr, flush=True)
+
+    points = sorted(solo)
+    width = max(len(name) for name, _, _ in rows)
+    header = "  ".join(f"{p:>7}" for p in points)
+    print(f"{'held-out bits/byte at swarm samples':<{width}}  {header}  ratio  B/sample")
+    summary: dict[str, dict] = {}
+    for name, curve, per_sample in rows:
+        figures = "  ".join(f"{curve[p]:7.3f}" if p in curve else "      -" for p in points)
+        final = curve.get(points[-1])
+        ratio = final / solo[points[-1]] if final else None
+        note = f"{per_sample:8.0f}" if per_sample is not None else "       -"
+        print(f"{name:<{width}}  {figures}  {ratio:5.3f}  {note}")
+        summary[name] = {"bpb": round(final, 4) if final else None, "loss_ratio": round(ratio, 4) if ratio else None}
+        if per_sample is not None and bench_bytes:
+            summary[name]["bytes_per_sample_vs_bench"] = round(per_sample / bench_bytes, 3)
+    print(json.dumps({"model_size": size, "steps_per_replica": steps, "samples": points[-1], "rows": summary}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds of 5 steps, 3 rows")
+    parser.add_argument("--model-size", default="small")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of 20 local steps per replica")
+    parser.add_argument("--every", type=int, default=20, help="evaluate every this many steps per replica")
+    parser.add_argument("--only", default="", help="comma-separated parts of row names to run")
+    main(parser.parse_args())
