@@ -164,7 +164,11 @@ class ShardReduction:
         self._delivered[sender] = set(range(self.num_parts))
 
     def finish_sender(self, sender: Hashable) -> None:
-        """The sender says it sent everything; drop it if that is not true."""
+        """The sender says it sent everything; drop it if that is not true. A sender counts as
+        done once its last part arrives, so the shard may be averaged before its stream's end
+        comes: that end is no contribution, and is not refused."""
+        if self._outcome is not None and len(self._delivered.get(sender, ())) == self.num_parts:
+            return
         self._check_sender(sender)
         missing = self.num_parts - len(self._delivered.get(sender, ()))
         if sender not in self._weights:

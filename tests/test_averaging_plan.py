@@ -62,6 +62,23 @@ def feed(reduction, sender, values, weight, part_sizes):
     reduction.finish_sender(sender)
 
 
+def test_a_stream_end_after_the_shard_was_averaged_is_not_refused():
+    """Every part of every sender arrived, so the shard was averaged before one sender's stream
+    end came: that end was refused ("this shard is already averaged", a warning in rounds that
+    succeeded); a contribution after the outcome still is."""
+    sizes = [2, 2]
+    reduction = reduction_with(sizes, senders=("a", "b"))
+    feed(reduction, "a", torch.ones(4), 1.0, sizes)
+    reduction.set_weight("b", 1.0)
+    for index, size in enumerate(sizes):
+        reduction.add_part("b", index, torch.zeros(size))
+    outcome = reduction.outcome()
+    assert set(outcome.contributors) == {"a", "b"}
+    reduction.finish_sender("b")  # its stream's end, late
+    with pytest.raises(ContributionRejected):
+        reduction.add_part("b", 0, torch.zeros(2))
+
+
 def test_weighted_average_of_whole_contributions():
     sizes = [3, 3, 2]
     reduction = reduction_with(sizes)
