@@ -105,7 +105,9 @@ class OverlappedRounds:
             run.restart_round()
         self._anchor = await trio.to_thread.run_sync(run.outer_step.compute_deltas_and_anchor)
         done = self._done = trio.Event()
-        self.background.start_soon(self._average, run, run.epoch, weight, done)
+        # made here, not in the task: an abandon() before the task starts must still cancel it
+        scope = self._scope = trio.CancelScope()
+        self.background.start_soon(self._average, run, run.epoch, weight, done, scope)
         return stepped
 
     async def abandon(self) -> None:
@@ -117,9 +119,10 @@ class OverlappedRounds:
         await self._done.wait()  # (set as the averaging task exits)
         self._done, self._record, self._anchor = None, None, []
 
-    async def _average(self, run: LocalRound, epoch: int, weight: float, done: trio.Event) -> None:
+    async def _average(
+        self, run: LocalRound, epoch: int, weight: float, done: trio.Event, scope: trio.CancelScope
+    ) -> None:
         self._record = None  # never the previous round's, should this one end without a record
-        scope = self._scope = trio.CancelScope()
         try:
             with scope:
                 self._record = await run.average_deltas(epoch, weight)

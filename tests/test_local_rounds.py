@@ -150,3 +150,46 @@ async def test_between_overlapped_rounds_the_progress_exchange_does_not_stall_th
                 stepped.append(await optimizer.step(1))
         assert stepped.count(True) == 4
         background.cancel_scope.cancel()
+
+
+class _HangingRound:
+    """A LocalRound whose averaging never ends (a group that never forms, a peer that stalls)."""
+
+    epoch = 3
+
+    class outer_step:  # noqa: N801 (what OverlappedRounds calls on it)
+        @staticmethod
+        def compute_deltas_and_anchor():
+            return []
+
+    def __init__(self):
+        self.restarted = 0
+
+    async def average_deltas(self, epoch, weight):
+        await trio.sleep_forever()
+
+    async def advance(self, apply, record):
+        raise AssertionError("an abandoned round's outer step must never land")
+
+    async def finish_round(self, record):
+        raise AssertionError("no round landed")
+
+    def restart_round(self):
+        self.restarted += 1
+
+
+async def test_abandoning_an_overlapped_round_cancels_its_averaging_even_before_it_started():
+    """A state load drops the round in flight; abandon() right after end_round() (before the
+    averaging task ran) must still cancel it, not wait out the averaging's own deadlines."""
+    run = _HangingRound()
+    async with trio.open_nursery() as background:
+        rounds = OverlappedRounds(background)
+        assert await rounds.end_round(run, 1.0) is False
+        with trio.fail_after(2):
+            await rounds.abandon()
+        assert await rounds.end_round(run, 1.0) is False  # a fresh first round: nothing lands
+        with trio.fail_after(2):
+            await trio.sleep(0.05)  # (the averaging task has started this time)
+            await rounds.abandon()
+        assert run.restarted == 2
+        background.cancel_scope.cancel()
