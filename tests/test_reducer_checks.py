@@ -4,7 +4,7 @@ banned, and left out of their groups; honest reducers pass every check."""
 from __future__ import annotations
 
 import time
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 
 import pytest
 import torch
@@ -242,20 +242,43 @@ async def start_with_liar(nursery, count: int, liar: int, make_liar=None, mis_si
     return peers
 
 
+@dataclass
+class CheckedRound:
+    """A centered-clip round of 4 peers whose last one reduces with ``make_odd_one``'s service."""
+
+    peers: list
+    odd_one: PeerID
+    tensors: list
+    before: list[torch.Tensor]  # each peer's values before the round
+    results: dict
+    odd_bounds: tuple[int, int]  # where the odd one's shard lies in the flat vector
+
+    def kept_own_values(self, i: int) -> bool:
+        start, end = self.odd_bounds
+        return torch.equal(flat(self.tensors[i])[start:end], self.before[i][start:end])
+
+
+async def checked_round(nursery, make_odd_one) -> CheckedRound:
+    peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_odd_one)
+    odd_one = peers[3].host.peer_id
+    group = make_group(peers)
+    tensors = [random_tensors(i) for i in range(4)]
+    before = [flat(t).clone() for t in tensors]
+    results = {}
+    await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+    shard = [m.peer_id for m in group.reducers].index(odd_one)
+    return CheckedRound(peers, odd_one, tensors, before, results, results[0].plan.shard_bounds(shard))
+
+
 @pytest.mark.parametrize("make_liar", [None, fabricating_service], ids=["true-inputs", "fabricated-inputs"])
 async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are(make_liar):
     """Also one that states each checker's own contribution truly and fabricates every other to
     fit its lie: the fabricated inputs do not carry their senders' signatures."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_liar)
-        liar = peers[3].host.peer_id
-        group = make_group(peers)
-        tensors = [random_tensors(i) for i in range(4)]
-        before = [flat(t).clone() for t in tensors]
-        results = {}
-        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        round_ = await checked_round(nursery, make_liar)
+        peers, liar, results = round_.peers, round_.odd_one, round_.results
+        group = results[0].group
         shard = [m.peer_id for m in group.reducers].index(liar)
-        start, end = results[0].plan.shard_bounds(shard)
         for i in range(3):
             verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
             assert set(verdicts) == {m.peer_id for m in group.reducers} - {peers[i].host.peer_id}
@@ -263,7 +286,7 @@ async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_on
             assert set(peers[i].service.checks.banned.until) == {liar}
             # the lie never reached our values: that shard kept them
             assert "failed its check" in results[i].local_shards[shard]
-            assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])
+            assert round_.kept_own_values(i)
         nursery.cancel_scope.cancel()
 
 
@@ -284,26 +307,19 @@ async def test_an_unanswered_check_leaves_the_reducer_out_briefly_and_a_lie_for_
     """After a partition, honest reducers that could not answer their checks were banned for ten
     minutes, as liars are, and kept the healed swarm apart; an unanswered check costs a minute."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=3, make_liar=forgetful_service)
-        forgetful = peers[3].host.peer_id
-        group = make_group(peers)
-        tensors = [random_tensors(i) for i in range(4)]
-        before = [flat(t).clone() for t in tensors]
-        results = {}
-        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
-        shard = [m.peer_id for m in group.reducers].index(forgetful)
-        start, end = results[0].plan.shard_bounds(shard)
+        round_ = await checked_round(nursery, forgetful_service)
+        forgetful, results = round_.odd_one, round_.results
+        shard = [m.peer_id for m in results[0].group.reducers].index(forgetful)
         for i in range(3):
-            checks = peers[i].service.checks
+            checks = round_.peers[i].service.checks
             assert forgetful in checks.banned and checks.caught == 0
             left = checks.banned.until[forgetful] - time.monotonic()
             assert 0 < left <= UNANSWERED_BAN_SECONDS, left
             assert "unanswered" in results[i].local_shards[shard]
-            assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])  # its shard unused
-            checks.banned.ban(forgetful, "lied")  # a lie found later bans it for long ...
-            checks.banned.ban(
-                forgetful, "no answer", UNANSWERED_BAN_SECONDS
-            )  # ... and an unanswered check cannot shorten that
+            assert round_.kept_own_values(i)  # its shard unused
+            # a lie found later bans it for long, and an unanswered check cannot shorten that
+            checks.banned.ban(forgetful, "lied")
+            checks.banned.ban(forgetful, "no answer", UNANSWERED_BAN_SECONDS)
             assert checks.banned.until[forgetful] - time.monotonic() > UNANSWERED_BAN_SECONDS
         nursery.cancel_scope.cancel()
 

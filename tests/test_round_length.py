@@ -79,6 +79,20 @@ def test_two_identities_claiming_the_next_round_cannot_make_rounds_single_steps(
         assert round_over(swarm, epoch, 10 // MAX_STRETCH, 50, local_steps=10)
 
 
+def quick_optimizer(weight, node, schedule: str, background, **options) -> LocalUpdatesOptimizer:
+    """A local-updates optimizer with loopback deadlines, exchanging progress every 50 ms."""
+    return LocalUpdatesOptimizer(
+        torch.optim.SGD([weight], lr=0.1),
+        node,
+        codec="none",
+        settle_time=0.1,
+        average_state_every=0,
+        rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+        progress_interval=0.05,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
 async def test_peers_of_different_speeds_end_their_rounds_together_and_average_every_one(schedule):
     """A fixed count of local steps per round let a peer three times slower fall further behind
@@ -89,18 +103,15 @@ async def test_peers_of_different_speeds_end_their_rounds_together_and_average_e
         nodes = await open_swarm(nursery, 2)
         weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
         optimizers = [
-            LocalUpdatesOptimizer(
-                torch.optim.SGD([weight], lr=0.1),
+            quick_optimizer(
+                weight,
                 node,
+                schedule,
+                background,
                 prefix="speeds",
                 local_steps=local_steps,
-                codec="none",
                 target_group_size=2,
-                settle_time=0.1,
                 matchmaking_timeout=2.0,
-                average_state_every=0,
-                rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
-                progress_interval=0.05,
             )
             for weight, node in zip(weights, nodes, strict=True)
         ]
@@ -138,18 +149,15 @@ async def test_a_peer_that_fell_rounds_behind_while_running_loads_the_swarms_sta
         nodes = await open_swarm(nursery, 3)
         weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
         optimizers = [
-            LocalUpdatesOptimizer(
-                torch.optim.SGD([weight], lr=0.1),
+            quick_optimizer(
+                weight,
                 node,
+                schedule,
+                background,
                 prefix="behind-later",
                 local_steps=local_steps,
-                codec="none",
                 target_group_size=3,
-                settle_time=0.1,
                 matchmaking_timeout=1.0,
-                average_state_every=0,
-                rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
-                progress_interval=0.05,
                 load_state_timeout=10.0,
             )
             for weight, node in zip(weights, nodes, strict=True)
