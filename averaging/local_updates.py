@@ -192,12 +192,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
                 await replica.exchange(self.local_samples)
             else:
                 replica.exchange_soon(self._background, lambda: self.local_samples)
-        me = replica.tracker.me
-        return SwarmProgress(
-            {**replica.swarm.peers, me: replica.progress(self.local_samples)},
-            max(replica.swarm.epoch, replica.epoch),
-            me,
-        )
+        return replica.view(self.local_samples)
 
     async def _catch_up(self, swarm_epoch: int) -> None:
         """Drop the round in flight and this round's steps, and take a donor's state; if none can

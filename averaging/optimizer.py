@@ -203,11 +203,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
                 await replica.exchange(self.local_samples)
             else:
                 replica.exchange_soon(self._background, lambda: self.local_samples)
-        view = SwarmProgress(
-            {**replica.swarm.peers, replica.tracker.me: replica.progress(self.local_samples)},
-            max(replica.swarm.epoch, replica.epoch),
-            replica.tracker.me,
-        )
+        view = replica.view(self.local_samples)
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
         # progress (as the evidence says, not any one claim): our parameters are stale, take the
         # swarm's.

@@ -261,7 +261,7 @@ class ReducerChecks:
             self.banned.ban(reducer.peer_id, verdict)
             log.warning("reducer %s caught and banned: %s", reducer.peer_id, verdict)
         else:
-            self.banned.ban(reducer.peer_id, verdict, UNANSWERED_BAN_SECONDS)
             seconds = UNANSWERED_BAN_SECONDS
+            self.banned.ban(reducer.peer_id, verdict, seconds)
             log.warning("reducer %s left out of our groups for %g s: %s", reducer.peer_id, seconds, verdict)
         return verdict

@@ -207,6 +207,12 @@ class Replica:
     def progress(self, samples: int) -> PeerProgress:
         return PeerProgress(self.epoch, samples, self.samples_per_s)
 
+    def view(self, samples: int) -> SwarmProgress:
+        """The last view fetched, with our own record as of now (``samples`` this epoch) and
+        never an epoch below ours."""
+        me = self.tracker.me
+        return SwarmProgress({**self.swarm.peers, me: self.progress(samples)}, max(self.swarm.epoch, self.epoch), me)
+
     async def publish(self, samples: int) -> None:
         await self.tracker.publish(self.progress(samples))
 

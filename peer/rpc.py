@@ -234,6 +234,8 @@ class Connection:
     def _check_link(self, sent_at: float, progress: tuple[int, int]) -> None:
         """A call timed out: close the connection if its link has been silent too long
         (``link_silence.py``), so that the next call dials a fresh one."""
+        if self.is_closed:  # already going, for its own reason
+            return
         if self.channel.unacknowledged() == 0:
             # Nothing we wrote waits for the peer's kernel: the request is still in our own queue
             # (our event loop was held up), or everything was acknowledged. No evidence either way.
