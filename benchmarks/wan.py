@@ -12,6 +12,14 @@ needs root, ``ip`` and ``tc``; without them it prints one line saying what is mi
 
 Parts (rows of the table):
   raw_tcp        one plain TCP stream host 0 -> host 1: the wire's own speed, for reference.
+  raw_alltoall   4 hosts, each sending the all-reduce's bytes to each other host at once with plain
+                 TCP and no dependencies (``wan_cases/raw_alltoall.py``): what the kernel alone does
+                 with the all-reduce's traffic matrix, against the same line-rate bound. Two
+                 schedules, rounds alternating: ``parallel`` (a stream per peer, sharing the link as
+                 TCP shares it) and ``rotating`` (one destination at a time in part-sized turns,
+                 every host sending to a different host at each turn). Figures:
+                 ``raw_alltoall_parallel_fraction`` and ``raw_alltoall_rotating_fraction`` = bound ÷
+                 median round time (first byte sent to last byte received, all hosts).
   allreduce      4 peers, each a DHT node with a ``GroupAverager`` of 4,194,304 float32 values
                  (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together, with the
                  aggregation a public swarm uses (``--aggregation mean``: the exact mean). The baseline
@@ -86,11 +94,42 @@ VALUES = 4_194_304  # 16 MiB of float32, the issue's figure
 MEMBER_PORT = 31500
 RAW_PORT = 31600
 RAW_BYTES = 64 << 20
+ALLTOALL_PORT = 31700
+# the all-reduce's parts at this size: a shard of 4 MiB in 8 parts (averaging/partition.py)
+ALLTOALL_CHUNK = 512 * 1024
 START_TIMEOUT = 90.0  # four interpreters importing torch on 2 busy cores
 MODEL_SIZE = "small"
 # Collaborative mode's swarm batch here: 4 batches of 16 per peer per epoch, so that an epoch's
 # compute (~3 s on this machine) can hide one round of averaging (~1.5 s at 100 Mbit/s).
 COLLABORATIVE_BATCH = 256
+
+
+def raw_alltoall(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]:
+    hosts = [lab.add_host(f"t{index}", rate_mbit=rate) for index in range(PEERS)]
+    per_peer = 2 * VALUES * 4 // PEERS  # reduce-scatter and all-gather bytes from one host to one other
+    script = "benchmarks/wan_cases/raw_alltoall.py"
+    processes = spawn_all(
+        lab, hosts, workdir, script, lambda i: [str(i), str(ALLTOALL_PORT), str(per_peer), str(ALLTOALL_CHUNK)]
+    )
+    for index, process in enumerate(processes):
+        others = [host.address for other, host in enumerate(hosts) if other != index]
+        tell([process], "connect " + " ".join(others))
+    for process in processes:
+        if read_line(process, 60) != "connected":
+            raise RuntimeError("the all-to-all hosts did not connect")
+    bound = line_rate_bound_s(VALUES, PEERS, rate)
+    times: dict[str, list[float]] = {"parallel": [], "rotating": []}
+    for number in range(4 if quick else 10):
+        schedule = "parallel" if number % 2 == 0 else "rotating"
+        tell(processes, f"round {schedule}")
+        outcome = [json.loads(read_line(process, 20 * bound + 30)) for process in processes]
+        times[schedule].append(max(r["finished"] for r in outcome) - min(r["started"] for r in outcome))
+    return {
+        "bound_s": bound,
+        **{f"{name}_s": statistics.median(seconds) for name, seconds in times.items()},
+        **{f"{name}_fraction": bound / statistics.median(seconds) for name, seconds in times.items()},
+        "rounds": times,
+    }
 
 
 def line_rate_bound_s(values: int, peers: int, rate_mbit: float) -> float:
@@ -322,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", type=mbit_per_s, default=100.0, help="Mbit/s of every host's link: 20 or 20mbit (default 100)"
     )
-    parts = ["raw_tcp", "allreduce", "solo", "local_updates", "collaborative", "single"]
+    parts = ["raw_tcp", "raw_alltoall", "allreduce", "solo", "local_updates", "collaborative", "single"]
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
@@ -358,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: dict[str, str] = {}
     bodies = {
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
+        "raw_alltoall": lambda lab, d: raw_alltoall(lab, d, args.rate, args.quick),
         "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind, args.aggregation),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
         "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
@@ -422,6 +462,8 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "loss_ratio": _figure(loss_ratio),
         "rate_mbit": rate,
         "raw_tcp_mbit_s": _figure((results.get("raw_tcp") or {}).get("mbit_s"), 1),
+        "raw_alltoall_parallel_fraction": _figure((results.get("raw_alltoall") or {}).get("parallel_fraction")),
+        "raw_alltoall_rotating_fraction": _figure((results.get("raw_alltoall") or {}).get("rotating_fraction")),
         "allreduce_s": _figure(reduce_.get("allreduce_s")),
         "step_s": _figure(reduce_.get("step_s")),
         "line_rate_bound_s": _figure(line_rate_bound_s(VALUES, PEERS, rate)),
@@ -452,6 +494,8 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
     for name in (
         "raw_tcp_mbit_s",
         "line_rate_bound_s",
+        "raw_alltoall_parallel_fraction",
+        "raw_alltoall_rotating_fraction",
         "allreduce_s",
         "step_s",
         "allreduce_line_rate_fraction",
