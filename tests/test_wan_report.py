@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from benchmarks.wan import line_rate_bound_s, summarize
 from benchmarks.wan_cases import hivemind_baseline
+from benchmarks.wan_cases.raw_alltoall import rotation_target
 
 BOUND = line_rate_bound_s(4_194_304, 4, 100.0)
 
@@ -90,3 +91,21 @@ def test_link_rates_read_as_tc_writes_them():
     assert mbit_per_s("20") == 20.0
     assert mbit_per_s("20mbit") == 20.0
     assert mbit_per_s("1gbit") == 1000.0
+
+
+def test_the_rotating_all_to_all_schedule_is_a_permutation_at_every_turn():
+    for hosts in range(2, 9):
+        for turn in range(3 * hosts):
+            targets = [rotation_target(me, hosts, turn) for me in range(hosts)]
+            assert sorted(targets) == list(range(hosts))  # nobody receives from two hosts at once
+            assert all(target != me for me, target in enumerate(targets))
+        for me in range(hosts):  # and every other host gets the same number of turns
+            visits = [rotation_target(me, hosts, turn) for turn in range(2 * (hosts - 1))]
+            assert sorted(visits) == sorted(2 * [h for h in range(hosts) if h != me])
+
+
+def test_the_plain_tcp_all_to_all_figures_are_reported():
+    summary = summarize({"raw_alltoall": {"parallel_fraction": 0.81, "rotating_fraction": 0.8421}}, 100.0, 20.0)
+    assert summary["raw_alltoall_parallel_fraction"] == 0.81
+    assert summary["raw_alltoall_rotating_fraction"] == 0.842
+    assert summarize({}, 100.0, 20.0)["raw_alltoall_rotating_fraction"] is None

@@ -61,12 +61,18 @@ def send_parallel(outgoing: list[socket.socket], total: int, chunk: int) -> None
         thread.join()
 
 
+def rotation_target(me: int, hosts: int, turn: int) -> int:
+    """Whom host ``me`` sends to at ``turn``: every host shifts by the same step, so each turn is a
+    permutation (no host receives from two at once) and no host sends to itself."""
+    return (me + 1 + turn % (hosts - 1)) % hosts
+
+
 def send_rotating(outgoing: dict[int, socket.socket], me: int, hosts: int, total: int, chunk: int) -> None:
     block = memoryview(bytes(chunk))
     turns = -(-total // chunk) * (hosts - 1)
     sent = dict.fromkeys(outgoing, 0)
     for turn in range(turns):
-        target = (me + 1 + turn % (hosts - 1)) % hosts
+        target = rotation_target(me, hosts, turn)
         count = min(chunk, total - sent[target])
         outgoing[target].sendall(block[:count])
         sent[target] += count
