@@ -91,7 +91,7 @@ class Contacts:
             held = self.table.get(contact.peer_id)
             if held is not None and held.address == contact.address:
                 self.table.remove_contact(held)
-                self.lost.lost(held.peer_id, held, self.health.clock())
+                self.lost.lost(held.peer_id, held, self.health.clock(), host=held.address.host)
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old

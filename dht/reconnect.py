@@ -16,11 +16,13 @@ table is empty (``initial``).
 
 Only contacts that were in the table (proof checked, reached over an authenticated connection) are
 ever remembered, and at most MAX_LOST of them, so a flood of Sybils that join and vanish costs
-pings to MAX_LOST addresses per PROBE_MIN at most. A contact is given up GIVE_UP_AFTER its loss
-(about 65 pings in all): the address in its entry is the one its hello announced, which nobody
-checked, and a peer that announced someone else's address and left must not have every node
-that met it dial that address for good. The initial peers, which the operator chose, are never
-given up.
+pings to MAX_LOST addresses per PROBE_MIN at most. At most MAX_LOST_PER_HOST of them share one host
+(a host's newer losses push out its older ones), so one machine running many identities, one per
+port, cannot take every slot and leave the honest contacts of a real partition forgotten. A
+contact is given up GIVE_UP_AFTER its loss (about 65 pings in all): the address in its entry is
+the one its hello announced, which nobody checked, and a peer that announced someone else's
+address and left must not have every node that met it dial that address for good. The initial
+peers, which the operator chose, are never given up.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["GIVE_UP_AFTER", "LostContacts", "MAX_LOST", "PROBE_MAX", "PROBE_MIN"]
+__all__ = ["GIVE_UP_AFTER", "LostContacts", "MAX_LOST", "MAX_LOST_PER_HOST", "PROBE_MAX", "PROBE_MIN"]
 
 MAX_LOST = 64
+# A few peers per machine is usual (one per GPU); more is one operator's Sybils.
+MAX_LOST_PER_HOST = 4
 PROBE_MIN = 1.0
 PROBE_MAX = 60.0
 AGE_FRACTION = 1 / 8  # a retry every eighth of the outage so far: ~4 s after a 30 s outage
@@ -47,25 +51,32 @@ class _Lost(Generic[T]):
     target: T
     lost_at: float
     next_probe: float
+    host: Hashable
 
 
 class LostContacts(Generic[T]):
     """Targets (contacts, or initial peers' addresses) to ping again, keyed by who they are;
     each is given up ``give_up_after`` seconds after it was lost."""
 
-    def __init__(self, limit: int = MAX_LOST, give_up_after: float = GIVE_UP_AFTER):
+    def __init__(self, limit: int = MAX_LOST, give_up_after: float = GIVE_UP_AFTER, per_host: int = MAX_LOST_PER_HOST):
         self.limit = limit
+        self.per_host = per_host
         self.give_up_after = give_up_after
         self._lost: dict[Hashable, _Lost[T]] = {}
 
     def __len__(self) -> int:
         return len(self._lost)
 
-    def lost(self, key: Hashable, target: T, now: float) -> None:
-        """``target`` stopped answering at ``now``; a target already lost keeps its first loss time."""
+    def lost(self, key: Hashable, target: T, now: float, host: Hashable = None) -> None:
+        """``target`` (on ``host``: None, a host of its own) stopped answering at ``now``; a target
+        already lost keeps its first loss time."""
         if key in self._lost:
             return
-        self._lost[key] = _Lost(target, now, now + PROBE_MIN)
+        if host is not None:
+            same_host = [k for k, entry in self._lost.items() if entry.host == host]
+            for k in same_host[: max(0, len(same_host) - self.per_host + 1)]:  # its oldest go first
+                del self._lost[k]
+        self._lost[key] = _Lost(target, now, now + PROBE_MIN, host)
         while len(self._lost) > self.limit:  # the oldest losses go first
             del self._lost[next(iter(self._lost))]
 

@@ -126,6 +126,18 @@ def test_lost_contacts_are_retried_more_rarely_as_the_loss_ages():
     assert sorted(lost.due(5.0)) == ["C", "D", "E"]
 
 
+def test_one_host_cannot_take_every_lost_contact_slot():
+    # One machine with an identity per port, evicted together, must not push out the contacts of
+    # other hosts that a real partition took away.
+    lost: LostContacts[str] = LostContacts(limit=8)
+    lost.lost("honest", "HONEST", now=0.0, host="10.0.0.1")
+    for port in range(100):
+        lost.lost(f"sybil{port}", f"S{port}", now=1.0 + port, host="10.6.6.6")
+    due = lost.due(1000.0)
+    assert "HONEST" in due
+    assert sorted(due) == sorted(["HONEST", "S96", "S97", "S98", "S99"])  # the host's newest 4
+
+
 def test_a_lost_contact_is_given_up_after_a_bounded_number_of_pings():
     # Its address is the one its hello announced, unchecked: a peer that announced another host's
     # address and left must not make us dial that host for good.
