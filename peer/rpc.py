@@ -236,9 +236,10 @@ class Connection:
         (``link_silence.py``), so that the next call dials a fresh one."""
         if self.is_closed:  # already going, for its own reason
             return
-        if self.channel.unacknowledged() == 0:
-            # Nothing we wrote waits for the peer's kernel: the request is still in our own queue
-            # (our event loop was held up), or everything was acknowledged. No evidence either way.
+        if self.channel.in_flight() == 0:
+            # Nothing we sent waits for the peer's kernel: the request is still in our own queue
+            # (our event loop was held up), it waits for a peer that stopped reading to open its
+            # receive window, or everything was acknowledged. No evidence against the link.
             return
         now = trio.current_time()
         if self.silence.call_timed_out(sent_at, progress, self.link_progress(), now):

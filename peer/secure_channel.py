@@ -99,8 +99,13 @@ _MIN_LOW_WATER = 128 * 1024
 _MAX_LOW_WATER = 512 * 1024
 
 
+# Linux's SIOCOUTQNSD: bytes in the send queue not yet sent (TIOCOUTQ counts these too).
+_SIOCOUTQNSD = 0x894B
+
+
 def _queued(fd: int, request: int) -> int:
-    """A socket queue's length in bytes (``FIONREAD``: unread; ``TIOCOUTQ``: unacknowledged)."""
+    """A socket queue's length in bytes (``FIONREAD``: unread; ``TIOCOUTQ``: unacknowledged, sent
+    or not; ``_SIOCOUTQNSD``: not yet sent)."""
     return _INT.unpack(fcntl.ioctl(fd, request, bytes(_INT.size)))[0]
 
 
@@ -194,13 +199,19 @@ class SecureChannel:
         self._last_progress = (max(0, self._written - unsent), self._read + unread)
         return self._last_progress
 
-    def unacknowledged(self) -> int:
-        """Bytes written to the socket that the peer's kernel has not acknowledged yet (0 without
-        a real socket, or once it is closed)."""
+    def in_flight(self) -> int:
+        """Bytes sent on the wire that the peer's kernel has not acknowledged yet (0 without a
+        real socket, or once it is closed).
+
+        Not the whole send queue: a peer that stops reading (its process stopped or busy) closes
+        its receive window, and what we wrote then waits in our queue unsent while its kernel
+        still acknowledges everything that was sent. Only bytes that went out and stay
+        unacknowledged say that the path itself is down."""
         if self._socket is None:
             return 0
         try:
-            return _queued(self._descriptor(), termios.TIOCOUTQ)
+            fd = self._descriptor()
+            return max(0, _queued(fd, termios.TIOCOUTQ) - _queued(fd, _SIOCOUTQNSD))
         except (OSError, trio.ClosedResourceError):
             return 0
 

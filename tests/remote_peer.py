@@ -4,7 +4,8 @@ no goodbye from peerd's code. In-process peers cannot show this: cancelling one 
 connections in an orderly way.
 
 Run as ``python -m tests.remote_peer``: prints its address (``HOST:PORT/PEERID``) on one line and
-serves until killed. Its one method, ``sink``, reads a stream to its end.
+serves until killed. Its methods: ``sink`` reads a stream to its end, ``echo`` answers a unary
+call with its body.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ async def _serve() -> None:
         async for _ in stream:
             pass
 
+    @router.unary("echo")
+    async def echo(request):
+        return request.body
+
     async with open_peer_host(Identity.generate(), router=router) as host:
         print(host.listen_address, flush=True)
         await trio.sleep_forever()
@@ -45,6 +50,9 @@ class RemotePeer:
 
     def stop(self) -> None:
         os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)

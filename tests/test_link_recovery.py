@@ -15,6 +15,8 @@ from dht.testing import Swarm
 from peer import CallTimeoutError, Identity, Router, open_peer_host
 from peer.link_silence import LinkSilence
 
+from .remote_peer import remote_peer
+
 
 def test_a_link_is_taken_for_down_only_after_it_said_nothing_for_the_limit():
     silence = LinkSilence(limit=10.0)
@@ -67,7 +69,7 @@ async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_di
             # A link that is down moves neither counter (on loopback the kernel always answers,
             # so the socket's counters are frozen here by hand).
             connection.channel.link_progress = lambda: (0, 0)
-            connection.channel.unacknowledged = lambda: 100  # our request sits unacknowledged
+            connection.channel.in_flight = lambda: 100  # our request went out, unacknowledged
             with pytest.raises(CallTimeoutError):
                 await connection.call("hang", timeout=0.2)
             assert not connection.is_closed  # silent for 0.2 s: not yet
@@ -102,11 +104,33 @@ async def test_calls_held_up_on_our_side_are_no_evidence_against_the_link():
             connection = await client.connect(server.listen_address)
             connection.silence.limit = 0.3
             connection.channel.link_progress = lambda: (0, 0)
-            connection.channel.unacknowledged = lambda: 0
+            connection.channel.in_flight = lambda: 0
             for _ in range(4):
                 with pytest.raises(CallTimeoutError):
                     await connection.call("hang", timeout=0.2)
             assert not connection.is_closed
+
+
+async def test_a_peer_that_stops_reading_keeps_its_connection():
+    """A stopped process (or one too busy to read) closes its receive window, but its kernel still
+    acknowledges what was sent: the link is alive, and the connection must be there when the peer
+    reads again. Our unsent bytes are no evidence against the path; only sent, unacknowledged ones
+    are."""
+    async with remote_peer() as remote, open_peer_host(Identity.generate(), listen=None) as client:
+        connection = await client.connect(remote.address)
+        assert (await connection.call("echo", 1, timeout=10)).body == 1
+        connection.silence.limit = 0.3
+        remote.stop()
+        # enough to fill its receive buffer and our send buffer: the rest waits in our queue
+        with pytest.raises(CallTimeoutError):
+            await connection.call("echo", payload=bytes(32 << 20), timeout=1.0)
+        for _ in range(4):
+            with pytest.raises(CallTimeoutError):
+                await connection.call("echo", 2, timeout=0.2)
+        assert connection.channel.in_flight() == 0  # our bytes wait in our queue, none on the wire
+        assert not connection.is_closed
+        remote.resume()
+        assert (await connection.call("echo", 3, timeout=20)).body == 3
 
 
 def test_lost_contacts_are_retried_more_rarely_as_the_loss_ages():
