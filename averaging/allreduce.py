@@ -54,6 +54,7 @@ from .reducer_checks import ReducerChecks
 from .robust import Aggregation
 from .round_links import RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
+from .uplink import uplink_shares
 
 __all__ = ["AllReduceService", "AllReduceResult", "AllReduceError", "INLINE_WORK_LIMIT", "tensor_work_limiter"]
 
@@ -174,6 +175,7 @@ class AllReduceService:
         deadlines: DeadlineRules = DEFAULT_DEADLINES,
         aggregation: Aggregation | str = Aggregation.MEAN,
         check_reducers: bool | None = None,
+        uplink: float | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group``.
 
@@ -186,7 +188,9 @@ class AllReduceService:
         not change in between; a cancelled round leaves them as they were. ``aggregation``: how
         our shard, if we reduce one, is aggregated from the senders' parts (``robust.py``);
         ``check_reducers``: whether to check the other reducers before using their averages
-        (``verification.py``; default: with centered-clip, which the checks recompute)."""
+        (``verification.py``; default: with centered-clip, which the checks recompute).
+        ``uplink``: this peer's uplink in bytes/s, if known: the round's connections are paced to
+        share it (``uplink.py``)."""
         me = self.host.peer_id
         member = group.member(me)
         if member is None:
@@ -222,7 +226,8 @@ class AllReduceService:
         if group.group_id in self._rounds:
             raise AllReduceError("another round on this peer already uses this group ID")
         self._buffers.start_round()
-        links = RoundLinks(self.host, [m.peer_id for m in group.members if m.peer_id != me])
+        pacing = uplink_shares(plan, group, me, uplink) if uplink else None
+        links = RoundLinks(self.host, [m.peer_id for m in group.members if m.peer_id != me], pacing)
         with self._buffers.lease() as received, contextlib.ExitStack() as holds:
             reducer = None
             if my_shard is not None:
@@ -258,6 +263,7 @@ class AllReduceService:
                                     )
                     watching.cancel_scope.cancel()
             finally:
+                links.lift_pacing()
                 del self._rounds[group.group_id]  # ours: a second round with this ID was refused above
                 self._finish(group.group_id)
                 if reducer is not None:  # (if cancelled: free the handlers waiting for replies)

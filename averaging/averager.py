@@ -86,10 +86,13 @@ class GroupAverager:
         allow_state_sharing: bool = True,
         settle_time: float | None = None,
         aggregation: Aggregation | str = "auto",
+        uplink: float | None = None,
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
         ``centered-clip`` (robust to a hostile minority, ``robust.py``), or ``auto``:
-        centered-clip in a public swarm, the mean in a private one (``peer/access.py``)."""
+        centered-clip in a public swarm, the mean in a private one (``peer/access.py``).
+        ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
+        connections are paced to share it (``uplink.py``); None leaves the sharing to TCP."""
         self.tensors = list(tensors)
         self.dht = dht
         self.host: PeerHost = dht.host
@@ -109,6 +112,7 @@ class GroupAverager:
         self.sender_timeout = sender_timeout
         self.reducer_timeout = reducer_timeout
         self.part_size = part_size
+        self.uplink = uplink
         self.allow_state_sharing = allow_state_sharing
         self.settle_time = settle_time
         self.schema = tensor_schema(self.tensors)
@@ -187,6 +191,7 @@ class GroupAverager:
                 reducer_timeout=self.reducer_timeout,
                 part_size=self.part_size,
                 aggregation=self.aggregation,
+                uplink=self.uplink,
             )
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))

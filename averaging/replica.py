@@ -97,6 +97,7 @@ def averaging_options(
     averaging_timeout: float,
     settle_time: float | None,
     aggregation: str = "auto",
+    uplink: float | None = None,
 ) -> dict[str, Any]:
     """GroupAverager options from an optimizer's knobs: senders get half the round's deadline, so a
     dead sender is dropped while the reducers still have time to answer."""
@@ -108,6 +109,7 @@ def averaging_options(
         "reducer_timeout": averaging_timeout,
         "settle_time": settle_time,
         "aggregation": aggregation,
+        "uplink": uplink,
     }
 
 

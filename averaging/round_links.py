@@ -46,9 +46,15 @@ class Watch:
 class RoundLinks:
     """The links (connections) of one round to ``peers``, their meters, and the watches on them."""
 
-    def __init__(self, host: PeerHost, peers: list[PeerID]):
+    def __init__(self, host: PeerHost, peers: list[PeerID], pacing: dict[tuple[PeerID, str], float] | None = None):
+        """``pacing``: sending rates for what the round sends each of these peers (``uplink.py``):
+        a connection is capped at the sum for what it carries while the round uses it, and the
+        caps are lifted by ``lift_pacing``."""
         self.host = host
         self.peers = peers
+        self.pacing = pacing or {}
+        self._paced: dict[int, Any] = {}
+        self._carries: dict[int, set[str]] = {}
         self._links: dict[PeerID, dict[int, Any]] = {peer: {} for peer in peers}
         self._base: dict[int, tuple[int, int]] = {}  # a link's counts when the round first saw it
         self._watches: list[Watch] = []
@@ -57,12 +63,26 @@ class RoundLinks:
         self.upload = ThroughputMeter()
         self.download = ThroughputMeter()
 
-    def add(self, peer: PeerID, link: Any) -> None:
-        """A connection to ``peer`` that this round uses (anything with ``link_progress()``)."""
+    def add(self, peer: PeerID, link: Any, carries: str | None = None) -> None:
+        """A connection to ``peer`` that this round uses (anything with ``link_progress()``), to
+        send what ``carries`` names (``uplink.PARTS`` or ``uplink.AVERAGES``), if anything."""
         links = self._links.get(peer)
-        if links is not None and id(link) not in links:
+        if links is None:
+            return
+        if id(link) not in links:
             links[id(link)] = link
             self._base[id(link)] = link.link_progress()
+        if carries is not None and (peer, carries) in self.pacing:
+            what = self._carries.setdefault(id(link), set())
+            what.add(carries)
+            if link.set_pacing_rate(sum(self.pacing.get((peer, kind), 0.0) for kind in what)):
+                self._paced[id(link)] = link
+
+    def lift_pacing(self) -> None:
+        """The round is over: its connections send as fast as TCP lets them again."""
+        for link in self._paced.values():
+            link.set_pacing_rate(None)
+        self._paced.clear()
 
     def watch(
         self, peer: PeerID, deadline: ProgressDeadline, expired: Callable[[str], Awaitable[None]], *, incoming: bool

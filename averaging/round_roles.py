@@ -35,6 +35,7 @@ from .part_buffers import BufferLease, PartSink
 from .partition import AllReducePlan
 from .reduction import ContributionRejected
 from .round_links import RoundLinks
+from .uplink import AVERAGES, PARTS
 
 __all__ = ["INLINE_WORK_LIMIT", "ReducerRole", "SenderRole", "in_thread", "tensor_work_limiter"]
 
@@ -179,7 +180,7 @@ class ReducerRole:
         """One sender's stream: its parts until it ends (or the round moves on), and at the same
         time the replies, each as soon as it is made."""
         sender = stream.peer
-        self.links.add(sender, stream.link)
+        self.links.add(sender, stream.link, carries=AVERAGES)
         reduction = self.shard.reduction
         try:
             async with self.lock:
@@ -402,7 +403,7 @@ class SenderRole:
         """Our parts go out while the reducer's averages come back, on the same stream."""
         assert reducer.address is not None
         connection = await self.host.connect(reducer.address)
-        self.links.add(reducer.peer_id, connection)
+        self.links.add(reducer.peer_id, connection, carries=PARTS)
         async with connection.stream(REDUCE_METHOD) as stream:
             stream.set_buffer_provider(inbox.sink)
             # once the reducer has answered in full, sending is over (it may have dropped us)

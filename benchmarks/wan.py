@@ -24,8 +24,11 @@ Parts (rows of the table):
                  (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together, with the
                  aggregation a public swarm uses (``--aggregation mean``: the exact mean). The baseline
                  is the line-rate bound of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal
-                 rate (2.01 s at 100 Mbit/s). Figures: ``allreduce_line_rate_fraction`` = bound ÷
-                 median all-reduce time (group formed until the round is done, slowest peer), and
+                 rate (2.01 s at 100 Mbit/s). Each peer declares its uplink, the link's rate (as
+                 ``peerd join --uplink-mbit``), and paces its connections to share it
+                 (``averaging/uplink.py``); ``--no-uplink``: TCP shares the link on its own.
+                 Figures: ``allreduce_line_rate_fraction`` = bound ÷ median all-reduce time
+                 (group formed until the round is done, slowest peer), and
                  ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
                  With ``--hivemind PYTHON`` (or ``$PEERD_WAN_HIVEMIND``), 4 Hivemind 1.1.12
                  ``DecentralizedAverager``s of the same tensor run on the same hosts
@@ -170,7 +173,13 @@ def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]
 
 
 def allreduce(
-    lab: Lab, workdir: Path, rate: float, quick: bool, hivemind: str | None, aggregation: str = "auto"
+    lab: Lab,
+    workdir: Path,
+    rate: float,
+    quick: bool,
+    hivemind: str | None,
+    aggregation: str = "auto",
+    declare_uplink: bool = True,
 ) -> dict[str, Any]:
     hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
     keys = []
@@ -188,6 +197,8 @@ def allreduce(
             "--matchmaking-timeout", "15", "--settle", "0.3", "--aggregation", aggregation,
             "--sender-timeout", str(10 * bound + 10), "--reducer-timeout", str(20 * bound + 20),
         ]  # fmt: skip
+        if declare_uplink:  # as `peerd join --uplink-mbit RATE` on a link of that rate
+            flags += ["--uplink-mbit", str(rate)]
         return [*flags, "--initial-peer", f"{hosts[0].address}:{MEMBER_PORT}"] if index else flags
 
     script = "benchmarks/faults_cases/matchmaking_member.py"
@@ -379,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the all-reduce part's aggregation (auto: what a public swarm uses, centered-clip with "
         "reducer checks; mean: the exact mean, as Hivemind averages)",
     )
+    parser.add_argument(
+        "--no-uplink",
+        action="store_true",
+        help="the all-reduce's peers do not declare their uplink (by default each declares the link's "
+        "rate, as `peerd join --uplink-mbit`, and paces its connections to share it: averaging/uplink.py)",
+    )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
     if reason is not None:
@@ -398,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     bodies = {
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
         "raw_alltoall": lambda lab, d: raw_alltoall(lab, d, args.rate, args.quick),
-        "allreduce": lambda lab, d: allreduce(lab, d, args.rate, args.quick, args.hivemind, args.aggregation),
+        "allreduce": lambda lab, d: allreduce(
+            lab, d, args.rate, args.quick, args.hivemind, args.aggregation, not args.no_uplink
+        ),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
         "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
         "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
@@ -413,7 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(results, args.rate, window)
-    summary.update(quick=args.quick, interrupted=interrupted, errors=errors, aggregation=args.aggregation)
+    summary.update(
+        quick=args.quick,
+        interrupted=interrupted,
+        errors=errors,
+        aggregation=args.aggregation,
+        uplink_declared=not args.no_uplink,
+    )
     print_table(summary, results)
     if errors or interrupted or args.keep:
         print(f"logs: {workdir}")

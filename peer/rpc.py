@@ -169,6 +169,11 @@ class Connection:
         out again before its tasks have wound down."""
         return self._cancel_scope.cancel_called or self.closed.is_set()
 
+    def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
+        """Cap how fast this connection sends (None: no cap), where its socket allows it
+        (``SecureChannel.set_pacing_rate``)."""
+        return self.channel.set_pacing_rate(bytes_per_s)
+
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)`` bytes of this connection so far, counted at the socket (see
         ``SecureChannel.link_progress``): what a caller watches to tell a slow peer from a stalled one."""

@@ -40,6 +40,9 @@ class StreamTransport(Protocol):
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)`` bytes of the whole connection so far, counted at the socket."""
 
+    def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
+        """Cap how fast the whole connection sends (None: no cap); False where it cannot."""
+
 
 class PendingCall:
     """Caller-side state of one call: a result slot (unary) or a queue of messages (stream)."""

@@ -57,6 +57,7 @@ from .hello import (
 from .identity import Identity, PeerID, verify_signature
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
+from .tcp_options import set_pacing_rate
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -198,6 +199,13 @@ class SecureChannel:
             return self._last_progress
         self._last_progress = (max(0, self._written - unsent), self._read + unread)
         return self._last_progress
+
+    def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
+        """Cap how fast the kernel sends this channel's bytes (None: no cap); False without a
+        real socket (a relayed circuit: its socket is the relay's, shared with other circuits)."""
+        if self._socket is None:
+            return False
+        return set_pacing_rate(self._socket, bytes_per_s)
 
     def in_flight(self) -> int:
         """Bytes sent on the wire that the peer's kernel has not acknowledged yet (0 without a

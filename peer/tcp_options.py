@@ -14,8 +14,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import struct
+import sys
 
-__all__ = ["tune_connection", "is_loopback_peer"]
+__all__ = ["tune_connection", "is_loopback_peer", "set_pacing_rate"]
 
 log = logging.getLogger("peerd.host")
 
@@ -77,3 +79,22 @@ def _limit_unsent(sock) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_LIMIT)
     except OSError:  # not supported by this kernel
         log.debug("could not limit the unsent bytes of a connection")
+
+
+# Linux's SO_MAX_PACING_RATE: a cap, in bytes per second, on how fast the kernel sends on a
+# socket (TCP paces itself to it, no qdisc needed). ~0 lifts the cap.
+_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+_NO_CAP = 2**64 - 1
+
+
+def set_pacing_rate(sock, bytes_per_s: float | None) -> bool:
+    """Cap the rate the kernel sends at on ``sock`` (None: no cap). False where the system has no
+    such cap (not Linux) or refused it: the socket then sends as fast as TCP lets it, as before."""
+    if not sys.platform.startswith("linux"):
+        return False
+    value = _NO_CAP if bytes_per_s is None else max(1, int(bytes_per_s))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, struct.pack("Q", value))
+    except OSError:
+        return False
+    return True

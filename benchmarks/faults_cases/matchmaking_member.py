@@ -69,6 +69,7 @@ async def main(args: argparse.Namespace) -> None:
             settle_time=args.settle,
             allow_state_sharing=False,
             aggregation=args.aggregation,
+            uplink=args.uplink_mbit * 1e6 / 8 if args.uplink_mbit else None,
         )
         print("ready", flush=True)
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
@@ -101,5 +102,6 @@ if __name__ == "__main__":
     parser.add_argument("--sender-timeout", type=float, default=2.0)
     parser.add_argument("--reducer-timeout", type=float, default=4.0)
     parser.add_argument("--aggregation", default="auto", choices=["auto", "mean", "centered-clip"])
+    parser.add_argument("--uplink-mbit", type=float, default=None, help="declare this uplink (GroupAverager uplink=)")
     parser.add_argument("--settle", type=float, default=0.2, help="a LAN: declarations land within milliseconds")
     trio.run(main, parser.parse_args())

@@ -1,0 +1,56 @@
+"""Sharing this peer's uplink between the connections of one round, sans I/O.
+
+In an all-reduce every peer streams to every other peer at once: its parts to each reducer, its
+averages back to each sender. Left to TCP, the flows through one uplink do not share it evenly:
+each shaped link's queue fills, flows lose packets at different times, and some run ahead while
+others fall behind. The round waits for the slowest flow, so the uplink idles at the end while the
+late flows finish. Measured in the lab (4 peers, 100 Mbit/s tbf links), plain TCP moving an
+all-reduce's bytes between the hosts, with no dependencies at all, reached 0.80-0.84 of the
+line-rate bound (``benchmarks/wan.py``, part ``raw_alltoall``), and peerd's all-reduce the same.
+
+A peer that knows its uplink (``uplink``, bytes per second) therefore caps each connection of the
+round at its share: the uplink times the share of the round's upload that goes through that
+connection, times ``PACING_SHARE``. What goes through a connection is known as the round uses it:
+our parts to a reducer go on the connection we stream them on, our averages to a sender on the
+one its stream came in on, and these are one connection or two. Every flow then runs at the rate
+that makes all of them end together, no queue builds, and the same all-to-all reached 0.94-0.95
+of the bound. The share is a little under the whole uplink because a queue that does build (a cap above the link's real
+rate) brings the unfairness back: caps that added up to 99% of the link measured 0.89-0.90.
+
+A declared uplink below the real one wastes the difference; one above it leaves TCP to share as
+before. The caps are lifted when the round ends.
+"""
+
+from __future__ import annotations
+
+from .group import GroupInfo
+from .partition import AllReducePlan
+
+__all__ = ["AVERAGES", "PACING_SHARE", "PARTS", "uplink_shares"]
+
+PACING_SHARE = 0.95
+
+
+PARTS = "parts"  # our parts of the peer's shard (we send, it reduces)
+AVERAGES = "averages"  # our shard's average (we reduce, it sends)
+
+
+def uplink_shares(plan: AllReducePlan, group: GroupInfo, me, uplink: float) -> dict[tuple, float]:
+    """The pacing rate (bytes/s) for what we send each other member of ``group``, keyed by
+    ``(peer, PARTS)`` and ``(peer, AVERAGES)``: ``uplink`` split in proportion to the values each
+    carries. A connection carrying both (the usual case: one connection per pair of peers) is
+    paced at the sum; two peers that dialed each other at once each send one kind on each."""
+    reducers = [member.peer_id for member in group.reducers]
+    my_shard = reducers.index(me) if me in reducers else None
+    member = group.member(me)
+    we_send = member is not None and member.mode.sends
+    owed: dict[tuple, int] = {}
+    for other in group.members:
+        if other.peer_id == me:
+            continue
+        if we_send and other.peer_id in reducers and plan.shard_sizes[reducers.index(other.peer_id)]:
+            owed[(other.peer_id, PARTS)] = plan.shard_sizes[reducers.index(other.peer_id)]
+        if my_shard is not None and other.mode.sends and plan.shard_sizes[my_shard]:
+            owed[(other.peer_id, AVERAGES)] = plan.shard_sizes[my_shard]
+    total = sum(owed.values())
+    return {key: uplink * PACING_SHARE * values / total for key, values in owed.items()}

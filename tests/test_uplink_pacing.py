@@ -1,0 +1,137 @@
+"""A peer that declares its uplink paces each connection of a round to its share of it
+(``averaging/uplink.py``): the shares follow the bytes each connection carries, a paced connection
+sends no faster than its cap, and the caps are lifted when the round ends."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import trio
+
+from averaging.allreduce import AllReduceService
+from averaging.group import AveragingMode, GroupInfo, GroupMember
+from averaging.partition import AllReducePlan
+from averaging.uplink import AVERAGES, PACING_SHARE, PARTS, uplink_shares
+from peer import Identity, PeerAddress, Router, open_peer_host
+
+UPLINK = 1_000_000.0
+
+
+def group_of(modes: list[AveragingMode], bandwidths: list[float]) -> GroupInfo:
+    members = []
+    for index, (mode, bandwidth) in enumerate(zip(modes, bandwidths, strict=True)):
+        peer = Identity.generate().peer_id
+        address = None if mode is AveragingMode.CLIENT else PeerAddress("10.0.0.1", 1000 + index, peer)
+        members.append(GroupMember(peer, address, 0.0 if mode is AveragingMode.CLIENT else bandwidth, mode))
+    return GroupInfo(os.urandom(16), tuple(members))
+
+
+def test_equal_shards_split_the_uplink_evenly_between_the_other_members():
+    group = group_of([AveragingMode.NODE] * 4, [1.0] * 4)
+    plan = AllReducePlan.build(4_000_000, [1.0] * 4)
+    me = group.members[0].peer_id
+    shares = uplink_shares(plan, group, me, UPLINK)
+    others = [m.peer_id for m in group.members[1:]]
+    assert set(shares) == {(peer, kind) for peer in others for kind in (PARTS, AVERAGES)}
+    for peer in others:  # one connection per pair carries both: a third of the uplink each
+        assert shares[(peer, PARTS)] + shares[(peer, AVERAGES)] == pytest.approx(UPLINK * PACING_SHARE / 3)
+
+
+def test_shares_follow_the_bytes_each_connection_carries():
+    group = group_of([AveragingMode.NODE, AveragingMode.NODE, AveragingMode.NODE, AveragingMode.CLIENT], [1, 2, 3, 0])
+    plan = AllReducePlan.build(6_000_000, [1.0, 2.0, 3.0])
+    sizes = plan.shard_sizes  # 1M, 2M, 3M
+    me, second, third, client = (m.peer_id for m in group.members)
+    shares = uplink_shares(plan, group, me, UPLINK)
+    # to a reducer: our part of its shard, and our shard's average back; to the client: the average
+    owed = {
+        (second, PARTS): sizes[1],
+        (second, AVERAGES): sizes[0],
+        (third, PARTS): sizes[2],
+        (third, AVERAGES): sizes[0],
+        (client, AVERAGES): sizes[0],
+    }
+    total = sum(owed.values())
+    assert shares == pytest.approx({key: UPLINK * PACING_SHARE * values / total for key, values in owed.items()})
+    assert sum(shares.values()) == pytest.approx(UPLINK * PACING_SHARE)
+    # a client only sends: its part of each reducer's shard, in proportion to the shard
+    from_client = uplink_shares(plan, group, client, UPLINK)
+    expected = {
+        (p, PARTS): UPLINK * PACING_SHARE * s / sum(sizes) for p, s in zip((me, second, third), sizes, strict=True)
+    }
+    assert from_client == pytest.approx(expected)
+
+
+def sink_router() -> Router:
+    router = Router()
+
+    @router.stream("sink")
+    async def sink(stream) -> None:
+        async for _ in stream:
+            pass
+        await stream.send("done")
+
+    return router
+
+
+async def send_through(connection, payload: bytes) -> float:
+    started = trio.current_time()
+    async with connection.stream("sink", timeout=30) as stream:
+        await stream.send(None, payload)
+        await stream.end()
+        assert (await stream.receive()).body == "done"
+    return trio.current_time() - started
+
+
+async def test_a_paced_connection_sends_no_faster_than_its_cap():
+    async with open_peer_host(Identity.generate(), router=sink_router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            payload = bytes(2 << 20)
+            assert connection.set_pacing_rate(4 << 20)  # 4 MiB/s: 2 MiB take half a second
+            paced = await send_through(connection, payload)
+            assert paced >= 0.35
+            assert connection.set_pacing_rate(None)
+            assert await send_through(connection, payload) < paced / 2
+
+
+async def test_a_round_paces_its_connections_while_it_runs_and_lifts_the_caps_after():
+    values = 1 << 20  # 4 MiB of float32: each of 3 peers sends 2 x 2/3 of it, ~5.6 MB
+    uplink = 8e6
+    async with trio.open_nursery() as nursery:
+        hosts, services = [], []
+
+        async def run_host(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with open_peer_host(Identity.generate(), router=sink_router()) as host:
+                task_status.started((host, AllReduceService(host)))
+                await trio.sleep_forever()
+
+        for _ in range(3):
+            host, service = await nursery.start(run_host)
+            hosts.append(host)
+            services.append(service)
+        members = tuple(GroupMember(h.peer_id, h.listen_address, 1.0, AveragingMode.NODE) for h in hosts)
+        group = GroupInfo(os.urandom(16), members)
+        tensors = [[torch.full((values,), float(i))] for i in range(3)]
+        seconds = {}
+
+        async def one(i: int) -> None:
+            started = trio.current_time()
+            result = await services[i].run(group, tensors[i], uplink=uplink, sender_timeout=30, reducer_timeout=60)
+            assert result.succeeded
+            seconds[i] = trio.current_time() - started
+
+        async with trio.open_nursery() as round_:
+            for i in range(3):
+                round_.start_soon(one, i)
+        for i in range(3):
+            assert torch.equal(tensors[i][0], torch.full((values,), 1.0))
+        # each peer's upload at its paced share of 8 MB/s: ~0.7 s; unpaced, loopback takes a tenth
+        assert max(seconds.values()) >= 0.5
+        # the round is over: the same connection sends at loopback speed again
+        connection = hosts[0].connection_to(hosts[1].peer_id)
+        assert connection is not None
+        assert await send_through(connection, bytes(4 << 20)) < max(seconds.values()) / 2
+        nursery.cancel_scope.cancel()
