@@ -80,6 +80,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         outer_momentum: float = 0.9,
         codec: str = "blockwise_8bit",
         aggregation: str = "auto",
+        uplink: float | None = None,
         error_feedback: bool = True,
         target_group_size: int = 4,
         min_group_size: int = 2,
@@ -114,6 +115,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             averaging_timeout=averaging_timeout,
             settle_time=settle_time,
             aggregation=aggregation,
+            uplink=uplink,  # bytes/s, if known: rounds pace their connections to share it
         )
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging

@@ -113,6 +113,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         settle_time: float | None = None,
         codec: str = "none",
         aggregation: str = "auto",
+        uplink: float | None = None,
         progress_interval: float = 0.25,
         load_state_timeout: float = 30.0,
         delay_updates: trio.Nursery | None = None,
@@ -146,6 +147,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             averaging_timeout=averaging_timeout,
             settle_time=settle_time if settle_time is not None else max(progress_interval, 0.05),
             aggregation=aggregation,
+            uplink=uplink,  # bytes/s, if known: rounds pace their connections to share it
         )
         # Only gradients go through ``codec``: parameters and optimizer state are averaged exactly
         # (8-bit Adam moments or step counts would wreck the next steps).

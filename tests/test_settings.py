@@ -168,3 +168,14 @@ def test_aggregation_comes_from_flag_variable_or_file_and_defaults_to_auto(tmp_p
     assert join_args(settings).aggregation == "centered-clip"
     with pytest.raises(SystemExit):
         join_args(Settings.load(None, environ={}), "--aggregation", "median")
+
+
+def test_the_uplink_comes_from_flag_variable_or_file_and_is_unset_by_default(tmp_path):
+    assert join_args(Settings.load(None, environ={})).uplink_mbit is None
+    settings = Settings.load(write_config(tmp_path, "uplink_mbit = 40\n"), environ={})
+    assert join_args(settings).uplink_mbit == 40.0
+    assert join_args(Settings.load(None, environ={"PEERD_UPLINK_MBIT": "12.5"})).uplink_mbit == 12.5
+    assert join_args(Settings.load(None, environ={}), "--uplink-mbit", "100").uplink_mbit == 100.0
+    for bad in ("0", "-5", "fast"):
+        with pytest.raises(SystemExit):
+            join_args(Settings.load(None, environ={}), "--uplink-mbit", bad)

@@ -12,9 +12,13 @@ import trio
 
 from averaging.allreduce import AllReduceService
 from averaging.group import AveragingMode, GroupInfo, GroupMember
+from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.optimizer import CollaborativeOptimizer
 from averaging.partition import AllReducePlan
 from averaging.uplink import AVERAGES, PACING_SHARE, PARTS, uplink_shares
 from peer import Identity, PeerAddress, Router, open_peer_host
+
+from .test_training import open_swarm
 
 UPLINK = 1_000_000.0
 
@@ -134,4 +138,23 @@ async def test_a_round_paces_its_connections_while_it_runs_and_lifts_the_caps_af
         connection = hosts[0].connection_to(hosts[1].peer_id)
         assert connection is not None
         assert await send_through(connection, bytes(4 << 20)) < max(seconds.values()) / 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_both_optimizers_hand_a_declared_uplink_to_every_averager_they_run():
+    async with trio.open_nursery() as nursery:
+        (node,) = await open_swarm(nursery, 1)
+        weight = torch.nn.Parameter(torch.zeros(4))
+        collaborative = CollaborativeOptimizer(
+            torch.optim.SGD([weight], lr=0.1), node, prefix="up", target_batch_size=8, uplink=5e6
+        )
+        local = LocalUpdatesOptimizer(torch.optim.SGD([weight], lr=0.1), node, prefix="up2", uplink=5e6)
+        averagers = [
+            collaborative.grad_averager,
+            collaborative.replica.state,
+            local.delta_averager,
+            local.start_averager,
+            local.replica.state,
+        ]
+        assert [averager.uplink for averager in averagers] == [5e6] * len(averagers)
         nursery.cancel_scope.cancel()

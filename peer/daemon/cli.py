@@ -194,6 +194,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         shard=shard,
         target_batch_size=args.target_batch_size,
         local_steps=args.local_steps,
+        uplink_mbit=args.uplink_mbit,
         status_host=args.status_host,
         status_port=args.status_port,
         experts=_experts(args),

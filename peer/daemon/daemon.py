@@ -71,6 +71,7 @@ class DaemonConfig:
     shard: Any = None  # peer.daemon.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
     target_batch_size: int | None = None
     local_steps: int = 20
+    uplink_mbit: float | None = None  # declared uplink: averaging rounds pace their connections to share it
     status_host: str = "127.0.0.1"
     status_port: int | None = None
     experts: Any = None  # (moe.hosting.ExpertHostingConfig, built experts) for --serve-experts
@@ -226,6 +227,7 @@ class Daemon:
         async with trio.open_nursery() as background:
             codec = {} if config.compression is None else {"codec": config.compression}
             codec["aggregation"] = config.aggregation
+            codec["uplink"] = config.uplink_mbit * 1e6 / 8 if config.uplink_mbit else None
             if config.mode == "local-updates":
                 # (averaging of each round overlaps the next round's local steps, in `background`)
                 optimizer = LocalUpdatesOptimizer(

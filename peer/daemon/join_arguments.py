@@ -241,6 +241,17 @@ def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> Non
     )
     env_setting(
         join.add_argument(
+            "--uplink-mbit",
+            type=positive_float,
+            default=settings.parsed("UPLINK_MBIT", positive_float),
+            metavar="MBIT_PER_S",
+            help="this machine's upload speed: averaging rounds pace their connections to share it, which "
+            "moves the same bytes sooner than letting TCP share it (default: TCP shares it)",
+        ),
+        "UPLINK_MBIT",
+    )
+    env_setting(
+        join.add_argument(
             "--target-batch-size",
             type=int,
             default=settings.parsed("TARGET_BATCH_SIZE", int),
