@@ -45,7 +45,7 @@ Parts (rows of the table):
   solo           4 trainers with no swarm (``wan_cases/solo_trainer.py``), one per host, side by
                  side on the same CPU: the fair baseline on a shared machine. Figure: samples/s
                  per trainer.
-  local_updates  4 ``peerd join --task textlm --mode local-updates`` peers, and
+  local_updates  4 ``peerd join --task textlm --mode local-updates --uplink-mbit RATE`` peers, and
   collaborative  the same in collaborative mode with ``--delay-updates`` and a swarm batch of
                  ``COLLABORATIVE_BATCH``. Figures: samples/s per peer ÷ the solo figure
                  (``utilization_*``), bytes sent per sample, held-out bits per byte at the end.
@@ -296,9 +296,13 @@ def _status_all(peers, patience: float = 30.0) -> list[dict]:
     return statuses
 
 
-def swarm(lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick: bool) -> dict[str, Any]:
+def swarm(
+    lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick: bool, declare_uplink: bool = True
+) -> dict[str, Any]:
     hosts = [lab.add_host(f"{mode[:5]}{index}", rate_mbit=rate) for index in range(PEERS)]
     extra = ["--task", "textlm", "--model-size", MODEL_SIZE, "--mode", mode]
+    if declare_uplink:
+        extra += ["--uplink-mbit", str(rate)]
     if mode == "local-updates" and quick:
         extra += ["--local-steps", "10"]
     if mode == "collaborative":  # as over slow links: each epoch's averaging overlaps the next epoch
@@ -393,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-uplink",
         action="store_true",
-        help="the all-reduce's peers do not declare their uplink (by default each declares the link's "
-        "rate, as `peerd join --uplink-mbit`, and paces its connections to share it: averaging/uplink.py)",
+        help="peers do not declare their uplink (by default each declares the link's rate, as "
+        "`peerd join --uplink-mbit`, and paces its connections to share it: averaging/uplink.py)",
     )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
@@ -419,8 +423,12 @@ def main(argv: list[str] | None = None) -> int:
             lab, d, args.rate, args.quick, args.hivemind, args.aggregation, not args.no_uplink
         ),
         "solo": lambda lab, d: solo(lab, d, args.rate, window),
-        "local_updates": lambda lab, d: swarm(lab, d, args.rate, window, "local-updates", args.quick),
-        "collaborative": lambda lab, d: swarm(lab, d, args.rate, window, "collaborative", args.quick),
+        "local_updates": lambda lab, d: swarm(
+            lab, d, args.rate, window, "local-updates", args.quick, not args.no_uplink
+        ),
+        "collaborative": lambda lab, d: swarm(
+            lab, d, args.rate, window, "collaborative", args.quick, not args.no_uplink
+        ),
         "single": lambda lab, d: single(lab, d, args.rate, (results.get("local_updates") or {})["total_samples"]),
     }
     interrupted = False
