@@ -52,7 +52,7 @@ from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reducer_checks import ReducerChecks
 from .robust import Aggregation
-from .round_links import RoundLinks
+from .round_links import ConnectionCaps, RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
 from .uplink import uplink_shares
 
@@ -108,6 +108,7 @@ class AllReduceService:
         # reducers checked after robust rounds, and those caught (``banned``: left out of groups)
         self.checks = ReducerChecks(host, router or host.router)
         self._buffers = PartBuffers()
+        self._caps = ConnectionCaps()  # uplink caps that this host's rounds hold on connections
         # group ID -> our reducer role in that round (None: we reduce nothing in it)
         self._rounds: dict[bytes, ReducerRole | None] = {}
         self._rounds_changed = trio.Event()
@@ -227,7 +228,7 @@ class AllReduceService:
             raise AllReduceError("another round on this peer already uses this group ID")
         self._buffers.start_round()
         pacing = uplink_shares(plan, group, me, uplink) if uplink else None
-        links = RoundLinks(self.host, [m.peer_id for m in group.members if m.peer_id != me], pacing)
+        links = RoundLinks(self.host, [m.peer_id for m in group.members if m.peer_id != me], pacing, self._caps)
         with self._buffers.lease() as received, contextlib.ExitStack() as holds:
             reducer = None
             if my_shard is not None:

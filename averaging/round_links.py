@@ -19,7 +19,7 @@ from peer import PeerHost, PeerID
 
 from .link_speed import ProgressDeadline, ThroughputMeter, link_rate
 
-__all__ = ["POLL_INTERVAL", "RoundLinks", "Watch"]
+__all__ = ["ConnectionCaps", "POLL_INTERVAL", "RoundLinks", "Watch"]
 
 # How often a round reads its connections' byte counts: a few ioctls per member, and precise
 # enough for deadlines of seconds and rates measured over tenths of one.
@@ -43,17 +43,51 @@ class Watch:
         self.incoming = incoming
 
 
+class ConnectionCaps:
+    """Sending-rate caps (``uplink.py``) on connections that several rounds may use at once (a
+    gradient round still averaging while the state's runs): a connection is capped at the highest
+    cap of the rounds holding one on it, and uncapped once the last of them lets go, so one round's
+    end neither lifts another's cap nor leaves its own in place."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[Any, dict[object, float]]] = {}  # id(link) -> (link, owner -> cap)
+
+    def hold(self, owner: object, link: Any, rate: float) -> None:
+        caps = self._held.setdefault(id(link), (link, {}))[1]
+        caps[owner] = rate
+        link.set_pacing_rate(max(caps.values()))
+
+    def release(self, owner: object) -> None:
+        for key, (link, caps) in list(self._held.items()):
+            if caps.pop(owner, None) is None:
+                continue
+            if caps:
+                link.set_pacing_rate(max(caps.values()))
+            else:
+                link.set_pacing_rate(None)
+                del self._held[key]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
 class RoundLinks:
     """The links (connections) of one round to ``peers``, their meters, and the watches on them."""
 
-    def __init__(self, host: PeerHost, peers: list[PeerID], pacing: dict[tuple[PeerID, str], float] | None = None):
+    def __init__(
+        self,
+        host: PeerHost,
+        peers: list[PeerID],
+        pacing: dict[tuple[PeerID, str], float] | None = None,
+        caps: ConnectionCaps | None = None,
+    ):
         """``pacing``: sending rates for what the round sends each of these peers (``uplink.py``):
-        a connection is capped at the sum for what it carries while the round uses it, and the
-        caps are lifted by ``lift_pacing``."""
+        a connection is capped at the sum for what it carries while the round uses it (held in
+        ``caps``, shared by the rounds of one host), and the caps are lifted by ``lift_pacing``."""
         self.host = host
         self.peers = peers
         self.pacing = pacing or {}
-        self._paced: dict[int, Any] = {}
+        self.caps = caps if caps is not None else ConnectionCaps()
         self._carries: dict[int, set[str]] = {}
         self._links: dict[PeerID, dict[int, Any]] = {peer: {} for peer in peers}
         self._base: dict[int, tuple[int, int]] = {}  # a link's counts when the round first saw it
@@ -75,14 +109,12 @@ class RoundLinks:
         if carries is not None and (peer, carries) in self.pacing:
             what = self._carries.setdefault(id(link), set())
             what.add(carries)
-            if link.set_pacing_rate(sum(self.pacing.get((peer, kind), 0.0) for kind in what)):
-                self._paced[id(link)] = link
+            self.caps.hold(self, link, sum(self.pacing.get((peer, kind), 0.0) for kind in what))
 
     def lift_pacing(self) -> None:
-        """The round is over: its connections send as fast as TCP lets them again."""
-        for link in self._paced.values():
-            link.set_pacing_rate(None)
-        self._paced.clear()
+        """The round is over: its caps go (a connection another round still paces keeps that
+        round's cap; the others send as fast as TCP lets them again)."""
+        self.caps.release(self)
 
     def watch(
         self, peer: PeerID, deadline: ProgressDeadline, expired: Callable[[str], Awaitable[None]], *, incoming: bool

@@ -15,6 +15,7 @@ from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
 from averaging.partition import AllReducePlan
+from averaging.round_links import ConnectionCaps
 from averaging.uplink import AVERAGES, PACING_SHARE, PARTS, uplink_shares
 from peer import Identity, PeerAddress, Router, open_peer_host
 
@@ -158,3 +159,26 @@ async def test_both_optimizers_hand_a_declared_uplink_to_every_averager_they_run
         ]
         assert [averager.uplink for averager in averagers] == [5e6] * len(averagers)
         nursery.cancel_scope.cancel()
+
+
+class RecordingLink:
+    def __init__(self) -> None:
+        self.rate: float | None = None
+
+    def set_pacing_rate(self, rate: float | None) -> bool:
+        self.rate = rate
+        return True
+
+
+def test_rounds_sharing_a_connection_keep_their_caps_until_the_last_one_ends():
+    caps = ConnectionCaps()
+    shared, own = RecordingLink(), RecordingLink()
+    gradients, state = object(), object()
+    caps.hold(gradients, shared, 3e6)
+    caps.hold(state, shared, 5e6)
+    caps.hold(state, own, 2e6)
+    assert shared.rate == 5e6 and own.rate == 2e6  # the highest cap of the rounds on it
+    caps.release(state)  # the state round ends first: the gradient round's cap stays
+    assert shared.rate == 3e6 and own.rate is None
+    caps.release(gradients)
+    assert shared.rate is None and len(caps) == 0  # nothing kept once no round holds a cap
