@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class GroupAverager:
         centered-clip in a public swarm, the mean in a private one (``peer/access.py``).
         ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
         connections are paced to share it (``uplink.py``); None leaves the sharing to TCP."""
+        if uplink is not None and not (0 < uplink < math.inf):
+            raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
         self.dht = dht
         self.host: PeerHost = dht.host

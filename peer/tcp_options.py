@@ -92,7 +92,9 @@ def set_pacing_rate(sock, bytes_per_s: float | None) -> bool:
     such cap (not Linux) or refused it: the socket then sends as fast as TCP lets it, as before."""
     if not sys.platform.startswith("linux"):
         return False
-    value = _NO_CAP if bytes_per_s is None else max(1, int(bytes_per_s))
+    # (a rate past what the kernel can hold is no cap at all; NaN, no rate, is none either)
+    fits = bytes_per_s is not None and bytes_per_s < _NO_CAP
+    value = max(1, int(bytes_per_s)) if fits else _NO_CAP
     try:
         sock.setsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, struct.pack("Q", value))
     except OSError:

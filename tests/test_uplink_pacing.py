@@ -5,12 +5,15 @@ sends no faster than its cap, and the caps are lifted when the round ends."""
 from __future__ import annotations
 
 import os
+import socket
+import struct
 
 import pytest
 import torch
 import trio
 
 from averaging.allreduce import AllReduceService
+from averaging.averager import GroupAverager
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
@@ -18,6 +21,7 @@ from averaging.partition import AllReducePlan
 from averaging.round_links import ConnectionCaps
 from averaging.uplink import AVERAGES, PACING_SHARE, PARTS, uplink_shares
 from peer import Identity, PeerAddress, Router, open_peer_host
+from peer.tcp_options import _MAX_PACING_RATE, set_pacing_rate
 
 from .test_training import open_swarm
 
@@ -182,3 +186,20 @@ def test_rounds_sharing_a_connection_keep_their_caps_until_the_last_one_ends():
     assert shared.rate == 3e6 and own.rate is None
     caps.release(gradients)
     assert shared.rate is None and len(caps) == 0  # nothing kept once no round holds a cap
+
+
+def test_a_rate_beyond_what_the_kernel_takes_lifts_the_cap_instead_of_failing():
+    # A declared uplink is the operator's figure: one absurdly high (or a share of it past 2^64
+    # bytes/s) must leave the connection uncapped, not fail every round it paces.
+    with socket.socket() as sock:
+        for rate in (1e25, float("inf")):
+            assert set_pacing_rate(sock, rate)
+            assert sock.getsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, 8) == struct.pack("Q", 2**64 - 1)
+        assert set_pacing_rate(sock, 1000.0)
+        assert struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, 8))[0] == 1000
+
+
+@pytest.mark.parametrize("uplink", [0.0, -1.0, float("nan"), float("inf")])
+def test_an_averager_refuses_an_uplink_that_is_no_speed(uplink):
+    with pytest.raises(ValueError):
+        GroupAverager([torch.zeros(2)], dht=None, prefix="x", uplink=uplink)  # type: ignore[arg-type]
