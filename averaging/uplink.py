@@ -28,9 +28,15 @@ from __future__ import annotations
 from .group import GroupInfo
 from .partition import AllReducePlan
 
-__all__ = ["AVERAGES", "PACING_SHARE", "PARTS", "uplink_shares"]
+__all__ = ["AVERAGES", "MIN_EVEN_SHARE", "PACING_SHARE", "PARTS", "uplink_shares"]
 
 PACING_SHARE = 0.97
+# No rate below this fraction of an even split of the paced uplink. Shards follow the reducers'
+# bandwidth claims, so a claim of next to nothing buys a shard of a value or two, and a rate that
+# small (bytes per second) would have the part's framing, and any other call on that connection
+# during the round, take minutes. A flow that small ends at once at the floor rate, so the floor
+# costs the other flows nothing; at worst (every flow at the floor) the caps add up to 1/32 more.
+MIN_EVEN_SHARE = 1 / 32
 
 
 PARTS = "parts"  # our parts of the peer's shard (we send, it reduces)
@@ -55,4 +61,5 @@ def uplink_shares(plan: AllReducePlan, group: GroupInfo, me, uplink: float) -> d
         if my_shard is not None and other.mode.sends and plan.shard_sizes[my_shard]:
             owed[(other.peer_id, AVERAGES)] = plan.shard_sizes[my_shard]
     total = sum(owed.values())
-    return {key: uplink * PACING_SHARE * values / total for key, values in owed.items()}
+    floor = uplink * PACING_SHARE / max(1, len(owed)) * MIN_EVEN_SHARE
+    return {key: max(floor, uplink * PACING_SHARE * values / total) for key, values in owed.items()}

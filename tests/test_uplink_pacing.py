@@ -19,7 +19,7 @@ from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
 from averaging.partition import AllReducePlan
 from averaging.round_links import ConnectionCaps
-from averaging.uplink import AVERAGES, PACING_SHARE, PARTS, uplink_shares
+from averaging.uplink import AVERAGES, MIN_EVEN_SHARE, PACING_SHARE, PARTS, uplink_shares
 from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.tcp_options import _MAX_PACING_RATE, set_pacing_rate
 
@@ -203,3 +203,19 @@ def test_a_rate_beyond_what_the_kernel_takes_lifts_the_cap_instead_of_failing():
 def test_an_averager_refuses_an_uplink_that_is_no_speed(uplink):
     with pytest.raises(ValueError):
         GroupAverager([torch.zeros(2)], dht=None, prefix="x", uplink=uplink)  # type: ignore[arg-type]
+
+
+def test_a_sliver_of_claimed_bandwidth_cannot_pace_our_connection_to_a_crawl():
+    # A reducer's shard follows its claim: claiming next to nothing, it gets one value, and a peer
+    # that only sends (a client) would cap its connection to it at ~1 byte/s, where the part's
+    # framing, and any DHT or expert call to that peer during the round, would take minutes.
+    group = group_of([AveragingMode.NODE, AveragingMode.NODE, AveragingMode.NODE, AveragingMode.CLIENT], [1, 1, 1, 0])
+    plan = AllReducePlan.build(1_000_000, [1.0, 1.0, 1.8e-6])
+    assert plan.shard_sizes[2] == 1
+    first, second, sliver, client = (m.peer_id for m in group.members)
+    shares = uplink_shares(plan, group, client, UPLINK)
+    even = UPLINK * PACING_SHARE / 3
+    assert shares[(sliver, PARTS)] >= even * MIN_EVEN_SHARE
+    # the honest reducers keep their shares: the floor adds at most MIN_EVEN_SHARE
+    assert shares[(first, PARTS)] == pytest.approx(shares[(second, PARTS)], rel=1e-5)
+    assert sum(shares.values()) <= UPLINK * PACING_SHARE * (1 + MIN_EVEN_SHARE)
