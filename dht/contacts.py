@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from peer import Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
+from peer.admission import address_group
 
 from . import wire
 from .background import Background
@@ -91,7 +92,9 @@ class Contacts:
             held = self.table.get(contact.peer_id)
             if held is not None and held.address == contact.address:
                 self.table.remove_contact(held)
-                self.lost.lost(held.peer_id, held, self.health.clock(), host=held.address.host)
+                # one host: an IPv4 address or an IPv6 /64 (a machine's own); loopback, none
+                host = address_group(held.address.host)
+                self.lost.lost(held.peer_id, held, self.health.clock(), host=host)
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old

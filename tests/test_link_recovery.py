@@ -162,6 +162,39 @@ def test_one_host_cannot_take_every_lost_contact_slot():
     assert sorted(due) == sorted(["HONEST", "S96", "S97", "S98", "S99"])  # the host's newest 4
 
 
+def test_the_per_host_cap_on_lost_contacts_counts_an_ipv6_prefix_as_one_host():
+    # One machine has a /64 to itself: an identity per address in it is one host's Sybils, as an
+    # identity per port is. Loopback peers (a local swarm, one per GPU) are no one's Sybils.
+    from types import SimpleNamespace
+
+    from dht.background import Background
+    from dht.contacts import Contacts
+    from dht.liveness import PeerHealth
+    from dht.routing import Contact, RoutingTable
+    from peer import NodeIDProof, PeerAddress
+
+    def contact(host: str) -> Contact:
+        peer = Identity.generate().peer_id
+        return Contact(NodeIDProof.solve(peer, 0), PeerAddress(host, 4000, peer))
+
+    table = RoutingTable(Contact.for_id(0), ksize=64)
+    sybils = [contact(f"2001:db8::{n + 1:x}") for n in range(20)]
+    honest, local = contact("2001:db8:1::1"), [contact("127.0.0.1") for _ in range(6)]
+    contacts = Contacts(
+        SimpleNamespace(node_id_difficulty=0),
+        table,
+        Background(None),
+        rpc_timeout=1.0,
+        health=PeerHealth(evict_after=1),
+    )
+    for c in [honest, *local, *sybils]:
+        table.add_contact(c)
+        contacts.failed(c)
+    due = contacts.lost.due(contacts.health.clock() + 2.0)
+    assert honest in due and all(c in due for c in local)
+    assert [c for c in due if c in sybils] == sybils[-4:]
+
+
 def test_a_lost_contact_is_given_up_after_a_bounded_number_of_pings():
     # Its address is the one its hello announced, unchecked: a peer that announced another host's
     # address and left must not make us dial that host for good.
