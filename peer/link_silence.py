@@ -15,15 +15,24 @@ dials again.
 
 Through a relay the relay's kernel acknowledges our bytes, so only a silence of the relay itself is
 seen there.
+
+Only what we sent counts against the link (``SecureChannel.in_flight``): a peer that stops reading
+(its process stopped, or too busy) closes its receive window, our bytes wait unsent in our own
+queue, and its kernel still answers. If the path goes down while the window is closed, nothing is
+in flight; the kernel's window probes then go unanswered (``SecureChannel.unanswered_probes``), and
+UNANSWERED_PROBES of them in a row count against the link as bytes in flight do.
 """
 
 from __future__ import annotations
 
-__all__ = ["DEAD_LINK_SILENCE", "LinkSilence"]
+__all__ = ["DEAD_LINK_SILENCE", "LinkSilence", "UNANSWERED_PROBES"]
 
 # Longer than any live path leaves a request unacknowledged: TCP retransmits a lost segment after
 # about 0.2-1 s and again after twice that, so even two losses in a row are acknowledged within ~7 s.
 DEAD_LINK_SILENCE = 10.0
+# A live peer's kernel answers window probes but may leave one answer out (out-of-window replies
+# are rate limited to one per 500 ms, and the first probes go 200-400 ms apart); none leaves two.
+UNANSWERED_PROBES = 2
 
 Progress = tuple[int, int]
 

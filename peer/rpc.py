@@ -21,7 +21,7 @@ from .address import PeerAddress
 from .buffers import byte_view
 from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
 from .identity import PeerID
-from .link_silence import LinkSilence
+from .link_silence import UNANSWERED_PROBES, LinkSilence
 from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
@@ -241,10 +241,11 @@ class Connection:
         (``link_silence.py``), so that the next call dials a fresh one."""
         if self.is_closed:  # already going, for its own reason
             return
-        if self.channel.in_flight() == 0:
+        if self.channel.in_flight() == 0 and self.channel.unanswered_probes() < UNANSWERED_PROBES:
             # Nothing we sent waits for the peer's kernel: the request is still in our own queue
             # (our event loop was held up), it waits for a peer that stopped reading to open its
-            # receive window, or everything was acknowledged. No evidence against the link.
+            # receive window (its kernel answers the window probes), or everything was
+            # acknowledged. No evidence against the link.
             return
         now = trio.current_time()
         if self.silence.call_timed_out(sent_at, progress, self.link_progress(), now):

@@ -102,6 +102,8 @@ _MAX_LOW_WATER = 512 * 1024
 
 # Linux's SIOCOUTQNSD: bytes in the send queue not yet sent (TIOCOUTQ counts these too).
 _SIOCOUTQNSD = 0x894B
+# Offset of tcpi_probes (u8) in Linux's struct tcp_info: after state, ca_state, retransmits.
+_TCPI_PROBES = 3
 
 
 def _queued(fd: int, request: int) -> int:
@@ -221,6 +223,20 @@ class SecureChannel:
             fd = self._descriptor()
             return max(0, _queued(fd, termios.TIOCOUTQ) - _queued(fd, _SIOCOUTQNSD))
         except (OSError, trio.ClosedResourceError):
+            return 0
+
+    def unanswered_probes(self) -> int:
+        """Window (or keepalive) probes the kernel sent in a row that the peer's kernel left
+        unanswered (``tcpi_probes``; 0 without a real socket, once it is closed, or off Linux).
+
+        What tells a dead path from a stopped reader while nothing is in flight: the kernel keeps
+        probing a closed receive window, and a live peer's kernel answers (though it may leave one
+        answer out: out-of-window replies are rate limited), while a dead path answers none."""
+        if self._socket is None or not hasattr(socket, "TCP_INFO"):
+            return 0
+        try:
+            return self._socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_PROBES + 1)[_TCPI_PROBES]
+        except (OSError, IndexError):
             return 0
 
     async def send_all(self, data: memoryview) -> None:

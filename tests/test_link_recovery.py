@@ -84,6 +84,25 @@ async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_di
             assert "said nothing" in connection.close_reason
 
 
+async def test_a_link_lost_while_the_peer_was_not_reading_is_dropped_once_its_probes_go_unanswered():
+    """The peer's receive window was closed when the path went down: nothing of ours is in flight
+    (it all waits for the window), but the kernel's window probes go unanswered. A live peer's
+    kernel answers them, so two unanswered in a row are evidence against the path."""
+    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
+        async with open_peer_host(Identity.generate(), listen=None) as client:
+            connection = await client.connect(server.listen_address)
+            connection.silence.limit = 0.3
+            connection.channel.link_progress = lambda: (0, 0)
+            connection.channel.in_flight = lambda: 0
+            connection.channel.unanswered_probes = lambda: 2
+            for _ in range(2):
+                with pytest.raises(CallTimeoutError):
+                    await connection.call("hang", timeout=0.2)
+            with trio.fail_after(2):
+                await connection.closed.wait()
+            assert "said nothing" in connection.close_reason
+
+
 async def test_a_busy_peer_whose_kernel_acknowledges_keeps_its_connection():
     async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
         async with open_peer_host(Identity.generate(), listen=None) as client:
@@ -128,6 +147,7 @@ async def test_a_peer_that_stops_reading_keeps_its_connection():
             with pytest.raises(CallTimeoutError):
                 await connection.call("echo", 2, timeout=0.2)
         assert connection.channel.in_flight() == 0  # our bytes wait in our queue, none on the wire
+        assert connection.channel.unanswered_probes() < 2  # its kernel answers the window probes
         assert not connection.is_closed
         remote.resume()
         assert (await connection.call("echo", 3, timeout=20)).body == 3
