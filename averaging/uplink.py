@@ -19,11 +19,17 @@ queue that does build brings the unfairness back: caps adding up to 99% of the l
 0.90, and to 98% 0.91-0.96, while 97% and 95% gave peerd's all-reduce 0.950-0.951 and 0.933-0.934
 (each the line-rate fraction of the lab's 4-peer, 100 Mbit/s round).
 
+Only flows that cross the uplink share it: a member that announces the same host as we do (a peer
+per GPU on one machine, both reached directly) is left out, its connection unpaced, so that
+neither is its free flow held to an uplink share nor the uplink left partly idle for it.
+
 A declared uplink below the real one wastes the difference; one more than ~3% above it leaves TCP
 to share the link as before. The caps are lifted when the round ends.
 """
 
 from __future__ import annotations
+
+from peer import PeerAddress
 
 from .group import GroupInfo
 from .partition import AllReducePlan
@@ -52,9 +58,10 @@ def uplink_shares(plan: AllReducePlan, group: GroupInfo, me, uplink: float) -> d
     my_shard = reducers.index(me) if me in reducers else None
     member = group.member(me)
     we_send = member is not None and member.mode.sends
+    ours = member.address if member is not None else None
     owed: dict[tuple, int] = {}
     for other in group.members:
-        if other.peer_id == me:
+        if other.peer_id == me or _same_machine(ours, other.address):
             continue
         if we_send and other.peer_id in reducers and plan.shard_sizes[reducers.index(other.peer_id)]:
             owed[(other.peer_id, PARTS)] = plan.shard_sizes[reducers.index(other.peer_id)]
@@ -63,3 +70,11 @@ def uplink_shares(plan: AllReducePlan, group: GroupInfo, me, uplink: float) -> d
     total = sum(owed.values())
     floor = uplink * PACING_SHARE / max(1, len(owed)) * MIN_EVEN_SHARE
     return {key: max(floor, uplink * PACING_SHARE * values / total) for key, values in owed.items()}
+
+
+def _same_machine(ours: PeerAddress | None, theirs: PeerAddress | None) -> bool:
+    """Whether bytes to ``theirs`` stay off our uplink: both reached directly at one host. (A
+    relayed address names the relay's host, which is no member's own machine.)"""
+    if ours is None or theirs is None or ours.relay is not None or theirs.relay is not None:
+        return False
+    return ours.host == theirs.host

@@ -4,6 +4,7 @@ sends no faster than its cap, and the caps are lifted when the round ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -32,7 +33,7 @@ def group_of(modes: list[AveragingMode], bandwidths: list[float]) -> GroupInfo:
     members = []
     for index, (mode, bandwidth) in enumerate(zip(modes, bandwidths, strict=True)):
         peer = Identity.generate().peer_id
-        address = None if mode is AveragingMode.CLIENT else PeerAddress("10.0.0.1", 1000 + index, peer)
+        address = None if mode is AveragingMode.CLIENT else PeerAddress(f"10.0.0.{index + 1}", 1000, peer)
         members.append(GroupMember(peer, address, 0.0 if mode is AveragingMode.CLIENT else bandwidth, mode))
     return GroupInfo(os.urandom(16), tuple(members))
 
@@ -112,13 +113,13 @@ async def test_a_round_paces_its_connections_while_it_runs_and_lifts_the_caps_af
     async with trio.open_nursery() as nursery:
         hosts, services = [], []
 
-        async def run_host(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with open_peer_host(Identity.generate(), router=sink_router()) as host:
+        async def run_host(address: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with open_peer_host(Identity.generate(), router=sink_router(), listen=(address, 0)) as host:
                 task_status.started((host, AllReduceService(host)))
                 await trio.sleep_forever()
 
-        for _ in range(3):
-            host, service = await nursery.start(run_host)
+        for i in range(3):  # each on a loopback address of its own: peers on one host are left unpaced
+            host, service = await nursery.start(run_host, f"127.0.0.{i + 2}")
             hosts.append(host)
             services.append(service)
         members = tuple(GroupMember(h.peer_id, h.listen_address, 1.0, AveragingMode.NODE) for h in hosts)
@@ -219,3 +220,18 @@ def test_a_sliver_of_claimed_bandwidth_cannot_pace_our_connection_to_a_crawl():
     # the honest reducers keep their shares: the floor adds at most MIN_EVEN_SHARE
     assert shares[(first, PARTS)] == pytest.approx(shares[(second, PARTS)], rel=1e-5)
     assert sum(shares.values()) <= UPLINK * PACING_SHARE * (1 + MIN_EVEN_SHARE)
+
+
+def test_members_on_our_own_host_are_left_out_of_the_uplink():
+    # One peer per GPU: bytes to a peer on the same machine never cross the uplink, so they get no
+    # share of it (a cap there would slow a free flow and leave the uplink part idle), and the
+    # uplink is split among the flows that do cross it. A relay's host is no member's own machine.
+    group = group_of([AveragingMode.NODE] * 4, [1.0] * 4)
+    me, local, remote, relayed = group.members
+    local = dataclasses.replace(local, address=PeerAddress(me.address.host, 2000, local.peer_id))
+    via = Identity.generate().peer_id
+    relayed = dataclasses.replace(relayed, address=PeerAddress(me.address.host, 1000, relayed.peer_id, via))
+    group = GroupInfo(group.group_id, (me, local, remote, relayed))
+    shares = uplink_shares(AllReducePlan.build(4_000_000, [1.0] * 4), group, me.peer_id, UPLINK)
+    assert {peer for peer, _ in shares} == {remote.peer_id, relayed.peer_id}
+    assert sum(shares.values()) == pytest.approx(UPLINK * PACING_SHARE)
