@@ -204,7 +204,8 @@ class SecureChannel:
 
     def set_pacing_rate(self, bytes_per_s: float | None) -> bool:
         """Cap how fast the kernel sends this channel's bytes (None: no cap); False without a
-        real socket (a relayed circuit: its socket is the relay's, shared with other circuits)."""
+        real socket (tests' in-memory streams). A relayed circuit has a TCP connection of its own
+        to the relay (``relay.py``), so its cap holds for it alone."""
         if self._socket is None:
             return False
         return set_pacing_rate(self._socket, bytes_per_s)
