@@ -32,6 +32,15 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
+def _as_from_a_terminal() -> None:
+    """In the child, before ``peerd`` starts: Ctrl-C and SIGTERM as a terminal's foreground job gets
+    them. A test runner started in the background by a non-interactive shell (``./.ci/run &``)
+    ignores SIGINT, and an ignored signal stays ignored across exec: ``peerd`` would then not
+    hear the Ctrl-C the interrupt tests send (as a real background job rightly does not)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class PeerdProcess:
     """A ``peerd`` subprocess whose stdout is read line by line and stderr goes to a file."""
 
@@ -40,7 +49,12 @@ class PeerdProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            PEERD + args, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env
+            PEERD + args,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_as_from_a_terminal,
         )
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.process.stdout, selectors.EVENT_READ)
