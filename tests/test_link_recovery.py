@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -61,76 +63,74 @@ def hanging_router() -> Router:
     return router
 
 
-async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_dials_again():
+@asynccontextmanager
+async def loopback_link(limit: float, **socket_says) -> AsyncIterator[tuple]:
+    """A client's connection to a server with ``hanging_router``, its dead-link limit set to
+    ``limit`` and, in ``socket_says``, what its socket reports (``link_progress``, ``in_flight``,
+    ``unanswered_probes``): on loopback the kernel always answers, so a down link is told by hand.
+    Yields (server, client, connection)."""
     async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
         async with open_peer_host(Identity.generate(), listen=None) as client:
             connection = await client.connect(server.listen_address)
-            connection.silence.limit = 60.0
-            # A link that is down moves neither counter (on loopback the kernel always answers,
-            # so the socket's counters are frozen here by hand).
-            connection.channel.link_progress = lambda: (0, 0)
-            connection.channel.in_flight = lambda: 100  # our request went out, unacknowledged
-            with pytest.raises(CallTimeoutError):
-                await connection.call("hang", timeout=0.2)
-            assert not connection.is_closed  # silent for less than the limit: not yet
-            # (the limit shrinks instead of the test waiting it out: a loaded machine that fires
-            # the first timeout late must not make the first call's check the one that drops)
-            connection.silence.limit = 0.3
-            with pytest.raises(CallTimeoutError):
-                await connection.call("hang", timeout=0.2)  # silent since the first call: >= 0.4 s
-            # the very next call dials afresh, even before the old connection's tasks wound down
-            fresh = await client.connect(server.listen_address)
-            assert fresh is not connection
-            assert (await fresh.call("echo", 5, timeout=5)).body == 5
-            with trio.fail_after(2):
-                await connection.closed.wait()
-            assert "said nothing" in connection.close_reason
+            connection.silence.limit = limit
+            for name, value in socket_says.items():
+                setattr(connection.channel, name, lambda value=value: value)
+            yield server, client, connection
+
+
+async def test_a_connection_whose_link_is_silent_is_dropped_and_the_next_call_dials_again():
+    # A link that is down moves neither counter, and our request went out unacknowledged.
+    async with loopback_link(60.0, link_progress=(0, 0), in_flight=100) as (server, client, connection):
+        with pytest.raises(CallTimeoutError):
+            await connection.call("hang", timeout=0.2)
+        assert not connection.is_closed  # silent for less than the limit: not yet
+        # (the limit shrinks instead of the test waiting it out: a loaded machine that fires
+        # the first timeout late must not make the first call's check the one that drops)
+        connection.silence.limit = 0.3
+        with pytest.raises(CallTimeoutError):
+            await connection.call("hang", timeout=0.2)  # silent since the first call: >= 0.4 s
+        # the very next call dials afresh, even before the old connection's tasks wound down
+        fresh = await client.connect(server.listen_address)
+        assert fresh is not connection
+        assert (await fresh.call("echo", 5, timeout=5)).body == 5
+        with trio.fail_after(2):
+            await connection.closed.wait()
+        assert "said nothing" in connection.close_reason
 
 
 async def test_a_link_lost_while_the_peer_was_not_reading_is_dropped_once_its_probes_go_unanswered():
     """The peer's receive window was closed when the path went down: nothing of ours is in flight
     (it all waits for the window), but the kernel's window probes go unanswered. A live peer's
     kernel answers them, so two unanswered in a row are evidence against the path."""
-    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
-        async with open_peer_host(Identity.generate(), listen=None) as client:
-            connection = await client.connect(server.listen_address)
-            connection.silence.limit = 0.3
-            connection.channel.link_progress = lambda: (0, 0)
-            connection.channel.in_flight = lambda: 0
-            connection.channel.unanswered_probes = lambda: 2
-            for _ in range(2):
-                with pytest.raises(CallTimeoutError):
-                    await connection.call("hang", timeout=0.2)
-            with trio.fail_after(2):
-                await connection.closed.wait()
-            assert "said nothing" in connection.close_reason
+    probes = {"link_progress": (0, 0), "in_flight": 0, "unanswered_probes": 2}
+    async with loopback_link(60.0, **probes) as (_, _, connection):
+        with pytest.raises(CallTimeoutError):
+            await connection.call("hang", timeout=0.2)
+        connection.silence.limit = 0.3  # (as above: a late first timeout must not be the one that drops)
+        with pytest.raises(CallTimeoutError):
+            await connection.call("hang", timeout=0.2)
+        with trio.fail_after(2):
+            await connection.closed.wait()
+        assert "said nothing" in connection.close_reason
 
 
 async def test_a_busy_peer_whose_kernel_acknowledges_keeps_its_connection():
-    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
-        async with open_peer_host(Identity.generate(), listen=None) as client:
-            connection = await client.connect(server.listen_address)
-            connection.silence.limit = 0.3
-            for _ in range(4):
-                with pytest.raises(CallTimeoutError):
-                    await connection.call("hang", timeout=0.2)
-            assert not connection.is_closed
-            assert (await connection.call("echo", 1, timeout=5)).body == 1
+    async with loopback_link(0.3) as (_, _, connection):
+        for _ in range(4):
+            with pytest.raises(CallTimeoutError):
+                await connection.call("hang", timeout=0.2)
+        assert not connection.is_closed
+        assert (await connection.call("echo", 1, timeout=5)).body == 1
 
 
 async def test_calls_held_up_on_our_side_are_no_evidence_against_the_link():
     """Our own event loop held up (nothing of ours reached the kernel, so nothing waits for the
     peer's acknowledgement): frozen counters do not get a healthy connection dropped."""
-    async with open_peer_host(Identity.generate(), router=hanging_router()) as server:
-        async with open_peer_host(Identity.generate(), listen=None) as client:
-            connection = await client.connect(server.listen_address)
-            connection.silence.limit = 0.3
-            connection.channel.link_progress = lambda: (0, 0)
-            connection.channel.in_flight = lambda: 0
-            for _ in range(4):
-                with pytest.raises(CallTimeoutError):
-                    await connection.call("hang", timeout=0.2)
-            assert not connection.is_closed
+    async with loopback_link(0.3, link_progress=(0, 0), in_flight=0) as (_, _, connection):
+        for _ in range(4):
+            with pytest.raises(CallTimeoutError):
+                await connection.call("hang", timeout=0.2)
+        assert not connection.is_closed
 
 
 async def test_a_peer_that_stops_reading_keeps_its_connection():
