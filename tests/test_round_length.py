@@ -79,18 +79,24 @@ def test_two_identities_claiming_the_next_round_cannot_make_rounds_single_steps(
         assert round_over(swarm, epoch, 10 // MAX_STRETCH, 50, local_steps=10)
 
 
-def quick_optimizer(weight, node, schedule: str, background, **options) -> LocalUpdatesOptimizer:
-    """A local-updates optimizer with loopback deadlines, exchanging progress every 50 ms."""
-    return LocalUpdatesOptimizer(
-        torch.optim.SGD([weight], lr=0.1),
-        node,
-        codec="none",
-        settle_time=0.1,
-        average_state_every=0,
-        rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
-        progress_interval=0.05,
-        **options,
-    )
+def quick_optimizers(nodes, schedule: str, background, **options) -> tuple[list, list[LocalUpdatesOptimizer]]:
+    """One weight and one local-updates optimizer per node, with loopback deadlines, exchanging
+    progress every 50 ms."""
+    weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
+    optimizers = [
+        LocalUpdatesOptimizer(
+            torch.optim.SGD([weight], lr=0.1),
+            node,
+            codec="none",
+            settle_time=0.1,
+            average_state_every=0,
+            rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+            progress_interval=0.05,
+            **options,
+        )
+        for weight, node in zip(weights, nodes, strict=True)
+    ]
+    return weights, optimizers
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
@@ -101,20 +107,15 @@ async def test_peers_of_different_speeds_end_their_rounds_together_and_average_e
     rounds, local_steps = 6, 6
     async with trio.open_nursery() as nursery, trio.open_nursery() as background:
         nodes = await open_swarm(nursery, 2)
-        weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
-        optimizers = [
-            quick_optimizer(
-                weight,
-                node,
-                schedule,
-                background,
-                prefix="speeds",
-                local_steps=local_steps,
-                target_group_size=2,
-                matchmaking_timeout=2.0,
-            )
-            for weight, node in zip(weights, nodes, strict=True)
-        ]
+        weights, optimizers = quick_optimizers(
+            nodes,
+            schedule,
+            background,
+            prefix="speeds",
+            local_steps=local_steps,
+            target_group_size=2,
+            matchmaking_timeout=2.0,
+        )
         steps = [[0] * (rounds + 1) for _ in nodes]
         groups: list[list[int]] = [[], []]
 
@@ -147,21 +148,16 @@ async def test_a_peer_that_fell_rounds_behind_while_running_loads_the_swarms_sta
     local_steps = 2
     async with trio.open_nursery() as nursery, trio.open_nursery() as background:
         nodes = await open_swarm(nursery, 3)
-        weights = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
-        optimizers = [
-            quick_optimizer(
-                weight,
-                node,
-                schedule,
-                background,
-                prefix="behind-later",
-                local_steps=local_steps,
-                target_group_size=3,
-                matchmaking_timeout=1.0,
-                load_state_timeout=10.0,
-            )
-            for weight, node in zip(weights, nodes, strict=True)
-        ]
+        weights, optimizers = quick_optimizers(
+            nodes,
+            schedule,
+            background,
+            prefix="behind-later",
+            local_steps=local_steps,
+            target_group_size=3,
+            matchmaking_timeout=1.0,
+            load_state_timeout=10.0,
+        )
         away = trio.Event()
 
         async def train(i: int, until: int) -> None:
