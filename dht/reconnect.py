@@ -18,12 +18,11 @@ Only contacts that were in the table (proof checked, reached over an authenticat
 ever remembered, and at most MAX_LOST of them, so a flood of Sybils that join and vanish costs
 pings to MAX_LOST addresses per PROBE_MIN at most. At most MAX_LOST_PER_HOST of them share one host
 (an IPv4 address or IPv6 /64, ``peer.admission.address_group``; a host's newer losses push out its
-older ones), so one machine running many identities, one per
-port, cannot take every slot and leave the honest contacts of a real partition forgotten. A
-contact is given up GIVE_UP_AFTER its loss (about 65 pings in all): the address in its entry is
-the one its hello announced, which nobody checked, and a peer that announced someone else's
-address and left must not have every node that met it dial that address for good. The initial
-peers, which the operator chose, are never given up.
+older ones), so one machine running many identities, one per port, cannot take every slot and leave
+the honest contacts of a real partition forgotten. A contact is given up GIVE_UP_AFTER its loss
+(about 65 pings in all): the address in its entry is the one its hello announced, which nobody
+checked, and a peer that announced someone else's address and left must not have every node that
+met it dial that address for good. The initial peers, which the operator chose, are never given up.
 """
 
 from __future__ import annotations
