@@ -311,7 +311,7 @@ class ReplicaOptimizer:
 
     replica: Replica
     # True: ``step(n)`` only accumulates gradients between swarm steps, so the trainer may hand it
-    # several batches' gradients at once (``peer/daemon/training.py``); False: it steps every call.
+    # several batches' gradients at once (``peerd/training.py``); False: it steps every call.
     accumulates_batches = False
 
     @property

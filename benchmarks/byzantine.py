@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 from averaging.allreduce import AllReduceService  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from peer import Identity, open_peer_host  # noqa: E402
-from peer.daemon.tasks import ShardSpec, digits_task  # noqa: E402
+from peerd.tasks import ShardSpec, digits_task  # noqa: E402
 from tests.hostile_reducers import LyingShard  # noqa: E402
 
 ATTACKS = ("scaled", "sign-flipped", "random")

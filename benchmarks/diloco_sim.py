@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from averaging.compression import get_codec  # noqa: E402
 from averaging.error_feedback import ErrorFeedback  # noqa: E402
 from averaging.outer_step import OuterStep  # noqa: E402
-from peer.daemon.tasks import ShardSpec, Task, load_task  # noqa: E402
+from peerd.tasks import ShardSpec, Task, load_task  # noqa: E402
 
 PEERS = 4
 

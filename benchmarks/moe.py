@@ -36,7 +36,7 @@ def start_server(hidden: int, batch: int) -> tuple[subprocess.Popen, str]:
     command = [
         sys.executable,
         "-m",
-        "peer.daemon.cli",
+        "peerd.cli",
         "--log-level",
         "WARNING",
         "serve-experts",

@@ -4,14 +4,14 @@
                                   [--solo-s S] [--collab-s S] [--settle-time S] [--target-accuracy A]
 
 What is measured. ``--peers`` OS processes (this file with ``--worker``, torch limited to one
-thread each) train the built-in ``digits`` task (``peer.daemon.tasks.digits_task``: a 64-128-10 MLP, Adam,
+thread each) train the built-in ``digits`` task (``peerd.tasks.digits_task``: a 64-128-10 MLP, Adam,
 batches of 32, peer i on data shard i of N) on 127.0.0.1. They go through the same phases together,
 every phase starting at one wall-clock instant in all processes, each phase with fresh models:
 
 * ``solo``: a plain PyTorch loop with no peerd code in it - forward, backward and the task's own
   optimizer step on every batch. Samples/s = samples processed by all peers together / phase length.
 * ``collab``, once per ``--target-batch-sizes`` entry (and per repeat): exactly what ``peerd join``
-  runs - ``peer.daemon.training.Trainer`` around a ``CollaborativeOptimizer`` built as ``peer/daemon/daemon.py``
+  runs - ``peerd.training.Trainer`` around a ``CollaborativeOptimizer`` built as ``peerd/daemon.py``
   builds it (groups of up to 4, matchmaking timeout 3 s, the default settle time, parameter
   averaging every 5 epochs, no compression; delayed parameter updates with ``--delay-updates``), the peers connected
   through one DHT. Each peer accumulates gradients until the swarm has seen ``target_batch_size``
@@ -73,8 +73,8 @@ from benchmarks.training_report import print_table, summarize  # noqa: E402
 
 if TYPE_CHECKING:  # torch and peerd are imported by the workers only: the parent starts them sooner
     from dht.node import DHTNode
-    from peer.daemon.tasks import Task
-    from peer.daemon.training import Trainer
+    from peerd.tasks import Task
+    from peerd.training import Trainer
 
 HOST = "127.0.0.1"
 WORKER_FLAG = "--worker"
@@ -144,7 +144,7 @@ async def _worker(config: WorkerConfig) -> dict[str, Any]:
 
 async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: float) -> dict[str, Any]:
     from averaging import CollaborativeOptimizer
-    from peer.daemon.training import Trainer
+    from peerd.training import Trainer
 
     end = start + phase.seconds
     task = await trio.to_thread.run_sync(_make_task, config.rank, config.world)  # a fresh model, ahead of time
@@ -153,7 +153,7 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
         result = await trio.to_thread.run_sync(_solo_phase, task, start, end, config.target_accuracy)
         return {**result, "cpu_s": time.process_time() - cpu}
     async with trio.open_nursery() as background:
-        optimizer = CollaborativeOptimizer(  # as peer/daemon/daemon.py builds it, but for the target batch size
+        optimizer = CollaborativeOptimizer(  # as peerd/daemon.py builds it, but for the target batch size
             task.make_optimizer(list(task.model.parameters())),
             node,
             prefix=f"{config.run_id}.{phase.name}",
@@ -170,7 +170,7 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
 
 
 def _make_task(rank: int, world: int) -> Task:
-    from peer.daemon.tasks import ShardSpec, digits_task
+    from peerd.tasks import ShardSpec, digits_task
 
     return digits_task(shard=ShardSpec(rank, world), device="cpu")
 

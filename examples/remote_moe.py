@@ -33,7 +33,7 @@ HIDDEN = 32
 
 def peerd_command() -> list[str]:
     """``peerd``, run by this interpreter so that it uses this checkout."""
-    return [sys.executable, "-m", "peer.daemon.cli"]
+    return [sys.executable, "-m", "peerd.cli"]
 
 
 # A local run: the servers use the low node-ID difficulty, as this script's client does by default.

@@ -1,7 +1,7 @@
 """Hosting experts on a running peer: what to host (``ExpertHostingConfig``) and the task that
 serves and announces them (``host_experts``).
 
-No argument parsing lives here (``peer/daemon/expert_commands.py`` turns flags into a config).
+No argument parsing lives here (``peerd/expert_commands.py`` turns flags into a config).
 Importing this module stays light: the daemon's command line builds its parser from these
 defaults, so torch and the expert server load only inside the functions that need them.
 """

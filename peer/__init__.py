@@ -1,6 +1,6 @@
 """peerd's wire layer: identity, secure channel, framing, RPC and the connection pool.
 
-This package must not import the daemon (``peer.daemon``): ``dht`` and the layers
+This package must not import the daemon (``peerd``): ``dht`` and the layers
 above import these wire modules, and the daemon imports them all.
 """
 

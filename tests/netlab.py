@@ -51,7 +51,7 @@ TBF_LATENCY = "50ms"
 CLONE_NEWNET = 0x40000000
 STOP_GRACE = 5.0  # for every peer of a lab together, after SIGTERM
 START_TIMEOUT = 90.0  # importing torch and building the task in 5 processes on 2 busy cores
-PEERD = [sys.executable, "-m", "peer.daemon.cli"]
+PEERD = [sys.executable, "-m", "peerd.cli"]
 REPO = Path(__file__).resolve().parent.parent
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -1,4 +1,4 @@
-"""Read back the 8-bit RGB PNGs that ``peer.daemon.curves_png`` writes (filter type 0 only), to
+"""Read back the 8-bit RGB PNGs that ``peerd.curves_png`` writes (filter type 0 only), to
 check what a plot holds pixel by pixel."""
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from peer.daemon.status_server import fetch_status
+from peerd.status_server import fetch_status
 
-PEERD = [sys.executable, "-m", "peer.daemon.cli"]
+PEERD = [sys.executable, "-m", "peerd.cli"]
 
 
 def status_of(port: int) -> dict | None:

@@ -407,7 +407,7 @@ async def test_nan_contribution_is_refused():
 
 @pytest.fixture
 def frozen_heap():
-    """What ``peerd join`` does before it starts its loop (``peer/daemon/runner.py: run_joining``), here for
+    """What ``peerd join`` does before it starts its loop (``peerd/runner.py: run_joining``), here for
     what the earlier tests left behind (conftest froze what collection loaded): a full garbage
     collection of it stops the loop for tens of milliseconds whatever the code under test does."""
     gc.collect()

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from peer import LOCAL_DIFFICULTY
-from peer.daemon.exit_codes import EXIT_IN_USE, EXIT_UNREACHABLE
+from peerd.exit_codes import EXIT_IN_USE, EXIT_UNREACHABLE
 
 from .processes import PEERD, PeerdProcess
 

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from peer.daemon.cli import parse_command_line
-from peer.daemon.exit_codes import EXIT_CODES, EXIT_UNREACHABLE, EXIT_USAGE
+from peerd.cli import parse_command_line
+from peerd.exit_codes import EXIT_CODES, EXIT_UNREACHABLE, EXIT_USAGE
 
 from .processes import PEERD
 

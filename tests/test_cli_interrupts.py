@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from peer import LOCAL_DIFFICULTY
-from peer.daemon.exit_codes import EXIT_INTERRUPTED
+from peerd.exit_codes import EXIT_INTERRUPTED
 
 from .interrupt_tasks import LOADING
 from .processes import PeerdProcess

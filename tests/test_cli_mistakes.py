@@ -14,9 +14,9 @@ import trio
 
 from dht import DHTConfig, DHTNode
 from peer import Identity, open_peer_host
-from peer.daemon.cli import parse_command_line
-from peer.daemon.exit_codes import EXIT_BAD_INPUT, EXIT_UNREACHABLE
-from peer.daemon.join_arguments import initial_peers_from_args
+from peerd.cli import parse_command_line
+from peerd.exit_codes import EXIT_BAD_INPUT, EXIT_UNREACHABLE
+from peerd.join_arguments import initial_peers_from_args
 
 from .processes import PEERD
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from peer.daemon.curves_png import BACKGROUND, PEER_COLOURS, WIDTH, write_curves_png
+from peerd.curves_png import BACKGROUND, PEER_COLOURS, WIDTH, write_curves_png
 
 from .png_reader import read_png
 

@@ -10,8 +10,8 @@ from importlib import resources
 import pytest
 
 from averaging.replica import AveragingRecord
-from peer.daemon.history import PeerBook, RoundLog, TimeSeries
-from peer.daemon.status_pages import StatusPages, dashboard_url
+from peerd.history import PeerBook, RoundLog, TimeSeries
+from peerd.status_pages import StatusPages, dashboard_url
 
 
 def test_time_series_thins_out_and_keeps_covering_the_whole_run():
@@ -54,7 +54,7 @@ def test_pages_are_served_from_the_package_and_fetch_nothing_else():
     html = pages["/"]().body.decode()
     assert 'src="dashboard.js"' in html and 'href="dashboard.css"' in html
     for name in ("index.html", "dashboard.js", "dashboard.css"):
-        text = resources.files("peer.daemon").joinpath("dashboard", name).read_text()
+        text = resources.files("peerd").joinpath("dashboard", name).read_text()
         # the one URL in them is the SVG namespace, an identifier that is never fetched
         assert set(re.findall(r"(?:https?:)?//[\w.-]+\.\w+", text)) <= {"http://www.w3.org"}, name
         assert "@import" not in text and "url(" not in text

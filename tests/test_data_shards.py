@@ -10,7 +10,7 @@ import trio
 from averaging.progress import PeerProgress, ProgressTracker
 from dht.node import DHTNode
 from peer import Identity
-from peer.daemon.data_shards import MAX_AUTO_SHARDS, ShardChoice, choose_shard, claim_shard, overlap
+from peerd.data_shards import MAX_AUTO_SHARDS, ShardChoice, choose_shard, claim_shard, overlap
 
 
 def peer_ids(count: int):
@@ -127,8 +127,8 @@ def test_a_shard_setting_with_digits_int_cannot_read_is_refused_not_a_crash():
 
     import pytest
 
-    from peer.daemon.join_arguments import data_shard, data_shard_from_args
-    from peer.daemon.settings import SettingsError
+    from peerd.join_arguments import data_shard, data_shard_from_args
+    from peerd.settings import SettingsError
 
     for text in ("\u00b2/3", "0/\u00b3", "1/2\u00b9"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -157,7 +157,7 @@ async def test_a_claim_is_held_while_the_data_loads_longer_than_a_record_lives(a
     """A task whose data takes a minute to load: its final claim is stored again often enough that
     it never lapses (a newcomer choosing meanwhile counts it), until the hold is cancelled."""
     from averaging.progress import PROGRESS_TTL
-    from peer.daemon.data_shards import hold_claim
+    from peerd.data_shards import hold_claim
 
     tracker = _RecordingTracker()
     shard = await claim_shard(tracker, settle=0.5)

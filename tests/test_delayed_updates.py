@@ -150,7 +150,7 @@ def test_join_refuses_an_unknown_compression_in_one_line(tmp_path):
 
     command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--task", "digits"]
     result = subprocess.run(
-        [sys.executable, "-m", "peer.daemon.cli", *command, "--compression", "zip", "--delay-updates"],
+        [sys.executable, "-m", "peerd.cli", *command, "--compression", "zip", "--delay-updates"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -167,7 +167,7 @@ def test_delay_updates_outside_collaborative_training_is_refused_in_one_line(tmp
     for extra in (["--task", "digits", "--mode", "local-updates"], []):
         command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--delay-updates", *extra]
         result = subprocess.run(
-            [sys.executable, "-m", "peer.daemon.cli", *command], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "peerd.cli", *command], capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 1, result.stderr
         assert "--delay-updates applies to training (--task) in collaborative mode only" in result.stderr

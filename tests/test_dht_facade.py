@@ -12,7 +12,7 @@ import trio
 
 from dht import DHT, DHTBootstrapError
 from peer.background import BackgroundLoop, get_loop
-from peer.daemon.dht_commands import EXIT_NOT_FOUND, EXIT_UNREACHABLE, add_dht_commands, run_dht_command
+from peerd.dht_commands import EXIT_NOT_FOUND, EXIT_UNREACHABLE, add_dht_commands, run_dht_command
 
 
 def test_background_loop_runs_submits_and_cancels():

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from peer.daemon.status_server import fetch_status
+from peerd.status_server import fetch_status
 
 from .processes import PeerdProcess
 
@@ -163,7 +163,7 @@ def test_compose_services_run_as_local_processes_and_train(tmp_path):
         assert min(epochs) >= 3, (epochs, [p.log()[-2000:] for p in processes])
         # the healthcheck command, as compose would run it
         health = subprocess.run(
-            [sys.executable, "-m", "peer.daemon.cli", "status", "--status-port", str(status_ports[1])],
+            [sys.executable, "-m", "peerd.cli", "status", "--status-port", str(status_ports[1])],
             capture_output=True,
             text=True,
             timeout=30,

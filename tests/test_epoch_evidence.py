@@ -19,7 +19,7 @@ from averaging.optimizer import CollaborativeOptimizer
 from averaging.progress import MAX_SAMPLE_SHARE, PeerProgress, ProgressTracker, SwarmProgress
 from dht.node import DHTNode
 from peer import PeerID
-from peer.daemon.tasks import ShardSpec, digits_task
+from peerd.tasks import ShardSpec, digits_task
 
 ME = PeerID(b"\x00" * 20)
 PEERS = [PeerID(bytes([i]) * 20) for i in range(1, 6)]

@@ -1,5 +1,5 @@
 """The layers import only downward: wire (``peer``) < ``dht`` < ``averaging`` < ``moe`` < daemon
-(``peer.daemon``). Read from the sources' syntax trees, without importing anything, so that an
+(``peerd``). Read from the sources' syntax trees, without importing anything, so that an
 upward import fails here even where it sits inside a function and never runs in the tests."""
 
 from __future__ import annotations
@@ -8,15 +8,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("peer", "dht", "averaging", "moe")
-FLOORS = {"peer": 0, "dht": 1, "averaging": 2, "moe": 3, "peer.daemon": 4}
+PACKAGES = ("peer", "dht", "averaging", "moe", "peerd")
+FLOORS = {"peer": 0, "dht": 1, "averaging": 2, "moe": 3, "peerd": 4}
 FLOOR_NAMES = {floor: name if name != "peer" else "peer (wire)" for name, floor in FLOORS.items()}
 
 
 def floor_of(module: str) -> int | None:
     """The floor of a dotted module name of this project, or None for anything else."""
-    if module == "peer.daemon" or module.startswith("peer.daemon."):
-        return FLOORS["peer.daemon"]
     return FLOORS.get(module.split(".")[0])
 
 
@@ -32,10 +30,8 @@ def imported_modules(node: ast.Import | ast.ImportFrom, module: str, is_package:
             parts = parts[:-1]
         parts = parts[: len(parts) - (node.level - 1)]
         base = ".".join(parts + ([node.module] if node.module else []))
-    # ``from peer import daemon`` names a submodule: judge it by the name it binds.
-    return [
-        f"{base}.{alias.name}" if floor_of(f"{base}.{alias.name}") != floor_of(base) else base for alias in node.names
-    ]
+    # ``from .. import moe`` names a package by the name it binds
+    return [alias.name if base == "" else base for alias in node.names]
 
 
 def is_function_local(tree: ast.AST, target: ast.AST) -> bool:
@@ -102,12 +98,16 @@ def test_upward_and_unexplained_imports_are_found() -> None:
     assert layering_violations("from averaging import Averager\n", "dht.node") == [
         "dht.node:1 imports averaging: dht may not import averaging"
     ]
-    assert layering_violations("from .daemon.cli import main\n", "peer.rpc") == [
-        "peer.rpc:1 imports peer.daemon.cli: peer (wire) may not import peer.daemon"
+    assert layering_violations("from peerd.cli import main\n", "peer.rpc") == [
+        "peer.rpc:1 imports peerd.cli: peer (wire) may not import peerd"
     ]
-    assert layering_violations("from peer import daemon\n", "peer.host") == [
-        "peer.host:1 imports peer.daemon: peer (wire) may not import peer.daemon"
+    assert layering_violations("import peerd\n", "peer.host") == [
+        "peer.host:1 imports peerd: peer (wire) may not import peerd"
     ]
+    assert layering_violations("from peerd.daemon import Daemon\n", "averaging.optimizer") == [
+        "averaging.optimizer:1 imports peerd.daemon: averaging may not import peerd"
+    ]
+    assert layering_violations("from .. import moe\n", "dht.node") == ["dht.node:1 imports moe: dht may not import moe"]
     assert layering_violations("import moe.server\n", "averaging.optimizer") == [
         "averaging.optimizer:1 imports moe.server: averaging may not import moe"
     ]
@@ -116,7 +116,7 @@ def test_upward_and_unexplained_imports_are_found() -> None:
     explained = "def f():\n    from .server import serve  # torch loads only when serving\n"
     assert layering_violations(explained, "moe.hosting") == []
     assert layering_violations("from dht import DHTNode\nfrom peer import PeerHost\n", "moe.client") == []
-    assert layering_violations("from .tasks import Task\n", "peer.daemon.training") == []
+    assert layering_violations("from .tasks import Task\n", "peerd.training") == []
 
 
 def test_no_module_is_over_500_lines() -> None:
@@ -132,10 +132,10 @@ def test_the_packages_import_without_cycles_and_the_wire_without_the_daemon() ->
     import subprocess
     import sys
 
-    above_the_wire = "('peer.daemon', 'dht', 'averaging', 'moe')"
+    above_the_wire = "('peerd', 'dht', 'averaging', 'moe')"
     code = (
         f"import sys, peer; assert not [m for m in sys.modules if m.startswith({above_the_wire})]; "
-        "import dht, averaging, moe, peer.daemon.cli"
+        "import dht, averaging, moe, peerd.cli"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from averaging.replica import FAILURE_REASONS, AveragingRecord
-from peer.daemon import metrics as metrics_module
-from peer.daemon.metrics import PeerMetrics
+from peerd import metrics as metrics_module
+from peerd.metrics import PeerMetrics
 
 STATUS = {"epoch": 7, "loss": 0.25, "accuracy": None, "bytes_sent": 1000, "bytes_received": 2000, "uptime_s": 3.5}
 

@@ -9,7 +9,7 @@ import trio
 from dht.node import DHTNode
 from moe.announce import get_expert_addresses
 from moe.hosting import ExpertHostingConfig, host_experts
-from peer.daemon.expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
+from peerd.expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

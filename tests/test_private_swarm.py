@@ -92,7 +92,7 @@ def test_join_refuses_a_bad_allowlist_or_short_key_with_one_line(tmp_path) -> No
         (["--swarm-key", str(tmp_path / "missing.key")], "cannot read"),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "peer.daemon", "join", "--identity", str(tmp_path / "id.key"), *flags],
+            [sys.executable, "-m", "peerd", "join", "--identity", str(tmp_path / "id.key"), *flags],
             capture_output=True,
             text=True,
             timeout=60,

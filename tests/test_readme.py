@@ -39,7 +39,7 @@ def test_join_uses_the_key_that_keygen_wrote():
 
 
 def test_the_exit_status_table_is_the_one_the_code_uses():
-    from peer.daemon.exit_codes import EXIT_CODES
+    from peerd.exit_codes import EXIT_CODES
 
     section = README.split("## Exit status", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", section, re.M))

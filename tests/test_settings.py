@@ -10,9 +10,9 @@ import time
 import pytest
 
 from peer import LOCAL_DIFFICULTY
-from peer.daemon.cli import build_parser, main, parse_command_line
-from peer.daemon.join_arguments import data_shard_from_args, delay_updates_from_args
-from peer.daemon.settings import Settings, SettingsError
+from peerd.cli import build_parser, main, parse_command_line
+from peerd.join_arguments import data_shard_from_args, delay_updates_from_args
+from peerd.settings import Settings, SettingsError
 
 from .processes import PEERD
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.daemon.status_server import fetch_status
+from peerd.status_server import fetch_status
 
 from .processes import PeerdProcess, status_of, wait_until
 from .test_metrics import promtool_check, value

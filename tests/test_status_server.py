@@ -10,7 +10,7 @@ import socket
 import pytest
 import trio
 
-from peer.daemon.status_server import HttpLimits, Page, fetch_status, serve_http
+from peerd.status_server import HttpLimits, Page, fetch_status, serve_http
 
 from .processes import PeerdProcess
 

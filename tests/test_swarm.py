@@ -10,9 +10,9 @@ import signal
 import subprocess
 import sys
 
-from peer.daemon.curves_png import PEER_COLOURS
-from peer.daemon.status_server import fetch_status
-from peer.daemon.swarm_table import PLAIN_PERIOD
+from peerd.curves_png import PEER_COLOURS
+from peerd.status_server import fetch_status
+from peerd.swarm_table import PLAIN_PERIOD
 
 from .png_reader import read_png
 from .processes import PEERD, PeerdProcess, status_of, wait_until
@@ -136,7 +136,7 @@ def test_a_folder_of_keys_left_by_a_killed_launcher_goes_with_the_next_swarm(tmp
 def test_bad_task_name_is_a_clear_error(tmp_path):
     for command in (["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k")], ["swarm"]):
         result = subprocess.run(
-            [sys.executable, "-m", "peer.daemon.cli", *command, "--task", "nope"],
+            [sys.executable, "-m", "peerd.cli", *command, "--task", "nope"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from peer.daemon.swarm_table import PLAIN_PERIOD, PROGRESS_PERIOD, TableDisplay, render_table
+from peerd.swarm_table import PLAIN_PERIOD, PROGRESS_PERIOD, TableDisplay, render_table
 
 TRAINING = {"epoch": 12, "samples_per_s": 812.25, "loss": 0.4321, "accuracy": 0.87, "peers_known": 3}
 STARTING = {"epoch": 0, "samples_per_s": None, "loss": None, "accuracy": None, "peers_known": 1}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.daemon.tasks import ShardSpec, TaskError, load_task
-from peer.daemon.textlm import MODEL_SIZES, ByteTransformer, corpus_files, split_corpus, textlm_task
+from peerd.tasks import ShardSpec, TaskError, load_task
+from peerd.textlm import MODEL_SIZES, ByteTransformer, corpus_files, split_corpus, textlm_task
 
 
 def _library(root: Path, files: int) -> Path:
@@ -107,7 +107,7 @@ async def test_two_peers_train_textlm_together_and_report_bits_per_byte(tmp_path
     import trio
 
     from averaging.optimizer import CollaborativeOptimizer
-    from peer.daemon.training import Trainer
+    from peerd.training import Trainer
     from tests.test_training import FAST, open_swarm
 
     root = _library(tmp_path, 40)
@@ -141,7 +141,7 @@ def test_join_refuses_a_model_size_for_an_unsized_task_in_one_line(tmp_path):
 
     command = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "k"), "--task", "digits"]
     result = subprocess.run(
-        [sys.executable, "-m", "peer.daemon.cli", *command, "--model-size", "small"],
+        [sys.executable, "-m", "peerd.cli", *command, "--model-size", "small"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -158,7 +158,7 @@ def test_swarm_trains_textlm_to_a_bits_per_byte_target(tmp_path):
 
     command = ["swarm", "--task", "textlm", "--model-size", "tiny", "--peers", "2", "--target-bpb", "5.0"]
     result = subprocess.run(
-        [sys.executable, "-m", "peer.daemon.cli", *command, "--timeout", "120", "--log-dir", str(tmp_path)],
+        [sys.executable, "-m", "peerd.cli", *command, "--timeout", "120", "--log-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=180,

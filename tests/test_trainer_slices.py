@@ -9,9 +9,9 @@ import math
 import torch
 
 from averaging.progress import SwarmProgress
-from peer.daemon import training
-from peer.daemon.tasks import ShardSpec, digits_task
-from peer.daemon.training import MIN_SLICE_S, Trainer
+from peerd import training
+from peerd.tasks import ShardSpec, digits_task
+from peerd.training import MIN_SLICE_S, Trainer
 
 
 class Recording:

@@ -11,8 +11,8 @@ import trio
 
 from averaging.optimizer import CollaborativeOptimizer
 from dht.node import DHTNode
-from peer.daemon.tasks import ShardSpec, TaskError, digits_task, load_task
-from peer.daemon.training import Trainer
+from peerd.tasks import ShardSpec, TaskError, digits_task, load_task
+from peerd.training import Trainer
 
 FAST = {"settle_time": 0.1, "matchmaking_timeout": 2.0, "averaging_timeout": 6.0, "progress_interval": 0.1}
 

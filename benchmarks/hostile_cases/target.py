@@ -61,7 +61,7 @@ class Target:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = {k: v for k, v in os.environ.items() if not k.startswith("PEERD_")}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        command = [sys.executable, "-m", "peer.daemon.cli", "join", "--listen", "127.0.0.1:0", "--status-port", "0"]
+        command = [sys.executable, "-m", "peerd.cli", "join", "--listen", "127.0.0.1:0", "--status-port", "0"]
         command += ["--identity", str(key_path), "--run-id", RUN_ID, "--node-id-difficulty", str(DIFFICULTY), *extra]
         self.process = subprocess.Popen(
             command,

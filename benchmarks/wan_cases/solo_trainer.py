@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from peer.daemon.tasks import ShardSpec, load_task  # noqa: E402
+from peerd.tasks import ShardSpec, load_task  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

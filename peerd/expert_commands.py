@@ -1,6 +1,6 @@
 """``peerd serve-experts`` and the expert flags ``peerd join --serve-experts`` shares.
 
-``peer/daemon/cli.py`` adds the subcommand with ``add_serve_experts_command`` and runs it with
+``peerd/cli.py`` adds the subcommand with ``add_serve_experts_command`` and runs it with
 ``run_serve_experts``; ``peerd join`` adds ``add_expert_arguments`` (flags without the network
 options) and hosts experts on its own peer through ``moe.hosting.host_experts``.
 """

@@ -2,7 +2,7 @@
 and an evaluation, so the daemon can train anything a user describes in one factory function.
 
 Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP) and
-``textlm`` (a byte-level transformer on Python's standard library; ``peer.daemon.textlm``).
+``textlm`` (a byte-level transformer on Python's standard library; ``peerd.textlm``).
 Users give their own with ``--task package.module:factory``; the factory is called as
 ``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``.
 """
@@ -135,5 +135,5 @@ def load_task(
         raise TaskError(f"cannot load task factory {spec!r}: {error}") from None
     task = factory(shard=shard, device=torch.device(device))
     if not isinstance(task, Task):
-        raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, not peer.daemon.tasks.Task")
+        raise TaskError(f"task factory {spec!r} returned {type(task).__name__}, not peerd.tasks.Task")
     return task

@@ -1,7 +1,7 @@
 """``peerd dht store|get``: join as a short-lived client, do one operation, print JSON.
 
 Exit status: 0 done; 1 key not found (get) or store refused by every peer; 2 the swarm cannot be
-reached. ``peer/daemon/cli.py`` wires these in with ``add_dht_commands(subparsers)`` and dispatches
+reached. ``peerd/cli.py`` wires these in with ``add_dht_commands(subparsers)`` and dispatches
 ``args.command == "dht"`` to ``run_dht_command(args)``.
 """
 

@@ -1,13 +1,13 @@
 """The pages of the status port, by path, and the figures behind them.
 
-    /                 the dashboard (peer/daemon/dashboard/: HTML, JS and CSS shipped in the package,
+    /                 the dashboard (peerd/dashboard/: HTML, JS and CSS shipped in the package,
     /dashboard.js     no network fetch), which polls /dashboard.json every 2 s
     /dashboard.css
     /dashboard.json   status, the figures over time, the last rounds, the peers seen
     /status           this peer now (JSON; `peerd status`, `peerd swarm`, the tests and benchmarks)
-    /metrics          Prometheus text (peer/daemon/metrics.py)
+    /metrics          Prometheus text (peerd/metrics.py)
 
-``StatusPages`` keeps the dashboard's history (peer/daemon/history.py, all bounded): the daemon
+``StatusPages`` keeps the dashboard's history (peerd/history.py, all bounded): the daemon
 runs ``keep_history`` in its nursery and hands it each averaging round as the trainer sees it.
 """
 

@@ -1,7 +1,7 @@
 """The ``peerd`` command line.
 
 Configuration comes from flags first, then ``PEERD_*`` environment variables (what docker compose
-sets), then a TOML file (``--config PATH`` or ``PEERD_CONFIG``; see ``peer/daemon/settings.py``), then
+sets), then a TOML file (``--config PATH`` or ``PEERD_CONFIG``; see ``peerd/settings.py``), then
 built-in defaults.
 """
 

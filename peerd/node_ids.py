@@ -48,7 +48,7 @@ def add_difficulty_argument(parser: argparse.ArgumentParser, settings: Settings 
         help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (public runs: "
         f"{DEFAULT_DIFFICULTY}, ~10 s once per key; local swarms and tests: {LOCAL_DIFFICULTY})",
     )
-    action.env = "PEERD_NODE_ID_DIFFICULTY"  # shown by peer/daemon/help.py
+    action.env = "PEERD_NODE_ID_DIFFICULTY"  # shown by peerd/help.py
 
 
 def solve_estimate(difficulty: int) -> str:

@@ -2,7 +2,7 @@
 
     host (listener + connection pool)  ->  DHT node  ->  trainer (optional)  ->  status server
 
-Nothing here knows about argparse; ``peer/daemon/cli.py`` turns flags and ``PEERD_*`` variables into a
+Nothing here knows about argparse; ``peerd/cli.py`` turns flags and ``PEERD_*`` variables into a
 ``DaemonConfig``. Everything the daemon starts lives in its nursery, so cancelling ``run_daemon``
 (SIGINT/SIGTERM in the CLI) stops it all.
 """
@@ -68,7 +68,7 @@ class DaemonConfig:
     compression: str | None = None  # codec name; None: each mode's default
     aggregation: str = "auto"  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
     device: str | None = None  # None: CUDA when available
-    shard: Any = None  # peer.daemon.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
+    shard: Any = None  # peerd.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
     target_batch_size: int | None = None
     local_steps: int = 20
     uplink_mbit: float | None = None  # declared uplink: averaging rounds pace their connections to share it

@@ -61,7 +61,7 @@ class SwarmPeer:
         self.started_at = time.monotonic()
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "peer.daemon.cli", *args],
+            [sys.executable, "-m", "peerd.cli", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
