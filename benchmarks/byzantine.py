@@ -11,7 +11,7 @@ with its own Adam (the task's optimizer). Every peer starts from the same model.
 Attackers (the last f peers; f = 1, 2, 3) each claim weight 2**40 and send, in turn:
 ``scaled`` (their gradient times 1e4), ``sign-flipped`` (times -10) or ``random`` (Gaussian, 10x
 the gradient's norm); and each lies as a reducer: it aggregates as honest ones do and answers every
-part of its shard with the aggregate times -10 (``tests/hostile_reducers.py``). Groups are formed
+part of its shard with the aggregate times -10 (``tests/support/hostile_reducers.py``). Groups are formed
 as matchmaking forms them once peers ban each other: without any peer that an honest member has
 caught (``averaging/verification.py``).
 
@@ -54,7 +54,7 @@ from averaging.allreduce import AllReduceService  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from peer import Identity, open_peer_host  # noqa: E402
 from peerd.tasks import ShardSpec, digits_task  # noqa: E402
-from tests.hostile_reducers import LyingShard  # noqa: E402
+from tests.support.hostile_reducers import LyingShard  # noqa: E402
 
 ATTACKS = ("scaled", "sign-flipped", "random")
 HOSTILE_WEIGHT = float(2**40)

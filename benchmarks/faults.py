@@ -3,7 +3,7 @@
     python benchmarks/faults.py --quick    # within 120 s on 2 busy cores (shorter partition)
     python benchmarks/faults.py            # the 30 s partition, more rounds
 
-Runs in the network lab (``tests/netlab.py``: one network namespace per host on a private bridge,
+Runs in the network lab (``tests/support/netlab.py``: one network namespace per host on a private bridge,
 real processes started with ``ip netns exec``), so it needs root, ``ip`` and ``tc``; without them it
 prints one line saying what is missing and exits 2. Every namespace it makes is removed again,
 also on an error, Ctrl-C or SIGTERM.
@@ -57,9 +57,9 @@ from peer import LOCAL_DIFFICULTY  # noqa: E402
 # fresh key, and every process of the lab must use the same difficulty.
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))
 
-from tests.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
-from tests.test_lab_group_faults import SIZE, member_keys, process_state, read_line  # noqa: E402
-from tests.test_lab_partition import epochs, group_of  # noqa: E402
+from tests.lab.test_lab_group_faults import SIZE, member_keys, process_state, read_line  # noqa: E402
+from tests.lab.test_lab_partition import epochs, group_of  # noqa: E402
+from tests.support.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
 
 START_TIMEOUT = 90.0  # five interpreters importing torch on 2 busy cores (the lab's own figure)
 # dead_reducer: each reducer's shard (~19 MB) outgrows a namespace's socket buffers, so senders are

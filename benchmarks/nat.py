@@ -4,9 +4,9 @@ port-preserving NATs directly connected, and what a relayed connection costs.
     python benchmarks/nat.py --quick      # within 180 s: 20 punches, 32 MiB streams
     python benchmarks/nat.py --tries 50 --megabytes 128
 
-Hosts (``tests/netlab.py``): one public host running ``peerd join`` (the relay, relaying by
+Hosts (``tests/support/netlab.py``): one public host running ``peerd join`` (the relay, relaying by
 default), and two private hosts behind their own port-preserving NAT routers (nft masquerade),
-every link shaped to ``--rate`` Mbit/s. ``tests/lab_punch_peer.py`` runs on each private host:
+every link shaped to ``--rate`` Mbit/s. ``tests/support/lab_punch_peer.py`` runs on each private host:
 for each try, a fresh peer behind NAT B reserves a slot on the relay, a fresh peer behind NAT A
 dials its relayed address and punches (``peer/holepunch.py``); fresh ports per try, as a closed
 connection's 4-tuple lingers in TIME_WAIT.
@@ -44,7 +44,7 @@ from peer import LOCAL_DIFFICULTY  # noqa: E402
 
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
 
-from tests.netlab import PEER_PORT, Lab, lab_unavailable, remove_leftovers  # noqa: E402
+from tests.support.netlab import PEER_PORT, Lab, lab_unavailable, remove_leftovers  # noqa: E402
 
 RUN_ID = "bench-nat"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -79,12 +79,20 @@ def run(workdir: Path, tries: int, megabytes: int, rate: float | None) -> dict[s
         common = ["--relay", relay, "--run-id", RUN_ID]
         target = lab.spawn(
             behind[0],
-            ["tests/lab_punch_peer.py", "target", "--host", behind[0].address, "--tries", str(tries), *common],
+            ["tests/support/lab_punch_peer.py", "target", "--host", behind[0].address, "--tries", str(tries), *common],
             workdir / "target.log",
         )
         dialer = lab.spawn(
             behind[1],
-            ["tests/lab_punch_peer.py", "dialer", "--host", behind[1].address, "--megabytes", str(megabytes), *common],
+            [
+                "tests/support/lab_punch_peer.py",
+                "dialer",
+                "--host",
+                behind[1].address,
+                "--megabytes",
+                str(megabytes),
+                *common,
+            ],
             workdir / "dialer.log",
         )
         records = []

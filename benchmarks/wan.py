@@ -6,7 +6,7 @@ compute utilisation, with every host on its own shaped link.
     python benchmarks/wan.py --only allreduce     # one part
     python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind
 
-Runs in the network lab (``tests/netlab.py``: one network namespace per host on a private bridge,
+Runs in the network lab (``tests/support/netlab.py``: one network namespace per host on a private bridge,
 each host's link shaped by tbf on both ends; real processes started with ``ip netns exec``), so it
 needs root, ``ip`` and ``tc``; without them it prints one line saying what is missing and exits 2.
 
@@ -89,8 +89,8 @@ from peer import LOCAL_DIFFICULTY, Identity  # noqa: E402
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
 
 from benchmarks.wan_cases import hivemind_baseline  # noqa: E402
-from tests.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
-from tests.test_lab_group_faults import read_line  # noqa: E402
+from tests.lab.test_lab_group_faults import read_line  # noqa: E402
+from tests.support.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
 
 PEERS = 4
 VALUES = 4_194_304  # 16 MiB of float32, the figure

@@ -12,7 +12,7 @@ its namespace allows has a bug, and ``DHTNode.store`` raises ``ValueError`` to s
 The swarm's own record types are capped here, on every node, whatever validators an application
 adds: a bootstrap node that never trains must refuse a day-long progress record as firmly as a
 trainer does. The patterns name the keys the upper layers write (imports only go downward, so the
-numbers are restated; ``tests/test_dht_storage.py`` checks each caller's TTL fits its cap).
+numbers are restated; ``tests/dht/test_dht_storage.py`` checks each caller's TTL fits its cap).
 """
 
 from __future__ import annotations

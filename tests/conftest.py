@@ -2,7 +2,7 @@
 collection loaded is frozen before the first test (see ``pytest_collection_finish``); every
 ``peerd`` process a test starts runs at the local node-ID difficulty, as the in-process peers do,
 and default key files land in a data directory of the test run's own, never the user's. The
-``netlab`` and ``nat_netlab`` fixtures give a test its own network of namespaces (tests/netlab.py)."""
+``netlab`` and ``nat_netlab`` fixtures give a test its own network of namespaces (tests/support/netlab.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from peer import LOCAL_DIFFICULTY
-
-from .netlab import Lab, lab_unavailable, remove_leftovers
+from tests.support.netlab import Lab, lab_unavailable, remove_leftovers
 
 # A public run's default (2**24 hashes, ~10 s per fresh key) would make each process start slow,
 # and a peer of another difficulty could not talk to the tests' own (LOCAL_DIFFICULTY) peers.

@@ -1,6 +1,6 @@
 """One member of a fixed all-reduce group that runs a round per stdin line ``GROUP_ID FAULT``.
 
-The lab's ``tests/lab_allreduce_peer.py`` runs one round and then waits to be killed; the fault
+The lab's ``tests/support/lab_allreduce_peer.py`` runs one round and then waits to be killed; the fault
 benchmark needs a no-fault round first (the baseline) and the faulty round second in the same
 processes, so starting five interpreters once instead of twice. The faults, tensors and weights are
 that script's, imported, not copied. Prints ``ready``, then one JSON object per round:
@@ -24,8 +24,8 @@ from averaging.allreduce import AllReduceService  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from averaging.partition import DEFAULT_PART_SIZE  # noqa: E402
 from peer import Identity, PeerAddress, open_peer_host  # noqa: E402
-from tests.lab_allreduce_peer import FAULTS, WEIGHTS, die, tensors_of  # noqa: E402
-from tests.stream_faults import Fault, FaultyHost  # noqa: E402
+from tests.support.lab_allreduce_peer import FAULTS, WEIGHTS, die, tensors_of  # noqa: E402
+from tests.support.stream_faults import Fault, FaultyHost  # noqa: E402
 
 
 class RoundFault(Fault):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.test_lab_group_faults import read_line
+from tests.lab.test_lab_group_faults import read_line
 
 SCRIPT = "benchmarks/wan_cases/hivemind_averager.py"
 STOP_GRACE = 20.0  # a clean shutdown stops p2pd and the averager's processes

@@ -1,0 +1,225 @@
+"""What a hostile peer can make the wire layer hold, driven with bytes (sans I/O) where possible.
+
+Each test states the bound it checks; the numbers before this work are in the comments (the same
+inputs made the old code allocate the announced size, keep four records per connection, accept any
+message while credit remained, and wait forever for a stalled payload).
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+import trio
+
+import peer.rpc
+from peer import Identity, Router, open_peer_host
+from peer.framing import HEADER, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
+from peer.packing import packb
+from peer.receive_budget import ReceiveBudget, ReceiveBudgetExceeded
+from peer.rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW, RPCProtocol, StreamData
+from tests.wire.test_hostile import authenticated_raw
+
+MIB = 1 << 20
+
+
+def vm_rss_kb() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def opened_stream(window: int = STREAM_WINDOW, **options) -> tuple[RPCProtocol, int]:
+    client, server = RPCProtocol(True, window=window), RPCProtocol(False, window=window, **options)
+    call_id, header = client.open_stream("s", None)
+    server.receive_header(header)
+    return server, call_id
+
+
+# ---------------------------------------------------------------------- payloads
+def test_a_stalled_payload_commits_what_arrived_not_what_was_announced():
+    """256 MiB announced, 1 MiB sent: the old code allocated all 256 MiB at the first record."""
+    server = RPCProtocol(False, budget=ReceiveBudget())
+    tracemalloc.start()
+    try:
+        server.receive_header(packb([7, 1, "peer.ping", None, None, MAX_PAYLOAD]))
+        for _ in range(2):
+            target = server.payload_target(MIB // 2)
+            target[:] = b"x" * len(target)
+            del target
+            assert server.payload_received(MIB // 2) == []
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MIB  # one record's step, doubled at most once
+    assert server.budget.used <= 2 * MIB
+    server.close()
+    assert server.budget.used == 0
+
+
+def test_a_payload_grown_in_steps_arrives_intact():
+    client, server = RPCProtocol(True), RPCProtocol(False, budget=ReceiveBudget())
+    data = bytes(range(256)) * (5 * MIB // 256 + 3)
+    _, header = client.open_unary("m", None, len(data), None)
+    server.receive_header(header)
+    events, offset = [], 0
+    while offset < len(data):
+        chunk = data[offset : offset + MIB]
+        server.payload_target(len(chunk))[:] = chunk
+        events = server.payload_received(len(chunk))
+        offset += len(chunk)
+    [opened] = events
+    assert opened.payload == data and server.budget.used == 0
+
+
+def test_partial_payloads_share_one_budget_and_the_one_over_it_fails():
+    budget = ReceiveBudget(limit=5 * MIB // 2)
+    first, second = RPCProtocol(False, budget=budget), RPCProtocol(False, budget=budget)
+    for protocol in (first, second):
+        protocol.receive_header(packb([7, 1, "m", None, None, 64 * MIB]))
+    first.payload_target(MIB)
+    first.payload_received(MIB)
+    second.payload_target(MIB)
+    second.payload_received(MIB)
+    with pytest.raises(ReceiveBudgetExceeded):
+        first.payload_target(MIB)  # would double its buffer to 2 MiB: 3 MiB in all
+    with pytest.raises(ReceiveBudgetExceeded):  # sticky, like every protocol error
+        first.payload_received(0)
+    first.close()
+    assert budget.used == MIB  # only the second connection's buffer is still held
+
+
+def test_payload_of_an_ended_call_is_dropped_as_it_arrives():
+    client = RPCProtocol(True, budget=ReceiveBudget())
+    call_id, _ = client.open_unary("m", None, 0, None)
+    client.cancel(call_id)
+    tracemalloc.start()
+    try:
+        client.receive_header(packb([8, call_id, None, 8 * MIB]))  # a RESULT nobody awaits
+        for _ in range(8):
+            client.payload_target(MIB)
+            assert client.payload_received(MIB) == []
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MIB and not client.awaiting_payload
+
+
+# ---------------------------------------------------------------------- credit
+def test_credit_overshoot_is_refused_at_the_header_before_any_payload():
+    """The old rule let one message of up to 256 MiB in while any credit remained."""
+    server, call_id = opened_stream()
+    filler = STREAM_WINDOW - 64 - 16
+    server.receive_header(packb([2, call_id, None, filler]))
+    server.payload_target()[:] = bytes(filler)
+    [data] = server.payload_received(filler)
+    assert isinstance(data, StreamData)
+    with pytest.raises(ProtocolError, match="credit"):
+        server.receive_header(packb([2, call_id, None, 64 * MIB]))
+    assert not server.awaiting_payload
+
+
+def test_a_message_larger_than_the_window_goes_only_into_a_full_window():
+    client, server = RPCProtocol(True, window=1000), RPCProtocol(False, window=1000)
+    call_id, header = client.open_stream("s", None)
+    server.receive_header(header)
+    assert client.send_data(call_id, None, 5000) is not None  # a full window: allowed alone
+    big = packb([2, call_id, None, 5000])
+    server.receive_header(big)
+    server.payload_target()[:] = bytes(5000)
+    [data] = server.payload_received(5000)
+    assert client.send_data(call_id, None, 10) is None  # the honest sender waits for credit
+    # the reader drains its only message: all credit comes back, even below half a window
+    credit = server.consumed(call_id, data.cost, drained=True)
+    client.receive_header(credit)
+    assert client.send_data(call_id, None, 900) is not None
+    server.receive_header(packb([2, call_id, None, 900]))
+    server.payload_target()[:] = bytes(900)
+    server.payload_received(900)
+    with pytest.raises(ProtocolError, match="credit"):  # a big one into a part-used window
+        server.receive_header(packb([2, call_id, None, 5000]))
+
+
+def test_unread_stream_data_per_connection_is_capped():
+    client = RPCProtocol(True, window=1000)
+    server = RPCProtocol(False, window=1000, max_unread=2500)
+    calls = []
+    for _ in range(3):
+        call_id, header = client.open_stream("s", None)
+        server.receive_header(header)
+        calls.append(call_id)
+    for call_id in calls[:2]:
+        server.receive_header(packb([2, call_id, None, 990]))
+        server.payload_whole(bytes(990))
+    with pytest.raises(ProtocolError, match="unread"):
+        server.receive_header(packb([2, calls[2], None, 990]))
+        server.payload_whole(bytes(990))
+
+
+# ---------------------------------------------------------------------- records
+def test_decoder_buffer_never_exceeds_one_record_plus_slack():
+    """The old decoder grew to four maximal records per connection."""
+    decoder = RecordDecoder(budget=ReceiveBudget())
+    body = bytes(MAX_RECORD_SIZE)
+    stream = (HEADER.pack(len(body)) + body + HEADER.pack(3) + b"abc") * 4
+    offset = 0
+    while offset < len(stream):
+        view = decoder.writable()
+        n = min(len(view), 300_000, len(stream) - offset)
+        view[:n] = stream[offset : offset + n]
+        del view
+        decoder.commit(n)
+        offset += n
+        while decoder.next_record() is not None:
+            pass
+        assert len(decoder._buffer) <= HEADER.size + MAX_RECORD_SIZE + READ_SLACK
+    assert decoder.release() and decoder._budget.used == 0
+
+
+def test_half_sent_records_commit_half_a_record_and_give_it_back_on_close():
+    """64 connections each holding half of a maximal record: the old decoder kept ~4 MiB each
+    (about 256 MiB here), and glibc did not return it after close."""
+    budget = ReceiveBudget()
+    half = HEADER.pack(MAX_RECORD_SIZE) + bytes(MAX_RECORD_SIZE // 2)
+    gc.collect()
+    before = vm_rss_kb()
+    decoders = []
+    for _ in range(64):
+        decoder = RecordDecoder(budget=budget)
+        decoder.receive_data(half)
+        assert decoder.next_record() is None
+        decoders.append(decoder)
+    held_mib = (vm_rss_kb() - before) / 1024
+    assert held_mib < 48  # 0.5 MiB of record each, plus slack: ~34 MiB
+    assert budget.used == 64 * (HEADER.size + MAX_RECORD_SIZE + READ_SLACK)
+    for decoder in decoders:
+        decoder.release(closing=True)
+    del decoders, decoder
+    gc.collect()
+    assert budget.used == 0
+    assert (vm_rss_kb() - before) / 1024 < 8  # the mappings went back to the OS
+
+
+# ---------------------------------------------------------------------- the driver
+async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypatch):
+    monkeypatch.setattr(peer.rpc, "STALLED_MESSAGE_TIMEOUT", 0.5)
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return request.body
+
+    async with open_peer_host(Identity.generate(), router=router, run_id="r") as host:
+        stream, channel = await authenticated_raw(host)
+        await channel.send_record(packb([7, 1, "echo", None, None, 64 * MIB]))
+        await channel.send_record(bytes(MIB))  # the first MiB, then silence
+        with trio.fail_after(5):
+            with pytest.raises((trio.EndOfChannel, trio.BrokenResourceError)):
+                await channel.receive_record()  # the server closes the connection
+        await trio.aclose_forcefully(stream)
+        async with open_peer_host(Identity.generate(), listen=None, run_id="r") as client:
+            connection = await client.connect(host.listen_address)
+            assert (await connection.call("echo", "still here", timeout=5)).body == "still here"
