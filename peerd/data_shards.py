@@ -9,8 +9,11 @@ an explicit ``--data-shard 2/4`` all count, each for the part of the data it cov
 The rule (``ShardChoice``, no I/O): with ``n`` peers holding a live progress record, this one
 included, the data splits into ``N = min(n, MAX_AUTO_SHARDS)`` shards and the peer takes the shard
 ``J/N`` that the counted claims cover least (the sum, over claims, of the fraction of ``J/N`` each
-covers). Counted are the claims of peers that have chosen (every record but a ``choosing`` one)
-and of peers still choosing that rank before this one (by a hash of the peer ID). Ties go by a
+covers); a shard ``J/M`` of a smaller count ``M`` that a counted claim uses is a candidate too, and
+wins when it is covered strictly less (the other half of a peer that chose halves while it saw only
+two peers, where every third would overlap that half). Counted are the claims of peers that have
+chosen (every record but a ``choosing`` one) and of peers still choosing that rank before this one
+(by a hash of the peer ID). Ties go by a
 hash of (peer ID, J), different for every peer, so peers that see the same records spread out
 instead of all taking shard 0.
 
@@ -86,9 +89,18 @@ def choose_shard(me: PeerID, records: Mapping[PeerID, PeerProgress]) -> tuple[tu
         for peer, record in records.items()
         if peer != me and record.shard is not None and (not record.choosing or _rank(peer) < mine)
     )
-    coverage = [sum(overlap((j, count), shard) for _, shard in counted) for j in range(count)]
-    index = min(range(count), key=lambda j: (coverage[j], _tie_break(me, j)))
-    return (index, count), counted
+    # Besides the count of live peers, the counts the counted claims use: when a peer chose halves
+    # while it saw only two peers, a third that takes the other half leaves no part of the data
+    # trained twice by them, where any third would overlap that half.
+    counts = {count} | {shard[1] for _, shard in counted if shard[1] < count}
+    candidates = [(j, n) for n in counts for j in range(n)]
+
+    def rank(candidate: tuple[int, int]) -> tuple:
+        coverage = round(sum(overlap(candidate, shard) for _, shard in counted), 9)
+        # ties go to the live count, then by a hash that differs for every peer
+        return coverage, candidate[1] != count, _tie_break(me, candidate[0]), candidate[1]
+
+    return min(candidates, key=rank), counted
 
 
 class ShardChoice:
