@@ -165,6 +165,11 @@ class ThroughputMeter:
     def bytes(self) -> int:
         return self._samples[-1][1] if self._samples else 0
 
+    @property
+    def observations_kept(self) -> int:
+        """How many observations the meter holds: at most ``MAX_SAMPLES``, and an idle spell two."""
+        return len(self._samples)
+
     def rate(self) -> float | None:
         """Bytes per second, or None when too few bytes moved to tell."""
         if self.bytes < MIN_MEASURED_BYTES:

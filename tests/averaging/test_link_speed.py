@@ -111,7 +111,7 @@ def test_a_fast_link_that_finishes_early_is_measured_by_its_busy_spell_not_the_r
     for step in range(1, 100):  # then it waits 5 s for the slow peer, idle
         meter.observe(0.4 + step * 0.05, total)
     assert meter.rate() > 0.8 * 12_500_000
-    assert len(meter._samples) < 20  # the idle spell costs two samples, not one per poll
+    assert meter.observations_kept < 20  # the idle spell costs two samples, not one per poll
 
 
 def test_tiny_transfers_say_nothing_about_the_link():
@@ -130,7 +130,7 @@ def test_tiny_transfers_say_nothing_about_the_link():
 def test_the_meter_keeps_a_bounded_number_of_samples():
     meter = ThroughputMeter()
     steady(meter, 1_000_000.0, 600.0)  # ten minutes of polls
-    assert len(meter._samples) <= 128
+    assert meter.observations_kept <= 128
     assert 0.9 * 1_000_000 < meter.rate() <= 1_000_000
 
 
