@@ -110,6 +110,7 @@ def test_peerd_config_variable_names_the_file(tmp_path):
         ("client_mode = 'maybe'\n", "expected a boolean"),
         ("listen = 'nowhere'\n", "listen in "),
         ("mode = 'local_updates'\n", "expected one of collaborative, local-updates"),
+        ("log_level = 'verbose'\n", "log_level in .*expected one of DEBUG, INFO, WARNING, ERROR"),
     ],
 )
 def test_a_bad_file_is_refused_with_a_clear_error(tmp_path, text, message):
