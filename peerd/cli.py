@@ -33,6 +33,7 @@ from .join_arguments import (
     IDENTITY,
     KNOWN_FILE_KEYS,
     LOG_LEVEL,
+    STATUS_HOST,
     STATUS_PORT,
     add_join_arguments,
     data_shard_from_args,
@@ -76,7 +77,8 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show a running peer's /status for humans", epilog=EPILOG)
     replace(STATUS_PORT, default=8080, default_text=None, help="the peer's --status-port").add_to(status, settings)
-    status.add_argument("--status-host", default="127.0.0.1", help="where that peer serves its status")
+    # (no variable: PEERD_STATUS_HOST is where a peer binds, which need not be where it is asked)
+    status.add_argument("--status-host", default=STATUS_HOST.default, help="where that peer serves its status")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
     swarm = commands.add_parser(

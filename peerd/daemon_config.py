@@ -92,6 +92,8 @@ class StatusConfig:
 
 @dataclass(frozen=True)
 class DaemonConfig:
+    """One peer: its key, the device it computes on, the experts it hosts, and the four parts."""
+
     identity: Identity
     device: str | None = setting_field(DEVICE)  # training's and the experts'; None: CUDA when available
     experts: Any = None  # (moe.hosting.ExpertHostingConfig, built experts) for --serve-experts

@@ -32,6 +32,7 @@ from peer import LOCAL_DIFFICULTY
 
 from .curves_png import write_curves_png
 from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
+from .join_arguments import AGGREGATION, MODE
 from .swarm_processes import SwarmPeer, stop_all, wait_started
 from .swarm_table import TableDisplay
 
@@ -62,8 +63,8 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
     swarm.add_argument("--task", default="digits", help="what they train: a built-in name or package.module:factory")
     swarm.add_argument(
         "--mode",
-        choices=["collaborative", "local-updates"],
-        default="collaborative",
+        choices=MODE.choices,
+        default=MODE.default,
         help="gradient averaging every swarm-wide batch, or DiLoCo-style local steps and outer rounds",
     )
     swarm.add_argument(
@@ -79,8 +80,8 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
     swarm.add_argument("--model-size", default=None, help="model shape for sized tasks (textlm: see peerd join)")
     swarm.add_argument(
         "--aggregation",
-        choices=["auto", "mean", "centered-clip"],
-        default="auto",
+        choices=AGGREGATION.choices,
+        default=AGGREGATION.default,
         help="how reducers aggregate (see peerd join); auto: centered-clip, as the swarm is public",
     )
     swarm.add_argument("--max-epochs", type=int, default=200, help="stop when every peer has passed this epoch")
