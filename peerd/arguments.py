@@ -6,7 +6,7 @@ import argparse
 
 from peer import PeerAddress
 
-__all__ = ["peer_address", "peer_list", "listen_address"]
+__all__ = ["peer_address", "peer_list", "listen_address", "positive_float"]
 
 
 def peer_address(text: str) -> PeerAddress:
@@ -32,3 +32,14 @@ def listen_address(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"bad listen address {text!r}: expected HOST:PORT (port 0 = any free port)")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+    return value

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -19,7 +20,8 @@ import trio
 from peer import __version__
 from peer.identity import Identity, IdentityError, check_key_path, default_identity_path
 
-from .daemon import DaemonConfig, run_daemon
+from .daemon import run_daemon
+from .daemon_config import AveragingConfig, DaemonConfig, NetworkConfig, StatusConfig, TrainingConfig
 from .dht_commands import add_dht_commands, run_dht_command
 from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTED
 from .expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
@@ -27,6 +29,12 @@ from .help import PeerdArgumentParser, add_everywhere, env_setting
 from .identity_lock import IdentityInUseError, lock_identity
 from .join_arguments import (
     AUTO,
+    CONFIG,
+    IDENTITY,
+    KNOWN_FILE_KEYS,
+    LOG_LEVEL,
+    STATUS_HOST,
+    STATUS_PORT,
     add_join_arguments,
     data_shard_from_args,
     delay_updates_from_args,
@@ -35,6 +43,7 @@ from .join_arguments import (
 from .node_ids import node_id_for
 from .private_swarm import access_from_args
 from .runner import EXIT_UNREACHABLE, exit_process, run_joining, until_stopped
+from .setting_kinds import from_args
 from .settings import Settings, SettingsError
 from .status_pages import dashboard_url
 from .status_server import fetch_status
@@ -54,45 +63,22 @@ def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
     """The ``peerd`` parser; defaults that no flag overrides come from ``settings`` (by default
     the ``PEERD_*`` environment variables alone). Raises SettingsError for a value it cannot use."""
     settings = settings if settings is not None else Settings()
-    env = settings.get
     parser = PeerdArgumentParser(prog="peerd", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
     _add_config_argument(parser, settings)
-    log_levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
-    env_setting(
-        parser.add_argument(
-            "--log-level",
-            type=str.upper,
-            choices=log_levels,
-            default=env("LOG_LEVEL", "INFO").upper(),
-            help="log detail",
-        ),
-        "LOG_LEVEL",
-    )
+    LOG_LEVEL.add_to(parser, settings)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     keygen = commands.add_parser("keygen", help="create an identity key and print its peer ID", epilog=EPILOG)
-    env_setting(
-        keygen.add_argument("--identity", type=Path, default=env("IDENTITY"), help="key file to create"),
-        "IDENTITY",
-        default_text=str(default_identity_path()) if env("IDENTITY") is None else None,
-    )
+    replace(IDENTITY, help="key file to create").add_to(keygen, settings)
 
     join = commands.add_parser("join", help="start a peer, join the swarm and (with --task) train", epilog=EPILOG)
     add_join_arguments(join, settings)
 
     status = commands.add_parser("status", help="show a running peer's /status for humans", epilog=EPILOG)
-    env_setting(
-        status.add_argument(
-            "--status-port",
-            type=int,
-            default=settings.parsed("STATUS_PORT", int, 8080),
-            metavar="PORT",
-            help="the peer's --status-port",
-        ),
-        "STATUS_PORT",
-    )
-    status.add_argument("--status-host", default="127.0.0.1", help="where that peer serves its status")
+    replace(STATUS_PORT, default=8080, default_text=None, help="the peer's --status-port").add_to(status, settings)
+    # (no variable: PEERD_STATUS_HOST is where a peer binds, which need not be where it is asked)
+    status.add_argument("--status-host", default=STATUS_HOST.default, help="where that peer serves its status")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
 
     swarm = commands.add_parser(
@@ -110,8 +96,9 @@ def _add_config_argument(parser: argparse.ArgumentParser, settings: Settings | N
     """``--config`` on the top-level parser (``settings`` given: its default); ``add_everywhere``
     copies it to every subcommand."""
     default = settings.source if settings is not None else argparse.SUPPRESS
+    # (not CONFIG.add_to: Settings.load has read the variable, and the file is not its own key)
     env_setting(
-        parser.add_argument("--config", metavar="FILE", default=default, help="TOML file of settings"), "CONFIG"
+        parser.add_argument(CONFIG.flag, metavar=CONFIG.metavar, default=default, help=CONFIG.help), CONFIG.variable
     )
 
 
@@ -137,8 +124,9 @@ async def _join_main(config: DaemonConfig) -> int:
             else:
                 print("peerd running in client mode (accepting no connections)", flush=True)
             if daemon.status_port is not None:
-                print(f"peerd status on http://{config.status_host}:{daemon.status_port}/status", flush=True)
-                print(f"peerd dashboard on {dashboard_url(config.status_host, daemon.status_port)}", flush=True)
+                host = config.status.host
+                print(f"peerd status on http://{host}:{daemon.status_port}/status", flush=True)
+                print(f"peerd dashboard on {dashboard_url(host, daemon.status_port)}", flush=True)
 
     return await until_stopped(serve)
 
@@ -170,34 +158,16 @@ def _cmd_join(args: argparse.Namespace) -> int:
     access = access_from_args(args)
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
-    host, port = args.listen
-    config = DaemonConfig(
+    initial_peers = initial_peers_from_args(args)
+    config = from_args(
+        DaemonConfig,
+        args,
         identity=identity,
-        listen_host=host,
-        listen_port=port,
-        initial_peers=initial_peers_from_args(args),
-        run_id=args.run_id,
-        node_id=node_id,
-        node_id_difficulty=args.node_id_difficulty,
-        access=access,
-        bootstrap_timeout=args.bootstrap_timeout,
-        client_mode=args.client_mode,
-        relay=args.relay,
-        relay_mib_per_s=args.relay_rate,
-        task=args.task,
-        model_size=args.model_size,
-        mode=args.mode,
-        delay_updates=delay_updates,
-        compression=args.compression,
-        aggregation=args.aggregation,
-        device=args.device,
-        shard=shard,
-        target_batch_size=args.target_batch_size,
-        local_steps=args.local_steps,
-        uplink_mbit=args.uplink_mbit,
-        status_host=args.status_host,
-        status_port=args.status_port,
         experts=_experts(args),
+        network=from_args(NetworkConfig, args, initial_peers=initial_peers, node_id=node_id, access=access),
+        training=from_args(TrainingConfig, args, data_shard=shard),
+        averaging=from_args(AveragingConfig, args, delay_updates=delay_updates),
+        status=from_args(StatusConfig, args),
     )
     return run_joining(_join_main, config)
 
@@ -247,7 +217,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config != settings.source:  # e.g. an abbreviated --conf that the early look missed
         settings = Settings.load(args.config)
         args = build_parser(settings).parse_args(argv)
-    settings.check_all_known()  # every setting has been looked up by now
+    settings.check_known(KNOWN_FILE_KEYS)
     return args
 
 

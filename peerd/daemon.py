@@ -15,26 +15,16 @@ import logging
 import math
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
-from peer import (
-    LOCAL_DIFFICULTY,
-    Identity,
-    NodeIDProof,
-    PeerAddress,
-    PeerHost,
-    Request,
-    Router,
-    SwarmAccess,
-    open_peer_host,
-)
+from peer import PeerAddress, PeerHost, Request, Router, open_peer_host
 from peer.nat import NatTraversal, relay_limits
 
+from .daemon_config import DaemonConfig
 from .metrics import PeerMetrics
 from .ports import naming_port
 from .status_pages import StatusPages
@@ -43,38 +33,6 @@ from .status_server import serve_http
 __all__ = ["DaemonConfig", "Daemon", "run_daemon", "add_builtin_methods"]
 
 log = logging.getLogger("peerd")
-
-
-@dataclass
-class DaemonConfig:
-    identity: Identity
-    listen_host: str = "0.0.0.0"
-    listen_port: int = 31337
-    initial_peers: list[PeerAddress] = field(default_factory=list)
-    run_id: str = "default"
-    # The run's node-ID difficulty and this key's solution (None: solved at start; see PeerHost for
-    # why the library default is the local one; the command line defaults to a public run's).
-    node_id_difficulty: int = LOCAL_DIFFICULTY
-    node_id: NodeIDProof | None = None
-    access: SwarmAccess | None = None  # a private swarm's allowlist and key (peer/access.py)
-    bootstrap_timeout: float = 15.0
-    client_mode: bool = False
-    relay: bool = True  # relay for peers behind NAT (peer/nat.py), within per-circuit limits
-    relay_mib_per_s: float = 32.0  # all relayed circuits together
-    task: str | None = None
-    model_size: str | None = None  # sized tasks only (textlm); None: the task's default
-    mode: str = "collaborative"  # or "local-updates"
-    delay_updates: bool = True  # collaborative: average while the next epoch accumulates
-    compression: str | None = None  # codec name; None: each mode's default
-    aggregation: str = "auto"  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
-    device: str | None = None  # None: CUDA when available
-    shard: Any = None  # peerd.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
-    target_batch_size: int | None = None
-    local_steps: int = 20
-    uplink_mbit: float | None = None  # declared uplink: averaging rounds pace their connections to share it
-    status_host: str = "127.0.0.1"
-    status_port: int | None = None
-    experts: Any = None  # (moe.hosting.ExpertHostingConfig, built experts) for --serve-experts
 
 
 def add_builtin_methods(router: Router, host_getter) -> None:
@@ -106,12 +64,12 @@ class Daemon:
         status: dict[str, Any] = {
             "peer_id": str(self.config.identity.peer_id),
             "address": str(host.listen_address) if host and host.listen_address else None,
-            "run_id": self.config.run_id,
+            "run_id": self.config.network.run_id,
             "uptime_s": round(time.time() - self.started, 1),
             "connected_peers": len(host.connected_peers) if host else 0,
             "bytes_sent": host.traffic.bytes_sent if host else 0,
             "bytes_received": host.traffic.bytes_received if host else 0,
-            "task": self.config.task,
+            "task": self.config.training.task,
             "data_shard": self.data_shard,
             "epoch": None,
             "samples_per_s": None,
@@ -142,47 +100,45 @@ class Daemon:
         return self.pages.metrics.render()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        config = self.config
+        network, status = self.config.network, self.config.status
         router = Router()
         add_builtin_methods(router, lambda: self.host)
-        listen = None if config.client_mode else (config.listen_host, config.listen_port)
+        listen = None if network.client_mode else network.listen
         async with contextlib.AsyncExitStack() as stack:
-            with naming_port("listen", config.listen_host, config.listen_port, "--listen HOST:PORT"):
+            with naming_port("listen", *network.listen, "--listen HOST:PORT"):
                 host = await stack.enter_async_context(
                     open_peer_host(
-                        config.identity,
+                        self.config.identity,
                         listen=listen,
                         router=router,
-                        run_id=config.run_id,
-                        client_mode=config.client_mode,
-                        node_id_difficulty=config.node_id_difficulty,
-                        node_id=config.node_id,
-                        access=config.access,
+                        run_id=network.run_id,
+                        client_mode=network.client_mode,
+                        node_id_difficulty=network.node_id_difficulty,
+                        node_id=network.node_id,
+                        access=network.access,
                     )
                 )
             self.host = host
-            limits = relay_limits(config.relay_mib_per_s)
-            self.nat = NatTraversal(host, relay=config.relay, limits=limits, initial_peers=config.initial_peers)
+            limits = relay_limits(network.relay_mib_per_s)
+            self.nat = NatTraversal(host, relay=network.relay, limits=limits, initial_peers=network.initial_peers)
             async with trio.open_nursery() as nursery:
                 host.on_connection.append(functools.partial(_log_connection, nursery, self.pages.metrics))
-                if config.status_port is not None:
-                    with naming_port("status", config.status_host, config.status_port, "--status-port"):
+                if status.port is not None:
+                    with naming_port("status", status.host, status.port, "--status-port"):
                         port = await nursery.start(
-                            functools.partial(serve_http, host=config.status_host),
-                            config.status_port,
-                            self.pages.routes(),
+                            functools.partial(serve_http, host=status.host), status.port, self.pages.routes()
                         )
-                    log.info("status on http://%s:%d/status", config.status_host, port)
+                    log.info("status on http://%s:%d/status", status.host, port)
                     self.status_port = port
                     nursery.start_soon(self.pages.keep_history)
                 task_status.started(self)
-                dht_config = DHTConfig(bootstrap_timeout=config.bootstrap_timeout)
-                async with DHTNode.open(host=host, initial_peers=config.initial_peers, config=dht_config) as dht:
+                dht_config = DHTConfig(bootstrap_timeout=network.bootstrap_timeout)
+                async with DHTNode.open(host=host, initial_peers=network.initial_peers, config=dht_config) as dht:
                     self.dht = dht
                     nursery.start_soon(self.nat.run)
-                    if config.experts is not None:
+                    if self.config.experts is not None:
                         nursery.start_soon(self._serve_experts, dht)
-                    if config.task is not None:
+                    if self.config.training.task is not None:
                         await self._train(dht)
                     await trio.sleep(math.inf)
 
@@ -206,47 +162,47 @@ class Daemon:
         from .tasks import ShardSpec, load_task, task_name
         from .training import Trainer
 
-        config = self.config
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        shard = config.shard or ShardSpec()
+        training, averaging, run_id = self.config.training, self.config.averaging, self.config.network.run_id
+        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        shard = training.data_shard or ShardSpec()
         claim = None
         if shard == "auto":
-            name = await trio.to_thread.run_sync(task_name, config.task, config.model_size)
-            claim = ProgressTracker(dht, f"{config.run_id}.{name}")
+            name = await trio.to_thread.run_sync(task_name, training.task, training.model_size)
+            claim = ProgressTracker(dht, f"{run_id}.{name}")
             shard = ShardSpec(*await claim_shard(claim))
         self.data_shard = f"{shard.index}/{shard.count}"
         async with trio.open_nursery() as loading:
             if claim is not None:  # newcomers must count our shard while the data loads
                 loading.start_soon(hold_claim, claim, (shard.index, shard.count))
             task = await trio.to_thread.run_sync(
-                lambda: load_task(config.task, shard=shard, device=device, model_size=config.model_size)
+                lambda: load_task(training.task, shard=shard, device=device, model_size=training.model_size)
             )
             loading.cancel_scope.cancel()
         inner = task.make_optimizer(list(task.model.parameters()))
-        prefix = f"{config.run_id}.{task.name}"
+        prefix = f"{run_id}.{task.name}"
         async with trio.open_nursery() as background:
-            codec = {} if config.compression is None else {"codec": config.compression}
-            codec["aggregation"] = config.aggregation
-            codec["uplink"] = config.uplink_mbit * 1e6 / 8 if config.uplink_mbit else None
-            if config.mode == "local-updates":
+            codec = {} if averaging.compression is None else {"codec": averaging.compression}
+            codec["aggregation"] = averaging.aggregation
+            codec["uplink"] = averaging.uplink_mbit * 1e6 / 8 if averaging.uplink_mbit else None
+            if training.mode == "local-updates":
                 # (averaging of each round overlaps the next round's local steps, in `background`)
                 optimizer = LocalUpdatesOptimizer(
-                    inner, dht, prefix=prefix, local_steps=config.local_steps, background=background, **codec
+                    inner, dht, prefix=prefix, local_steps=training.local_steps, background=background, **codec
                 )
             else:
                 optimizer = CollaborativeOptimizer(
                     inner,
                     dht,
                     prefix=prefix,
-                    target_batch_size=config.target_batch_size or task.target_batch_size,
-                    delay_updates=background if config.delay_updates else None,
+                    target_batch_size=training.target_batch_size or task.target_batch_size,
+                    delay_updates=background if averaging.delay_updates else None,
                     background=background,  # where the next epoch's group forms ahead of the step
                     **codec,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = Trainer(task, optimizer)
             self.trainer.round_observers.append(self.pages.observe_round)
-            log.info("training task %s on %s (%s mode)", task.name, device, config.mode)
+            log.info("training task %s on %s (%s mode)", task.name, device, training.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()
 

@@ -39,10 +39,14 @@ __all__ = [
 log = logging.getLogger("peerd.moe")
 
 
-def add_expert_arguments(parser: argparse.ArgumentParser, *, flag: str = "--experts", device: bool = True) -> None:
-    """The expert flags (shared by ``serve-experts`` and ``join``, which names the pattern flag
-    ``--serve-experts`` and has its own ``--device`` for training and experts alike)."""
-    parser.add_argument(flag, dest="experts", metavar="PATTERN", help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'")
+def add_expert_arguments(
+    parser: argparse.ArgumentParser, *, flag: str | None = "--experts", device: bool = True
+) -> None:
+    """The expert flags (shared by ``serve-experts`` and ``join``, which declares the pattern flag
+    ``--serve-experts`` among its settings, ``flag=None`` here, and has its own ``--device`` for
+    training and experts alike)."""
+    if flag is not None:
+        parser.add_argument(flag, dest="experts", metavar="PATTERN", help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'")
     parser.add_argument("--expert-type", default="ffn", help="ffn, transformer or package.module:Class")
     parser.add_argument("--hidden-dim", type=int, default=256, help="width of each expert")
     parser.add_argument(

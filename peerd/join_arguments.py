@@ -1,4 +1,9 @@
-"""The ``peerd join`` flags, and the settings among them that only ``join`` parses.
+"""The ``peerd join`` settings, declared once: each one's flag, ``PEERD_*`` variable, config-file
+key, type, default and help (``setting_kinds.py`` says what each field means). From this table
+come the ``join`` parser (``add_join_arguments``), the config file's list of known keys
+(``KNOWN_FILE_KEYS``), the daemon's config (its fields carry the settings' names and defaults:
+``daemon_config.py``) and the README's flag table (``readme_table``; ``python -m
+peerd.join_arguments`` prints it, and ``tests/test_readme.py`` fails when the README's differs).
 
 A setting that only ``join`` uses (``PEERD_INITIAL_PEERS``, ``PEERD_DATA_SHARD``) is parsed when
 ``join`` runs, not when the parser is built, so that a bad value breaks ``join`` with a message
@@ -10,19 +15,33 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dht import DHTConfig
 from peer import PeerAddress
-from peer.identity import default_identity_path
+from peer.nat_state import RelayLimits
 
-from .arguments import listen_address, peer_list
+from .arguments import listen_address, peer_list, positive_float
 from .expert_commands import add_expert_arguments
-from .help import env_setting
-from .node_ids import add_difficulty_argument
-from .private_swarm import add_access_arguments
-from .settings import Settings, SettingsError, parse_bool
+from .node_ids import NODE_ID_DIFFICULTY
+from .private_swarm import ALLOW_PEERS, SWARM_KEY
+from .setting_kinds import JoinOnlySetting, Setting, SwitchSetting
+from .settings import Settings
 
-__all__ = ["add_join_arguments", "data_shard", "data_shard_from_args", "initial_peers_from_args"]
+__all__ = [
+    "AUTO",
+    "CONFIG",
+    "JOIN_SETTINGS",
+    "KNOWN_FILE_KEYS",
+    "LOG_LEVEL",
+    "add_join_arguments",
+    "data_shard",
+    "data_shard_from_args",
+    "delay_updates_from_args",
+    "initial_peers_from_args",
+    "readme_table",
+]
 
 AUTO = "auto"
+MIB = 2**20
 
 
 def data_shard(text: str) -> tuple[int, int] | str:
@@ -36,30 +55,203 @@ def data_shard(text: str) -> tuple[int, int] | str:
     return int(index), int(count)
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
-    return value
-
-
 def _number(text: str) -> bool:
     return text.isascii() and text.isdigit()
+
+
+def _host_port(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+LISTEN = Setting(
+    name="listen", flag="--listen", variable="LISTEN", parse=listen_address, default=("0.0.0.0", 31337),
+    show=_host_port, default_text="0.0.0.0:31337", metavar="HOST:PORT", help="where to accept peers (port 0: any)",
+)  # fmt: skip
+IDENTITY = Setting(
+    name="identity", flag="--identity", variable="IDENTITY", parse=Path, metavar="PATH",
+    default_text="$XDG_DATA_HOME/peerd/identity.key",
+    help="Ed25519 key file, created on first use; one process per key",
+    doc="Ed25519 key, created on first use with mode 0600 (`$XDG_DATA_HOME` unset: `~/.local/share`); one process "
+    "per key, held by a lock on `PATH.lock`",
+)  # fmt: skip
+INITIAL_PEERS = JoinOnlySetting(
+    name="initial_peers", flag="--initial-peer", variable="INITIAL_PEERS", parse=peer_list, action="extend",
+    default=(), default_text="none", metavar="ADDR",
+    help="a peer to join through, HOST:PORT or HOST:PORT/PEERID (pinned identity); repeatable, or several "
+    "separated by commas (the variable: commas or spaces)",
+    doc="`HOST:PORT` or `HOST:PORT/PEERID` (pinned identity); repeatable, or several separated by commas (the "
+    "variable: commas or spaces)",
+)  # fmt: skip
+RUN_ID = Setting(
+    name="run_id", flag="--run-id", variable="RUN_ID", default="default", metavar="ID",
+    help="peers only talk within one run", doc="peers only talk to peers of the same run (and protocol version)",
+)  # fmt: skip
+BOOTSTRAP_TIMEOUT = Setting(
+    name="bootstrap_timeout", flag="--bootstrap-timeout", variable="BOOTSTRAP_TIMEOUT", parse=float,
+    default=DHTConfig.bootstrap_timeout, metavar="SECONDS", help="exit 2 if no initial peer answers within this",
+    doc="exit 2, naming each address and why, if no initial peer answers within this; initial peers that only refuse "
+    f"connections (nothing listens there) are given up after {DHTConfig.refused_grace:g} s",
+)  # fmt: skip
+TASK = Setting(
+    name="task", flag="--task", variable="TASK", metavar="NAME",
+    help="train this task: a built-in name (digits, textlm) or package.module:factory",
+    doc="train: `digits` (a small MLP on scikit-learn's digits), `textlm` (a byte-level transformer on Python's "
+    "standard library, below), or your own `package.module:factory`",
+)  # fmt: skip
+MODEL_SIZE = Setting(
+    name="model_size", flag="--model-size", variable="MODEL_SIZE", metavar="SIZE", default_text="the task's",
+    help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; its default: small)",
+    doc="`textlm`'s shape: `tiny` (0.1 M parameters), `small` (its default, 1.9 M, for CPUs), `base` (4.8 M), "
+    "`medium` (25 M), `large` (200 M), `xl` (680 M, GPUs)",
+)  # fmt: skip
+MODE = Setting(
+    name="mode", flag="--mode", variable="MODE", choices=("collaborative", "local-updates"), default="collaborative",
+    help="gradient averaging, or DiLoCo-style local steps and outer rounds",
+    doc="`collaborative` (gradient averaging) or `local-updates` (DiLoCo)",
+)  # fmt: skip
+DELAY_UPDATES = SwitchSetting(
+    name="delay_updates", flag="--delay-updates", variable="DELAY_UPDATES",
+    help="collaborative mode: average an epoch's gradients while the next one accumulates, its step landing one "
+    "epoch late (off: averaging and stepping in turn)",
+    doc="collaborative mode: an epoch's gradients average in the background while the next epoch accumulates (the "
+    "step lands one epoch late, and an epoch that is ready while the last round still averages takes more samples "
+    "instead of waiting); off by default: a peer with a round in flight starts its next round after its group "
+    "formed ahead has begun, and in the lab's 5-peer swarms peers fell out of step that way",
+)  # fmt: skip
+COMPRESSION = Setting(
+    name="compression", flag="--compression", variable="COMPRESSION", metavar="CODEC",
+    default_text="none in collaborative mode, blockwise_8bit in local-updates",
+    help="codec for averaged gradients or pseudo-gradients: none, float16, scaled_float16, uint8, blockwise_8bit, "
+    "adaptive",
+    doc="codec of averaged gradients / pseudo-gradients: `none`, `float16`, `scaled_float16`, `uint8`, "
+    "`blockwise_8bit` (with error feedback), `adaptive`",
+)  # fmt: skip
+AGGREGATION = Setting(
+    name="aggregation", flag="--aggregation", variable="AGGREGATION", choices=("auto", "mean", "centered-clip"),
+    default="auto",
+    help="how a reducer aggregates its shard: the weighted mean, or centered-clip (robust to a hostile minority); "
+    "auto: centered-clip in a public swarm, mean in a private one",
+    doc="how a reducer aggregates its shard: `mean`, `centered-clip` (CenteredClip, claimed weights capped at 2x the "
+    "group's median: a hostile minority moves the result by a bounded amount, `averaging/robust.py`), or `auto` "
+    "(`centered-clip` in a public swarm, `mean` in a private one)",
+)  # fmt: skip
+DATA_SHARD = JoinOnlySetting(
+    name="data_shard", flag="--data-shard", variable="DATA_SHARD", parse=data_shard, default=AUTO,
+    metavar="I/N|auto",
+    help="train on shard I of N of the task's data, or auto: the shard that the fewest live peers train (chosen at "
+    "start from their progress records)",
+    doc="train on shard I of N of the task's data, or `auto`: the shard that the fewest live peers train (chosen at "
+    "start from their progress records)",
+)  # fmt: skip
+DEVICE = Setting(
+    name="device", flag="--device", variable="DEVICE", metavar="DEVICE", default_text="CUDA if available",
+    help="cpu, cuda, cuda:1 ...", doc="`cpu`, `cuda`, `cuda:1` ...: where training (and experts) run",
+)  # fmt: skip
+STATUS_PORT = Setting(
+    name="status_port", flag="--status-port", variable="STATUS_PORT", parse=int, metavar="PORT",
+    default_text="none", help="serve /status and /metrics on this port (0: any)",
+    doc="serve the dashboard (`/`), `/status` (JSON) and `/metrics` (Prometheus) on this port (0: any)",
+)  # fmt: skip
+STATUS_HOST = Setting(
+    name="status_host", flag="--status-host", variable="STATUS_HOST", default="127.0.0.1", metavar="HOST",
+    help="address the status port binds",
+    doc="the address the status port binds (`0.0.0.0` exposes it to the network)",
+)  # fmt: skip
+SERVE_EXPERTS = Setting(
+    name="experts", flag="--serve-experts", variable="SERVE_EXPERTS", metavar="PATTERN",
+    help="expert IDs to host, e.g. 'ffn.[0:4].[0:4]'",
+    doc="also host mixture-of-experts experts, e.g. `'ffn.[0:4].[0:4]'` (the expert flags of `peerd serve-experts`"
+    " apply)",
+)  # fmt: skip
+CLIENT_MODE = SwitchSetting(
+    name="client_mode", flag="--client-mode", variable="CLIENT_MODE",
+    help="make requests, accept none (not needed behind NAT: relays and hole punching reach such a peer)",
+    doc="make requests, accept none (`--no-client-mode` overrides a variable or file); not needed behind NAT, see "
+    "below",
+)  # fmt: skip
+RELAY = SwitchSetting(
+    name="relay", flag="--relay", variable="RELAY", default=True,
+    help="relay connections for peers behind NAT while this peer is reachable (limited per circuit)",
+    doc="do not relay connections for peers behind NAT (a reachable peer relays by default, within per-circuit "
+    "limits)",
+)  # fmt: skip
+RELAY_RATE = Setting(
+    name="relay_mib_per_s", flag="--relay-rate", variable="RELAY_RATE", parse=positive_float,
+    default=RelayLimits.total_bytes_per_s / MIB, metavar="MIB_PER_S",
+    help="the most this peer relays per second, all circuits together (each circuit: at most "
+    f"{RelayLimits.circuit_bytes_per_s / MIB:g})",
+)  # fmt: skip
+UPLINK_MBIT = Setting(
+    name="uplink_mbit", flag="--uplink-mbit", variable="UPLINK_MBIT", parse=positive_float, metavar="MBIT_PER_S",
+    default_text="not set: TCP shares it",
+    help="this machine's upload speed: averaging rounds pace their connections to share it, which moves the same "
+    "bytes sooner than letting TCP share it",
+    doc="this machine's upload speed (a speed test's figure): while an averaging round runs, each of its connections "
+    "is capped at its share of it, so the flows end together instead of drifting apart in the router's queue (4 peers"
+    " on 100 Mbit/s links: the all-reduce at 0.95 of the line-rate bound, against 0.82 with TCP sharing the link on "
+    "its own). The caps add up to 97% of it: too low a figure wastes the difference, one more than ~3% too high "
+    "leaves the sharing to TCP, as without it",
+)  # fmt: skip
+LOCAL_STEPS = Setting(
+    # LocalUpdatesOptimizer's default (tests/test_settings.py holds them equal): the number cannot be
+    # imported from averaging/ here, which would load torch into every peerd command.
+    name="local_steps", flag="--local-steps", variable="LOCAL_STEPS", parse=int, default=20, metavar="STEPS",
+    help="inner steps per round in local-updates mode, per peer on average (faster peers take more)",
+    doc="inner steps per round in `local-updates` mode, per peer on average: a round ends when the swarm has taken "
+    "that many batches per peer taking part, so faster peers take more",
+)  # fmt: skip
+TARGET_BATCH_SIZE = Setting(
+    name="target_batch_size", flag="--target-batch-size", variable="TARGET_BATCH_SIZE", parse=int,
+    metavar="SAMPLES", default_text="the task's", help="swarm-wide samples per epoch in collaborative mode",
+    doc="swarm-wide samples per epoch in `collaborative` mode",
+)  # fmt: skip
+
+# Read by cli.py on the top-level parser (and accepted after every subcommand, help.add_everywhere).
+# The file named by --config is not itself a key of a file.
+CONFIG = Setting(
+    name="config", flag="--config", variable="CONFIG", metavar="FILE", help="TOML file of settings",
+    doc="a TOML file of settings (below); before or after the command",
+)  # fmt: skip
+LOG_LEVEL = Setting(
+    name="log_level", flag="--log-level", variable="LOG_LEVEL", parse=str.upper,
+    choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO", help="log detail",
+    doc="log detail on stderr; before or after the command",
+)  # fmt: skip
+
+# In the order of ``peerd join --help`` and of the README's table.
+JOIN_SETTINGS: tuple[Setting, ...] = (
+    LISTEN, IDENTITY, INITIAL_PEERS, RUN_ID, BOOTSTRAP_TIMEOUT, TASK, MODEL_SIZE, MODE, DELAY_UPDATES, COMPRESSION,
+    AGGREGATION, DATA_SHARD, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS, CLIENT_MODE, RELAY, RELAY_RATE,
+    UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS, SWARM_KEY,
+)  # fmt: skip
+
+# What a config file may hold: every other command's settings are among these.
+KNOWN_FILE_KEYS = frozenset(setting.file_key for setting in (*JOIN_SETTINGS, LOG_LEVEL))
+
+
+def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
+    """Every ``peerd join`` flag, its default from ``settings`` where the variable or the file
+    sets it; SettingsError for a value there that does not parse."""
+    for setting in JOIN_SETTINGS:
+        setting.add_to(join, settings)
+    add_expert_arguments(join, flag=None, device=False)  # --serve-experts and --device are above
+
+
+def readme_table() -> str:
+    """The README's table of ``peerd join`` settings (``--config`` and ``--log-level`` with them)."""
+    rows = [setting.readme_row() for setting in (*JOIN_SETTINGS, CONFIG, LOG_LEVEL)]
+    return "\n".join(["| flag | env | default | meaning |", "|---|---|---|---|", *rows])
 
 
 def data_shard_from_args(args: argparse.Namespace) -> tuple[int, int] | str:
     """The flag's value, else the setting's (``auto`` by default); SettingsError names the
     variable or file key of a bad setting."""
-    if args.data_shard is not None:
-        return args.data_shard
-    text, origin = args.data_shard_setting
-    try:
-        return data_shard(text)
-    except argparse.ArgumentTypeError as error:
-        raise SettingsError(f"{origin}: {error}") from None
+    return DATA_SHARD.value(args)
+
+
+def initial_peers_from_args(args: argparse.Namespace) -> list[PeerAddress]:
+    """The flags' peers, else the setting's (none by default); SettingsError as above."""
+    return list(INITIAL_PEERS.value(args))
 
 
 def delay_updates_from_args(args: argparse.Namespace) -> bool:
@@ -73,227 +265,5 @@ def delay_updates_from_args(args: argparse.Namespace) -> bool:
     return collaborative and bool(args.delay_updates)
 
 
-def initial_peers_from_args(args: argparse.Namespace) -> list[PeerAddress]:
-    if args.initial_peer is not None:
-        return args.initial_peer
-    text, origin = args.initial_peers_setting
-    try:
-        return peer_list(text) if text.strip() else []
-    except argparse.ArgumentTypeError as error:
-        raise SettingsError(f"{origin}: {error}") from None
-
-
-def _choice(*allowed: str):
-    def parse(text: str) -> str:
-        if text not in allowed:
-            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
-        return text
-
-    return parse
-
-
-def add_join_arguments(join: argparse.ArgumentParser, settings: Settings) -> None:
-    env = settings.get
-    listen = settings.parsed("LISTEN", listen_address, listen_address("0.0.0.0:31337"))
-    env_setting(
-        join.add_argument(
-            "--listen",
-            type=listen_address,
-            default=listen,
-            metavar="HOST:PORT",
-            help="where to accept peers (port 0: any)",
-        ),
-        "LISTEN",
-        default_text=f"{listen[0]}:{listen[1]}",
-    )
-    env_setting(
-        join.add_argument(
-            "--identity",
-            type=Path,
-            default=env("IDENTITY"),
-            help="Ed25519 key file, created on first use; one process per key",
-        ),
-        "IDENTITY",
-        default_text=str(default_identity_path()) if env("IDENTITY") is None else None,
-    )
-    env_setting(
-        join.add_argument(
-            "--initial-peer",
-            type=peer_list,
-            action="extend",
-            default=None,
-            metavar="ADDR",
-            help="a peer to join through, HOST:PORT or HOST:PORT/PEERID (pinned identity); repeatable,"
-            " or several separated by commas (the variable: commas or spaces)",
-        ),
-        "INITIAL_PEERS",
-    )
-    # Parsed only by ``join``, so that a bad address does not break every other command.
-    join.set_defaults(initial_peers_setting=(env("INITIAL_PEERS", "") or "", settings.origin("INITIAL_PEERS")))
-    env_setting(
-        join.add_argument("--run-id", default=env("RUN_ID", "default"), help="peers only talk within one run"),
-        "RUN_ID",
-    )
-    add_difficulty_argument(join, settings)
-    add_access_arguments(join, settings)
-    env_setting(
-        join.add_argument(
-            "--bootstrap-timeout",
-            type=float,
-            default=settings.parsed("BOOTSTRAP_TIMEOUT", float, 15.0),
-            metavar="SECONDS",
-            help="exit 2 if no initial peer answers within this",
-        ),
-        "BOOTSTRAP_TIMEOUT",
-    )
-    env_setting(
-        join.add_argument(
-            "--client-mode",
-            action=argparse.BooleanOptionalAction,
-            default=settings.parsed("CLIENT_MODE", parse_bool, False),
-            help="make requests, accept none (not needed behind NAT: relays and hole punching reach such a peer)",
-        ),
-        "CLIENT_MODE",
-    )
-    env_setting(
-        join.add_argument(
-            "--relay",
-            action=argparse.BooleanOptionalAction,
-            default=settings.parsed("RELAY", parse_bool, True),
-            help="relay connections for peers behind NAT while this peer is reachable (limited per circuit)",
-        ),
-        "RELAY",
-    )
-    env_setting(
-        join.add_argument(
-            "--relay-rate",
-            type=positive_float,
-            default=settings.parsed("RELAY_RATE", positive_float, 32.0),
-            metavar="MIB_PER_S",
-            help="the most this peer relays per second, all circuits together (each circuit: at most 16)",
-        ),
-        "RELAY_RATE",
-    )
-    env_setting(
-        join.add_argument(
-            "--task",
-            default=env("TASK"),
-            help="train this task: a built-in name (digits, textlm) or package.module:factory",
-        ),
-        "TASK",
-    )
-    env_setting(
-        join.add_argument(
-            "--model-size",
-            default=env("MODEL_SIZE"),
-            help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; default small)",
-        ),
-        "MODEL_SIZE",
-    )
-    env_setting(
-        join.add_argument(
-            "--delay-updates",
-            action=argparse.BooleanOptionalAction,
-            default=settings.parsed("DELAY_UPDATES", parse_bool, None),
-            help="collaborative mode: average an epoch's gradients while the next one accumulates, its "
-            "step landing one epoch late (default: off, averaging and stepping in turn)",
-        ),
-        "DELAY_UPDATES",
-    )
-    env_setting(
-        join.add_argument(
-            "--compression",
-            default=env("COMPRESSION"),
-            help="codec for averaged gradients or pseudo-gradients: none, float16, scaled_float16, uint8, "
-            "blockwise_8bit, adaptive (default: none in collaborative mode, blockwise_8bit in local-updates)",
-        ),
-        "COMPRESSION",
-    )
-    aggregations = ("auto", "mean", "centered-clip")
-    env_setting(
-        join.add_argument(
-            "--aggregation",
-            choices=aggregations,
-            default=settings.parsed("AGGREGATION", _choice(*aggregations), "auto"),
-            help="how a reducer aggregates its shard: the weighted mean, or centered-clip (robust to a "
-            "hostile minority); auto: centered-clip in a public swarm, mean in a private one",
-        ),
-        "AGGREGATION",
-    )
-    modes = ("collaborative", "local-updates")
-    env_setting(
-        join.add_argument(
-            "--mode",
-            choices=modes,
-            default=settings.parsed("MODE", _choice(*modes), "collaborative"),
-            help="gradient averaging, or DiLoCo-style local steps and outer rounds",
-        ),
-        "MODE",
-    )
-    env_setting(
-        join.add_argument(
-            "--local-steps",
-            type=int,
-            default=settings.parsed("LOCAL_STEPS", int, 20),
-            help="inner steps per round in local-updates mode, per peer on average (faster peers take more)",
-        ),
-        "LOCAL_STEPS",
-    )
-    env_setting(
-        join.add_argument(
-            "--uplink-mbit",
-            type=positive_float,
-            default=settings.parsed("UPLINK_MBIT", positive_float),
-            metavar="MBIT_PER_S",
-            help="this machine's upload speed: averaging rounds pace their connections to share it, which "
-            "moves the same bytes sooner than letting TCP share it (default: TCP shares it)",
-        ),
-        "UPLINK_MBIT",
-    )
-    env_setting(
-        join.add_argument(
-            "--target-batch-size",
-            type=int,
-            default=settings.parsed("TARGET_BATCH_SIZE", int),
-            help="swarm-wide samples per epoch in collaborative mode (default: the task's)",
-        ),
-        "TARGET_BATCH_SIZE",
-    )
-    env_setting(
-        join.add_argument("--device", default=env("DEVICE"), help="cpu, cuda, cuda:1 ... (default: CUDA if available)"),
-        "DEVICE",
-    )
-    shard_text = env("DATA_SHARD")
-    env_setting(
-        join.add_argument(
-            "--data-shard",
-            type=data_shard,
-            default=None,
-            metavar="I/N|auto",
-            help="train on shard I of N of the task's data, or auto: the shard that the fewest live peers"
-            " train (chosen at start from their progress records)",
-        ),
-        "DATA_SHARD",
-        default_text=shard_text or "auto",
-    )
-    # Parsed only by ``join`` (``data_shard_from_args``): a bad value must not break other commands.
-    join.set_defaults(data_shard_setting=(shard_text or "auto", settings.origin("DATA_SHARD")))
-    env_setting(
-        join.add_argument(
-            "--status-port",
-            type=int,
-            default=settings.parsed("STATUS_PORT", int),
-            metavar="PORT",
-            help="serve /status and /metrics on this port (0: any; default: none)",
-        ),
-        "STATUS_PORT",
-    )
-    env_setting(
-        join.add_argument(
-            "--status-host", default=env("STATUS_HOST", "127.0.0.1"), help="address the status port binds"
-        ),
-        "STATUS_HOST",
-    )
-    add_expert_arguments(join, flag="--serve-experts", device=False)
-    env_setting(join._option_string_actions["--serve-experts"], "SERVE_EXPERTS")
-    join.set_defaults(experts=env("SERVE_EXPERTS"))
+if __name__ == "__main__":
+    print(readme_table())

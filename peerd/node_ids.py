@@ -16,9 +16,10 @@ from pathlib import Path
 from peer import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.node_id import MAX_DIFFICULTY, check_difficulty, load_or_solve
 
+from .setting_kinds import Setting
 from .settings import Settings
 
-__all__ = ["add_difficulty_argument", "node_id_for", "solve_estimate"]
+__all__ = ["NODE_ID_DIFFICULTY", "add_difficulty_argument", "node_id_difficulty", "node_id_for", "solve_estimate"]
 
 log = logging.getLogger("peerd")
 
@@ -27,7 +28,8 @@ log = logging.getLogger("peerd")
 SOLVER_HASHES_PER_SECOND = 1.7e6
 
 
-def _difficulty(text: str) -> int:
+def node_id_difficulty(text: str) -> int:
+    """An integer in 0..MAX_DIFFICULTY."""
     try:
         return check_difficulty(int(text))
     except ValueError:
@@ -36,19 +38,21 @@ def _difficulty(text: str) -> int:
         ) from None
 
 
+# A run setting like the run ID, shared by ``join``, ``dht`` and ``serve-experts``.
+NODE_ID_DIFFICULTY = Setting(
+    name="node_id_difficulty", flag="--node-id-difficulty", variable="NODE_ID_DIFFICULTY", parse=node_id_difficulty,
+    default=DEFAULT_DIFFICULTY, metavar="BITS",
+    help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (public runs: {DEFAULT_DIFFICULTY},"
+    f" ~10 s once per key; local swarms and tests: {LOCAL_DIFFICULTY})",
+    doc="the run's node-ID puzzle (the default: ~10 s of one core once per key, stored beside it as `KEY.node-id`); "
+    f"every peer of a run must use the same value (`peerd swarm` and the compose file use {LOCAL_DIFFICULTY})",
+)  # fmt: skip
+
+
 def add_difficulty_argument(parser: argparse.ArgumentParser, settings: Settings | None) -> None:
     """``--node-id-difficulty``, defaulting to ``PEERD_NODE_ID_DIFFICULTY`` / the file, then to
     ``DEFAULT_DIFFICULTY`` (a public run's)."""
-    settings = settings if settings is not None else Settings()
-    action = parser.add_argument(
-        "--node-id-difficulty",
-        type=_difficulty,
-        default=settings.parsed("NODE_ID_DIFFICULTY", _difficulty, DEFAULT_DIFFICULTY),
-        metavar="BITS",
-        help=f"the run's node-ID puzzle difficulty; every peer of a run uses the same (public runs: "
-        f"{DEFAULT_DIFFICULTY}, ~10 s once per key; local swarms and tests: {LOCAL_DIFFICULTY})",
-    )
-    action.env = "PEERD_NODE_ID_DIFFICULTY"  # shown by peerd/help.py
+    NODE_ID_DIFFICULTY.add_to(parser, settings if settings is not None else Settings())
 
 
 def solve_estimate(difficulty: int) -> str:

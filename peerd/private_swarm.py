@@ -1,4 +1,5 @@
-"""``peerd join --allow-peers FILE --swarm-key FILE``: a private swarm (``peer/access.py``)."""
+"""``peerd join --allow-peers FILE --swarm-key FILE``: a private swarm (``peer/access.py``): the two
+settings (listed among ``join_arguments.JOIN_SETTINGS``) and the access rules they give."""
 
 from __future__ import annotations
 
@@ -6,32 +7,24 @@ import argparse
 
 from peer.access import SwarmAccess, read_allowlist, read_swarm_key
 
-from .help import env_setting
-from .settings import Settings
+from .setting_kinds import Setting
 
-__all__ = ["add_access_arguments", "access_from_args"]
+__all__ = ["ALLOW_PEERS", "SWARM_KEY", "access_from_args"]
 
 
-def add_access_arguments(parser: argparse.ArgumentParser, settings: Settings) -> None:
-    env_setting(
-        parser.add_argument(
-            "--allow-peers",
-            default=settings.get("ALLOW_PEERS"),
-            metavar="FILE",
-            help="a private swarm: connect only with these peer IDs (one per line; # comments)",
-        ),
-        "ALLOW_PEERS",
-    )
-    env_setting(
-        parser.add_argument(
-            "--swarm-key",
-            default=settings.get("SWARM_KEY"),
-            metavar="FILE",
-            help="a private swarm: connect only with peers that hold this secret (at least 16 bytes, "
-            "e.g. head -c 32 /dev/urandom > swarm.key); it never crosses the wire",
-        ),
-        "SWARM_KEY",
-    )
+ALLOW_PEERS = Setting(
+    name="allow_peers", flag="--allow-peers", variable="ALLOW_PEERS", metavar="FILE",
+    help="a private swarm: connect only with these peer IDs (one per line; # comments)",
+    doc="a private swarm: connect only with the peer IDs in FILE (one per line, `#` comments); others are refused at "
+    "the handshake and told why",
+)  # fmt: skip
+SWARM_KEY = Setting(
+    name="swarm_key", flag="--swarm-key", variable="SWARM_KEY", metavar="FILE",
+    help="a private swarm: connect only with peers that hold this secret (at least 16 bytes, e.g. head -c 32 "
+    "/dev/urandom > swarm.key); it never crosses the wire",
+    doc="a private swarm: connect only with peers holding the same secret (≥ 16 bytes, e.g. `head -c 32 /dev/urandom "
+    "> swarm.key`); mixed into the Noise prologue, never sent",
+)  # fmt: skip
 
 
 def access_from_args(args: argparse.Namespace) -> SwarmAccess:

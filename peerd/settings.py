@@ -11,8 +11,8 @@ variables' names in lower case, so every setting has one name in all three place
     status_port = 8080
     client_mode = false
 
-A key the daemon does not know is an error, not ignored: a misspelt setting would otherwise
-silently fall back to its default.
+A key the daemon does not know (``check_known``, with the declared settings' keys) is an error,
+not ignored: a misspelt setting would otherwise silently fall back to its default.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -28,7 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["Settings", "SettingsError", "CONFIG_VARIABLE", "parse_bool"]
+__all__ = ["Settings", "SettingsError", "CONFIG_VARIABLE", "ENV_PREFIX", "parse_bool"]
 
 CONFIG_VARIABLE = "PEERD_CONFIG"
 ENV_PREFIX = "PEERD_"
@@ -47,7 +47,6 @@ class Settings:
         texts = {key: _as_text(key, value, source) for key, value in (file_values or {}).items()}
         self._file = {key: text for key, text in texts.items() if text != ""}  # empty = unset, as in the environment
         self.source = source
-        self._asked: set[str] = set()
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -69,7 +68,6 @@ class Settings:
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """The setting ``name`` (upper case, as in ``PEERD_<NAME>``) as text, or ``default``."""
-        self._asked.add(name)
         value = self._environ.get(ENV_PREFIX + name)
         if value not in (None, ""):
             return value
@@ -92,15 +90,14 @@ class Settings:
             return ENV_PREFIX + name
         return f"{name.lower()} in {self.source}"
 
-    def check_all_known(self) -> None:
-        """Raise SettingsError naming every file key that no setting looked up (call it once all
-        settings have been read)."""
-        known = {name.lower() for name in self._asked}
-        unknown = sorted(set(self._file) - known)
+    def check_known(self, keys: Collection[str]) -> None:
+        """Raise SettingsError naming every key of the file that is not among ``keys`` (the
+        declared settings' file keys: ``join_arguments.KNOWN_FILE_KEYS``)."""
+        unknown = sorted(set(self._file) - set(keys))
         if unknown:
             raise SettingsError(
                 f"{self.source}: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
-                f" (known: {', '.join(sorted(known))})"
+                f" (known: {', '.join(sorted(keys))})"
             )
 
 

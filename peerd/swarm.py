@@ -23,6 +23,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from peer import LOCAL_DIFFICULTY
 
 from .curves_png import write_curves_png
 from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
+from .join_arguments import AGGREGATION, MODE
 from .swarm_processes import SwarmPeer, stop_all, wait_started
 from .swarm_table import TableDisplay
 
@@ -60,8 +63,8 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
     swarm.add_argument("--task", default="digits", help="what they train: a built-in name or package.module:factory")
     swarm.add_argument(
         "--mode",
-        choices=["collaborative", "local-updates"],
-        default="collaborative",
+        choices=MODE.choices,
+        default=MODE.default,
         help="gradient averaging every swarm-wide batch, or DiLoCo-style local steps and outer rounds",
     )
     swarm.add_argument(
@@ -77,8 +80,8 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
     swarm.add_argument("--model-size", default=None, help="model shape for sized tasks (textlm: see peerd join)")
     swarm.add_argument(
         "--aggregation",
-        choices=["auto", "mean", "centered-clip"],
-        default="auto",
+        choices=AGGREGATION.choices,
+        default=AGGREGATION.default,
         help="how reducers aggregate (see peerd join); auto: centered-clip, as the swarm is public",
     )
     swarm.add_argument("--max-epochs", type=int, default=200, help="stop when every peer has passed this epoch")
@@ -172,6 +175,30 @@ def _write_plot(path: Path, curves: _Curves, text_task: bool, seconds: float) ->
     return str(path)
 
 
+@dataclass(frozen=True)
+class _Progress:
+    """The best the swarm's peers have shown so far."""
+
+    accuracy: float | None = None
+    bits_per_byte: float | None = None
+    epochs: int = 0
+
+    def after(self, alive: list[dict[str, Any]]) -> _Progress:
+        """This progress with the live peers' latest statuses taken in."""
+        accuracies = [s["accuracy"] for s in alive if isinstance(s.get("accuracy"), (int, float))]
+        bpbs = [s["bits_per_byte"] for s in alive if isinstance(s.get("bits_per_byte"), (int, float))]
+        return _Progress(
+            accuracy=max(accuracies) if accuracies else self.accuracy,
+            bits_per_byte=min(bpbs) if bpbs else self.bits_per_byte,
+            epochs=max((s.get("epoch") or 0 for s in alive), default=self.epochs),
+        )
+
+    def reached(self, target_accuracy: float, target_bpb: float | None) -> bool:
+        if target_bpb is not None:
+            return self.bits_per_byte is not None and self.bits_per_byte <= target_bpb
+        return self.accuracy is not None and self.accuracy >= target_accuracy
+
+
 def run_swarm(args: argparse.Namespace) -> int:
     if args.peers < 1:
         print("peerd: --peers must be at least 1", file=sys.stderr)
@@ -182,10 +209,9 @@ def run_swarm(args: argparse.Namespace) -> int:
     work_dir = Path(tempfile.mkdtemp(prefix=f"{KEPT_DIR_PREFIX if args.keep_files else WORK_DIR_PREFIX}{os.getpid()}-"))
     curves = _Curves()
     log_dir = args.log_dir or work_dir
-    run_id = f"swarm-{os.getpid()}-{int(time.time())}"
     peers: list[SwarmPeer] = []
     start = time.monotonic()
-    reached, best_accuracy, best_bpb, epochs, stopped_by, error = False, None, None, 0, None, None
+    progress, stopped_by, error = _Progress(), None, None
     target_bpb = args.target_bpb
     if target_bpb is None and args.task == "textlm":
         target_bpb = TEXTLM_TARGET_BPB
@@ -199,47 +225,10 @@ def run_swarm(args: argparse.Namespace) -> int:
 
             check_task(args.task, args.model_size)  # a bad task fails here (TaskError: exit 1), before any start
             log_dir.mkdir(parents=True, exist_ok=True)
-
-            def started(peer: SwarmPeer) -> None:
-                took = time.monotonic() - peer.started_at
-                display.message(f"peer {peer.index} up at {peer.address} ({took:.1f} s)")
-
-            def waiting(pending: list[SwarmPeer]) -> None:
-                names = ", ".join(str(peer.index) for peer in pending)
-                took = time.monotonic() - min(peer.started_at for peer in pending)
-                display.progress(f"starting peer{'s' if len(pending) > 1 else ''} {names}... ({took:.0f} s)")
-
-            display.message("starting peer 0 (the bootstrap)...")
-            peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
-            wait_started(peers, STARTUP_TIMEOUT, started, waiting)
-            if args.peers > 1:
-                others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
-                display.message(f"starting {others}...")
-                for index in range(1, args.peers):
-                    join = _join_args(index, args.peers, args, work_dir, run_id, peers[0].address)
-                    peers.append(SwarmPeer(index, join, log_dir / f"peer{index}.log"))
-                wait_started(peers, STARTUP_TIMEOUT, started, waiting)
-            display.message(f"swarm of {args.peers} peers running (logs in {log_dir})")
-            display.message(f"dashboard of peer 0: http://127.0.0.1:{peers[0].status_port}/")
-            join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
-            display.message(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)")
+            _start_peers(args, display, peers, work_dir, log_dir)
             statuses: list[dict[str, Any] | None] = []
-            while time.monotonic() - start < args.timeout:
-                time.sleep(POLL_PERIOD)
-                statuses = [peer.poll_status() for peer in peers]
-                display.show(statuses, time.monotonic() - start)
-                curves.add(statuses, time.monotonic() - start, "accuracy" if target_bpb is None else "bits_per_byte")
-                alive = [s for s in statuses if s is not None]
-                accuracies = [s["accuracy"] for s in alive if isinstance(s.get("accuracy"), (int, float))]
-                best_accuracy = max(accuracies) if accuracies else best_accuracy
-                bpbs = [s["bits_per_byte"] for s in alive if isinstance(s.get("bits_per_byte"), (int, float))]
-                best_bpb = min(bpbs) if bpbs else best_bpb
-                epochs = max((s.get("epoch") or 0 for s in alive), default=epochs)
-                if target_bpb is not None:
-                    reached = best_bpb is not None and best_bpb <= target_bpb
-                else:
-                    reached = best_accuracy is not None and best_accuracy >= args.target_accuracy
-                if reached or not alive or all((s.get("epoch") or 0) >= args.max_epochs for s in alive):
+            for progress, statuses in _polls(args, display, peers, curves, target_bpb, start):
+                if _finished(args, progress, statuses, target_bpb):
                     break
             if statuses:
                 display.show(statuses, time.monotonic() - start, force=True)  # how it ended
@@ -259,31 +248,109 @@ def run_swarm(args: argparse.Namespace) -> int:
         display.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    plot = _write_plot(args.plot, curves, target_bpb is not None, time.monotonic() - start) if args.plot else None
+    seconds = time.monotonic() - start
+    plot = _write_plot(args.plot, curves, target_bpb is not None, seconds) if args.plot else None
     if stopped_by is not None:
         display.message(f"stopped by {signal.Signals(stopped_by).name}")
     if error is not None:
         print(f"peerd: {error}", file=sys.stderr)
-    alive_count = sum(1 for peer in peers if peer.last_status and peer.process.returncode in (0, -signal.SIGTERM))
-    summary = {
-        "task": args.task,
-        "mode": args.mode,
-        "peers": args.peers,
-        "peers_alive": alive_count,
-        "epochs": epochs,
-        "accuracy": best_accuracy,
-        "target_accuracy": None if target_bpb is not None else args.target_accuracy,
-        "bits_per_byte": best_bpb,
-        "target_bpb": target_bpb,
-        "reached": reached,
-        "seconds": round(time.monotonic() - start, 1),
-        "stopped_by": signal.Signals(stopped_by).name if stopped_by is not None else None,
-        "logs": str(log_dir) if args.log_dir or args.keep_files else None,
-        "plot": plot,
-    }
+    reached = progress.reached(args.target_accuracy, target_bpb)
+    summary = _summary(args, peers, progress, target_bpb, seconds, stopped_by, log_dir, plot)
     print(json.dumps(summary), flush=True)
     if reached:
         return EXIT_OK
     if stopped_by is not None:
         return EXIT_INTERRUPTED if stopped_by == signal.SIGINT else EXIT_TERMINATED
     return EXIT_BAD_INPUT if error is not None else EXIT_TARGET_MISSED  # a peer that did not start
+
+
+def _start_peers(
+    args: argparse.Namespace, display: TableDisplay, peers: list[SwarmPeer], work_dir: Path, log_dir: Path
+) -> None:
+    """Start the bootstrap, then the others through it, into ``peers`` (so that whatever started
+    is stopped however this ends); RuntimeError for a peer that does not start."""
+    run_id = f"swarm-{os.getpid()}-{int(time.time())}"
+
+    def started(peer: SwarmPeer) -> None:
+        took = time.monotonic() - peer.started_at
+        display.message(f"peer {peer.index} up at {peer.address} ({took:.1f} s)")
+
+    def waiting(pending: list[SwarmPeer]) -> None:
+        names = ", ".join(str(peer.index) for peer in pending)
+        took = time.monotonic() - min(peer.started_at for peer in pending)
+        display.progress(f"starting peer{'s' if len(pending) > 1 else ''} {names}... ({took:.0f} s)")
+
+    display.message("starting peer 0 (the bootstrap)...")
+    peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
+    wait_started(peers, STARTUP_TIMEOUT, started, waiting)
+    if args.peers > 1:
+        others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
+        display.message(f"starting {others}...")
+        for index in range(1, args.peers):
+            join = _join_args(index, args.peers, args, work_dir, run_id, peers[0].address)
+            peers.append(SwarmPeer(index, join, log_dir / f"peer{index}.log"))
+        wait_started(peers, STARTUP_TIMEOUT, started, waiting)
+    display.message(f"swarm of {args.peers} peers running (logs in {log_dir})")
+    display.message(f"dashboard of peer 0: http://127.0.0.1:{peers[0].status_port}/")
+    join_flags = f"--initial-peer {peers[0].address} --run-id {run_id} --node-id-difficulty {LOCAL_DIFFICULTY}"
+    display.message(f"more peers join with: peerd join {join_flags} (peerd dht get/store take the same flags)")
+
+
+def _polls(
+    args: argparse.Namespace,
+    display: TableDisplay,
+    peers: list[SwarmPeer],
+    curves: _Curves,
+    target_bpb: float | None,
+    start: float,
+) -> Iterator[tuple[_Progress, list[dict[str, Any] | None]]]:
+    """Poll the peers once a second until ``--timeout``, showing the table and recording the
+    curves; yields the progress so far with each poll's statuses (None: a peer that is gone)."""
+    progress = _Progress()
+    while time.monotonic() - start < args.timeout:
+        time.sleep(POLL_PERIOD)
+        statuses = [peer.poll_status() for peer in peers]
+        display.show(statuses, time.monotonic() - start)
+        curves.add(statuses, time.monotonic() - start, "accuracy" if target_bpb is None else "bits_per_byte")
+        progress = progress.after([s for s in statuses if s is not None])
+        yield progress, statuses
+
+
+def _finished(
+    args: argparse.Namespace, progress: _Progress, statuses: list[dict[str, Any] | None], target_bpb: float | None
+) -> bool:
+    """The target is reached, no peer is alive, or every peer passed ``--max-epochs``."""
+    alive = [s for s in statuses if s is not None]
+    if progress.reached(args.target_accuracy, target_bpb) or not alive:
+        return True
+    return all((s.get("epoch") or 0) >= args.max_epochs for s in alive)
+
+
+def _summary(
+    args: argparse.Namespace,
+    peers: list[SwarmPeer],
+    progress: _Progress,
+    target_bpb: float | None,
+    seconds: float,
+    stopped_by: int | None,
+    log_dir: Path,
+    plot: str | None,
+) -> dict[str, Any]:
+    """The JSON line the run ends with."""
+    alive_count = sum(1 for peer in peers if peer.last_status and peer.process.returncode in (0, -signal.SIGTERM))
+    return {
+        "task": args.task,
+        "mode": args.mode,
+        "peers": args.peers,
+        "peers_alive": alive_count,
+        "epochs": progress.epochs,
+        "accuracy": progress.accuracy,
+        "target_accuracy": None if target_bpb is not None else args.target_accuracy,
+        "bits_per_byte": progress.bits_per_byte,
+        "target_bpb": target_bpb,
+        "reached": progress.reached(args.target_accuracy, target_bpb),
+        "seconds": round(seconds, 1),
+        "stopped_by": signal.Signals(stopped_by).name if stopped_by is not None else None,
+        "logs": str(log_dir) if args.log_dir or args.keep_files else None,
+        "plot": plot,
+    }

@@ -44,3 +44,13 @@ def test_the_exit_status_table_is_the_one_the_code_uses():
     section = README.split("## Exit status", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", section, re.M))
     assert {int(code): text for code, text in rows.items()} == EXIT_CODES
+
+
+def test_the_join_table_is_the_declared_settings():
+    """The README's ``peerd join`` table is written from the settings' declaration; ``python -m
+    peerd.join_arguments`` prints the table to paste after changing a setting."""
+    from peerd.join_arguments import readme_table
+
+    section = README.split("## peerd join\n\n", 1)[1]
+    table = section[: section.index("\n\n")]
+    assert table == readme_table(), "README's peerd join table differs: python -m peerd.join_arguments prints it"

@@ -11,7 +11,7 @@ import pytest
 
 from peer import LOCAL_DIFFICULTY
 from peerd.cli import build_parser, main, parse_command_line
-from peerd.join_arguments import data_shard_from_args, delay_updates_from_args
+from peerd.join_arguments import KNOWN_FILE_KEYS, LOCAL_STEPS, data_shard_from_args, delay_updates_from_args
 from peerd.settings import Settings, SettingsError
 from tests.support.processes import PEERD
 
@@ -33,7 +33,7 @@ def write_config(tmp_path, text: str = CONFIG):
 
 def join_args(settings: Settings, *flags: str):
     args = build_parser(settings).parse_args(["join", *flags])
-    settings.check_all_known()
+    settings.check_known(KNOWN_FILE_KEYS)
     return args
 
 
@@ -109,6 +109,7 @@ def test_peerd_config_variable_names_the_file(tmp_path):
         ("client_mode = 'maybe'\n", "expected a boolean"),
         ("listen = 'nowhere'\n", "listen in "),
         ("mode = 'local_updates'\n", "expected one of collaborative, local-updates"),
+        ("log_level = 'verbose'\n", "log_level in .*expected one of DEBUG, INFO, WARNING, ERROR"),
     ],
 )
 def test_a_bad_file_is_refused_with_a_clear_error(tmp_path, text, message):
@@ -178,3 +179,12 @@ def test_the_uplink_comes_from_flag_variable_or_file_and_is_unset_by_default(tmp
     for bad in ("0", "-5", "fast"):
         with pytest.raises(SystemExit):
             join_args(Settings.load(None, environ={}), "--uplink-mbit", bad)
+
+
+def test_the_local_steps_default_is_the_optimizers():
+    """peerd declares it (the CLI must not load torch to read it); the two must not drift apart."""
+    import inspect
+
+    from averaging import LocalUpdatesOptimizer
+
+    assert LOCAL_STEPS.default == inspect.signature(LocalUpdatesOptimizer).parameters["local_steps"].default
