@@ -45,8 +45,11 @@ class Averager:
         self, weight: float = 1.0, timeout: float | None = None, *, return_future: bool = False
     ) -> AllReduceResult | concurrent.futures.Future[AllReduceResult]:
         """Find a group and average; raises MatchmakingError if none formed within ``timeout``."""
-        future = self._loop.submit(self._averager.step, weight, timeout)
+        future = self._loop.submit(self._step, weight, timeout)
         return future if return_future else future.result()
+
+    async def _step(self, weight: float, timeout: float | None) -> AllReduceResult:
+        return (await self._averager.step(weight, timeout)).result
 
     @contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:

@@ -200,7 +200,11 @@ class Daemon:
         import torch
 
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
+        from averaging.local_rounds import OverlappedRounds
+        from averaging.match_ahead import MatchAhead
         from averaging.progress import ProgressTracker
+        from averaging.settings import COLLABORATIVE, LOCAL_UPDATES
+        from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 
         from .data_shards import claim_shard, hold_claim
         from .tasks import ShardSpec, load_task, task_name
@@ -225,13 +229,21 @@ class Daemon:
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{config.run_id}.{task.name}"
         async with trio.open_nursery() as background:
-            codec = {} if config.compression is None else {"codec": config.compression}
-            codec["aggregation"] = config.aggregation
-            codec["uplink"] = config.uplink_mbit * 1e6 / 8 if config.uplink_mbit else None
-            if config.mode == "local-updates":
-                # (averaging of each round overlaps the next round's local steps, in `background`)
+            local_updates = config.mode == "local-updates"
+            settings = (LOCAL_UPDATES if local_updates else COLLABORATIVE).replace(
+                aggregation=config.aggregation,
+                uplink=config.uplink_mbit * 1e6 / 8 if config.uplink_mbit else None,
+                **({} if config.compression is None else {"codec": config.compression}),
+            )
+            if local_updates:
+                # each round's averaging overlaps the next round's local steps, in `background`
                 optimizer = LocalUpdatesOptimizer(
-                    inner, dht, prefix=prefix, local_steps=config.local_steps, background=background, **codec
+                    inner,
+                    dht,
+                    prefix=prefix,
+                    local_steps=config.local_steps,
+                    rounds=OverlappedRounds(background),
+                    settings=settings,
                 )
             else:
                 optimizer = CollaborativeOptimizer(
@@ -239,9 +251,9 @@ class Daemon:
                     dht,
                     prefix=prefix,
                     target_batch_size=config.target_batch_size or task.target_batch_size,
-                    delay_updates=background if config.delay_updates else None,
-                    background=background,  # where the next epoch's group forms ahead of the step
-                    **codec,
+                    updates=DelayedUpdates(background) if config.delay_updates else ImmediateUpdates(),
+                    matching=MatchAhead(background),  # the next epoch's group forms ahead of the step
+                    settings=settings,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = Trainer(task, optimizer)
