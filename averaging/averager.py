@@ -170,6 +170,12 @@ class GroupAverager:
         return self.dht.host
 
     @property
+    def all_reduce(self) -> AllReduceService:
+        """The host's all-reduce service this averager runs its rounds in (shared by every
+        averager on the peer, with the reducer checks and the bans they made)."""
+        return self._service
+
+    @property
     def uplink(self) -> float | None:
         """The uplink (bytes/s) this averager's rounds pace their connections to share, if known."""
         return self.settings.uplink
@@ -266,6 +272,15 @@ class GroupAverager:
         """The averaged tensors, with no round running while the block runs."""
         async with self._lock:
             yield self.tensors
+
+    async def hold_tensors(self) -> list[torch.Tensor]:
+        """``locked_tensors`` in two halves, for a caller whose block spans two loop tasks (the
+        synchronous facade): no round runs from now until ``release_tensors``."""
+        await self._lock.acquire()
+        return self.tensors
+
+    def release_tensors(self) -> None:
+        self._lock.release()
 
     def state_metadata(self) -> Any:
         """What a newcomer learns besides the tensors (subclasses add epochs, optimizer state...)."""

@@ -54,11 +54,11 @@ class Averager:
     @contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
         """The averaged tensors, with no round changing them while the block runs."""
-        self._loop.run(self._averager._lock.acquire)
+        tensors = self._loop.run(self._averager.hold_tensors)
         try:
-            yield self._averager.tensors
+            yield tensors
         finally:
-            self._loop.call_soon(self._averager._lock.release)
+            self._loop.call_soon(self._averager.release_tensors)
 
     def load_state_from_peers(self, timeout: float = 30.0) -> Any:
         return self._loop.run(self._averager.load_state_from_peers, timeout)

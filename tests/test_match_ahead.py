@@ -232,7 +232,7 @@ async def test_a_reducer_banned_after_the_group_formed_ahead_does_not_set_our_va
         averagers = make_averagers(nodes, [1.0, 2.0, 6.0])
         formed = await find_groups(averagers)
         liar = nodes[2].host.peer_id
-        averagers[0]._service.checks.banned.ban(liar, "lied")
+        averagers[0].all_reduce.checks.banned.ban(liar, "lied")
         results = {}
 
         async def step(i):

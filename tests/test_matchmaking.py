@@ -234,7 +234,7 @@ async def test_averagers_on_one_peer_share_its_all_reduce_and_need_their_own_pre
         nodes = await open_swarm(nursery, 2)
         grads = make_averagers(nodes, [1.0, 3.0], prefix="run.grads", target_group_size=2)
         state = make_averagers(nodes, [10.0, 30.0], prefix="run.state", target_group_size=2)
-        assert grads[0]._service is state[0]._service  # one avg.reduce handler per peer
+        assert grads[0].all_reduce is state[0].all_reduce  # one avg.reduce handler per peer
         with pytest.raises(ValueError, match="already averages under prefix 'run.grads'"):
             GroupAverager([torch.zeros(1)], nodes[0], prefix="run.grads")
         await step_all(grads + state)
