@@ -217,7 +217,6 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def finish_round(self, record: AveragingRecord | None) -> None:
         replica = self.replica
         self.restart_round()
-        replica.last_round = record
         every = self.settings.average_state_every
         if every and replica.epoch % every == 0:
             await self._average_start()

@@ -365,7 +365,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     async def _after_step(self, record: AveragingRecord) -> None:
         replica = self.replica
-        replica.last_round = record
         await self.updates.after_step(replica, lambda: self.local_samples)
         every = self.settings.average_state_every
         if every and replica.epoch % every == 0:

@@ -260,8 +260,9 @@ class Replica:
 
     def count_round(self, record: AveragingRecord | None, launched_at: int | None = None) -> int:
         """Count the round averaged in ``record`` as done (call as its step lands; None: the step
-        of a round still in flight, counted for now as this epoch's own); returns how many epochs
-        that moved this replica. The one place an epoch advances after a round.
+        of a round still in flight, counted for now as this epoch's own) and keep its record as
+        ``last_round``; returns how many epochs that moved this replica. The one place an epoch
+        advances after a round.
 
         ``launched_at``: the epoch the round was declared at, when the epoch already counted it
         (a delayed round counted at its launch, with None, lands later): only what the group adds
@@ -274,6 +275,8 @@ class Replica:
         two sides would look for each other in different rounds of state averaging, each losing a
         matchmaking deadline. One epoch at most per round: a larger jump is never taken on a
         group's word (a peer further behind closes the gap a round at a time, or loads state)."""
+        if record is not None:
+            self.last_round = record
         averaged = record is not None and record.averaged
         if averaged:
             self.tracker.evidence.vouch(record.peers)
