@@ -23,6 +23,10 @@ What can happen to a group formed ahead, and what the step does:
   member that dies after matchmaking, and the others average without it;
 * matchmaking ahead failed, or the group is for another epoch (we loaded state and moved on): it
   is dropped, and the step matches then as it would without matching ahead.
+
+Whether groups form ahead is the caller's choice of schedule (``CollaborativeOptimizer``'s
+``matching``): ``MatchAhead(nursery)``, which gives each of the optimizer's averagers a
+``GroupAhead`` running in that nursery, or ``MatchAtStep()``, whose ``NoGroupAhead`` forms nothing.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averag
                 )
                 for weight, node in zip(weights, nodes, strict=True)
             ]
-            optimizers[0].replica.epoch = optimizers[1].replica.epoch = 1
+            for ahead in optimizers[:2]:
+                await ahead.replica.move_to_epoch(1)
             meetings: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
             starts: dict[int, list] = {i: [] for i in range(3)}  # what each start averager's steps returned
 

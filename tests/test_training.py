@@ -430,7 +430,7 @@ async def test_a_peer_one_epoch_behind_counts_the_round_it_shares_and_state_aver
 
         for i in range(2):  # both have joined the swarm at epoch 0...
             assert not await one_batch(i)
-        optimizers[0].replica.epoch = 1  # ...and then one stepped alone, its epoch-0 round empty
+        await optimizers[0].replica.move_to_epoch(1)  # ...and then one stepped alone, its epoch-0 round empty
 
         async def train(i: int) -> None:
             while optimizers[i].epoch < 6:
