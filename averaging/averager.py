@@ -6,7 +6,6 @@ synchronous ``Averager`` in ``averaging/facade.py`` wraps it for plain scripts.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -28,7 +27,15 @@ from .partition import DEFAULT_PART_SIZE
 from .robust import Aggregation, resolve_aggregation
 from .state_sharing import StateSharing
 
-__all__ = ["FormedGroup", "GroupAverager", "RoundTiming", "tensor_schema", "MatchmakingError"]
+__all__ = [
+    "AveragingRound",
+    "FormedGroup",
+    "GroupAverager",
+    "MatchmakingError",
+    "RoundSettings",
+    "RoundTiming",
+    "tensor_schema",
+]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -39,7 +46,7 @@ WITHDRAW_TIMEOUT = 3.0
 
 @dataclass(frozen=True)
 class RoundTiming:
-    """Where the last step's time went: finding the group, and the all-reduce once it formed."""
+    """Where a step's time went: finding the group, and the all-reduce once it formed."""
 
     matchmaking_s: float
     allreduce_s: float
@@ -53,6 +60,33 @@ class FormedGroup:
     group: GroupInfo
     round: int
     formed_at: float
+
+
+@dataclass(frozen=True)
+class AveragingRound:
+    """What one ``GroupAverager.step`` was: the group, the round it averaged in, where its time
+    went, and what the all-reduce did."""
+
+    group: GroupInfo
+    round: int
+    timing: RoundTiming
+    result: AllReduceResult
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """How an averager forms its groups and runs their all-reduce (see ``GroupAverager``)."""
+
+    target_group_size: int = 4
+    min_group_size: int = 2
+    matchmaking_timeout: float = 5.0
+    settle_time: float | None = None
+    sender_timeout: float | None = None
+    reducer_timeout: float | None = None
+    codec: str = "none"
+    aggregation: Aggregation = Aggregation.MEAN
+    part_size: int = DEFAULT_PART_SIZE
+    uplink: float | None = None
 
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
@@ -98,7 +132,6 @@ class GroupAverager:
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
         self.dht = dht
-        self.host: PeerHost = dht.host
         self.prefix = prefix
         self.mode = AveragingMode(mode)
         if self.host.client_mode and self.mode is not AveragingMode.CLIENT:
@@ -107,21 +140,21 @@ class GroupAverager:
         # reduction follows it; a number: declare that, always (0 reduces nothing).
         self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
         self.link_speed = BandwidthEstimate()
-        self.target_group_size = target_group_size
-        self.min_group_size = min_group_size
-        self.codec = codec
-        self.aggregation = resolve_aggregation(aggregation, self.host.access.private)
-        self.matchmaking_timeout = matchmaking_timeout
-        self.sender_timeout = sender_timeout
-        self.reducer_timeout = reducer_timeout
-        self.part_size = part_size
-        self.uplink = uplink
+        self.settings = RoundSettings(
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            matchmaking_timeout=matchmaking_timeout,
+            settle_time=settle_time,
+            sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout,
+            codec=codec,
+            aggregation=resolve_aggregation(aggregation, self.host.access.private),
+            part_size=part_size,
+            uplink=uplink,
+        )
         self.allow_state_sharing = allow_state_sharing
-        self.settle_time = settle_time
         self.schema = tensor_schema(self.tensors)
-        self.round = 0
-        self.last_result: AllReduceResult | None = None
-        self.last_timing: RoundTiming | None = None
+        self.round = 0  # the next round this averager declares; only its own steps move it
         self._service = all_reduce_service(self.host)
         self._matchmaker = Matchmaker(self.host, dht, prefix, excluded=self._service.checks.banned.__contains__)
         # One round at a time; locked_tensors() waits for it. A semaphore rather than a Lock so the
@@ -133,6 +166,21 @@ class GroupAverager:
         self.state_sharing = StateSharing(self.host, dht, prefix, self)
 
     @property
+    def host(self) -> PeerHost:
+        return self.dht.host
+
+    @property
+    def all_reduce(self) -> AllReduceService:
+        """The host's all-reduce service this averager runs its rounds in (shared by every
+        averager on the peer, with the reducer checks and the bans they made)."""
+        return self._service
+
+    @property
+    def uplink(self) -> float | None:
+        """The uplink (bytes/s) this averager's rounds pace their connections to share, if known."""
+        return self.settings.uplink
+
+    @property
     def bandwidth(self) -> float:
         """What this peer declares: 0 in client mode, else the fixed or the measured bandwidth."""
         if self.mode is AveragingMode.CLIENT:
@@ -141,9 +189,10 @@ class GroupAverager:
             return self.fixed_bandwidth
         return min(self.link_speed.value, MAX_BANDWIDTH)
 
-    def _declaration(self) -> Declaration:
+    def _declaration(self, round_number: int | None = None) -> Declaration:
         address = None if self.mode is AveragingMode.CLIENT else self.host.public_address
-        return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, self.round)
+        declared = self.round if round_number is None else round_number
+        return Declaration(self.host.peer_id, address, self.bandwidth, self.mode, self.schema, declared)
 
     async def find_group(
         self, round_number: int | None = None, timeout: float | None = None, hold_open: trio.Event | None = None
@@ -153,59 +202,64 @@ class GroupAverager:
         no group formed within ``timeout`` (default: ``matchmaking_timeout``). ``hold_open``: as
         a leader, keep admitting latecomers until the group is full or the event is set
         (``Matchmaker.form_group``)."""
-        declaration = self._declaration()
-        if round_number is not None:
-            declaration = dataclasses.replace(declaration, round=round_number)
+        settings = self.settings
+        declaration = self._declaration(round_number)
         async with self._matching:
-            group = await self._matchmaker.form_group(
+            match = await self._matchmaker.form_group(
                 declaration,
-                target_group_size=self.target_group_size,
-                min_group_size=self.min_group_size,
-                timeout=timeout if timeout is not None else self.matchmaking_timeout,
-                settle_time=self.settle_time,
+                target_group_size=settings.target_group_size,
+                min_group_size=settings.min_group_size,
+                timeout=timeout if timeout is not None else settings.matchmaking_timeout,
+                settle_time=settings.settle_time,
                 hold_open=hold_open,
             )
-            formed = FormedGroup(group, self._matchmaker.last_round, trio.current_time())
-        log.info("group %s formed: %d peers", group.group_id.hex()[:8], len(group.members))
-        return formed
+        log.info("group %s formed: %d peers", match.group.group_id.hex()[:8], len(match.group.members))
+        return FormedGroup(match.group, match.round, trio.current_time())
 
     async def step(
-        self, weight: float = 1.0, timeout: float | None = None, group: FormedGroup | None = None
-    ) -> AllReduceResult:
-        """Find a group and average with it. Raises MatchmakingError if no group formed in time.
+        self,
+        weight: float = 1.0,
+        timeout: float | None = None,
+        group: FormedGroup | None = None,
+        round_number: int | None = None,
+    ) -> AveragingRound:
+        """Find a group and average with it; returns what the round was. Raises MatchmakingError
+        if no group formed in time.
 
         ``timeout`` bounds matchmaking (default: ``matchmaking_timeout``); the all-reduce itself is
         bounded by deadlines that follow each peer's progress (``allreduce.py``), capped by
         ``sender_timeout`` and ``reducer_timeout`` where they are set. ``group``: one that
         ``find_group`` formed ahead of time, to average with at once instead of matching now.
+        ``round_number``: the round to declare (default: ``self.round``, one past the last round
+        this averager took part in); ``self.round`` moves one past the round averaged in.
         """
+        settings = self.settings
         async with self._lock:
             started = trio.current_time()
             if group is None:
-                group = await self.find_group(self.round, timeout)
+                group = await self.find_group(round_number, timeout)
             self.round = group.round + 1
             formed = max(started, group.formed_at)
             result = await self._service.run(
                 group.group,
                 self.tensors,
                 weight=weight,
-                codec=self.codec,
-                sender_timeout=self.sender_timeout,
-                reducer_timeout=self.reducer_timeout,
-                part_size=self.part_size,
-                aggregation=self.aggregation,
-                uplink=self.uplink,
+                codec=settings.codec,
+                sender_timeout=settings.sender_timeout,
+                reducer_timeout=settings.reducer_timeout,
+                part_size=settings.part_size,
+                aggregation=settings.aggregation,
+                uplink=settings.uplink,
             )
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:
                 log.info("round done with %d peers", len(group.group.members))
             self.link_speed.update(result.link_rate)
-            self.last_result = result
-            self.last_timing = RoundTiming(formed - started, trio.current_time() - formed)
+            timing = RoundTiming(formed - started, trio.current_time() - formed)
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
-        return result
+        return AveragingRound(group.group, group.round, timing, result)
 
     async def leave(self) -> None:
         """Stop taking part: withdraw our matchmaking declaration, so that the others neither
@@ -218,6 +272,15 @@ class GroupAverager:
         """The averaged tensors, with no round running while the block runs."""
         async with self._lock:
             yield self.tensors
+
+    async def hold_tensors(self) -> list[torch.Tensor]:
+        """``locked_tensors`` in two halves, for a caller whose block spans two loop tasks (the
+        synchronous facade): no round runs from now until ``release_tensors``."""
+        await self._lock.acquire()
+        return self.tensors
+
+    def release_tensors(self) -> None:
+        self._lock.release()
 
     def state_metadata(self) -> Any:
         """What a newcomer learns besides the tensors (subclasses add epochs, optimizer state...)."""

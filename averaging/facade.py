@@ -45,17 +45,20 @@ class Averager:
         self, weight: float = 1.0, timeout: float | None = None, *, return_future: bool = False
     ) -> AllReduceResult | concurrent.futures.Future[AllReduceResult]:
         """Find a group and average; raises MatchmakingError if none formed within ``timeout``."""
-        future = self._loop.submit(self._averager.step, weight, timeout)
+        future = self._loop.submit(self._step, weight, timeout)
         return future if return_future else future.result()
+
+    async def _step(self, weight: float, timeout: float | None) -> AllReduceResult:
+        return (await self._averager.step(weight, timeout)).result
 
     @contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
         """The averaged tensors, with no round changing them while the block runs."""
-        self._loop.run(self._averager._lock.acquire)
+        tensors = self._loop.run(self._averager.hold_tensors)
         try:
-            yield self._averager.tensors
+            yield tensors
         finally:
-            self._loop.call_soon(self._averager._lock.release)
+            self._loop.call_soon(self._averager.release_tensors)
 
     def load_state_from_peers(self, timeout: float = 30.0) -> Any:
         return self._loop.run(self._averager.load_state_from_peers, timeout)

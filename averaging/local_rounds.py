@@ -1,20 +1,23 @@
 """How a local-updates round ends: average, then step (``SequentialRounds``), or step on the
 previous round's average while this round's averages in the background (``OverlappedRounds``).
 
-Both drive a ``LocalRound`` (the optimizer) through the same few moves; they differ only in
-when the averaging runs and which outer step lands.
+Both drive a ``LocalRound`` (the optimizer) through the same few moves; they differ in when the
+averaging runs, which outer step lands, and whether progress records go out in line or, between
+overlapped rounds, in the background (so the inner steps never wait for the DHT).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import trio
 
+from .later import Later
 from .outer_step import OuterStep
-from .replica import AveragingRecord
+from .replica import AveragingRecord, Replica
 
 __all__ = ["LocalRound", "RoundSchedule", "SequentialRounds", "OverlappedRounds"]
 
@@ -56,6 +59,14 @@ class RoundSchedule(Protocol):
         step would land on a start we no longer hold)."""
         ...
 
+    async def exchange(self, replica: Replica, samples: Callable[[], int]) -> None:
+        """Publish our progress record and read the swarm's (``samples()``: this round's so far)."""
+        ...
+
+    async def after_round(self, replica: Replica, samples: Callable[[], int]) -> None:
+        """A round finished: tell the swarm our progress, and newcomers that we serve this state."""
+        ...
+
 
 class SequentialRounds:
     """Each round averages before the next begins: the outer step is never stale, and the swarm's
@@ -71,6 +82,14 @@ class SequentialRounds:
     async def abandon(self) -> None:
         """Nothing is ever in flight between two of our rounds."""
 
+    async def exchange(self, replica: Replica, samples: Callable[[], int]) -> None:
+        await replica.exchange(samples())
+
+    async def after_round(self, replica: Replica, samples: Callable[[], int]) -> None:
+        await replica.publish(samples())
+        await replica.announce_state()
+        await replica.fetch(samples())
+
 
 class OverlappedRounds:
     """The averaging of round t runs in ``background`` while round t+1's local steps proceed; round
@@ -84,47 +103,37 @@ class OverlappedRounds:
 
     def __init__(self, background: trio.Nursery):
         self.background = background
-        self._done: trio.Event | None = None  # set when the averaging in flight is over
-        self._record: AveragingRecord | None = None
+        self._record: Later[AveragingRecord] | None = None  # the averaging in flight
         self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
         self._run: LocalRound | None = None
-        self._scope: trio.CancelScope | None = None  # the averaging in flight
 
     async def end_round(self, run: LocalRound, weight: float) -> bool:
         if self._run is not None and self._run is not run:
             raise RuntimeError("an OverlappedRounds schedule holds one optimizer's round: make one per optimizer")
         self._run = run
         stepped = False
-        if self._done is not None:
-            await self._done.wait()  # bounded by the averager's own deadlines
+        if self._record is not None:
+            record = await self._record.wait()  # bounded by the averager's own deadlines
             anchor = self._anchor
-            await run.advance(lambda: run.outer_step.apply_delayed(anchor), self._record)
-            await run.finish_round(self._record)
+            await run.advance(lambda: run.outer_step.apply_delayed(anchor), record)
+            await run.finish_round(record)
             stepped = True
         else:
             run.restart_round()
         self._anchor = await trio.to_thread.run_sync(run.outer_step.compute_deltas_and_anchor)
-        done = self._done = trio.Event()
-        # made here, not in the task: an abandon() before the task starts must still cancel it
-        scope = self._scope = trio.CancelScope()
-        self.background.start_soon(self._average, run, run.epoch, weight, done, scope)
+        self._record = Later(self.background, functools.partial(run.average_deltas, run.epoch, weight))
         return stepped
 
     async def abandon(self) -> None:
         """Cancel the averaging in flight and forget its round: its outer step never lands."""
-        if self._done is None:
-            return
-        if self._scope is not None:
-            self._scope.cancel()
-        await self._done.wait()  # (set as the averaging task exits)
-        self._done, self._record, self._anchor = None, None, []
+        record, self._record, self._anchor = self._record, None, []
+        if record is not None:
+            record.cancel()
+            await record.wait()
 
-    async def _average(
-        self, run: LocalRound, epoch: int, weight: float, done: trio.Event, scope: trio.CancelScope
-    ) -> None:
-        self._record = None  # never the previous round's, should this one end without a record
-        try:
-            with scope:
-                self._record = await run.average_deltas(epoch, weight)
-        finally:
-            done.set()
+    async def exchange(self, replica: Replica, samples: Callable[[], int]) -> None:
+        replica.exchange_soon(self.background, samples)
+
+    async def after_round(self, replica: Replica, samples: Callable[[], int]) -> None:
+        replica.exchange_soon(self.background, samples)
+        replica.announce_state_soon(self.background)

@@ -12,7 +12,7 @@ A round ends when the swarm has taken ``local_steps`` batches per peer for it, c
 peers' progress records (``round_length.py``), so that peers of different speeds end their rounds
 together and meet in one group. What happens then is a schedule (``local_rounds.py``): by default
 each round averages before the next begins (``SequentialRounds``); with
-``OverlappedRounds(nursery)`` (or ``background=nursery``) the averaging of round t runs in the
+``OverlappedRounds(nursery)`` the averaging of round t runs in the
 nursery while round t+1's inner steps proceed, and round t's outer step lands one round late,
 keeping the local progress made meanwhile, so communication hides behind computation instead of
 stalling it. The arithmetic is in ``outer_step.py``.
@@ -35,25 +35,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import trio
 
 from .averager import GroupAverager
 from .error_feedback import ErrorFeedback
-from .local_rounds import OverlappedRounds, RoundSchedule, SequentialRounds
+from .local_rounds import RoundSchedule, SequentialRounds
 from .outer_step import OuterStep
 from .progress import SwarmProgress
-from .replica import (
-    AveragingRecord,
-    EpochStateAverager,
-    Replica,
-    ReplicaOptimizer,
-    average_once,
-    average_state,
-    averaging_options,
-)
+from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state
 from .round_length import round_over
+from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
 
 __all__ = ["LocalUpdatesOptimizer"]
@@ -65,9 +59,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     """Same calling convention as CollaborativeOptimizer: ``await opt.step(batch_size)`` after
     ``loss.backward()``; True when an outer round completed.
 
-    ``rounds`` says how a round ends (``SequentialRounds()`` by default); ``background=nursery``
-    is short for ``rounds=OverlappedRounds(nursery)``, as ``peerd join --mode local-updates``
-    passes it."""
+    ``rounds`` says how a round ends: ``SequentialRounds()`` (the default) or
+    ``OverlappedRounds(nursery)``, as ``peerd join --mode local-updates`` runs it. ``settings``:
+    how it averages (default ``settings.LOCAL_UPDATES``: blockwise 8-bit deltas, longer deadlines),
+    with any of its fields given as keyword arguments instead (``codec="none"``)."""
 
     def __init__(
         self,
@@ -78,59 +73,34 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         local_steps: int = 20,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        codec: str = "blockwise_8bit",
-        aggregation: str = "auto",
-        uplink: float | None = None,
         error_feedback: bool = True,
-        target_group_size: int = 4,
-        min_group_size: int = 2,
-        matchmaking_timeout: float = 5.0,
-        averaging_timeout: float = 30.0,
-        settle_time: float | None = None,
-        load_state_timeout: float = 30.0,
-        background: trio.Nursery | None = None,
-        average_state_every: int = 5,
         rounds: RoundSchedule | None = None,
-        progress_interval: float = 0.5,
+        settings: AveragingSettings = LOCAL_UPDATES,
+        **setting_changes: Any,
     ):
-        if rounds is not None and background is not None:
-            raise ValueError("pass rounds=OverlappedRounds(nursery) or background=nursery, not both")
-        if rounds is None:
-            rounds = OverlappedRounds(background) if background is not None else SequentialRounds()
-        self.rounds = rounds
-        # where progress goes out between rounds without stalling the inner steps (overlapped only)
-        self._background = rounds.background if isinstance(rounds, OverlappedRounds) else None
+        self.settings = settings = settings.replace(**setting_changes)
+        self.rounds: RoundSchedule = rounds if rounds is not None else SequentialRounds()
         self.inner = inner_optimizer
-        self.dht = dht
         self.local_steps = local_steps
-        self.progress_interval = progress_interval  # how often a round's progress is exchanged
-        self.load_state_timeout = load_state_timeout
-        self.average_state_every = average_state_every
         self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
         self._outer_step = OuterStep(self.params, lr=outer_lr, momentum=outer_momentum)
-        averaging = averaging_options(
-            target_group_size=target_group_size,
-            min_group_size=min_group_size,
-            matchmaking_timeout=matchmaking_timeout,
-            averaging_timeout=averaging_timeout,
-            settle_time=settle_time,
-            aggregation=aggregation,
-            uplink=uplink,  # bytes/s, if known: rounds pace their connections to share it
-        )
+        averaging = settings.averager_options()
+        codec = settings.codec
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
         self.error_feedback = ErrorFeedback(self.deltas, codec, dht.host.peer_id) if error_feedback else None
         # Newcomers download the start and the outer momentum; the start alone is averaged now and
         # then (a copy of it, by ``start_averager``) to pull replicas together.
-        self.replica = Replica(dht, prefix, self.snapshot + self.outer_state, averaging)
+        self.replica = Replica(
+            dht, prefix, self.snapshot + self.outer_state, averaging, progress_interval=settings.progress_interval
+        )
         self.start_averager = GroupAverager(
             self._outer_step.start_average, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging
         )
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started: float | None = None
-        self._last_exchange = -float("inf")
 
     @property
     def outer_step(self) -> OuterStep:
@@ -187,13 +157,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         progress every ``progress_interval`` (in the background between overlapped rounds, so the
         inner steps never wait for the DHT)."""
         replica = self.replica
-        now = trio.current_time()
-        if now - self._last_exchange >= self.progress_interval:
-            self._last_exchange = now
-            if self._background is None:
-                await replica.exchange(self.local_samples)
-            else:
-                replica.exchange_soon(self._background, lambda: self.local_samples)
+        if replica.exchange_due():
+            await self.rounds.exchange(replica, lambda: self.local_samples)
         return replica.view(self.local_samples)
 
     async def _catch_up(self, swarm_epoch: int) -> None:
@@ -215,7 +180,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         """Adopt a peer's start, outer momentum and round, and train on from that start; False if
         no donor could send them."""
         try:
-            await self.replica.load_state_from_peers(self.load_state_timeout)
+            await self.replica.load_state_from_peers(self.settings.load_state_timeout)
         except StateUnavailable as error:
             log.warning("could not load state from peers: %s", error)
             return False
@@ -233,8 +198,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             self.delta_averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
         )
         if feedback is not None:
-            result = self.delta_averager.last_result if record.averaged else None
-            await trio.to_thread.run_sync(feedback.settle, result)
+            await trio.to_thread.run_sync(feedback.settle, record.result)
         return record
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
@@ -253,16 +217,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def finish_round(self, record: AveragingRecord | None) -> None:
         replica = self.replica
         self.restart_round()
-        replica.last_round = record
-        if self.average_state_every and replica.epoch % self.average_state_every == 0:
+        every = self.settings.average_state_every
+        if every and replica.epoch % every == 0:
             await self._average_start()
-        if self._background is None:
-            await replica.publish(0)
-            await replica.announce_state()
-            await replica.fetch(0)
-        else:
-            replica.exchange_soon(self._background, lambda: self.local_samples)
-            replica.announce_state_soon(self._background)
+        await self.rounds.after_round(replica, lambda: self.local_samples)
 
     async def _average_start(self) -> None:
         """Average the shared start with a group; parameters move by the same correction, keeping

@@ -23,6 +23,10 @@ What can happen to a group formed ahead, and what the step does:
   member that dies after matchmaking, and the others average without it;
 * matchmaking ahead failed, or the group is for another epoch (we loaded state and moved on): it
   is dropped, and the step matches then as it would without matching ahead.
+
+Whether groups form ahead is the caller's choice of schedule (``CollaborativeOptimizer``'s
+``matching``): ``MatchAhead(nursery)``, which gives each of the optimizer's averagers a
+``GroupAhead`` running in that nursery, or ``MatchAtStep()``, whose ``NoGroupAhead`` forms nothing.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
 from .averager import FormedGroup, GroupAverager
+from .later import Later
 from .matchmaking import MAX_SETTLE
 from .progress import SwarmProgress
 
-__all__ = ["MatchAhead", "matchmaking_due"]
+__all__ = ["GroupAhead", "GroupSource", "MatchAhead", "MatchAtStep", "Matching", "NoGroupAhead", "matchmaking_due"]
 
 log = logging.getLogger("peerd.training")
 
@@ -58,39 +64,100 @@ def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lea
     return rate > 0 and missing <= rate * lead
 
 
-@dataclass
-class _Pending:
-    key: int  # the epoch of the step that will use the group
-    round: int | None
-    formed: FormedGroup | None = None
-    due: trio.Event = field(default_factory=trio.Event)  # the step came: stop waiting for latecomers
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    exited: trio.Event = field(default_factory=trio.Event)
+class GroupSource(Protocol):
+    """Where an optimizer's averager gets the group of its next round: formed ahead, or none
+    (the round then matches at the step). ``key``: the epoch of the step that will use it."""
+
+    lead: float  # how long before the predicted end of the epoch matchmaking starts
+    last_wait_s: float  # how long the last step waited for its group once its epoch ended
+
+    def start(self, key: int, round_number: int | None = None) -> Later[FormedGroup | None] | None: ...
+
+    async def take(self, key: int) -> FormedGroup | None: ...
+
+    def hand_over(self, key: int) -> Callable[[], Awaitable[FormedGroup | None]]: ...
+
+    async def cancel(self) -> None: ...
+
+
+class Matching(Protocol):
+    """How an optimizer's groups form, as its caller chooses: ``MatchAtStep()`` or ``MatchAhead(nursery)``."""
+
+    def for_averager(self, averager: GroupAverager, *, refresh_interval: float) -> GroupSource: ...
+
+
+class NoGroupAhead:
+    """Nothing is formed ahead: every round matches at its step."""
+
+    lead = 0.0
+    last_wait_s = 0.0
+
+    def start(self, key: int, round_number: int | None = None) -> None:
+        return None
+
+    async def take(self, key: int) -> FormedGroup | None:
+        return None
+
+    def hand_over(self, key: int) -> Callable[[], Awaitable[FormedGroup | None]]:
+        return _no_group
+
+    async def cancel(self) -> None:
+        """Nothing is ever in flight."""
+
+
+async def _no_group() -> FormedGroup | None:
+    return None
+
+
+class MatchAtStep:
+    """Each round forms its group at the step: nothing runs in the background."""
+
+    def for_averager(self, averager: GroupAverager, *, refresh_interval: float) -> NoGroupAhead:
+        return NoGroupAhead()
 
 
 class MatchAhead:
+    """Groups form in ``nursery`` while the epoch still accumulates (the daemon's choice)."""
+
+    def __init__(self, nursery: trio.Nursery):
+        self.nursery = nursery
+
+    def for_averager(self, averager: GroupAverager, *, refresh_interval: float) -> GroupAhead:
+        return GroupAhead(averager, self.nursery, refresh_interval=refresh_interval)
+
+
+@dataclass
+class _Matching:
+    key: int  # the epoch of the step that will use the group
+    formed: Later[FormedGroup | None]
+    due: trio.Event = field(default_factory=trio.Event)  # the step came: stop waiting for latecomers
+
+
+class GroupAhead:
     """Forms the group of ``averager``'s next round in ``nursery`` ahead of the step; at most one
     matchmaking in flight."""
 
     def __init__(self, averager: GroupAverager, nursery: trio.Nursery, *, refresh_interval: float):
         self.averager = averager
         self.nursery = nursery
-        settle = averager.settle_time if averager.settle_time is not None else MAX_SETTLE
-        # how long before the predicted end of the epoch matchmaking starts
-        self.lead = settle + refresh_interval + JOIN_ALLOWANCE
-        self.last_wait_s = 0.0  # how long the last step waited for its group once its epoch ended
-        self._pending: _Pending | None = None
+        settle = averager.settings.settle_time
+        self.lead = (settle if settle is not None else MAX_SETTLE) + refresh_interval + JOIN_ALLOWANCE
+        self.last_wait_s = 0.0
+        self._matching: _Matching | None = None
 
-    def start(self, key: int, round_number: int | None = None) -> None:
+    def start(self, key: int, round_number: int | None = None) -> Later[FormedGroup | None]:
         """Start forming the group for the round the step at epoch ``key`` will average in (declared
-        at ``round_number``; None: the averager's own round), unless that is under way already."""
-        pending = self._pending
-        if pending is not None and pending.key == key:
-            return
-        if pending is not None:  # for an epoch we left: its group is of no use
-            pending.scope.cancel()
-        self._pending = _Pending(key, round_number)
-        self.nursery.start_soon(self._match, self._pending)
+        at ``round_number``; None: the averager's own round), unless that is under way already;
+        returns the matchmaking, which ends with the group (or None if none formed)."""
+        matching = self._matching
+        if matching is not None and matching.key == key:
+            return matching.formed
+        if matching is not None:  # for an epoch we left: its group is of no use
+            matching.formed.cancel()
+        due = trio.Event()
+        formed = Later(self.nursery, functools.partial(self._match, key, round_number, due))
+        self._matching = _Matching(key, formed, due)
+        return formed
 
     async def take(self, key: int) -> FormedGroup | None:
         """The group formed ahead for the step at epoch ``key`` (waiting while it forms), or None:
@@ -101,39 +168,37 @@ class MatchAhead:
         """``take`` in two halves: the matchmaking for ``key`` is detached from this object now (a
         ``start`` for the next epoch no longer touches it), and the returned function waits for its
         group, as ``take`` does, wherever it is awaited (a round running in the background)."""
-        pending, self._pending = self._pending, None
-        return functools.partial(self._collect, key, pending)
+        matching, self._matching = self._matching, None
+        return functools.partial(self._collect, key, matching)
 
-    async def _collect(self, key: int, pending: _Pending | None) -> FormedGroup | None:
+    async def _collect(self, key: int, matching: _Matching | None) -> FormedGroup | None:
         self.last_wait_s = 0.0
-        if pending is None:
+        if matching is None:
             return None
-        if pending.key != key:
-            pending.scope.cancel()
-            await pending.exited.wait()
+        if matching.key != key:
+            matching.formed.cancel()
+            await matching.formed.wait()
             return None
         began = trio.current_time()
-        pending.due.set()
+        matching.due.set()
         try:
-            await pending.exited.wait()  # bounded: matchmaking gives up at its own deadline
+            formed = await matching.formed.wait()  # bounded: matchmaking gives up at its own deadline
         except BaseException:  # the step was cancelled: nobody will average in the group
-            pending.scope.cancel()
+            matching.formed.cancel()
             raise
         self.last_wait_s = trio.current_time() - began
-        return pending.formed
+        return formed
 
     async def cancel(self) -> None:
         """Drop any matchmaking in flight and wait until it is out."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.scope.cancel()
-            await pending.exited.wait()
+        matching, self._matching = self._matching, None
+        if matching is not None:
+            matching.formed.cancel()
+            await matching.formed.wait()
 
-    async def _match(self, pending: _Pending) -> None:
+    async def _match(self, key: int, round_number: int | None, due: trio.Event) -> FormedGroup | None:
         try:
-            with pending.scope:
-                pending.formed = await self.averager.find_group(pending.round, hold_open=pending.due)
+            return await self.averager.find_group(round_number, hold_open=due)
         except Exception as error:  # a background task: whatever failed, the step matches itself
-            log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", pending.key, error)
-        finally:
-            pending.exited.set()
+            log.info("matchmaking ahead of epoch %d failed (%s); matching at the step", key, error)
+            return None

@@ -40,7 +40,7 @@ from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Ro
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 from .matchmaking_rules import Candidate, propose_group
 
-__all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration"]
+__all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -111,6 +111,15 @@ class Declaration:
 
     def member(self) -> GroupMember:
         return GroupMember(self.peer_id, self.address, self.bandwidth, self.mode)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A group that formed, and the round this peer takes part in with it: the one it declared,
+    or the next if the group had caught up to it (``confirmed_round``)."""
+
+    group: GroupInfo
+    round: int
 
 
 class _Gathering:
@@ -186,7 +195,6 @@ class Matchmaker:
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
-        self.last_round = 0  # the round the last form_group used (it may have caught up)
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
         try:
@@ -232,8 +240,9 @@ class Matchmaker:
         timeout: float,
         settle_time: float | None = None,
         hold_open: trio.Event | None = None,
-    ) -> GroupInfo:
-        """Declare, agree on a group and return it; raises MatchmakingError after ``timeout``.
+    ) -> Match:
+        """Declare, agree on a group and return it with our round in it; raises MatchmakingError
+        after ``timeout``.
 
         ``settle_time`` is how long to let declarations spread before reading them (default: a
         quarter of the timeout, at most MAX_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty).
@@ -258,7 +267,6 @@ class Matchmaker:
                 me = replace(me, round=newest)
                 candidates[me.peer_id] = me
                 await self.declare(me, timeout)
-            self.last_round = me.round
             alone = alone and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
@@ -278,13 +286,13 @@ class Matchmaker:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 try:
                     if proposal.leader == me.peer_id.to_bytes():
-                        group = await self._lead(me, expected, target_group_size, min_group_size, deadline, hold_open)
+                        group = await self.lead(me, expected, target_group_size, min_group_size, deadline, hold_open)
                     else:
                         group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
-                    if own_round:
-                        self.last_round = confirmed_round(own_round, me.peer_id, group, candidates)
                     self._last_view = frozenset(candidates) - {me.peer_id}
-                    return group
+                    # a newcomer (round 0) has already joined the round its candidates declared
+                    joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
+                    return Match(group, joined)
                 except (ConnectError, ConnectionLost, LeaderFailed) as error:
                     unreachable.add(proposal.leader)
                     last_error = str(error)
@@ -333,7 +341,12 @@ class Matchmaker:
                 candidates[peer] = declaration
         return candidates
 
-    async def _lead(
+    @property
+    def gathering(self) -> bool:
+        """Whether this peer is gathering a group as its leader now (admitting joins)."""
+        return self._gathering is not None
+
+    async def lead(
         self,
         me: Declaration,
         expected: set[PeerID],
@@ -342,6 +355,10 @@ class Matchmaker:
         deadline: float,
         hold_open: trio.Event | None = None,
     ) -> GroupInfo:
+        """As the elected leader of ``me``'s round: admit joins until the ``expected`` members all
+        asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
+        left to answer the followers runs out; a group of fewer than ``min_size`` raises
+        MatchmakingError."""
         gathering = _Gathering(me, expected, target)
         self._gathering = gathering
         try:

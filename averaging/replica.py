@@ -10,9 +10,10 @@ the rest, and ``ReplicaOptimizer`` gives both the same read-only face for the da
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import trio
 
 from peer import PeerID
 
-from .allreduce import AllReduceError
+from .allreduce import AllReduceError, AllReduceResult
 from .averager import FormedGroup, GroupAverager
 from .group import is_counter
 from .matchmaking import LeaderFailed, MatchmakingError, NoOtherPeers
@@ -34,7 +35,6 @@ __all__ = [
     "ReplicaOptimizer",
     "average_once",
     "average_state",
-    "averaging_options",
 ]
 
 log = logging.getLogger("peerd.training")
@@ -71,6 +71,8 @@ class AveragingRecord:
     # (a small share next to a round's tensors)
     bytes: int = 0
     failure: str | None = None
+    # what the all-reduce did (None: no round finished): error feedback reads where parts fell
+    result: AllReduceResult | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the daemon's ``/status`` reports as ``last_averaging``."""
@@ -89,30 +91,6 @@ class EpochStateAverager(GroupAverager):
         return {"round": self.round, "epoch": self.epoch_of()}
 
 
-def averaging_options(
-    *,
-    target_group_size: int,
-    min_group_size: int,
-    matchmaking_timeout: float,
-    averaging_timeout: float,
-    settle_time: float | None,
-    aggregation: str = "auto",
-    uplink: float | None = None,
-) -> dict[str, Any]:
-    """GroupAverager options from an optimizer's knobs: senders get half the round's deadline, so a
-    dead sender is dropped while the reducers still have time to answer."""
-    return {
-        "target_group_size": target_group_size,
-        "min_group_size": min_group_size,
-        "matchmaking_timeout": matchmaking_timeout,
-        "sender_timeout": averaging_timeout / 2,
-        "reducer_timeout": averaging_timeout,
-        "settle_time": settle_time,
-        "aggregation": aggregation,
-        "uplink": uplink,
-    }
-
-
 async def average_once(
     averager: GroupAverager, *, epoch: int, weight: float, fallback: str, group: FormedGroup | None = None
 ) -> AveragingRecord:
@@ -120,16 +98,14 @@ async def average_once(
     (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
     keeps training, so nothing raises out of here but cancellation.
 
-    The round is declared at ``epoch``; matchmaking moves it to the newest epoch declared in the
-    group (``GroupAverager.round`` ends one past it), and the record says which epoch that was.
-    ``group``: one formed ahead of the step for ``epoch`` (``match_ahead.py``), averaged with at once."""
-    averager.round = epoch
+    The round is declared at ``epoch``; matchmaking may move it to the newest epoch declared in
+    the group, and the record says which epoch that was. ``group``: one formed ahead of the step
+    for ``epoch`` (``match_ahead.py``), averaged with at once."""
     traffic = averager.host.traffic
     bytes_before = traffic.bytes_sent + traffic.bytes_received
     started = trio.current_time()
-    averager.last_timing = None
     try:
-        result = await averager.step(weight=weight, group=group)
+        averaged = await averager.step(weight=weight, group=group, round_number=epoch)
     except Exception as error:
         if isinstance(error, NoOtherPeers):
             if averager in _alone:
@@ -156,20 +132,21 @@ async def average_once(
             failure=reason,
         )
     _alone.discard(averager)
+    result = averaged.result
     failed = tuple(sorted(str(peer) for peer in result.failed_peers))
     me = averager.host.peer_id
-    peers = tuple(m.peer_id for m in result.group.members if m.peer_id != me and m.peer_id not in result.failed_peers)
-    timing = averager.last_timing
+    peers = tuple(m.peer_id for m in averaged.group.members if m.peer_id != me and m.peer_id not in result.failed_peers)
     return AveragingRecord(
-        averager.round - 1,
+        averaged.round,
         averaged=True,
-        group=len(result.group.members),
+        group=len(averaged.group.members),
         failed=failed,
         peers=peers,
         seconds=trio.current_time() - started,
-        matchmaking_s=timing.matchmaking_s if timing is not None else None,
-        allreduce_s=timing.allreduce_s if timing is not None else None,
+        matchmaking_s=averaged.timing.matchmaking_s,
+        allreduce_s=averaged.timing.allreduce_s,
         bytes=traffic.bytes_sent + traffic.bytes_received - bytes_before,
+        result=result,
     )
 
 
@@ -194,17 +171,37 @@ class Replica:
         prefix: str,
         state: Sequence[torch.Tensor],
         averaging: dict[str, Any],
+        *,
         samples_per_epoch: int | None = None,
+        progress_interval: float,
+        served_epoch: Callable[[int], int] | None = None,
     ):
+        """``averaging``: the state averager's ``GroupAverager`` options; ``samples_per_epoch``:
+        the fewest samples an epoch takes, which bounds how fast other peers' claimed epochs may
+        advance (``epoch_evidence.py``; None: epochs are not counted in samples);
+        ``progress_interval``: how often ``exchange_due`` says yes; ``served_epoch``: the epoch
+        donors tell newcomers our state belongs to, given ours (default: ours)."""
         self.epoch = 0
         self.samples_per_s = 0.0
         self.swarm = SwarmProgress({}, 0)  # the last view fetched from the DHT
         self.last_round: AveragingRecord | None = None
         self.tracker = ProgressTracker(dht, prefix, samples_per_epoch)
+        self.progress_interval = progress_interval
+        self._last_exchange = -math.inf  # (trio.current_time) when exchange_due last said yes
         self._exchanging = False  # a progress exchange runs in the background
         self._exchange_again = False  # ... and our record changed since it published
+        served = served_epoch if served_epoch is not None else (lambda epoch: epoch)
         # Averaged now and then to pull replicas together, and what newcomers download.
-        self.state = EpochStateAverager(lambda: self.epoch, state, dht, prefix=f"{prefix}.state", **averaging)
+        self.state = EpochStateAverager(lambda: served(self.epoch), state, dht, prefix=f"{prefix}.state", **averaging)
+
+    def exchange_due(self) -> bool:
+        """Whether ``progress_interval`` has passed since this last said yes (then the caller
+        exchanges progress, in line or in the background, and the clock restarts)."""
+        now = trio.current_time()
+        if now - self._last_exchange < self.progress_interval:
+            return False
+        self._last_exchange = now
+        return True
 
     def progress(self, samples: int) -> PeerProgress:
         return PeerProgress(self.epoch, samples, self.samples_per_s)
@@ -261,8 +258,15 @@ class Replica:
 
         nursery.start_soon(announce)
 
-    def count_round(self, record: AveragingRecord | None) -> None:
-        """Count the round averaged in ``record`` as done (call as its step lands).
+    def count_round(self, record: AveragingRecord | None, launched_at: int | None = None) -> int:
+        """Count the round averaged in ``record`` as done (call as its step lands; None: the step
+        of a round still in flight, counted for now as this epoch's own) and keep its record as
+        ``last_round``; returns how many epochs that moved this replica. The one place an epoch
+        advances after a round.
+
+        ``launched_at``: the epoch the round was declared at, when the epoch already counted it
+        (a delayed round counted at its launch, with None, lands later): only what the group adds
+        to that moves the epoch now.
 
         A peer one epoch behind (it stepped a moment late as the swarm formed, or loaded a donor's
         state while the donor's next step was in flight) averages in its group's round for the
@@ -271,10 +275,16 @@ class Replica:
         two sides would look for each other in different rounds of state averaging, each losing a
         matchmaking deadline. One epoch at most per round: a larger jump is never taken on a
         group's word (a peer further behind closes the gap a round at a time, or loads state)."""
-        if record is not None and record.averaged:
+        if record is not None:
+            self.last_round = record
+        averaged = record is not None and record.averaged
+        if averaged:
             self.tracker.evidence.vouch(record.peers)
-        shared = record.epoch if record is not None and record.averaged else self.epoch
-        self.epoch = min(max(self.epoch, shared), self.epoch + 1) + 1
+        declared = self.epoch if launched_at is None else launched_at
+        shared = record.epoch if averaged else declared
+        counted = max(self.epoch, min(max(declared, shared), declared + 1) + 1)
+        moved, self.epoch = counted - self.epoch, counted
+        return moved
 
     async def announce_state(self) -> None:
         """Newcomers may load from us, at our epoch."""

@@ -159,12 +159,7 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
             allow_state_sharing=False,
         )
         start = time.perf_counter()
-        group = await averager._matchmaker.form_group(
-            averager._declaration(),
-            target_group_size=config.world,
-            min_group_size=config.world,
-            timeout=MATCHMAKING_TIMEOUT,
-        )
+        group = (await averager.find_group()).group
         matchmaking_s = time.perf_counter() - start
         service = all_reduce_service(node.host)
 

@@ -144,6 +144,8 @@ async def _worker(config: WorkerConfig) -> dict[str, Any]:
 
 async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: float) -> dict[str, Any]:
     from averaging import CollaborativeOptimizer
+    from averaging.match_ahead import MatchAhead
+    from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
     from peerd.training import Trainer
 
     end = start + phase.seconds
@@ -160,8 +162,9 @@ async def _run_phase(config: WorkerConfig, node: DHTNode, phase: Phase, start: f
             target_batch_size=phase.target_batch_size,
             target_group_size=config.world,
             settle_time=config.settle_time,
-            delay_updates=background if config.delay_updates else None,  # `peerd join --delay-updates`
-            background=background,
+            # `peerd join --delay-updates`
+            updates=DelayedUpdates(background) if config.delay_updates else ImmediateUpdates(),
+            matching=MatchAhead(background),
         )
         result = await _collab_phase(Trainer(task, optimizer), start, end, config.target_accuracy)
         result["cpu_s"] = time.process_time() - cpu

@@ -156,7 +156,11 @@ class Daemon:
         import torch
 
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
+        from averaging.local_rounds import OverlappedRounds
+        from averaging.match_ahead import MatchAhead
         from averaging.progress import ProgressTracker
+        from averaging.settings import COLLABORATIVE, LOCAL_UPDATES
+        from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 
         from .data_shards import claim_shard, hold_claim
         from .tasks import ShardSpec, load_task, task_name
@@ -181,13 +185,21 @@ class Daemon:
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{run_id}.{task.name}"
         async with trio.open_nursery() as background:
-            codec = {} if averaging.compression is None else {"codec": averaging.compression}
-            codec["aggregation"] = averaging.aggregation
-            codec["uplink"] = averaging.uplink_mbit * 1e6 / 8 if averaging.uplink_mbit else None
-            if training.mode == "local-updates":
-                # (averaging of each round overlaps the next round's local steps, in `background`)
+            local_updates = training.mode == "local-updates"
+            settings = (LOCAL_UPDATES if local_updates else COLLABORATIVE).replace(
+                aggregation=averaging.aggregation,
+                uplink=averaging.uplink_mbit * 1e6 / 8 if averaging.uplink_mbit else None,
+                **({} if averaging.compression is None else {"codec": averaging.compression}),
+            )
+            if local_updates:
+                # each round's averaging overlaps the next round's local steps, in `background`
                 optimizer = LocalUpdatesOptimizer(
-                    inner, dht, prefix=prefix, local_steps=training.local_steps, background=background, **codec
+                    inner,
+                    dht,
+                    prefix=prefix,
+                    local_steps=training.local_steps,
+                    rounds=OverlappedRounds(background),
+                    settings=settings,
                 )
             else:
                 optimizer = CollaborativeOptimizer(
@@ -195,9 +207,9 @@ class Daemon:
                     dht,
                     prefix=prefix,
                     target_batch_size=training.target_batch_size or task.target_batch_size,
-                    delay_updates=background if averaging.delay_updates else None,
-                    background=background,  # where the next epoch's group forms ahead of the step
-                    **codec,
+                    updates=DelayedUpdates(background) if averaging.delay_updates else ImmediateUpdates(),
+                    matching=MatchAhead(background),  # the next epoch's group forms ahead of the step
+                    settings=settings,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = Trainer(task, optimizer)

@@ -57,6 +57,15 @@ class TrainingStatus:
     started: float = field(default_factory=time.time)
 
 
+def batches_per_slice(batch_s: float, accumulates: bool) -> int:
+    """How many batches of ``batch_s`` seconds each go to the worker thread at once: one, unless
+    the optimizer only accumulates between steps (then several batches' gradients are one step's)
+    and a batch is cheap next to a thread hop (a slice then takes about MIN_SLICE_S)."""
+    if not accumulates or batch_s <= 0:
+        return 1
+    return max(1, min(MAX_SLICE_BATCHES, int(MIN_SLICE_S / batch_s)))
+
+
 class Trainer:
     """Trains ``task.model`` with ``optimizer`` (a CollaborativeOptimizer or LocalUpdatesOptimizer)."""
 
@@ -72,7 +81,12 @@ class Trainer:
         self._batch_s = math.inf  # compute time of one batch, as last measured
         self._next_evaluation = -math.inf  # (time.monotonic) not before then: EVAL_SHARE
 
-    def _forward_backward(self, batches: list) -> float:
+    @property
+    def batch_s(self) -> float:
+        """The compute time of one batch, as last measured (infinite before the first)."""
+        return self._batch_s
+
+    def forward_backward(self, batches: list) -> float:
         """Gradients of the mean loss over ``batches`` (summed into ``.grad``); returns that loss."""
         started = time.perf_counter()
         self.task.model.train()
@@ -85,11 +99,9 @@ class Trainer:
         self._batch_s = (time.perf_counter() - started) / len(batches)
         return mean
 
-    def _slice(self) -> int:
+    def slice_size(self) -> int:
         """How many batches the next trip to the worker thread takes."""
-        if not getattr(self.optimizer, "accumulates_batches", False) or self._batch_s <= 0:
-            return 1
-        return max(1, min(MAX_SLICE_BATCHES, int(MIN_SLICE_S / self._batch_s)))
+        return batches_per_slice(self._batch_s, getattr(self.optimizer, "accumulates_batches", False))
 
     def _evaluate(self) -> dict[str, float]:
         started = time.monotonic()
@@ -104,9 +116,9 @@ class Trainer:
         """Train until ``max_epochs`` or ``target_accuracy`` (whichever first; forever if neither)."""
         status = self.status
         while max_epochs is None or self.optimizer.epoch < max_epochs:
-            batches = [next(self.task.batches) for _ in range(self._slice())]
+            batches = [next(self.task.batches) for _ in range(self.slice_size())]
             samples = sum(len(batch[0]) for batch in batches)
-            loss = await trio.to_thread.run_sync(self._forward_backward, batches)
+            loss = await trio.to_thread.run_sync(self.forward_backward, batches)
             status.loss = loss if math.isnan(status.loss) else 0.9 * status.loss + 0.1 * loss
             stepped = await self.optimizer.step(samples)
             status.samples += samples

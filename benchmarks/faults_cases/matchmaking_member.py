@@ -79,9 +79,10 @@ async def main(args: argparse.Namespace) -> None:
             outcome: dict = {"index": args.index, "ok": False}
             started = time.monotonic()
             try:
-                result = await averager.step()
-                outcome.update(ok=True, size=len(result.group.members), failed=sorted(map(str, result.failed_peers)))
-                outcome["allreduce_s"] = averager.last_timing.allreduce_s
+                averaged = await averager.step()
+                failed = sorted(map(str, averaged.result.failed_peers))
+                outcome.update(ok=True, size=len(averaged.group.members), failed=failed)
+                outcome["allreduce_s"] = averaged.timing.allreduce_s
             except Exception as error:  # a failed round is the figure being measured
                 outcome["error"] = f"{type(error).__name__}: {error}"
             outcome["seconds"] = time.monotonic() - started

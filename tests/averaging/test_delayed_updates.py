@@ -7,8 +7,10 @@ import pytest
 import torch
 import trio
 
+from averaging.match_ahead import MatchAhead
 from averaging.matchmaking import MatchmakingError
 from averaging.optimizer import CollaborativeOptimizer
+from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 from dht.node import DHTNode
 from tests.daemon.test_training import FAST, make_trainer, open_swarm, single_process_accuracy, train_to_target
 
@@ -17,7 +19,7 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 3)
         async with trio.open_nursery() as background:
-            trainers = [make_trainer(node, i, 3, delay_updates=background) for i, node in enumerate(nodes)]
+            trainers = [make_trainer(node, i, 3, **delayed_in(background)) for i, node in enumerate(nodes)]
             overlapped = [0, 0, 0]  # batches accumulated while this peer's round ran in the background
             statuses = {}
 
@@ -62,7 +64,7 @@ async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_a
         async with trio.open_nursery() as background:
 
             def make(node, index, count):
-                return make_trainer(node, index, count, delay_updates=background)
+                return make_trainer(node, index, count, **delayed_in(background))
 
             with trio.fail_after(120):
                 trainers, _ = await train_to_target(nodes, make, target=None, max_epochs=epochs)
@@ -74,6 +76,12 @@ async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_a
     assert min(accuracies) >= single_accuracy - 0.02, (accuracies, single_accuracy)
 
 
+def delayed_in(background) -> dict:
+    """Delayed updates, with each epoch's group formed ahead, both in ``background`` (as the
+    daemon runs ``peerd join --delay-updates``)."""
+    return {"updates": DelayedUpdates(background), "matching": MatchAhead(background)}
+
+
 def lone_delayed_optimizer(node, background, target_batch_size=64) -> CollaborativeOptimizer:
     """A one-parameter model whose gradient is always 1, so the accumulators count samples."""
     param = torch.nn.Parameter(torch.zeros(1))
@@ -82,7 +90,7 @@ def lone_delayed_optimizer(node, background, target_batch_size=64) -> Collaborat
         node,
         prefix="held",
         target_batch_size=target_batch_size,
-        delay_updates=background,
+        **delayed_in(background),
         **FAST,
     )
     return optimizer
@@ -99,7 +107,7 @@ async def test_the_next_epoch_accumulates_past_the_target_while_the_last_round_s
         optimizer = lone_delayed_optimizer(node, background)
         release, weights = trio.Event(), []
 
-        async def held_round(weight=1.0, timeout=None, group=None):
+        async def held_round(weight=1.0, timeout=None, group=None, round_number=None):
             weights.append(weight)
             await release.wait()
             raise MatchmakingError("held by the test")
@@ -221,7 +229,7 @@ async def test_an_epoch_counted_from_a_group_ahead_moves_the_learning_rate_sched
             prefix="ahead",
             target_batch_size=32,
             scheduler=scheduler,
-            delay_updates=background if delayed else None,
+            **(delayed_in(background) if delayed else {"updates": ImmediateUpdates()}),
             **FAST,
         )
         with trio.fail_after(10):
@@ -229,7 +237,10 @@ async def test_an_epoch_counted_from_a_group_ahead_moves_the_learning_rate_sched
             while optimizer.averaging_in_background:
                 await trio.sleep(0.01)
             await batch(optimizer)  # a delayed step lands at the next batch
+        # Every round's group is one epoch ahead, so every round counts two epochs, and the
+        # schedule steps once per epoch whose step landed. In line, both batches' rounds landed:
+        # epochs 0-1 and 2-3. Delayed, the first round landed at the second batch (epochs 0-1),
+        # which then launched the second (epoch 2 counted, its step not landed yet).
         assert optimizer.epoch >= 2
-        landed = optimizer.epoch - (1 if optimizer._in_flight is not None else 0)
-        assert scheduler.last_epoch == landed
+        assert (optimizer.epoch, scheduler.last_epoch) == ((3, 2) if delayed else (4, 4))
         background.cancel_scope.cancel()

@@ -54,18 +54,31 @@ async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averag
                 )
                 for weight, node in zip(weights, nodes, strict=True)
             ]
-            optimizers[0].replica.epoch = optimizers[1].replica.epoch = 1
+            for ahead in optimizers[:2]:
+                await ahead.replica.move_to_epoch(1)
             meetings: dict[int, list[tuple[int, int]]] = {i: [] for i in range(3)}
+            starts: dict[int, list] = {i: [] for i in range(3)}  # what each start averager's steps returned
+
+            def record_starts(i: int) -> None:
+                averager = optimizers[i].start_averager
+                step = averager.step
+
+                async def recorded_step(*args, **kwargs):
+                    starts[i].append(await step(*args, **kwargs))
+                    return starts[i][-1]
+
+                averager.step = recorded_step
 
             async def train(i: int) -> None:
-                optimizer, seen = optimizers[i], None
+                optimizer, seen = optimizers[i], 0
+                record_starts(i)
                 while optimizer.epoch < 6:
                     weights[i].grad = torch.ones(3)
                     if await optimizer.step(1) and optimizer.epoch % 2 == 0:
                         # the start was averaged as this round finished: with whom (0: nobody)
-                        result = optimizer.start_averager.last_result
-                        meetings[i].append((optimizer.epoch, 0 if result is seen else len(result.group.members)))
-                        seen = result
+                        new = starts[i][seen:]
+                        meetings[i].append((optimizer.epoch, len(new[-1].group.members) if new else 0))
+                        seen = len(starts[i])
 
             with trio.fail_after(60):
                 async with trio.open_nursery() as peers:
@@ -132,7 +145,7 @@ async def test_between_overlapped_rounds_the_progress_exchange_does_not_stall_th
         )
         never = trio.Event()
 
-        async def no_group(weight=1.0, timeout=None, group=None):
+        async def no_group(weight=1.0, timeout=None, group=None, round_number=None):
             raise MatchmakingError("alone, as the test says")
 
         async def hanging_fetch(samples):

@@ -86,9 +86,9 @@ async def test_a_group_formed_ahead_averages_when_its_members_step_apart():
                 for i, delay in enumerate([0.0, 0.5, 1.5]):
                     steps.start_soon(step, i, delay)
         for i, averager in enumerate(averagers):
-            assert not results[i].failed_peers
+            assert not results[i].result.failed_peers
             assert torch.allclose(averager.tensors[0], torch.full((3000,), 3.0))
-            assert averager.round == 8 and averager.last_timing.matchmaking_s == 0.0
+            assert averager.round == 8 and results[i].timing.matchmaking_s == 0.0
         nursery.cancel_scope.cancel()
 
 
@@ -109,7 +109,7 @@ async def test_a_member_that_left_after_the_group_formed_is_dropped_and_the_rest
                 for i in range(2):
                     steps.start_soon(step, i)
         for i in range(2):
-            assert nodes[2].host.peer_id in results[i].failed_peers
+            assert nodes[2].host.peer_id in results[i].result.failed_peers
             values = set(averagers[i].tensors[0].tolist())
             # the shards the live members reduced hold their mean; the leaver's kept local values
             assert 2.0 in values and values <= {2.0, [1.0, 3.0][i]}
@@ -170,8 +170,16 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
                 averaging_timeout=6.0,
                 progress_interval=0.1,
                 average_state_every=2,
-                background=nursery,
+                matching=MatchAhead(nursery),
             )
+            state_rounds = []  # what the state averager's steps returned
+            state_step = optimizer.state_averager.step
+
+            async def recorded_state_step(*args, **kwargs):
+                state_rounds.append(await state_step(*args, **kwargs))
+                return state_rounds[-1]
+
+            optimizer.state_averager.step = recorded_state_step
             generator = torch.Generator().manual_seed(seed)
             while optimizer.epoch < 4:
                 noise = torch.randn(32, 8, generator=generator)
@@ -179,11 +187,11 @@ async def test_collaborative_peers_start_the_all_reduce_without_waiting_for_matc
                 loss.backward()
                 await trio.sleep(0.02)
                 if await optimizer.step(32):
-                    timing = optimizer.grad_averager.last_timing
-                    if optimizer.epoch > 1 and timing is not None:  # the first epoch had no rate to predict from
-                        waits.append(optimizer.match_ahead.last_wait_s + timing.matchmaking_s)
+                    matchmaking_s = optimizer.last_round.matchmaking_s  # None: no group formed
+                    if optimizer.epoch > 1 and matchmaking_s is not None:  # the first epoch had no rate to predict from
+                        waits.append(optimizer.grads_ahead.last_wait_s + matchmaking_s)
                         groups.append(optimizer.last_averaging["group"])
-                    state_timing = optimizer.state_averager.last_timing
+                    state_timing = state_rounds[-1].timing if state_rounds else None
                     if optimizer.epoch % 2 == 0 and state_timing is not None:  # the state averaged too
                         state_waits.append(optimizer.state_ahead.last_wait_s + state_timing.matchmaking_s)
             return model
@@ -207,13 +215,12 @@ async def test_a_step_cancelled_while_it_waits_for_its_group_ends_the_matchmakin
         averager = GroupAverager(
             [torch.zeros(8)], nodes[0], prefix="alone", target_group_size=2, min_group_size=2, matchmaking_timeout=30.0
         )
-        ahead = MatchAhead(averager, nursery, refresh_interval=0.1)
-        ahead.start(5, round_number=5)
-        pending = ahead._pending
+        ahead = MatchAhead(nursery).for_averager(averager, refresh_interval=0.1)
+        matching = ahead.start(5, round_number=5)
         with trio.move_on_after(0.3):
             await ahead.take(5)
         with trio.fail_after(2):
-            await pending.exited.wait()
+            assert await matching.wait() is None
         nursery.cancel_scope.cancel()
 
 
@@ -225,7 +232,7 @@ async def test_a_reducer_banned_after_the_group_formed_ahead_does_not_set_our_va
         averagers = make_averagers(nodes, [1.0, 2.0, 6.0])
         formed = await find_groups(averagers)
         liar = nodes[2].host.peer_id
-        averagers[0]._service.checks.banned.ban(liar, "lied")
+        averagers[0].all_reduce.checks.banned.ban(liar, "lied")
         results = {}
 
         async def step(i):
@@ -237,8 +244,9 @@ async def test_a_reducer_banned_after_the_group_formed_ahead_does_not_set_our_va
                     steps.start_soon(step, i)
         group = formed[0].group
         index = next(i for i, m in enumerate(group.reducers) if m.peer_id == liar)
-        start, end = results[0].plan.shard_bounds(index)
-        assert end > start and index in results[0].local_shards and liar in results[0].failed_peers
+        ours = results[0].result
+        start, end = ours.plan.shard_bounds(index)
+        assert end > start and index in ours.local_shards and liar in ours.failed_peers
         mine = averagers[0].tensors[0]
         assert torch.equal(mine[start:end], torch.full((end - start,), 1.0))
         assert torch.equal(mine[:start], torch.full((start,), 3.0)) and torch.equal(

@@ -115,19 +115,19 @@ async def test_group_of_four_averages_exactly_and_respects_target_size():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 4)
         averagers = make_averagers(nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4)
-        assert all(averager.last_timing is None for averager in averagers)
         started = trio.current_time()
         results = await step_all(averagers)
         elapsed = trio.current_time() - started
-        for averager in averagers:  # where the step's time went, as benchmarks/wan.py reports it
-            timing = averager.last_timing
+        for averaged in results.values():  # where the step's time went, as benchmarks/wan.py reports it
+            timing = averaged.timing
             assert 0 < timing.allreduce_s and 0 < timing.matchmaking_s
             assert timing.matchmaking_s + timing.allreduce_s <= elapsed
         assert {len(r.group.members) for r in results.values()} == {4}
         assert len({r.group.group_id for r in results.values()}) == 1
         # each peer reduced its own shard of one plan (error feedback reads where parts fell)
-        assert sorted(r.my_shard for r in results.values()) == [0, 1, 2, 3]
-        assert {r.plan for r in results.values()} == {results[0].plan} and results[0].plan.num_shards == 4
+        assert sorted(r.result.my_shard for r in results.values()) == [0, 1, 2, 3]
+        plan = results[0].result.plan
+        assert {r.result.plan for r in results.values()} == {plan} and plan.num_shards == 4
         for averager in averagers:
             assert averager.tensors[0].item() == pytest.approx(3.0, abs=1e-6)
         nursery.cancel_scope.cancel()
@@ -175,8 +175,14 @@ async def test_a_peer_behind_in_rounds_catches_up_and_joins_the_group():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 3)
         averagers = make_averagers(nodes, [0.0, 3.0, 6.0], target_group_size=3, settle_time=0.2)
-        averagers[1].round = averagers[2].round = 7  # these two have averaged before; the first is new
-        results = await step_all(averagers)
+        results = {}
+
+        async def one(i, round_number):
+            results[i] = await averagers[i].step(round_number=round_number)
+
+        async with trio.open_nursery() as steps:
+            for i, round_number in enumerate([None, 7, 7]):  # these two have averaged before; the first is new
+                steps.start_soon(one, i, round_number)
         assert {len(r.group.members) for r in results.values()} == {3}
         assert all(a.round == 8 for a in averagers)
         assert all(a.tensors[0].item() == pytest.approx(3.0) for a in averagers)
@@ -203,11 +209,11 @@ async def test_a_follower_that_gives_up_is_not_left_in_the_group():
 
         async def lead():
             deadline = trio.current_time() + 1.5
-            result["group"] = await matchmaker._lead(declaration(leader_host), expected, 3, 2, deadline)
+            result["group"] = await matchmaker.lead(declaration(leader_host), expected, 3, 2, deadline)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lead)
-            while matchmaker._gathering is None:  # the leader has opened its invitation
+            while not matchmaker.gathering:  # the leader has opened its invitation
                 await trio.sleep(0)
             join = {**declaration(quitter).to_wire(), "patience": 10.0}
             with trio.move_on_after(0.3):  # the quitter's process dies while waiting for the answer
@@ -228,7 +234,7 @@ async def test_averagers_on_one_peer_share_its_all_reduce_and_need_their_own_pre
         nodes = await open_swarm(nursery, 2)
         grads = make_averagers(nodes, [1.0, 3.0], prefix="run.grads", target_group_size=2)
         state = make_averagers(nodes, [10.0, 30.0], prefix="run.state", target_group_size=2)
-        assert grads[0]._service is state[0]._service  # one avg.reduce handler per peer
+        assert grads[0].all_reduce is state[0].all_reduce  # one avg.reduce handler per peer
         with pytest.raises(ValueError, match="already averages under prefix 'run.grads'"):
             GroupAverager([torch.zeros(1)], nodes[0], prefix="run.grads")
         await step_all(grads + state)
@@ -368,14 +374,15 @@ async def test_a_swarm_that_stays_as_it_was_matches_without_waiting_out_the_sett
         averagers = make_averagers(
             nodes, [1.0, 2.0, 3.0, 6.0], target_group_size=4, settle_time=settle, matchmaking_timeout=10.0
         )
-        await step_all(averagers)
-        assert all(a.last_timing.matchmaking_s >= settle for a in averagers)
+        results = await step_all(averagers)
+        assert all(r.timing.matchmaking_s >= settle for r in results.values())
         results = await step_all(averagers)
         assert {len(r.group.members) for r in results.values()} == {4}
-        assert all(a.last_timing.matchmaking_s < settle for a in averagers), [a.last_timing for a in averagers]
+        timings = [r.timing for r in results.values()]
+        assert all(t.matchmaking_s < settle for t in timings), timings
         assert all(a.tensors[0].item() == pytest.approx(3.0) for a in averagers)
         await averagers[3].leave()
         results = await step_all(averagers[:3])
         assert {len(r.group.members) for r in results.values()} == {3}
-        assert all(a.last_timing.matchmaking_s >= settle for a in averagers[:3])
+        assert all(r.timing.matchmaking_s >= settle for r in results.values())
         nursery.cancel_scope.cancel()

@@ -11,7 +11,7 @@ import torch
 from averaging.progress import SwarmProgress
 from peerd import training
 from peerd.tasks import ShardSpec, digits_task
-from peerd.training import MIN_SLICE_S, Trainer
+from peerd.training import MIN_SLICE_S, Trainer, batches_per_slice
 
 
 class Recording:
@@ -32,11 +32,11 @@ def test_a_slice_of_batches_gives_the_gradient_sum_of_one_step_per_batch():
 
     expected = [torch.zeros_like(p) for p in params]
     for batch, size in zip(batches, sizes, strict=True):
-        trainer._forward_backward([batch])
+        trainer.forward_backward([batch])
         for total, p in zip(expected, params, strict=True):
             total.add_(p.grad, alpha=size)
             p.grad = None
-    loss = trainer._forward_backward(batches)
+    loss = trainer.forward_backward(batches)
     for total, p in zip(expected, params, strict=True):
         torch.testing.assert_close(p.grad * sum(sizes), total, rtol=1e-5, atol=1e-6)
     assert loss > 0
@@ -45,16 +45,17 @@ def test_a_slice_of_batches_gives_the_gradient_sum_of_one_step_per_batch():
 def test_only_an_accumulating_optimizer_gets_several_cheap_batches_per_step():
     task = digits_task(shard=ShardSpec(0, 1))
     accumulating = Trainer(task, Recording(task.model.parameters(), accumulates=True))
-    assert accumulating._slice() == 1  # nothing measured yet
-    accumulating._forward_backward([next(task.batches)] * 2)
-    assert 0 < accumulating._batch_s < math.inf  # measured per batch
-    accumulating._batch_s = MIN_SLICE_S / 10  # (a digits batch takes about this on an idle core)
-    assert accumulating._slice() == 10
-    accumulating._batch_s = MIN_SLICE_S * 3  # a batch that costs more than a hop goes alone
-    assert accumulating._slice() == 1
+    assert accumulating.slice_size() == 1  # nothing measured yet
+    accumulating.forward_backward([next(task.batches)] * 2)
+    assert 0 < accumulating.batch_s < math.inf  # measured per batch
+    assert accumulating.slice_size() == batches_per_slice(accumulating.batch_s, accumulates=True)
+    # (a digits batch takes about MIN_SLICE_S / 10 on an idle core)
+    assert batches_per_slice(MIN_SLICE_S / 10, accumulates=True) == 10
+    assert batches_per_slice(MIN_SLICE_S * 3, accumulates=True) == 1  # a batch that costs more than a hop goes alone
     stepping = Trainer(task, Recording(task.model.parameters(), accumulates=False))
-    stepping._batch_s = MIN_SLICE_S / 10
-    assert stepping._slice() == 1
+    stepping.forward_backward([next(task.batches)])
+    assert stepping.slice_size() == 1
+    assert batches_per_slice(MIN_SLICE_S / 10, accumulates=False) == 1
 
 
 class SteppingEveryBatch(Recording):

@@ -9,6 +9,8 @@ import pytest
 import torch
 import trio
 
+from averaging.local_rounds import OverlappedRounds, SequentialRounds
+from averaging.match_ahead import MatchAhead
 from averaging.optimizer import CollaborativeOptimizer
 from dht.node import DHTNode
 from peerd.tasks import ShardSpec, TaskError, digits_task, load_task
@@ -45,7 +47,7 @@ async def test_three_peers_reach_target_accuracy_on_digits():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 3)
         # as the daemon trains: each epoch's group forms in the background while it accumulates
-        trainers = [make_trainer(node, i, 3, background=nursery) for i, node in enumerate(nodes)]
+        trainers = [make_trainer(node, i, 3, matching=MatchAhead(nursery)) for i, node in enumerate(nodes)]
         statuses = {}
 
         async def train(i):
@@ -110,7 +112,14 @@ async def test_a_peer_that_moves_to_the_swarm_epoch_moves_its_lr_schedule_with_i
             await optimizer.load_state_from_peers(swarm_epoch=10**15)
         # a schedule that refuses to go past its end (OneCycleLR raises) does not stop training
         inner.param_groups[0].pop("initial_lr", None)
-        optimizer.scheduler = torch.optim.lr_scheduler.OneCycleLR(inner, max_lr=1.0, total_steps=3)
+        optimizer = CollaborativeOptimizer(
+            inner,
+            node,
+            prefix="digits-one-cycle",
+            target_batch_size=128,
+            scheduler=torch.optim.lr_scheduler.OneCycleLR(inner, max_lr=1.0, total_steps=3),
+            **{**FAST, "load_state_timeout": 0.5},
+        )
         await optimizer.load_state_from_peers(swarm_epoch=10**15 + 10)
         assert optimizer.epoch == 10**15 + 10
         # ... nor at the next epoch's step (alone, so averaging fails and it steps on its own)
@@ -179,7 +188,7 @@ async def train_to_target(nodes, make, target: float | None = 0.9, max_epochs=80
     return trainers, statuses
 
 
-def make_local_updates_trainer(node, index, count, background=None):
+def make_local_updates_trainer(node, index, count, rounds=None):
     from averaging.local_updates import LocalUpdatesOptimizer
 
     task = digits_task(shard=ShardSpec(index, count))
@@ -193,7 +202,7 @@ def make_local_updates_trainer(node, index, count, background=None):
         settle_time=0.1,
         matchmaking_timeout=3.0,
         averaging_timeout=6.0,
-        background=background,
+        rounds=rounds,
     )
     return Trainer(task, optimizer)
 
@@ -204,7 +213,7 @@ async def test_overlapped_local_updates_reach_the_target_while_averaging_in_the_
         async with trio.open_nursery() as background:
 
             def make(node, index, count):
-                return make_local_updates_trainer(node, index, count, background=background)
+                return make_local_updates_trainer(node, index, count, rounds=OverlappedRounds(background))
 
             with trio.fail_after(90):
                 trainers, statuses = await train_to_target(nodes, make, max_epochs=30)
@@ -232,7 +241,12 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
         async with trio.open_nursery() as background:
             weight = torch.nn.Parameter(torch.zeros(3))
             optimizer = tiny_local_updates(
-                node, weight, prefix="lone", matchmaking_timeout=0.2, averaging_timeout=1.0, background=background
+                node,
+                weight,
+                prefix="lone",
+                matchmaking_timeout=0.2,
+                averaging_timeout=1.0,
+                rounds=OverlappedRounds(background),
             )
 
             async def inner_step(grad):
@@ -252,8 +266,8 @@ async def test_a_delayed_outer_step_keeps_the_progress_made_while_averaging():
 
 async def test_sequential_rounds_step_at_once_and_the_overlapped_schedule_can_be_passed_explicitly():
     """The same lone peer and gradients as above: a sequential round lands its own outer step at
-    the end of the round; ``rounds=OverlappedRounds(nursery)`` is what ``background=`` means."""
-    from averaging.local_rounds import OverlappedRounds, SequentialRounds
+    the end of the round, as it does by default; ``rounds=OverlappedRounds(nursery)`` lands it a
+    round late, with the progress made meanwhile."""
 
     async with trio.open_nursery() as nursery:
         [node] = await open_swarm(nursery, 1)
@@ -275,8 +289,8 @@ async def test_sequential_rounds_step_at_once_and_the_overlapped_schedule_can_be
             weight.grad = torch.tensor([0.0, 2.0, 0.0])
             assert await overlapped.step(1) is True and overlapped.epoch == 1
             assert torch.allclose(weight.detach(), torch.tensor([-0.95, -2.0, 0.0]))
-            with pytest.raises(ValueError, match="not both"):
-                tiny_local_updates(node, weight, prefix="both", rounds=SequentialRounds(), background=background)
+            with pytest.raises(TypeError, match="background"):  # a nursery is no schedule: say which one
+                tiny_local_updates(node, weight, prefix="both", background=background)
             background.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
 
@@ -416,7 +430,7 @@ async def test_a_peer_one_epoch_behind_counts_the_round_it_shares_and_state_aver
 
         for i in range(2):  # both have joined the swarm at epoch 0...
             assert not await one_batch(i)
-        optimizers[0].replica.epoch = 1  # ...and then one stepped alone, its epoch-0 round empty
+        await optimizers[0].replica.move_to_epoch(1)  # ...and then one stepped alone, its epoch-0 round empty
 
         async def train(i: int) -> None:
             while optimizers[i].epoch < 6:

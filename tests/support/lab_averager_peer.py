@@ -75,7 +75,7 @@ async def main(args: argparse.Namespace) -> None:
                     tensor.copy_(tensor_of(args.index, args.values))
                     record: dict = {"attempt": attempt, "declared": averager.bandwidth}
                     try:
-                        result = await averager.step()
+                        result = (await averager.step()).result
                     except MatchmakingError as error:
                         record["error"] = str(error)
                     else:

@@ -55,9 +55,10 @@ async def main(args: argparse.Namespace) -> None:
             me = Declaration(host.peer_id, host.listen_address, 1.0, AveragingMode.NODE, SCHEMA, 0)
             outcome: dict = {"peer": str(host.peer_id)}
             try:
-                group = await matchmaker.form_group(
+                match = await matchmaker.form_group(
                     me, target_group_size=5, min_group_size=2, timeout=args.timeout, settle_time=args.settle
                 )
+                group = match.group
                 outcome["group"] = [str(m.peer_id) for m in group.members]
             except MatchmakingError as error:
                 outcome["error"] = str(error)
