@@ -20,7 +20,7 @@ import trio
 
 from peer import PeerHost
 
-from .allreduce import AllReduceResult, AllReduceService
+from .allreduce import AllReduceResult, AllReduceService, RoundSettings
 from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
@@ -185,10 +185,7 @@ class GroupAverager:
                 group = await self.find_group(self.round, timeout)
             self.round = group.round + 1
             formed = max(started, group.formed_at)
-            result = await self._service.run(
-                group.group,
-                self.tensors,
-                weight=weight,
+            settings = RoundSettings(
                 codec=self.codec,
                 sender_timeout=self.sender_timeout,
                 reducer_timeout=self.reducer_timeout,
@@ -196,6 +193,7 @@ class GroupAverager:
                 aggregation=self.aggregation,
                 uplink=self.uplink,
             )
+            result = await self._service.run(group.group, self.tensors, weight=weight, settings=settings)
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:

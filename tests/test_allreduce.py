@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService
+from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService, RoundSettings
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, open_peer_host
@@ -79,7 +79,7 @@ async def run_round(peers, group, tensors, weights, results, skip=(), **options)
     options = {"sender_timeout": SENDER_TIMEOUT, "reducer_timeout": REDUCER_TIMEOUT, "part_size": PART_SIZE, **options}
 
     async def one(i: int) -> None:
-        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], **options)
+        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], settings=RoundSettings(**options))
 
     async with trio.open_nursery() as nursery:
         for i in range(len(peers)):
@@ -301,14 +301,8 @@ async def test_faults_in_a_five_peer_group(fault, victims, caplog):
 async def _run_victim(peer, group, tensors, weight):
     with trio.CancelScope() as scope:
         peer.fault.run_scope = scope
-        await peer.service.run(
-            group,
-            tensors,
-            weight=weight,
-            sender_timeout=SENDER_TIMEOUT,
-            reducer_timeout=REDUCER_TIMEOUT,
-            part_size=PART_SIZE,
-        )
+        settings = RoundSettings(sender_timeout=SENDER_TIMEOUT, reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        await peer.service.run(group, tensors, weight=weight, settings=settings)
 
 
 class SendsAShortPart(Fault):
@@ -485,7 +479,9 @@ async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_ge
 
         async def on_peer_0(seed: int) -> None:
             try:
-                await peers[0].service.run(group, random_tensors(seed), sender_timeout=2.0, reducer_timeout=2.0)
+                await peers[0].service.run(
+                    group, random_tensors(seed), settings=RoundSettings(sender_timeout=2.0, reducer_timeout=2.0)
+                )
                 outcomes.append("ran")
             except AllReduceError as error:
                 outcomes.append("refused" if "already uses this group ID" in str(error) else f"other: {error}")
@@ -493,7 +489,9 @@ async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_ge
         async with trio.open_nursery() as rounds:
             rounds.start_soon(on_peer_0, 0)
             rounds.start_soon(on_peer_0, 7)
-            rounds.start_soon(partial(peers[1].service.run, group, random_tensors(1), sender_timeout=2.0))
+            rounds.start_soon(
+                partial(peers[1].service.run, group, random_tensors(1), settings=RoundSettings(sender_timeout=2.0))
+            )
         assert sorted(outcomes) == ["ran", "refused"]
         assert peers[0].service.rounds_in_progress == 0
         nursery.cancel_scope.cancel()
@@ -509,12 +507,17 @@ async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
         tensors = [random_tensors(i) for i in range(2)]
         before = flat(tensors[1]).clone()
         if how == "ended":  # the sender was too late for the reducer's sender deadline
-            await peers[0].service.run(group, tensors[0], sender_timeout=0.05, part_size=PART_SIZE)
+            await peers[0].service.run(
+                group, tensors[0], settings=RoundSettings(sender_timeout=0.05, part_size=PART_SIZE)
+            )
         else:
             with trio.move_on_after(0.05):
-                await peers[0].service.run(group, tensors[0], sender_timeout=10.0, part_size=PART_SIZE)
+                await peers[0].service.run(
+                    group, tensors[0], settings=RoundSettings(sender_timeout=10.0, part_size=PART_SIZE)
+                )
         start = trio.current_time()
-        result = await peers[1].service.run(group, tensors[1], reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        settings = RoundSettings(reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        result = await peers[1].service.run(group, tensors[1], settings=settings)
         assert trio.current_time() - start < 0.5
         assert peers[0].host.peer_id in result.failed_peers
         assert list(result.local_shards) == [0]

@@ -298,9 +298,7 @@ class ForgetfulInputs(KeptInputs):
 
 
 def forgetful_service(host) -> AllReduceService:
-    service = AllReduceService(host)
-    service.checks.kept = ForgetfulInputs()
-    return service
+    return AllReduceService(host, kept=ForgetfulInputs())
 
 
 async def test_an_unanswered_check_leaves_the_reducer_out_briefly_and_a_lie_for_long():
