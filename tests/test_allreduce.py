@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import struct
+import threading
 from functools import partial
 
 import pytest
@@ -16,8 +17,10 @@ import torch
 import trio
 
 from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService, RoundSettings
+from averaging.allreduce_protocol import ContributionInbox
 from averaging.group import AveragingMode, GroupInfo, GroupMember
-from averaging.partition import DEFAULT_PART_SIZE
+from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
+from averaging.reducer_shard import ReducerShard
 from peer import Identity, open_peer_host
 
 from .stream_faults import Fault, FaultyHost
@@ -33,8 +36,9 @@ class Peer:
         self.host, self.service, self.scope, self.fault = host, service, scope, fault
 
 
-async def start_peers(nursery, count: int, faults=None, client_indices=()) -> list[Peer]:
-    """``faults``: peer index -> the ``Fault`` that peer's all-reduce messages go through."""
+async def start_peers(nursery, count: int, faults=None, client_indices=(), shard_type=ReducerShard) -> list[Peer]:
+    """``faults``: peer index -> the ``Fault`` that peer's all-reduce messages go through;
+    ``shard_type``: what reduces each peer's shard."""
     peers: list[Peer] = []
     faults = faults or {}
 
@@ -46,7 +50,7 @@ async def start_peers(nursery, count: int, faults=None, client_indices=()) -> li
                 fault = faults.get(index)
                 if fault is not None:
                     fault.peer_scope = scope
-                service = AllReduceService(host if fault is None else FaultyHost(host, fault))
+                service = AllReduceService(host if fault is None else FaultyHost(host, fault), shard_type=shard_type)
                 task_status.started(Peer(host, service, scope, fault))
                 await trio.sleep(math.inf)
 
@@ -162,7 +166,6 @@ async def test_mixed_node_client_and_auxiliary_peers():
 def expected_for(index, results, tensors, weights, group):
     """What survivor ``index`` must hold: per part, the weighted average of the contributors its
     result reports for that part, or its own values where the shard stayed local."""
-    from averaging.partition import AllReducePlan
 
     result = results[index]
     plan = AllReducePlan.build(flat(tensors[index]).numel(), [m.bandwidth for m in group.reducers], PART_SIZE)
@@ -371,18 +374,51 @@ async def test_malformed_parts_drop_their_sender_and_nobody_else(hostile, codec)
         nursery.cancel_scope.cancel()
 
 
-async def test_huge_parts_are_checked_off_the_event_loop_and_still_averaged_exactly():
+class ThreadRecordingShard(ReducerShard):
+    """An honest reducer that notes on which thread it checks each part (``stage``) and averages
+    it (``reply_next``): ``calls`` holds (what, thread ident)."""
+
+    calls: list[tuple[str, int]] = []
+
+    def inbox(self, sender, sink, header=None) -> ContributionInbox:
+        calls, signing = self.calls, super().inbox(sender, sink, header).signing
+
+        class Recording(ContributionInbox):
+            def stage(self, index, values, signed=None) -> None:
+                calls.append(("stage", threading.get_ident()))
+                super().stage(index, values, signed)
+
+        return Recording(self.reduction, sender, sink, signing)
+
+    def reply_next(self, codec) -> None:
+        self.calls.append(("average", threading.get_ident()))
+        super().reply_next(codec)
+
+
+async def test_huge_parts_are_checked_off_the_event_loop_and_still_averaged_exactly(monkeypatch):
+    """Parts over ``INLINE_WORK_LIMIT`` are checked (staged) and averaged in worker threads. The
+    plan cuts every shard into at least 8 parts, so parts that large would take a vector of tens
+    of millions of values per peer: the limit is lowered to below this vector's parts instead."""
     size = 3
+    loop = threading.get_ident()
+    ThreadRecordingShard.calls = []
+    numel = 3 * 2 * INLINE_WORK_LIMIT
+    plan = AllReducePlan.build(numel, [1.0] * size, numel)
+    monkeypatch.setattr("averaging.round_roles.INLINE_WORK_LIMIT", plan.part_size - 1)
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, size)
+        peers = await start_peers(nursery, size, shard_type=ThreadRecordingShard)
         group = make_group(peers)
-        numel = 3 * 2 * INLINE_WORK_LIMIT  # one part per shard, each over the inline limit
         tensors = [[torch.randn(numel, generator=torch.Generator().manual_seed(i))] for i in range(size)]
         expected = sum(t[0] for t in tensors) / size
         results = {}
         await run_round(peers, group, tensors, [1.0] * size, results, part_size=numel, reducer_timeout=60.0)
         for i in range(size):
             assert results[i].succeeded and torch.allclose(tensors[i][0], expected, atol=1e-5)
+        # every reducer checked each other sender's part and averaged its own in a worker thread
+        calls = ThreadRecordingShard.calls
+        parts = sum(plan.num_parts(shard) for shard in range(size))
+        assert sorted(what for what, _ in calls) == ["average"] * parts + ["stage"] * parts * (size - 1)
+        assert all(thread != loop for _, thread in calls), calls
         nursery.cancel_scope.cancel()
 
 

@@ -270,10 +270,19 @@ async def checked_round(nursery, make_odd_one) -> CheckedRound:
     return CheckedRound(peers, odd_one, tensors, before, results, results[0].plan.shard_bounds(shard))
 
 
-@pytest.mark.parametrize("make_liar", [None, fabricating_service], ids=["true-inputs", "fabricated-inputs"])
-async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are(make_liar):
+@pytest.mark.parametrize(
+    ("make_liar", "caught_by"),
+    [
+        (None, "away from the aggregate of its own inputs"),  # true inputs, a reply they do not give
+        (fabricating_service, "did not commit to"),  # inputs made to fit the lie, not signed for it
+    ],
+    ids=["true-inputs", "fabricated-inputs"],
+)
+async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_ones_never_are(make_liar, caught_by):
     """Also one that states each checker's own contribution truly and fabricates every other to
-    fit its lie: the fabricated inputs do not carry their senders' signatures."""
+    fit its lie: the fabricated inputs do not carry their senders' signatures. Either is caught
+    *as a liar*, by what its answer says (a reducer whose answer cannot be had is only
+    "unanswered", and left out briefly): banned for long, and counted as caught."""
     async with trio.open_nursery() as nursery:
         round_ = await checked_round(nursery, make_liar)
         peers, liar, results = round_.peers, round_.odd_one, round_.results
@@ -283,9 +292,13 @@ async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_on
             verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
             assert set(verdicts) == {m.peer_id for m in group.reducers} - {peers[i].host.peer_id}
             assert all((verdict is not None) == (reducer == liar) for reducer, verdict in verdicts.items()), verdicts
-            assert set(peers[i].service.checks.banned.until) == {liar}
+            assert caught_by in verdicts[liar] and "unanswered" not in verdicts[liar], verdicts[liar]
+            checks = peers[i].service.checks
+            assert set(checks.banned.until) == {liar} and checks.caught == 1
+            assert checks.banned.reasons[liar] == verdicts[liar]
+            assert checks.banned.until[liar] - time.monotonic() > UNANSWERED_BAN_SECONDS  # a liar's ban
             # the lie never reached our values: that shard kept them
-            assert "failed its check" in results[i].local_shards[shard]
+            assert results[i].local_shards[shard] == f"reducer failed its check: {verdicts[liar]}"
             assert round_.kept_own_values(i)
         nursery.cancel_scope.cancel()
 
