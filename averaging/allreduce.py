@@ -22,18 +22,22 @@ A reducer aggregates its shard with the weighted mean or, robust to a hostile mi
 CenteredClip (``robust.py``); after a CenteredClip round each sender checks other reducers' answers
 before it uses them (``verification.py``, ``reducer_checks.py``).
 
-The messages and what each side does with them are sans-I/O objects in ``allreduce_protocol.py``.
-Here a round is two small roles driven by trio (``round_roles.py``): ``ReducerRole`` (one
-shard's reduction, fed by a handler per sender stream) and ``SenderRole`` (one exchange per
-reducer), watched by the round's ``RoundLinks``; buffers come from a per-service pool under
-leases (``part_buffers.py``).
+The messages and what each side does with them are sans-I/O objects in ``allreduce_protocol.py``
+and ``reducer_shard.py``; what became of each shard and each sender, and the result, is the
+round's own table (``round_state.AllReduceRound``), its one writer. Here ``AllReduceService.run``
+only drives a round: it moves bytes and time for two small trio roles (``round_roles.py``),
+``ReducerRole`` (one shard's reduction, fed by a handler per sender stream) and ``SenderRole``
+(one exchange per reducer), watched by the round's ``RoundLinks``, and tells the round what
+happened. Whether the round is checked is its strategy (``reducer_checks.PlainRound`` or
+``CheckedRound``). Buffers come from a per-service pool under leases (``part_buffers.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,46 +210,29 @@ class AllReduceService:
             raise AllReduceError("this peer is not a member of the group")
         codec, aggregation = get_codec(settings.codec), Aggregation(settings.aggregation)
         strategy = self.checks.strategy(aggregation, settings.check_reducers)
-        total = sum(t.numel() for t in tensors)
-        plan = AllReducePlan.build(total, [m.bandwidth for m in group.reducers], settings.part_size)
-        try:  # refused (NaN) or cancelled before the round is announced: say at once we are out
-            flat = await in_thread(checked_flat, tensors) if member.mode.sends else None
-            prepared = await strategy.prepare(group, plan, flat, weight, codec)
-        except BaseException:
-            self._finish(group.group_id)
-            raise
-        # Checked here, with no await between it and the announcement below: a leader that reused a
-        # live group ID would have the two rounds take each other's parts.
-        if group.group_id in self._rounds:
-            raise AllReduceError("another round on this peer already uses this group ID")
-        round_ = AllReduceRound(group, plan, me, sends=flat is not None)
-        pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink else None
-        links = RoundLinks(self.host, [m.peer_id for m in group.members if m.peer_id != me], pacing, self._caps)
+        plan = AllReducePlan.build(
+            sum(t.numel() for t in tensors), [m.bandwidth for m in group.reducers], settings.part_size
+        )
         self._buffers.start_round()
         with self._buffers.lease() as received, self._buffers.lease() as lease:
-            reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy, prepared)
-            self._announce(group.group_id, reducer)
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(links.run)
-                    async with trio.open_nursery() as roles:
-                        if reducer is not None:
-                            local = flat[slice(*plan.shard_bounds(round_.my_shard))] if flat is not None else None
-                            roles.start_soon(reducer.reduce, me, local, weight, settings.sender_rules)
-                        if flat is not None:
-                            header = ReduceHeader(group.group_id, weight, total, prepared.wire_commitment)
-                            sender = SenderRole(
-                                self.host, flat, header, codec, links, round_.exchanges(), prepared.parts
-                            )
-                            for index in sender.shards:
-                                roles.start_soon(sender.exchange, index, round_, received, settings.reducer_rules)
-                    nursery.cancel_scope.cancel()  # (the links' watch)
-            finally:  # however the round ends: its links, its announcement and its handlers go
-                links.lift_pacing()
-                del self._rounds[group.group_id]  # ours: a second round with this ID was refused above
-                self._finish(group.group_id)
-                if reducer is not None:  # (if cancelled: free the handlers waiting for replies)
-                    reducer.cancel()
+            with self._taking_part(group.group_id) as announce:
+                flat = await in_thread(checked_flat, tensors) if member.mode.sends else None  # (refuses NaN)
+                prepared = await strategy.prepare(group, plan, flat, weight, codec)
+                round_ = AllReduceRound(group, plan, me, sends=flat is not None)
+                pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink else None
+                others = [m.peer_id for m in group.members if m.peer_id != me]
+                links = RoundLinks(self.host, others, pacing, self._caps)
+                reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy, prepared)
+                announce(reducer)  # (no await since the last: see ``_taking_part``)
+                async with links.watching(), trio.open_nursery() as roles:
+                    if reducer is not None:
+                        local = flat[slice(*plan.shard_bounds(round_.my_shard))] if flat is not None else None
+                        roles.start_soon(reducer.reduce, me, local, weight, settings.sender_rules)
+                    if flat is not None:
+                        header = ReduceHeader(group.group_id, weight, plan.total, prepared.wire_commitment)
+                        sender = SenderRole(self.host, flat, header, codec, links, round_.exchanges(), prepared.parts)
+                        for index in sender.shards:
+                            roles.start_soon(sender.exchange, index, round_, received, settings.reducer_rules)
             if reducer is not None:
                 await reducer.report(round_)
                 strategy.keep(group, reducer.shard, prepared)  # kept from now on
@@ -258,6 +245,31 @@ class AllReduceService:
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         return result
+
+    @contextlib.contextmanager
+    def _taking_part(self, group_id: bytes) -> Iterator[Callable[[ReducerRole | None], None]]:
+        """This peer's part in round ``group_id``, announced with what it yields once the round is
+        ready to serve: however the block ends (refused, failed, cancelled or done), what was
+        announced goes, handlers still waiting for our replies give up, and streams for the
+        round that arrive from then on are refused at once."""
+        announced: list[ReducerRole | None] = []
+
+        def announce(role: ReducerRole | None) -> None:
+            # Checked with no await between it and the announcement: a leader that reused a live
+            # group ID would have the two rounds take each other's parts.
+            if group_id in self._rounds:
+                raise AllReduceError("another round on this peer already uses this group ID")
+            self._announce(group_id, role)
+            announced.append(role)
+
+        try:
+            yield announce
+        finally:
+            if announced:
+                del self._rounds[group_id]  # ours: a second round with this ID was refused
+                if announced[0] is not None:
+                    announced[0].cancel()
+            self._finish(group_id)
 
     def _reducer_role(
         self,
