@@ -169,45 +169,6 @@ def test_a_sink_checks_sizes_and_forfeits_what_never_arrived(pool):
         assert lease.take(2).data_ptr() != np.frombuffer(lent_to_a_dead_stream, np.uint8).ctypes.data
 
 
-def test_a_reducer_replies_with_its_average_encoded_once(pool):
-    shard = reducer(pool, part_sizes=(2, 2), senders=(A,))
-    shard.add_local(A, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
-    shard.close("late", get_codec("none"))
-    assert shard.error is None
-    contributors = {"contributors": [A.to_bytes()]}
-    assert [body for body, _payload in shard.replies] == [
-        {**part_body(0, RAW), "all_in": True, **contributors},
-        {**part_body(1, RAW), "all_in": True},  # the same contributors: not named again
-    ]
-    assert bytes(shard.replies[1][1]) == raw([3.0, 4.0])
-    own = shard.own_average(get_codec("none"))
-    assert torch.equal(own, torch.tensor([1.0, 2.0, 3.0, 4.0]))
-
-
-def test_with_a_lossy_codec_the_reducer_keeps_what_the_senders_decode(pool):
-    shard = reducer(pool, part_sizes=(3,), senders=(A,))
-    shard.add_local(A, torch.tensor([0.1, 0.2, 0.3]), 1.0)
-    codec = get_codec("float16")
-    shard.close("late", codec)
-    body, payload = shard.replies[0]
-    assert torch.equal(shard.own_average(codec), codec.decode(body["meta"], payload, 3))
-
-
-def test_an_average_that_overflows_is_not_sent(pool):
-    shard = reducer(pool, part_sizes=(1, 1), senders=(A, B))
-    shard.add_local(A, torch.tensor([1.0, 3e38]), 1.0)
-    shard.add_local(B, torch.tensor([1.0, 3e38]), 1.0)  # the weighted sum overflows to inf
-    shard.close("late", get_codec("none"))
-    assert len(shard.replies) == 1 and "NaN or infinite" in str(shard.error)  # no more replies after
-
-
-def test_a_reducer_that_got_nothing_says_so(pool):
-    shard = reducer(pool, senders=(A, B))
-    outcome = shard.close("did not finish sending before the sender deadline", get_codec("none"))
-    assert outcome.averaged is None and shard.replies == [] and "no contribution" in str(shard.error)
-    assert set(outcome.dropped) == {A, B}
-
-
 def sender_inbox(lease, ranges=((10, 12), (12, 13)), senders=(A, B)):
     return AverageInbox(list(ranges), PartSink(lease, [end - start for start, end in ranges]), list(senders))
 
