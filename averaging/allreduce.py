@@ -53,7 +53,7 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
-from .reducer_checks import CheckedRound, PlainRound, Prepared, ReducerChecks
+from .reducer_checks import CheckedRound, PlainRound, ReducerChecks
 from .reducer_shard import ReducerShard
 from .robust import Aggregation
 from .round_links import ConnectionCaps, RoundLinks
@@ -222,8 +222,10 @@ class AllReduceService:
                 pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink else None
                 others = [m.peer_id for m in group.members if m.peer_id != me]
                 links = RoundLinks(self.host, others, pacing, self._caps)
-                reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy, prepared)
+                reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy)
                 announce(reducer)  # (no await since the last: see ``_taking_part``)
+                if reducer is not None:  # its inputs, for the checks, as they come
+                    strategy.keep(group, reducer.shard, prepared)
                 async with links.watching(), trio.open_nursery() as roles:
                     if reducer is not None:
                         local = flat[slice(*plan.shard_bounds(round_.my_shard))] if flat is not None else None
@@ -279,7 +281,6 @@ class AllReduceService:
         links: RoundLinks,
         aggregation: Aggregation,
         strategy: PlainRound | CheckedRound,
-        prepared: Prepared,
     ) -> ReducerRole | None:
         """Our reducer role in the round, or None if we reduce no shard."""
         if round_.my_shard is None:
@@ -292,7 +293,6 @@ class AllReduceService:
             workspace = lease.take(len(senders) * max(part_sizes))
         signing = strategy.shard_signing(round_.group, self.host.peer_id)
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace, signing)
-        strategy.keep(round_.group, shard, prepared)  # its inputs, for the checks, as they come
         return ReducerRole(shard, lease, round_.plan.total, codec, links)
 
 

@@ -10,7 +10,6 @@ import math
 import os
 import struct
 import threading
-from functools import partial
 
 import pytest
 import torch
@@ -503,33 +502,39 @@ async def test_fifty_rounds_in_a_row_do_not_grow_memory():
         nursery.cancel_scope.cancel()
 
 
-async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_gets_there_first():
+@pytest.mark.parametrize("aggregation", ["mean", "centered-clip"])
+async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_gets_there_first(aggregation):
     """A hostile leader announcing a live group ID again made the second round replace the first's
     reducer, and the first round's clean-up then raised KeyError out of state averaging. Two rounds
     started in the same tick (both still preparing their tensors when the other checks): one runs,
-    the other is refused, and nothing else goes wrong."""
+    the other is refused, and nothing else goes wrong: in a checked round the refused one leaves
+    the running one's kept inputs alone, so the other peer's check of it holds."""
+    settings = RoundSettings(sender_timeout=2.0, reducer_timeout=2.0, aggregation=aggregation)
     async with trio.open_nursery() as nursery:
         peers = await start_peers(nursery, 2)
         group = make_group(peers)
         outcomes: list[str] = []
+        results = {}
 
         async def on_peer_0(seed: int) -> None:
             try:
-                await peers[0].service.run(
-                    group, random_tensors(seed), settings=RoundSettings(sender_timeout=2.0, reducer_timeout=2.0)
-                )
+                await peers[0].service.run(group, random_tensors(seed), settings=settings)
                 outcomes.append("ran")
             except AllReduceError as error:
                 outcomes.append("refused" if "already uses this group ID" in str(error) else f"other: {error}")
 
+        async def on_peer_1() -> None:
+            results[1] = await peers[1].service.run(group, random_tensors(1), settings=settings)
+
         async with trio.open_nursery() as rounds:
             rounds.start_soon(on_peer_0, 0)
             rounds.start_soon(on_peer_0, 7)
-            rounds.start_soon(
-                partial(peers[1].service.run, group, random_tensors(1), settings=RoundSettings(sender_timeout=2.0))
-            )
+            rounds.start_soon(on_peer_1)
         assert sorted(outcomes) == ["ran", "refused"]
         assert peers[0].service.rounds_in_progress == 0
+        assert results[1].succeeded, results[1]
+        if aggregation == "centered-clip":
+            assert [verdict for _reducer, verdict in results[1].reducer_checks.values()] == [None]
         nursery.cancel_scope.cancel()
 
 
