@@ -53,7 +53,7 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
-from .reducer_checks import CheckedRound, PlainRound, ReducerChecks
+from .reducer_checks import ReducerChecks, RoundStrategy
 from .reducer_shard import ReducerShard
 from .robust import Aggregation
 from .round_links import ConnectionCaps, RoundLinks
@@ -280,7 +280,7 @@ class AllReduceService:
         lease: BufferLease,
         links: RoundLinks,
         aggregation: Aggregation,
-        strategy: PlainRound | CheckedRound,
+        strategy: RoundStrategy,
     ) -> ReducerRole | None:
         """Our reducer role in the round, or None if we reduce no shard."""
         if round_.my_shard is None:

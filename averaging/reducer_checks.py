@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -37,7 +37,16 @@ from .verification import (
     PartInputs,
 )
 
-__all__ = ["CheckedRound", "PendingCheck", "PlainRound", "Prepared", "ReducerChecks", "CHECK_SHARE", "CHECK_ALL_BELOW"]
+__all__ = [
+    "CheckedRound",
+    "PendingCheck",
+    "PlainRound",
+    "Prepared",
+    "ReducerChecks",
+    "RoundStrategy",
+    "CHECK_SHARE",
+    "CHECK_ALL_BELOW",
+]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -146,7 +155,7 @@ class ReducerChecks:
             shards.append((member.peer_id, digests))
         return commit(self.host.identity, group.group_id, float(weight), shards), encoded
 
-    def strategy(self, aggregation: Aggregation, check: bool | None = None) -> PlainRound | CheckedRound:
+    def strategy(self, aggregation: Aggregation, check: bool | None = None) -> RoundStrategy:
         """How a round with ``aggregation`` is checked: with CenteredClip by default (which the
         checks recompute), never with the mean. Like the aggregation this is the swarm's setting:
         a reducer that keeps no inputs fails a checking peer's checks."""
@@ -293,6 +302,21 @@ class Prepared:
         return None if self.commitment is None else self.commitment.to_wire()
 
 
+class RoundStrategy(Protocol):
+    """What a round does about reducer checks, at its four moments: before its first part goes
+    out (``prepare``), as its reducer's shard is made (``shard_signing``), once that shard is
+    announced and again as it ends (``keep``), and before the averages are written back
+    (``review``)."""
+
+    async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared: ...
+
+    def shard_signing(self, group: GroupInfo, me: PeerID) -> ShardSigning | None: ...
+
+    def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None: ...
+
+    async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None: ...
+
+
 class PlainRound:
     """A round nobody checks: nothing is committed to, kept, or checked."""
 
@@ -309,7 +333,7 @@ class PlainRound:
         pass
 
 
-class CheckedRound(PlainRound):
+class CheckedRound:
     """A round whose reducers are checked (``verification.py``): every part we send is committed
     to, our reducer takes only committed parts and keeps its inputs, and before we use the other
     reducers' averages we check some of them, and believe only those that hold."""

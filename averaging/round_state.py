@@ -153,8 +153,8 @@ class AllReduceRound:
 
     def received(self) -> list[tuple[int, torch.Tensor]]:
         """(flat offset, values) of every averaged part of other reducers' shards still believed."""
-        return [part for i, e in self.shards.items() if e.state is ShardState.AVERAGED and i != self.my_shard
-                for part in e.parts]  # fmt: skip
+        others = [e for i, e in self.shards.items() if e.state is ShardState.AVERAGED and i != self.my_shard]
+        return [part for entry in others for part in entry.parts]
 
     def part_contributors(self) -> dict[int, list[list[PeerID]]]:
         return {i: e.part_contributors for i, e in self.shards.items() if e.part_contributors is not None}
@@ -165,7 +165,9 @@ class AllReduceRound:
         return [part for e in self.shards.values() if e.state in believed for part in e.parts]
 
     # ------------------------------------------------------------------ events
-    def shard_averaged(self, index: int, part_contributors: list[list[PeerID]], parts: list[tuple[int, torch.Tensor]]):
+    def shard_averaged(
+        self, index: int, part_contributors: list[list[PeerID]], parts: list[tuple[int, torch.Tensor]]
+    ) -> None:
         """The whole of shard ``index``'s average arrived from its reducer, part by part with
         whose contributions each holds; a sender it left out of a part is dropped."""
         self._event("shard_averaged")
