@@ -49,11 +49,10 @@ import torch
 from peer import PeerID
 from peer.tensors import all_finite
 
-from .commitments import DIGEST_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
+from .commitments import DIGEST_BYTES, Commitment, SignedPart, part_digest
 from .compression import Codec, codec_of
 from .part_buffers import PartSink
-from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
-from .robust import Aggregation
+from .reduction import ContributionRejected, ShardReduction
 
 __all__ = [
     "REDUCE_METHOD",
@@ -62,7 +61,6 @@ __all__ = [
     "ContributionInbox",
     "IncomingPart",
     "ReduceHeader",
-    "ReducerShard",
     "CommittedSender",
     "parse_contributors",
     "part_body",
@@ -239,100 +237,6 @@ def parse_contributors(raw: Any, senders: list[PeerID]) -> list[PeerID]:
     if strangers:
         raise AllReduceError(f"reducer named {strangers[0]}, not a sender of this group, as a contributor")
     return contributors
-
-
-class ReducerShard:
-    """A reducer's side of one round: the shard's reduction, and its replies part by part, each
-    encoded once for all senders (codecs are deterministic) as soon as the part is averaged."""
-
-    def __init__(
-        self,
-        part_sizes: list[int],
-        senders: list[PeerID],
-        sum_buffer: torch.Tensor | None,
-        aggregation: Aggregation = Aggregation.MEAN,
-        workspace: torch.Tensor | None = None,
-    ):
-        self.reduction = ShardReduction(part_sizes, senders, sum_buffer, aggregation, workspace)
-        self.replies: list[tuple[dict[str, Any], Any]] = []  # (body, payload) of parts 0, 1, ...
-        self.error: ValueError | None = None  # a part could not be averaged or encoded: no more replies
-        # (group ID, this reducer): set when the senders commit to their parts (rounds that are checked)
-        self.signed_round: tuple[bytes, PeerID] | None = None
-        self.verified: VerifiedSignatures | None = None  # the peer's, shared with its checks
-
-    def inbox(self, sender: PeerID, sink: PartSink, header: ReduceHeader | None = None) -> ContributionInbox:
-        """A sender's inbox; in a checked round its header must carry its commitment, signed with
-        its peer ID's key, to exactly this shard's parts."""
-        signing = None
-        if self.signed_round is not None:
-            group_id, me = self.signed_round
-            try:
-                commitment = Commitment.from_wire(header.commitment if header is not None else None)
-            except ValueError as error:
-                raise ContributionRejected(f"a checked round needs the sender's commitment: {error}") from None
-            assert header is not None
-            digests = commitment.parts_of(me)
-            if digests is None or len(digests) != DIGEST_BYTES * self.reduction.num_parts:
-                raise ContributionRejected("the sender's commitment does not name this shard's parts")
-            weight = header.weight
-            if not (isinstance(weight, (int, float)) and commitment.verify(group_id, sender, weight, self.verified)):
-                raise ContributionRejected("the sender's commitment is not signed by it")
-            signing = CommittedSender(commitment, digests)
-        return ContributionInbox(self.reduction, sender, sink, signing)
-
-    @property
-    def finished(self) -> bool:
-        """Every part has its reply, or there will be no more."""
-        return self.error is not None or len(self.replies) == self.reduction.num_parts
-
-    def ready(self) -> int:
-        """How many replies could be made now (see ``ShardReduction.ready``)."""
-        return 0 if self.finished else self.reduction.ready()
-
-    def reply_next(self, codec: Codec) -> None:
-        """Average the next ready part and encode its reply (tensor work)."""
-        reduction = self.reduction
-        index = reduction.average_next()
-        averaged = reduction.part_average(index)
-        if averaged is None:
-            self.error = ValueError(f"part {index} of the shard got no contribution")
-            return
-        try:
-            meta, payload = codec.encode(averaged)  # checks finiteness: weighted values can overflow to inf
-        except ValueError as error:
-            self.error = error
-            return
-        body: dict[str, Any] = {"part": index, "meta": meta, "all_in": reduction.done}
-        contributors = reduction.part_contributors[index]
-        if index == 0 or contributors != reduction.part_contributors[index - 1]:
-            body["contributors"] = [p.to_bytes() for p in contributors]
-        self.replies.append((body, payload))
-
-    def close(self, reason: str, codec: Codec) -> ReductionOutcome:
-        """Drop whoever has not delivered everything (for ``reason``), reply with every part left
-        (tensor work), and take the outcome."""
-        self.reduction.drop_pending(reason)
-        while self.ready():
-            self.reply_next(codec)
-        return self.reduction.outcome()
-
-    def own_average(self, codec: Codec) -> torch.Tensor:
-        """Our shard as the senders decode it from the replies (tensor work for a lossy codec)."""
-        averaged = self.reduction.outcome().averaged
-        assert averaged is not None and self.error is None
-        if codec.encodes_as_view:  # the payloads are our values: others decode exactly these
-            return averaged
-        # Keep what the other peers will decode, not the unrounded average: replicas that differ
-        # by a rounding error each round would drift apart for good. (These are our own encodings
-        # of finite values, so decode_into's missing finiteness check is no loss here.)
-        own, offset = torch.empty(self.reduction.shard_size, dtype=torch.float32), 0
-        for (body, payload), size in zip(self.replies, self.reduction.part_sizes, strict=True):
-            piece = own[offset : offset + size]
-            values = codec_of(body["meta"]).decode_into(body["meta"], payload, piece)
-            if values is not piece:  # a codec that decodes into a tensor of its own
-                piece.copy_(values)
-            offset += size
-        return own
 
 
 class AverageInbox:

@@ -19,7 +19,7 @@ import trio
 
 from peer import PeerHost
 
-from .allreduce import AllReduceResult, AllReduceService
+from .allreduce import AllReduceResult, AllReduceService, RoundSettings
 from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
@@ -32,7 +32,7 @@ __all__ = [
     "FormedGroup",
     "GroupAverager",
     "MatchmakingError",
-    "RoundSettings",
+    "AveragerSettings",
     "RoundTiming",
     "tensor_schema",
 ]
@@ -74,7 +74,7 @@ class AveragingRound:
 
 
 @dataclass(frozen=True)
-class RoundSettings:
+class AveragerSettings:
     """How an averager forms its groups and runs their all-reduce (see ``GroupAverager``)."""
 
     target_group_size: int = 4
@@ -140,7 +140,7 @@ class GroupAverager:
         # reduction follows it; a number: declare that, always (0 reduces nothing).
         self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
         self.link_speed = BandwidthEstimate()
-        self.settings = RoundSettings(
+        self.settings = AveragerSettings(
             target_group_size=target_group_size,
             min_group_size=min_group_size,
             matchmaking_timeout=matchmaking_timeout,
@@ -240,10 +240,7 @@ class GroupAverager:
                 group = await self.find_group(round_number, timeout)
             self.round = group.round + 1
             formed = max(started, group.formed_at)
-            result = await self._service.run(
-                group.group,
-                self.tensors,
-                weight=weight,
+            round_settings = RoundSettings(
                 codec=settings.codec,
                 sender_timeout=settings.sender_timeout,
                 reducer_timeout=settings.reducer_timeout,
@@ -251,6 +248,7 @@ class GroupAverager:
                 aggregation=settings.aggregation,
                 uplink=settings.uplink,
             )
+            result = await self._service.run(group.group, self.tensors, weight=weight, settings=round_settings)
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:

@@ -1,13 +1,18 @@
 """The trio side of reducer checks (``verification.py``): the sender picks a part before its
 round writes the averages back, asks the reducer once the round is over, and bans a liar; the
-reducer keeps its inputs and answers."""
+reducer keeps its inputs and answers.
+
+Whether a round is checked is its strategy, chosen once as it starts (``ReducerChecks.strategy``):
+a ``PlainRound`` does nothing of this; a ``CheckedRound`` commits to every part it sends before
+the first goes out, has its reducer take only committed parts and keep its inputs, and checks the
+other reducers before their averages are written back."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -18,8 +23,10 @@ from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, par
 from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
 from .partition import AllReducePlan
-from .reduction import ShardReduction
+from .reducer_shard import ReducerShard, ShardSigning
+from .robust import Aggregation
 from .round_roles import in_thread
+from .round_state import AllReduceRound
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
@@ -30,7 +37,16 @@ from .verification import (
     PartInputs,
 )
 
-__all__ = ["PendingCheck", "ReducerChecks", "CHECK_SHARE", "CHECK_ALL_BELOW"]
+__all__ = [
+    "CheckedRound",
+    "PendingCheck",
+    "PlainRound",
+    "Prepared",
+    "ReducerChecks",
+    "RoundStrategy",
+    "CHECK_SHARE",
+    "CHECK_ALL_BELOW",
+]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -102,9 +118,10 @@ class ReducerChecks:
     """One host's checks: the inputs its reductions keep, the checks its rounds make, and the
     peers it caught (``banned``; matchmaking leaves them out)."""
 
-    def __init__(self, host: PeerHost, router: Router):
+    def __init__(self, host: PeerHost, router: Router, kept: KeptInputs | None = None):
+        """``kept``: where this host's reductions keep their inputs (tests substitute hostile ones)."""
         self.host = host
-        self.kept = KeptInputs()
+        self.kept = kept if kept is not None else KeptInputs()
         self.banned = BanList()
         self.caught = 0  # reducers this peer has caught lying
         self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
@@ -138,8 +155,15 @@ class ReducerChecks:
             shards.append((member.peer_id, digests))
         return commit(self.host.identity, group.group_id, float(weight), shards), encoded
 
-    def keep(self, group: GroupInfo, reduction: ShardReduction, commitment: Commitment | None = None) -> None:
-        """Keep what ``reduction`` aggregates, part by part, for the senders' checks (call as the
+    def strategy(self, aggregation: Aggregation, check: bool | None = None) -> RoundStrategy:
+        """How a round with ``aggregation`` is checked: with CenteredClip by default (which the
+        checks recompute), never with the mean. Like the aggregation this is the swarm's setting:
+        a reducer that keeps no inputs fails a checking peer's checks."""
+        robust = aggregation is Aggregation.CENTERED_CLIP
+        return CheckedRound(self) if robust and check is not False else PlainRound()
+
+    def keep(self, group: GroupInfo, shard: ReducerShard, commitment: Commitment | None = None) -> None:
+        """Keep what ``shard`` aggregates, part by part, for the senders' checks (call as the
         round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then); ``commitment``:
         ours, to our own contribution."""
 
@@ -147,21 +171,18 @@ class ReducerChecks:
         plain = get_codec("none")
 
         def inputs(index: int) -> PartInputs | None:
-            if index >= min(len(reduction.kept_inputs), len(reduction.part_taus)):
+            kept = shard.inputs_of(index)
+            if kept is None or not kept.senders:
                 return None
-            senders, weights, values, start, signed = reduction.kept_inputs[index]
-            if not senders:
-                return None
-            signed = list(signed)
-            for row, sender in enumerate(senders):
+            signed = list(kept.signed)
+            for row, sender in enumerate(kept.senders):
                 if signed[row] is None and sender == identity.peer_id and commitment is not None:
-                    signed[row] = SignedPart(commitment, plain.encode_finite(values[row])[0], None)  # as float32
-            tau = reduction.part_taus[index]
-            return PartInputs(list(senders), weights, values, tau, reduction.aggregation, start, signed)
+                    signed[row] = SignedPart(commitment, plain.encode_finite(kept.values[row])[0], None)  # as float32
+            senders = list(kept.senders)
+            return PartInputs(senders, kept.weights, kept.values, kept.tau, kept.aggregation, kept.start, signed)
 
         senders = [m.peer_id for m in group.senders]
-        values = len(senders) * reduction.shard_size
-        self.kept.keep(group.group_id, senders, inputs, trio.current_time(), values)
+        self.kept.keep(group.group_id, senders, inputs, trio.current_time(), shard.kept_values)
 
     def pick(
         self,
@@ -265,3 +286,78 @@ class ReducerChecks:
             self.banned.ban(reducer.peer_id, verdict, seconds)
             log.warning("reducer %s left out of our groups for %g s: %s", reducer.peer_id, seconds, verdict)
         return verdict
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a round prepares before its first part goes out: in a checked round, our commitment
+    to our parts and the parts, encoded, by (reducer, part index)."""
+
+    commitment: Commitment | None = None
+    parts: dict[tuple[PeerID, int], tuple[Any, Any]] | None = None
+
+    @property
+    def wire_commitment(self) -> Any:
+        """The commitment as the stream headers carry it (None: no commitment)."""
+        return None if self.commitment is None else self.commitment.to_wire()
+
+
+class RoundStrategy(Protocol):
+    """What a round does about reducer checks, at its four moments: before its first part goes
+    out (``prepare``), as its reducer's shard is made (``shard_signing``), once that shard is
+    announced and again as it ends (``keep``), and before the averages are written back
+    (``review``)."""
+
+    async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared: ...
+
+    def shard_signing(self, group: GroupInfo, me: PeerID) -> ShardSigning | None: ...
+
+    def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None: ...
+
+    async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None: ...
+
+
+class PlainRound:
+    """A round nobody checks: nothing is committed to, kept, or checked."""
+
+    async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared:
+        return Prepared()
+
+    def shard_signing(self, group: GroupInfo, me: PeerID) -> ShardSigning | None:
+        return None
+
+    def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None:
+        pass
+
+    async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None:
+        pass
+
+
+class CheckedRound:
+    """A round whose reducers are checked (``verification.py``): every part we send is committed
+    to, our reducer takes only committed parts and keeps its inputs, and before we use the other
+    reducers' averages we check some of them, and believe only those that hold."""
+
+    def __init__(self, checks: ReducerChecks):
+        self.checks = checks
+
+    async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared:
+        if flat is None:  # we send nothing: nothing to commit to
+            return Prepared()
+        return Prepared(*await in_thread(self.checks.commit, group, plan, flat, weight, codec))
+
+    def shard_signing(self, group: GroupInfo, me: PeerID) -> ShardSigning | None:
+        return ShardSigning(group.group_id, me, self.checks.verified)
+
+    def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None:
+        self.checks.keep(group, shard, prepared.commitment)
+
+    async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None:
+        """Check the other reducers whose averages we received (before they are written back into
+        ``flat``), and tell the round each verdict."""
+        if flat is None:
+            return
+        received, contributors = round_.received(), round_.part_contributors()
+        pending = self.checks.pick(round_.group, round_.plan, flat, weight, received, contributors, codec)
+        for index, (reducer, verdict) in (await self.checks.run_all(pending)).items():
+            round_.checked(index, reducer, verdict)

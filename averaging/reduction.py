@@ -63,19 +63,24 @@ class ShardReduction:
         sum_buffer: torch.Tensor | None = None,
         aggregation: Aggregation = Aggregation.MEAN,
         workspace: torch.Tensor | None = None,
+        *,
+        keep_inputs: bool = False,
     ):
         """``sum_buffer``: float32 storage for the averages of the shard's parts, e.g. reused from
         an earlier round; a fresh one is allocated if it is None. ``workspace``: float32 scratch for
-        CenteredClip, ``len(senders) * max(part_sizes)`` values (else allocated per part)."""
+        CenteredClip, ``len(senders) * max(part_sizes)`` values (else allocated per part).
+        ``keep_inputs``: keep each part's inputs after it is aggregated (``kept_inputs``), for the
+        senders' checks (``verification.py``)."""
         self.part_sizes = list(part_sizes)
         self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
-        self.shard_size = sum(self.part_sizes)
         self.expected = list(senders)
         if sum_buffer is not None and (sum_buffer.dtype != torch.float32 or sum_buffer.numel() != self.shard_size):
             raise ValueError(f"the sum buffer must hold {self.shard_size} float32 values")
         self._sum = sum_buffer
         self._weights: dict[Hashable, float] = {}
-        self._staged: list[dict[Hashable, torch.Tensor]] = [{} for _ in self.part_sizes]  # parts not averaged
+        # parts not averaged yet: per part, sender -> (its values, its part as sent with its
+        # commitment: ``signed`` of ``add_part``, kept only if the inputs are)
+        self._staged: list[dict[Hashable, tuple[torch.Tensor, Any]]] = [{} for _ in self.part_sizes]
         self._delivered: dict[Hashable, set[int]] = {}
         self.dropped: dict[Hashable, str] = {}
         # per averaged part (in order): who is in its average, and their total weight
@@ -86,14 +91,21 @@ class ShardReduction:
         self.workspace = workspace
         self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
-        # Set to keep each part's inputs after it is aggregated (for the senders' checks,
-        # ``verification.py``): per part, the senders with positive weight, their claimed weights,
-        # a copy of their values (one row each), and the row CenteredClip started from (None:
-        # the coordinate-wise median), and per sender its part as sent with its commitment
-        # (``signed`` of ``add_part``; None for our own contribution and in rounds nobody checks).
-        self.keep_inputs = False
-        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None, list[Any]]] = []
-        self._signed: list[dict[Hashable, Any]] = [{} for _ in self.part_sizes]  # of parts not averaged
+        # With ``keep_inputs``, per aggregated part: the senders with positive weight, their
+        # claimed weights, a copy of their values (one row each), the row CenteredClip started
+        # from (None: the coordinate-wise median), and per sender its part as sent with its
+        # commitment (None for our own contribution). None: nothing is kept.
+        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None, list[Any]]] | None = (
+            [] if keep_inputs else None
+        )
+
+    @property
+    def shard_size(self) -> int:
+        return sum(self.part_sizes)
+
+    @property
+    def keep_inputs(self) -> bool:
+        return self.kept_inputs is not None
 
     @property
     def num_parts(self) -> int:
@@ -147,9 +159,7 @@ class ShardReduction:
         if not all_finite(values):
             raise ContributionRejected(f"part {part_index} contains NaN or infinite values")
         delivered.add(part_index)  # (a part is averaged only once every live sender delivered it)
-        self._staged[part_index][sender] = values
-        if signed is not None and self.keep_inputs:
-            self._signed[part_index][sender] = signed
+        self._staged[part_index][sender] = (values, signed if self.keep_inputs else None)
 
     def add_local(self, sender: Hashable, values: torch.Tensor, weight: float) -> None:
         """A reducer's own contribution: the whole shard at once. The caller has checked ``values``
@@ -160,7 +170,7 @@ class ShardReduction:
             raise ContributionRejected("local shard has the wrong size")
         flat = values.reshape(-1).to(torch.float32)
         for index, (offset, size) in enumerate(zip(self.part_offsets, self.part_sizes, strict=True)):
-            self._staged[index][sender] = flat[offset : offset + size]
+            self._staged[index][sender] = (flat[offset : offset + size], None)
         self._delivered[sender] = set(range(self.num_parts))
 
     def finish_sender(self, sender: Hashable) -> None:
@@ -183,8 +193,6 @@ class ShardReduction:
         self.dropped[sender] = reason
         for staged in self._staged[self.averaged_parts :]:
             staged.pop(sender, None)
-        for signed in self._signed[self.averaged_parts :]:
-            signed.pop(sender, None)
 
     def drop_pending(self, reason: str) -> None:
         for sender in self.pending:
@@ -220,13 +228,13 @@ class ShardReduction:
             offset = self.part_offsets[index]
             out = self._sum[offset : offset + self.part_sizes[index]]
             if self.aggregation is Aggregation.CENTERED_CLIP:
-                center = staged[self.own] if self.own in positive else None
-                parts = [staged[s] for s in positive]
+                center = staged[self.own][0] if self.own in positive else None
+                parts = [staged[s][0] for s in positive]
                 tau, moved_to = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
-                if self.keep_inputs:
+                if self.kept_inputs is not None:
                     start = moved_to if moved_to is not None or center is None else positive.index(self.own)
                     raw = [self._weights[s] for s in positive]
-                    signed = [self._signed[index].get(s) for s in positive]
+                    signed = [staged[s][1] for s in positive]
                     self.kept_inputs.append((positive, raw, torch.stack(parts), start, signed))
             else:
                 scaled, divisor = weights, total
@@ -234,16 +242,15 @@ class ShardReduction:
                     largest = max(weights)
                     scaled = [w / largest for w in weights]
                     divisor = math.fsum(scaled)
-                (first, *rest), (weight, *rest_weights) = [staged[s] for s in positive], scaled
+                (first, *rest), (weight, *rest_weights) = [staged[s][0] for s in positive], scaled
                 torch.mul(first, weight, out=out)  # the first contribution writes every value: no zeroing
                 for values, w in zip(rest, rest_weights, strict=True):
                     out.add_(values, alpha=w)
                 out.div_(divisor)
-        if self.keep_inputs and not positive:
+        if self.kept_inputs is not None and not positive:
             self.kept_inputs.append((positive, [], torch.empty(0), None, []))
         self.part_taus.append(tau)
         staged.clear()
-        self._signed[index].clear()
         self.part_contributors.append(contributors)
         self.part_weights.append(total)
         return index

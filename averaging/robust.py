@@ -162,15 +162,11 @@ def centered_clip(
     # parts of small models, tensor calls on 8 numbers would cost more than the parts themselves.
     dist = [float(d) for d in norms.double().tolist()]
     squares = [d * d for d in dist]
-    if trusted and choose_start and n > 2:
-        step = -(-numel // RADII_SAMPLE)  # (the sample ``start_radii`` would take, without stacking the rest)
-        radii = start_radii(torch.stack([part[::step] for part in parts]), center[::step])
-        typical = sorted(radii)[(n - 1) // 2]
-        if sorted(dist)[n // 2] > START_SLACK * typical:  # our own contribution is far out
-            moved_to = min(range(n), key=radii.__getitem__)
-            start = parts[moved_to]
-            tau, _ = centered_clip(parts, weights, out, center=start, tau=tau, workspace=workspace, choose_start=False)
-            return tau, moved_to
+    moved_to = _start_instead(parts, center, dist) if trusted and choose_start and n > 2 else None
+    if moved_to is not None:  # our own contribution is far out: start from the closest-knit one
+        start = parts[moved_to]
+        tau, _ = centered_clip(parts, weights, out, center=start, tau=tau, workspace=workspace, choose_start=False)
+        return tau, moved_to
     if tau is None:
         tau = sorted(dist)[n // 2]
     total = math.fsum(weights)
@@ -198,6 +194,18 @@ def centered_clip(
     else:
         torch.add(v, center, out=out)
     return tau, None
+
+
+def _start_instead(parts: list[torch.Tensor], center: torch.Tensor, dist: list[float]) -> int | None:
+    """The part to start from if ``center`` (our trusted contribution, ``dist`` away from each
+    part) lies far out among them, by the radii of a sample of coordinates (see "Start"); else None."""
+    n, numel = len(parts), parts[0].numel()
+    step = -(-numel // RADII_SAMPLE)  # (the sample ``start_radii`` would take, without stacking the rest)
+    radii = start_radii(torch.stack([part[::step] for part in parts]), center[::step])
+    typical = sorted(radii)[(n - 1) // 2]
+    if sorted(dist)[n // 2] > START_SLACK * typical:
+        return min(range(n), key=radii.__getitem__)
+    return None
 
 
 # Parts of at most this many values, over all contributions, iterate on their Gram matrix

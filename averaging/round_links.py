@@ -9,8 +9,9 @@ a connection to it died or was refused, so nothing more will come from it.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
@@ -110,6 +111,18 @@ class RoundLinks:
             what = self._carries.setdefault(id(link), set())
             what.add(carries)
             self.caps.hold(self, link, sum(self.pacing.get((peer, kind), 0.0) for kind in what))
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        """Watch the round's links (``run``) while the block runs, and lift the round's pacing
+        however it ends."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.run)
+                yield
+                nursery.cancel_scope.cancel()
+        finally:
+            self.lift_pacing()
 
     def lift_pacing(self) -> None:
         """The round is over: its caps go (a connection another round still paces keeps that

@@ -9,6 +9,7 @@ later, and one whose connection dies or is refused is dropped at once.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import trio
+from trio.lowlevel import ParkingLot
 
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
 
@@ -25,19 +27,19 @@ from .allreduce_protocol import (
     AverageInbox,
     ContributionInbox,
     ReduceHeader,
-    ReducerShard,
     part_body,
 )
 from .compression import Codec
-from .group import GroupInfo, GroupMember
+from .group import GroupMember
 from .link_speed import DeadlineRules, ProgressDeadline
 from .part_buffers import BufferLease, PartSink
-from .partition import AllReducePlan
+from .reducer_shard import ReducerShard
 from .reduction import ContributionRejected
 from .round_links import RoundLinks
+from .round_state import AllReduceRound
 from .uplink import AVERAGES, PARTS
 
-__all__ = ["INLINE_WORK_LIMIT", "ReducerRole", "SenderRole", "in_thread", "tensor_work_limiter"]
+__all__ = ["INLINE_WORK_LIMIT", "ReducerRole", "RoleState", "SenderRole", "in_thread", "tensor_work_limiter"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -90,6 +92,15 @@ async def _alongside(side: Callable[[], Awaitable[None]], main: Callable[[], Awa
         raise failures[0]
 
 
+class RoleState(enum.Enum):
+    """A reducer role's lifecycle: REDUCING -> CLOSED (every reply made, or none will be any
+    more) or REDUCING -> CANCELLED (the round ended before its replies were all made)."""
+
+    REDUCING = "reducing"
+    CLOSED = "closed"
+    CANCELLED = "cancelled"
+
+
 class ReducerRole:
     """This peer as the reducer of one shard in one round: the shard's reduction, fed by one
     handler per sender stream and by the round itself (our own values), and its replies, part by
@@ -104,43 +115,38 @@ class ReducerRole:
         self.total = total
         self.codec = codec
         self.links = links
+        self.state = RoleState.REDUCING
         self.lock = trio.Lock()  # one ShardReduction call at a time (several run in worker threads)
-        self.closed = False  # the reduction is over: every reply made, or none will be any more
-        self.cancelled = False  # the round was cancelled before the replies were all made
-        self._arrived = trio.Event()  # set (and replaced) when a part is staged or a sender dropped
-        self._published = trio.Event()  # set (and replaced) when a reply is added or the role closes
-        self._receiving: dict[Any, trio.CancelScope] = {}  # sender -> its stream's receive loop
+        self._arrivals = ParkingLot()  # the reduction waits here for a part staged or a sender dropped
+        self._replies = ParkingLot()  # handlers wait here for a reply made or the role's end
+        self._streams: dict[Any, trio.CancelScope] = {}  # sender -> its stream's receive loop
 
     async def reduce(self, me: PeerID, local: torch.Tensor | None, weight: float, rules: DeadlineRules) -> None:
         """Add our own slice, then average and encode each part as soon as every sender still in
         the round has delivered it, waiting for the senders while their bytes keep coming (see
         the module docstring)."""
-        shard, reduction = self.shard, self.shard.reduction
+        shard = self.shard
         if local is not None:
             async with self.lock:
-                reduction.add_local(me, local, weight)  # staged as views: no tensor work yet
+                shard.add_local(me, local, weight)  # staged as views: no tensor work yet
         # A sender streams its whole vector to all reducers at once, so what it could owe us at
         # the floor rate is the whole vector's bytes (uncompressed float32: an upper bound).
         now, owed = trio.current_time(), 4 * self.total
         watches = [
             self.links.watch(sender, ProgressDeadline(rules, owed, now), self._give_up_on(sender), incoming=True)
-            for sender in reduction.pending
+            for sender in shard.pending
         ]
-        # averaging one part: a pass over each contribution, then one to encode it
-        work = (len(reduction.expected) + 1) * max(reduction.part_sizes, default=0)
         try:
-            while not shard.finished and reduction.pending:  # every watch ends by its cap at the latest
-                arrived = self._arrived
-                await self._reply_ready(work)
-                if not shard.finished and reduction.pending:
-                    await arrived.wait()
+            while not shard.finished and shard.pending:  # every watch ends by its cap at the latest
+                await self._reply_ready(shard.work_per_part)
+                if not shard.finished and shard.pending and not shard.ready():  # (no await since)
+                    await self._arrivals.park()
         finally:
             for watch in watches:
                 self.links.unwatch(watch)
         async with self.lock:
             await in_thread(shard.close, "did not finish sending", self.codec)
-        self.closed = True
-        self._publish()
+        self._end(RoleState.CLOSED)
 
     async def _reply_ready(self, work: int) -> None:
         """Make the reply of every part that is ready now."""
@@ -149,28 +155,37 @@ class ReducerRole:
                 if not self.shard.ready():
                     return
                 await _small_inline(work, self.shard.reply_next, self.codec)
-            self._publish()
+            self._replies.unpark_all()
 
     def cancel(self) -> None:
         """The round ends before its replies were all made: handlers waiting for them give up."""
-        if not self.closed:
-            self.cancelled = self.closed = True
-            self._publish()
+        self._end(RoleState.CANCELLED)
 
-    def _publish(self) -> None:
-        self._published.set()
-        self._published = trio.Event()
+    def _end(self, state: RoleState) -> None:
+        if self.state is RoleState.REDUCING:
+            self.state = state
+            self._replies.unpark_all()
+
+    async def report(self, round_: AllReduceRound) -> None:
+        """Tell the round how our shard's reduction went (once the role is closed), with its
+        average as the senders decode it if we have values to write it into."""
+        shard = self.shard
+        outcome = shard.outcome()
+        error = None if shard.error is None else str(shard.error)
+        average = None
+        if round_.sends and error is None and outcome.averaged is not None:
+            average = await in_thread(shard.own_average, self.codec)
+        round_.own_shard_reduced(outcome, error, average)
 
     def _note_arrival(self) -> None:
-        self._arrived.set()
-        self._arrived = trio.Event()
+        self._arrivals.unpark_all()
 
     def _give_up_on(self, sender: PeerID):
         async def give_up(reason: str) -> None:
-            if sender in self.shard.reduction.pending:
+            if sender in self.shard.pending:
                 log.info("dropping sender %s: %s", sender, reason)
                 await self._drop(sender, reason)
-                scope = self._receiving.get(sender)
+                scope = self._streams.get(sender)
                 if scope is not None:
                     scope.cancel()
 
@@ -181,10 +196,9 @@ class ReducerRole:
         time the replies, each as soon as it is made."""
         sender = stream.peer
         self.links.add(sender, stream.link, carries=AVERAGES)
-        reduction = self.shard.reduction
         try:
             async with self.lock:
-                reduction.set_weight(sender, header.weight)
+                self.shard.set_weight(sender, header.weight)
             inbox = self.shard.inbox(sender, sink, header)
         except ContributionRejected as error:
             await self._drop(sender, str(error))
@@ -193,36 +207,34 @@ class ReducerRole:
         await _alongside(partial(self._receive, inbox, stream), partial(self._send_replies, stream))
 
     async def _send_replies(self, stream) -> None:
-        replies, sent = self.shard.replies, 0
+        shard, sent = self.shard, 0
         while True:
-            published = self._published
-            while sent < len(replies):
-                body, payload = replies[sent]
+            while sent < len(shard.replies):
+                body, payload = shard.replies[sent]
                 await stream.send(body, payload)
                 sent += 1
-            if self.shard.error is not None:
-                raise self.shard.error
-            if sent == self.shard.reduction.num_parts:
+            if shard.error is not None:
+                raise shard.error
+            if sent == shard.num_parts:
                 return
-            if self.cancelled:
+            if self.state is RoleState.CANCELLED:
                 raise AllReduceError("the all-reduce was cancelled on this peer")
-            await published.wait()
+            await self._replies.park()  # (no await since the checks: no reply can slip by)
 
     async def _receive(self, inbox: ContributionInbox, stream) -> None:
         # The sink's lease holds this sender's staged parts: they go back to the pool once their
         # parts are averaged (the replies are sent from the sum, not from them), so the averages
         # this peer receives next can reuse them. Any the reduction may still read when the loop
         # ends otherwise (the round was cancelled) are forfeited, never handed out again.
-        reduction = self.shard.reduction
+        shard = self.shard
         with inbox.sink.lease, inbox.sink, trio.CancelScope() as scope:
-            self._receiving[inbox.sender] = scope
+            self._streams[inbox.sender] = scope
             try:
                 await self._receive_parts(inbox, stream)
-                while reduction.holds(inbox.sender) and not self.closed:
-                    published = self._published
-                    await published.wait()
+                while shard.holds(inbox.sender) and self.state is RoleState.REDUCING:
+                    await self._replies.park()
             finally:
-                if inbox.sender in reduction.pending:  # cancelled: the round moved on
+                if inbox.sender in shard.pending:  # cancelled: the round moved on
                     with trio.CancelScope(shield=True):
                         await self._drop(inbox.sender, "the sender abandoned the stream")
                 for buffer in inbox.unaveraged_buffers():
@@ -260,9 +272,9 @@ class ReducerRole:
 
     async def _drop(self, sender: PeerID, reason: str) -> None:
         async with self.lock:
-            self.shard.reduction.drop(sender, reason)
+            self.shard.drop(sender, reason)
         self._note_arrival()
-        self._publish()  # (its receive loop may be waiting for its staged parts to go)
+        self._replies.unpark_all()  # (its receive loop may be waiting for its staged parts to go)
 
 
 # How many parts ahead of its slowest stream a sender's stream to one reducer may get.
@@ -316,45 +328,33 @@ class PartPacer:
 
 
 class SenderRole:
-    """This peer as a sender in one round: its values go to every reducer, and each reducer's
-    average comes back into buffers leased for the round (``received``)."""
+    """This peer as a sender in one round: its values go to every reducer of ``shards``, and each
+    reducer's average comes back into buffers leased for the round (``received``); the round
+    (``AllReduceRound``) learns of each exchange's end. ``prepared``: a checked round's parts,
+    encoded before it and committed to (``commitments.py``), by (reducer, part index)."""
 
     def __init__(
         self,
         host: PeerHost,
-        plan: AllReducePlan,
         flat: torch.Tensor,
         header: ReduceHeader,
         codec: Codec,
         links: RoundLinks,
+        shards: list[int],
+        prepared: dict[tuple[PeerID, int], tuple[Any, Any]] | None = None,
     ):
         self.host = host
-        self.plan = plan
         self.flat = flat
         self.header = header
         self.codec = codec
         self.links = links
-        # (flat offset, averaged values) of every shard that was averaged: written into the
-        # caller's tensors only when the round is over, so a cancelled round leaves them untouched
-        self.averaged: list[tuple[int, torch.Tensor]] = []
+        self.shards = shards
+        self.prepared = prepared
         self.pacer = PartPacer()
-        # a checked round's parts, encoded before it and committed to (``commitments.py``):
-        # (reducer, part index) -> (meta, payload)
-        self.prepared: dict[tuple[PeerID, int], tuple[Any, Any]] | None = None
+        for index in shards:  # every stream is paced from the start, before any exchange runs
+            self.pacer.join(index)
 
-    def will_exchange(self, index: int) -> None:
-        """Called for every shard this peer will send, before any exchange starts."""
-        self.pacer.join(index)
-
-    async def exchange(
-        self,
-        index: int,
-        reducer: GroupMember,
-        group: GroupInfo,
-        result: Any,
-        received: BufferLease,
-        rules: DeadlineRules,
-    ) -> None:
+    async def exchange(self, index: int, round_: AllReduceRound, received: BufferLease, rules: DeadlineRules) -> None:
         """Send shard ``index`` of our values to its reducer and take back the average.
 
         The reducer must keep taking our parts, and answers part by part while they come; once
@@ -363,11 +363,12 @@ class SenderRole:
         contribution is in, it must keep sending. The averaged parts count only once the whole
         shard has arrived and been checked: a reducer that fails half-way leaves the shard wholly
         local."""
+        reducer = round_.group.reducers[index]
         assert reducer.address is not None
-        parts = self.plan.parts(index)
-        senders = [member.peer_id for member in group.senders]
+        parts = round_.plan.parts(index)
+        senders = [member.peer_id for member in round_.group.senders]
         # owed: the other senders' vectors (what the reducer may wait for) and its answers to all
-        progress = ProgressDeadline(rules, 3 * 4 * self.plan.total, trio.current_time())
+        progress = ProgressDeadline(rules, 3 * 4 * round_.plan.total, trio.current_time())
         gave_up: list[str] = []
         try:
             with trio.CancelScope() as scope, PartSink(received, [end - start for start, end in parts]) as sink:
@@ -384,18 +385,15 @@ class SenderRole:
                     self.pacer.leave(index)
             if scope.cancelled_caught:
                 raise trio.TooSlowError(gave_up[0] if gave_up else "timed out")
-            self.averaged.extend(inbox.averaged())
-            result.contributors[index] = inbox.contributors
-            result.part_contributors[index] = inbox.part_contributors
-            me = self.host.peer_id  # a reducer may leave us out; we are never among our own failed peers
-            result.failed_peers.update(p for p in senders if p not in inbox.contributors and p != me)
+            averaged = inbox.averaged()
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
             if isinstance(error, (ConnectError, ConnectionLost)):
                 self.links.lost(reducer.peer_id, f"connection lost: {error}")
             reason = f"gave up: {error}" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
             log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
-            result.local_shards[index] = reason
-            result.failed_peers.add(reducer.peer_id)
+            round_.shard_failed(index, reason)
+        else:
+            round_.shard_averaged(index, inbox.part_contributors, averaged)
 
     async def _exchange(
         self, index: int, reducer: GroupMember, inbox: AverageInbox, progress: ProgressDeadline

@@ -263,6 +263,10 @@ class KeptInputs:
             raise ValueError("no such part aggregated")
         return found
 
+    def __len__(self) -> int:
+        """How many rounds' inputs are kept (expired ones until the next call that expires them)."""
+        return len(self._rounds)
+
     def _expire(self, now: float) -> None:
         for group_id in [g for g, (expires, *_rest) in self._rounds.items() if expires <= now]:
             del self._rounds[group_id]

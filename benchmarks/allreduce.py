@@ -66,6 +66,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from averaging.allreduce import RoundSettings  # noqa: E402
 from averaging.averager import GroupAverager, all_reduce_service  # noqa: E402
 from averaging.group import GroupInfo  # noqa: E402
 from averaging.partition import DEFAULT_PART_SIZE  # noqa: E402
@@ -168,15 +169,14 @@ async def _worker_rounds(config: WorkerConfig) -> dict[str, Any]:
             await barrier()
             usage = Usage.now()
             start = time.perf_counter()
-            result = await service.run(
-                GroupInfo(group_id_for(repetition), group.members),
-                [ours],
+            settings = RoundSettings(
                 sender_timeout=SENDER_TIMEOUT,
                 reducer_timeout=REDUCER_TIMEOUT,
                 part_size=config.part_size,
                 aggregation=config.aggregation,
                 check_reducers=config.check_reducers and config.aggregation == "centered-clip",
             )
+            result = await service.run(GroupInfo(group_id_for(repetition), group.members), [ours], settings=settings)
             seconds = time.perf_counter() - start
             await barrier()  # usage counts until every peer is done (serving others included)
             usage = Usage.now() - usage

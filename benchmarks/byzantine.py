@@ -50,7 +50,7 @@ import trio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from averaging.allreduce import AllReduceService  # noqa: E402
+from averaging.allreduce import AllReduceService, RoundSettings  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from peer import Identity, open_peer_host  # noqa: E402
 from peerd.tasks import ShardSpec, digits_task  # noqa: E402
@@ -144,15 +144,13 @@ async def run_swarm(count: int, attackers: int, epochs: int, aggregation: str, c
 
             async def one(p: SwarmPeer, group: GroupInfo, vector: torch.Tensor) -> None:
                 weight = HOSTILE_WEIGHT if p.attack else 1.0
-                await p.service.run(
-                    group,
-                    [vector],
-                    weight=weight,
+                settings = RoundSettings(
                     aggregation=aggregation,
                     check_reducers=checks and aggregation == "centered-clip",
                     sender_timeout=SENDER_TIMEOUT,
                     reducer_timeout=REDUCER_TIMEOUT,
                 )
+                await p.service.run(group, [vector], weight=weight, settings=settings)
 
             async with trio.open_nursery() as round_nursery:
                 for p in members:

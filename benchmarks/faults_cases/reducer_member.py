@@ -20,7 +20,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from averaging.allreduce import AllReduceService  # noqa: E402
+from averaging.allreduce import AllReduceService, RoundSettings  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from averaging.partition import DEFAULT_PART_SIZE  # noqa: E402
 from peer import Identity, PeerAddress, open_peer_host  # noqa: E402
@@ -63,13 +63,13 @@ async def main(args: argparse.Namespace) -> None:
             outcome: dict = {"index": args.index, "ok": False}
             started = time.monotonic()
             try:
-                result = await service.run(
-                    group,
-                    [t.clone() for t in tensors],
-                    weight=WEIGHTS[args.index],
+                settings = RoundSettings(
                     sender_timeout=args.sender_timeout,
                     reducer_timeout=args.reducer_timeout,
                     part_size=DEFAULT_PART_SIZE,
+                )
+                result = await service.run(
+                    group, [t.clone() for t in tensors], weight=WEIGHTS[args.index], settings=settings
                 )
                 outcome.update(ok=True, failed=sorted(str(p) for p in result.failed_peers))
             except Exception as error:  # a failed round is a result, reported to the benchmark

@@ -9,15 +9,17 @@ import logging
 import math
 import os
 import struct
-from functools import partial
+import threading
 
 import pytest
 import torch
 import trio
 
-from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService
+from averaging.allreduce import INLINE_WORK_LIMIT, AllReduceError, AllReduceService, RoundSettings
+from averaging.allreduce_protocol import ContributionInbox
 from averaging.group import AveragingMode, GroupInfo, GroupMember
-from averaging.partition import DEFAULT_PART_SIZE
+from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
+from averaging.reducer_shard import ReducerShard
 from peer import Identity, open_peer_host
 from tests.support.stream_faults import Fault, FaultyHost
 
@@ -32,8 +34,9 @@ class Peer:
         self.host, self.service, self.scope, self.fault = host, service, scope, fault
 
 
-async def start_peers(nursery, count: int, faults=None, client_indices=()) -> list[Peer]:
-    """``faults``: peer index -> the ``Fault`` that peer's all-reduce messages go through."""
+async def start_peers(nursery, count: int, faults=None, client_indices=(), shard_type=ReducerShard) -> list[Peer]:
+    """``faults``: peer index -> the ``Fault`` that peer's all-reduce messages go through;
+    ``shard_type``: what reduces each peer's shard."""
     peers: list[Peer] = []
     faults = faults or {}
 
@@ -45,7 +48,7 @@ async def start_peers(nursery, count: int, faults=None, client_indices=()) -> li
                 fault = faults.get(index)
                 if fault is not None:
                     fault.peer_scope = scope
-                service = AllReduceService(host if fault is None else FaultyHost(host, fault))
+                service = AllReduceService(host if fault is None else FaultyHost(host, fault), shard_type=shard_type)
                 task_status.started(Peer(host, service, scope, fault))
                 await trio.sleep(math.inf)
 
@@ -78,7 +81,7 @@ async def run_round(peers, group, tensors, weights, results, skip=(), **options)
     options = {"sender_timeout": SENDER_TIMEOUT, "reducer_timeout": REDUCER_TIMEOUT, "part_size": PART_SIZE, **options}
 
     async def one(i: int) -> None:
-        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], **options)
+        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], settings=RoundSettings(**options))
 
     async with trio.open_nursery() as nursery:
         for i in range(len(peers)):
@@ -161,7 +164,6 @@ async def test_mixed_node_client_and_auxiliary_peers():
 def expected_for(index, results, tensors, weights, group):
     """What survivor ``index`` must hold: per part, the weighted average of the contributors its
     result reports for that part, or its own values where the shard stayed local."""
-    from averaging.partition import AllReducePlan
 
     result = results[index]
     plan = AllReducePlan.build(flat(tensors[index]).numel(), [m.bandwidth for m in group.reducers], PART_SIZE)
@@ -300,14 +302,8 @@ async def test_faults_in_a_five_peer_group(fault, victims, caplog):
 async def _run_victim(peer, group, tensors, weight):
     with trio.CancelScope() as scope:
         peer.fault.run_scope = scope
-        await peer.service.run(
-            group,
-            tensors,
-            weight=weight,
-            sender_timeout=SENDER_TIMEOUT,
-            reducer_timeout=REDUCER_TIMEOUT,
-            part_size=PART_SIZE,
-        )
+        settings = RoundSettings(sender_timeout=SENDER_TIMEOUT, reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        await peer.service.run(group, tensors, weight=weight, settings=settings)
 
 
 class SendsAShortPart(Fault):
@@ -376,18 +372,51 @@ async def test_malformed_parts_drop_their_sender_and_nobody_else(hostile, codec)
         nursery.cancel_scope.cancel()
 
 
-async def test_huge_parts_are_checked_off_the_event_loop_and_still_averaged_exactly():
+class ThreadRecordingShard(ReducerShard):
+    """An honest reducer that notes on which thread it checks each part (``stage``) and averages
+    it (``reply_next``): ``calls`` holds (what, thread ident)."""
+
+    calls: list[tuple[str, int]] = []
+
+    def inbox(self, sender, sink, header=None) -> ContributionInbox:
+        calls, signing = self.calls, super().inbox(sender, sink, header).signing
+
+        class Recording(ContributionInbox):
+            def stage(self, index, values, signed=None) -> None:
+                calls.append(("stage", threading.get_ident()))
+                super().stage(index, values, signed)
+
+        return Recording(self.reduction, sender, sink, signing)
+
+    def reply_next(self, codec) -> None:
+        self.calls.append(("average", threading.get_ident()))
+        super().reply_next(codec)
+
+
+async def test_huge_parts_are_checked_off_the_event_loop_and_still_averaged_exactly(monkeypatch):
+    """Parts over ``INLINE_WORK_LIMIT`` are checked (staged) and averaged in worker threads. The
+    plan cuts every shard into at least 8 parts, so parts that large would take a vector of tens
+    of millions of values per peer: the limit is lowered to below this vector's parts instead."""
     size = 3
+    loop = threading.get_ident()
+    ThreadRecordingShard.calls = []
+    numel = 3 * 2 * INLINE_WORK_LIMIT
+    plan = AllReducePlan.build(numel, [1.0] * size, numel)
+    monkeypatch.setattr("averaging.round_roles.INLINE_WORK_LIMIT", plan.part_size - 1)
     async with trio.open_nursery() as nursery:
-        peers = await start_peers(nursery, size)
+        peers = await start_peers(nursery, size, shard_type=ThreadRecordingShard)
         group = make_group(peers)
-        numel = 3 * 2 * INLINE_WORK_LIMIT  # one part per shard, each over the inline limit
         tensors = [[torch.randn(numel, generator=torch.Generator().manual_seed(i))] for i in range(size)]
         expected = sum(t[0] for t in tensors) / size
         results = {}
         await run_round(peers, group, tensors, [1.0] * size, results, part_size=numel, reducer_timeout=60.0)
         for i in range(size):
             assert results[i].succeeded and torch.allclose(tensors[i][0], expected, atol=1e-5)
+        # every reducer checked each other sender's part and averaged its own in a worker thread
+        calls = ThreadRecordingShard.calls
+        parts = sum(plan.num_parts(shard) for shard in range(size))
+        assert sorted(what for what, _ in calls) == ["average"] * parts + ["stage"] * parts * (size - 1)
+        assert all(thread != loop for _, thread in calls), calls
         nursery.cancel_scope.cancel()
 
 
@@ -472,29 +501,39 @@ async def test_fifty_rounds_in_a_row_do_not_grow_memory():
         nursery.cancel_scope.cancel()
 
 
-async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_gets_there_first():
+@pytest.mark.parametrize("aggregation", ["mean", "centered-clip"])
+async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_gets_there_first(aggregation):
     """A hostile leader announcing a live group ID again made the second round replace the first's
     reducer, and the first round's clean-up then raised KeyError out of state averaging. Two rounds
     started in the same tick (both still preparing their tensors when the other checks): one runs,
-    the other is refused, and nothing else goes wrong."""
+    the other is refused, and nothing else goes wrong: in a checked round the refused one leaves
+    the running one's kept inputs alone, so the other peer's check of it holds."""
+    settings = RoundSettings(sender_timeout=2.0, reducer_timeout=2.0, aggregation=aggregation)
     async with trio.open_nursery() as nursery:
         peers = await start_peers(nursery, 2)
         group = make_group(peers)
         outcomes: list[str] = []
+        results = {}
 
         async def on_peer_0(seed: int) -> None:
             try:
-                await peers[0].service.run(group, random_tensors(seed), sender_timeout=2.0, reducer_timeout=2.0)
+                await peers[0].service.run(group, random_tensors(seed), settings=settings)
                 outcomes.append("ran")
             except AllReduceError as error:
                 outcomes.append("refused" if "already uses this group ID" in str(error) else f"other: {error}")
 
+        async def on_peer_1() -> None:
+            results[1] = await peers[1].service.run(group, random_tensors(1), settings=settings)
+
         async with trio.open_nursery() as rounds:
             rounds.start_soon(on_peer_0, 0)
             rounds.start_soon(on_peer_0, 7)
-            rounds.start_soon(partial(peers[1].service.run, group, random_tensors(1), sender_timeout=2.0))
+            rounds.start_soon(on_peer_1)
         assert sorted(outcomes) == ["ran", "refused"]
         assert peers[0].service.rounds_in_progress == 0
+        assert results[1].succeeded, results[1]
+        if aggregation == "centered-clip":
+            assert [verdict for _reducer, verdict in results[1].reducer_checks.values()] == [None]
         nursery.cancel_scope.cancel()
 
 
@@ -508,12 +547,17 @@ async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
         tensors = [random_tensors(i) for i in range(2)]
         before = flat(tensors[1]).clone()
         if how == "ended":  # the sender was too late for the reducer's sender deadline
-            await peers[0].service.run(group, tensors[0], sender_timeout=0.05, part_size=PART_SIZE)
+            await peers[0].service.run(
+                group, tensors[0], settings=RoundSettings(sender_timeout=0.05, part_size=PART_SIZE)
+            )
         else:
             with trio.move_on_after(0.05):
-                await peers[0].service.run(group, tensors[0], sender_timeout=10.0, part_size=PART_SIZE)
+                await peers[0].service.run(
+                    group, tensors[0], settings=RoundSettings(sender_timeout=10.0, part_size=PART_SIZE)
+                )
         start = trio.current_time()
-        result = await peers[1].service.run(group, tensors[1], reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        settings = RoundSettings(reducer_timeout=REDUCER_TIMEOUT, part_size=PART_SIZE)
+        result = await peers[1].service.run(group, tensors[1], settings=settings)
         assert trio.current_time() - start < 0.5
         assert peers[0].host.peer_id in result.failed_peers
         assert list(result.local_shards) == [0]

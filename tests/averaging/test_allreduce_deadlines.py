@@ -8,6 +8,7 @@ import torch
 import trio
 import trio.testing
 
+from averaging.allreduce import RoundSettings
 from averaging.link_speed import DeadlineRules
 from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
 from tests.averaging.test_allreduce import PART_SIZE, flat, make_group, random_tensors, start_peers
@@ -56,7 +57,8 @@ async def run_all(peers, group, tensors, indices, **options) -> dict:
 
     async def one(i: int) -> None:
         start = trio.current_time()
-        results[i] = await peers[i].service.run(group, tensors[i], **{"part_size": PART_SIZE, **options})
+        settings = RoundSettings(**{"part_size": PART_SIZE, **options})
+        results[i] = await peers[i].service.run(group, tensors[i], settings=settings)
         times[i] = trio.current_time() - start
 
     async with trio.open_nursery() as nursery:

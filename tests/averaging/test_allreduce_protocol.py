@@ -15,12 +15,12 @@ from averaging.allreduce_protocol import (
     AllReduceError,
     AverageInbox,
     ReduceHeader,
-    ReducerShard,
     parse_contributors,
     part_body,
 )
 from averaging.compression import get_codec
 from averaging.part_buffers import PartBuffers, PartSink
+from averaging.reducer_shard import ReducerShard
 from averaging.reduction import ContributionRejected
 from peer import PeerID
 
@@ -78,9 +78,9 @@ def feed(inbox, index, payload, meta=RAW):
 def test_a_reducer_averages_whole_contributions_from_bytes(pool):
     shard = reducer(pool)
     with pool.lease() as lease:
-        inboxes = {s: shard.inbox(s, PartSink(lease, shard.reduction.part_sizes)) for s in (A, B)}
-        shard.reduction.set_weight(A, 1.0)
-        shard.reduction.set_weight(B, 3.0)
+        inboxes = {s: shard.inbox(s, PartSink(lease, shard.part_sizes)) for s in (A, B)}
+        shard.set_weight(A, 1.0)
+        shard.set_weight(B, 3.0)
         feed(inboxes[A], 1, raw([5.0]))  # parts may come in any order
         feed(inboxes[A], 0, raw([1.0, 2.0]))
         fp16_meta, fp16_payload = get_codec("float16").encode(torch.tensor([3.0, 6.0]))
@@ -108,9 +108,9 @@ def test_a_reducer_averages_whole_contributions_from_bytes(pool):
 )
 def test_a_reducer_rejects_a_bad_part_with_its_reason(pool, index, meta, payload, reason):
     shard = reducer(pool)
-    shard.reduction.set_weight(A, 1.0)
+    shard.set_weight(A, 1.0)
     with pool.lease() as lease:
-        inbox = shard.inbox(A, PartSink(lease, shard.reduction.part_sizes))
+        inbox = shard.inbox(A, PartSink(lease, shard.part_sizes))
         with pytest.raises(ContributionRejected, match=reason):
             feed(inbox, index, payload, meta)
 
@@ -118,7 +118,7 @@ def test_a_reducer_rejects_a_bad_part_with_its_reason(pool, index, meta, payload
 def test_a_part_body_without_an_index_is_rejected(pool):
     shard = reducer(pool)
     with pool.lease() as lease:
-        inbox = shard.inbox(A, PartSink(lease, shard.reduction.part_sizes))
+        inbox = shard.inbox(A, PartSink(lease, shard.part_sizes))
         for body in [None, {"meta": RAW}, {"part": "0", "meta": RAW}, {"part": True, "meta": RAW}]:
             with pytest.raises(ContributionRejected, match="each part needs"):
                 inbox.part(body, raw([1.0, 2.0]))
@@ -126,9 +126,9 @@ def test_a_part_body_without_an_index_is_rejected(pool):
 
 def test_a_duplicated_part_is_rejected_and_an_incomplete_sender_dropped(pool):
     shard = reducer(pool)
-    shard.reduction.set_weight(A, 1.0)
+    shard.set_weight(A, 1.0)
     with pool.lease() as lease:
-        inbox = shard.inbox(A, PartSink(lease, shard.reduction.part_sizes))
+        inbox = shard.inbox(A, PartSink(lease, shard.part_sizes))
         feed(inbox, 0, raw([1.0, 2.0]))
         with pytest.raises(ContributionRejected, match="sent twice"):
             feed(inbox, 0, raw([1.0, 2.0]))
@@ -138,14 +138,14 @@ def test_a_duplicated_part_is_rejected_and_an_incomplete_sender_dropped(pool):
 
 def test_raw_parts_land_in_leased_buffers_and_are_used_without_a_copy(pool):
     shard = reducer(pool, part_sizes=(3,), senders=(A,))
-    shard.reduction.set_weight(A, 1.0)
+    shard.set_weight(A, 1.0)
     with pool.lease() as lease:
         sink = PartSink(lease)  # the sizes are not known yet when the first parts arrive
         body = part_body(0, RAW)
         buffer = sink.provide(body, 12)
         assert buffer is not None and sink.provide({"part": 1, "meta": {"codec": "float16"}}, 12) is None
         buffer[:] = raw([1.0, 2.0, 3.0])  # what the connection's reader does: decrypt into it
-        sink.part_sizes = shard.reduction.part_sizes
+        sink.part_sizes = shard.part_sizes
         inbox = shard.inbox(A, sink)
         part = inbox.part(body, buffer)
         assert part.landed
@@ -167,45 +167,6 @@ def test_a_sink_checks_sizes_and_forfeits_what_never_arrived(pool):
     assert pool.pooled_bytes == 0  # lent, never claimed: the reader may still write into them
     with pool.lease() as lease:
         assert lease.take(2).data_ptr() != np.frombuffer(lent_to_a_dead_stream, np.uint8).ctypes.data
-
-
-def test_a_reducer_replies_with_its_average_encoded_once(pool):
-    shard = reducer(pool, part_sizes=(2, 2), senders=(A,))
-    shard.reduction.add_local(A, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
-    shard.close("late", get_codec("none"))
-    assert shard.error is None
-    contributors = {"contributors": [A.to_bytes()]}
-    assert [body for body, _payload in shard.replies] == [
-        {**part_body(0, RAW), "all_in": True, **contributors},
-        {**part_body(1, RAW), "all_in": True},  # the same contributors: not named again
-    ]
-    assert bytes(shard.replies[1][1]) == raw([3.0, 4.0])
-    own = shard.own_average(get_codec("none"))
-    assert torch.equal(own, torch.tensor([1.0, 2.0, 3.0, 4.0]))
-
-
-def test_with_a_lossy_codec_the_reducer_keeps_what_the_senders_decode(pool):
-    shard = reducer(pool, part_sizes=(3,), senders=(A,))
-    shard.reduction.add_local(A, torch.tensor([0.1, 0.2, 0.3]), 1.0)
-    codec = get_codec("float16")
-    shard.close("late", codec)
-    body, payload = shard.replies[0]
-    assert torch.equal(shard.own_average(codec), codec.decode(body["meta"], payload, 3))
-
-
-def test_an_average_that_overflows_is_not_sent(pool):
-    shard = reducer(pool, part_sizes=(1, 1), senders=(A, B))
-    shard.reduction.add_local(A, torch.tensor([1.0, 3e38]), 1.0)
-    shard.reduction.add_local(B, torch.tensor([1.0, 3e38]), 1.0)  # the weighted sum overflows to inf
-    shard.close("late", get_codec("none"))
-    assert len(shard.replies) == 1 and "NaN or infinite" in str(shard.error)  # no more replies after
-
-
-def test_a_reducer_that_got_nothing_says_so(pool):
-    shard = reducer(pool, senders=(A, B))
-    outcome = shard.close("did not finish sending before the sender deadline", get_codec("none"))
-    assert outcome.averaged is None and shard.replies == [] and "no contribution" in str(shard.error)
-    assert set(outcome.dropped) == {A, B}
 
 
 def sender_inbox(lease, ranges=((10, 12), (12, 13)), senders=(A, B)):

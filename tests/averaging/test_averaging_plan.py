@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import trio
 
 from averaging.partition import (
     DEFAULT_PART_SIZE,
@@ -12,7 +11,6 @@ from averaging.partition import (
     split_by_bandwidth,
 )
 from averaging.reduction import ContributionRejected, ShardReduction
-from averaging.round_roles import PartPacer
 
 
 def test_shards_are_proportional_to_bandwidth_and_cover_everything():
@@ -231,44 +229,3 @@ def test_a_part_whose_contributors_all_weigh_nothing_has_no_average():
     outcome = reduction.outcome()
     assert torch.equal(reduction.part_average(0), torch.full((1,), 4.0))
     assert reduction.part_average(1) is None and outcome.averaged is None
-
-
-async def test_a_senders_streams_take_turns_until_one_is_stuck():
-    pacer = PartPacer(window=1)
-    for key in (0, 1):
-        pacer.join(key)
-    for _ in range(2):
-        await pacer.turn(0, patience=10)
-        pacer.sent(0)
-    with trio.move_on_after(0.05) as blocked:  # two parts ahead of stream 1: its turn must wait
-        await pacer.turn(0, patience=10)
-    assert blocked.cancelled_caught
-    pacer.sent(1)
-    await pacer.turn(0, patience=10)  # stream 1 caught up by one
-    pacer.sent(0)
-    start = trio.current_time()
-    await pacer.turn(0, patience=0.05)  # stream 1 stays stuck: it stops pacing stream 0
-    assert trio.current_time() - start >= 0.05
-    await pacer.turn(0, patience=0.05)
-    pacer.sent(0)
-
-
-async def test_a_stuck_stream_released_by_one_waiter_is_not_followed_by_a_healthy_one():
-    """Two fast streams time out waiting for the same stuck one: only stuck streams stop pacing."""
-    pacer = PartPacer(window=1)
-    for key in (0, 1, 2):
-        pacer.join(key)
-    for key in (0, 1):
-        for _ in range(2):
-            pacer.sent(key)  # streams 0 and 1 are two parts ahead of stuck stream 2
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pacer.turn, 0, 0.05)
-        nursery.start_soon(pacer.turn, 1, 0.05)
-    pacer.sent(1)  # stream 1 is still paced against stream 0, which was not let go
-    with trio.move_on_after(0.05) as blocked:
-        await pacer.turn(1, patience=10)
-    assert not blocked.cancelled_caught  # 3 vs 2: within the window of stream 0
-    pacer.sent(1)
-    with trio.move_on_after(0.05) as blocked:
-        await pacer.turn(1, patience=10)
-    assert blocked.cancelled_caught  # 4 vs 2: stream 0 still paces it

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from averaging.allreduce import AllReduceService
+from averaging.allreduce import AllReduceService, RoundSettings
 from averaging.averager import GroupAverager
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.local_updates import LocalUpdatesOptimizer
@@ -128,7 +128,9 @@ async def test_a_round_paces_its_connections_while_it_runs_and_lifts_the_caps_af
 
         async def one(i: int) -> None:
             started = trio.current_time()
-            result = await services[i].run(group, tensors[i], uplink=uplink, sender_timeout=30, reducer_timeout=60)
+            result = await services[i].run(
+                group, tensors[i], settings=RoundSettings(uplink=uplink, sender_timeout=30, reducer_timeout=60)
+            )
             assert result.succeeded
             seconds[i] = trio.current_time() - started
 

@@ -4,22 +4,27 @@ senders' checks; ``fabricating_service`` answers each check with inputs made to 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from averaging.allreduce import AllReduceService
-from averaging.allreduce_protocol import ReducerShard
 from averaging.commitments import SignedPart, commit, part_digest
 from averaging.compression import Codec, get_codec
+from averaging.reducer_shard import ReducerShard
 from averaging.verification import KeptInputs, PartInputs, radius_from
 
 
 class LyingShard(ReducerShard):
     """Answers every part with its aggregate times ``FACTOR`` (a sign flip, scaled up); the lies
-    it sent are in ``lies`` (part index -> values)."""
+    it sent go into ``lies`` ((group ID, part index) -> values) in a checked round, if given."""
 
     FACTOR = -10.0
+
+    def __init__(self, *args: Any, lies: dict[tuple[bytes, int], torch.Tensor] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lies = lies if lies is not None else {}
 
     def reply_next(self, codec: Codec) -> None:
         before = len(self.replies)
@@ -29,7 +34,8 @@ class LyingShard(ReducerShard):
             averaged = self.reduction.part_average(body["part"])
             assert averaged is not None
             lie = self.lie(averaged)
-            self.reduction.lies = {**getattr(self.reduction, "lies", {}), body["part"]: lie}  # type: ignore[attr-defined]
+            if self.signing is not None:
+                self.lies[(self.signing.group_id, body["part"])] = lie
             meta, payload = codec.encode(lie)
             self.replies[-1] = ({**body, "meta": meta}, payload)
 
@@ -53,11 +59,11 @@ class FabricatedInputs(KeptInputs):
     def __init__(self, host: Any):
         super().__init__()
         self.host = host
-        self.reductions: dict[bytes, Any] = {}
+        self.lies: dict[tuple[bytes, int], torch.Tensor] = {}  # filled by our ``LyingShard``s
 
     def answer(self, group_id: Any, index: Any, asker: Any, now: float) -> PartInputs:
         true = super().answer(group_id, index, asker, now)
-        lie = self.reductions[group_id].lies[index]
+        lie = self.lies[(group_id, index)]
         values = true.values.clone()
         me = self.host.identity
         plain, signed = get_codec("none"), list(true.signed)
@@ -80,15 +86,5 @@ class FabricatedInputs(KeptInputs):
 def fabricating_service(host: Any) -> AllReduceService:
     """A service whose reductions lie as ``LyingShard`` does and whose check answers fabricate
     the other senders' inputs to fit the lie (``FabricatedInputs``)."""
-    service = AllReduceService(host, shard_type=LyingShard)
-    checks = service.checks
     kept = FabricatedInputs(host)
-    checks.kept = kept
-    keep = checks.keep
-
-    def keep_and_note(group: Any, reduction: Any, commitment: Any = None) -> None:
-        kept.reductions[group.group_id] = reduction
-        keep(group, reduction, commitment)
-
-    checks.keep = keep_and_note  # type: ignore[method-assign]
-    return service
+    return AllReduceService(host, shard_type=partial(LyingShard, lies=kept.lies), kept=kept)

@@ -20,7 +20,7 @@ import time
 import torch
 import trio
 
-from averaging.allreduce import AllReduceService
+from averaging.allreduce import AllReduceService, RoundSettings
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, PeerAddress, open_peer_host
@@ -138,14 +138,12 @@ async def main(args: argparse.Namespace) -> None:
         with trio.CancelScope() as scope:
             if fault is not None:
                 fault.run_scope = scope
-            result = await service.run(
-                group,
-                tensors,
-                weight=WEIGHTS[args.index],
+            settings = RoundSettings(
                 sender_timeout=args.sender_timeout,
                 reducer_timeout=args.reducer_timeout,
                 part_size=PART_SIZE if args.values is None else DEFAULT_PART_SIZE,
             )
+            result = await service.run(group, tensors, weight=WEIGHTS[args.index], settings=settings)
             outcome.update(
                 flat=torch.cat([t.reshape(-1) for t in tensors]).tolist() if args.values is None else None,
                 contributors={str(k): [str(p) for p in v] for k, v in result.contributors.items()},
