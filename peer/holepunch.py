@@ -88,6 +88,11 @@ class HolePuncher:
             "last_punch_s": None if self.last_punch_s is None else round(self.last_punch_s, 3),
         }
 
+    @property
+    def punching(self) -> int:
+        """How many peers a punch (ours or theirs) is in progress with now."""
+        return len(self._in_progress)
+
     def _addresses(self) -> list[str]:
         host = self.observed_host()
         listen = self.host.listen_address
@@ -107,7 +112,7 @@ class HolePuncher:
             return
         self._in_progress.add(peer)
         try:
-            self.host._nursery.start_soon(self.punch, connection)
+            self.host.start_soon(self.punch, connection)
         except RuntimeError:  # the host is closing
             self._in_progress.discard(peer)
 
@@ -187,7 +192,7 @@ class HolePuncher:
             raise Busy("too many punches in progress")
         if theirs:
             self._in_progress.add(request.peer)
-            self.host._nursery.start_soon(self._dial_later, request.peer, theirs, float(delay))
+            self.host.start_soon(self._dial_later, request.peer, theirs, float(delay))
         return None
 
     async def _dial_later(self, peer: PeerID, addresses: list[tuple[str, int]], delay: float) -> None:
@@ -240,7 +245,7 @@ class HolePuncher:
             if channel.remote_peer_id != peer:
                 await channel.aclose()
                 continue
-            await self.host._nursery.start(functools.partial(self.host.accept_channel, channel, address_group(host)))
+            await self.host.start(functools.partial(self.host.accept_channel, channel, address_group(host)))
             return self._direct(peer)
         return False
 

@@ -8,6 +8,7 @@ is released (``rpc_outgoing.py``: the queue of outgoing messages and the writer)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -79,15 +80,16 @@ class Connection:
         *,
         serve: bool = True,
         traffic: TrafficCounter | None = None,
+        relayed_via: PeerID | None = None,
     ):
+        """``relayed_via``: the relay this connection runs through (None: a direct connection)."""
         self.traffic = traffic if traffic is not None else TrafficCounter()
         self.channel = channel
         self.router = router if router is not None else Router()
         self.serve = serve  # False for client-mode peers: incoming calls are refused
         self.protocol = RPCProtocol(channel.initiator)
-        self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
-        self.relayed_via: PeerID | None = None  # the relay this connection runs through, if any
+        self.relayed_via = relayed_via
         self.closed = trio.Event()
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
@@ -97,6 +99,11 @@ class Connection:
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
         self.silence = LinkSilence()  # how long calls have waited on a link that said nothing
+
+    @property
+    def remote_peer_id(self) -> PeerID:
+        """Who is at the other end, as the handshake authenticated it."""
+        return self.channel.remote_peer_id
 
     @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
@@ -116,6 +123,14 @@ class Connection:
             except (AttributeError, OSError):
                 return None
         return PeerAddress(host, advertised.port, self.remote_peer_id, advertised.relay)
+
+    def remote_moved(self, listen_addresses: tuple[str, ...]) -> None:
+        """The peer told us where it is reached now (``peer/nat.py``): those addresses replace its
+        hello's on this connection (none: it serves no calls, as a client-mode peer)."""
+        self.remote_hello = dataclasses.replace(
+            self.remote_hello, listen_addresses=listen_addresses, client_mode=not listen_addresses
+        )
+        self.__dict__.pop("remote_listen_address", None)  # worked out again from the new hello
 
     @functools.cached_property
     def remote_node_id(self) -> NodeIDProof:

@@ -26,7 +26,7 @@ async def test_a_punch_naming_a_host_that_cannot_be_encoded_costs_the_caller_onl
     await connection.call("nat.punch", {"addresses": ["bad..host:1", "x" * 70 + ":2"]}, timeout=5)
     await connection.call("nat.sync", {"delay": 0}, timeout=5)
     with trio.fail_after(5):
-        await until(lambda: not puncher._in_progress)
+        await until(lambda: not puncher.punching)
     assert (await connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
     # and a dial to such a host, however it got there, is one failed dial
     assert await _connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None

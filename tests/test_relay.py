@@ -17,7 +17,7 @@ from peer.holepunch import HolePuncher
 from peer.nat import NatTraversal, relay_limits
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
 from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
-from peer.relay import Relay, RelayClient
+from peer.relay import Relay, RelayClient, dial_through_relay
 
 SECRET = b"plaintext-the-relay-must-never-see" * 4
 
@@ -38,9 +38,10 @@ def echo_router() -> Router:
     return router
 
 
-@pytest.fixture
-async def relayed():
-    """(relay host, relay service, NAT'd host B with a reservation, dialer host A)."""
+@asynccontextmanager
+async def relay_behind_and_dialer(dial_relayed=None):
+    """(relay host, relay service, NAT'd host B with a reservation, dialer host A); A dials relayed
+    addresses with ``dial_relayed(A, address)`` (default: ``dial_through_relay``)."""
     async with (
         open_peer_host(Identity.generate()) as relay_host,
         open_peer_host(Identity.generate(), router=echo_router()) as behind,
@@ -48,45 +49,65 @@ async def relayed():
     ):
         relay = Relay(relay_host)
         client = RelayClient(behind)
-        RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        if dial_relayed is None:
+            RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        else:
+            dialer.presence.dial_relayed_with(functools.partial(dial_relayed, dialer))
         await client.reserve(relay_host.listen_address)
         yield relay_host, relay, behind, dialer
 
 
-async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted(relayed):
-    relay_host, relay, behind, dialer = relayed
+@pytest.fixture
+async def relayed():
+    async with relay_behind_and_dialer() as hosts:
+        yield hosts
+
+
+class TappedStream(trio.abc.Stream):
+    """A circuit end that records every byte sent into it (what the relay receives from its
+    dialer, and forwards). It shows no socket, so the secure channel uses the stream API."""
+
+    def __init__(self, inner: trio.abc.Stream, seen: list[bytes]):
+        self.inner, self.seen = inner, seen
+
+    async def send_all(self, data) -> None:
+        self.seen.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted():
     seen: list[bytes] = []
-    pump = relay._pump
 
-    async def tapped(source, sink, bucket, scope):
-        original = source.receive_some
+    async def tapped_dial(host, address):
+        return TappedStream(await dial_through_relay(host, address), seen)
 
-        async def tap(size):
-            data = await original(size)
-            seen.append(bytes(data))
-            return data
-
-        source.receive_some = tap
-        await pump(source, sink, bucket, scope)
-
-    relay._pump = tapped
-    listen = relay_host.listen_address
-    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
-    assert PeerAddress.parse(str(address)) == address
-    reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
-    assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
-    connection = dialer.connection_to(behind.peer_id)
-    assert connection is not None and connection.relayed_via == relay_host.peer_id
-    # B accepted it as a relayed connection, and sees A's identity
-    incoming = behind.connection_to(dialer.peer_id)
-    assert incoming is not None and incoming.relayed_via == relay_host.peer_id
-    relayed_bytes = b"".join(seen)
-    assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
-    assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
-    assert relay.book.circuits == 1
-    connection.close()
-    with trio.fail_after(5):
-        await until(lambda: relay.book.circuits == 0)
+    async with relay_behind_and_dialer(tapped_dial) as (relay_host, relay, behind, dialer):
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        assert PeerAddress.parse(str(address)) == address
+        reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
+        assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
+        connection = dialer.connection_to(behind.peer_id)
+        assert connection is not None and connection.relayed_via == relay_host.peer_id
+        # B accepted it as a relayed connection, and sees A's identity
+        incoming = behind.connection_to(dialer.peer_id)
+        assert incoming is not None and incoming.relayed_via == relay_host.peer_id
+        relayed_bytes = b"".join(seen)
+        assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
+        assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
+        assert relay.book.circuits == 1
+        connection.close()
+        with trio.fail_after(5):
+            await until(lambda: relay.book.circuits == 0)
 
 
 async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
@@ -105,7 +126,7 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
     await stream.send_all(b"\xff" + bytes(16))
     with trio.fail_after(5):
         assert await stream.receive_some(10) == b""
-        await until(lambda: relay._waiting_ends == 0)
+        await until(lambda: relay.waiting_ends == 0)
     assert relay.book.circuits == 0
 
 
@@ -117,7 +138,7 @@ async def test_a_circuit_end_reset_midway_through_its_token_costs_only_that_conn
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()  # a reset, not a clean end
     with trio.fail_after(5):
-        await until(lambda: relay._waiting_ends == 0)
+        await until(lambda: relay.waiting_ends == 0)
     listen = relay_host.listen_address
     address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
     assert (await dialer.call(address, "echo", 1, timeout=10)).body["echo"] == 1  # the relay still relays
@@ -130,7 +151,7 @@ async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed)
     await stream.send_all(b"\xff")
     with trio.fail_after(5):
         assert await stream.receive_some(10) == b""
-        await until(lambda: relay._waiting_ends == 0)
+        await until(lambda: relay.waiting_ends == 0)
 
 
 def test_relay_book_caps_circuits_and_expires_pending_ones():
@@ -286,7 +307,7 @@ async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes
             await until(lambda: seen.remote_listen_address is not None and seen.remote_listen_address.relay)
         assert not behind.client_mode
         assert seen.remote_listen_address.relay == relay_host.peer_id
-        assert nat.status()["relayed_addresses"] == [str(behind.announced[0])]
+        assert nat.status()["relayed_addresses"] == [str(behind.presence.announced[0])]
         nursery.cancel_scope.cancel()
 
 
@@ -358,7 +379,7 @@ async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_re
         Relay(relay_host)
         listen = relay_host.listen_address
         # behind NAT from its first hello on: it announces only the relayed address
-        donor_host.announced = [PeerAddress(listen.host, listen.port, None, relay_host.peer_id)]
+        donor_host.presence.announce([PeerAddress(listen.host, listen.port, None, relay_host.peer_id)])
         await RelayClient(donor_host).reserve(listen)
         RelayClient(newcomer_host)
         async with (
