@@ -335,7 +335,7 @@ class Connection:
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
         channel, protocol = self.channel, self.protocol
-        decoder, cipher = channel.decoder, channel.receive_cipher
+        decoder, open_record, open_into = channel.decoder, channel.open, channel.open_into
         budget = READ_BUDGET
         while True:
             while (record := decoder.next_record()) is not None:
@@ -345,13 +345,13 @@ class Connection:
                     if protocol.payload_fits_record(len(record) - AEAD_TAG_SIZE):
                         # The whole payload in one record and nowhere in particular to put it: let
                         # the AEAD allocate the plaintext (one allocation, no buffer to fill).
-                        events = protocol.payload_whole(cipher.open(record))
+                        events = protocol.payload_whole(open_record(record))
                     else:
                         target = protocol.payload_target(len(record) - AEAD_TAG_SIZE)
-                        events = protocol.payload_received(cipher.open_into(record, target))
+                        events = protocol.payload_received(open_into(record, target))
                         del target  # a fresh payload buffer may have to grow for the next record
                 else:
-                    events = protocol.receive_header(cipher.open(record))
+                    events = protocol.receive_header(open_record(record))
                     if protocol.awaiting_payload:
                         if protocol.announced_data is not None:
                             self._supply_payload_buffer(*protocol.announced_data)

@@ -121,21 +121,22 @@ class TransportCipher:
         self._aead = AESGCM(key)
         self._counter = 0
 
-    def _nonce(self) -> bytes:
-        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
-        self._counter += 1
-        return nonce
-
+    # Each method makes its nonce inline (the counter, then one step on) rather than calling a
+    # helper: these run once per record, and ``SecureChannel`` calls them through its own methods.
     def seal_into(self, plaintext, out: memoryview) -> int:
         """Write one record (length header + ciphertext) to ``out``; return its size."""
         size = len(plaintext) + AEAD_TAG_SIZE
         HEADER.pack_into(out, 0, size)
-        self._aead.encrypt_into(self._nonce(), plaintext, None, out[HEADER.size : HEADER.size + size])
+        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
+        self._counter += 1
+        self._aead.encrypt_into(nonce, plaintext, None, out[HEADER.size : HEADER.size + size])
         return HEADER.size + size
 
     def open(self, record) -> bytes:
+        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
+        self._counter += 1
         try:
-            return self._aead.decrypt(self._nonce(), record, None)
+            return self._aead.decrypt(nonce, record, None)
         except InvalidTag:
             raise ProtocolError("record failed authentication (tampered or out of order)") from None
 
@@ -143,15 +144,22 @@ class TransportCipher:
         size = len(record) - AEAD_TAG_SIZE
         if size < 0 or size > len(out):
             raise ProtocolError("record does not fit the announced payload")
+        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
+        self._counter += 1
         try:
-            self._aead.decrypt_into(self._nonce(), record, None, out[:size])
+            self._aead.decrypt_into(nonce, record, None, out[:size])
         except InvalidTag:
             raise ProtocolError("record failed authentication (tampered or out of order)") from None
         return size
 
 
 class SecureChannel:
-    """An authenticated, encrypted byte pipe of records over a trio stream."""
+    """An authenticated, encrypted byte pipe of records over a trio stream.
+
+    It alone holds the keys: every record that goes out is sealed by ``seal_into`` and every record
+    that comes in is opened by ``open``/``open_into``, in the order they travel (their nonces are
+    counters). Both work on the caller's buffers, so the RPC layer batches records into its send
+    buffer and decrypts payloads straight into their destination without a copy."""
 
     def __init__(
         self,
@@ -165,8 +173,8 @@ class SecureChannel:
     ):
         self.stream = stream
         self.decoder = decoder
-        self.send_cipher = send_cipher
-        self.receive_cipher = receive_cipher
+        self._send_cipher = send_cipher
+        self._receive_cipher = receive_cipher
         self.remote_public_key = remote_public_key
         self.remote_peer_id = PeerID.from_public_key(remote_public_key)
         self.remote_hello = remote_hello
@@ -181,6 +189,24 @@ class SecureChannel:
         self._read = 0  # bytes taken from the kernel
         self._last_progress = (0, 0)
 
+    # ------------------------------------------------------------------ records
+    def seal_into(self, plaintext, out: memoryview) -> int:
+        """Encrypt ``plaintext`` as the next outgoing record (length header + ciphertext) into the
+        start of ``out``, which must hold ``len(plaintext) + HEADER.size + AEAD_TAG_SIZE`` bytes;
+        return the record's size. The caller sends the records in the order they were sealed."""
+        return self._send_cipher.seal_into(plaintext, out)
+
+    def open(self, record) -> bytes:
+        """The plaintext of the next incoming ``record`` (without its length header), in a new
+        buffer; ProtocolError if it fails authentication (tampered, replayed or out of order)."""
+        return self._receive_cipher.open(record)
+
+    def open_into(self, record, out: memoryview) -> int:
+        """Decrypt the next incoming ``record`` into the start of ``out``; return the plaintext's
+        size. ProtocolError if it does not fit ``out`` or fails authentication."""
+        return self._receive_cipher.open_into(record, out)
+
+    # ------------------------------------------------------------------ the link
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)``: bytes the peer's kernel has acknowledged, and bytes that
         have arrived from it (read, or waiting in our kernel's receive queue).
@@ -338,14 +364,14 @@ class SecureChannel:
 
     async def send_record(self, plaintext: bytes) -> None:
         out = bytearray(HEADER.size + len(plaintext) + AEAD_TAG_SIZE)
-        self.send_cipher.seal_into(plaintext, memoryview(out))
+        self._send_cipher.seal_into(plaintext, memoryview(out))
         await self.send_all(memoryview(out))
 
     async def receive_record(self) -> bytes:
         while (record := self.decoder.next_record()) is None:
             if not await self.fill():
                 raise trio.EndOfChannel("peer closed the connection")
-        return self.receive_cipher.open(record)
+        return self._receive_cipher.open(record)
 
     async def aclose(self) -> None:
         self.decoder.release(closing=True)  # a partial record's memory goes back at once

@@ -25,7 +25,7 @@ class ScriptedChannel:
 
     def __init__(self) -> None:
         key = os.urandom(32)
-        self.send_cipher = TransportCipher(key)
+        self._send_cipher = TransportCipher(key)
         self._receive_cipher = TransportCipher(key)
         self._decoder = RecordDecoder()
         self._messages: list[bytes] = []
@@ -33,6 +33,9 @@ class ScriptedChannel:
         self.blocked = False
         self.unblocked = trio.Event()
         self.direct_writes = 0
+
+    def seal_into(self, plaintext, out: memoryview) -> int:
+        return self._send_cipher.seal_into(plaintext, out)
 
     def send_now(self, data: memoryview) -> int:
         taken = len(data) if self.kernel_room is None else min(self.kernel_room, len(data))
