@@ -15,7 +15,7 @@ import trio
 
 from .buffers import byte_view
 from .identity import PeerID
-from .router import Message
+from .message import Message
 from .rpc_errors import StreamClosed
 from .rpc_protocol import RPCProtocol, StreamData
 
