@@ -201,11 +201,7 @@ class Connection:
 
     def _fail_all(self, error: BaseException) -> None:
         for state in self._pending.values():
-            if state.error is None:
-                state.error = error
-            state.done.set()
-            state.arrived.set()
-            state.credit.set()
+            state.fail(error)
         self._pending.clear()
 
     # ------------------------------------------------------------------ calls
@@ -426,10 +422,7 @@ class Connection:
         elif isinstance(event, CallFailed):
             state = self._pending.pop(event.call_id, None)
             if state is not None:
-                state.error = remote_error(state.method, self.remote_peer_id, event.type_name, event.message)
-                state.done.set()
-                state.arrived.set()
-                state.credit.set()
+                state.fail(remote_error(state.method, self.remote_peer_id, event.type_name, event.message))
         elif isinstance(event, CallCancelled):
             scope = self._handler_scopes.get(event.call_id)
             if scope is not None:

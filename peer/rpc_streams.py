@@ -60,6 +60,14 @@ class PendingCall:
         self.ended = False  # the other side will send nothing more
         self.buffer_provider: BufferProvider | None = None
 
+    def fail(self, error: BaseException) -> None:
+        """The call ends with ``error`` (or the error it already has): wake whoever waits on it."""
+        if self.error is None:
+            self.error = error
+        self.done.set()
+        self.arrived.set()
+        self.credit.set()
+
 
 # ``provider(body, nbytes)``: a writable buffer of exactly ``nbytes`` for the payload of the stream
 # message whose body is ``body``, or None for a fresh one.

@@ -57,6 +57,7 @@ from .hello import (
 from .identity import Identity, PeerID, verify_signature
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
+from .record_cipher import TransportCipher
 from .tcp_options import set_pacing_rate
 
 __all__ = [
@@ -81,7 +82,6 @@ STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"
 # Long enough for a loaded volunteer machine across continents (three RTTs + key agreement),
 # short enough that a connection that stalls mid-handshake frees its slot quickly.
 HANDSHAKE_TIMEOUT = 10.0
-_NONCE_PREFIX = b"\0\0\0\0"
 # What noiseprotocol raises on garbage from the peer (it lets cryptography's and its own errors out).
 _NOISE_FAILURES = (
     NoiseHandshakeError,
@@ -92,7 +92,6 @@ _NOISE_FAILURES = (
     ValueError,
     IndexError,
 )
-_COUNTER = struct.Struct(">Q")
 _INT = struct.Struct("i")  # what the queue-length ioctls fill in
 _DIRECT_IO = os.name == "posix" and hasattr(os, "readv")
 # Receive low-water marks while a large record is in flight (see SecureChannel.fill).
@@ -110,47 +109,6 @@ def _queued(fd: int, request: int) -> int:
     """A socket queue's length in bytes (``FIONREAD``: unread; ``TIOCOUTQ``: unacknowledged, sent
     or not; ``_SIOCOUTQNSD``: not yet sent)."""
     return _INT.unpack(fcntl.ioctl(fd, request, bytes(_INT.size)))[0]
-
-
-class TransportCipher:
-    """AES-GCM with Noise's counter nonces, one instance per direction."""
-
-    __slots__ = ("_aead", "_counter")
-
-    def __init__(self, key: bytes):
-        self._aead = AESGCM(key)
-        self._counter = 0
-
-    # Each method makes its nonce inline (the counter, then one step on) rather than calling a
-    # helper: these run once per record, and ``SecureChannel`` calls them through its own methods.
-    def seal_into(self, plaintext, out: memoryview) -> int:
-        """Write one record (length header + ciphertext) to ``out``; return its size."""
-        size = len(plaintext) + AEAD_TAG_SIZE
-        HEADER.pack_into(out, 0, size)
-        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
-        self._counter += 1
-        self._aead.encrypt_into(nonce, plaintext, None, out[HEADER.size : HEADER.size + size])
-        return HEADER.size + size
-
-    def open(self, record) -> bytes:
-        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
-        self._counter += 1
-        try:
-            return self._aead.decrypt(nonce, record, None)
-        except InvalidTag:
-            raise ProtocolError("record failed authentication (tampered or out of order)") from None
-
-    def open_into(self, record, out: memoryview) -> int:
-        size = len(record) - AEAD_TAG_SIZE
-        if size < 0 or size > len(out):
-            raise ProtocolError("record does not fit the announced payload")
-        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
-        self._counter += 1
-        try:
-            self._aead.decrypt_into(nonce, record, None, out[:size])
-        except InvalidTag:
-            raise ProtocolError("record failed authentication (tampered or out of order)") from None
-        return size
 
 
 class SecureChannel:
@@ -423,6 +381,30 @@ async def secure_handshake(
     """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError).
     ``access``: a private swarm's allowlist and key (``peer/access.py``)."""
     access = access if access is not None else SwarmAccess()
+    with trio.fail_after(timeout):
+        noise, remote_key, leftover = await _noise_handshake(stream, identity, initiator, expected_peer, access)
+        if PeerID.from_public_key(remote_key) == identity.peer_id:
+            raise HandshakeError("connected to itself")
+        decoder = RecordDecoder(budget=budget if budget is not None else process_budget())
+        decoder.receive_data(leftover)
+        channel = SecureChannel(
+            stream,
+            decoder,
+            TransportCipher(noise.noise_protocol.cipher_state_encrypt.k),
+            TransportCipher(noise.noise_protocol.cipher_state_decrypt.k),
+            remote_key,
+            hello,  # replaced below once the peer's hello arrives
+            initiator,
+        )
+        channel.remote_hello = await _exchange_hellos(channel, hello, access)
+        return channel
+
+
+async def _noise_handshake(
+    stream: trio.abc.Stream, identity: Identity, initiator: bool, expected_peer: PeerID | None, access: SwarmAccess
+) -> tuple[NoiseConnection, bytes, bytes]:
+    """The three Noise XX messages with their identity payloads: the finished Noise state, the
+    peer's identity key, and whatever bytes arrived after the last handshake message."""
     noise = NoiseConnection.from_name(NOISE_PROTOCOL)
     if initiator:
         noise.set_as_initiator()
@@ -437,67 +419,53 @@ async def secure_handshake(
     # to read the remote static key afterwards.
     handshake_state = noise.noise_protocol.handshake_state
     our_payload = _identity_payload(identity, static_public)
-    handshake_decoder = RecordDecoder(max_record_size=MAX_HANDSHAKE_MESSAGE, initial_size=2 * MAX_HANDSHAKE_MESSAGE)
-    decoder = handshake_decoder
-    with trio.fail_after(timeout):
-        try:
-            if initiator:
-                await _send_handshake_message(stream, bytes(noise.write_message()))
-                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
-            else:
-                noise.read_message(await _receive_handshake_message(stream, decoder))
-                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
-            if initiator:
-                remote_static = handshake_state.rs.public_bytes
-                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
-                remote_id = PeerID.from_public_key(remote_key)
-                if expected_peer is not None and remote_id != expected_peer:
-                    raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
-                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
-            else:
-                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
-                remote_static = handshake_state.rs.public_bytes
-                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
-                remote_id = PeerID.from_public_key(remote_key)
-        except _NOISE_FAILURES as error:
-            hint = (
-                "; the peer may not hold this swarm's key"
-                if access.swarm_key is not None
-                else "; the peer may be in a private swarm that needs a swarm key"
-            )
-            raise HandshakeError(f"Noise handshake failed: {error}{hint}") from None
-        except ProtocolError as error:
-            raise HandshakeError(f"bad handshake framing: {error}") from None
-        if remote_id == identity.peer_id:
-            raise HandshakeError("connected to itself")
-        assert noise.handshake_finished
-        decoder = RecordDecoder(budget=budget if budget is not None else process_budget())
-        decoder.receive_data(handshake_decoder.take_buffered())
-        channel = SecureChannel(
-            stream,
-            decoder,
-            TransportCipher(noise.noise_protocol.cipher_state_encrypt.k),
-            TransportCipher(noise.noise_protocol.cipher_state_decrypt.k),
-            remote_key,
-            hello,  # replaced below once the peer's hello arrives
-            initiator,
+    decoder = RecordDecoder(max_record_size=MAX_HANDSHAKE_MESSAGE, initial_size=2 * MAX_HANDSHAKE_MESSAGE)
+    try:
+        if initiator:
+            await _send_handshake_message(stream, bytes(noise.write_message()))
+            remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+            remote_key = _verify_identity_payload(bytes(remote_payload), handshake_state.rs.public_bytes)
+            remote_id = PeerID.from_public_key(remote_key)
+            if expected_peer is not None and remote_id != expected_peer:
+                raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
+            await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+        else:
+            noise.read_message(await _receive_handshake_message(stream, decoder))
+            await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+            remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+            remote_key = _verify_identity_payload(bytes(remote_payload), handshake_state.rs.public_bytes)
+    except _NOISE_FAILURES as error:
+        hint = (
+            "; the peer may not hold this swarm's key"
+            if access.swarm_key is not None
+            else "; the peer may be in a private swarm that needs a swarm key"
         )
-        refusal = access.refusal(remote_id)
-        if refusal is not None:
-            await channel.send_record(packb({"refused": refusal}))
-            # Read the peer's hello before closing: a socket closed with unread data sends a reset,
-            # which can destroy the refusal before the peer reads it.
-            with trio.move_on_after(1.0):
-                try:
-                    await channel.receive_record()
-                except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError):
-                    pass
-            raise AccessRefused(f"refused peer {remote_id}: {refusal}")
-        await channel.send_record(hello.encode())
-        try:
-            remote_hello = Hello.decode(await channel.receive_record())
-        except (ProtocolError, trio.EndOfChannel) as error:
-            raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
-        check_hello(hello, remote_hello, remote_id)
-        channel.remote_hello = remote_hello
-        return channel
+        raise HandshakeError(f"Noise handshake failed: {error}{hint}") from None
+    except ProtocolError as error:
+        raise HandshakeError(f"bad handshake framing: {error}") from None
+    assert noise.handshake_finished
+    return noise, remote_key, decoder.take_buffered()
+
+
+async def _exchange_hellos(channel: SecureChannel, hello: Hello, access: SwarmAccess) -> Hello:
+    """Send our hello and return the peer's, checked against ours; or, to a peer that a private
+    swarm's allowlist does not admit, send the refusal instead and raise AccessRefused."""
+    remote_id = channel.remote_peer_id
+    refusal = access.refusal(remote_id)
+    if refusal is not None:
+        await channel.send_record(packb({"refused": refusal}))
+        # Read the peer's hello before closing: a socket closed with unread data sends a reset,
+        # which can destroy the refusal before the peer reads it.
+        with trio.move_on_after(1.0):
+            try:
+                await channel.receive_record()
+            except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError):
+                pass
+        raise AccessRefused(f"refused peer {remote_id}: {refusal}")
+    await channel.send_record(hello.encode())
+    try:
+        remote_hello = Hello.decode(await channel.receive_record())
+    except (ProtocolError, trio.EndOfChannel) as error:
+        raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
+    check_hello(hello, remote_hello, remote_id)
+    return remote_hello

@@ -14,7 +14,7 @@ import trio
 from peer import Identity, Router, open_peer_host
 from peer.framing import RecordDecoder
 from peer.rpc_outgoing import SendQueue, TrafficCounter
-from peer.secure_channel import TransportCipher
+from peer.record_cipher import TransportCipher
 
 
 class ScriptedChannel:
