@@ -13,8 +13,8 @@ import trio
 
 from peer import Identity, Router, open_peer_host
 from peer.framing import RecordDecoder
-from peer.rpc_outgoing import SendQueue, TrafficCounter
 from peer.record_cipher import TransportCipher
+from peer.rpc_outgoing import SendQueue, TrafficCounter
 
 
 class ScriptedChannel:
