@@ -178,7 +178,7 @@ def test_relay_book_caps_circuits_and_expires_pending_ones():
     assert len(book.expire(10)) == 2 and book.circuits == 1
     assert book.arrive(bytes(16), "junk", 10) is None
     book.close_circuit(first)
-    assert book.circuits == 0 and not book._per_peer
+    assert book.circuits == 0 and book.counted() == (0, 0)
 
 
 def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identities():
@@ -201,7 +201,7 @@ def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identiti
         book.open_circuit(caller, "sybil-1", 0, None)
     with pytest.raises(RelayRefused, match="203.0.113.7 is at its maximum"):
         book.open_circuit("s", "sybil-2", 0, None)
-    assert len(book.expire(10)) == 7 and not book._per_address
+    assert len(book.expire(10)) == 7 and book.counted()[1] == 0
     book.drop_reservation("sybil-1")
     book.reserve("sybil-3", 11, group="203.0.113.7")  # a dropped reservation frees its address's slot
 
