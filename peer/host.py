@@ -324,9 +324,9 @@ class PeerHost:
             stream, self.identity, self.hello(), initiator=False, timeout=self.handshake_timeout, access=self.access
         )
 
-    async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress, *, pool: bool = True) -> Connection:
+    async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress) -> Connection:
         """Run the handshake as initiator on ``stream`` (pinning ``address.peer_id``) and start the
-        connection in this host (pooled unless ``pool`` is False); the stream is closed on failure."""
+        connection in this host (pooled); the stream is closed on failure."""
         try:
             channel = await secure_handshake(
                 stream,

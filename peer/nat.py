@@ -140,9 +140,7 @@ class NatTraversal:
                 if self.relay is not None:
                     # behind NAT we are no use as a relay: take no reservations and forget those
                     # taken while our reachability was unknown (their holders move on at renewal)
-                    self.relay.accepting = self.reachability.status != NAT
-                    if not self.relay.accepting:
-                        self.relay.book.reservations.clear()
+                    self.relay.accept_reservations(self.reachability.status != NAT)
                 if self.reachability.status == NAT and not reserving:
                     reserving = True
                     nursery.start_soon(self.client.run, self.servers)

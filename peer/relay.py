@@ -60,15 +60,26 @@ class Relay:
         self.host = host
         self.book: RelayBook[PeerID] = RelayBook(limits)
         self.bytes_relayed = 0
-        # Whether to take reservations: a peer that cannot be reached itself is no use as a relay
-        # (``NatTraversal`` keeps this to "our reachability is not nat").
-        self.accepting = True
+        self._accepting = True
         self._waiting_ends = 0
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
         host.presence.serve_circuits(self)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether this relay takes reservations (see ``accept_reservations``)."""
+        return self._accepting
+
+    def accept_reservations(self, accepting: bool) -> None:
+        """Take reservations or not: a peer that cannot be reached itself is no use as a relay
+        (``NatTraversal`` keeps this to "our reachability is not nat"). Not accepting also forgets
+        the reservations taken so far; their holders move on when they renew."""
+        self._accepting = accepting
+        if not accepting:
+            self.book.reservations.clear()
 
     @property
     def waiting_ends(self) -> int:
@@ -79,7 +90,7 @@ class Relay:
         connection = self.host.connection_to(request.peer)
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("reserve over a direct connection to the relay")
-        if not self.accepting:
+        if not self._accepting:
             raise Busy("this peer cannot be reached itself, so it relays for nobody")
         try:
             self.book.reserve(request.peer, trio.current_time(), group=_address_group_of(connection))

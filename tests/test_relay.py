@@ -117,7 +117,7 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
     with pytest.raises(ConnectError, match="relay refused"):
         await dialer.connect(address)
     # a relay that found itself behind NAT takes no reservations
-    relay.accepting = False
+    relay.accept_reservations(False)
     with pytest.raises(BusyError, match="relays for nobody"):
         await dialer.call(relay_host.listen_address, "relay.reserve", None, timeout=5)
     assert dialer.peer_id not in relay.book.reservations
