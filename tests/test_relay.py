@@ -39,11 +39,11 @@ def echo_router() -> Router:
 
 
 @asynccontextmanager
-async def relay_behind_and_dialer(dial_relayed=None):
+async def relay_behind_and_dialer(dial_relayed=None, **relay_host_options):
     """(relay host, relay service, NAT'd host B with a reservation, dialer host A); A dials relayed
     addresses with ``dial_relayed(A, address)`` (default: ``dial_through_relay``)."""
     async with (
-        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), **relay_host_options) as relay_host,
         open_peer_host(Identity.generate(), router=echo_router()) as behind,
         open_peer_host(Identity.generate()) as dialer,
     ):
@@ -144,14 +144,14 @@ async def test_a_circuit_end_reset_midway_through_its_token_costs_only_that_conn
     assert (await dialer.call(address, "echo", 1, timeout=10)).body["echo"] == 1  # the relay still relays
 
 
-async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed):
-    relay_host, relay, _, _ = relayed
-    relay_host.handshake_timeout = 0.3  # a token is due as soon as a handshake would be
-    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
-    await stream.send_all(b"\xff")
-    with trio.fail_after(5):
-        assert await stream.receive_some(10) == b""
-        await until(lambda: relay.waiting_ends == 0)
+async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline():
+    # a token is due as soon as a handshake would be: within 0.3 s here, not the default 10 s
+    async with relay_behind_and_dialer(handshake_timeout=0.3) as (relay_host, relay, _, _):
+        stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+        await stream.send_all(b"\xff")
+        with trio.fail_after(5):
+            assert await stream.receive_some(10) == b""
+            await until(lambda: relay.waiting_ends == 0)
 
 
 def test_relay_book_caps_circuits_and_expires_pending_ones():
