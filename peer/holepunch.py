@@ -42,7 +42,7 @@ from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
 
-__all__ = ["HolePuncher", "PUNCH", "SYNC"]
+__all__ = ["HolePuncher", "PUNCH", "SYNC", "TAKEN", "connect_until"]
 
 log = logging.getLogger("peerd.holepunch")
 
@@ -56,8 +56,8 @@ MAX_TRACKED = 1024
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
-REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see _connect_until)
-TAKEN = object()  # _connect_until: the connection exists already (the other side's dial got in)
+REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see connect_until)
+TAKEN = object()  # connect_until: the connection exists already (the other side's dial got in)
 
 
 class HolePuncher:
@@ -209,7 +209,7 @@ class HolePuncher:
             return False
         local = ("0.0.0.0" if listen.host in ("", "::") else listen.host, listen.port)
         for host, port in addresses:
-            stream = await _connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
+            stream = await connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
             if stream is TAKEN:
                 # the other side's SYN reached our listener first, which is running the handshake
                 # now: wait for that connection rather than call the attempt failed
@@ -250,7 +250,7 @@ class HolePuncher:
         return False
 
 
-async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
+async def connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
     """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
     between the two already exists (the other side's SYN reached our listener). A refusal is tried
     again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a
