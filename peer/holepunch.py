@@ -13,7 +13,7 @@ Over the relayed connection, the peer that dialed (A) and the peer it reached (B
    Noise handshake as initiator and A as responder (if B's SYN reached A's listener instead, A's
    listener is the responder; if A's reached B's listener, A hears nothing within
    ``RESPONDER_PATIENCE`` and initiates itself).
-4. The direct connection replaces the relayed one in both pools (``PeerHost._run_connection``).
+4. The direct connection replaces the relayed one in both pools (``ConnectionPool.add``).
 
 Up to ``ATTEMPTS`` tries; behind a port-randomizing NAT the public port differs from the one
 announced, every try fails, and the peers stay on the relay. The addresses A names are claims: B
