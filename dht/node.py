@@ -209,10 +209,6 @@ class DHTNode:
         await self._maintenance.bootstrap(initial_peers, timeout)
 
     # ------------------------------------------------------------------ peers
-    def peer_alive(self, contact: Contact) -> None:
-        """An authenticated exchange with ``contact`` succeeded: (re)add it to the routing table."""
-        self._contacts.alive(contact)
-
     def excluded(self) -> Callable[[Contact], bool] | None:
         """Contacts to route around: those in failure backoff (None when there are none)."""
         return self._contacts.excluded()

@@ -35,6 +35,7 @@ __all__ = [
     "Found",
     "Writer",
     "RecordStore",
+    "ReplayGuards",
     "merge_found",
     "found_expiration",
     "precedence",
@@ -100,6 +101,56 @@ def merge_found(a: Found | None, b: Found | None) -> Found | None:
     return a if found_precedence(a) >= found_precedence(b) else b
 
 
+class ReplayGuards:
+    """The newest owner-signed version seen per record slot, kept until its replay horizon (when
+    every older version has expired too), so that an older version is refused even after the newer
+    record has gone. At most ``capacity`` guards: when full, those that end soonest go first (their
+    replays could only live briefly anyway)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._newest: dict[_Slot, tuple[int, float]] = {}  # slot -> (newest version, horizon)
+        self._ends: list[tuple[float, _Slot]] = []  # lazy heap of (horizon, slot)
+
+    def __len__(self) -> int:
+        return len(self._newest)
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries of the horizon heap, stale ones (of extended guards) included: at most about
+        twice the guards, so refreshing one record again and again does not grow it."""
+        return len(self._ends)
+
+    def refuses(self, slot: _Slot, version: int) -> bool:
+        """Whether ``version`` is older than the newest one seen for ``slot`` (a replay)."""
+        guard = self._newest.get(slot)
+        return guard is not None and version < guard[0]
+
+    def expire(self, now: float) -> None:
+        while self._ends and self._ends[0][0] <= now:
+            horizon, slot = heapq.heappop(self._ends)
+            guard = self._newest.get(slot)
+            if guard is not None and guard[1] == horizon:
+                del self._newest[slot]
+
+    def guard(self, slot: _Slot, version: int, horizon: float) -> None:
+        """``version`` of ``slot`` was accepted, so it is the newest seen: refuse older ones until
+        ``horizon`` (or the later horizon already guarded)."""
+        old = self._newest.get(slot)
+        if old is not None and old[1] >= horizon:
+            self._newest[slot] = (version, old[1])  # its heap entry stays valid
+            return
+        self._newest[slot] = (version, horizon)
+        heapq.heappush(self._ends, (horizon, slot))
+        if len(self._ends) > 2 * len(self._newest) + 1024:  # entries of extended guards
+            self._ends = [(end, s) for s, (_, end) in self._newest.items()]
+            heapq.heapify(self._ends)
+        while len(self._newest) > self.capacity and self._ends:
+            end, oldest = heapq.heappop(self._ends)
+            if self._newest.get(oldest, (0, None))[1] == end:
+                del self._newest[oldest]
+
+
 class RecordStore:
     def __init__(
         self,
@@ -112,7 +163,7 @@ class RecordStore:
         self.max_records, self.max_bytes, self.max_subkeys = max_records, max_bytes, max_subkeys
         # Replay guards are far smaller than records and live at most a record's lifetime longer;
         # one per record slot the store can hold bounds them with the same number.
-        self.max_replay_guards = max_records
+        self.replay_guards = ReplayGuards(max_records)
         self.clock = clock
         self._plain: dict[bytes, StoredValue] = {}
         self._dicts: dict[bytes, dict[bytes, StoredValue]] = {}
@@ -121,8 +172,6 @@ class RecordStore:
         self._writer_expiry: dict[Writer, list[_Entry]] = {}  # the same, per writer (for eviction)
         self._usage: dict[Writer, list[int]] = {}  # writer -> [records, bytes, sequence of its share entry]
         self._shares: list[tuple[float, int, Writer]] = []  # lazy max-heap of (-share, sequence, writer)
-        self._replay_guard: dict[_Slot, tuple[int, float]] = {}  # slot -> (newest version, horizon)
-        self._guard_expiry: list[tuple[float, _Slot]] = []
         self._sequence = itertools.count()
         self._records = 0
         self._bytes = 0
@@ -134,6 +183,12 @@ class RecordStore:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    @property
+    def expiry_entries(self) -> int:
+        """Entries of the expiry heap, stale ones (of replaced records) included: at most about
+        twice the records, so replacing one record again and again does not grow it."""
+        return len(self._expiry)
 
     def usage(self, writer: Writer) -> tuple[int, int]:
         """(records, bytes) held that ``writer`` stored."""
@@ -184,10 +239,8 @@ class RecordStore:
         current = self._current(key, subkey)
         if current == new:
             return True
-        if version is not None:
-            guard = self._replay_guard.get(slot)
-            if guard is not None and version < guard[0]:
-                return False
+        if version is not None and self.replay_guards.refuses(slot, version):
+            return False
         rank = precedence(new)
         if current is not None and precedence(current) >= rank:
             return False
@@ -209,7 +262,7 @@ class RecordStore:
             return False
         self._insert(slot, new, writer)
         if version is not None:
-            self._guard_replays(slot, version, expiration_time if replay_horizon is None else replay_horizon)
+            self.replay_guards.guard(slot, version, expiration_time if replay_horizon is None else replay_horizon)
         return True
 
     # ------------------------------------------------------------------ internals
@@ -289,28 +342,7 @@ class RecordStore:
         if len(self._expiry) > 2 * self._records + 1024:  # stale entries from replaced records
             self._expiry = [entry for entry in self._expiry if self._is_held(entry)]
             heapq.heapify(self._expiry)
-        while self._guard_expiry and self._guard_expiry[0][0] <= now:
-            horizon, slot = heapq.heappop(self._guard_expiry)
-            guard = self._replay_guard.get(slot)
-            if guard is not None and guard[1] == horizon:
-                del self._replay_guard[slot]
-
-    def _guard_replays(self, slot: _Slot, version: int, horizon: float) -> None:
-        # Only called for an accepted record, so ``version`` is the newest seen for the slot.
-        old = self._replay_guard.get(slot)
-        if old is not None and old[1] >= horizon:
-            self._replay_guard[slot] = (version, old[1])  # its heap entry stays valid
-            return
-        self._replay_guard[slot] = (version, horizon)
-        heapq.heappush(self._guard_expiry, (horizon, slot))
-        if len(self._guard_expiry) > 2 * len(self._replay_guard) + 1024:  # entries of extended guards
-            self._guard_expiry = [(end, s) for s, (_, end) in self._replay_guard.items()]
-            heapq.heapify(self._guard_expiry)
-        # Full: forget the guards that end soonest (their replays could only live briefly anyway).
-        while len(self._replay_guard) > self.max_replay_guards and self._guard_expiry:
-            end, oldest = heapq.heappop(self._guard_expiry)
-            if self._replay_guard.get(oldest, (0, None))[1] == end:
-                del self._replay_guard[oldest]
+        self.replay_guards.expire(now)
 
     def _share(self, usage: list[int]) -> float:
         return max(usage[0] / self.max_records, usage[1] / self.max_bytes)

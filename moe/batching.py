@@ -38,10 +38,6 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    @property
-    def pending_samples(self) -> int:
-        return sum(job.size for job in self._jobs)
-
     def add(self, job: Job) -> None:
         if not 1 <= job.size <= self.max_batch_size:
             raise ValueError(f"batch of {job.size} samples is outside 1..{self.max_batch_size} (max_batch_size)")

@@ -332,7 +332,7 @@ async def open_expert_server(
                     lambda task_status: run_heartbeat(
                         dht,
                         sorted(server.experts),
-                        lambda: host.public_address if host.announced else address,
+                        lambda: host.public_address if host.presence.announced else address,
                         period=heartbeat_period,
                         ttl=heartbeat_ttl,
                         task_status=task_status,

@@ -129,6 +129,11 @@ class RecordDecoder:
         return True
 
     @property
+    def buffer_size(self) -> int:
+        """Bytes of buffer held now, used or not (what this connection's receiving costs)."""
+        return len(self._buffer)
+
+    @property
     def holds_large_buffer(self) -> bool:
         return isinstance(self._buffer, mmap.mmap)
 

@@ -13,7 +13,7 @@ Over the relayed connection, the peer that dialed (A) and the peer it reached (B
    Noise handshake as initiator and A as responder (if B's SYN reached A's listener instead, A's
    listener is the responder; if A's reached B's listener, A hears nothing within
    ``RESPONDER_PATIENCE`` and initiates itself).
-4. The direct connection replaces the relayed one in both pools (``PeerHost._run_connection``).
+4. The direct connection replaces the relayed one in both pools (``ConnectionPool.add``).
 
 Up to ``ATTEMPTS`` tries; behind a port-randomizing NAT the public port differs from the one
 announced, every try fails, and the peers stay on the relay. The addresses A names are claims: B
@@ -42,7 +42,7 @@ from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
 
-__all__ = ["HolePuncher", "PUNCH", "SYNC"]
+__all__ = ["HolePuncher", "PUNCH", "SYNC", "TAKEN", "connect_until"]
 
 log = logging.getLogger("peerd.holepunch")
 
@@ -56,8 +56,8 @@ MAX_TRACKED = 1024
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
-REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see _connect_until)
-TAKEN = object()  # _connect_until: the connection exists already (the other side's dial got in)
+REFUSED_RETRY = 0.05  # the first pause after a NAT refused a dial, doubling (see connect_until)
+TAKEN = object()  # connect_until: the connection exists already (the other side's dial got in)
 
 
 class HolePuncher:
@@ -88,6 +88,11 @@ class HolePuncher:
             "last_punch_s": None if self.last_punch_s is None else round(self.last_punch_s, 3),
         }
 
+    @property
+    def punching(self) -> int:
+        """How many peers a punch (ours or theirs) is in progress with now."""
+        return len(self._in_progress)
+
     def _addresses(self) -> list[str]:
         host = self.observed_host()
         listen = self.host.listen_address
@@ -107,7 +112,7 @@ class HolePuncher:
             return
         self._in_progress.add(peer)
         try:
-            self.host._nursery.start_soon(self.punch, connection)
+            self.host.start_soon(self.punch, connection)
         except RuntimeError:  # the host is closing
             self._in_progress.discard(peer)
 
@@ -187,7 +192,7 @@ class HolePuncher:
             raise Busy("too many punches in progress")
         if theirs:
             self._in_progress.add(request.peer)
-            self.host._nursery.start_soon(self._dial_later, request.peer, theirs, float(delay))
+            self.host.start_soon(self._dial_later, request.peer, theirs, float(delay))
         return None
 
     async def _dial_later(self, peer: PeerID, addresses: list[tuple[str, int]], delay: float) -> None:
@@ -204,7 +209,7 @@ class HolePuncher:
             return False
         local = ("0.0.0.0" if listen.host in ("", "::") else listen.host, listen.port)
         for host, port in addresses:
-            stream = await _connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
+            stream = await connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
             if stream is TAKEN:
                 # the other side's SYN reached our listener first, which is running the handshake
                 # now: wait for that connection rather than call the attempt failed
@@ -240,12 +245,12 @@ class HolePuncher:
             if channel.remote_peer_id != peer:
                 await channel.aclose()
                 continue
-            await self.host._nursery.start(functools.partial(self.host.accept_channel, channel, address_group(host)))
+            await self.host.start(functools.partial(self.host.accept_channel, channel, address_group(host)))
             return self._direct(peer)
         return False
 
 
-async def _connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
+async def connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
     """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
     between the two already exists (the other side's SYN reached our listener). A refusal is tried
     again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a

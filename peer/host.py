@@ -2,8 +2,13 @@
 
 ``open_peer_host`` is the one place a peer's connections live: it owns the nursery in which every
 connection runs, so leaving the ``async with`` block closes them all. At most one connection per
-remote peer is kept in the pool (incoming connections are reused for outgoing calls too); a dead
-connection leaves the pool and the next call dials again.
+remote peer is kept in the pool (``peer/connection_pool.py``; incoming connections are reused for
+outgoing calls too); a dead connection leaves the pool and the next call dials again.
+
+What NAT traversal (``peer/relay.py``, ``peer/holepunch.py``, ``peer/reachability.py``) needs of a
+host is public: ``start_soon``/``start`` run a task the host owns (it ends with the host),
+``hello()`` is what the host says at a handshake, and ``presence`` (``peer/presence.py``) holds the
+announced relayed addresses, the relay dialer and the relay that takes circuit ends.
 
 A host carries its node-ID proof (``peer/node_id.py``) and the run's node-ID difficulty: its hellos
 show the proof, and it refuses peers whose proof or difficulty does not match the run's.
@@ -11,6 +16,7 @@ show the proof, and it refuses peers whose proof or difficulty does not match th
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,9 +28,11 @@ import trio
 from .access import SwarmAccess
 from .address import PeerAddress
 from .admission import Admission, address_group
+from .connection_pool import ConnectError, ConnectionPool
 from .identity import Identity, PeerID
 from .nat_state import TOKEN_BYTES
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
+from .presence import Presence
 from .reuse_port import open_listeners
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
@@ -45,35 +53,10 @@ log = logging.getLogger("peerd.host")
 
 # Dialing: a peer that does not accept within 5 s on a LAN or across the internet is as good as dead.
 CONNECT_TIMEOUT = 5.0
-# Endpoints whose identity we learned by dialing them. Contacts come from other peers, so this map
-# is bounded: past the cap the oldest entries go (they only save a lookup in the pool).
-MAX_KNOWN_ENDPOINTS = 4096
 # A relayed connection replaced by a direct one stays open this long for the calls still on it.
 RELAY_HANDOVER_GRACE = 30.0
 
-
-class ConnectError(OSError):
-    """Could not reach or authenticate a peer; the message says which address and why.
-    ``refused``: the host answered that nothing listens at that port (ECONNREFUSED), unlike a
-    timeout or an unreachable network, which say nothing about whether a peer is there."""
-
-    def __init__(self, message: str, *, refused: bool = False):
-        super().__init__(message)
-        self.refused = refused
-
-
 Service = TypeVar("Service")
-
-
-class _Dial:
-    """One dial in flight, shared by every caller that wants the same endpoint and identity."""
-
-    __slots__ = ("done", "connection", "error")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.connection: Connection | None = None
-        self.error: ConnectError | None = None
 
 
 class PeerHost:
@@ -101,43 +84,58 @@ class PeerHost:
         start. Without ``node_id`` the host solves the puzzle itself, now. ``access`` makes the
         swarm private (``peer/access.py``): an allowlist of peer IDs and/or a shared swarm key."""
         self.identity = identity
-        self.peer_id: PeerID = identity.peer_id
-        self.node_id_difficulty = check_difficulty(node_id_difficulty)
+        node_id_difficulty = check_difficulty(node_id_difficulty)
         if node_id is None:
             node_id = NodeIDProof.solve(identity.peer_id, node_id_difficulty)
         elif node_id.peer_id != identity.peer_id or not node_id.satisfies(node_id_difficulty):
             raise ValueError(f"{node_id!r} is not a solution for {identity.peer_id} at difficulty {node_id_difficulty}")
         self.node_id = node_id
+        # What every hello of ours says whatever our addresses (``hello()`` fills those in).
+        self._hello_terms = Hello(
+            protocol_version, run_id, node_id_nonce=node_id.nonce, node_id_difficulty=node_id_difficulty
+        )
         self.router = router if router is not None else Router()
-        self.run_id = run_id
         self.access = access if access is not None else SwarmAccess()
         self.client_mode = client_mode
-        self.protocol_version = protocol_version
         self.handshake_timeout = handshake_timeout
         self.connect_timeout = connect_timeout
         self.listen_address: PeerAddress | None = None
         self._nursery = nursery
-        self._connections: dict[PeerID, Connection] = {}
-        self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
-        self._dialing: dict[tuple[str, int, PeerID | None], _Dial] = {}
+        self._pool = ConnectionPool()
         self.admission = Admission()  # fair limits on pending handshakes and incoming connections
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
         self._services: dict[type, Any] = {}
-        # NAT traversal (peer/relay.py, peer/reachability.py): the relay we run for others (None:
-        # we relay nothing), how we dial a relayed address, and the addresses we announce instead
-        # of our listen address while we cannot be reached directly.
-        self.relay: Any = None
-        self.relay_dialer: Callable[[PeerAddress], Awaitable[trio.SocketStream]] | None = None
-        self.announced: list[PeerAddress] = []
+        self.presence = Presence()  # relayed addresses we announce, relays we dial and run
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    @property
+    def node_id_difficulty(self) -> int:
+        """The run's node-ID difficulty: every peer we accept proves its node ID at it."""
+        return self._hello_terms.node_id_difficulty
 
     @property
     def public_address(self) -> PeerAddress | None:
         """Where others reach us: our first relayed address while we announce relayed ones (behind
         NAT), else our listen address (None in client mode)."""
-        if self.announced:
-            return self.announced[0].with_peer_id(self.peer_id)
+        announced = self.presence.announced
+        if announced:
+            return announced[0].with_peer_id(self.peer_id)
         return self.listen_address
+
+    def start_soon(self, task: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``task(*args)`` as a task of this host: it is cancelled when the host closes (a
+        RuntimeError once the host is closing). For work that outlives the call that starts it,
+        on behalf of the host's connections (answering a relayed circuit, a hole punch)."""
+        self._nursery.start_soon(task, *args)
+
+    async def start(self, task: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Like ``start_soon``, but wait until ``task`` calls ``task_status.started()``; returns
+        what it passed."""
+        return await self._nursery.start(task, *args)
 
     def service(self, kind: type[Service]) -> Service:
         """This host's one ``kind(self)``, created on first use.
@@ -158,19 +156,15 @@ class PeerHost:
         self._services[kind] = service
 
     # ------------------------------------------------------------------ listening
-    def _hello(self) -> Hello:
-        if self.announced:
-            listen = tuple(str(address) for address in self.announced[:4])
+    def hello(self) -> Hello:
+        """What this host says at a handshake now: its protocol version, run, node-ID proof, client
+        mode and where it is reached (its announced relayed addresses, else its listen address)."""
+        announced = self.presence.announced
+        if announced:
+            listen = tuple(str(address) for address in announced[:4])
         else:
             listen = (self.listen_address.endpoint,) if self.listen_address is not None else ()
-        return Hello(
-            self.protocol_version,
-            self.run_id,
-            self.client_mode,
-            listen,
-            node_id_nonce=self.node_id.nonce,
-            node_id_difficulty=self.node_id_difficulty,
-        )
+        return dataclasses.replace(self._hello_terms, client_mode=self.client_mode, listen_addresses=listen)
 
     async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await open_listeners(host, port)  # punched dials share their port
@@ -206,7 +200,7 @@ class PeerHost:
                 # limits on pending handshakes, so silent circuit ends cannot hold the door either
                 with trio.fail_after(self.handshake_timeout):
                     if await _opens_circuit(stream):
-                        if self.relay is None:
+                        if not self.presence.relays_circuits:
                             raise ConnectError("a circuit end, but this peer relays nothing")
                         circuit_token = await _circuit_token(stream)
                     else:
@@ -221,7 +215,7 @@ class PeerHost:
             await trio.aclose_forcefully(stream)
             return
         if circuit_token is not None:  # one end of a relayed circuit (peer/relay.py)
-            await self.relay.accept_circuit_end(stream, circuit_token)
+            await self.presence.accept_circuit_end(stream, circuit_token)
             return
         await self.accept_channel(channel, group)
 
@@ -235,8 +229,9 @@ class PeerHost:
     ) -> None:
         """Admit and run an authenticated incoming connection (direct, or through ``relayed_via``);
         ``task_status.started()`` once it is pooled (or refused)."""
-        connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
-        connection.relayed_via = relayed_via
+        connection = Connection(
+            channel, self.router, serve=not self.client_mode, traffic=self.traffic, relayed_via=relayed_via
+        )
         older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
         if older_connections is None:
             log.debug("refused a connection from %s: too many from that address", group)
@@ -261,29 +256,23 @@ class PeerHost:
     async def _run_connection(
         self, connection: Connection, incoming: bool, *, task_status=trio.TASK_STATUS_IGNORED
     ) -> None:
-        peer = connection.remote_peer_id
-        existing = self._connections.get(peer)
-        if existing is None or existing.is_closed:
-            self._connections[peer] = connection
-        elif existing.relayed_via is not None and connection.relayed_via is None:
-            # a direct path (hole punched, or the peer became reachable) takes over from the relay;
+        replaced = self._pool.add(connection)
+        if replaced is not None:
+            # a direct path (hole punched, or the peer became reachable) took over from the relay;
             # calls already on the relayed connection get a grace period to finish
-            self._connections[peer] = connection
-            self._nursery.start_soon(_close_after, existing, RELAY_HANDOVER_GRACE)
+            self._nursery.start_soon(_close_after, replaced, RELAY_HANDOVER_GRACE)
         for callback in self.on_connection:
             callback(connection, incoming)
         task_status.started()
         try:
             await connection.run()
         finally:
-            if self._connections.get(peer) is connection:
-                del self._connections[peer]
-            log.debug("connection to %s closed", peer)
+            self._pool.remove(connection)
+            log.debug("connection to %s closed", connection.remote_peer_id)
 
     # ------------------------------------------------------------------ dialing
     def connection_to(self, peer: PeerID) -> Connection | None:
-        connection = self._connections.get(peer)
-        return connection if connection is not None and not connection.is_closed else None
+        return self._pool.get(peer)
 
     @staticmethod
     def remote_node_id(connection: Connection) -> NodeIDProof:
@@ -293,7 +282,7 @@ class PeerHost:
 
     @property
     def connected_peers(self) -> list[PeerID]:
-        return [peer for peer, conn in self._connections.items() if not conn.is_closed]
+        return self._pool.peers
 
     async def connect(self, address: PeerAddress) -> Connection:
         """A live connection to ``address``, reused from the pool or dialed (then pooled).
@@ -303,46 +292,14 @@ class PeerHost:
         the same endpoint and expected identity share one dial and its outcome; calls that pin
         different identities at one endpoint dial separately, so each gets its own answer.
         """
-        endpoint = (address.host, address.port)
-        key = (address.host, address.port, address.peer_id)
-        while True:
-            known = address.peer_id or self._endpoint_peer.get(endpoint)
-            if known is not None and (connection := self.connection_to(known)) is not None:
-                if address.peer_id is None or address.peer_id == connection.remote_peer_id:
-                    return connection
-            dial = self._dialing.get(key)
-            if dial is None:
-                break
-            await dial.done.wait()
-            if dial.error is not None:
-                raise ConnectError(str(dial.error), refused=dial.error.refused)
-            # Their connection is pooled now, unless it already closed or their dial was cancelled
-            # (their deadline, not ours): then look, and dial, again.
-        dial = self._dialing[key] = _Dial()
-        try:
-            dial.connection = await self._dial(address)
-        except ConnectError as error:
-            dial.error = error
-            raise
-        finally:
-            del self._dialing[key]
-            dial.done.set()
-        return dial.connection
+        return await self._pool.connect(address, self._dial)
 
     async def _dial(self, address: PeerAddress) -> Connection:
         if address.relay is not None:
-            if self.relay_dialer is None:
-                raise ConnectError(f"{address}: this peer does not dial through relays")
-            stream = await self.relay_dialer(address)
+            stream = await self.presence.dial_relayed(address)
         else:
             stream = await self.open_stream(address)
         connection = await self.secure_outgoing(stream, address)
-        endpoint = (address.host, address.port)
-        if address.relay is None:
-            self._endpoint_peer.pop(endpoint, None)
-            self._endpoint_peer[endpoint] = connection.remote_peer_id
-            while len(self._endpoint_peer) > MAX_KNOWN_ENDPOINTS:
-                del self._endpoint_peer[next(iter(self._endpoint_peer))]
         log.debug("connected to %s at %s", connection.remote_peer_id, address)
         return connection
 
@@ -364,17 +321,17 @@ class PeerHost:
         """Run the handshake as responder on ``stream`` with this host's identity, hello, access
         rules and deadline: for accepted connections, relayed circuit ends and punched ones."""
         return await secure_handshake(
-            stream, self.identity, self._hello(), initiator=False, timeout=self.handshake_timeout, access=self.access
+            stream, self.identity, self.hello(), initiator=False, timeout=self.handshake_timeout, access=self.access
         )
 
-    async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress, *, pool: bool = True) -> Connection:
+    async def secure_outgoing(self, stream: trio.abc.Stream, address: PeerAddress) -> Connection:
         """Run the handshake as initiator on ``stream`` (pinning ``address.peer_id``) and start the
-        connection in this host (pooled unless ``pool`` is False); the stream is closed on failure."""
+        connection in this host (pooled); the stream is closed on failure."""
         try:
             channel = await secure_handshake(
                 stream,
                 self.identity,
-                self._hello(),
+                self.hello(),
                 initiator=True,
                 expected_peer=address.peer_id,
                 timeout=self.handshake_timeout,
@@ -389,8 +346,9 @@ class PeerHost:
             if isinstance(error, (trio.BrokenResourceError, OSError)):
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise
-        connection = Connection(channel, self.router, serve=not self.client_mode, traffic=self.traffic)
-        connection.relayed_via = address.relay
+        connection = Connection(
+            channel, self.router, serve=not self.client_mode, traffic=self.traffic, relayed_via=address.relay
+        )
         try:
             self._nursery.start_soon(self._run_connection, connection, False)
         except RuntimeError:  # the host is shutting down; callers running outside it see a clean error

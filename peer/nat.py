@@ -9,7 +9,6 @@ Pieces: ``peer/reachability.py`` (dial-back), ``peer/relay.py`` (relays and rese
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -87,10 +86,7 @@ class NatTraversal:
                 PeerAddress.parse(text)
             except ValueError as error:
                 raise BadRequest(str(error)) from None
-        connection.remote_hello = dataclasses.replace(
-            connection.remote_hello, listen_addresses=tuple(listen), client_mode=not listen
-        )
-        connection.__dict__.pop("remote_listen_address", None)  # worked out again from the new hello
+        connection.remote_moved(tuple(listen))
         return None
 
     def servers(self) -> list[PeerAddress]:
@@ -106,7 +102,7 @@ class NatTraversal:
 
     def status(self) -> dict[str, Any]:
         status = self.reachability.as_dict()
-        status["relayed_addresses"] = [str(a) for a in self.host.announced]
+        status["relayed_addresses"] = [str(a) for a in self.host.presence.announced]
         status["client_mode_fallback"] = self.fallback_client_mode
         if self.relay is not None:
             status["relaying"] = {
@@ -144,9 +140,7 @@ class NatTraversal:
                 if self.relay is not None:
                     # behind NAT we are no use as a relay: take no reservations and forget those
                     # taken while our reachability was unknown (their holders move on at renewal)
-                    self.relay.accepting = self.reachability.status != NAT
-                    if not self.relay.accepting:
-                        self.relay.book.reservations.clear()
+                    self.relay.accept_reservations(self.reachability.status != NAT)
                 if self.reachability.status == NAT and not reserving:
                     reserving = True
                     nursery.start_soon(self.client.run, self.servers)
@@ -158,16 +152,17 @@ class NatTraversal:
         """Behind NAT with no reservation: client mode (nobody could reach our address anyway)."""
         await trio.sleep(RELAY_GRACE)
         while True:
-            if not self.host.announced and not self.fallback_client_mode:
+            announced = self.host.presence.announced
+            if not announced and not self.fallback_client_mode:
                 self.fallback_client_mode = self.host.client_mode = True
                 log.warning(
                     "this peer cannot be reached (%s) and no relay accepted a reservation: "
                     "running in client mode (it sends requests but serves none) until a relay is found",
                     self.reachability.reason,
                 )
-            elif self.host.announced and self.fallback_client_mode:
+            elif announced and self.fallback_client_mode:
                 self.fallback_client_mode = self.host.client_mode = False
-                log.info("reachable through relays again: %s", ", ".join(map(str, self.host.announced)))
+                log.info("reachable through relays again: %s", ", ".join(map(str, announced)))
             await self.client.changed.wait()
 
     async def _push_addresses(self) -> None:
@@ -175,7 +170,7 @@ class NatTraversal:
         limiter = trio.CapacityLimiter(16)
         while True:
             await self.client.changed.wait()
-            listen = [str(address) for address in self.host.announced[:MAX_ANNOUNCED]]
+            listen = [str(address) for address in self.host.presence.announced[:MAX_ANNOUNCED]]
             with trio.move_on_after(30):
                 async with trio.open_nursery() as nursery:
                     for peer in self.host.connected_peers:

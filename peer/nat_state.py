@@ -188,6 +188,11 @@ class RelayBook(Generic[Peer]):
     def circuits(self) -> int:
         return len(self._all)
 
+    def counted(self) -> tuple[int, int]:
+        """How many peers and address groups have circuits counted against their limits now; each
+        leaves the count with its last circuit, so the counters never outgrow the circuits."""
+        return len(self._per_peer), len(self._per_address)
+
     def reserve(self, peer: Peer, now: float, group: str | None = None) -> float:
         """Reserve (or renew) for ``peer``, whose connection comes from address ``group`` (None:
         loopback, no per-address limit); returns the expiry. Raises RelayRefused when full."""

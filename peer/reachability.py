@@ -94,7 +94,7 @@ class ReachabilityService:
                 channel = await secure_handshake(
                     stream,
                     host.identity,
-                    host._hello(),
+                    host.hello(),
                     initiator=True,
                     expected_peer=address.peer_id,
                     timeout=DIALBACK_TIMEOUT,

@@ -23,6 +23,7 @@ the dialer's.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -52,27 +53,44 @@ RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservat
 
 
 class Relay:
-    """The relay a public peer runs for others (``host.relay``)."""
+    """The relay a public peer runs for others: its host hands it every circuit end that arrives
+    (``host.presence.serve_circuits``)."""
 
     def __init__(self, host: PeerHost, limits: RelayLimits | None = None):
         self.host = host
         self.book: RelayBook[PeerID] = RelayBook(limits)
         self.bytes_relayed = 0
-        # Whether to take reservations: a peer that cannot be reached itself is no use as a relay
-        # (``NatTraversal`` keeps this to "our reachability is not nat").
-        self.accepting = True
+        self._accepting = True
         self._waiting_ends = 0
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
-        host.relay = self
+        host.presence.serve_circuits(self)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether this relay takes reservations (see ``accept_reservations``)."""
+        return self._accepting
+
+    def accept_reservations(self, accepting: bool) -> None:
+        """Take reservations or not: a peer that cannot be reached itself is no use as a relay
+        (``NatTraversal`` keeps this to "our reachability is not nat"). Not accepting also forgets
+        the reservations taken so far; their holders move on when they renew."""
+        self._accepting = accepting
+        if not accepting:
+            self.book.reservations.clear()
+
+    @property
+    def waiting_ends(self) -> int:
+        """Circuit ends that arrived and wait for their partner (at most ``MAX_WAITING_ENDS``)."""
+        return self._waiting_ends
 
     async def _reserve(self, request: Request) -> Any:
         connection = self.host.connection_to(request.peer)
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("reserve over a direct connection to the relay")
-        if not self.accepting:
+        if not self._accepting:
             raise Busy("this peer cannot be reached itself, so it relays for nobody")
         try:
             self.book.reserve(request.peer, trio.current_time(), group=_address_group_of(connection))
@@ -186,7 +204,8 @@ async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.Socke
 
 class RelayClient:
     """Reservations with up to ``wanted`` relays, for a peer that cannot be reached directly, and
-    the circuits they bring. ``run`` keeps the reservations and ``host.announced`` up to date."""
+    the circuits they bring. ``run`` keeps the reservations and the host's announced addresses
+    (``host.presence``) up to date; the host dials relayed addresses with ``dial_through_relay``."""
 
     def __init__(self, host: PeerHost, *, wanted: int = 2):
         self.host = host
@@ -195,7 +214,7 @@ class RelayClient:
         self._pending_incoming: Counter[PeerID] = Counter()  # circuits in setup, per source
         self.changed = trio.Event()
         host.router.add_unary(INCOMING, self._incoming)
-        host.relay_dialer = lambda address: dial_through_relay(host, address)
+        host.presence.dial_relayed_with(functools.partial(dial_through_relay, host))
 
     async def _incoming(self, request: Request) -> Any:
         relay = self.reserved.get(request.peer)
@@ -214,7 +233,7 @@ class RelayClient:
             raise Busy("too many circuits from this source being set up")
         self._pending_incoming[source] += 1
         try:
-            self.host._nursery.start_soon(self._answer, relay, source, token)
+            self.host.start_soon(self._answer, relay, source, token)
         except BaseException:
             self._settled(source)
             raise
@@ -263,10 +282,9 @@ class RelayClient:
         self.reserved[relay_id] = relay.with_peer_id(relay_id)
         return relay_id, float(ttl)
 
-    def _announce(self) -> None:
-        self.host.announced = [PeerAddress(a.host, a.port, None, a.peer_id) for a in self.reserved.values()]
-        self.changed.set()
-        self.changed = trio.Event()
+    def _relayed_addresses(self) -> list[PeerAddress]:
+        """Our address at each relay we hold a reservation with (our peer ID filled in by the host)."""
+        return [PeerAddress(a.host, a.port, None, a.peer_id) for a in self.reserved.values()]
 
     async def run(self, candidates: Callable[[], list[PeerAddress]], *, retry: float | None = None) -> None:
         """Keep ``wanted`` reservations among ``candidates()`` (public peers, tried in order);
@@ -296,10 +314,11 @@ class RelayClient:
                     continue
                 renew_at[relay_id] = trio.current_time() + ttl / 3
                 log.info("reserved a relayed address with %s", self.reserved[relay_id])
-            if [str(a) for a in self.host.announced] != [
-                str(PeerAddress(a.host, a.port, None, a.peer_id)) for a in self.reserved.values()
-            ]:
-                self._announce()
+            relayed = self._relayed_addresses()
+            if [str(a) for a in self.host.presence.announced] != [str(a) for a in relayed]:
+                self.host.presence.announce(relayed)
+                self.changed.set()
+                self.changed = trio.Event()
             now = trio.current_time()
             wait = min([60.0, *(at - now for at in renew_at.values())])
             if len(self.reserved) < self.wanted:

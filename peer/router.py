@@ -4,21 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .address import PeerAddress
 from .identity import PeerID
-
-if TYPE_CHECKING:
-    from .rpc import ServerStream
+from .message import Message
+from .rpc_streams import ServerStream
 
 __all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
-
-
-@dataclass(frozen=True)
-class Message:
-    body: Any = None
-    payload: bytes | bytearray | memoryview = b""
 
 
 @dataclass(frozen=True)
@@ -35,10 +28,10 @@ class Request:
 
 
 UnaryHandler = Callable[[Request], Awaitable[Any]]
-StreamHandler = Callable[["ServerStream"], Awaitable[None]]
+StreamHandler = Callable[[ServerStream], Awaitable[None]]
 # Called with a stream as soon as its call opens, before any of its messages is processed (the
 # handler task itself starts a little later, by which time data may have arrived).
-StreamPrepare = Callable[["ServerStream"], None]
+StreamPrepare = Callable[[ServerStream], None]
 
 
 class Router:

@@ -8,6 +8,7 @@ is released (``rpc_outgoing.py``: the queue of outgoing messages and the writer)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -79,15 +80,16 @@ class Connection:
         *,
         serve: bool = True,
         traffic: TrafficCounter | None = None,
+        relayed_via: PeerID | None = None,
     ):
+        """``relayed_via``: the relay this connection runs through (None: a direct connection)."""
         self.traffic = traffic if traffic is not None else TrafficCounter()
         self.channel = channel
         self.router = router if router is not None else Router()
         self.serve = serve  # False for client-mode peers: incoming calls are refused
         self.protocol = RPCProtocol(channel.initiator)
-        self.remote_peer_id = channel.remote_peer_id
         self.remote_hello = channel.remote_hello
-        self.relayed_via: PeerID | None = None  # the relay this connection runs through, if any
+        self.relayed_via = relayed_via
         self.closed = trio.Event()
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
@@ -97,6 +99,11 @@ class Connection:
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
         self.silence = LinkSilence()  # how long calls have waited on a link that said nothing
+
+    @property
+    def remote_peer_id(self) -> PeerID:
+        """Who is at the other end, as the handshake authenticated it."""
+        return self.channel.remote_peer_id
 
     @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
@@ -116,6 +123,14 @@ class Connection:
             except (AttributeError, OSError):
                 return None
         return PeerAddress(host, advertised.port, self.remote_peer_id, advertised.relay)
+
+    def remote_moved(self, listen_addresses: tuple[str, ...]) -> None:
+        """The peer told us where it is reached now (``peer/nat.py``): those addresses replace its
+        hello's on this connection (none: it serves no calls, as a client-mode peer)."""
+        self.remote_hello = dataclasses.replace(
+            self.remote_hello, listen_addresses=listen_addresses, client_mode=not listen_addresses
+        )
+        self.__dict__.pop("remote_listen_address", None)  # worked out again from the new hello
 
     @functools.cached_property
     def remote_node_id(self) -> NodeIDProof:
@@ -186,11 +201,7 @@ class Connection:
 
     def _fail_all(self, error: BaseException) -> None:
         for state in self._pending.values():
-            if state.error is None:
-                state.error = error
-            state.done.set()
-            state.arrived.set()
-            state.credit.set()
+            state.fail(error)
         self._pending.clear()
 
     # ------------------------------------------------------------------ calls
@@ -320,7 +331,7 @@ class Connection:
     # ------------------------------------------------------------------ reading
     async def _read_loop(self) -> None:
         channel, protocol = self.channel, self.protocol
-        decoder, cipher = channel.decoder, channel.receive_cipher
+        decoder, open_record, open_into = channel.decoder, channel.open, channel.open_into
         budget = READ_BUDGET
         while True:
             while (record := decoder.next_record()) is not None:
@@ -330,13 +341,13 @@ class Connection:
                     if protocol.payload_fits_record(len(record) - AEAD_TAG_SIZE):
                         # The whole payload in one record and nowhere in particular to put it: let
                         # the AEAD allocate the plaintext (one allocation, no buffer to fill).
-                        events = protocol.payload_whole(cipher.open(record))
+                        events = protocol.payload_whole(open_record(record))
                     else:
                         target = protocol.payload_target(len(record) - AEAD_TAG_SIZE)
-                        events = protocol.payload_received(cipher.open_into(record, target))
+                        events = protocol.payload_received(open_into(record, target))
                         del target  # a fresh payload buffer may have to grow for the next record
                 else:
-                    events = protocol.receive_header(cipher.open(record))
+                    events = protocol.receive_header(open_record(record))
                     if protocol.awaiting_payload:
                         if protocol.announced_data is not None:
                             self._supply_payload_buffer(*protocol.announced_data)
@@ -411,10 +422,7 @@ class Connection:
         elif isinstance(event, CallFailed):
             state = self._pending.pop(event.call_id, None)
             if state is not None:
-                state.error = remote_error(state.method, self.remote_peer_id, event.type_name, event.message)
-                state.done.set()
-                state.arrived.set()
-                state.credit.set()
+                state.fail(remote_error(state.method, self.remote_peer_id, event.type_name, event.message))
         elif isinstance(event, CallCancelled):
             scope = self._handler_scopes.get(event.call_id)
             if scope is not None:

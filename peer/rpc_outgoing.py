@@ -121,7 +121,7 @@ class SendQueue:
         size = len(header) + (len(payload) if payload is not None else 0)
         if not self._fast or size > FAST_PATH_MAX or self._items:
             return True
-        view, seal = self._view, self._channel.send_cipher.seal_into
+        view, seal = self._view, self._channel.seal_into
         position = seal(header, view)
         if payload is not None:
             position += seal(payload, view[position:])
@@ -149,7 +149,7 @@ class SendQueue:
         """Send queued messages until cancelled (or the channel breaks)."""
         channel, traffic = self._channel, self._traffic
         buffer, view = self._buffer, self._view
-        seal = channel.send_cipher.seal_into
+        seal = channel.seal_into
         items = self._items
         item: _Outgoing | None = None
         try:

@@ -249,11 +249,6 @@ class RPCProtocol:
         payload = self._payload
         return 0 if payload is None else payload.length - payload.filled
 
-    @property
-    def receiving_payload(self) -> bool:
-        """Whether part of an awaited payload has arrived (for the driver's stall deadline)."""
-        return self._payload is not None and self._payload.filled > 0
-
     def close(self) -> None:
         """The connection is gone: refund what a half-received payload holds of the budget."""
         if self._payload is not None:

@@ -15,7 +15,7 @@ import trio
 
 from .buffers import byte_view
 from .identity import PeerID
-from .router import Message
+from .message import Message
 from .rpc_errors import StreamClosed
 from .rpc_protocol import RPCProtocol, StreamData
 
@@ -59,6 +59,14 @@ class PendingCall:
         self.credit = trio.Event()
         self.ended = False  # the other side will send nothing more
         self.buffer_provider: BufferProvider | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """The call ends with ``error`` (or the error it already has): wake whoever waits on it."""
+        if self.error is None:
+            self.error = error
+        self.done.set()
+        self.arrived.set()
+        self.credit.set()
 
 
 # ``provider(body, nbytes)``: a writable buffer of exactly ``nbytes`` for the payload of the stream

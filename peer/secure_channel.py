@@ -57,6 +57,7 @@ from .hello import (
 from .identity import Identity, PeerID, verify_signature
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
+from .record_cipher import TransportCipher
 from .tcp_options import set_pacing_rate
 
 __all__ = [
@@ -81,7 +82,6 @@ STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"
 # Long enough for a loaded volunteer machine across continents (three RTTs + key agreement),
 # short enough that a connection that stalls mid-handshake frees its slot quickly.
 HANDSHAKE_TIMEOUT = 10.0
-_NONCE_PREFIX = b"\0\0\0\0"
 # What noiseprotocol raises on garbage from the peer (it lets cryptography's and its own errors out).
 _NOISE_FAILURES = (
     NoiseHandshakeError,
@@ -92,7 +92,6 @@ _NOISE_FAILURES = (
     ValueError,
     IndexError,
 )
-_COUNTER = struct.Struct(">Q")
 _INT = struct.Struct("i")  # what the queue-length ioctls fill in
 _DIRECT_IO = os.name == "posix" and hasattr(os, "readv")
 # Receive low-water marks while a large record is in flight (see SecureChannel.fill).
@@ -112,46 +111,13 @@ def _queued(fd: int, request: int) -> int:
     return _INT.unpack(fcntl.ioctl(fd, request, bytes(_INT.size)))[0]
 
 
-class TransportCipher:
-    """AES-GCM with Noise's counter nonces, one instance per direction."""
-
-    __slots__ = ("_aead", "_counter")
-
-    def __init__(self, key: bytes):
-        self._aead = AESGCM(key)
-        self._counter = 0
-
-    def _nonce(self) -> bytes:
-        nonce = _NONCE_PREFIX + _COUNTER.pack(self._counter)
-        self._counter += 1
-        return nonce
-
-    def seal_into(self, plaintext, out: memoryview) -> int:
-        """Write one record (length header + ciphertext) to ``out``; return its size."""
-        size = len(plaintext) + AEAD_TAG_SIZE
-        HEADER.pack_into(out, 0, size)
-        self._aead.encrypt_into(self._nonce(), plaintext, None, out[HEADER.size : HEADER.size + size])
-        return HEADER.size + size
-
-    def open(self, record) -> bytes:
-        try:
-            return self._aead.decrypt(self._nonce(), record, None)
-        except InvalidTag:
-            raise ProtocolError("record failed authentication (tampered or out of order)") from None
-
-    def open_into(self, record, out: memoryview) -> int:
-        size = len(record) - AEAD_TAG_SIZE
-        if size < 0 or size > len(out):
-            raise ProtocolError("record does not fit the announced payload")
-        try:
-            self._aead.decrypt_into(self._nonce(), record, None, out[:size])
-        except InvalidTag:
-            raise ProtocolError("record failed authentication (tampered or out of order)") from None
-        return size
-
-
 class SecureChannel:
-    """An authenticated, encrypted byte pipe of records over a trio stream."""
+    """An authenticated, encrypted byte pipe of records over a trio stream.
+
+    It alone holds the keys: every record that goes out is sealed by ``seal_into`` and every record
+    that comes in is opened by ``open``/``open_into``, in the order they travel (their nonces are
+    counters). Both work on the caller's buffers, so the RPC layer batches records into its send
+    buffer and decrypts payloads straight into their destination without a copy."""
 
     def __init__(
         self,
@@ -165,8 +131,8 @@ class SecureChannel:
     ):
         self.stream = stream
         self.decoder = decoder
-        self.send_cipher = send_cipher
-        self.receive_cipher = receive_cipher
+        self._send_cipher = send_cipher
+        self._receive_cipher = receive_cipher
         self.remote_public_key = remote_public_key
         self.remote_peer_id = PeerID.from_public_key(remote_public_key)
         self.remote_hello = remote_hello
@@ -181,6 +147,24 @@ class SecureChannel:
         self._read = 0  # bytes taken from the kernel
         self._last_progress = (0, 0)
 
+    # ------------------------------------------------------------------ records
+    def seal_into(self, plaintext, out: memoryview) -> int:
+        """Encrypt ``plaintext`` as the next outgoing record (length header + ciphertext) into the
+        start of ``out``, which must hold ``len(plaintext) + HEADER.size + AEAD_TAG_SIZE`` bytes;
+        return the record's size. The caller sends the records in the order they were sealed."""
+        return self._send_cipher.seal_into(plaintext, out)
+
+    def open(self, record) -> bytes:
+        """The plaintext of the next incoming ``record`` (without its length header), in a new
+        buffer; ProtocolError if it fails authentication (tampered, replayed or out of order)."""
+        return self._receive_cipher.open(record)
+
+    def open_into(self, record, out: memoryview) -> int:
+        """Decrypt the next incoming ``record`` into the start of ``out``; return the plaintext's
+        size. ProtocolError if it does not fit ``out`` or fails authentication."""
+        return self._receive_cipher.open_into(record, out)
+
+    # ------------------------------------------------------------------ the link
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)``: bytes the peer's kernel has acknowledged, and bytes that
         have arrived from it (read, or waiting in our kernel's receive queue).
@@ -338,14 +322,14 @@ class SecureChannel:
 
     async def send_record(self, plaintext: bytes) -> None:
         out = bytearray(HEADER.size + len(plaintext) + AEAD_TAG_SIZE)
-        self.send_cipher.seal_into(plaintext, memoryview(out))
+        self._send_cipher.seal_into(plaintext, memoryview(out))
         await self.send_all(memoryview(out))
 
     async def receive_record(self) -> bytes:
         while (record := self.decoder.next_record()) is None:
             if not await self.fill():
                 raise trio.EndOfChannel("peer closed the connection")
-        return self.receive_cipher.open(record)
+        return self._receive_cipher.open(record)
 
     async def aclose(self) -> None:
         self.decoder.release(closing=True)  # a partial record's memory goes back at once
@@ -397,6 +381,30 @@ async def secure_handshake(
     """Authenticate both ends and agree on keys; raise HandshakeError (or trio.TooSlowError).
     ``access``: a private swarm's allowlist and key (``peer/access.py``)."""
     access = access if access is not None else SwarmAccess()
+    with trio.fail_after(timeout):
+        noise, remote_key, leftover = await _noise_handshake(stream, identity, initiator, expected_peer, access)
+        if PeerID.from_public_key(remote_key) == identity.peer_id:
+            raise HandshakeError("connected to itself")
+        decoder = RecordDecoder(budget=budget if budget is not None else process_budget())
+        decoder.receive_data(leftover)
+        channel = SecureChannel(
+            stream,
+            decoder,
+            TransportCipher(noise.noise_protocol.cipher_state_encrypt.k),
+            TransportCipher(noise.noise_protocol.cipher_state_decrypt.k),
+            remote_key,
+            hello,  # replaced below once the peer's hello arrives
+            initiator,
+        )
+        channel.remote_hello = await _exchange_hellos(channel, hello, access)
+        return channel
+
+
+async def _noise_handshake(
+    stream: trio.abc.Stream, identity: Identity, initiator: bool, expected_peer: PeerID | None, access: SwarmAccess
+) -> tuple[NoiseConnection, bytes, bytes]:
+    """The three Noise XX messages with their identity payloads: the finished Noise state, the
+    peer's identity key, and whatever bytes arrived after the last handshake message."""
     noise = NoiseConnection.from_name(NOISE_PROTOCOL)
     if initiator:
         noise.set_as_initiator()
@@ -411,67 +419,53 @@ async def secure_handshake(
     # to read the remote static key afterwards.
     handshake_state = noise.noise_protocol.handshake_state
     our_payload = _identity_payload(identity, static_public)
-    handshake_decoder = RecordDecoder(max_record_size=MAX_HANDSHAKE_MESSAGE, initial_size=2 * MAX_HANDSHAKE_MESSAGE)
-    decoder = handshake_decoder
-    with trio.fail_after(timeout):
-        try:
-            if initiator:
-                await _send_handshake_message(stream, bytes(noise.write_message()))
-                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
-            else:
-                noise.read_message(await _receive_handshake_message(stream, decoder))
-                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
-            if initiator:
-                remote_static = handshake_state.rs.public_bytes
-                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
-                remote_id = PeerID.from_public_key(remote_key)
-                if expected_peer is not None and remote_id != expected_peer:
-                    raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
-                await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
-            else:
-                remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
-                remote_static = handshake_state.rs.public_bytes
-                remote_key = _verify_identity_payload(bytes(remote_payload), remote_static)
-                remote_id = PeerID.from_public_key(remote_key)
-        except _NOISE_FAILURES as error:
-            hint = (
-                "; the peer may not hold this swarm's key"
-                if access.swarm_key is not None
-                else "; the peer may be in a private swarm that needs a swarm key"
-            )
-            raise HandshakeError(f"Noise handshake failed: {error}{hint}") from None
-        except ProtocolError as error:
-            raise HandshakeError(f"bad handshake framing: {error}") from None
-        if remote_id == identity.peer_id:
-            raise HandshakeError("connected to itself")
-        assert noise.handshake_finished
-        decoder = RecordDecoder(budget=budget if budget is not None else process_budget())
-        decoder.receive_data(handshake_decoder.take_buffered())
-        channel = SecureChannel(
-            stream,
-            decoder,
-            TransportCipher(noise.noise_protocol.cipher_state_encrypt.k),
-            TransportCipher(noise.noise_protocol.cipher_state_decrypt.k),
-            remote_key,
-            hello,  # replaced below once the peer's hello arrives
-            initiator,
+    decoder = RecordDecoder(max_record_size=MAX_HANDSHAKE_MESSAGE, initial_size=2 * MAX_HANDSHAKE_MESSAGE)
+    try:
+        if initiator:
+            await _send_handshake_message(stream, bytes(noise.write_message()))
+            remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+            remote_key = _verify_identity_payload(bytes(remote_payload), handshake_state.rs.public_bytes)
+            remote_id = PeerID.from_public_key(remote_key)
+            if expected_peer is not None and remote_id != expected_peer:
+                raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
+            await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+        else:
+            noise.read_message(await _receive_handshake_message(stream, decoder))
+            await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
+            remote_payload = noise.read_message(await _receive_handshake_message(stream, decoder))
+            remote_key = _verify_identity_payload(bytes(remote_payload), handshake_state.rs.public_bytes)
+    except _NOISE_FAILURES as error:
+        hint = (
+            "; the peer may not hold this swarm's key"
+            if access.swarm_key is not None
+            else "; the peer may be in a private swarm that needs a swarm key"
         )
-        refusal = access.refusal(remote_id)
-        if refusal is not None:
-            await channel.send_record(packb({"refused": refusal}))
-            # Read the peer's hello before closing: a socket closed with unread data sends a reset,
-            # which can destroy the refusal before the peer reads it.
-            with trio.move_on_after(1.0):
-                try:
-                    await channel.receive_record()
-                except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError):
-                    pass
-            raise AccessRefused(f"refused peer {remote_id}: {refusal}")
-        await channel.send_record(hello.encode())
-        try:
-            remote_hello = Hello.decode(await channel.receive_record())
-        except (ProtocolError, trio.EndOfChannel) as error:
-            raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
-        check_hello(hello, remote_hello, remote_id)
-        channel.remote_hello = remote_hello
-        return channel
+        raise HandshakeError(f"Noise handshake failed: {error}{hint}") from None
+    except ProtocolError as error:
+        raise HandshakeError(f"bad handshake framing: {error}") from None
+    assert noise.handshake_finished
+    return noise, remote_key, decoder.take_buffered()
+
+
+async def _exchange_hellos(channel: SecureChannel, hello: Hello, access: SwarmAccess) -> Hello:
+    """Send our hello and return the peer's, checked against ours; or, to a peer that a private
+    swarm's allowlist does not admit, send the refusal instead and raise AccessRefused."""
+    remote_id = channel.remote_peer_id
+    refusal = access.refusal(remote_id)
+    if refusal is not None:
+        await channel.send_record(packb({"refused": refusal}))
+        # Read the peer's hello before closing: a socket closed with unread data sends a reset,
+        # which can destroy the refusal before the peer reads it.
+        with trio.move_on_after(1.0):
+            try:
+                await channel.receive_record()
+            except (ProtocolError, trio.EndOfChannel, trio.BrokenResourceError):
+                pass
+        raise AccessRefused(f"refused peer {remote_id}: {refusal}")
+    await channel.send_record(hello.encode())
+    try:
+        remote_hello = Hello.decode(await channel.receive_record())
+    except (ProtocolError, trio.EndOfChannel) as error:
+        raise HandshakeError(f"peer {remote_id} closed or garbled the hello: {error}") from None
+    check_hello(hello, remote_hello, remote_id)
+    return remote_hello

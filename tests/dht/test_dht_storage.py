@@ -239,7 +239,7 @@ def test_replay_guards_are_bounded():
     store = RecordStore(max_records=4, clock=Clock())
     for index in range(10):
         store.store(b"k%d" % index, None, b"v", NOW + 10, version=index + 1, replay_horizon=NOW + 100 + index)
-    assert len(store._replay_guard) <= 4
+    assert len(store.replay_guards) <= 4
 
 
 # ---------------------------------------------------------------------- through real nodes
@@ -307,8 +307,8 @@ def test_an_owner_refreshing_one_record_does_not_grow_the_store():
     store = RecordStore(clock=Clock())
     for version in range(1, 5000):
         assert store.store(b"k", b"s", b"v%d" % version, NOW + 10, version=version, replay_horizon=NOW + version)
-    assert len(store) == 1 and len(store._guard_expiry) <= 2 * len(store._replay_guard) + 1024
-    assert len(store._expiry) <= 2 * len(store) + 1024
+    assert len(store) == 1 and store.replay_guards.heap_entries <= 2 * len(store.replay_guards) + 1024
+    assert store.expiry_entries <= 2 * len(store) + 1024
 
 
 def test_a_refused_replacement_keeps_the_record_it_would_have_replaced() -> None:

@@ -92,7 +92,7 @@ async def test_tampered_ciphertext_drops_the_connection(server):
     stream, channel = await authenticated_raw(server)
     plaintext = packb([7, 1, "echo", None, "tampered", 0])  # a well-formed unary call
     record = bytearray(HEADER.size + len(plaintext) + 16)
-    channel.send_cipher.seal_into(plaintext, memoryview(record))
+    channel.seal_into(plaintext, memoryview(record))
     record[20] ^= 0x01  # flip one bit of ciphertext
     await stream.send_all(record)
     await assert_dropped(stream)
@@ -142,7 +142,7 @@ async def test_a_flood_of_tiny_records_does_not_stall_the_event_loop(server):
     flood = bytearray(120_000 * (HEADER.size + len(record) + 16))
     view, position = memoryview(flood), 0
     while position < len(flood):
-        position += channel.send_cipher.seal_into(record, view[position:])
+        position += channel.seal_into(record, view[position:])
     gaps: list[float] = []
     done = trio.Event()
 

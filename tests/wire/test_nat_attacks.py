@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from peer import BusyError, Identity, PeerAddress, Router, open_peer_host
-from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, _connect_until
+from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, connect_until
 from peer.nat_state import DialBackLimiter
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_PENDING_PER_SOURCE, MAX_WAITING_ENDS
@@ -25,10 +25,10 @@ async def test_a_punch_naming_a_host_that_cannot_be_encoded_costs_the_caller_onl
     await connection.call("nat.punch", {"addresses": ["bad..host:1", "x" * 70 + ":2"]}, timeout=5)
     await connection.call("nat.sync", {"delay": 0}, timeout=5)
     with trio.fail_after(5):
-        await until(lambda: not puncher._in_progress)
+        await until(lambda: not puncher.punching)
     assert (await connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
     # and a dial to such a host, however it got there, is one failed dial
-    assert await _connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
+    assert await connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
 
 
 async def test_a_nat_verdict_needs_failures_from_two_distinct_peers():
@@ -101,7 +101,7 @@ async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(monkeyp
 
     monkeypatch.setattr("peer.holepunch.connect_from", refuse)
     start = trio.current_time()
-    assert await _connect_until(("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
+    assert await connect_until(("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
     assert 4 <= len(dials) <= 8, dials
     assert dials[1] - dials[0] < 0.2  # the first retry comes soon: the other side's SYN is near
 

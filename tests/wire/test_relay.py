@@ -17,7 +17,7 @@ from peer.holepunch import HolePuncher
 from peer.nat import NatTraversal, relay_limits
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
 from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
-from peer.relay import Relay, RelayClient
+from peer.relay import Relay, RelayClient, dial_through_relay
 
 SECRET = b"plaintext-the-relay-must-never-see" * 4
 
@@ -38,55 +38,76 @@ def echo_router() -> Router:
     return router
 
 
-@pytest.fixture
-async def relayed():
-    """(relay host, relay service, NAT'd host B with a reservation, dialer host A)."""
+@asynccontextmanager
+async def relay_behind_and_dialer(dial_relayed=None, **relay_host_options):
+    """(relay host, relay service, NAT'd host B with a reservation, dialer host A); A dials relayed
+    addresses with ``dial_relayed(A, address)`` (default: ``dial_through_relay``)."""
     async with (
-        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), **relay_host_options) as relay_host,
         open_peer_host(Identity.generate(), router=echo_router()) as behind,
         open_peer_host(Identity.generate()) as dialer,
     ):
         relay = Relay(relay_host)
         client = RelayClient(behind)
-        RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        if dial_relayed is None:
+            RelayClient(dialer)  # a dialer needs a relay dialer, not reservations
+        else:
+            dialer.presence.dial_relayed_with(functools.partial(dial_relayed, dialer))
         await client.reserve(relay_host.listen_address)
         yield relay_host, relay, behind, dialer
 
 
-async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted(relayed):
-    relay_host, relay, behind, dialer = relayed
+@pytest.fixture
+async def relayed():
+    async with relay_behind_and_dialer() as hosts:
+        yield hosts
+
+
+class TappedStream(trio.abc.Stream):
+    """A circuit end that records every byte sent into it (what the relay receives from its
+    dialer, and forwards). It shows no socket, so the secure channel uses the stream API."""
+
+    def __init__(self, inner: trio.abc.Stream, seen: list[bytes]):
+        self.inner, self.seen = inner, seen
+
+    async def send_all(self, data) -> None:
+        self.seen.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted():
     seen: list[bytes] = []
-    pump = relay._pump
 
-    async def tapped(source, sink, bucket, scope):
-        original = source.receive_some
+    async def tapped_dial(host, address):
+        return TappedStream(await dial_through_relay(host, address), seen)
 
-        async def tap(size):
-            data = await original(size)
-            seen.append(bytes(data))
-            return data
-
-        source.receive_some = tap
-        await pump(source, sink, bucket, scope)
-
-    relay._pump = tapped
-    listen = relay_host.listen_address
-    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
-    assert PeerAddress.parse(str(address)) == address
-    reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
-    assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
-    connection = dialer.connection_to(behind.peer_id)
-    assert connection is not None and connection.relayed_via == relay_host.peer_id
-    # B accepted it as a relayed connection, and sees A's identity
-    incoming = behind.connection_to(dialer.peer_id)
-    assert incoming is not None and incoming.relayed_via == relay_host.peer_id
-    relayed_bytes = b"".join(seen)
-    assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
-    assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
-    assert relay.book.circuits == 1
-    connection.close()
-    with trio.fail_after(5):
-        await until(lambda: relay.book.circuits == 0)
+    async with relay_behind_and_dialer(tapped_dial) as (relay_host, relay, behind, dialer):
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        assert PeerAddress.parse(str(address)) == address
+        reply = await dialer.call(address, "echo", {"hello": "there"}, payload=SECRET, timeout=10)
+        assert reply.body == {"echo": {"hello": "there"}, "payload_size": len(SECRET)}
+        connection = dialer.connection_to(behind.peer_id)
+        assert connection is not None and connection.relayed_via == relay_host.peer_id
+        # B accepted it as a relayed connection, and sees A's identity
+        incoming = behind.connection_to(dialer.peer_id)
+        assert incoming is not None and incoming.relayed_via == relay_host.peer_id
+        relayed_bytes = b"".join(seen)
+        assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
+        assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
+        assert relay.book.circuits == 1
+        connection.close()
+        with trio.fail_after(5):
+            await until(lambda: relay.book.circuits == 0)
 
 
 async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
@@ -96,7 +117,7 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
     with pytest.raises(ConnectError, match="relay refused"):
         await dialer.connect(address)
     # a relay that found itself behind NAT takes no reservations
-    relay.accepting = False
+    relay.accept_reservations(False)
     with pytest.raises(BusyError, match="relays for nobody"):
         await dialer.call(relay_host.listen_address, "relay.reserve", None, timeout=5)
     assert dialer.peer_id not in relay.book.reservations
@@ -105,7 +126,7 @@ async def test_a_relay_refuses_unreserved_targets_and_bogus_tokens(relayed):
     await stream.send_all(b"\xff" + bytes(16))
     with trio.fail_after(5):
         assert await stream.receive_some(10) == b""
-        await until(lambda: relay._waiting_ends == 0)
+        await until(lambda: relay.waiting_ends == 0)
     assert relay.book.circuits == 0
 
 
@@ -117,20 +138,20 @@ async def test_a_circuit_end_reset_midway_through_its_token_costs_only_that_conn
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()  # a reset, not a clean end
     with trio.fail_after(5):
-        await until(lambda: relay._waiting_ends == 0)
+        await until(lambda: relay.waiting_ends == 0)
     listen = relay_host.listen_address
     address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
     assert (await dialer.call(address, "echo", 1, timeout=10)).body["echo"] == 1  # the relay still relays
 
 
-async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline(relayed):
-    relay_host, relay, _, _ = relayed
-    relay_host.handshake_timeout = 0.3  # a token is due as soon as a handshake would be
-    stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
-    await stream.send_all(b"\xff")
-    with trio.fail_after(5):
-        assert await stream.receive_some(10) == b""
-        await until(lambda: relay._waiting_ends == 0)
+async def test_a_silent_circuit_end_is_dropped_after_its_token_deadline():
+    # a token is due as soon as a handshake would be: within 0.3 s here, not the default 10 s
+    async with relay_behind_and_dialer(handshake_timeout=0.3) as (relay_host, relay, _, _):
+        stream = await trio.open_tcp_stream(relay_host.listen_address.host, relay_host.listen_address.port)
+        await stream.send_all(b"\xff")
+        with trio.fail_after(5):
+            assert await stream.receive_some(10) == b""
+            await until(lambda: relay.waiting_ends == 0)
 
 
 def test_relay_book_caps_circuits_and_expires_pending_ones():
@@ -157,7 +178,7 @@ def test_relay_book_caps_circuits_and_expires_pending_ones():
     assert len(book.expire(10)) == 2 and book.circuits == 1
     assert book.arrive(bytes(16), "junk", 10) is None
     book.close_circuit(first)
-    assert book.circuits == 0 and not book._per_peer
+    assert book.circuits == 0 and book.counted() == (0, 0)
 
 
 def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identities():
@@ -180,7 +201,7 @@ def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identiti
         book.open_circuit(caller, "sybil-1", 0, None)
     with pytest.raises(RelayRefused, match="203.0.113.7 is at its maximum"):
         book.open_circuit("s", "sybil-2", 0, None)
-    assert len(book.expire(10)) == 7 and not book._per_address
+    assert len(book.expire(10)) == 7 and book.counted()[1] == 0
     book.drop_reservation("sybil-1")
     book.reserve("sybil-3", 11, group="203.0.113.7")  # a dropped reservation frees its address's slot
 
@@ -286,7 +307,7 @@ async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes
             await until(lambda: seen.remote_listen_address is not None and seen.remote_listen_address.relay)
         assert not behind.client_mode
         assert seen.remote_listen_address.relay == relay_host.peer_id
-        assert nat.status()["relayed_addresses"] == [str(behind.announced[0])]
+        assert nat.status()["relayed_addresses"] == [str(behind.presence.announced[0])]
         nursery.cancel_scope.cancel()
 
 
@@ -358,7 +379,7 @@ async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_re
         Relay(relay_host)
         listen = relay_host.listen_address
         # behind NAT from its first hello on: it announces only the relayed address
-        donor_host.announced = [PeerAddress(listen.host, listen.port, None, relay_host.peer_id)]
+        donor_host.presence.announce([PeerAddress(listen.host, listen.port, None, relay_host.peer_id)])
         await RelayClient(donor_host).reserve(listen)
         RelayClient(newcomer_host)
         async with (

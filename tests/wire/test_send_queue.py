@@ -13,8 +13,8 @@ import trio
 
 from peer import Identity, Router, open_peer_host
 from peer.framing import RecordDecoder
+from peer.record_cipher import TransportCipher
 from peer.rpc_outgoing import SendQueue, TrafficCounter
-from peer.secure_channel import TransportCipher
 
 
 class ScriptedChannel:
@@ -25,7 +25,7 @@ class ScriptedChannel:
 
     def __init__(self) -> None:
         key = os.urandom(32)
-        self.send_cipher = TransportCipher(key)
+        self._send_cipher = TransportCipher(key)
         self._receive_cipher = TransportCipher(key)
         self._decoder = RecordDecoder()
         self._messages: list[bytes] = []
@@ -33,6 +33,9 @@ class ScriptedChannel:
         self.blocked = False
         self.unblocked = trio.Event()
         self.direct_writes = 0
+
+    def seal_into(self, plaintext, out: memoryview) -> int:
+        return self._send_cipher.seal_into(plaintext, out)
 
     def send_now(self, data: memoryview) -> int:
         taken = len(data) if self.kernel_room is None else min(self.kernel_room, len(data))

@@ -162,7 +162,8 @@ def test_unread_stream_data_per_connection_is_capped():
 # ---------------------------------------------------------------------- records
 def test_decoder_buffer_never_exceeds_one_record_plus_slack():
     """The old decoder grew to four maximal records per connection."""
-    decoder = RecordDecoder(budget=ReceiveBudget())
+    budget = ReceiveBudget()
+    decoder = RecordDecoder(budget=budget)
     body = bytes(MAX_RECORD_SIZE)
     stream = (HEADER.pack(len(body)) + body + HEADER.pack(3) + b"abc") * 4
     offset = 0
@@ -175,8 +176,8 @@ def test_decoder_buffer_never_exceeds_one_record_plus_slack():
         offset += n
         while decoder.next_record() is not None:
             pass
-        assert len(decoder._buffer) <= HEADER.size + MAX_RECORD_SIZE + READ_SLACK
-    assert decoder.release() and decoder._budget.used == 0
+        assert decoder.buffer_size <= HEADER.size + MAX_RECORD_SIZE + READ_SLACK
+    assert decoder.release() and budget.used == 0
 
 
 def test_half_sent_records_commit_half_a_record_and_give_it_back_on_close():
