@@ -119,15 +119,6 @@ def test_upward_and_unexplained_imports_are_found() -> None:
     assert layering_violations("from .tasks import Task\n", "peerd.training") == []
 
 
-def test_no_module_is_over_500_lines() -> None:
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path, _, _ in project_modules()
-        if (n := len(path.read_text().splitlines())) > 500
-    }
-    assert long == {}
-
-
 def test_the_packages_import_without_cycles_and_the_wire_without_the_daemon() -> None:
     import subprocess
     import sys
