@@ -24,7 +24,8 @@ from averaging.allreduce import AllReduceService, RoundSettings  # noqa: E402
 from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
 from averaging.partition import DEFAULT_PART_SIZE  # noqa: E402
 from peer import Identity, PeerAddress, open_peer_host  # noqa: E402
-from tests.support.lab_allreduce_peer import FAULTS, WEIGHTS, die, tensors_of  # noqa: E402
+from tests.support.lab_allreduce_peer import FAULTS, WEIGHTS, tensors_of  # noqa: E402
+from tests.support.round_faults import exit_process  # noqa: E402
 from tests.support.stream_faults import Fault, FaultyHost  # noqa: E402
 
 
@@ -56,7 +57,7 @@ async def main(args: argparse.Namespace) -> None:
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             group_id, fault_name = line.split()
             if fault_name == "dies_before":
-                die()
+                exit_process()
             fault_class = FAULTS[fault_name]
             fault.current = fault_class() if fault_class else None
             group = GroupInfo(bytes.fromhex(group_id), members)

@@ -8,7 +8,6 @@ import gc
 import logging
 import math
 import os
-import struct
 import threading
 
 import pytest
@@ -21,6 +20,16 @@ from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
 from averaging.reducer_shard import ReducerShard
 from peer import Identity, open_peer_host
+from tests.support.round_faults import (
+    CancelsMidRound,
+    DiesWhileReducing,
+    DiesWhileSending,
+    RepliesWithNaN,
+    StallsWhileReducing,
+    StallsWhileSending,
+    part_index,
+    with_nan,
+)
 from tests.support.stream_faults import Fault, FaultyHost
 
 SENDER_TIMEOUT = 1.0
@@ -182,63 +191,6 @@ def expected_for(index, results, tensors, weights, group):
             total = sum(weights[c] for c in contributors)
             expected[start:end] = sum(originals[c][start:end] * weights[c] for c in contributors) / total
     return expected
-
-
-def part_index(body) -> int | None:
-    return body.get("part") if isinstance(body, dict) else None
-
-
-def with_nan(payload) -> bytearray:
-    """A copy of a float32 payload whose first value is NaN."""
-    bad = bytearray(payload)
-    bad[:4] = struct.pack("<f", math.nan)
-    return bad
-
-
-class DiesWhileSending(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 2:
-            await self.die()
-        await super().send(stream, body, payload)
-
-
-class StallsWhileSending(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 1:
-            await trio.sleep(math.inf)
-        await super().send(stream, body, payload)
-
-
-class DiesWhileReducing(Fault):
-    """Receives every contribution, then vanishes instead of replying."""
-
-    async def send(self, stream, body, payload):
-        if not stream.outgoing:
-            await self.die()
-        await super().send(stream, body, payload)
-
-
-class StallsWhileReducing(Fault):
-    async def send(self, stream, body, payload):
-        if not stream.outgoing:
-            await trio.sleep(math.inf)
-        await super().send(stream, body, payload)
-
-
-class RepliesWithNaN(Fault):
-    """Reduces honestly, but the first part of its averaged shard reaches the senders as NaN."""
-
-    async def send(self, stream, body, payload):
-        if not stream.outgoing and part_index(body) == 0:
-            payload = with_nan(payload)
-        await super().send(stream, body, payload)
-
-
-class CancelsMidRound(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 1:
-            self.run_scope.cancel()
-        await super().send(stream, body, payload)
 
 
 FAULTY = {

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import sys
 import time
 
@@ -24,6 +22,17 @@ from averaging.allreduce import AllReduceService, RoundSettings
 from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.partition import DEFAULT_PART_SIZE
 from peer import Identity, PeerAddress, open_peer_host
+from tests.support.round_faults import (
+    CancelsMidRound,
+    DiesWhileReducing,
+    DiesWhileReplying,
+    DiesWhileSending,
+    FreezesWhileSending,
+    StallsWhileReducing,
+    StallsWhileSending,
+    dying_as_a_process,
+    exit_process,
+)
 from tests.support.stream_faults import Fault, FaultyHost
 
 SHAPES = [(37, 5), (100,), (3, 3, 3)]  # 312 values: about 4 parts per shard with part_size=16
@@ -38,81 +47,16 @@ def tensors_of(index: int, values: int | None = None) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
-def part_index(body) -> int | None:
-    return body.get("part") if isinstance(body, dict) else None
-
-
-def die() -> None:
-    sys.stdout.flush()
-    os._exit(17)
-
-
-class DiesWhileSending(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 2:
-            die()
-        await super().send(stream, body, payload)
-
-
-class FreezesWhileSending(Fault):
-    """Stops its own process (SIGSTOP) after its first part, while the others stream to it; the
-    test then kills it. A frozen process reads nothing, so the others' sends to it block."""
-
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        await super().send(stream, body, payload)
-
-
-class SendsTooSlowly(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 1:
-            await trio.sleep(math.inf)
-        await super().send(stream, body, payload)
-
-
-class DiesWhileReducing(Fault):
-    """Receives every contribution, then dies instead of replying."""
-
-    async def send(self, stream, body, payload):
-        if not stream.outgoing:
-            die()
-        await super().send(stream, body, payload)
-
-
-class DiesWhileReplying(Fault):
-    """Sends the first part of its averaged shard back, then dies."""
-
-    async def send(self, stream, body, payload):
-        if not stream.outgoing and part_index(body) == 1:
-            die()
-        await super().send(stream, body, payload)
-
-
-class ReducesTooSlowly(Fault):
-    async def send(self, stream, body, payload):
-        if not stream.outgoing:
-            await trio.sleep(math.inf)
-        await super().send(stream, body, payload)
-
-
-class CancelsItsStep(Fault):
-    async def send(self, stream, body, payload):
-        if stream.outgoing and part_index(body) == 1:
-            self.run_scope.cancel()
-        await super().send(stream, body, payload)
-
-
 FAULTS = {
     "none": None,
     "dies_before": Fault,  # dies when told to go, before sending anything
-    "dies_sending": DiesWhileSending,
-    "slow_send": SendsTooSlowly,
+    "dies_sending": dying_as_a_process(DiesWhileSending),
+    "slow_send": StallsWhileSending,
     "freezes_sending": FreezesWhileSending,
-    "dies_reducing": DiesWhileReducing,
-    "dies_replying": DiesWhileReplying,
-    "slow_reduce": ReducesTooSlowly,
-    "cancel": CancelsItsStep,
+    "dies_reducing": dying_as_a_process(DiesWhileReducing),
+    "dies_replying": dying_as_a_process(DiesWhileReplying),
+    "slow_reduce": StallsWhileReducing,
+    "cancel": CancelsMidRound,
 }
 
 
@@ -131,7 +75,7 @@ async def main(args: argparse.Namespace) -> None:
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.readline)
         if args.fault == "dies_before":
-            die()
+            exit_process()
         tensors = tensors_of(args.index, args.values)
         started = time.monotonic()
         outcome: dict = {"index": args.index, "cancelled": False}
