@@ -1,4 +1,5 @@
-"""The examples run as a user would run them: separate processes on 127.0.0.1."""
+"""The examples run as a user would run them: separate processes on 127.0.0.1 (``examples/embed_averager.py``
+drives the synchronous ``Averager`` of ``averaging/facade.py``)."""
 
 from __future__ import annotations
 

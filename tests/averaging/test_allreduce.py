@@ -1,6 +1,7 @@
 """Butterfly all-reduce between in-process peers on 127.0.0.1: exact averages, peer modes, and
 every fault the issue lists, with survivors finishing in time and holding exactly the average of
-the contributions that arrived."""
+the contributions that arrived (tensors of odd shapes flattened and written back by
+``averaging/flat_parts.py``)."""
 
 from __future__ import annotations
 

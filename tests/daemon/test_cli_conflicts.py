@@ -1,6 +1,7 @@
 """Two things on one machine that want the same resource: a port already in use (listen, status,
 experts), and two processes on one identity file. Each is refused at once, in one line that says
-what to change, with its own exit code and no traceback."""
+what to change, with its own exit code and no traceback (``peerd/ports.py``,
+``peerd/identity_lock.py``)."""
 
 from __future__ import annotations
 

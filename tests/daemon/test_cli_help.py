@@ -1,5 +1,6 @@
 """``peerd --help`` and friends teach: every flag with its default and its ``PEERD_*`` variable,
-global flags after the subcommand too, and usage errors with their own exit code."""
+global flags after the subcommand too, and usage errors with their own exit code
+(``peerd/help.py``; ``--node-id-difficulty`` of ``peerd/node_ids.py`` among them)."""
 
 from __future__ import annotations
 

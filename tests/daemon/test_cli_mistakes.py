@@ -1,6 +1,8 @@
 """What a user gets wrong on a first run, through the real ``peerd`` command: mistyped or stopped
 initial peers fail fast, comma lists work in the flag as in the variable, a folder given as the
-identity gets the right advice, and a bad join-only setting breaks ``join`` alone."""
+identity gets the right advice, and a bad join-only setting breaks ``join`` alone (the address
+types of ``peerd/arguments.py``; an unreachable swarm found in an exception group by
+``peerd/exception_groups.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Training swarms of real ``peerd`` processes: the main job, a peer killed mid-run, the status
-endpoints, and clear errors for bad input."""
+endpoints, and clear errors for bad input (``peerd/swarm.py`` and its processes,
+``peerd/swarm_processes.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""DHT swarms in one process on 127.0.0.1: lookups, records, signatures, churn, client mode, hostile input."""
+"""DHT swarms in one process on 127.0.0.1: lookups, records, signatures, churn, client mode, hostile
+input; replication to the nearest nodes (``dht/replicas.py``) and bootstrap from initial peers with
+its clear error when none answers (``dht/maintenance.py``)."""
 
 from __future__ import annotations
 

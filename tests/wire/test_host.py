@@ -1,6 +1,6 @@
 """What a host offers the parts of NAT traversal, in public: tasks it owns (``start_soon``,
-``start``), its hello, and its presence (announced relayed addresses, the relay dialer, the circuit
-relay); and its pool of connections (``peer/connection_pool.py``). Relays, hole punching and
+``start``), its hello, and its presence (``peer/presence.py``: announced relayed addresses, the relay dialer, the
+circuit relay); and its pool of connections (``peer/connection_pool.py``). Relays, hole punching and
 reachability are run here against hosts that let them see nothing else."""
 
 from __future__ import annotations

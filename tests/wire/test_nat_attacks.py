@@ -1,5 +1,6 @@
 """NAT traversal against a hostile remote: claims in hole-punch messages, dial-back answers and
-raw circuit ends cost the attacker, never crash us or buy it more than a bounded share."""
+raw circuit ends cost the attacker, never crash us or buy it more than a bounded share. Punches
+dial from the listening port (``peer/reuse_port.py``'s ``connect_from``)."""
 
 from __future__ import annotations
 

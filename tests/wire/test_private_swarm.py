@@ -1,7 +1,8 @@
 """Private swarms: an allowlist of peer IDs and a shared swarm key, both enforced at the handshake.
 
 Without them anyone who can reach a peer joins its swarm. A refused peer is told why on its side;
-the key never crosses the wire.
+the key never crosses the wire. ``peerd join --allow-peers/--swarm-key`` read their files through
+``peerd/private_swarm.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The tensor wire format: round trips, zero-copy rules and refusal of malformed headers."""
+"""The tensor wire format: round trips, zero-copy rules (``peer/buffers.py``'s byte views) and
+refusal of malformed headers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What a hostile peer can make the wire layer hold, driven with bytes (sans I/O) where possible.
+"""What a hostile peer can make the wire layer hold, driven with bytes (sans I/O) where possible;
+a payload announced and then stalled commits only what arrived (``peer/incoming_payload.py``).
 
 Each test states the bound it checks; the numbers before this work are in the comments (the same
 inputs made the old code allocate the announced size, keep four records per connection, accept any
