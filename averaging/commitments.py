@@ -113,7 +113,8 @@ class Commitment:
             return True
         if PeerID.from_public_key(self.public_key) != sender:
             return False
-        if not verify_signature(self.public_key, self.signature, _statement(group_id, sender, weight, self.digests)):
+        statement = commitment_statement(group_id, sender, weight, self.digests)
+        if not verify_signature(self.public_key, self.signature, statement):
             return False
         if verified is not None:
             verified.add(claim)
@@ -145,7 +146,10 @@ class Commitment:
         return cls(key, signature, tuple(digests))
 
 
-def _statement(group_id: bytes, sender: PeerID, weight: float, digests: tuple[tuple[bytes, bytes], ...]) -> bytes:
+def commitment_statement(
+    group_id: bytes, sender: PeerID, weight: float, digests: tuple[tuple[bytes, bytes], ...]
+) -> bytes:
+    """The bytes a sender signs: the round, itself, its weight and its parts' digests."""
     return _CONTEXT + packb([group_id, sender.to_bytes(), float(weight), [list(entry) for entry in digests]])
 
 
@@ -153,7 +157,7 @@ def commit(identity: Identity, group_id: bytes, weight: float, shards: list[tupl
     """Our commitment, for round ``group_id``, to the parts of each reducer's shard whose digests
     ``shards`` lists (reducer, its parts' digests in order)."""
     digests = tuple((reducer.to_bytes(), b"".join(parts)) for reducer, parts in shards)
-    signature = identity.sign(_statement(group_id, identity.peer_id, weight, digests))
+    signature = identity.sign(commitment_statement(group_id, identity.peer_id, weight, digests))
     return Commitment(identity.public_key, signature, digests)
 
 

@@ -96,7 +96,7 @@ def test_verified_commitments_hold_a_bounded_share_of_memory():
     def padded(round_number: int) -> tuple[Commitment, bytes]:
         group = round_number.to_bytes(16, "big")
         digests = tuple((bytes([i]) * 34, bytes(1 << 20)) for i in range(4))  # 4 MiB, fresh as received
-        signature = sender.sign(commitments._statement(group, sender.peer_id, 1.0, digests))
+        signature = sender.sign(commitments.commitment_statement(group, sender.peer_id, 1.0, digests))
         return Commitment(sender.public_key, signature, digests), group
 
     verified = VerifiedSignatures()

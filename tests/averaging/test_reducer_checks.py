@@ -186,7 +186,7 @@ async def test_a_caught_reducer_is_left_out_of_the_groups_that_caught_it():
             for node in nodes
         ]
         liar = nodes[3].host.peer_id
-        banned = [a._service.checks.banned for a in averagers[:3]]
+        banned = [a.all_reduce.checks.banned for a in averagers[:3]]
         for _round in range(20):
             await step_each(averagers)
             if all(liar in b for b in banned):
