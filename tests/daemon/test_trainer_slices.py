@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from averaging.progress import SwarmProgress
@@ -42,20 +43,42 @@ def test_a_slice_of_batches_gives_the_gradient_sum_of_one_step_per_batch():
     assert loss > 0
 
 
+class BatchClock:
+    """A clock that moves ``batch_s`` per batch the trainer computes (it reads the clock before and
+    after a slice of ``batches`` batches)."""
+
+    def __init__(self, batch_s: float, batches: int):
+        self.batch_s, self.batches, self.now, self.reads = batch_s, batches, 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:
+            self.now += self.batch_s * self.batches
+        return self.now
+
+
 def test_only_an_accumulating_optimizer_gets_several_cheap_batches_per_step():
     task = digits_task(shard=ShardSpec(0, 1))
-    accumulating = Trainer(task, Recording(task.model.parameters(), accumulates=True))
+    cheap = BatchClock(MIN_SLICE_S / 10, batches=2)  # (a digits batch takes about this on an idle core)
+    accumulating = Trainer(task, Recording(task.model.parameters(), accumulates=True), clock=cheap)
     assert accumulating.slice_size() == 1  # nothing measured yet
     accumulating.forward_backward([next(task.batches)] * 2)
-    assert 0 < accumulating.batch_s < math.inf  # measured per batch
-    assert accumulating.slice_size() == batches_per_slice(accumulating.batch_s, accumulates=True)
-    # (a digits batch takes about MIN_SLICE_S / 10 on an idle core)
-    assert batches_per_slice(MIN_SLICE_S / 10, accumulates=True) == 10
-    assert batches_per_slice(MIN_SLICE_S * 3, accumulates=True) == 1  # a batch that costs more than a hop goes alone
-    stepping = Trainer(task, Recording(task.model.parameters(), accumulates=False))
+    assert accumulating.batch_s == pytest.approx(MIN_SLICE_S / 10)  # measured per batch
+    assert accumulating.slice_size() == 10
+    costly = Trainer(
+        task, Recording(task.model.parameters(), accumulates=True), clock=BatchClock(MIN_SLICE_S * 3, batches=1)
+    )
+    costly.forward_backward([next(task.batches)])
+    assert costly.slice_size() == 1  # a batch that costs more than a hop goes alone
+    stepping = Trainer(
+        task, Recording(task.model.parameters(), accumulates=False), clock=BatchClock(MIN_SLICE_S / 10, 1)
+    )
     stepping.forward_backward([next(task.batches)])
     assert stepping.slice_size() == 1
     assert batches_per_slice(MIN_SLICE_S / 10, accumulates=False) == 1
+    real = Trainer(task, Recording(task.model.parameters(), accumulates=True))
+    real.forward_backward([next(task.batches)])
+    assert 0 < real.batch_s < math.inf  # the default clock measures real time
 
 
 class SteppingEveryBatch(Recording):
