@@ -152,7 +152,7 @@ class JoinOnlySetting(Setting):
         if flagged is not None:
             return flagged
         text, origin = getattr(args, f"{self.name}_setting")
-        if text is None:
+        if text is None or not text.strip():  # a blank variable or file value leaves it unset
             return self.default
         try:
             return self.parse_text(text)

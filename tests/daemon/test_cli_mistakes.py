@@ -73,6 +73,11 @@ def test_initial_peer_flag_takes_comma_lists_and_repeats():
     assert [str(peer) for peer in initial_peers_from_args(args)] == ["10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"]
 
 
+def test_a_blank_initial_peers_variable_means_none(monkeypatch):
+    monkeypatch.setenv("PEERD_INITIAL_PEERS", "  ")
+    assert initial_peers_from_args(parse_command_line(["join"])) == []
+
+
 def test_an_identity_path_that_is_a_directory_says_so(tmp_path):
     for command in (["join", "--listen", "127.0.0.1:0"], ["keygen"]):
         result = run_peerd(*command, "--identity", str(tmp_path))
