@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dht import DHTConfig
 from peer import PeerAddress
+from peer.identity import default_identity_path
 from peer.nat_state import RelayLimits
 
 from .arguments import listen_address, peer_list, positive_float
@@ -69,7 +70,7 @@ LISTEN = Setting(
 )  # fmt: skip
 IDENTITY = Setting(
     name="identity", flag="--identity", variable="IDENTITY", parse=Path, metavar="PATH",
-    default_text="$XDG_DATA_HOME/peerd/identity.key",
+    default_text="$XDG_DATA_HOME/peerd/identity.key", local_default=default_identity_path,
     help="Ed25519 key file, created on first use; one process per key",
     doc="Ed25519 key, created on first use with mode 0600 (`$XDG_DATA_HOME` unset: `~/.local/share`); one process "
     "per key, held by a lock on `PATH.lock`",

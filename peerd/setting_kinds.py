@@ -42,6 +42,9 @@ class Setting:
     default_text: str | None = None
     doc: str | None = None  # the README's description (Markdown); None: the help line
     show: Callable[[Any], str] = str  # a value as --help writes it
+    # The default as this machine resolves it, for --help (a path under $XDG_DATA_HOME); the
+    # README keeps ``default_text``, which holds on every machine.
+    local_default: Callable[[], Any] | None = None
 
     @property
     def env(self) -> str:
@@ -74,7 +77,13 @@ class Setting:
         action = parser.add_argument(
             self.flag, dest=self.name, default=value, metavar=self.metavar, help=self.help, **kwargs
         )
-        return self._mark(action, self.shown_default() if settings.get(self.variable) is None else self.show(value))
+        if settings.get(self.variable) is not None:
+            shown = self.show(value)
+        elif self.local_default is not None:
+            shown = self.show(self.local_default())
+        else:
+            shown = self.shown_default()
+        return self._mark(action, shown)
 
     def _mark(self, action: argparse.Action, default_text: str | None) -> argparse.Action:
         """What ``help.PeerdHelpFormatter`` shows beside the help: the default in effect and the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,8 @@ def test_join_help_shows_every_default_and_variable():
     assert "[default: default; env PEERD_RUN_ID]" in flags["--run-id"]
     assert "[default: 15.0; env PEERD_BOOTSTRAP_TIMEOUT]" in flags["--bootstrap-timeout"]
     assert "default: auto" in flags["--data-shard"]
+    # the key file's default as this machine resolves it (no XDG_DATA_HOME here: under the home)
+    assert f"[default: {Path.home()}/.local/share/peerd/identity.key;" in flags["--identity"]
     words = " ".join(text.split())  # (help wraps long lines)
     for name in JOIN_VARIABLES:
         assert f"env PEERD_{name}" in words, name
