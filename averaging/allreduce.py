@@ -81,6 +81,8 @@ ROUND_WAIT = 5.0
 # A peer runs a round every few seconds at most; this many cover hours of rounds in 16 KiB.
 FINISHED_ROUNDS_KEPT = 1024
 DEFAULT_DEADLINES = DeadlineRules()
+# A leader that reuses a live group ID gets its second round refused with this.
+DUPLICATE_GROUP_ID = "another round on this peer already uses this group ID"
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ class AllReduceService:
         plan = AllReducePlan.build(
             sum(t.numel() for t in tensors), [m.bandwidth for m in group.reducers], settings.part_size
         )
+        if group.group_id in self._rounds:  # refused before it costs anything (checked again at the announcement)
+            raise AllReduceError(DUPLICATE_GROUP_ID)
         self._buffers.start_round()
         with self._buffers.lease() as received, self._buffers.lease() as lease:
             with self._taking_part(group.group_id) as announce:
@@ -255,12 +259,15 @@ class AllReduceService:
         announced goes, handlers still waiting for our replies give up, and streams for the
         round that arrive from then on are refused at once."""
         announced: list[ReducerRole | None] = []
+        duplicate = False
 
         def announce(role: ReducerRole | None) -> None:
             # Checked with no await between it and the announcement: a leader that reused a live
             # group ID would have the two rounds take each other's parts.
+            nonlocal duplicate
             if group_id in self._rounds:
-                raise AllReduceError("another round on this peer already uses this group ID")
+                duplicate = True
+                raise AllReduceError(DUPLICATE_GROUP_ID)
             self._announce(group_id, role)
             announced.append(role)
 
@@ -271,7 +278,8 @@ class AllReduceService:
                 del self._rounds[group_id]  # ours: a second round with this ID was refused
                 if announced[0] is not None:
                     announced[0].cancel()
-            self._finish(group_id)
+            if not duplicate:  # the ID is the live round's: its streams are not to be refused
+                self._finish(group_id)
 
     def _reducer_role(
         self,

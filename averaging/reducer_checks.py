@@ -160,6 +160,8 @@ class ReducerChecks:
         checks recompute), never with the mean. Like the aggregation this is the swarm's setting:
         a reducer that keeps no inputs fails a checking peer's checks."""
         robust = aggregation is Aggregation.CENTERED_CLIP
+        if check and not robust:
+            raise ValueError(f"reducer checks recompute CenteredClip: a round of {aggregation.value} cannot be checked")
         return CheckedRound(self) if robust and check is not False else PlainRound()
 
     def keep(self, group: GroupInfo, shard: ReducerShard, commitment: Commitment | None = None) -> None:

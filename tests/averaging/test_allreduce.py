@@ -516,3 +516,15 @@ async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
         assert list(result.local_shards) == [0]
         assert torch.equal(flat(tensors[1]), before)
         nursery.cancel_scope.cancel()
+
+
+async def test_reducer_checks_asked_for_a_mean_round_are_refused_not_ignored():
+    """The checks recompute CenteredClip; a mean round cannot be checked, and asking for it says
+    so instead of running the round unchecked."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2)
+        settings = RoundSettings(aggregation="mean", check_reducers=True)
+        with pytest.raises(ValueError, match="cannot be checked"):
+            await peers[0].service.run(make_group(peers), random_tensors(0), settings=settings)
+        assert peers[0].service.rounds_in_progress == 0
+        nursery.cancel_scope.cancel()
