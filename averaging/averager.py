@@ -75,18 +75,13 @@ class AveragingRound:
 
 @dataclass(frozen=True)
 class AveragerSettings:
-    """How an averager forms its groups and runs their all-reduce (see ``GroupAverager``)."""
+    """How an averager forms its groups, and how their all-reduce runs (``rounds``)."""
 
-    target_group_size: int = 4
-    min_group_size: int = 2
-    matchmaking_timeout: float = 5.0
-    settle_time: float | None = None
-    sender_timeout: float | None = None
-    reducer_timeout: float | None = None
-    codec: str = "none"
-    aggregation: Aggregation = Aggregation.MEAN
-    part_size: int = DEFAULT_PART_SIZE
-    uplink: float | None = None
+    target_group_size: int
+    min_group_size: int
+    matchmaking_timeout: float
+    settle_time: float | None
+    rounds: RoundSettings
 
 
 def all_reduce_service(host: PeerHost) -> AllReduceService:
@@ -140,18 +135,15 @@ class GroupAverager:
         # reduction follows it; a number: declare that, always (0 reduces nothing).
         self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
         self.link_speed = BandwidthEstimate()
-        self.settings = AveragerSettings(
-            target_group_size=target_group_size,
-            min_group_size=min_group_size,
-            matchmaking_timeout=matchmaking_timeout,
-            settle_time=settle_time,
+        rounds = RoundSettings(
+            codec=codec,
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
-            codec=codec,
-            aggregation=resolve_aggregation(aggregation, self.host.access.private),
             part_size=part_size,
+            aggregation=resolve_aggregation(aggregation, self.host.access.private),
             uplink=uplink,
         )
+        self.settings = AveragerSettings(target_group_size, min_group_size, matchmaking_timeout, settle_time, rounds)
         self.allow_state_sharing = allow_state_sharing
         self.schema = tensor_schema(self.tensors)
         self.round = 0  # the next round this averager declares; only its own steps move it
@@ -178,7 +170,7 @@ class GroupAverager:
     @property
     def uplink(self) -> float | None:
         """The uplink (bytes/s) this averager's rounds pace their connections to share, if known."""
-        return self.settings.uplink
+        return self.settings.rounds.uplink
 
     @property
     def bandwidth(self) -> float:
@@ -240,15 +232,7 @@ class GroupAverager:
                 group = await self.find_group(round_number, timeout)
             self.round = group.round + 1
             formed = max(started, group.formed_at)
-            round_settings = RoundSettings(
-                codec=settings.codec,
-                sender_timeout=settings.sender_timeout,
-                reducer_timeout=settings.reducer_timeout,
-                part_size=settings.part_size,
-                aggregation=settings.aggregation,
-                uplink=settings.uplink,
-            )
-            result = await self._service.run(group.group, self.tensors, weight=weight, settings=round_settings)
+            result = await self._service.run(group.group, self.tensors, weight=weight, settings=settings.rounds)
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:

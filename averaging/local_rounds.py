@@ -40,7 +40,7 @@ class LocalRound(Protocol):
         averaging) belonged to, as one change."""
         ...
 
-    async def finish_round(self, record: AveragingRecord | None) -> None:
+    async def finish_round(self) -> None:
         """Start the next round's local steps; publish progress; average the start if it is time."""
         ...
 
@@ -76,7 +76,7 @@ class SequentialRounds:
         await trio.to_thread.run_sync(run.outer_step.compute_deltas)
         record = await run.average_deltas(run.epoch, weight)
         await run.advance(run.outer_step.apply, record)
-        await run.finish_round(record)
+        await run.finish_round()
         return True
 
     async def abandon(self) -> None:
@@ -116,7 +116,7 @@ class OverlappedRounds:
             record = await self._record.wait()  # bounded by the averager's own deadlines
             anchor = self._anchor
             await run.advance(lambda: run.outer_step.apply_delayed(anchor), record)
-            await run.finish_round(record)
+            await run.finish_round()
             stepped = True
         else:
             run.restart_round()

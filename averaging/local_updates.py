@@ -214,7 +214,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.local_samples = 0
         self._round_started = trio.current_time()
 
-    async def finish_round(self, record: AveragingRecord | None) -> None:
+    async def finish_round(self) -> None:
         replica = self.replica
         self.restart_round()
         every = self.settings.average_state_every

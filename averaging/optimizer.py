@@ -102,6 +102,7 @@ class GradientSum:
         self.params = params
         self.sums = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
         self.samples = 0
+        self.numel = sum(p.numel() for p in params)
 
     def add(self, batch_size: int) -> None:
         """Take the parameters' gradients (of the mean loss over ``batch_size`` samples) in."""
@@ -228,7 +229,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     async def step(self, batch_size: int) -> bool:
         await self.updates.land_finished(self)
-        if sum(p.numel() for p in self.params) <= INLINE_ACCUMULATE_NUMEL:
+        if self.accumulated.numel <= INLINE_ACCUMULATE_NUMEL:
             self.accumulated.add(batch_size)  # a thread hop would cost more than the work
         else:
             await trio.to_thread.run_sync(self.accumulated.add, batch_size)

@@ -148,11 +148,13 @@ class _DelayedRound:
 class DelayedUpdates:
     """An epoch's round averages in ``background`` while the next epoch accumulates; its step lands
     at the first step after the round is done. Holds the round in flight, so each optimizer needs
-    its own."""
+    its own. A caller that delays its updates usually forms the next group ahead too
+    (``MatchAhead`` in ``match_ahead.py``, the optimizer's ``matching``): the daemon does."""
 
     def __init__(self, background: trio.Nursery):
         self.background = background
         self._in_flight: _DelayedRound | None = None
+        self._run: SwarmStep | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -184,6 +186,9 @@ class DelayedUpdates:
     async def end_epoch(self, run: SwarmStep) -> bool:
         """Hand this epoch's gradients to a round in the background and start the next epoch (only
         when no round is in flight: its buffers are the round's until it lands)."""
+        if self._run is not None and self._run is not run:
+            raise RuntimeError("a DelayedUpdates schedule holds one optimizer's round: make one per optimizer")
+        self._run = run
         if self._in_flight is not None:
             return False  # the last round still averages: this epoch gets more samples
         epoch = run.replica.epoch
