@@ -64,8 +64,9 @@ async def relayed():
 
 
 class TappedStream(trio.abc.Stream):
-    """A circuit end that records every byte sent into it (what the relay receives from its
-    dialer, and forwards). It shows no socket, so the secure channel uses the stream API."""
+    """A circuit end that records every byte sent into it and received from it: all the relay
+    forwards between its dialer and the target, both ways. It shows no socket, so the secure
+    channel uses the stream API."""
 
     def __init__(self, inner: trio.abc.Stream, seen: list[bytes]):
         self.inner, self.seen = inner, seen
@@ -78,7 +79,9 @@ class TappedStream(trio.abc.Stream):
         await self.inner.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
+        data = await self.inner.receive_some(max_bytes)
+        self.seen.append(bytes(data))
+        return data
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -103,7 +106,8 @@ async def test_a_peer_is_reached_through_a_relay_end_to_end_encrypted():
         assert incoming is not None and incoming.relayed_via == relay_host.peer_id
         relayed_bytes = b"".join(seen)
         assert relay.bytes_relayed >= len(SECRET) and len(relayed_bytes) >= len(SECRET)
-        assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only
+        assert SECRET[:20] not in relayed_bytes  # the relay forwarded ciphertext only, both ways
+        assert b"payload_size" not in relayed_bytes  # (the reply, on its way back)
         assert relay.book.circuits == 1
         connection.close()
         with trio.fail_after(5):
