@@ -41,6 +41,7 @@ from .join_arguments import (
     initial_peers_from_args,
 )
 from .node_ids import node_id_for
+from .ports import PortInUseError, check_port_free
 from .private_swarm import access_from_args
 from .runner import EXIT_UNREACHABLE, exit_process, run_joining, until_stopped
 from .setting_kinds import from_args
@@ -156,6 +157,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
         get_codec(args.compression)  # an unknown codec is a ValueError: one line, exit 1
     access = access_from_args(args)
+    # the ports are bound only after the node-ID puzzle: a taken one must fail before it
+    check_port_free("listen", *args.listen, "--listen HOST:PORT")
+    if args.status_port is not None:
+        check_port_free("status", args.status_host, args.status_port, "--status-port")
     identity = Identity.load_or_create(identity_path)
     node_id = node_id_for(identity, identity_path, args.node_id_difficulty)
     initial_peers = initial_peers_from_args(args)
@@ -258,7 +263,7 @@ def _main(argv: list[str] | None) -> int:
             return run_dht_command(args)
         if args.command == "serve-experts":
             return run_serve_experts(args)
-    except IdentityInUseError as error:
+    except (IdentityInUseError, PortInUseError) as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_IN_USE
     except (IdentityError, ValueError) as error:  # TaskError is a ValueError

@@ -8,12 +8,13 @@ prints without a traceback and maps to ``EXIT_IN_USE``.
 from __future__ import annotations
 
 import errno
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .exception_groups import find_exception
 
-__all__ = ["PortInUseError", "naming_port"]
+__all__ = ["PortInUseError", "check_port_free", "naming_port"]
 
 
 class PortInUseError(Exception):
@@ -37,3 +38,24 @@ def naming_port(role: str, host: str, port: int, flag: str) -> Iterator[None]:
         if in_use is not None:
             raise PortInUseError(role, host, port, flag) from None
         raise
+
+
+def check_port_free(role: str, host: str, port: int, flag: str) -> None:
+    """Raise ``PortInUseError`` now if ``host:port`` is held by a listener, so that a command
+    that binds it only after slow work (the node-ID puzzle: seconds to minutes) fails before that
+    work. A probe, bound and closed at once: the real bind still names the port if the port is
+    taken in between. Port 0 (any free port) is always free."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # the real bind reports a host that does not resolve
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners do
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise PortInUseError(role, host, port, flag) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -46,6 +47,22 @@ def test_join_on_a_port_in_use_names_the_port_and_the_flag(tmp_path, busy_port, 
     assert result.returncode == EXIT_IN_USE != EXIT_UNREACHABLE, result.stderr
     flag = "--listen" if which == "listen" else "--status-port"
     assert_one_clear_line(result, f"{which} port 127.0.0.1:{busy_port} is already in use", flag)
+
+
+@pytest.mark.parametrize("which", ["listen", "status"])
+def test_a_port_in_use_is_refused_before_the_node_id_puzzle(tmp_path, busy_port, which):
+    """A fresh key at a difficulty that takes minutes to solve: the busy port is named at once,
+    not after the puzzle."""
+    listen = f"127.0.0.1:{busy_port}" if which == "listen" else "127.0.0.1:0"
+    args = ["join", "--listen", listen, "--identity", str(tmp_path / "id.key"), "--node-id-difficulty", "30"]
+    if which == "status":
+        args += ["--status-port", str(busy_port)]
+    started = time.monotonic()
+    result = run_peerd(*args, timeout=60)
+    assert result.returncode == EXIT_IN_USE, result.stderr
+    assert_one_clear_line(result, f"{which} port 127.0.0.1:{busy_port} is already in use")
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "id.key.node-id").exists()  # no puzzle was solved
 
 
 def test_serve_experts_on_a_port_in_use_names_the_port(busy_port):
