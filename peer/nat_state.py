@@ -214,6 +214,11 @@ class RelayBook(Generic[Peer]):
         self.reservations.pop(peer, None)
         self._reserved_from.pop(peer, None)
 
+    def drop_reservations(self) -> None:
+        """Forget every reservation (and where each came from)."""
+        self.reservations.clear()
+        self._reserved_from.clear()
+
     def open_circuit(self, source: Peer, target: Peer, now: float, source_group: str | None = None) -> Circuit[Peer]:
         """A pending circuit from ``source`` (calling from address ``source_group``) to the reserved
         ``target``, with a fresh token per end."""

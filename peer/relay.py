@@ -37,6 +37,7 @@ from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import TOKEN_BYTES, Circuit, RelayBook, RelayLimits, RelayRefused, TokenBucket
 from .router import Request
+from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
 
 __all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE", "CONNECT", "INCOMING"]
@@ -62,6 +63,9 @@ class Relay:
         self.bytes_relayed = 0
         self._accepting = True
         self._waiting_ends = 0
+        # the connection each reservation was made (or last renewed) on: its reservation goes
+        # when it closes, since circuits reach the target over it
+        self._reserved_on: dict[PeerID, Connection] = {}
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
         host.router.add_unary(RESERVE, self._reserve)
@@ -79,7 +83,7 @@ class Relay:
         the reservations taken so far; their holders move on when they renew."""
         self._accepting = accepting
         if not accepting:
-            self.book.reservations.clear()
+            self.book.drop_reservations()
 
     @property
     def waiting_ends(self) -> int:
@@ -96,7 +100,19 @@ class Relay:
             self.book.reserve(request.peer, trio.current_time(), group=_address_group_of(connection))
         except RelayRefused as error:
             raise Busy(str(error)) from None
+        if self._reserved_on.get(request.peer) is not connection:
+            self._reserved_on[request.peer] = connection
+            self.host.start_soon(self._drop_when_closed, request.peer, connection)
         return {"ttl": self.book.limits.reservation_ttl}
+
+    async def _drop_when_closed(self, peer: PeerID, connection: Connection) -> None:
+        """A reservation lives as long as the connection it was made on: a peer that went away
+        (or restarted under a new identity, as a NAT'd host does) does not hold its slot, and its
+        address group's share, until the reservation's TTL runs out."""
+        await connection.closed.wait()
+        if self._reserved_on.get(peer) is connection:
+            del self._reserved_on[peer]
+            self.book.drop_reservation(peer)
 
     async def _connect(self, request: Request) -> Any:
         body = request.body

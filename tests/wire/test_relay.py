@@ -438,3 +438,27 @@ def test_relay_limits_hold_one_circuit_to_the_total():
     assert limits.total_bytes_per_s == 4 * 2**20
     assert limits.circuit_bytes_per_s == 4 * 2**20  # below the per-circuit default of 16 MiB/s
     assert relay_limits(100.0).circuit_bytes_per_s == RelayLimits().circuit_bytes_per_s
+
+
+async def test_a_reservation_goes_with_the_connection_it_was_made_on():
+    """A NAT'd peer that went away (or came back under a new identity, as the hole-punching lab
+    peer does each try) held its slot, and its address's share of them, until the TTL ran out: the
+    17th try from one address was refused ("holds its maximum of 16 reservations")."""
+    async with open_peer_host(Identity.generate()) as relay_host:
+        relay = Relay(relay_host)
+        for _ in range(3):
+            async with open_peer_host(Identity.generate()) as behind:
+                client = RelayClient(behind)
+                await client.reserve(relay_host.listen_address)
+                await client.reserve(relay_host.listen_address)  # a renewal on the same connection
+                assert behind.peer_id in relay.book.reservations
+            with trio.fail_after(5):
+                await until(lambda: not relay.book.reservations)
+
+
+def test_forgetting_every_reservation_forgets_where_each_came_from():
+    book = RelayBook(RelayLimits(max_reservations_per_address=1))
+    book.reserve("a", 0.0, group="203.0.113.7")
+    book.drop_reservations()
+    book.reserve("b", 1.0, group="203.0.113.7")  # the address's one slot is free again
+    assert list(book.reservations) == ["b"]
