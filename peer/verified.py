@@ -21,6 +21,9 @@ One cache serves the whole process by default (``default_signature_cache``): the
 process (many of them in tests and simulations) meet the same records, and each triple then costs
 one verification in all instead of one per node. A caller that needs its own (a test counting
 verifications) passes one in.
+
+All-reduce commitments keep a cache of their own (``averaging/commitments.py``): each averaging peer
+remembers the claims it verified (round, sender, weight, part digests) for its own reducer checks.
 """
 
 from __future__ import annotations

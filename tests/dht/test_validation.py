@@ -19,6 +19,7 @@ from dht.node import DHTNode
 from dht.peer_dictionary import peer_entries, peer_subkey
 from dht.records import DHTRecord, pack, unpack
 from dht.validation import CompositeValidator, SignatureValidator
+from dht.wire import MAX_RECORDS_PER_STORE
 from peer import Identity, open_peer_host
 from peer.verified import VerifiedSignatureCache, default_signature_cache
 from tests.support.signatures import CountingVerifier
@@ -103,6 +104,29 @@ def test_a_tampered_record_is_refused_after_the_genuine_one_was_remembered() -> 
     assert found[genuine.subkey].expiration_time == genuine.expiration_time
 
 
+def test_a_flood_of_valid_records_only_pushes_older_ones_out() -> None:
+    """Anyone may sign as many records of their own as they like: the cache stays within its
+    bound, and an entry pushed out costs its verification again the next time it is read."""
+    counting = CountingVerifier()
+    capacity = 32
+    cache = VerifiedSignatureCache(capacity, verifier=counting)
+    records = LocalRecords(CompositeValidator([SignatureValidator(signatures=cache)]))
+    genuine = writer_records([Identity.generate()], time.time() + 60)[0]
+    assert records.store(genuine)
+    flooder, expiration = Identity.generate(), time.time() + 60
+    for number in range(10 * capacity):
+        record = DHTRecord(
+            pack(f"flood{number}.matchmaking"), pack(peer_subkey(flooder.public_key)), pack(1), expiration
+        )
+        assert records.store(DHTRecord(record.key, record.subkey, SignatureValidator(flooder).sign(record), expiration))
+        assert len(cache) <= capacity
+    before = counting.calls
+    for _ in range(READS):
+        found = records.found(pack(KEY))
+        assert found is not None and found[genuine.subkey].value == genuine.value
+    assert counting.calls == before + 1
+
+
 def test_validators_share_the_process_cache_unless_given_their_own() -> None:
     assert SignatureValidator().signatures is default_signature_cache()
     own = VerifiedSignatureCache(4)
@@ -122,9 +146,11 @@ async def test_a_storing_node_and_a_reader_verify_each_writer_once_over_many_rea
         async with DHTNode.open(initial_peers=[storage.address], client_mode=True, signatures=reader_cache) as reader:
             async with open_peer_host(Identity.generate(), listen=None) as sender:
                 connection = await sender.connect(storage.address)
-                with trio.fail_after(10):
-                    reply = await connection.call("dht.store", [wire_form(record) for record in records], timeout=10)
-                assert reply.body == [True] * WRITERS
+                for first in range(0, WRITERS, MAX_RECORDS_PER_STORE):
+                    batch = [wire_form(record) for record in records[first : first + MAX_RECORDS_PER_STORE]]
+                    with trio.fail_after(10):
+                        reply = await connection.call("dht.store", batch, timeout=10)
+                    assert reply.body == [True] * len(batch)
                 for _ in range(READS):
                     with trio.fail_after(10):
                         found = await reader.get(KEY, latest=True)
