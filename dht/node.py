@@ -28,6 +28,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, PeerID, Router, open_peer_host
+from peer.verified import VerifiedSignatureCache
 
 from .background import Background
 from .config import DHTBootstrapError, DHTConfig, DHTError
@@ -101,6 +102,7 @@ class DHTNode:
         config: DHTConfig | None = None,
         node_id_difficulty: int = LOCAL_DIFFICULTY,
         node_id: NodeIDProof | None = None,
+        signatures: VerifiedSignatureCache | None = None,
     ) -> AsyncIterator[DHTNode]:
         """Run a DHT node for the duration of the block.
 
@@ -110,7 +112,8 @@ class DHTNode:
         None; see ``PeerHost``). Raises DHTBootstrapError if ``initial_peers`` are given and none
         answers. A ``SignatureValidator`` for the host's identity is always included (and no other
         may be): every node refuses owner-marked records its owner did not sign, and signs its own
-        with that identity.
+        with that identity. It checks signatures through ``signatures`` (default: the process's
+        ``default_signature_cache``, shared by every node of the process).
         """
         config = config or DHTConfig()
         validators = CompositeValidator(validators).validators
@@ -120,7 +123,8 @@ class DHTNode:
         peers = [PeerAddress.parse(p) if isinstance(p, str) else p for p in initial_peers]
         own_host = {"run_id": run_id, "node_id_difficulty": node_id_difficulty, "node_id": node_id}
         try:
-            async with cls._open(host, identity, listen, peers, client_mode, own_host, validators, config) as node:
+            checks = (validators, signatures)  # what the node checks records with
+            async with cls._open(host, identity, listen, peers, client_mode, own_host, config, checks) as node:
                 yield node
         except BaseExceptionGroup as group:
             # The nurseries around the bootstrap wrap its error; callers deserve the plain one.
@@ -142,8 +146,8 @@ class DHTNode:
         peers: list[PeerAddress],
         client_mode: bool,
         host_options: dict[str, Any],
-        validators: Iterable[RecordValidator],
         config: DHTConfig,
+        checks: tuple[Iterable[RecordValidator], VerifiedSignatureCache | None],
     ) -> AsyncIterator[DHTNode]:
         if host is None:
             identity = identity or Identity.generate()
@@ -154,10 +158,10 @@ class DHTNode:
                 client_mode=client_mode,
                 **host_options,
             ) as own_host:
-                async with cls._attach(own_host, peers, client_mode, validators, config) as node:
+                async with cls._attach(own_host, peers, client_mode, config, *checks) as node:
                     yield node
         else:
-            async with cls._attach(host, peers, client_mode or host.client_mode, validators, config) as node:
+            async with cls._attach(host, peers, client_mode or host.client_mode, config, *checks) as node:
                 yield node
 
     @classmethod
@@ -167,10 +171,12 @@ class DHTNode:
         host: PeerHost,
         initial_peers: list[PeerAddress],
         client_mode: bool,
-        validators: Iterable[RecordValidator],
         config: DHTConfig,
+        validators: Iterable[RecordValidator],
+        signatures: VerifiedSignatureCache | None,
     ) -> AsyncIterator[DHTNode]:
-        validator = CompositeValidator([SignatureValidator(host.identity), *validators])
+        signer = SignatureValidator(host.identity, signatures=signatures)
+        validator = CompositeValidator([signer, *validators])
         async with trio.open_nursery() as nursery:
             node = cls(host, nursery, config=config, validator=validator, client_mode=client_mode)
             if not client_mode:

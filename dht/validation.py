@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from peer import Identity
-from peer.identity import verify_signature
+from peer.verified import VerifiedSignatureCache, default_signature_cache
 
 from .records import CLOCK_SKEW, DHTRecord, RecordError, pack, unpack
 
@@ -103,13 +103,26 @@ class SignatureValidator(RecordValidator):
     one signer's versions only grow: storage replaces an owner's record by its newer version whatever
     the expirations, and refuses replays of older ones. Being a time, it also tells every node when
     any older version must have expired (see ``LocalRecords``).
+
+    Signatures are checked through ``signatures`` (default: the process's ``default_signature_cache``):
+    a record is checked when stored, again when read out for every answer, and by every reader, so
+    each of an N-writer dictionary's reads would otherwise cost N verifications. A record verified
+    once, byte for byte the same, is answered from the cache; one that differs in any signed field
+    or in its signature is verified afresh.
     """
 
     priority = 100  # outermost: signs what every other validator produced
 
-    def __init__(self, identity: Identity | None = None, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        signatures: VerifiedSignatureCache | None = None,
+    ):
         self.identity = identity
         self.clock = clock
+        self.signatures = signatures if signatures is not None else default_signature_cache()
         self._last_version = 0
 
     def next_version(self) -> int:
@@ -145,7 +158,7 @@ class SignatureValidator(RecordValidator):
         if envelope is None:
             return False
         inner, version, signature = envelope
-        return verify_signature(next(iter(owners)), signature, _signed_message(record, inner, version))
+        return self.signatures.verify(next(iter(owners)), signature, _signed_message(record, inner, version))
 
     def strip(self, record: DHTRecord) -> bytes:
         if not _owners(record):
@@ -167,7 +180,7 @@ class SignatureValidator(RecordValidator):
         if envelope is None:
             return None
         inner, version, signature = envelope
-        valid = verify_signature(next(iter(owners)), signature, _signed_message(record, inner, version))
+        valid = self.signatures.verify(next(iter(owners)), signature, _signed_message(record, inner, version))
         return inner if valid else None
 
 
