@@ -33,6 +33,11 @@ class LocalRecords:
         self.lifetimes = DEFAULT_TTL_CAPS  # caps by key namespace, on top of the validators' own
         self._key_caps: dict[bytes, float | None] = {}
 
+    def now(self) -> float:
+        """The wall clock records live by here (the storage's: ``time.time`` unless the node was
+        given another clock)."""
+        return self.storage.clock()
+
     def max_ttl(self, record: DHTRecord) -> float:
         """The longest lifetime ``record``'s namespace allows (seconds)."""
         key_cap = self._key_caps.get(record.key, -1.0)

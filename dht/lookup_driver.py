@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,7 +100,7 @@ class LookupDriver:
             if reply is not None:
                 try:
                     neighbours = contacts.parse(reply.body)
-                    records = wire.parse_found(key, reply.payload, time.time()) if key is not None else []
+                    records = wire.parse_found(key, reply.payload, self.records.now()) if key is not None else []
                     parsed = neighbours, self.records.validated(records) if records else None
                 except RecordError as error:
                     log.debug("bad find reply from %s: %s", contact.peer_id, error)

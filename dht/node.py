@@ -27,7 +27,18 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerHost, PeerID, Router, open_peer_host
+from peer import (
+    LOCAL_DIFFICULTY,
+    SYSTEM_CLOCK,
+    Clock,
+    Identity,
+    NodeIDProof,
+    PeerAddress,
+    PeerHost,
+    PeerID,
+    Router,
+    open_peer_host,
+)
 from peer.verified import VerifiedSignatureCache
 
 from .background import Background
@@ -59,8 +70,10 @@ class DHTNode:
         config: DHTConfig,
         validator: RecordValidator,
         client_mode: bool,
+        clock: Clock = SYSTEM_CLOCK,
     ):
         self.host = host
+        self.clock = clock  # record expirations and versions by its wall clock, backoff by its monotonic one
         self.peer_id: PeerID = host.peer_id
         # Our place in the keyspace: the node ID our host's puzzle solution yields (``peer/node_id.py``).
         self.node_id = int.from_bytes(host.node_id.node_id, "big")
@@ -68,10 +81,13 @@ class DHTNode:
         self.validator = validator
         self.client_mode = client_mode
         self.routing_table = RoutingTable(Contact.for_id(self.node_id), config.k)
-        self.records = LocalRecords(validator)
+        self.records = LocalRecords(validator, RecordStore(clock=clock.time))
         self.storage: RecordStore = self.records.storage
         self._background = Background(nursery)
-        self._contacts = Contacts(host, self.routing_table, self._background, rpc_timeout=config.rpc_timeout)
+        health = PeerHealth(clock=clock.monotonic)
+        self._contacts = Contacts(
+            host, self.routing_table, self._background, rpc_timeout=config.rpc_timeout, health=health
+        )
         self._server = DHTServer(self.records, self._contacts, k=config.k)
         self._lookups = LookupDriver(self._contacts, self.records, node_id=self.node_id, config=config)
         self._replicas = Replicas(
@@ -103,6 +119,7 @@ class DHTNode:
         node_id_difficulty: int = LOCAL_DIFFICULTY,
         node_id: NodeIDProof | None = None,
         signatures: VerifiedSignatureCache | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> AsyncIterator[DHTNode]:
         """Run a DHT node for the duration of the block.
 
@@ -113,7 +130,9 @@ class DHTNode:
         answers. A ``SignatureValidator`` for the host's identity is always included (and no other
         may be): every node refuses owner-marked records its owner did not sign, and signs its own
         with that identity. It checks signatures through ``signatures`` (default: the process's
-        ``default_signature_cache``, shared by every node of the process).
+        ``default_signature_cache``, shared by every node of the process). ``clock`` is the time
+        records live and are signed by (the system's; ``peer.clock.TrioClock`` for swarms
+        simulated under trio's virtual clock).
         """
         config = config or DHTConfig()
         validators = CompositeValidator(validators).validators
@@ -124,7 +143,8 @@ class DHTNode:
         own_host = {"run_id": run_id, "node_id_difficulty": node_id_difficulty, "node_id": node_id}
         try:
             checks = (validators, signatures)  # what the node checks records with
-            async with cls._open(host, identity, listen, peers, client_mode, own_host, config, checks) as node:
+            opening = cls._open(host, identity, listen, peers, client_mode, own_host, config, checks, clock)
+            async with opening as node:
                 yield node
         except BaseExceptionGroup as group:
             # The nurseries around the bootstrap wrap its error; callers deserve the plain one.
@@ -148,6 +168,7 @@ class DHTNode:
         host_options: dict[str, Any],
         config: DHTConfig,
         checks: tuple[Iterable[RecordValidator], VerifiedSignatureCache | None],
+        clock: Clock,
     ) -> AsyncIterator[DHTNode]:
         if host is None:
             identity = identity or Identity.generate()
@@ -158,10 +179,10 @@ class DHTNode:
                 client_mode=client_mode,
                 **host_options,
             ) as own_host:
-                async with cls._attach(own_host, peers, client_mode, config, *checks) as node:
+                async with cls._attach(own_host, peers, client_mode, config, *checks, clock) as node:
                     yield node
         else:
-            async with cls._attach(host, peers, client_mode or host.client_mode, config, *checks) as node:
+            async with cls._attach(host, peers, client_mode or host.client_mode, config, *checks, clock) as node:
                 yield node
 
     @classmethod
@@ -174,11 +195,12 @@ class DHTNode:
         config: DHTConfig,
         validators: Iterable[RecordValidator],
         signatures: VerifiedSignatureCache | None,
+        clock: Clock,
     ) -> AsyncIterator[DHTNode]:
-        signer = SignatureValidator(host.identity, signatures=signatures)
+        signer = SignatureValidator(host.identity, clock=clock.time, signatures=signatures)
         validator = CompositeValidator([signer, *validators])
         async with trio.open_nursery() as nursery:
-            node = cls(host, nursery, config=config, validator=validator, client_mode=client_mode)
+            node = cls(host, nursery, config=config, validator=validator, client_mode=client_mode, clock=clock)
             if not client_mode:
                 node._server.register(host.router)
             try:

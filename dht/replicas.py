@@ -9,7 +9,6 @@ and with ``cache_on_path`` sends what it found to the nearest peer on the path t
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -57,8 +56,9 @@ class Replicas:
         record = replace(record, value=self.records.validator.sign(record))
         if len(record.value) > MAX_VALUE_BYTES:
             raise ValueError(f"values are limited to {MAX_VALUE_BYTES} bytes (got {len(record.value)})")
-        self.records.check_lifetime(record, time.time())  # other nodes would refuse it silently
-        if record.expiration_time <= time.time():
+        now = self.records.now()
+        self.records.check_lifetime(record, now)  # other nodes would refuse it silently
+        if record.expiration_time <= now:
             return False
         target = key_id(record.key)
         k = self.config.k

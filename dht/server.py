@@ -11,7 +11,6 @@ The server sees only what answering needs, as two small protocols: ``ServedRecor
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from peer import Message, PeerAddress, PeerID, Request, Router
@@ -30,6 +29,9 @@ class ServedRecords(Protocol):
 
     def store(self, record: DHTRecord) -> bool:
         """Validate and keep ``record``; False if refused."""
+
+    def now(self) -> float:
+        """The wall clock the records live by."""
 
 
 class ServedContacts(Protocol):
@@ -83,7 +85,7 @@ class DHTServer:
 
     async def store(self, request: Request) -> list[bool]:
         self._begin()
-        records = wire.parse_store_request(request.body, time.time())
+        records = wire.parse_store_request(request.body, self.records.now())
         self._note_caller(request)
         writer = request.peer.to_bytes()  # the authenticated caller: storage evicts by fair share per writer
         return [self.records.store(record, writer) for record in records]

@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from .access import SwarmAccess
 from .address import PeerAddress
+from .clock import SYSTEM_CLOCK, Clock
 from .host import ConnectError, PeerHost, open_peer_host
 from .identity import Identity, IdentityError, PeerID
 from .node_id import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, NodeIDProof
@@ -34,6 +35,7 @@ from .secure_channel import (
     NodeIDRefused,
     PeerIDMismatch,
 )
+from .transport import TcpTransport, Transport
 
 __all__ = [
     "__version__",
@@ -71,4 +73,8 @@ __all__ = [
     "HelloMismatch",
     "NodeIDRefused",
     "PeerIDMismatch",
+    "Transport",
+    "TcpTransport",
+    "Clock",
+    "SYSTEM_CLOCK",
 ]

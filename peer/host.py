@@ -10,6 +10,9 @@ host is public: ``start_soon``/``start`` run a task the host owns (it ends with 
 ``hello()`` is what the host says at a handshake, and ``presence`` (``peer/presence.py``) holds the
 announced relayed addresses, the relay dialer and the relay that takes circuit ends.
 
+A host dials and listens through its transport (``peer/transport.py``): TCP, unless a test or
+benchmark opens it on a simulated network (``peer/simnet``).
+
 A host carries its node-ID proof (``peer/node_id.py``) and the run's node-ID difficulty: its hellos
 show the proof, and it refuses peers whose proof or difficulty does not match the run's.
 """
@@ -33,7 +36,6 @@ from .identity import Identity, PeerID
 from .nat_state import TOKEN_BYTES
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
 from .presence import Presence
-from .reuse_port import open_listeners
 from .router import Message, Router
 from .rpc import Connection, TrafficCounter
 from .secure_channel import (
@@ -46,13 +48,12 @@ from .secure_channel import (
     secure_handshake,
 )
 from .tcp_options import tune_connection
+from .transport import TcpTransport, Transport
 
 __all__ = ["PeerHost", "ConnectError", "open_peer_host"]
 
 log = logging.getLogger("peerd.host")
 
-# Dialing: a peer that does not accept within 5 s on a LAN or across the internet is as good as dead.
-CONNECT_TIMEOUT = 5.0
 # A relayed connection replaced by a direct one stays open this long for the calls still on it.
 RELAY_HANDOVER_GRACE = 30.0
 
@@ -72,17 +73,19 @@ class PeerHost:
         client_mode: bool = False,
         protocol_version: int = PROTOCOL_VERSION,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        connect_timeout: float = CONNECT_TIMEOUT,
         node_id_difficulty: int = LOCAL_DIFFICULTY,
         node_id: NodeIDProof | None = None,
         access: SwarmAccess | None = None,
+        transport: Transport | None = None,
     ):
         """``node_id_difficulty`` is the run's: every peer of a run must use the same one. The
         default is the local one (a few hundred hashes), so that scripts, tests and local swarms
         start at once; a public run passes a high one, and a proof (``node_id``, e.g. from
         ``load_or_solve`` beside the identity file) so that the work is done once per key, not per
         start. Without ``node_id`` the host solves the puzzle itself, now. ``access`` makes the
-        swarm private (``peer/access.py``): an allowlist of peer IDs and/or a shared swarm key."""
+        swarm private (``peer/access.py``): an allowlist of peer IDs and/or a shared swarm key.
+        ``transport`` is how the host dials and listens: TCP (``TcpTransport``, which also holds the
+        dial deadline) unless a test or benchmark passes a simulated network's."""
         self.identity = identity
         node_id_difficulty = check_difficulty(node_id_difficulty)
         if node_id is None:
@@ -98,7 +101,7 @@ class PeerHost:
         self.access = access if access is not None else SwarmAccess()
         self.client_mode = client_mode
         self.handshake_timeout = handshake_timeout
-        self.connect_timeout = connect_timeout
+        self.transport: Transport = transport if transport is not None else TcpTransport()
         self.listen_address: PeerAddress | None = None
         self._nursery = nursery
         self._pool = ConnectionPool()
@@ -167,15 +170,14 @@ class PeerHost:
         return dataclasses.replace(self._hello_terms, client_mode=self.client_mode, listen_addresses=listen)
 
     async def _serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await open_listeners(host, port)  # punched dials share their port
-        sockname = listeners[0].socket.getsockname()
-        self.listen_address = PeerAddress(sockname[0], sockname[1], self.peer_id)
+        (bound_host, bound_port), listeners = await self.transport.listen(host, port)
+        self.listen_address = PeerAddress(bound_host, bound_port, self.peer_id)
         task_status.started(self.listen_address)
         async with trio.open_nursery() as nursery:
             for listener in listeners:
                 nursery.start_soon(self._accept_loop, listener)
 
-    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+    async def _accept_loop(self, listener: trio.abc.Listener) -> None:
         async with listener:
             while True:
                 try:
@@ -188,8 +190,8 @@ class PeerHost:
                     raise
                 self._nursery.start_soon(self._handle_incoming, stream)
 
-    async def _handle_incoming(self, stream: trio.SocketStream) -> None:
-        group = address_group(_remote_host(stream))
+    async def _handle_incoming(self, stream: trio.abc.Stream) -> None:
+        group = address_group(self.transport.remote_host(stream))
         circuit_token: bytes | None = None
         with trio.CancelScope() as pending:
             for older in self.admission.handshake_started(pending, group):
@@ -199,7 +201,7 @@ class PeerHost:
                 # the first byte and the handshake, or a circuit end's token: both under the fair
                 # limits on pending handshakes, so silent circuit ends cannot hold the door either
                 with trio.fail_after(self.handshake_timeout):
-                    if await _opens_circuit(stream):
+                    if await self.transport.peek_first_byte(stream) == _CIRCUIT_FIRST_BYTE:
                         if not self.presence.relays_circuits:
                             raise ConnectError("a circuit end, but this peer relays nothing")
                         circuit_token = await _circuit_token(stream)
@@ -245,12 +247,13 @@ class PeerHost:
         finally:
             self.admission.connection_closed(connection)
 
-    async def _refuse(self, stream: trio.SocketStream, error: Exception) -> None:
+    async def _refuse(self, stream: trio.abc.Stream, error: Exception) -> None:
         reason = "handshake timed out" if isinstance(error, trio.TooSlowError) else str(error)
         # A peer of another run or version is worth telling the user about; scanners and junk
         # are not (a flood of them must not flood the log either).
         level = logging.INFO if isinstance(error, HelloMismatch) else logging.DEBUG
-        log.log(level, "refused incoming connection from %s: %s", _remote_endpoint(stream), reason or repr(error))
+        endpoint = self.transport.remote_endpoint(stream)
+        log.log(level, "refused incoming connection from %s: %s", endpoint, reason or repr(error))
         await trio.aclose_forcefully(stream)
 
     async def _run_connection(
@@ -303,17 +306,10 @@ class PeerHost:
         log.debug("connected to %s at %s", connection.remote_peer_id, address)
         return connection
 
-    async def open_stream(self, address: PeerAddress) -> trio.SocketStream:
-        """A plain TCP stream to ``address``'s endpoint (ConnectError on failure)."""
-        try:
-            with trio.fail_after(self.connect_timeout):
-                stream = await trio.open_tcp_stream(address.host, address.port)
-        except trio.TooSlowError:
-            raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
-        except OSError as error:
-            raise ConnectError(f"{address}: {_os_reason(error)}", refused=_refused(error)) from None
-        except ValueError as error:  # a host name that cannot even be encoded (IDNA), from a contact
-            raise ConnectError(f"{address}: not a usable host name ({error})") from None
+    async def open_stream(self, address: PeerAddress) -> trio.abc.Stream:
+        """A plain stream (TCP, unless the host was given another transport) to ``address``'s
+        endpoint (ConnectError on failure)."""
+        stream = await self.transport.connect(address)
         tune_connection(stream)
         return stream
 
@@ -367,17 +363,10 @@ class PeerHost:
 # The first byte of a relayed circuit's end (peer/relay.py); a Noise handshake record starts with
 # its 4-byte big-endian length, whose first byte is 0 for anything a handshake could be.
 CIRCUIT_MAGIC = 0xFF
+_CIRCUIT_FIRST_BYTE = bytes([CIRCUIT_MAGIC])
 
 
-async def _opens_circuit(stream: trio.SocketStream) -> bool:
-    """Whether the incoming ``stream`` is a circuit end rather than a handshake (peeks, reads nothing)."""
-    import socket
-
-    first = await stream.socket.recv(1, socket.MSG_PEEK)
-    return bool(first) and first[0] == CIRCUIT_MAGIC
-
-
-async def _circuit_token(stream: trio.SocketStream) -> bytes:
+async def _circuit_token(stream: trio.abc.Stream) -> bytes:
     """The token after a circuit end's first byte (BrokenResourceError if the stream ends first)."""
     head = b""
     while len(head) < 1 + TOKEN_BYTES:
@@ -391,38 +380,6 @@ async def _circuit_token(stream: trio.SocketStream) -> bytes:
 async def _close_after(connection: Connection, delay: float) -> None:
     await trio.sleep(delay)
     connection.close()
-
-
-def _os_reason(error: OSError) -> str:
-    """The underlying reason ("Connection refused") rather than trio's "all attempts failed"."""
-    cause = error.__cause__
-    inner = getattr(cause, "exceptions", None) or ([cause] if cause is not None else [])
-    for exception in inner:
-        if isinstance(exception, OSError) and exception.strerror:
-            return exception.strerror.lower()
-    return (error.strerror or str(error)).lower()
-
-
-def _refused(error: OSError) -> bool:
-    """Whether every attempt behind ``error`` (trio tries each address of a name) was refused."""
-    cause = error.__cause__
-    inner = getattr(cause, "exceptions", None) or ([cause] if cause is not None else [error])
-    return all(isinstance(exception, ConnectionRefusedError) for exception in inner)
-
-
-def _remote_host(stream: trio.SocketStream) -> str:
-    try:
-        return str(stream.socket.getpeername()[0])
-    except OSError:
-        return "?"
-
-
-def _remote_endpoint(stream: trio.SocketStream) -> str:
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
 
 
 @asynccontextmanager

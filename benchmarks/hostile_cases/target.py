@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from peer import LOCAL_DIFFICULTY, Identity, PeerAddress, open_peer_host
+from peer.transport import TcpTransport
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RUN_ID = "hostile-bench"
@@ -216,7 +217,8 @@ async def legit_ping(address: PeerAddress, timeout: float = 5.0) -> float | None
     start = trio.current_time()
     with trio.move_on_after(timeout):
         try:
-            async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID, connect_timeout=timeout) as host:
+            transport = TcpTransport(connect_timeout=timeout)
+            async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID, transport=transport) as host:
                 connection = await host.connect(PeerAddress(address.host, address.port))
                 await connection.call("peer.ping", timeout=timeout)
                 return trio.current_time() - start

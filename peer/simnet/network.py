@@ -1,0 +1,193 @@
+"""The simulated internet that real peers run on: a ``NetworkModel`` (``model.py``), the listeners
+and connections between its hosts (``streams.py``), and a ``Transport`` per host for ``PeerHost``.
+
+For tests and benchmarks only: a host uses it when it is opened with ``transport=`` one of these;
+nothing in the library or in ``peerd`` picks it.
+
+    network = SimNetwork(seed=7)
+    transport = network.add_host()
+    async with open_peer_host(network.identity(), transport=transport, listen=(transport.address, 0)) as host:
+        ...
+
+Run under ``trio.testing.MockClock(autojump_threshold=0)`` with ``peer.clock.TrioClock`` as the
+DHT's clock, simulated seconds pass without real ones: the loop jumps to the next event whenever
+every task waits. A dial takes one RTT (SYN, SYN-ACK); it gets no answer while the link is dead
+(the connect deadline ends it) and is refused at once where a live host has no listener.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import random
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ..address import PeerAddress
+from ..connection_pool import ConnectError
+from ..identity import Identity
+from ..transport import CONNECT_TIMEOUT
+from .model import HostProfile, NetworkModel
+from .streams import Flow, SimStream
+
+__all__ = ["SimNetwork", "SimTransport", "SimListener"]
+
+FIRST_LISTEN_PORT = 4000
+FIRST_EPHEMERAL_PORT = 50000
+
+
+class SimListener(trio.abc.Listener[SimStream]):
+    """Connections dialed to one endpoint of a simulated host, in the order they were made."""
+
+    def __init__(self, network: SimNetwork, endpoint: tuple[str, int]):
+        self.network, self.endpoint = network, endpoint
+        self._arrivals, self._pending = trio.open_memory_channel[SimStream](math.inf)
+
+    def arrive(self, stream: SimStream) -> None:
+        self._arrivals.send_nowait(stream)
+
+    async def accept(self) -> SimStream:
+        try:
+            return await self._pending.receive()
+        except (trio.ClosedResourceError, trio.EndOfChannel):
+            raise trio.ClosedResourceError("the listener is closed") from None
+
+    async def aclose(self) -> None:
+        self.network.unbind(self)
+        self._arrivals.close()
+        self._pending.close()
+        await trio.lowlevel.checkpoint()
+
+
+class SimNetwork:
+    """Hosts, listeners and live connections of one simulated internet, all from one seed."""
+
+    def __init__(self, seed: int, **model_options: object):
+        self.seed = seed
+        self.model = NetworkModel(seed, **model_options)  # type: ignore[arg-type]
+        self._identities = random.Random(f"peerd-simnet-identities-{seed}")
+        self._listeners: dict[tuple[str, int], SimListener] = {}
+        self._streams: set[SimStream] = set()
+        self._next_port: dict[tuple[str, int], int] = {}  # per host and range: the next free port
+        self._link_lot = trio.lowlevel.ParkingLot()
+
+    def add_host(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> SimTransport:
+        """A new host on the network (the next address, seeded latency and bandwidth) and the
+        transport its ``PeerHost`` dials and listens through."""
+        return SimTransport(self, self.model.add_host(), connect_timeout=connect_timeout)
+
+    def identity(self) -> Identity:
+        """The next identity of this seed's sequence (same seed, same peers and node IDs)."""
+        private = Ed25519PrivateKey.from_private_bytes(self._identities.randbytes(32))
+        return Identity(private)
+
+    # ------------------------------------------------------------------ faults
+    def cut(self, a: str, b: str) -> None:
+        """The link between hosts ``a`` and ``b`` goes dead (until ``heal``)."""
+        self.model.cut(a, b)
+        self._links_changed()
+
+    def heal(self, a: str, b: str) -> None:
+        self.model.heal(a, b)
+        self._links_changed()
+
+    def partition(self, *sides: list[str]) -> None:
+        """Hosts reach only those on their own side (hosts on no side form one more)."""
+        self.model.partition(sides)
+        self._links_changed()
+
+    def heal_partition(self) -> None:
+        self.model.heal_partition()
+        self._links_changed()
+
+    def leave(self, address: str) -> None:
+        """Host ``address`` drops off the network: its own connection ends break at once, the far
+        ends hear nothing more (they find out by their deadlines), and dials to it go unanswered.
+        The peer's tasks are the caller's to cancel (a crashed process, a switched-off machine)."""
+        self.model.remove_host(address)
+        self._links_changed()
+
+    def _links_changed(self) -> None:
+        # Every waiter looks at its link again: rare events, so waking all of them is cheap enough.
+        for stream in self._streams:
+            for flow in stream.flows:
+                flow.notify()
+        self._link_lot.unpark_all()
+
+    # ------------------------------------------------------------------ listeners and dials
+    def bind(self, address: str, port: int) -> SimListener:
+        if port == 0:
+            port = self._port(address, FIRST_LISTEN_PORT)
+        if (address, port) in self._listeners:
+            raise OSError(errno.EADDRINUSE, f"{address}:{port} is in use")
+        listener = self._listeners[(address, port)] = SimListener(self, (address, port))
+        return listener
+
+    def unbind(self, listener: SimListener) -> None:
+        if self._listeners.get(listener.endpoint) is listener:
+            del self._listeners[listener.endpoint]
+
+    def forget(self, stream: SimStream) -> None:
+        self._streams.discard(stream)
+
+    async def dial(self, source: str, host: str, port: int) -> SimStream:
+        """A connection from ``source`` to ``host:port`` after one RTT of a live link; waits while
+        the link is dead; ConnectionRefusedError where nothing listens."""
+        while True:
+            while not self.model.linked(source, host):
+                await self._link_lot.park()
+            await trio.sleep(self.model.rtt(source, host))
+            if self.model.linked(source, host):
+                break
+        listener = self._listeners.get((host, port))
+        if listener is None:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        local, remote = (source, self._port(source, FIRST_EPHEMERAL_PORT)), (host, port)
+        there, back = Flow(source, host), Flow(host, source)
+        client = SimStream(self, local, remote, there, back)
+        server = SimStream(self, remote, local, back, there)
+        self._streams.update((client, server))
+        listener.arrive(server)
+        return client
+
+    def _port(self, address: str, first: int) -> int:
+        port = self._next_port.get((address, first), first)
+        self._next_port[(address, first)] = port + 1
+        return port
+
+
+class SimTransport:
+    """The ``Transport`` of one simulated host: binds its own address, dials from it."""
+
+    def __init__(self, network: SimNetwork, profile: HostProfile, *, connect_timeout: float = CONNECT_TIMEOUT):
+        self.network, self.profile = network, profile
+        self.connect_timeout = connect_timeout
+
+    @property
+    def address(self) -> str:
+        return self.profile.address
+
+    async def listen(self, host: str, port: int) -> tuple[tuple[str, int], list[SimListener]]:
+        """Listen on this host's address (``host`` is ignored: a simulated host has one)."""
+        await trio.lowlevel.checkpoint()
+        listener = self.network.bind(self.address, port)
+        return listener.endpoint, [listener]
+
+    async def connect(self, address: PeerAddress) -> SimStream:
+        try:
+            with trio.fail_after(self.connect_timeout):
+                return await self.network.dial(self.address, address.host, address.port)
+        except trio.TooSlowError:
+            raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
+        except ConnectionRefusedError:
+            raise ConnectError(f"{address}: connection refused", refused=True) from None
+
+    def remote_host(self, stream: SimStream) -> str:
+        return stream.remote[0]
+
+    def remote_endpoint(self, stream: SimStream) -> str:
+        return f"{stream.remote[0]}:{stream.remote[1]}"
+
+    async def peek_first_byte(self, stream: SimStream) -> bytes:
+        return await stream.peek_first_byte()

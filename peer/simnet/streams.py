@@ -1,0 +1,180 @@
+"""Simulated connections: pairs of in-memory trio streams whose bytes arrive when the model says.
+
+Each direction of a connection is a ``Flow``: segments in the order they were sent, each with the
+time it arrives. A receiver takes a segment once trio's clock has reached its arrival and the link
+is alive; a sender hands its bytes to the model in segments of ``SEGMENT_BYTES`` and is held until
+each has left its uplink (a socket whose send buffer is full, so a fast writer cannot run ahead of
+its link). While the link is dead (``model.py``) nothing is delivered and senders wait for it.
+
+Closing one end delivers the end of the stream to the other after what was sent before it; a
+sender whose far end is closed gets ``BrokenResourceError`` (the reset a closed TCP socket sends).
+A host that left the network breaks its own ends at once (``BrokenResourceError``); the far ends
+hear nothing, as from a switched-off machine, and find out by their own deadlines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+if TYPE_CHECKING:
+    from .network import SimNetwork
+
+__all__ = ["SimStream", "Flow", "SEGMENT_BYTES"]
+
+# Bytes per segment given to the model: small enough that connections sharing an uplink take turns
+# (64 KiB is ~50 ms at 10 Mbit/s), large enough that a sender makes few trips through the loop.
+SEGMENT_BYTES = 64 * 1024
+
+
+class Flow:
+    """One direction of a simulated connection: segments in flight, then possibly its end."""
+
+    def __init__(self, source: str, destination: str):
+        self.source, self.destination = source, destination
+        self.segments: deque[tuple[float, bytes]] = deque()  # (arrives at, bytes), in order
+        self.ends_at: float | None = None  # when the end of the stream arrives, once the sender closed
+        self.receiver_closed = False
+        self.changed = trio.lowlevel.ParkingLot()
+
+    def notify(self) -> None:
+        self.changed.unpark_all()
+
+
+class SimStream(trio.abc.HalfCloseableStream):
+    """One end of a simulated connection: ``local`` and ``remote`` are ``(host, port)``."""
+
+    def __init__(
+        self, network: SimNetwork, local: tuple[str, int], remote: tuple[str, int], outgoing: Flow, incoming: Flow
+    ):
+        self.network = network
+        self.local, self.remote = local, remote
+        self._outgoing, self._incoming = outgoing, incoming
+        self._closed = False
+
+    @property
+    def flows(self) -> tuple[Flow, Flow]:
+        return self._outgoing, self._incoming
+
+    # ------------------------------------------------------------------ sending
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if not view:
+            await trio.lowlevel.checkpoint()
+            self._check_can_send()
+        for start in range(0, len(view), SEGMENT_BYTES):
+            await self._wait_for_link()
+            self._check_can_send()
+            piece = bytes(view[start : start + SEGMENT_BYTES])  # a copy: callers reuse their buffers
+            flow = self._outgoing
+            segment = self.network.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
+            flow.segments.append((segment.arrives_at, piece))
+            flow.notify()
+            await trio.sleep_until(segment.sent_at)
+
+    def _check_can_send(self) -> None:
+        if self._closed or self._outgoing.ends_at is not None:
+            raise trio.ClosedResourceError("this end of the stream is closed")
+        self._check_host()
+        if self._outgoing.receiver_closed:
+            raise trio.BrokenResourceError("the far end closed the connection")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._outgoing.ends_at is None:
+            self._end_outgoing()
+
+    def _end_outgoing(self) -> None:
+        flow = self._outgoing
+        model = self.network.model
+        now = trio.current_time()
+        last = flow.segments[-1][0] if flow.segments else now
+        linked = model.linked(flow.source, flow.destination)
+        delay = model.one_way_delay(flow.source, flow.destination) if linked else 0.0
+        flow.ends_at = max(now + delay, last)
+        flow.notify()
+
+    # ------------------------------------------------------------------ receiving
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while True:
+            ready = self._ready()
+            if ready is not None:
+                data = self._take(ready, max_bytes) if ready else b""
+                await trio.lowlevel.cancel_shielded_checkpoint()  # taken: a cancel must not lose it
+                return data
+            await self._wait_for_arrival()
+
+    async def peek_first_byte(self) -> bytes:
+        """The next byte this end will receive, left in place (b"" at the end of the stream)."""
+        while True:
+            ready = self._ready()
+            if ready is not None:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return ready[1][:1] if ready else b""
+            await self._wait_for_arrival()
+
+    def _ready(self) -> tuple[float, bytes] | tuple[()] | None:
+        """The head segment if it has arrived, () at an arrived end of stream, None otherwise."""
+        if self._closed:
+            raise trio.ClosedResourceError("this end of the stream is closed")
+        self._check_host()
+        flow = self._incoming
+        now = trio.current_time()
+        if not self.network.model.linked(flow.source, flow.destination):
+            return None
+        if flow.segments:
+            head = flow.segments[0]
+            return head if head[0] <= now else None
+        if flow.ends_at is not None and flow.ends_at <= now:
+            return ()
+        return None
+
+    def _take(self, head: tuple[float, bytes], max_bytes: int | None) -> bytes:
+        segments = self._incoming.segments
+        arrived, data = head
+        if max_bytes is not None and max_bytes < len(data):
+            segments[0] = (arrived, data[max_bytes:])
+            return data[:max_bytes]
+        segments.popleft()
+        return data
+
+    async def _wait_for_arrival(self) -> None:
+        flow = self._incoming
+        if not self.network.model.linked(flow.source, flow.destination):
+            await flow.changed.park()  # the network wakes every flow when a link changes
+            return
+        if flow.segments:
+            wake_at = flow.segments[0][0]
+        else:
+            wake_at = flow.ends_at if flow.ends_at is not None else math.inf
+        with trio.move_on_at(wake_at):
+            await flow.changed.park()
+
+    async def _wait_for_link(self) -> None:
+        flow = self._outgoing
+        while not self.network.model.linked(flow.source, flow.destination):
+            self._check_can_send()
+            await flow.changed.park()  # woken by link changes and by the far end closing
+
+    def _check_host(self) -> None:
+        if self.local[0] not in self.network.model.hosts:
+            raise trio.BrokenResourceError(f"{self.local[0]} has left the network")
+
+    # ------------------------------------------------------------------ closing
+    async def aclose(self) -> None:
+        if not self._closed:
+            if self._outgoing.ends_at is None and self.local[0] in self.network.model.hosts:
+                self._end_outgoing()
+            self._closed = True
+            self._incoming.receiver_closed = True
+            self._incoming.segments.clear()
+            self._incoming.notify()
+            self._outgoing.notify()  # a send of ours stalled on a dead link gives up
+            self.network.forget(self)
+        await trio.lowlevel.checkpoint()

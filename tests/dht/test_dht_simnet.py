@@ -1,0 +1,85 @@
+"""Real DHT nodes on the simulated internet (``peer/simnet``) under trio's virtual clock: records
+live by the clock seam (``peer/clock.py``), and a swarm finds its keys across a partition that
+heals and peers that leave."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import trio
+
+from dht import DHTConfig, DHTNode
+from peer import ConnectError, Router, RPCError, open_peer_host
+from peer.clock import SIMULATED_EPOCH, TrioClock
+from peer.simnet import SimNetwork
+from tests.support.sim_swarm import open_sim_swarm
+
+
+async def test_records_live_by_the_nodes_clock_in_virtual_time(autojump_clock):
+    network = SimNetwork(seed=21)
+    clock = TrioClock()
+    assert clock.time() == SIMULATED_EPOCH + trio.current_time()
+    async with open_peer_host(network.identity(), router=Router(), transport=network.add_host()) as first_host:
+        async with DHTNode.open(host=first_host, clock=clock) as first:
+            async with open_peer_host(network.identity(), router=Router(), transport=network.add_host()) as host:
+                async with DHTNode.open(host=host, initial_peers=[first.address], clock=clock) as second:
+                    real_start = time.monotonic()
+                    assert await second.store("lease", "mine", clock.time() + 3600)
+                    await trio.sleep(3599)
+                    assert (await first.get("lease")).value == "mine"
+                    await trio.sleep(2)  # an hour has passed on the clock the nodes read
+                    assert await first.get("lease") is None
+                    assert await second.get("lease") is None
+                    assert time.monotonic() - real_start < 30  # an hour, simulated
+
+
+@pytest.mark.parametrize("size", [64, pytest.param(128, marks=pytest.mark.slow)])
+async def test_a_swarm_finds_its_keys_across_a_healed_partition_and_departures(autojump_clock, size):
+    network = SimNetwork(seed=2026)
+    picks = random.Random(2026)
+    real_start, sim_start = time.perf_counter(), trio.current_time()
+    config = DHTConfig()
+    async with open_sim_swarm(network, size, config=config) as swarm:
+        clock, nodes = swarm.clock, swarm.nodes
+        joined = trio.current_time()
+
+        async def found_everywhere(keys: dict[str, int], readers: list[int]) -> list[tuple[str, int]]:
+            missing = []
+            for key, value in keys.items():
+                reader = picks.choice(readers)
+                got = await nodes[reader].get(key)
+                if got is None or got.value != value:
+                    missing.append((key, reader))
+            return missing
+
+        before = {f"before-{n}": n for n in range(24)}
+        for key, value in before.items():
+            assert await nodes[picks.randrange(size)].store(key, value, clock.time() + 3600)
+        assert await found_everywhere(before, list(range(size))) == []
+
+        half = size // 2
+        leavers = picks.sample(range(1, size), size // 10)  # 10% leave for good after the heal
+        west, far = [swarm.address(i) for i in range(half)], nodes[max(set(range(half, size)) - set(leavers))]
+        assert (await nodes[0].host.call(far.address, "dht.ping", timeout=5)) is not None
+        network.partition(west)
+        during = {f"during-{n}": n for n in range(12)}
+        for key, value in during.items():  # stored on the west side alone
+            assert await nodes[picks.randrange(half)].store(key, value, clock.time() + 3600)
+        assert await found_everywhere(during, list(range(half))) == []
+        assert await found_everywhere(before, list(range(half))) == []  # replicas on both sides
+        with pytest.raises((ConnectError, RPCError)):  # the pooled connection, or a new one, is dead
+            await nodes[0].host.call(far.address, "dht.ping", timeout=5)
+        await trio.sleep(120)  # calls across keep failing: backoff, then eviction of those contacts
+        network.heal_partition()
+        for index in leavers:
+            swarm.leave(index)
+        assert (await nodes[0].host.call(far.address, "dht.ping", timeout=30)) is not None
+        await trio.sleep(60)  # reconnects find the other side again
+        east = [i for i in swarm.alive() if i >= half]
+        assert await found_everywhere(during, east) == []
+        assert await found_everywhere(before, swarm.alive()) == []
+        simulated, real = trio.current_time() - sim_start, time.perf_counter() - real_start
+        took = f"scenario {simulated:.1f} simulated s, {real:.1f} real s"
+        print(f"\n{size} DHT nodes: joined in {joined - sim_start:.1f} simulated s, {took}")

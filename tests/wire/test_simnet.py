@@ -1,0 +1,228 @@
+"""The simulated internet (``peer/simnet``): the model alone, sans I/O (latencies, bandwidth, link
+state), its streams under trio's virtual clock, and real hosts (Noise handshake, RPC) on it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import trio
+
+from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
+from peer.simnet import MBIT, SEGMENT_BYTES, NetworkModel, SimNetwork
+
+
+# ---------------------------------------------------------------------- the model, sans I/O
+def test_rtts_are_symmetric_within_range_and_triangle_consistent():
+    model = NetworkModel(seed=1)
+    hosts = [model.add_host().address for _ in range(40)]
+    rtts = [model.rtt(a, b) for a, b in itertools.combinations(hosts, 2)]
+    assert 0.010 <= min(rtts) and max(rtts) <= 0.300
+    assert max(rtts) - min(rtts) > 0.1  # a spread, not one number
+    for a, b in itertools.combinations(hosts, 2):
+        assert model.rtt(a, b) == model.rtt(b, a)
+    for a, b, c in itertools.permutations(hosts[:15], 3):
+        assert model.one_way_delay(a, c) <= model.one_way_delay(a, b) + model.one_way_delay(b, c) + 1e-12
+
+
+def test_a_seed_decides_every_host():
+    first, again, other = NetworkModel(seed=5), NetworkModel(seed=5), NetworkModel(seed=6)
+    profiles = [first.add_host() for _ in range(20)]
+    assert profiles == [again.add_host() for _ in range(20)]
+    assert profiles != [other.add_host() for _ in range(20)]
+    assert {(host.uplink / MBIT, host.downlink / MBIT) for host in profiles} <= {(10, 50), (20, 200), (100, 1000)}
+
+
+def two_hosts(up_down_a, up_down_b):
+    """A model with a host of each of two bandwidth mixes (seeded: always the same two)."""
+    model = NetworkModel(seed=0, mixes=[up_down_a, up_down_b])
+    by_mix = {}
+    while len(by_mix) < 2:
+        host = model.add_host()
+        by_mix.setdefault((host.uplink / MBIT, host.downlink / MBIT), host.address)
+    return model, by_mix[up_down_a], by_mix[up_down_b]
+
+
+def transfer(model, source, destination, size, now=0.0):
+    """Send ``size`` bytes as a stream does (segment after segment, each once the one before has
+    left the uplink): when the last byte arrives."""
+    arrives = now
+    for start in range(0, size, SEGMENT_BYTES):
+        segment = model.send(source, destination, now, min(SEGMENT_BYTES, size - start))
+        now, arrives = segment.sent_at, segment.arrives_at
+    return arrives
+
+
+@pytest.mark.parametrize("size", [SEGMENT_BYTES, 10_000_000])
+def test_a_transfer_takes_the_delay_plus_its_size_over_the_slower_end(size):
+    model, dsl, fibre = two_hosts((10.0, 50.0), (100.0, 1000.0))
+    up = transfer(model, dsl, fibre, size)  # limited by the DSL uplink
+    assert up == pytest.approx(model.one_way_delay(dsl, fibre) + size / (10 * MBIT), rel=1e-9)
+    later = 1000.0
+    down = transfer(model, fibre, dsl, size, now=later) - later  # limited by the DSL downlink
+    assert down == pytest.approx(model.one_way_delay(fibre, dsl) + size / (50 * MBIT), rel=1e-2)
+
+
+def test_connections_share_their_hosts_uplink():
+    model = NetworkModel(seed=3, mixes=[(10.0, 50.0)])
+    source, first, second = (model.add_host().address for _ in range(3))
+    size = 1_000_000
+    one = model.send(source, first, 0.0, size)
+    two = model.send(source, second, 0.0, size)
+    assert one.sent_at == pytest.approx(size / (10 * MBIT))
+    assert two.sent_at == pytest.approx(2 * size / (10 * MBIT))  # waited for the first to leave
+
+
+def test_cuts_partitions_and_departures_kill_links_until_healed():
+    model = NetworkModel(seed=2)
+    a, b, c, d = (model.add_host().address for _ in range(4))
+    model.cut(a, b)
+    assert not model.linked(a, b) and not model.linked(b, a) and model.linked(a, c)
+    model.heal(b, a)
+    assert model.linked(a, b)
+    model.partition([[a, b]])  # c and d: the other side
+    assert model.linked(a, b) and model.linked(c, d) and not model.linked(a, c) and not model.linked(d, b)
+    late = model.add_host().address
+    assert model.linked(late, c) and not model.linked(late, a)
+    model.heal_partition()
+    assert model.linked(a, c)
+    model.remove_host(d)
+    assert not model.linked(c, d) and not model.linked(d, c)
+
+
+# ---------------------------------------------------------------------- streams, virtual time
+async def connected(network, server_transport, client_transport):
+    (host, port), [listener] = await server_transport.listen("ignored", 0)
+    client = await client_transport.connect(PeerAddress(host, port))
+    server = await listener.accept()
+    return client, server, listener
+
+
+async def receive_exactly(stream, size):
+    got = 0
+    while got < size:
+        chunk = await stream.receive_some(1 << 20)
+        assert chunk, "the stream ended early"
+        got += len(chunk)
+
+
+async def test_a_dial_takes_one_rtt_and_bytes_arrive_shaped_by_both_ends(autojump_clock):
+    network = SimNetwork(seed=11, mixes=[(10.0, 50.0)])
+    a, b = network.add_host(), network.add_host()
+    assert (b.profile.uplink, a.profile.downlink) == (10 * MBIT, 50 * MBIT)
+    start = trio.current_time()
+    client, server, _ = await connected(network, a, b)  # b dials a
+    assert trio.current_time() - start == pytest.approx(network.model.rtt(b.address, a.address))
+    size = 2_000_000
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, bytes(size))
+        await receive_exactly(server, size)
+    took = trio.current_time() - start
+    assert took == pytest.approx(network.model.one_way_delay(b.address, a.address) + size / (10 * MBIT))  # b's uplink
+
+
+async def test_bytes_arrive_whole_and_in_order(autojump_clock):
+    network = SimNetwork(seed=12)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    data = bytes(range(256)) * 1000
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, memoryview(data))
+        received = b""
+        while len(received) < len(data):
+            received += await server.receive_some(7919)
+    assert received == data
+    await client.aclose()
+    assert await server.receive_some() == b""  # the end of the stream, after the data
+
+
+async def test_a_cut_stops_delivery_until_it_heals(autojump_clock):
+    network = SimNetwork(seed=13)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    await client.send_all(b"held")
+    network.cut(a.address, b.address)  # while those bytes are in flight
+    with trio.move_on_after(600):
+        await server.receive_some()
+        raise AssertionError("bytes crossed a cut link")
+    with trio.move_on_after(600) as stalled:
+        await client.send_all(b"more")
+    assert stalled.cancelled_caught  # a sender stalls on a dead link, as on a full window
+    network.heal(a.address, b.address)
+    assert await server.receive_some() == b"held"
+    with trio.fail_after(1):
+        await client.send_all(b"after")
+    assert await server.receive_some() == b"after"
+
+
+async def test_dials_are_refused_without_a_listener_and_unanswered_across_a_cut(autojump_clock):
+    network = SimNetwork(seed=14)
+    a, b = network.add_host(), network.add_host()
+    with pytest.raises(ConnectError) as refused:
+        await a.connect(PeerAddress(b.address, 4000))
+    assert refused.value.refused
+    (host, port), _ = await b.listen("", 0)
+    network.partition([a.address])
+    start = trio.current_time()
+    with pytest.raises(ConnectError, match="no answer") as unanswered:
+        await a.connect(PeerAddress(host, port))
+    assert not unanswered.value.refused and trio.current_time() - start == pytest.approx(a.connect_timeout)
+
+
+async def test_a_host_that_leaves_breaks_its_own_ends_and_goes_silent(autojump_clock):
+    network = SimNetwork(seed=15)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    network.leave(b.address)  # the dialing side's machine is switched off
+    with pytest.raises(trio.BrokenResourceError):
+        await client.send_all(b"x")
+    with pytest.raises(trio.BrokenResourceError):
+        await client.receive_some()
+    with trio.move_on_after(3600) as silent:
+        await server.receive_some()
+    assert silent.cancelled_caught  # no end of stream from a machine that is gone
+
+
+# ---------------------------------------------------------------------- real hosts on it
+async def test_real_hosts_handshake_and_call_over_the_simulated_network(autojump_clock):
+    network = SimNetwork(seed=16)
+    router = Router()
+
+    async def echo(request):
+        return Message(request.body, payload=request.payload)
+
+    router.add_unary("echo", echo)
+    there, here = network.add_host(), network.add_host()
+    rtt = network.model.rtt(here.address, there.address)
+    async with open_peer_host(network.identity(), router=router, transport=there) as server:
+        assert server.listen_address.host == there.address
+        async with open_peer_host(network.identity(), listen=None, transport=here) as client:
+            start = trio.current_time()
+            connection = await client.connect(server.listen_address)
+            handshake = trio.current_time() - start
+            assert connection.remote_peer_id == server.peer_id
+            assert 2 * rtt <= handshake < 4 * rtt  # the dial's RTT, Noise XX's 1.5 RTTs, the hellos
+            start = trio.current_time()
+            reply = await connection.call("echo", "hi")
+            assert reply.body == "hi"
+            assert trio.current_time() - start == pytest.approx(rtt, rel=0.05)
+            # a payload of 1 MB each way is shaped by both ends' links
+            payload = bytes(1_000_000)
+            start = trio.current_time()
+            reply = await connection.call("echo", "big", payload=payload, timeout=60)
+            assert bytes(reply.payload) == payload
+            slowest = min(here.profile.uplink, there.profile.downlink)
+            back = min(there.profile.uplink, here.profile.downlink)
+            least = rtt + len(payload) / slowest + len(payload) / back
+            assert least - 1e-6 <= trio.current_time() - start < 1.5 * least
+
+
+def test_identities_follow_the_seed():
+    first, again = SimNetwork(seed=9), SimNetwork(seed=9)
+    ids = [first.identity().peer_id for _ in range(3)]
+    assert ids == [again.identity().peer_id for _ in range(3)]
+    assert ids[0] != SimNetwork(seed=10).identity().peer_id
+    assert isinstance(first.identity(), Identity)
+    assert math.isfinite(first.add_host().connect_timeout)
