@@ -11,8 +11,12 @@ Bandwidth: every host has an uplink and a downlink rate (one of ``BANDWIDTH_MIXE
 queue shared by all of its connections: a segment leaves the sender's uplink when the segments
 queued before it have (its rate in bytes per second is the token rate; nothing bursts above it),
 propagates, and is delivered once the receiver's downlink has taken it in. A lone transfer of N
-bytes therefore takes the one-way delay plus N over the smaller of the two rates; several
-transfers through one link share it in the order their segments were sent.
+bytes therefore takes the one-way delay plus N over the smaller of the two rates. Several
+transfers through one uplink share it in the order their segments were sent; a downlink takes
+segments in the order they reach it: each occupies it for its size over the downlink's rate, from
+when it reaches the receiver's edge or the first free stretch after that. The model fixes a
+segment's arrival when it is sent, so one sent later from a nearer host goes ahead of those booked
+before it where it fits in before them, and after them where it does not.
 
 Links: a cut between two hosts, a partition of the hosts into sides, or a host that left makes
 the link dead as a pulled cable does: nothing sent across it arrives until it is healed (the
@@ -22,6 +26,7 @@ closed by the network; the peers at their ends find a dead link by their own dea
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Iterable, Sequence
@@ -75,7 +80,8 @@ class NetworkModel:
         self.hosts: dict[str, HostProfile] = {}
         self._count = 0
         self._uplink_free: dict[str, float] = {}  # when each host's uplink has sent what it was given
-        self._downlink_free: dict[str, float] = {}
+        # per host: the stretches (start, end) its downlink is booked for, in order, not overlapping
+        self._downlink_busy: dict[str, list[tuple[float, float]]] = {}
         self._cuts: set[frozenset[str]] = set()
         self._side_of: dict[str, int] | None = None  # the partition in force, if any
 
@@ -90,7 +96,8 @@ class NetworkModel:
         up, down = draw.choice(self._mixes)
         host = HostProfile(address, position, draw.uniform(*self._access), up * MBIT, down * MBIT)
         self.hosts[address] = host
-        self._uplink_free[address] = self._downlink_free[address] = 0.0
+        self._uplink_free[address] = 0.0
+        self._downlink_busy[address] = []
         return host
 
     def remove_host(self, address: str) -> None:
@@ -134,14 +141,27 @@ class NetworkModel:
     def send(self, source: str, destination: str, now: float, size: int) -> Segment:
         """Put ``size`` bytes on the path at ``now``: when they have left the sender's uplink (its
         queue shared with its other connections) and when the receiver's downlink delivers them
-        (the last byte: after the propagation delay, at the downlink's rate, in turn with what it
-        already takes in). Cut-through: a fast downlink delivers as the uplink sends."""
+        (the last byte: after the propagation delay, at the downlink's rate, in turn with what else
+        reaches it). Cut-through: a fast downlink delivers as the uplink sends."""
         up, down = self.hosts[source].uplink, self.hosts[destination].downlink
         delay = self.one_way_delay(source, destination)
         leaves = max(now, self._uplink_free[source])
         sent_at = leaves + size / up
         self._uplink_free[source] = sent_at
-        enters = max(leaves + delay, self._downlink_free[destination])
-        arrives_at = max(enters + size / down, sent_at + delay)
-        self._downlink_free[destination] = arrives_at
+        # At the edge from when the downlink can take it without getting ahead of the uplink.
+        reaches_edge = max(leaves + delay, sent_at + delay - size / down)
+        arrives_at = self._book_downlink(destination, now, reaches_edge, size / down)
         return Segment(sent_at, arrives_at)
+
+    def _book_downlink(self, destination: str, now: float, ready: float, duration: float) -> float:
+        """Book ``duration`` of the downlink in its first free stretch from ``ready`` on: when it ends."""
+        busy = self._downlink_busy[destination]
+        done = bisect.bisect_right(busy, now, key=lambda stretch: stretch[1])
+        del busy[:done]  # over: every segment sent from now on reaches the edge later
+        index = bisect.bisect_right(busy, ready, key=lambda stretch: stretch[1])
+        start = ready
+        while index < len(busy) and start + duration > busy[index][0]:
+            start = max(start, busy[index][1])
+            index += 1
+        busy.insert(index, (start, start + duration))
+        return start + duration

@@ -74,6 +74,19 @@ def test_connections_share_their_hosts_uplink():
     assert two.sent_at == pytest.approx(2 * size / (10 * MBIT))  # waited for the first to leave
 
 
+def test_a_downlink_takes_segments_in_the_order_they_reach_it():
+    model = NetworkModel(seed=4, mixes=[(10.0, 50.0)])
+    receiver, *others = (model.add_host().address for _ in range(40))
+    near = min(others, key=lambda other: model.one_way_delay(other, receiver))
+    far = max(others, key=lambda other: model.one_way_delay(other, receiver))
+    assert model.one_way_delay(far, receiver) - model.one_way_delay(near, receiver) > 0.05
+    slow = model.send(far, receiver, 0.0, SEGMENT_BYTES)  # ~52 ms on a 10 Mbit/s uplink, then far
+    small = model.send(near, receiver, 0.001, 200)
+    assert small.arrives_at == pytest.approx(small.sent_at + model.one_way_delay(near, receiver))
+    assert small.arrives_at < 0.02 < slow.arrives_at  # not held behind the far host's segment
+    assert slow.arrives_at == pytest.approx(slow.sent_at + model.one_way_delay(far, receiver))
+
+
 def test_cuts_partitions_and_departures_kill_links_until_healed():
     model = NetworkModel(seed=2)
     a, b, c, d = (model.add_host().address for _ in range(4))
