@@ -17,7 +17,7 @@ on how fast the machine is: CPU work takes no simulated time.
 
 from .model import BANDWIDTH_MIXES, MBIT, HostProfile, NetworkModel, Segment
 from .network import SimListener, SimNetwork, SimTransport
-from .streams import SEGMENT_BYTES, Flow, SimStream
+from .streams import RECEIVE_WINDOW_BYTES, SEGMENT_BYTES, Flow, SimStream
 
 __all__ = [
     "BANDWIDTH_MIXES",
@@ -31,4 +31,5 @@ __all__ = [
     "SimStream",
     "Flow",
     "SEGMENT_BYTES",
+    "RECEIVE_WINDOW_BYTES",
 ]

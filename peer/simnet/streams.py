@@ -5,11 +5,14 @@ time it arrives. A receiver takes a segment once trio's clock has reached its ar
 is alive; a sender hands its bytes to the model in segments of ``SEGMENT_BYTES`` and is held until
 each has left its uplink (a socket whose send buffer is full, so a fast writer cannot run ahead of
 its link). While the link is dead (``model.py``) nothing is delivered and senders wait for it.
+A flow holds at most ``RECEIVE_WINDOW_BYTES`` that its reader has not taken (in flight or
+arrived): a sender to a reader that does not read waits, as on a full TCP window, until it reads.
 
 Closing one end delivers the end of the stream to the other after what was sent before it; a
 sender whose far end is closed gets ``BrokenResourceError`` (the reset a closed TCP socket sends).
 A host that left the network breaks its own ends at once (``BrokenResourceError``); the far ends
-hear nothing, as from a switched-off machine, and find out by their own deadlines.
+hear nothing, as from a switched-off machine, and find out by their own deadlines: closing an
+end on a host that left (its tasks cancelled) marks only that end closed.
 """
 
 from __future__ import annotations
@@ -23,11 +26,17 @@ import trio
 if TYPE_CHECKING:
     from .network import SimNetwork
 
-__all__ = ["SimStream", "Flow", "SEGMENT_BYTES"]
+__all__ = ["SimStream", "Flow", "SEGMENT_BYTES", "RECEIVE_WINDOW_BYTES"]
 
 # Bytes per segment given to the model: small enough that connections sharing an uplink take turns
 # (64 KiB is ~50 ms at 10 Mbit/s), large enough that a sender makes few trips through the loop.
 SEGMENT_BYTES = 64 * 1024
+
+# Unread bytes a flow holds before its sender waits: about what a Linux TCP connection buffers for
+# a reader that does not read (the receive buffer plus the send buffer, as autotuned by default).
+# More than any simulated path has in flight (100 Mbit/s for ~150 ms is ~1.9 MB), so a reader that
+# keeps up never meets it.
+RECEIVE_WINDOW_BYTES = 4 * 1024 * 1024
 
 
 class Flow:
@@ -36,6 +45,7 @@ class Flow:
     def __init__(self, source: str, destination: str):
         self.source, self.destination = source, destination
         self.segments: deque[tuple[float, bytes]] = deque()  # (arrives at, bytes), in order
+        self.unread = 0  # bytes in ``segments``: sent and not yet taken by the reader
         self.ends_at: float | None = None  # when the end of the stream arrives, once the sender closed
         self.receiver_closed = False
         self.changed = trio.lowlevel.ParkingLot()
@@ -66,12 +76,13 @@ class SimStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
             self._check_can_send()
         for start in range(0, len(view), SEGMENT_BYTES):
-            await self._wait_for_link()
-            self._check_can_send()
             piece = bytes(view[start : start + SEGMENT_BYTES])  # a copy: callers reuse their buffers
+            await self._wait_for_link_and_room(len(piece))
+            self._check_can_send()
             flow = self._outgoing
             segment = self.network.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
             flow.segments.append((segment.arrives_at, piece))
+            flow.unread += len(piece)
             flow.notify()
             await trio.sleep_until(segment.sent_at)
 
@@ -136,12 +147,15 @@ class SimStream(trio.abc.HalfCloseableStream):
         return None
 
     def _take(self, head: tuple[float, bytes], max_bytes: int | None) -> bytes:
-        segments = self._incoming.segments
+        flow = self._incoming
         arrived, data = head
         if max_bytes is not None and max_bytes < len(data):
-            segments[0] = (arrived, data[max_bytes:])
-            return data[:max_bytes]
-        segments.popleft()
+            flow.segments[0] = (arrived, data[max_bytes:])
+            data = data[:max_bytes]
+        else:
+            flow.segments.popleft()
+        flow.unread -= len(data)
+        flow.notify()  # a sender waiting for room in the window goes on
         return data
 
     async def _wait_for_arrival(self) -> None:
@@ -156,11 +170,13 @@ class SimStream(trio.abc.HalfCloseableStream):
         with trio.move_on_at(wake_at):
             await flow.changed.park()
 
-    async def _wait_for_link(self) -> None:
+    async def _wait_for_link_and_room(self, size: int) -> None:
         flow = self._outgoing
-        while not self.network.model.linked(flow.source, flow.destination):
+        while not self.network.model.linked(flow.source, flow.destination) or (
+            flow.unread + size > RECEIVE_WINDOW_BYTES
+        ):
             self._check_can_send()
-            await flow.changed.park()  # woken by link changes and by the far end closing
+            await flow.changed.park()  # woken by link changes, the reader taking, the far end closing
 
     def _check_host(self) -> None:
         if self.local[0] not in self.network.model.hosts:
@@ -169,12 +185,20 @@ class SimStream(trio.abc.HalfCloseableStream):
     # ------------------------------------------------------------------ closing
     async def aclose(self) -> None:
         if not self._closed:
-            if self._outgoing.ends_at is None and self.local[0] in self.network.model.hosts:
-                self._end_outgoing()
             self._closed = True
-            self._incoming.receiver_closed = True
-            self._incoming.segments.clear()
-            self._incoming.notify()
-            self._outgoing.notify()  # a send of ours stalled on a dead link gives up
+            if self.local[0] in self.network.model.hosts:
+                self._close_flows()
+            # else: a host that left sends nothing more, not even its close; the far end hears nothing
             self.network.forget(self)
         await trio.lowlevel.checkpoint()
+
+    def _close_flows(self) -> None:
+        """The end of our stream to the far end, and a reset for whatever it sends us from now on."""
+        if self._outgoing.ends_at is None:
+            self._end_outgoing()
+        incoming = self._incoming
+        incoming.receiver_closed = True
+        incoming.segments.clear()
+        incoming.unread = 0
+        incoming.notify()
+        self._outgoing.notify()  # a send of ours stalled on a dead link or a full window gives up

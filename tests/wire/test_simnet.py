@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
-from peer.simnet import MBIT, SEGMENT_BYTES, NetworkModel, SimNetwork
+from peer.simnet import MBIT, RECEIVE_WINDOW_BYTES, SEGMENT_BYTES, NetworkModel, SimNetwork
 
 
 # ---------------------------------------------------------------------- the model, sans I/O
@@ -196,6 +196,36 @@ async def test_a_host_that_leaves_breaks_its_own_ends_and_goes_silent(autojump_c
     with trio.move_on_after(3600) as silent:
         await server.receive_some()
     assert silent.cancelled_caught  # no end of stream from a machine that is gone
+    await client.aclose()  # the departed host's tasks are cancelled and close their ends
+    with trio.move_on_after(3600) as stalled:
+        await server.send_all(b"anyone there?")
+    assert stalled.cancelled_caught  # no reset either: the far end finds out by its deadline
+    with trio.move_on_after(3600) as silent:
+        await server.receive_some()
+    assert silent.cancelled_caught
+
+
+async def test_a_sender_waits_while_its_reader_leaves_a_full_window_unread(autojump_clock):
+    network = SimNetwork(seed=17)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    sent = 0
+
+    async def write_until(total):
+        nonlocal sent
+        while sent < total:
+            await client.send_all(bytes(SEGMENT_BYTES))
+            sent += SEGMENT_BYTES
+
+    with trio.move_on_after(3600) as stalled:
+        await write_until(2 * RECEIVE_WINDOW_BYTES)
+    assert stalled.cancelled_caught  # the reader never read: the writer waits, nothing piles up
+    assert RECEIVE_WINDOW_BYTES - SEGMENT_BYTES <= sent <= RECEIVE_WINDOW_BYTES
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_until, 2 * RECEIVE_WINDOW_BYTES)
+            await receive_exactly(server, 2 * RECEIVE_WINDOW_BYTES)
+    assert sent == 2 * RECEIVE_WINDOW_BYTES  # once the reader reads, the writer goes on
 
 
 # ---------------------------------------------------------------------- real hosts on it
