@@ -12,13 +12,14 @@ nothing in the library or in ``peerd`` picks it.
 Run under ``trio.testing.MockClock(autojump_threshold=0)`` with ``peer.clock.TrioClock`` as the
 DHT's clock, simulated seconds pass without real ones: the loop jumps to the next event whenever
 every task waits. A dial takes one RTT (SYN, SYN-ACK); it gets no answer while the link is dead
-(the connect deadline ends it) and is refused at once where a live host has no listener.
+(the connect deadline ends it) and is refused at once where a live host has no listener. A
+listener holds at most ``LISTEN_BACKLOG`` connections not yet accepted; a dial beyond them gets no
+answer (a full SYN queue drops the SYN) and tries again, an RTT each time, once one is accepted.
 """
 
 from __future__ import annotations
 
 import errno
-import math
 import random
 
 import trio
@@ -35,28 +36,52 @@ __all__ = ["SimNetwork", "SimTransport", "SimListener"]
 
 FIRST_LISTEN_PORT = 4000
 FIRST_EPHEMERAL_PORT = 50000
+# Connections a listener holds before it accepts them: Linux's cap on a listen backlog
+# (net.core.somaxconn) before 5.4.
+LISTEN_BACKLOG = 128
 
 
 class SimListener(trio.abc.Listener[SimStream]):
-    """Connections dialed to one endpoint of a simulated host, in the order they were made."""
+    """Connections dialed to one endpoint of a simulated host, in the order they were made, at most
+    ``LISTEN_BACKLOG`` of them waiting to be accepted."""
 
     def __init__(self, network: SimNetwork, endpoint: tuple[str, int]):
         self.network, self.endpoint = network, endpoint
-        self._arrivals, self._pending = trio.open_memory_channel[SimStream](math.inf)
+        self._arrivals, self._pending = trio.open_memory_channel[SimStream](LISTEN_BACKLOG)
+        self._room = trio.lowlevel.ParkingLot()  # dials waiting for the backlog to take them
+
+    def has_room(self) -> bool:
+        return self._arrivals.statistics().current_buffer_used < LISTEN_BACKLOG
+
+    async def wait_for_room(self) -> None:
+        """Until an accept (or the listener's closing) may have made room in the backlog."""
+        await self._room.park()
 
     def arrive(self, stream: SimStream) -> None:
         self._arrivals.send_nowait(stream)
 
     async def accept(self) -> SimStream:
         try:
-            return await self._pending.receive()
+            stream = await self._pending.receive()
         except (trio.ClosedResourceError, trio.EndOfChannel):
             raise trio.ClosedResourceError("the listener is closed") from None
+        self._room.unpark_all()
+        return stream
 
     async def aclose(self) -> None:
+        """Stop listening; connections never accepted are closed, so their dialers see them end."""
         self.network.unbind(self)
         self._arrivals.close()
+        self._room.unpark_all()  # their next try finds nothing listening: refused
+        unaccepted = []
+        while True:
+            try:
+                unaccepted.append(self._pending.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
         self._pending.close()
+        for stream in unaccepted:
+            await stream.aclose()
         await trio.lowlevel.checkpoint()
 
 
@@ -133,16 +158,20 @@ class SimNetwork:
 
     async def dial(self, source: str, host: str, port: int) -> SimStream:
         """A connection from ``source`` to ``host:port`` after one RTT of a live link; waits while
-        the link is dead; ConnectionRefusedError where nothing listens."""
+        the link is dead or the listener's backlog is full; ConnectionRefusedError where nothing
+        listens."""
         while True:
             while not self.model.linked(source, host):
                 await self._link_lot.park()
             await trio.sleep(self.model.rtt(source, host))
-            if self.model.linked(source, host):
+            if not self.model.linked(source, host):
+                continue
+            listener = self._listeners.get((host, port))
+            if listener is None:
+                raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+            if listener.has_room():
                 break
-        listener = self._listeners.get((host, port))
-        if listener is None:
-            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+            await listener.wait_for_room()  # the SYN was dropped: try again once one is accepted
         local, remote = (source, self._port(source, FIRST_EPHEMERAL_PORT)), (host, port)
         there, back = Flow(source, host), Flow(host, source)
         client = SimStream(self, local, remote, there, back)

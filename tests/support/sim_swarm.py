@@ -63,7 +63,7 @@ async def open_sim_swarm(
     network: SimNetwork, size: int, *, config: DHTConfig | None = None, clock: TrioClock | None = None
 ) -> AsyncIterator[SimSwarm]:
     """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones."""
-    choices = random.Random(network.seed)
+    choices = random.Random(f"peerd-sim-swarm-{network.seed}")  # not the model's own sequence
     async with trio.open_nursery() as nursery:
         swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig())
         for index in range(size):

@@ -11,6 +11,7 @@ import trio
 
 from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
 from peer.simnet import MBIT, RECEIVE_WINDOW_BYTES, SEGMENT_BYTES, NetworkModel, SimNetwork
+from peer.simnet.network import LISTEN_BACKLOG
 
 
 # ---------------------------------------------------------------------- the model, sans I/O
@@ -182,6 +183,34 @@ async def test_dials_are_refused_without_a_listener_and_unanswered_across_a_cut(
     with pytest.raises(ConnectError, match="no answer") as unanswered:
         await a.connect(PeerAddress(host, port))
     assert not unanswered.value.refused and trio.current_time() - start == pytest.approx(a.connect_timeout)
+
+
+async def test_dials_beyond_a_full_backlog_get_no_answer_until_one_is_accepted(autojump_clock):
+    network = SimNetwork(seed=18)
+    a, b = network.add_host(), network.add_host()
+    (host, port), [listener] = await b.listen("", 0)
+    waiting = [await a.connect(PeerAddress(host, port)) for _ in range(LISTEN_BACKLOG)]
+    start = trio.current_time()
+    with pytest.raises(ConnectError, match="no answer"):
+        await a.connect(PeerAddress(host, port))  # the backlog is full: the SYN goes unanswered
+    assert trio.current_time() - start == pytest.approx(a.connect_timeout)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.connect, PeerAddress(host, port))
+        await trio.sleep(1)
+        accepted = await listener.accept()  # makes room: the dial's next try gets in
+    assert accepted.remote == waiting[0].local and len(waiting) == LISTEN_BACKLOG
+
+
+async def test_closing_a_listener_closes_the_connections_it_never_accepted(autojump_clock):
+    network = SimNetwork(seed=19)
+    a, b = network.add_host(), network.add_host()
+    (host, port), [listener] = await b.listen("", 0)
+    client = await a.connect(PeerAddress(host, port))
+    await listener.aclose()
+    with trio.fail_after(1):
+        assert await client.receive_some() == b""  # the dialer sees the connection end
+    with pytest.raises(trio.BrokenResourceError):
+        await client.send_all(b"hello?")
 
 
 async def test_a_host_that_leaves_breaks_its_own_ends_and_goes_silent(autojump_clock):
