@@ -32,8 +32,9 @@ __all__ = ["SimStream", "Flow", "SEGMENT_BYTES", "RECEIVE_WINDOW_BYTES"]
 # (64 KiB is ~50 ms at 10 Mbit/s), large enough that a sender makes few trips through the loop.
 SEGMENT_BYTES = 64 * 1024
 
-# Unread bytes a flow holds before its sender waits: about what a Linux TCP connection buffers for
-# a reader that does not read (the receive buffer plus the send buffer, as autotuned by default).
+# Unread bytes a flow holds before its sender waits: of the order of what Linux lets one TCP
+# connection buffer for a reader that does not read (its receive buffer plus its send buffer, each
+# autotuned by default up to a few MiB).
 # More than any simulated path has in flight (100 Mbit/s for ~150 ms is ~1.9 MB), so a reader that
 # keeps up never meets it.
 RECEIVE_WINDOW_BYTES = 4 * 1024 * 1024
