@@ -15,8 +15,11 @@ Over the relayed connection, the peer that dialed (A) and the peer it reached (B
    ``RESPONDER_PATIENCE`` and initiates itself).
 4. The direct connection replaces the relayed one in both pools (``ConnectionPool.add``).
 
-Up to ``ATTEMPTS`` tries; behind a port-randomizing NAT the public port differs from the one
-announced, every try fails, and the peers stay on the relay. The addresses A names are claims: B
+Up to ``ATTEMPTS`` tries in a round; a round that fails (a SYN lost to a busy machine, a side
+that did not yet know its public address) is tried again while the relayed connection lives,
+``RETRY_PAUSE`` later and then twice as long each time up to ``MAX_RETRY_PAUSE``. Behind a
+port-randomizing NAT the public port differs from the one announced, every round fails, and the
+peers stay on the relay. The addresses A names are claims: B
 dials at most ``MAX_ADDRESSES`` of them, at most ``ATTEMPTS`` times per peer per minute and twice a
 second for all peers together, and only for a peer on a relayed connection.
 """
@@ -53,6 +56,8 @@ CALL_TIMEOUT = 5.0
 MAX_ADDRESSES = 2
 MAX_PUNCHES = 8  # punches in progress at once (each holds a socket and a task)
 MAX_TRACKED = 1024
+RETRY_PAUSE = 10.0  # after a failed round; doubles up to MAX_RETRY_PAUSE
+MAX_RETRY_PAUSE = 300.0
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
@@ -72,6 +77,7 @@ class HolePuncher:
         self.failures = 0
         self.last_punch_s: float | None = None
         self._in_progress: set[PeerID] = set()
+        self._retrying: set[PeerID] = set()
         self._offered: dict[PeerID, list[tuple[str, int]]] = {}
         self._budgets: dict[PeerID, TokenBucket] = {}
         self._direct_arrived: dict[PeerID, trio.Event] = {}
@@ -108,13 +114,32 @@ class HolePuncher:
             arrived.set()
         if connection.relayed_via is None or incoming or self.host.listen_address is None:
             return
-        if peer in self._in_progress or len(self._in_progress) >= MAX_PUNCHES:
+        if peer in self._in_progress or peer in self._retrying or len(self._in_progress) >= MAX_PUNCHES:
             return
         self._in_progress.add(peer)
         try:
-            self.host.start_soon(self.punch, connection)
+            self.host.start_soon(self.keep_punching, connection)
         except RuntimeError:  # the host is closing
             self._in_progress.discard(peer)
+
+    async def keep_punching(self, relayed: Connection) -> None:
+        """Punch rounds for ``relayed`` until one succeeds or the connection ends, the pause
+        between rounds doubling. Waiting holds no punch slot, only this task (one per relayed
+        connection we dialed, so bounded by the connection pool)."""
+        peer = relayed.remote_peer_id
+        pause = RETRY_PAUSE
+        self._retrying.add(peer)
+        try:
+            while not await self.punch(relayed):
+                if pause == RETRY_PAUSE:
+                    log.info("hole punching to %s failed; staying on the relay, trying again later", peer)
+                with trio.move_on_after(pause):
+                    await relayed.closed.wait()
+                if relayed.is_closed or self._direct(peer):
+                    return
+                pause = min(2 * pause, MAX_RETRY_PAUSE)
+        finally:
+            self._retrying.discard(peer)
 
     # ------------------------------------------------------------------ the dialer's side (A)
     async def punch(self, relayed: Connection) -> bool:
@@ -125,8 +150,8 @@ class HolePuncher:
         connected = False
         try:
             for _ in range(ATTEMPTS):
-                if self._direct(peer) or relayed.is_closed:
-                    break
+                if self._direct(peer) or relayed.is_closed or not self._addresses():
+                    break  # without our public address the other side has nothing to dial
                 self.attempts += 1
                 sent = trio.current_time()
                 try:
@@ -148,7 +173,7 @@ class HolePuncher:
                 log.info("direct connection to %s by hole punching after %.2f s", peer, self.last_punch_s)
                 return True
             self.failures += 1
-            log.info("hole punching to %s failed; staying on the relay", peer)
+            log.debug("hole punching to %s failed", peer)
             return False
         finally:
             self._in_progress.discard(peer)

@@ -278,6 +278,29 @@ async def test_hole_punching_moves_a_relayed_connection_to_a_direct_one(relayed,
         await until(lambda: relay.book.circuits == 0)
 
 
+async def test_a_failed_punch_is_tried_again_while_the_relayed_connection_lives(relayed, monkeypatch):
+    # the reached peer does not know its public address yet (its reachability check is still
+    # running on a busy machine): the first round has nothing to dial and fails
+    relay_host, relay, behind, dialer = relayed
+    monkeypatch.setattr("peer.host.RELAY_HANDOVER_GRACE", 0.2)
+    monkeypatch.setattr("peer.holepunch.RETRY_PAUSE", 0.5)
+    known: list[str] = []
+    HolePuncher(behind, lambda: known[0] if known else None)
+    puncher = HolePuncher(dialer, lambda: "127.0.0.1")
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    relayed_connection = await dialer.connect(address)
+    with trio.fail_after(10):
+        await until(lambda: puncher.failures > 0)
+    assert puncher.successes == 0 and dialer.connection_to(behind.peer_id).relayed_via is not None
+    known.append("127.0.0.1")
+    with trio.fail_after(10):
+        await until(lambda: puncher.successes == 1)
+        await until(lambda: (c := dialer.connection_to(behind.peer_id)) is not None and c.relayed_via is None)
+        await relayed_connection.closed.wait()
+    assert puncher.failures == 1, puncher.status()
+
+
 async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes_it(monkeypatch):
     verdict = Reachability(NAT, ("203.0.113.7", 40000), 3, "none of 3 peers could dial us back")
 
