@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -324,19 +323,19 @@ class Matchmaker:
     async def declare(self, me: Declaration, timeout: float) -> None:
         """Store our declaration under our own signed subkey, to live as long as the round."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, me.to_wire(), time.time() + timeout + 1.0, subkey=subkey)
+        await self.dht.store(self.key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
 
     async def withdraw(self) -> None:
         """Take our declaration back (we are leaving): until it expired, others would keep
         proposing us as their leader or wait for us as a member. Readers drop the marker stored in
         its place as malformed."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, {"withdrawn": True}, time.time() + WITHDRAWAL_TTL, subkey=subkey)
+        await self.dht.store(self.key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
 
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)
         candidates = {me.peer_id: me}
-        for peer, declaration in peer_entries(found, Declaration.from_wire):
+        for peer, declaration in peer_entries(found, Declaration.from_wire, now=self.dht.clock.time()):
             if declaration.schema == me.schema and not self.excluded(peer):
                 candidates[peer] = declaration
         return candidates

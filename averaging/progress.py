@@ -13,7 +13,6 @@ a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,18 +131,26 @@ class ProgressTracker:
     async def publish(self, progress: PeerProgress) -> None:
         if progress.shard is None and self.data_shard is not None:
             progress = dataclasses.replace(progress, shard=self.data_shard)
-        await self.dht.store(self.key, progress.to_wire(), time.time() + PROGRESS_TTL, subkey=self.subkey)
+        await self.dht.store(self.key, progress.to_wire(), self.dht.clock.time() + PROGRESS_TTL, subkey=self.subkey)
 
     async def records(self) -> dict[PeerID, PeerProgress]:
         """Every other peer's live record as it claims it (no evidence weighed)."""
         found = await self.dht.get(self.key, latest=True)
-        return {peer: progress for peer, progress in peer_entries(found, _parse) if peer != self.me}
+        return {
+            peer: progress
+            for peer, progress in peer_entries(found, _parse, now=self.dht.clock.time())
+            if peer != self.me
+        }
 
     async def fetch(self, mine: PeerProgress) -> SwarmProgress:
         found = await self.dht.get(self.key, latest=True)
         peers = {self.me: mine}
-        peers.update((peer, progress) for peer, progress in peer_entries(found, _parse) if peer != self.me)
-        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, time.monotonic()), self.me)
+        peers.update(
+            (peer, progress)
+            for peer, progress in peer_entries(found, _parse, now=self.dht.clock.time())
+            if peer != self.me
+        )
+        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, self.dht.clock.monotonic()), self.me)
 
 
 def _parse(peer: PeerID, body: Any) -> PeerProgress:

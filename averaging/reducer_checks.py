@@ -122,7 +122,7 @@ class ReducerChecks:
         """``kept``: where this host's reductions keep their inputs (tests substitute hostile ones)."""
         self.host = host
         self.kept = kept if kept is not None else KeptInputs()
-        self.banned = BanList()
+        self.banned = BanList(clock=trio.current_time)
         self.caught = 0  # reducers this peer has caught lying
         self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
         router.add_unary(CHECK_METHOD, self._handle_check)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -111,7 +110,7 @@ class StateSharing:
             return  # client-mode peers cannot be dialed, so they cannot donate
         value = {"address": str(address), "version": int(version)}
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, value, time.time() + DONOR_TTL, subkey=subkey)
+        await self.dht.store(self.key, value, self.dht.clock.time() + DONOR_TTL, subkey=subkey)
 
     async def _serve_state(self, stream) -> None:
         await self._serve(stream, None)
@@ -159,7 +158,11 @@ class StateSharing:
 
     async def _donors(self) -> list[PeerAddress]:
         found = await self.dht.get(self.key, latest=True)
-        offers = [offer for peer, offer in peer_entries(found, DonorOffer.from_wire) if peer != self.host.peer_id]
+        offers = [
+            offer
+            for peer, offer in peer_entries(found, DonorOffer.from_wire, now=self.dht.clock.time())
+            if peer != self.host.peer_id
+        ]
         return [offer.address for offer in self.order_donors(offers)]
 
     @staticmethod

@@ -375,6 +375,7 @@ class BanList:
 
     until: dict[PeerID, float] = field(default_factory=dict)
     reasons: dict[PeerID, str] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic  # the service's: trio's, so simulated runs' bans expire too
 
     def ban(self, peer: PeerID, reason: str, seconds: float = BAN_SECONDS) -> None:
         """Ban ``peer`` for ``seconds`` from now; a longer ban it is already under stands."""
@@ -382,7 +383,7 @@ class BanList:
             evicted = min(self.until, key=self.until.__getitem__)
             del self.until[evicted]
             self.reasons.pop(evicted, None)
-        until = time.monotonic() + seconds
+        until = self.clock() + seconds
         if peer in self and self.until[peer] >= until:
             return
         self.until[peer] = until
@@ -392,7 +393,7 @@ class BanList:
         expires = self.until.get(peer)  # type: ignore[call-overload]
         if expires is None:
             return False
-        if expires <= time.monotonic():
+        if expires <= self.clock():
             del self.until[peer]  # type: ignore[arg-type]
             self.reasons.pop(peer, None)  # type: ignore[call-overload]
             return False

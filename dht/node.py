@@ -80,7 +80,7 @@ class DHTNode:
         self.config = config
         self.validator = validator
         self.client_mode = client_mode
-        self.routing_table = RoutingTable(Contact.for_id(self.node_id), config.k)
+        self.routing_table = RoutingTable(Contact.for_id(self.node_id), config.k, clock.monotonic)
         self.records = LocalRecords(validator, RecordStore(clock=clock.time))
         self.storage: RecordStore = self.records.storage
         self._background = Background(nursery)

@@ -72,12 +72,20 @@ class Contact(Node):
 class RoutingTable(_PackageRoutingTable):
     """k-buckets around ``node`` (our own position), usable from trio."""
 
-    def __init__(self, node: Node, ksize: int = K):
+    def __init__(self, node: Node, ksize: int = K, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # when buckets were refreshed, in the node's monotonic time
         super().__init__(protocol=None, ksize=ksize, node=node)
 
     def flush(self) -> None:
         # Ranges are inclusive, so the whole keyspace is [0, 2**160 - 1].
         self.buckets = [KBucket(0, 2**KEYSPACE_BITS - 1, self.ksize)]
+        self.buckets[0].last_updated = self.clock()
+
+    def split_bucket(self, index: int) -> None:
+        """Split as the package does; both halves count as refreshed now, by our clock (the
+        package stamps them with ``time.monotonic``)."""
+        super().split_bucket(index)
+        self.buckets[index].last_updated = self.buckets[index + 1].last_updated = self.clock()
 
     def get_bucket_for(self, node: Node) -> int:
         uppers = [bucket.range[1] for bucket in self.buckets]
@@ -133,9 +141,9 @@ class RoutingTable(_PackageRoutingTable):
 
     def touch(self, target: int) -> None:
         """Mark the bucket covering ``target`` as refreshed (a lookup went there)."""
-        self.buckets[self.get_bucket_for(Contact.for_id(target))].touch_last_updated()
+        self.buckets[self.get_bucket_for(Contact.for_id(target))].last_updated = self.clock()
 
     def stale_buckets(self, max_age: float) -> list[KBucket]:
         """Buckets no lookup has touched for ``max_age`` seconds (the package hard-codes an hour)."""
-        cutoff = time.monotonic() - max_age
+        cutoff = self.clock() - max_age
         return [bucket for bucket in self.buckets if bucket.last_updated < cutoff]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -106,7 +105,7 @@ async def run_heartbeat(
     started = False
     while True:
         current = address() if callable(address) else address
-        accepted = await declare_experts(dht, uids, current, time.time() + ttl)
+        accepted = await declare_experts(dht, uids, current, dht.clock.time() + ttl)
         if not accepted:
             log.warning("no DHT peer accepted the announcement of %d experts", len(uids))
         if not started:
@@ -142,7 +141,7 @@ async def fetch_children(dht, key: str) -> dict[int, PeerAddress]:
     except Exception as error:
         log.debug("DHT get %s failed: %r", key, error)
         return {}
-    return pick_servers(dictionary_entries(found, announcement_subkey, announced_address))
+    return pick_servers(dictionary_entries(found, announcement_subkey, announced_address, now=dht.clock.time()))
 
 
 def pick_servers(entries: Iterable[tuple[tuple[int, PeerID], PeerAddress]]) -> dict[int, PeerAddress]:

@@ -39,6 +39,18 @@ def test_bucket_boundary_is_inclusive():
     assert package.get_bucket_for(edge) == 1
 
 
+def test_buckets_go_stale_by_the_table_s_clock():
+    now = [5.0]  # a simulated swarm's monotonic time starts near zero, far below time.monotonic()
+    table = RoutingTable(Contact.for_id(0), ksize=2, clock=lambda: now[0])
+    table.split_bucket(0)
+    assert table.stale_buckets(60) == []
+    now[0] = 70.0
+    table.touch(0)  # a lookup went to the low half
+    assert table.stale_buckets(60) == [table.buckets[1]]
+    now[0] = 200.0
+    assert table.stale_buckets(60) == table.buckets
+
+
 def test_find_neighbors_is_exact():
     rng = random.Random(7)
     me = rng.getrandbits(160)
