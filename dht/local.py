@@ -4,6 +4,13 @@ Every record is validated when it is stored and again when it is read out (for a
 node's own get), so a record that slipped in before a validator existed, or was planted by a bug,
 still never reaches a reader. Also turns wire-form answers into the ``DHTValue`` a caller sees.
 
+A popular dictionary (matchmaking declarations, progress records) is read by every peer of the
+swarm, again and again, and each read brings back the same records: the verdict on a record (its
+signed version and its lifetime cap, or refused) is remembered by a digest of everything it
+consists of, so that reading it again costs a hash and the lifetime arithmetic, not its decoding
+and the validators' work. The memory is bounded (``VERDICTS`` records, oldest forgotten first) and
+starts over whenever a validator is added.
+
 Lifetimes: a record may expire at most its namespace's cap (``lifetimes``, the validators'
 ``max_ttl``, ``MAX_TTL``) ahead of now. An owner-signed record is bounded from its signing time
 (its version) as well: then every older version of it has expired by ``signed at + cap + skew``,
@@ -12,6 +19,8 @@ which tells storage how long to keep refusing replays of them after the newest h
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Any
 
 from .lifetimes import DEFAULT_TTL_CAPS, key_ttl_cap
@@ -24,6 +33,8 @@ __all__ = ["LocalRecords", "as_records"]
 # The built-in caps depend on the key alone and every record is checked on each store and read:
 # remembering the answer per key saves decoding the key once per cap. Bounded: cleared when full.
 _KEY_CAP_CACHE_SIZE = 4096
+VERDICTS = 4096  # remembered record verdicts per node (about 150 bytes each)
+_REFUSED = (None, -1.0)
 
 
 class LocalRecords:
@@ -32,6 +43,8 @@ class LocalRecords:
         self.storage = storage if storage is not None else RecordStore()
         self.lifetimes = DEFAULT_TTL_CAPS  # caps by key namespace, on top of the validators' own
         self._key_caps: dict[bytes, float | None] = {}
+        self._verdicts: dict[bytes, tuple[int | None, float]] = {}  # digest -> (version, cap) or _REFUSED
+        self._generation = getattr(validator, "generation", 0)
 
     def now(self) -> float:
         """The wall clock records live by here (the storage's: ``time.time`` unless the node was
@@ -87,15 +100,41 @@ class LocalRecords:
             return False
         return True
 
+    def verdict(self, record: DHTRecord) -> tuple[int | None, float] | None:
+        """``(signed version, lifetime cap)`` of an ``acceptable`` record, None for any other:
+        remembered, so the same record read again is not validated again."""
+        generation = getattr(self.validator, "generation", 0)
+        if generation != self._generation:
+            self._verdicts.clear()
+            self._generation = generation
+        digest = _digest(record)
+        known = self._verdicts.get(digest)
+        if known is None:
+            known = (signed_version(record), self.max_ttl(record)) if self.acceptable(record) else _REFUSED
+            if len(self._verdicts) >= VERDICTS:
+                del self._verdicts[next(iter(self._verdicts))]
+            self._verdicts[digest] = known
+        return None if known is _REFUSED else known
+
+    def _outlives(self, record: DHTRecord, now: float, version: int | None, limit: float) -> bool:
+        """``_lifetime_error`` for a record whose version and cap are known: does it ask too much?"""
+        if record.expiration_time > now + limit + CLOCK_SKEW:
+            return True
+        if version is None:
+            return False
+        signed_at = version / 1e9
+        return signed_at > now + CLOCK_SKEW or record.expiration_time > signed_at + limit + CLOCK_SKEW
+
     def store(self, record: DHTRecord, writer: Writer = None) -> bool:
         """Validate and store one wire-form record sent by ``writer`` (None: this node); False if
         invalid, too long-lived, outranked, a replay, or out of room."""
-        if not self.acceptable(record):
+        verdict = self.verdict(record)
+        if verdict is None:
             return False
-        version = signed_version(record)
-        if self._lifetime_error(record, self.storage.clock(), version) is not None:
+        version, limit = verdict
+        if self._outlives(record, self.storage.clock(), version, limit):
             return False
-        horizon = None if version is None else version / 1e9 + self.max_ttl(record) + CLOCK_SKEW
+        horizon = None if version is None else version / 1e9 + limit + CLOCK_SKEW
         return self.storage.store(
             record.key,
             record.subkey,
@@ -116,10 +155,11 @@ class LocalRecords:
         result: Found | None = None
         now = self.storage.clock()
         for record in records:
-            if not self.acceptable(record):
+            verdict = self.verdict(record)
+            if verdict is None:
                 continue
-            version = signed_version(record)
-            if self._lifetime_error(record, now, version) is None:
+            version, limit = verdict
+            if not self._outlives(record, now, version, limit):
                 item = StoredValue(record.value, record.expiration_time, version)
                 result = merge_found(result, item if record.subkey is None else {record.subkey: item})
         return result
@@ -134,6 +174,19 @@ class LocalRecords:
             inner = self.validator.strip(DHTRecord(key, subkey, item.value, item.expiration_time))
             items[_decode_subkey(subkey)] = DHTValue(unpack(inner), item.expiration_time)
         return DHTValue(items, max(item.expiration_time for item in found.values()))
+
+
+def _digest(record: DHTRecord) -> bytes:
+    """A digest of every part of ``record``, each length-prefixed so no two records share one."""
+    digest = hashlib.blake2b(digest_size=16)
+    subkey = b"" if record.subkey is None else record.subkey
+    flag = b"\x00" if record.subkey is None else b"\x01"
+    digest.update(struct.pack(">IId", len(record.key), len(subkey), record.expiration_time))
+    digest.update(flag)
+    digest.update(record.key)
+    digest.update(subkey)
+    digest.update(record.value)
+    return digest.digest()
 
 
 def as_records(key: bytes, found: Found) -> list[DHTRecord]:

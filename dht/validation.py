@@ -263,6 +263,7 @@ class CompositeValidator(RecordValidator):
 
     def __init__(self, validators: Iterable[RecordValidator] = ()):
         self.validators: list[RecordValidator] = []
+        self.generation = 0  # moves with every validator added: verdicts remembered before are stale
         for validator in validators:
             self.add(validator)
 
@@ -273,6 +274,7 @@ class CompositeValidator(RecordValidator):
             return
         self.validators.append(validator)
         self.validators.sort(key=lambda v: v.priority)
+        self.generation += 1
 
     def sign(self, record: DHTRecord) -> bytes:
         value = record.value

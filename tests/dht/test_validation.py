@@ -18,7 +18,7 @@ from dht.local import LocalRecords
 from dht.node import DHTNode
 from dht.peer_dictionary import peer_entries, peer_subkey
 from dht.records import DHTRecord, pack, unpack
-from dht.validation import CompositeValidator, SignatureValidator
+from dht.validation import CompositeValidator, SchemaValidator, SignatureValidator
 from dht.wire import MAX_RECORDS_PER_STORE
 from peer import Identity, open_peer_host
 from peer.verified import VerifiedSignatureCache, default_signature_cache
@@ -104,11 +104,13 @@ def test_a_tampered_record_is_refused_after_the_genuine_one_was_remembered() -> 
     assert found[genuine.subkey].expiration_time == genuine.expiration_time
 
 
-def test_a_flood_of_valid_records_only_pushes_older_ones_out() -> None:
-    """Anyone may sign as many records of their own as they like: the cache stays within its
-    bound, and an entry pushed out costs its verification again the next time it is read."""
+def test_a_flood_of_valid_records_only_pushes_older_ones_out(monkeypatch) -> None:
+    """Anyone may sign as many records of their own as they like: the signature cache and the
+    node's remembered verdicts stay within their bounds, and an entry pushed out of both costs
+    its verification again the next time it is read."""
     counting = CountingVerifier()
     capacity = 32
+    monkeypatch.setattr("dht.local.VERDICTS", capacity)
     cache = VerifiedSignatureCache(capacity, verifier=counting)
     records = LocalRecords(CompositeValidator([SignatureValidator(signatures=cache)]))
     genuine = writer_records([Identity.generate()], time.time() + 60)[0]
@@ -169,3 +171,43 @@ async def test_a_storing_node_and_a_reader_verify_each_writer_once_over_many_rea
                     found = await reader.get(KEY, latest=True)
                 assert found is not None
                 assert found.value[peer_subkey(writers[0].public_key)].expiration_time == expiration
+
+
+class CountingValidator(SchemaValidator):
+    """A schema check on ``run.`` keys that counts the records it is asked about."""
+
+    def __init__(self, refuse: bool = False):
+        super().__init__("run.", lambda value: not refuse)
+        self.calls = 0
+
+    def inner_if_valid(self, record: DHTRecord) -> bytes | None:
+        self.calls += 1
+        return super().inner_if_valid(record)
+
+
+def test_a_record_read_again_is_not_validated_again_until_a_validator_is_added() -> None:
+    counting = CountingValidator()
+    validator = CompositeValidator([SignatureValidator(), counting])
+    records = LocalRecords(validator)
+    for record in writer_records([Identity.generate() for _ in range(WRITERS)], time.time() + 60):
+        assert records.store(record)
+    for _ in range(READS):
+        found = records.found(pack(KEY))
+        assert found is not None and len(found) == WRITERS
+    assert counting.calls == WRITERS  # once each, when stored
+    refusing = CountingValidator(refuse=True)
+    validator.add(refusing)  # what was accepted before is judged again
+    assert records.found(pack(KEY)) is None
+    assert refusing.calls == WRITERS
+
+
+def test_a_remembered_record_still_expires_and_its_lifetime_is_still_checked() -> None:
+    records = LocalRecords(CompositeValidator([SignatureValidator()]))
+    now = time.time()
+    (record,) = writer_records([Identity.generate()], now + 60)
+    assert records.store(record)
+    assert records.found(pack(KEY)) is not None
+    records.storage.clock = lambda: now + 61  # read after it expired: nothing, though remembered
+    assert records.found(pack(KEY)) is None
+    records.storage.clock = lambda: now - 10 * 3600  # a clock far behind: the record asks too much of it
+    assert records.validated([record]) is None
