@@ -215,6 +215,11 @@ class DHTNode:
                 nursery.cancel_scope.cancel()
 
     @property
+    def requests_served(self) -> int:
+        """DHT requests (ping, find, store) this node has handled: its share of the swarm's load."""
+        return self._server.served
+
+    @property
     def address(self) -> PeerAddress | None:
         """Where other peers reach this node (None in client mode)."""
         return None if self.client_mode else self.host.listen_address

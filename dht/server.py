@@ -52,6 +52,7 @@ class DHTServer:
         self.contacts = contacts
         self.k = k
         self.stopped = False
+        self.served = 0  # requests answered or refused: this node's share of the DHT's load
 
     def register(self, router: Router) -> None:
         router.add_unary("dht.ping", self.ping)
@@ -63,6 +64,7 @@ class DHTServer:
         self.stopped = True
 
     def _begin(self) -> None:
+        self.served += 1
         if self.stopped:
             raise DHTServiceStopped("this peer's DHT node has stopped")
 

@@ -84,6 +84,8 @@ class NetworkModel:
         self._downlink_busy: dict[str, list[tuple[float, float]]] = {}
         self._cuts: set[frozenset[str]] = set()
         self._side_of: dict[str, int] | None = None  # the partition in force, if any
+        self.bytes_sent_total = 0  # every host's, for reports: what the swarm put on the wire
+        self.segments_sent_total = 0
 
     # ------------------------------------------------------------------ hosts
     def add_host(self) -> HostProfile:
@@ -144,6 +146,8 @@ class NetworkModel:
         (the last byte: after the propagation delay, at the downlink's rate, in turn with what else
         reaches it). Cut-through: a fast downlink delivers as the uplink sends."""
         up, down = self.hosts[source].uplink, self.hosts[destination].downlink
+        self.bytes_sent_total += size
+        self.segments_sent_total += 1
         delay = self.one_way_delay(source, destination)
         leaves = max(now, self._uplink_free[source])
         sent_at = leaves + size / up
