@@ -21,18 +21,26 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from peer import Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
+import trio
+
+from peer import ConnectError, Connection, Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
 from peer.admission import address_group
 
 from . import wire
 from .background import Background
-from .liveness import PeerHealth
+from .liveness import PeerHealth, UnansweredEndpoints
 from .reconnect import LostContacts
 from .routing import Contact, RoutingTable
 
 __all__ = ["Contacts"]
 
 log = logging.getLogger("peerd.dht")
+
+# A dial is a few round trips (TCP, the Noise handshake, the hellos; a relay adds its circuit):
+# twice a request's deadline lets a relayed peer on another continent in, while an endpoint that
+# accepts and then says nothing (a tarpit, a server of another protocol waiting for its own
+# request) counts as not answering instead of holding the lookup to its own deadline.
+DIAL_RPCS = 2
 
 
 class Contacts:
@@ -51,6 +59,10 @@ class Contacts:
         self._background = background
         self._rpc_timeout = rpc_timeout
         self._pinging: set[bytes] = set()
+        # Endpoints that did not answer as the peer named there, and the direct dials in flight
+        # (one per endpoint: see ``_dial``).
+        self.endpoints = UnansweredEndpoints(clock=self.health.clock)
+        self._dialing: dict[tuple[str, int], trio.Event] = {}
         # Contacts evicted for silence, pinged again until they answer (``reconnect.py``).
         self.lost: LostContacts[Contact] = LostContacts()
         self.difficulty: int = host.node_id_difficulty  # the run's: every contact is checked against it
@@ -150,7 +162,11 @@ class Contacts:
     async def call(self, contact: Contact, method: str, body: Any) -> Message | None:
         """One request with the RPC deadline; None (and a failure counted) if the peer did not answer."""
         try:
-            reply = await self.host.call(contact.address, method, body, timeout=self._rpc_timeout)
+            connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
+            if connection is None:  # its endpoint is known not to answer as this peer: not dialled
+                self.failed(contact)
+                return None
+            reply = await connection.call(method, body, timeout=self._rpc_timeout)
         except RemoteError as error:  # it answered, but refused: alive, yet no use to this request
             log.debug("%s refused %s: %s", contact.peer_id, method, error)
             self.alive(contact)
@@ -161,6 +177,48 @@ class Contacts:
             return None
         self.alive(contact)
         return reply
+
+    def _first_hand(self, contact: Contact) -> bool:
+        """Whether we reached ``contact`` ourselves before, at this address: it is in our table, or
+        was until it fell silent (then ``LostContacts`` schedules its pings, not the endpoint)."""
+        held = self.table.get(contact.peer_id) or self.lost.get(contact.peer_id)
+        return held is not None and held.address == contact.address
+
+    async def _dial(self, contact: Contact) -> Connection | None:
+        """Connect to ``contact``, unless another peer named it at an endpoint that recently failed
+        to answer as the peer that must answer there (``UnansweredEndpoints``): None then. Dials
+        of one direct endpoint run one at a time, so that contacts naming it under many identities
+        cost one dial until it has answered or failed; a relay's endpoint serves many peers, so
+        dials through it do not wait for each other."""
+        address = contact.address
+        endpoint = (address.host, address.port)
+        expected = address.relay or contact.peer_id  # who answers at the endpoint: the relay, or the peer
+        if address.relay is None:
+            while (busy := self._dialing.get(endpoint)) is not None:
+                await busy.wait()
+                if (connection := self.host.connection_to(contact.peer_id)) is not None:
+                    return connection
+        if self.endpoints.blocks(endpoint, expected) and not self._first_hand(contact):
+            return None
+        done = trio.Event()
+        if address.relay is None:
+            self._dialing[endpoint] = done
+        try:
+            with trio.move_on_after(DIAL_RPCS * self._rpc_timeout) as deadline:
+                connection = await self.host.connect(address)
+            if deadline.cancelled_caught:
+                raise ConnectError(f"{address}: no hello within {DIAL_RPCS * self._rpc_timeout:g} s")
+        except ConnectError as error:
+            # A relayed dial that reached its relay failed further on: the relay's endpoint answered.
+            if address.relay is None or self.host.connection_to(address.relay) is None:
+                self.endpoints.failed(endpoint, error.answered_by)
+            raise
+        finally:
+            if self._dialing.get(endpoint) is done:
+                del self._dialing[endpoint]
+            done.set()
+        self.endpoints.answered(endpoint)
+        return connection
 
 
 def _claim(contact: Contact) -> tuple[PeerID, str, int]:

@@ -80,6 +80,11 @@ class LostContacts(Generic[T]):
         while len(self._lost) > self.limit:  # the oldest losses go first
             del self._lost[next(iter(self._lost))]
 
+    def get(self, key: Hashable) -> T | None:
+        """The target lost under ``key``, if it is still remembered."""
+        entry = self._lost.get(key)
+        return entry.target if entry is not None else None
+
     def found(self, key: Hashable) -> None:
         """``key`` answered (a probe, or any other exchange): nothing to retry."""
         self._lost.pop(key, None)

@@ -28,11 +28,14 @@ _DialKey = tuple[str, int, "PeerID | None"]
 class ConnectError(OSError):
     """Could not reach or authenticate a peer; the message says which address and why.
     ``refused``: the host answered that nothing listens at that port (ECONNREFUSED), unlike a
-    timeout or an unreachable network, which say nothing about whether a peer is there."""
+    timeout or an unreachable network, which say nothing about whether a peer is there.
+    ``answered_by``: the identity the endpoint proved when it is not the one the address pins
+    (the endpoint is that peer's, whoever named it for another)."""
 
-    def __init__(self, message: str, *, refused: bool = False):
+    def __init__(self, message: str, *, refused: bool = False, answered_by: PeerID | None = None):
         super().__init__(message)
         self.refused = refused
+        self.answered_by = answered_by
 
 
 class _Dial:
@@ -96,7 +99,9 @@ class ConnectionPool:
                 break
             await shared.done.wait()
             if shared.error is not None:
-                raise ConnectError(str(shared.error), refused=shared.error.refused)
+                raise ConnectError(
+                    str(shared.error), refused=shared.error.refused, answered_by=shared.error.answered_by
+                )
             # Their connection is pooled now, unless it already closed or their dial was cancelled
             # (their deadline, not ours): then look, and dial, again.
         ours = self._dialing[key] = _Dial()

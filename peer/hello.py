@@ -33,7 +33,11 @@ class HandshakeError(Exception):
 
 
 class PeerIDMismatch(HandshakeError):
-    pass
+    """The peer proved an identity other than the one the address pins: ``actual``."""
+
+    def __init__(self, message: str, actual: PeerID):
+        super().__init__(message)
+        self.actual = actual
 
 
 class HelloMismatch(HandshakeError):

@@ -44,6 +44,7 @@ from .secure_channel import (
     HandshakeError,
     Hello,
     HelloMismatch,
+    PeerIDMismatch,
     SecureChannel,
     secure_handshake,
 )
@@ -338,7 +339,8 @@ class PeerHost:
             if isinstance(error, trio.TooSlowError):
                 raise ConnectError(f"{address}: handshake timed out after {self.handshake_timeout} s") from None
             if isinstance(error, HandshakeError):
-                raise ConnectError(f"{address}: {error}") from error
+                answered_by = error.actual if isinstance(error, PeerIDMismatch) else None
+                raise ConnectError(f"{address}: {error}", answered_by=answered_by) from error
             if isinstance(error, (trio.BrokenResourceError, OSError)):
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise

@@ -123,7 +123,9 @@ class SendQueue:
             return True
         view, seal = self._view, self._channel.seal_into
         position = seal(header, view)
-        if payload is not None:
+        # An empty payload is no record at all: its header announces 0 bytes, so the receiver reads
+        # the next record as a header (as the writer's split into records yields none for it).
+        if payload:
             position += seal(payload, view[position:])
         sent = self._channel.send_now(view[:position])
         self._traffic.bytes_sent += sent

@@ -427,7 +427,9 @@ async def _noise_handshake(
             remote_key = _verify_identity_payload(bytes(remote_payload), handshake_state.rs.public_bytes)
             remote_id = PeerID.from_public_key(remote_key)
             if expected_peer is not None and remote_id != expected_peer:
-                raise PeerIDMismatch(f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}")
+                raise PeerIDMismatch(
+                    f"peer ID mismatch: expected {expected_peer}, but the peer is {remote_id}", remote_id
+                )
             await _send_handshake_message(stream, bytes(noise.write_message(our_payload)))
         else:
             noise.read_message(await _receive_handshake_message(stream, decoder))

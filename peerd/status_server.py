@@ -5,8 +5,11 @@ sockets and the limits. The port binds 127.0.0.1 unless the user asks otherwise,
 process can connect to it, so whatever a client can make the peer hold is bounded: the request
 head (``MAX_REQUEST_HEAD``), request bodies (refused: every page is a GET), the time a request may
 take to arrive and a response to be taken (``REQUEST_TIMEOUT``, ``SEND_TIMEOUT``), and the number
-of open connections (``MAX_CONNECTIONS``; the next one is answered 503 and closed). A slow or
-hostile client can at most keep the port busy, never grow the peer's memory or stall training.
+of open connections (``status_seats.py``: a newcomer displaces the connection that has waited
+longest for a request, remote hosts are capped per address and never take the places kept for
+loopback clients, and only when every place it could take is being answered is it told 503). A slow
+or hostile client can at most keep the port busy, never keep a local `peerd status` out, grow the
+peer's memory or stall training.
 
 A web page the user visits could point its own domain at the peer's address ("DNS rebinding") and
 read the peer's pages from the user's browser; so the port refuses (403) requests whose ``Host``
@@ -27,6 +30,8 @@ from http import HTTPStatus
 import h11
 import trio
 
+from .status_seats import LOCAL_RESERVED, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS, Seat, StatusSeats
+
 __all__ = ["HttpLimits", "Page", "serve_http", "fetch_status"]
 
 log = logging.getLogger("peerd.status")
@@ -39,14 +44,12 @@ MAX_REQUEST_HEAD = 8 * 1024
 # its connection stays open; a client trickling a byte a second is cut off.
 REQUEST_TIMEOUT = 10.0
 SEND_TIMEOUT = 10.0  # a client that does not read its response is not waited for
-# A browser opens up to 6 connections per host, Prometheus and `peerd status` one each: 32 leaves
-# room for several tabs and scrapers, and bounds what a flood of idle connections can pin.
-MAX_CONNECTIONS = 32
 RECEIVE_SIZE = 4096
 # After an error answer, what a client still sends is read and dropped before closing (see _linger).
 LINGER_TIMEOUT = 1.0
 LINGER_BYTES = 64 * 1024
-# A connection over the cap gets its 503 and much less time: a flood of them must not pile up.
+# A connection refused for want of room gets its 503 and much less time: a flood of them must not
+# pile up.
 BUSY_LINGER_TIMEOUT = 0.2
 # `peerd status` and `peerd swarm` read pages of peers they were pointed at; a status page is a
 # few KiB, a dashboard's history a few hundred.
@@ -61,6 +64,8 @@ class HttpLimits:
     request_timeout: float = REQUEST_TIMEOUT
     send_timeout: float = SEND_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
+    local_reserved: int = LOCAL_RESERVED
+    max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
 
 
 @dataclass(frozen=True)
@@ -89,20 +94,21 @@ async def serve_http(
 ) -> None:
     """Serve ``routes`` (path -> a function that makes the page) on ``host:port`` until cancelled;
     ``task_status.started`` gets the bound port. A failing route is a 500, never a dead server."""
-    open_connections = 0
+    seats = StatusSeats(limits.max_connections, limits.local_reserved, limits.max_connections_per_address)
     host_allowed = _is_loopback if _is_loopback(host) else _is_not_a_domain
 
     async def handler(stream: trio.SocketStream) -> None:
-        nonlocal open_connections
         try:
-            if open_connections >= limits.max_connections:
+            scope = trio.CancelScope()  # cancelled if a newcomer displaces this connection
+            seat = seats.admit(stream.socket.getpeername()[0], scope)
+            if seat is None:
                 await _refuse_busy(stream)
                 return
-            open_connections += 1
             try:
-                await _serve_connection(stream, routes, limits, host_allowed)
+                with scope:
+                    await _serve_connection(stream, routes, limits, host_allowed, seats, seat)
             finally:
-                open_connections -= 1
+                seats.release(seat)
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
             pass
         except Exception:  # a bug (e.g. a page h11 refuses to send) costs this connection, not the server
@@ -125,8 +131,15 @@ async def _refuse_busy(stream: trio.SocketStream) -> None:
 
 
 async def _serve_connection(
-    stream: trio.SocketStream, routes: Mapping[str, Route], limits: HttpLimits, host_allowed: Callable[[str], bool]
+    stream: trio.SocketStream,
+    routes: Mapping[str, Route],
+    limits: HttpLimits,
+    host_allowed: Callable[[str], bool],
+    seats: StatusSeats,
+    seat: Seat,
 ) -> None:
+    """Answer requests until the client is done; ``seats`` hears when the connection waits for a
+    request (and may be displaced) and when it is being answered (and may not)."""
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_request_head)
     while True:
         try:
@@ -140,7 +153,9 @@ async def _serve_connection(
                         pass  # (no body: only the end of the message is left)
             if connection.their_state not in (h11.DONE, h11.MUST_CLOSE):
                 return  # timed out, or the client closed its side
+            seats.answering(seat)
         except h11.RemoteProtocolError as error:
+            seats.answering(seat)
             if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 page = _error(error.error_status_hint, f"bad request: {error}")
                 await _send(stream, connection, limits, None, page, close=True)
@@ -154,6 +169,7 @@ async def _serve_connection(
         if connection.our_state is not h11.DONE:
             return  # MUST_CLOSE: an HTTP/1.0 client, or one that asked to close
         connection.start_next_cycle()
+        seats.waiting(seat)
 
 
 async def _next_event(stream: trio.SocketStream, connection: h11.Connection):

@@ -10,6 +10,7 @@ import socket
 import pytest
 import trio
 
+from peerd.status_seats import MAX_CONNECTIONS
 from peerd.status_server import HttpLimits, Page, fetch_status, serve_http
 from tests.support.processes import PeerdProcess
 
@@ -78,22 +79,64 @@ async def test_oversized_heads_bodies_and_garbage_are_refused_and_closed():
         nursery.cancel_scope.cancel()
 
 
-async def test_a_slow_client_is_cut_off_and_the_connection_cap_holds():
-    limits = HttpLimits(request_timeout=0.5, max_connections=3)
+async def test_a_slow_client_is_cut_off_and_a_newcomer_displaces_the_oldest_waiter():
+    limits = HttpLimits(request_timeout=0.5, max_connections=3, local_reserved=1)
     async with trio.open_nursery() as nursery:
         port = await start(nursery, limits)
         idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
         await idle[0].send_all(b"GET /status HTTP/1.1\r\n")  # a head that never ends
         with trio.fail_after(5):
-            await trio.sleep(0.1)  # (the three are accepted)
-            busy = await exchange(port, b"GET /status HTTP/1.0\r\n\r\n")
-        assert busy.startswith(b"HTTP/1.1 503 ")
-        with trio.fail_after(5):  # the server closes all three after request_timeout
+            # All places wait for a request: the newcomer takes the one that has waited longest.
+            assert (await exchange(port, b"GET /status HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        with trio.fail_after(5):  # the server closes all three: one displaced, two after request_timeout
             for stream in idle:
-                assert await stream.receive_some(100) == b""
+                assert await _closed_by_server(stream)
                 await stream.aclose()
-        # and the freed places serve again
         assert (await exchange(port, b"GET /status HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        nursery.cancel_scope.cancel()
+
+
+async def _closed_by_server(stream: trio.SocketStream) -> bool:
+    try:
+        return await stream.receive_some(100) == b""
+    except trio.BrokenResourceError:  # (a reset says the same)
+        return True
+
+
+async def _get_on(stream: trio.SocketStream) -> bytes:
+    """One keep-alive request on an open connection, and its whole answer."""
+    await stream.send_all(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while not data.endswith(b'{"epoch": 3}'):
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def test_idle_connections_from_this_machine_cannot_keep_peerd_status_out():
+    """Twice the cap in idle connections from 127.0.0.1 (the address every local client shares),
+    held open: the oldest waiters make room, and `peerd status` gets its 200."""
+    async with trio.open_nursery() as nursery:
+        port = await start(nursery)
+        with trio.fail_after(10):
+            silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(MAX_CONNECTIONS // 2)]
+            await silent[0].send_all(b"GET /status HTTP/1.1\r\n")  # a head that never ends
+            idle = []  # keep-alive connections, each answered once (so seated in this order), then idle
+            for _ in range(2 * MAX_CONNECTIONS):
+                idle.append(await trio.open_tcp_stream("127.0.0.1", port))
+                assert (await _get_on(idle[-1])).startswith(b"HTTP/1.1 200 ")
+            assert json.loads(await trio.to_thread.run_sync(fetch_status, port)) == {"epoch": 3}
+            # The cap held throughout: everything older than the newest MAX_CONNECTIONS - 1 was
+            # displaced (the last of them by `peerd status` itself), and those still answer.
+            kept = MAX_CONNECTIONS - 1
+            for stream in silent + idle[:-kept]:
+                assert await _closed_by_server(stream)
+            for stream in idle[-kept:]:
+                assert (await _get_on(stream)).startswith(b"HTTP/1.1 200 ")
+        for stream in silent + idle:
+            await stream.aclose()
         nursery.cancel_scope.cancel()
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from kademlia.routing import RoutingTable as PackageRoutingTable
 
-from dht.liveness import PeerHealth
+from dht.liveness import PeerHealth, UnansweredEndpoints
 from dht.lookup import IterativeLookup
 from dht.lookup_driver import INITIAL_RTT, MIN_HEDGE_DELAY, HedgeTimer
 from dht.records import MAX_TTL, DHTRecord, RecordError, check_expiration, pack, unpack
@@ -92,6 +92,33 @@ def test_peer_health_backoff_then_evict():
     assert health.failed(peer)
     health.succeeded(peer)
     assert not health.backing_off(peer) and health.failures(peer) == 0
+
+
+def test_an_endpoint_that_did_not_answer_as_named_waits_longer_each_time_and_spares_its_own_peer():
+    clock = [0.0]
+    endpoints = UnansweredEndpoints(base=10.0, maximum=30.0, capacity=2, clock=lambda: clock[0])
+    named, real = PeerID(b"\1" * 20), PeerID(b"\2" * 20)
+    endpoint = ("192.0.2.1", 4000)
+    endpoints.failed(endpoint)  # nothing answered there
+    assert endpoints.blocks(endpoint, named) and endpoints.blocks(endpoint, real)
+    clock[0] = 10.5
+    assert not endpoints.blocks(endpoint, named)  # expired: one more dial may go
+    endpoints.failed(endpoint, answered_by=real)  # a peer answered, with another identity
+    assert endpoints.blocks(endpoint, named) and not endpoints.blocks(endpoint, real)
+    clock[0] = 30.0
+    assert endpoints.blocks(endpoint, named)  # the second failure waits twice as long (20 s)
+    endpoints.failed(endpoint)
+    clock[0] = 59.0
+    assert endpoints.blocks(endpoint, named)  # the third: capped at 30 s
+    clock[0] = 60.5
+    assert not endpoints.blocks(endpoint, named)
+    endpoints.failed(endpoint)
+    endpoints.answered(endpoint)  # it answered as the peer named: forgotten
+    assert not endpoints.blocks(endpoint, named) and len(endpoints) == 0
+    for port in range(5):  # a liar naming many endpoints: the oldest failures are forgotten
+        endpoints.failed(("192.0.2.1", port))
+    assert len(endpoints) == 2 and endpoints.blocks(("192.0.2.1", 4), named)
+    assert not endpoints.blocks(("192.0.2.1", 0), named)
 
 
 # ---------------------------------------------------------------------- lookup
@@ -308,6 +335,15 @@ DIFFICULTY = 10
 def _named(proof: NodeIDProof, port: int = 7000) -> list:
     """A contact as another peer names it in a find reply."""
     return [proof.peer_id.to_bytes(), "127.0.0.1", port, proof.nonce]
+
+
+def test_a_reply_names_each_direct_endpoint_once_and_a_relay_for_many_peers():
+    proofs = [NodeIDProof.solve(Identity.generate().peer_id, DIFFICULTY) for _ in range(5)]
+    relay = Identity.generate().peer_id
+    relayed = [[p.peer_id.to_bytes(), f"192.0.2.9/{relay}", 4001, p.nonce] for p in proofs[3:]]
+    named = [_named(proofs[0]), _named(proofs[1]), _named(proofs[2], port=7001), *relayed]
+    parsed = parse_contacts(named, DIFFICULTY)
+    assert [c.peer_id for c in parsed] == [proofs[0].peer_id, proofs[2].peer_id, *(p.peer_id for p in proofs[3:])]
 
 
 def test_a_contact_with_an_unsolved_or_foreign_nonce_is_not_admitted():

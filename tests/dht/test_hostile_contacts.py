@@ -18,7 +18,18 @@ from dht.liveness import EVICT_AFTER_FAILURES
 from dht.records import pack
 from dht.routing import Contact, RoutingTable
 from dht.testing import placed_contact
-from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
+from dht.wire import encode_contacts
+from peer import (
+    LOCAL_DIFFICULTY,
+    ConnectError,
+    Identity,
+    Message,
+    NodeIDProof,
+    PeerAddress,
+    Router,
+    TcpTransport,
+    open_peer_host,
+)
 
 
 async def test_concurrent_dials_of_one_endpoint_with_different_identities_fail_alone() -> None:
@@ -213,4 +224,155 @@ async def test_a_dial_cancelled_by_its_callers_deadline_does_not_fail_the_caller
                     callers.start_soon(impatient)
                     callers.start_soon(patient)
             assert outcome["peer"] == server.peer_id
+        nursery.cancel_scope.cancel()
+
+
+class CountingListener:
+    """A TCP endpoint that is no peer at all (another service): it counts the connections it
+    accepts and closes each at once (or, ``silent``, holds each open and says nothing)."""
+
+    def __init__(self, silent: bool = False) -> None:
+        self.accepted = 0
+        self.silent = silent
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            self.accepted += 1
+            if self.silent:
+                await trio.sleep_forever()
+            await stream.aclose()
+
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(handler, listeners)
+
+
+async def _run_reflector(port: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A DHT peer whose every find reply names 10 contacts with valid node-ID proofs, under
+    identities it has never named before, all at ``127.0.0.1:port``."""
+    router = Router()
+    minted = (
+        Contact(proof, PeerAddress("127.0.0.1", port, proof.peer_id))
+        for proof in iter(lambda: NodeIDProof.solve(Identity.generate().peer_id, LOCAL_DIFFICULTY), None)
+    )
+
+    @router.unary("dht.find")
+    async def find(request):
+        return encode_contacts([next(minted) for _ in range(10)])
+
+    @router.unary("dht.ping")
+    async def ping(request):
+        return None
+
+    async with open_peer_host(Identity.generate(), router=router) as liar:
+        task_status.started(liar.listen_address)
+        await trio.sleep_forever()
+
+
+async def test_contact_lists_naming_a_foreign_endpoint_cost_it_a_bounded_number_of_dials() -> None:
+    """Contact reflection: a liar's find replies send every lookup of ours to an endpoint of its
+    choosing, under ever new identities. Each reply's endpoint costs at most one dial, an endpoint
+    that did not answer with the peer's own hello is not dialled again soon, and the honest part of
+    the swarm keeps working."""
+    async with trio.open_nursery() as nursery:
+        target = CountingListener()
+        port = await nursery.start(target.serve)
+        liar_address = await nursery.start(_run_reflector, port)
+        with trio.fail_after(30):
+            async with (
+                DHTNode.open() as honest,
+                DHTNode.open(initial_peers=[liar_address, honest.address]) as victim,
+            ):
+                for round in range(5):
+                    assert await victim.store(f"key {round}", round, time.time() + 60)
+                    found = await victim.get(f"key {round}")
+                    assert found is not None and found.value == round
+        assert target.accepted == 1  # the first reply's dial; then it is known not to answer
+        nursery.cancel_scope.cancel()
+
+
+class CountingTcp(TcpTransport):
+    """TCP that counts the dials it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dials = 0
+
+    async def connect(self, address: PeerAddress) -> trio.SocketStream:
+        self.dials += 1
+        return await super().connect(address)
+
+
+async def test_identities_named_at_an_honest_peers_endpoint_cost_one_dial_and_not_that_peer() -> None:
+    """A liar names made-up identities at an honest peer's endpoint: the first dial learns who is
+    there, the other made-up identities are not dialled, and the honest peer still is."""
+    transport = CountingTcp()
+    router = Router()
+
+    @router.unary("dht.ping")
+    async def ping(request):
+        return "pong"
+
+    async with (
+        open_peer_host(Identity.generate(), transport=transport) as host,
+        open_peer_host(Identity.generate(), router=router) as honest,
+        trio.open_nursery() as nursery,
+    ):
+        contacts = Contacts(host, RoutingTable(placed_contact(0), 20), Background(nursery), rpc_timeout=2.0)
+        endpoint = honest.listen_address
+        with trio.fail_after(10):
+            for _ in range(5):
+                proof = NodeIDProof.solve(Identity.generate().peer_id, LOCAL_DIFFICULTY)
+                lie = Contact(proof, PeerAddress(endpoint.host, endpoint.port, proof.peer_id))
+                assert await contacts.call(lie, "dht.ping", None) is None
+            assert transport.dials == 1
+            truth = Contact(honest.node_id, PeerAddress(endpoint.host, endpoint.port, honest.peer_id))
+            reply = await contacts.call(truth, "dht.ping", None)
+            assert reply is not None and reply.body == "pong" and transport.dials == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_contact_we_reached_ourselves_is_dialled_through_its_endpoints_backoff() -> None:
+    """The endpoint rule is about contacts other peers name: a peer in our table (or lost from it,
+    pinged back by ``LostContacts``) is dialled when its endpoint comes back, or a healed outage
+    would wait out the endpoint's backoff."""
+    transport = CountingTcp()
+    router = Router()
+
+    @router.unary("dht.ping")
+    async def ping(request):
+        return "pong"
+
+    async with (
+        open_peer_host(Identity.generate(), transport=transport) as host,
+        open_peer_host(Identity.generate(), router=router) as honest,
+        trio.open_nursery() as nursery,
+    ):
+        table = RoutingTable(placed_contact(0), 20)
+        contacts = Contacts(host, table, Background(nursery), rpc_timeout=2.0)
+        endpoint = honest.listen_address
+        known = Contact(honest.node_id, PeerAddress(endpoint.host, endpoint.port, honest.peer_id))
+        table.add_contact(known)
+        contacts.endpoints.failed((endpoint.host, endpoint.port))  # as if it had been down a moment ago
+        with trio.fail_after(10):
+            proof = NodeIDProof.solve(Identity.generate().peer_id, LOCAL_DIFFICULTY)
+            stranger = Contact(proof, PeerAddress(endpoint.host, endpoint.port, proof.peer_id))
+            assert await contacts.call(stranger, "dht.ping", None) is None  # another's claim: not dialled
+            assert transport.dials == 0
+            reply = await contacts.call(known, "dht.ping", None)
+            assert reply is not None and reply.body == "pong" and transport.dials == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_endpoint_that_accepts_and_says_nothing_is_not_waited_on_nor_dialled_again() -> None:
+    async with open_peer_host(Identity.generate()) as host, trio.open_nursery() as nursery:
+        tarpit = CountingListener(silent=True)
+        port = await nursery.start(tarpit.serve)
+        contacts = Contacts(host, RoutingTable(placed_contact(0), 20), Background(nursery), rpc_timeout=0.2)
+        with trio.fail_after(5):  # (the handshake's own timeout is 10 s)
+            for _ in range(3):
+                proof = NodeIDProof.solve(Identity.generate().peer_id, LOCAL_DIFFICULTY)
+                named = Contact(proof, PeerAddress("127.0.0.1", port, proof.peer_id))
+                assert await contacts.call(named, "dht.ping", None) is None
+        assert tarpit.accepted == 1
         nursery.cancel_scope.cancel()

@@ -82,6 +82,11 @@ def make_router(probe: Probe) -> Router:
             total += message.body
         await stream.send(total)
 
+    @router.stream("echo_stream")
+    async def echo_stream(stream):
+        async for message in stream:
+            await stream.send(message.body, message.payload)
+
     @router.stream("double")
     async def double(stream):
         async for message in stream:
@@ -119,6 +124,25 @@ async def test_large_payload_spanning_many_records(peers):
     blob = bytes(range(256)) * (5 * 4096 + 3)  # ~5 MiB, not a multiple of the record size
     reply = await connection.call("echo", None, payload=memoryview(blob))
     assert reply.payload == blob
+
+
+@pytest.mark.parametrize("empty", [b"", bytearray(), memoryview(b"")], ids=["bytes", "bytearray", "memoryview"])
+async def test_an_empty_payload_is_a_payload_for_calls_replies_and_streams(peers, empty):
+    # A lone call with a small message takes the send queue's fast path; an empty payload there
+    # must not become an empty record, which the receiver would take for an undecodable header.
+    _, _, connection, _ = peers
+    with trio.fail_after(5):
+        for _ in range(3):
+            reply = await connection.call("echo", "nothing attached", payload=empty)
+            assert reply.body == "nothing attached" and bytes(reply.payload) == b""
+        async with connection.stream("echo_stream") as stream:
+            for i in range(3):
+                await stream.send(i, empty)
+                message = await stream.receive()
+                assert message.body == i and bytes(message.payload) == b""
+            await stream.end()
+        assert (await connection.call("add", {"a": 1, "b": 2})).body == 3
+    assert not connection.is_closed
 
 
 async def test_server_client_and_bidirectional_streams(peers):

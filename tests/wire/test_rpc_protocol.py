@@ -49,6 +49,20 @@ def test_single_record_payload_can_be_delivered_whole():
     assert opened.payload == b"abcd"
 
 
+def test_an_empty_payload_is_carried_by_the_header_alone():
+    # payload_len 0: the message is whole with its header, for calls, replies and stream data.
+    client, server = pair()
+    call_id, header = client.open_unary("echo", "x", 0, timeout=None)
+    [opened] = server.receive_header(header)
+    assert not server.awaiting_payload and opened.payload == b""
+    [result] = client.receive_header(server.send_result(call_id, "y", 0))
+    assert not client.awaiting_payload and result == CallResult(call_id, "y", b"")
+    stream_id, header = client.open_stream("s", timeout=None)
+    server.receive_header(header)
+    [data] = server.receive_header(client.send_data(stream_id, 1, 0))
+    assert not server.awaiting_payload and data.payload == b""
+
+
 def test_call_ids_do_not_collide_between_sides():
     client, server = pair()
     ids_client = {client.open_unary("m", None, 0, None)[0] for _ in range(3)}

@@ -112,6 +112,27 @@ async def test_concurrent_senders_keep_their_order_whichever_path_each_takes():
     assert channel.received() == sent  # decrypts in order: records sealed in the order they went out
 
 
+async def test_an_empty_payload_adds_no_record_on_either_path():
+    # Its header announces 0 payload bytes, so the receiver takes the next record for a header: an
+    # empty record there is undecodable and fails the connection.
+    channel = ScriptedChannel()
+    queue = SendQueue(channel, TrafficCounter())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.write_loop)
+        await settle()
+        fast, queued = trio.Event(), trio.Event()
+        queue.append(b"fast", memoryview(b""), fast, direct=True)  # the writer is idle: fast path
+        queue.append_reply(b"reply", memoryview(b""), direct=True)
+        assert channel.direct_writes == 2 and fast.is_set()
+        queue.append(b"queued", memoryview(b""), queued)  # through the writer
+        queue.append_reply(b"queued reply", memoryview(b""))
+        with trio.fail_after(5):
+            await queued.wait()
+        await settle()
+        assert channel.received() == [b"fast", b"reply", b"queued", b"queued reply"]
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_fast_send_cut_off_by_a_dying_connection_is_reported_only_on_release():
     """The tail the kernel did not take is the sender's message too: its ``encrypted`` event must
     not say "gone out" until the tail has, so a connection that dies first fails the send."""
