@@ -51,6 +51,7 @@ from .compression import Codec, get_codec
 from .flat_parts import flat_view, flatten, write_back
 from .group import GroupInfo
 from .link_speed import DeadlineRules
+from .own_radius import MIN_OUTVOTING, bound_move
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reducer_checks import ReducerChecks, RoundStrategy
@@ -201,11 +202,14 @@ class AllReduceService:
         *,
         weight: float = 1.0,
         settings: RoundSettings = DEFAULTS,
+        own_radius: float | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group`` (``RoundSettings``
         says how). The tensors are read while the round runs (a single contiguous float32 CPU
         tensor is sent straight from its memory, without a copy) and written only when it is
-        over, so they must not change in between; a cancelled round leaves them as they were."""
+        over, so they must not change in between; a cancelled round leaves them as they were.
+        ``own_radius``: if the round ends with fewer than ``MIN_OUTVOTING`` senders in it, how
+        far (L2) its averages may move our values (``own_radius.py``); None: any distance."""
         me, started, tensors = self.host.peer_id, trio.current_time(), list(tensors)
         member = group.member(me)
         if member is None:
@@ -245,9 +249,21 @@ class AllReduceService:
             round_.exchanges_over()
             round_.screen(self.checks.banned, lambda peer: self.checks.banned.reasons.get(peer, ""))
             await strategy.review(round_, flat, weight, codec)  # before the averages land
+            bounded = None
             if flat is not None:
-                await in_thread(write_back, tensors, round_.averages())
-        result = round_.finish(links.link_rate(), trio.current_time() - started)
+                averages = round_.averages()
+                if own_radius is not None and round_.senders_in() < MIN_OUTVOTING:
+                    averages, moved = await in_thread(bound_move, flat, averages, own_radius)
+                    if moved > own_radius:
+                        bounded = (moved, own_radius)
+                        log.info(
+                            "round %s: too few senders to outvote a liar; our values moved %.3g, not %.3g",
+                            group.group_id.hex()[:8],
+                            own_radius,
+                            moved,
+                        )
+                await in_thread(write_back, tensors, averages)
+        result = round_.finish(links.link_rate(), trio.current_time() - started, bounded)
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         return result

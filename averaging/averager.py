@@ -23,6 +23,7 @@ from .allreduce import AllReduceResult, AllReduceService, RoundSettings
 from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError
+from .own_radius import OwnRadius
 from .partition import DEFAULT_PART_SIZE
 from .robust import Aggregation, resolve_aggregation
 from .state_sharing import StateSharing
@@ -120,7 +121,9 @@ class GroupAverager:
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
         ``centered-clip`` (robust to a hostile minority, ``robust.py``), or ``auto``:
-        centered-clip in a public swarm, the mean in a private one (``peer/access.py``).
+        centered-clip in a public swarm, the mean in a private one (``peer/access.py``). With
+        centered-clip, a round too small to outvote a liar (fewer than three senders) moves our
+        tensors only as far as their own recent updates allow (``own_radius.py``).
         ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
         connections are paced to share it (``uplink.py``); None leaves the sharing to TCP."""
         if uplink is not None and not (0 < uplink < math.inf):
@@ -145,6 +148,9 @@ class GroupAverager:
         )
         self.settings = AveragerSettings(target_group_size, min_group_size, matchmaking_timeout, settle_time, rounds)
         self.allow_state_sharing = allow_state_sharing
+        # Robust rounds too small to outvote a liar move our values only as far as our own history
+        # allows (``own_radius.py``); the plain mean trusts every member anyway.
+        self._own_radius = OwnRadius() if rounds.aggregation is Aggregation.CENTERED_CLIP else None
         self.schema = tensor_schema(self.tensors)
         self.round = 0  # the next round this averager declares; only its own steps move it
         self._service = all_reduce_service(self.host)
@@ -225,14 +231,13 @@ class GroupAverager:
         ``round_number``: the round to declare (default: ``self.round``, one past the last round
         this averager took part in); ``self.round`` moves one past the round averaged in.
         """
-        settings = self.settings
         async with self._lock:
             started = trio.current_time()
             if group is None:
                 group = await self.find_group(round_number, timeout)
             self.round = group.round + 1
             formed = max(started, group.formed_at)
-            result = await self._service.run(group.group, self.tensors, weight=weight, settings=settings.rounds)
+            result = await self._average(group.group, weight)
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:
@@ -242,6 +247,18 @@ class GroupAverager:
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
         return AveragingRound(group.group, group.round, timing, result)
+
+    async def _average(self, group: GroupInfo, weight: float) -> AllReduceResult:
+        """One all-reduce of our tensors with ``group``, bounded by our own history if it is robust."""
+        history = self._own_radius
+        radius = history.before_round(self.tensors) if history is not None else None
+        try:
+            return await self._service.run(
+                group, self.tensors, weight=weight, settings=self.settings.rounds, own_radius=radius
+            )
+        finally:
+            if history is not None:  # (a failed or cancelled round left our values as they were)
+                history.after_round(self.tensors)
 
     async def leave(self) -> None:
         """Stop taking part: withdraw our matchmaking declaration, so that the others neither
@@ -277,5 +294,7 @@ class GroupAverager:
                     ours.copy_(theirs)
             if isinstance(metadata, dict) and is_counter(metadata.get("round")):
                 self.round = max(self.round, metadata["round"])
+            if self._own_radius is not None:  # a donor's values are no update of ours
+                self._own_radius.reset()
         log.info("loaded state from peers (round %d)", self.round)
         return metadata

@@ -15,9 +15,13 @@
    again until the deadline; one whose leader is unreachable (refused the connection or lost it:
    dead) passes it over from then on, as every other follower of that leader does, so the group
    elects the next leader instead of losing the round to a declaration that outlived its peer.
-   A leader that answers garbage, or a group without the follower, or does not answer within half
-   of the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
-   and, with a peer ID that ranks first, be elected; it must not cost the others the round.
+   A leader that answers garbage, or a group without the follower, serves no matchmaking (a
+   client-mode peer, whose connection to us serves no calls), or does not answer within half of
+   the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
+   and, with a peer ID that ranks first, be elected; it must not cost the others the round. Such
+   a leader is remembered and passed over in the rounds that follow too, until the declaration
+   that named it expires (``matchmaking_rules.PassedOver``): trying it again every round would
+   cost each of them half its time.
 
 Peers whose tensor schemas differ never meet: the schema hash is part of what is matched. Peers
 this one ``excluded`` (reducers caught lying, ``verification.py``) are left out of its candidates,
@@ -29,15 +33,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import trio
 
-from dht.peer_dictionary import peer_entries, peer_subkey
-from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError
+from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
+from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
-from .matchmaking_rules import Candidate, propose_group
+from .matchmaking_rules import Candidate, PassedOver, propose_group
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
 
@@ -78,6 +82,11 @@ class LeaderFailed(MatchmakingError):
     """The elected leader answered garbage, left us out, or did not answer in time."""
 
 
+class LeaderHoldsExcluded(LeaderFailed):
+    """The elected leader's group holds a peer this one excludes: passed over for the round, but
+    not remembered, since the excluded peer, not the leader, chose to join it."""
+
+
 @dataclass(frozen=True)
 class Declaration:
     peer_id: PeerID
@@ -86,6 +95,8 @@ class Declaration:
     mode: AveragingMode
     schema: str
     round: int
+    # When the DHT record it was read from expires (the DHT's wall clock); None: not read from it
+    expiration: float | None = field(default=None, compare=False)
 
     def to_wire(self) -> dict:
         return {
@@ -194,6 +205,7 @@ class Matchmaker:
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
+        self._passed_over = PassedOver()  # leaders that did not serve us, until their declarations expire
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
         try:
@@ -277,7 +289,7 @@ class Matchmaker:
                 me.round,
                 target_group_size,
                 min_group_size,
-                unreachable,
+                unreachable | self._passed_over.current(self.dht.clock.time()),
             )
             expected = {PeerID(raw) for raw in proposal.members} - {me.peer_id}
             if proposal.leader is None:
@@ -292,18 +304,23 @@ class Matchmaker:
                     # a newcomer (round 0) has already joined the round its candidates declared
                     joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
                     return Match(group, joined)
-                except (ConnectError, ConnectionLost, LeaderFailed) as error:
+                except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:
                     unreachable.add(proposal.leader)
                     last_error = str(error)
-                    log.info(
-                        "peer dropped: leader %s is unreachable (%s); electing the next", PeerID(proposal.leader), error
-                    )
+                    self._leader_failed(candidates[PeerID(proposal.leader)], error)
                 except (MatchmakingError, RPCError, ValueError) as error:
                     last_error = str(error)
                     log.debug("matchmaking attempt failed: %s", error)
             await trio.sleep(0.05)
         error = NoOtherPeers if alone else MatchmakingError
         raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
+
+    def _leader_failed(self, leader: Declaration, error: Exception) -> None:
+        """``leader`` did not serve our join: passed over for the rest of the round (by the
+        caller) and, unless a third peer is to blame, while its declaration lives."""
+        log.info("peer dropped: leader %s is unreachable (%s); electing the next", leader.peer_id, error)
+        if not isinstance(error, LeaderHoldsExcluded) and leader.expiration is not None:
+            self._passed_over.remember(leader.peer_id.to_bytes(), leader.expiration, self.dht.clock.time())
 
     async def _settle(self, me: Declaration, settle: float) -> dict[PeerID, Declaration] | None:
         """Let declarations spread for ``settle`` seconds, or until the view is as complete as the
@@ -335,7 +352,15 @@ class Matchmaker:
     async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
         found = await self.dht.get(self.key, latest=True)
         candidates = {me.peer_id: me}
-        for peer, declaration in peer_entries(found, Declaration.from_wire, now=self.dht.clock.time()):
+
+        def parse(subkey: tuple[PeerID, str], body) -> Declaration:
+            peer, raw = subkey
+            assert found is not None  # (entries come from it)
+            return replace(Declaration.from_wire(peer, body), expiration=found.value[raw].expiration_time)
+
+        for (peer, _raw), declaration in dictionary_entries(
+            found, lambda raw: (subkey_peer(raw), raw), parse, now=self.dht.clock.time()
+        ):
             if declaration.schema == me.schema and not self.excluded(peer):
                 candidates[peer] = declaration
         return candidates
@@ -396,7 +421,7 @@ class Matchmaker:
             if group.member(me.peer_id) is None:
                 raise LeaderFailed(f"the leader {leader.peer_id}'s group does not include this peer")
             if any(self.excluded(member.peer_id) for member in group.members):
-                raise LeaderFailed(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
+                raise LeaderHoldsExcluded(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
             return group
         raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")
 

@@ -15,7 +15,8 @@ A dead peer's declaration outlives it (until it expires with the round). Peers t
 ``unreachable`` (its connection refused or lost) keep the grid as it is, since the rest of the swarm
 still ranks that peer, but pass it over: the next member of the group that can lead leads, and
 nobody waits for the dead one. Every follower of a dead leader finds it dead by asking it, so they
-all pass it over and agree on the next leader without talking.
+all pass it over and agree on the next leader without talking. A leader that did not serve this
+peer stays passed over in the rounds that follow, until its declaration expires (``PassedOver``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "GroupProposal", "propose_group", "grid_dimensions"]
+__all__ = ["Candidate", "GroupProposal", "MAX_PASSED_OVER", "PassedOver", "propose_group", "grid_dimensions"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,42 @@ def propose_group(
     ]
     leader = next((c.peer_id for c in mine if c.can_lead), None)
     return GroupProposal(leader, tuple(c.peer_id for c in mine))
+
+
+# Leaders remembered at most: entries come only from leaders this peer elected and asked, a few
+# per round, and each goes when its declaration expires (the DHT caps that at 5 minutes), so this
+# many outlast any honest swarm's failures while a table of them stays a few kilobytes.
+MAX_PASSED_OVER = 256
+
+
+class PassedOver:
+    """Leaders that did not serve this peer (never answered, refused the connection, serve no
+    matchmaking, answered garbage or a group without us), each passed over until the declaration
+    that named it leader expires: a declaration that outlives its peer, or an attacker's, costs
+    the round in which we first try it and no other.
+
+    Only a leader this peer elected and asked itself is remembered, never on another peer's word,
+    so nobody can have an honest leader skipped except by that leader failing us; and not past
+    that leader's own declaration, which only its owner can extend (an honest one lives a round).
+    Times are the DHT's wall clock, in which expirations count."""
+
+    def __init__(self, limit: int = MAX_PASSED_OVER):
+        self.limit = limit
+        self._until: dict[bytes, float] = {}
+
+    def remember(self, leader: bytes, until: float, now: float) -> None:
+        """Pass ``leader`` over until ``until`` (its declaration's expiration)."""
+        self._expire(now)
+        if until > now:
+            self._until[leader] = max(until, self._until.get(leader, until))
+        while len(self._until) > self.limit:  # the one that would have gone soonest goes first
+            del self._until[min(self._until, key=self._until.__getitem__)]
+
+    def current(self, now: float) -> frozenset[bytes]:
+        """The leaders passed over now."""
+        self._expire(now)
+        return frozenset(self._until)
+
+    def _expire(self, now: float) -> None:
+        for leader in [leader for leader, until in self._until.items() if until <= now]:
+            del self._until[leader]

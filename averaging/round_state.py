@@ -96,6 +96,10 @@ class AllReduceResult:
     # reducer, and why it was caught (None: its answer held); a caught one's shard stays local
     reducer_checks: dict[int, tuple[PeerID, str | None]] = field(default_factory=dict)
     seconds: float = 0.0  # the round itself, from the start to the averages written back
+    # a round too small to outvote a liar that would have moved our values farther than our own
+    # history allows (``own_radius.py``): (how far its averages were from our values, the radius
+    # they were held to); None if it moved them no farther
+    bounded: tuple[float, float] | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -155,6 +159,10 @@ class AllReduceRound:
         """(flat offset, values) of every averaged part of other reducers' shards still believed."""
         others = [e for i, e in self.shards.items() if e.state is ShardState.AVERAGED and i != self.my_shard]
         return [part for entry in others for part in entry.parts]
+
+    def senders_in(self) -> int:
+        """How many senders (this peer included, if it sends) no reducer has left out so far."""
+        return sum(1 for entry in self.senders.values() if entry.state is SenderState.IN)
 
     def part_contributors(self) -> dict[int, list[list[PeerID]]]:
         return {i: e.part_contributors for i, e in self.shards.items() if e.part_contributors is not None}
@@ -235,12 +243,14 @@ class AllReduceRound:
         else:
             self._move(index, ShardState.BANNED, reason=f"reducer failed its check: {verdict}")
 
-    def finish(self, link_rate: float | None = None, seconds: float = 0.0) -> AllReduceResult:
-        """The round's result, written once, from the table."""
+    def finish(
+        self, link_rate: float | None = None, seconds: float = 0.0, bounded: tuple[float, float] | None = None
+    ) -> AllReduceResult:
+        """The round's result, written once, from the table (``bounded``: see ``AllReduceResult``)."""
         self._event("finish")
         self.phase = RoundPhase.DONE
         result = AllReduceResult(self.group, plan=self.plan, my_shard=self.my_shard, link_rate=link_rate)
-        result.seconds = seconds
+        result.seconds, result.bounded = seconds, bounded
         for index, entry in self.shards.items():
             if entry.contributors is not None:
                 result.contributors[index] = entry.contributors

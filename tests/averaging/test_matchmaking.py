@@ -70,7 +70,8 @@ async def open_swarm(nursery, count: int):
 
 def make_averagers(nodes, values, **options):
     # These tests check exact averages: the plain mean (public swarms default to centered-clip,
-    # which clips outliers of these few scalars; tests/averaging/test_robust_aggregation.py covers it).
+    # which clips outliers of these few scalars, and in a pair moves a peer only as far as its own
+    # updates allow; tests/averaging/test_robust_aggregation.py and test_small_groups.py cover it).
     options = {
         "prefix": "test",
         "matchmaking_timeout": 4.0,
@@ -136,7 +137,8 @@ async def test_group_of_four_averages_exactly_and_respects_target_size():
 async def test_mismatched_schemas_are_never_grouped():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 4)
-        options = {"prefix": "mixed", "matchmaking_timeout": 3.0, "target_group_size": 4}
+        # (the exact mean of pairs of values that never change: see make_averagers)
+        options = {"prefix": "mixed", "matchmaking_timeout": 3.0, "target_group_size": 4, "aggregation": "mean"}
         a = [GroupAverager([torch.ones(3) * i], node, **options) for i, node in enumerate(nodes[:2])]
         b = [GroupAverager([torch.ones(5) * (10 + i)], node, **options) for i, node in enumerate(nodes[2:])]
         results = await step_all(a + b)

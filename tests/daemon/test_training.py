@@ -225,10 +225,18 @@ async def test_overlapped_local_updates_reach_the_target_while_averaging_in_the_
 
 def tiny_local_updates(node, weight, **options):
     """One inner SGD step (lr 1) per round on one small tensor, outer Nesterov at lr 0.5 and
-    momentum 0.9, exact averaging: small enough to check the arithmetic by hand."""
+    momentum 0.9, exact averaging (the plain mean: with centered-clip a peer in a pair moves only as
+    far as its own past updates allow, and these have none): small enough to check by hand."""
     from averaging.local_updates import LocalUpdatesOptimizer
 
-    defaults = {"local_steps": 1, "outer_lr": 0.5, "outer_momentum": 0.9, "codec": "none", "target_group_size": 2}
+    defaults = {
+        "local_steps": 1,
+        "outer_lr": 0.5,
+        "outer_momentum": 0.9,
+        "codec": "none",
+        "target_group_size": 2,
+        "aggregation": "mean",
+    }
     return LocalUpdatesOptimizer(torch.optim.SGD([weight], lr=1.0), node, settle_time=0.05, **{**defaults, **options})
 
 

@@ -1,0 +1,94 @@
+"""A group too small to outvote a liar (two senders) under robust aggregation: the other member
+sets CenteredClip's radius and the median weight, so a 1e30 contribution or a claimed weight of
+2**40 would set the average. An honest peer's values move no farther than its own recent
+updates allow, while an honest partner still averages exactly."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from averaging.averager import GroupAverager
+from averaging.own_radius import RADIUS_FACTOR, OwnRadius
+from tests.averaging.test_matchmaking import open_swarm
+
+DIM = 1024
+STEP = 0.1  # the scale of each peer's own update between rounds
+
+
+async def test_a_partner_in_a_group_of_two_moves_us_no_farther_than_our_own_updates() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        generator = torch.Generator().manual_seed(0)
+        start = torch.randn(DIM, generator=generator) * 10
+        ours, theirs = start.clone(), start.clone()
+        options = {"prefix": "pair", "target_group_size": 2, "matchmaking_timeout": 2.0, "settle_time": 0.1}
+        # a public swarm: ``auto`` is centered-clip
+        honest, attacker = GroupAverager([ours], nodes[0], **options), GroupAverager([theirs], nodes[1], **options)
+        updates: list[float] = []
+
+        async def one_round(attack: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+            """Both train a step of their own, then average; returns ours before and after."""
+            update = torch.randn(DIM, generator=generator) * STEP
+            ours.add_(update)
+            updates.append(float(update.norm()))
+            theirs.copy_(ours + torch.randn(DIM, generator=generator) * STEP)  # an honest-looking partner
+            weight = 1.0
+            if attack == "huge":
+                theirs.fill_(1e30)
+            elif attack == "heavy":
+                theirs.copy_(ours + 1000.0)
+                weight = 2.0**40
+            before, partner = ours.clone(), theirs.clone()
+            async with trio.open_nursery() as peers:
+                peers.start_soon(honest.step)
+                peers.start_soon(lambda: attacker.step(weight=weight))
+            return before, partner
+
+        # no history yet: nothing says how far our values may move, so they stay ours
+        before, _ = await one_round("huge")
+        assert torch.equal(ours, before)
+        # an honest partner near us averages exactly
+        for _ in range(2):
+            before, partner = await one_round(None)
+            assert torch.allclose(ours, (before + partner) / 2, atol=1e-5)
+        # a liar moves us by at most RADIUS_FACTOR times our largest recent update
+        for attack in ("huge", "heavy"):
+            before, _ = await one_round(attack)
+            moved = float((ours - before).norm())
+            assert torch.isfinite(ours).all()
+            assert 0 < moved <= RADIUS_FACTOR * max(updates) * 1.001, (attack, moved, max(updates))
+        nursery.cancel_scope.cancel()
+
+
+def test_the_radius_follows_our_own_updates_and_nothing_a_round_wrote() -> None:
+    """Parameters (training moves them on from what the round left) and gradients (a fresh one
+    each round, whatever the round left): either way the radius is twice our own update, however
+    far a liar moved us in the round before; estimated on a sample of a large vector."""
+    generator = torch.Generator().manual_seed(1)
+    size = 1 << 20  # 16 x the sample
+
+    def noise() -> torch.Tensor:
+        return torch.randn(size, generator=generator) * STEP
+
+    # parameters: each round trains on from what the last one left
+    history, values, updates = OwnRadius(), noise(), []
+    assert history.before_round([values]) == 0.0  # no history yet
+    for _ in range(3):
+        left = values + 1000.0  # a liar moved us far (past any bound)
+        history.after_round([left])
+        update = noise()
+        updates.append(float(update.norm()))
+        values = left + update
+        radius = history.before_round([values])
+        assert abs(radius - RADIUS_FACTOR * max(updates)) <= 0.05 * radius, radius
+    # gradients: each round sends a fresh one
+    history, sent, updates = OwnRadius(), noise(), []
+    history.before_round([sent])
+    for _ in range(3):
+        history.after_round([sent + 1000.0])
+        fresh = noise()
+        updates.append(float((fresh - sent).norm()))
+        radius = history.before_round([fresh])
+        assert abs(radius - RADIUS_FACTOR * max(updates)) <= 0.05 * radius, radius  # not the liar's move
+        sent = fresh
