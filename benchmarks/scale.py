@@ -1,0 +1,153 @@
+"""Scale benchmark: how a peer's work grows with the swarm, on the simulated internet.
+
+    python benchmarks/scale.py [--quick] [--peers 32,64,128] [--dht-nodes 256,1024]
+
+For each swarm size N, the scenario of ``tests/support/sim_scale.py`` runs under trio's virtual
+clock: N real peers (hosts, DHT nodes, ``GroupAverager``s of 256 floats in Moshpit groups of 16)
+join, average through rounds with 10% of the swarm replaced per simulated minute and one round
+split by a partition, then through calm rounds until they agree. Per size it prints a row of the
+growth table: per peer per round the CPU seconds, bytes and segments sent; the DHT requests served
+by the busiest and by the median node; memory per peer (resident-set growth over the run ÷ N); the
+calm rounds until the swarm agreed; the fraction of the steps of peers that stayed that averaged.
+
+Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
+nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
+with the memory per node.
+
+Every figure is a ratio within the run: ``cpu_per_peer_round_growth`` is the per-peer CPU per
+round at the largest N of the run over that at the smallest, ``busiest_node_load_ratio`` the
+busiest node's requests over the median node's (at the largest N). The last line is one JSON
+object. ``--quick`` runs N = 16 and 32 and a DHT of 128 nodes (about two minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dht import DHTConfig  # noqa: E402
+from peer.simnet import SimNetwork  # noqa: E402
+from tests.support.sim_scale import ScaleReport, Scenario, run_scenario  # noqa: E402
+from tests.support.sim_swarm import open_sim_swarm  # noqa: E402
+
+KEYS = 64
+DEPARTED = 0.3
+
+
+def resident_mb() -> float:
+    """The process's resident set now (MiB), from /proc, else its peak."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * resource.getpagesize() / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def averaging_row(peers: int, seed: int) -> dict[str, Any]:
+    scenario = Scenario(
+        peers=peers, group_size=16, turbulent_rounds=3, churn_per_minute=0.1, partition_round=1, seed=seed
+    )
+    before, started = resident_mb(), time.perf_counter()
+    report: ScaleReport = trio.run(run_scenario, scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+    rounds = max(report.peer_rounds, 1)
+    served = sorted(report.served)
+    return {
+        "peers": peers,
+        "cpu_per_peer_round_s": round(report.cpu_per_peer_round, 4),
+        "bytes_per_peer_round": round(report.bytes_sent / rounds),
+        "segments_per_peer_round": round(report.segments_sent / rounds, 1),
+        "busiest_node_requests": served[-1] if served else 0,
+        "median_node_requests": served[len(served) // 2] if served else 0,
+        "busiest_node_load_ratio": round(report.busiest_node_load_ratio, 2),
+        "memory_per_peer_mb": round(max(0.0, resident_mb() - before) / peers, 2),
+        "rounds_to_agree": report.rounds_to_agree,
+        "averaged_fraction": round(report.averaged_fraction, 4),
+        "partition_round_averaged": round(report.partition_round_averaged or 0.0, 3),
+        "newcomers": report.newcomers,
+        "newcomer_first_average_max_s": round(max(report.newcomer_first_average_s, default=0.0), 1),
+        "real_s": round(time.perf_counter() - started, 1),
+    }
+
+
+async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
+    network = SimNetwork(seed=seed)
+    picks = random.Random(seed)
+    before = resident_mb()
+    async with open_sim_swarm(network, nodes, config=DHTConfig()) as swarm:
+        memory = max(0.0, resident_mb() - before) / nodes
+        clock = swarm.clock
+        keys = {f"scale-{n}": n for n in range(KEYS)}
+        for key, value in keys.items():
+            await swarm.nodes[picks.randrange(nodes)].store(key, value, clock.time() + 3600)
+        for index in picks.sample(range(1, nodes), int(DEPARTED * nodes)):
+            swarm.leave(index)
+        alive = swarm.alive()
+        found = 0
+        for key, value in keys.items():
+            got = await swarm.nodes[picks.choice(alive)].get(key)
+            found += got is not None and got.value == value
+    return {"nodes": nodes, "dht_get_success_after_churn": found / KEYS, "memory_per_node_mb": round(memory, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 16, 32 and a DHT of 128 nodes")
+    parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 32,64,128)")
+    parser.add_argument("--dht-nodes", default=None, help="comma-separated DHT-only sizes (default 256,1024)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
+    dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]
+
+    rows = []
+    print(
+        f"{'peers':>6} {'cpu/peer/round':>15} {'KB/peer/round':>14} {'busiest/median':>15} "
+        f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'real s':>7}"
+    )
+    for size in peers:
+        row = averaging_row(size, args.seed)
+        rows.append(row)
+        print(
+            f"{size:>6} {row['cpu_per_peer_round_s']:>15.4f} {row['bytes_per_peer_round'] / 1e3:>14.1f} "
+            f"{row['busiest_node_load_ratio']:>15.2f} {row['memory_per_peer_mb']:>8.2f} "
+            f"{str(row['rounds_to_agree']):>6} {row['averaged_fraction']:>9.4f} {row['real_s']:>7.1f}",
+            flush=True,
+        )
+    dht_rows = []
+    for size in dht_sizes:
+        row = trio.run(dht_churn, size, args.seed, clock=trio.testing.MockClock(autojump_threshold=0))
+        dht_rows.append(row)
+        print(
+            f"DHT {size:>5} nodes: {row['dht_get_success_after_churn']:.3f} of keys found after "
+            f"{DEPARTED:.0%} left, {row['memory_per_node_mb']:.2f} MB per node",
+            flush=True,
+        )
+    smallest, largest = rows[0], rows[-1]
+    result = {
+        "peers": largest["peers"],
+        "averaged_fraction": min(row["averaged_fraction"] for row in rows),
+        "cpu_per_peer_round_growth": round(largest["cpu_per_peer_round_s"] / smallest["cpu_per_peer_round_s"], 3),
+        "peers_ratio": round(largest["peers"] / smallest["peers"], 3),
+        "busiest_node_load_ratio": largest["busiest_node_load_ratio"],
+        "memory_per_peer_mb": largest["memory_per_peer_mb"],
+        "dht_nodes": dht_rows[-1]["nodes"],
+        "dht_get_success_after_churn": min(row["dht_get_success_after_churn"] for row in dht_rows),
+        "dht_memory_per_node_mb": dht_rows[-1]["memory_per_node_mb"],
+        "rows": rows,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
