@@ -26,6 +26,7 @@ from .link_silence import UNANSWERED_PROBES, LinkSilence
 from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
+    BUSY,
     DEADLINE_EXCEEDED,
     UNKNOWN_METHOD,
     CallTimeoutError,
@@ -107,22 +108,15 @@ class Connection:
 
     @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
-        """Where the peer accepts connections (None for client-mode peers). An advertised wildcard
-        host (0.0.0.0, ::) is replaced by the address we see the peer connecting from. Worked out
-        once: every request a handler receives carries it."""
-        if self.remote_hello.client_mode or not self.remote_hello.listen_addresses:
-            return None
+        """Where the peer accepts connections, as its hello says (``Hello.listen_address``). Worked
+        out once: every request a handler receives carries it."""
+        return self.remote_hello.listen_address(self.remote_peer_id, self._seen_host)
+
+    def _seen_host(self) -> str | None:
         try:
-            advertised = PeerAddress.parse(self.remote_hello.listen_addresses[0])
-        except ValueError:
+            return self.channel.stream.socket.getpeername()[0]
+        except (AttributeError, OSError):
             return None
-        host = advertised.host
-        if host in ("0.0.0.0", "::", ""):
-            try:
-                host = self.channel.stream.socket.getpeername()[0]
-            except (AttributeError, OSError):
-                return None
-        return PeerAddress(host, advertised.port, self.remote_peer_id, advertised.relay)
 
     def remote_moved(self, listen_addresses: tuple[str, ...]) -> None:
         """The peer told us where it is reached now (``peer/nat.py``): those addresses replace its
@@ -315,10 +309,16 @@ class Connection:
         first of them must not go out alone ahead of the rest, which the writer sends as one."""
         return len(self._pending) + len(self._handler_scopes) + self._woken == 1
 
-    def _reply(self, header: bytes, payload: memoryview | None = None, direct: bool = False) -> None:
-        """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
+    def _reply_result(self, call_id: int, header: bytes, payload: memoryview | None, direct: bool) -> None:
+        """Queue a handler's result, or a Busy error in its place when the reply budgets do not hold
+        it (the peer has left too much unread; ``rpc_outgoing.py``)."""
+        if not self._outgoing.append_result(header, payload, direct=direct):
+            self._reply(self.protocol.send_error(call_id, BUSY, self._outgoing.refusal_text()))
+
+    def _reply(self, header: bytes) -> None:
+        """Queue an error reply (a refusal, a handler's failure), within the room for errors."""
         try:
-            self._outgoing.append_reply(header, payload, direct=direct)
+            self._outgoing.append_error(header)
         except RepliesUnread as error:
             self._close_reason = f"peer {self.remote_peer_id} left {error}"
             log.warning("dropping connection: %s", self._close_reason)
@@ -441,6 +441,9 @@ class Connection:
                 reason = f"no such method {event.method!r}"
             self._reply(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
             return
+        if self._outgoing.backlogged:  # its earlier answers are unread: no handler runs for more
+            self._reply(self.protocol.send_error(event.call_id, BUSY, self._outgoing.refusal_text()))
+            return
         scope = trio.CancelScope()
         if event.timeout is not None:
             scope.deadline = trio.current_time() + event.timeout
@@ -475,7 +478,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._reply(header, view, self._outgoing.idle and self._alone())
+                    self._reply_result(call_id, header, view, self._outgoing.idle and self._alone())
                 else:
                     try:
                         await handler(stream)

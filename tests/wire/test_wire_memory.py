@@ -13,12 +13,15 @@ import tracemalloc
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 import peer.rpc
-from peer import Identity, Router, open_peer_host
+import peer.rpc_outgoing
+from peer import Identity, Message, Router, open_peer_host
 from peer.framing import HEADER, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
-from peer.packing import packb
+from peer.packing import packb, unpackb
 from peer.receive_budget import ReceiveBudget, ReceiveBudgetExceeded
+from peer.rpc_outgoing import ReplyBudget
 from peer.rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW, RPCProtocol, StreamData
 from tests.wire.test_hostile import authenticated_raw
 
@@ -225,3 +228,47 @@ async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypa
         async with open_peer_host(Identity.generate(), listen=None, run_id="r") as client:
             connection = await client.connect(host.listen_address)
             assert (await connection.call("echo", "still here", timeout=5)).body == "still here"
+
+
+async def test_answers_a_peer_leaves_unread_are_bounded_and_its_further_calls_refused(monkeypatch):
+    """A DHT node asked 40 times for a 15 MiB dictionary value over one connection, by a peer that
+    reads nothing, held +300 MB until the connection was cut (every result was queued up to 272 MiB).
+    Scaled down: 40 answers of 1 MiB against a budget of 4 MiB."""
+    monkeypatch.setattr(peer.rpc_outgoing, "REPLY_BUDGET_PER_CONNECTION", 4 * MIB)
+    budget = ReplyBudget()
+    monkeypatch.setattr(peer.rpc_outgoing, "process_reply_budget", lambda: budget)
+    router, answered = Router(), []
+
+    @router.unary("find")
+    async def find(request):
+        answered.append(request.body)
+        return Message(None, bytes(MIB))
+
+    async with open_peer_host(Identity.generate(), router=router, run_id="r") as host:
+        stream, channel = await authenticated_raw(host)
+        calls = range(1, 81, 2)
+        for call_id in calls:
+            await channel.send_record(packb([7, call_id, "find", None, call_id, 0]))
+            if call_id == 39:
+                await wait_all_tasks_blocked()  # the first 20 are answered (or refused) and queued
+        await wait_all_tasks_blocked()  # the node has taken every request; the peer reads now
+        replies = {}
+        with trio.fail_after(10):
+            while len(replies) < len(calls):
+                header = unpackb(await channel.receive_record())
+                replies[header[1]] = header
+                if header[0] == 8:
+                    received = 0
+                    while received < header[3]:
+                        received += len(await channel.receive_record())
+        results = [i for i, header in replies.items() if header[0] == 8]
+        refused = [i for i, header in replies.items() if header[0] == 4 and header[2] == "Busy"]
+        assert len(results) + len(refused) == len(calls) and refused  # each answered, some with Busy
+        # What waited for the peer: the budget, one answer over it, and what the writer holds.
+        assert budget.peak <= 5 * MIB + 64 * 1024
+        # Calls made while it was backlogged (all of the second 20) never reached the handler.
+        assert answered and max(answered) <= 39
+        await channel.send_record(packb([7, 81, "find", None, 81, 0]))  # having read, it is served
+        with trio.fail_after(5):
+            assert unpackb(await channel.receive_record())[:2] == [8, 81]
+        await trio.aclose_forcefully(stream)
