@@ -34,17 +34,9 @@ from .rpc_errors import (
     error_code,
     remote_error,
 )
+from .rpc_events import CallCancelled, CallFailed, CallOpened, CallResult, CreditGranted, StreamData, StreamEnd
 from .rpc_outgoing import RepliesUnread, SendQueue, TrafficCounter
-from .rpc_protocol import (
-    CallCancelled,
-    CallFailed,
-    CallOpened,
-    CallResult,
-    CreditGranted,
-    RPCProtocol,
-    StreamData,
-    StreamEnd,
-)
+from .rpc_protocol import MAX_STREAM_MESSAGE, RPCProtocol
 from .rpc_streams import ClientStream, PendingCall, ServerStream
 from .secure_channel import SecureChannel
 
@@ -88,7 +80,7 @@ class Connection:
         self.channel = channel
         self.router = router if router is not None else Router()
         self.serve = serve  # False for client-mode peers: incoming calls are refused
-        self.protocol = RPCProtocol(channel.initiator)
+        self.protocol = RPCProtocol(channel.initiator, max_message=self.router.max_message)
         self.remote_hello = channel.remote_hello
         self.relayed_via = relayed_via
         self.closed = trio.Event()
@@ -262,10 +254,13 @@ class Connection:
             self._cancel_scope.cancel()
 
     @asynccontextmanager
-    async def stream(self, method: str, *, timeout: float | None = None) -> AsyncIterator[ClientStream]:
-        """Open a stream call; leaving the block early cancels it at the peer."""
+    async def stream(
+        self, method: str, *, timeout: float | None = None, max_message: int = MAX_STREAM_MESSAGE
+    ) -> AsyncIterator[ClientStream]:
+        """Open a stream call; leaving the block early cancels it at the peer. ``max_message``: the
+        largest message payload we accept from the handler (a larger one ends the call)."""
         self._check_open()
-        call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout))
+        call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout), max_message)
         state = self._pending[call_id] = PendingCall(method)
         self.enqueue(header)
         stream = ClientStream(self, call_id, method, state)
