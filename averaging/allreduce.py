@@ -46,7 +46,7 @@ import trio
 from peer import PeerHost, Router
 from peer.tensors import all_finite
 
-from .allreduce_protocol import REDUCE_METHOD, AllReduceError, ReduceHeader
+from .allreduce_protocol import MAX_PART_MESSAGE, REDUCE_METHOD, AllReduceError, ReduceHeader
 from .compression import Codec, get_codec
 from .flat_parts import flat_view, flatten, write_back
 from .group import GroupInfo
@@ -145,7 +145,9 @@ class AllReduceService:
         self._rounds: dict[bytes, ReducerRole | None] = {}
         self._rounds_changed = trio.Event()
         self._finished: dict[bytes, None] = {}  # insertion-ordered: the oldest goes first
-        (router or host.router).add_stream(REDUCE_METHOD, self._handle_reduce, prepare=self._prepare_reduce)
+        (router or host.router).add_stream(
+            REDUCE_METHOD, self._handle_reduce, prepare=self._prepare_reduce, max_message=MAX_PART_MESSAGE
+        )
 
     @property
     def rounds_in_progress(self) -> int:

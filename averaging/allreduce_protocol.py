@@ -64,9 +64,13 @@ __all__ = [
     "CommittedSender",
     "parse_contributors",
     "part_body",
+    "MAX_PART_MESSAGE",
 ]
 
 REDUCE_METHOD = "avg.reduce"
+# The largest message either side of an ``avg.reduce`` stream accepts: a part as large as a part
+# sink lends a buffer for before its size is known (16M float32 values, 32 times the default part).
+MAX_PART_MESSAGE = PartSink.MAX_UNCHECKED_PART
 
 
 class AllReduceError(RuntimeError):

@@ -22,6 +22,7 @@ from trio.lowlevel import ParkingLot
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
 
 from .allreduce_protocol import (
+    MAX_PART_MESSAGE,
     REDUCE_METHOD,
     AllReduceError,
     AverageInbox,
@@ -402,7 +403,7 @@ class SenderRole:
         assert reducer.address is not None
         connection = await self.host.connect(reducer.address)
         self.links.add(reducer.peer_id, connection, carries=PARTS)
-        async with connection.stream(REDUCE_METHOD) as stream:
+        async with connection.stream(REDUCE_METHOD, max_message=MAX_PART_MESSAGE) as stream:
             stream.set_buffer_provider(inbox.sink)
             # once the reducer has answered in full, sending is over (it may have dropped us)
             sending = partial(self._send_parts, index, reducer.peer_id, stream, inbox, progress)

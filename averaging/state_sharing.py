@@ -239,7 +239,10 @@ class StateSharing:
     ) -> tuple[Any, list[torch.Tensor]]:
         connection = await self.host.connect(address)
         method = self.method if only is None else self.sample_method
-        async with connection.stream(method, timeout=timeout) as stream:
+        # A tensor message holds one of the tensors we expect, so the largest of them is the most
+        # we accept: a donor cannot make us hold more per message than our own state needs.
+        largest = max((t.numel() * t.element_size() for t in expected), default=0)
+        async with connection.stream(method, timeout=timeout, max_message=largest) as stream:
             if only is not None:
                 await stream.send({"tensors": only})
             header = (await stream.receive()).body

@@ -23,7 +23,6 @@ import importlib
 import math
 import os
 import tempfile
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +36,12 @@ __all__ = [
     "BlockType",
     "ExpertBackend",
     "RefusedGradient",
+    "SavedGraph",
     "DEFAULT_CLIP_GRAD_NORM",
     "resolve_block_type",
     "default_device",
 ]
 
-# Saved forward graphs kept for the backward that follows (see ExpertBackend.forward). Each holds a
-# batch's activations; 32 covers many concurrent clients while bounding memory to a few batches'
-# worth of activations per expert.
-MAX_SAVED_FORWARDS = 32
 # Per caller and per batch, the parameter gradient's L2 norm is clipped to this: 1.0 is the global
 # norm clip of standard transformer training (BERT, GPT-3, Megatron), so honest callers of a
 # well-scaled model are rarely clipped, while one caller can move the expert by no more than one
@@ -56,6 +52,17 @@ DEFAULT_CLIP_GRAD_NORM = 1.0
 
 class RefusedGradient(ValueError):
     """One caller's contribution was not finite: refused to that caller alone."""
+
+
+@dataclass(frozen=True, eq=False)
+class SavedGraph:
+    """A forward's autograd graph, for the backward that follows: its inputs (which require grad),
+    its outputs, and ``nbytes``, what the graph holds (inputs, outputs and the activations autograd
+    saved, each storage once; the module's parameters and buffers are the expert's, not the graph's)."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -118,11 +125,11 @@ def default_device() -> torch.device:
 class ExpertBackend:
     """One expert: module + optimizer + the rules for what input it accepts.
 
-    Forward passes that will be followed by a backward keep their autograd graph (bounded, see
-    MAX_SAVED_FORWARDS) so the backward does not recompute the forward: recomputing costs a third
-    more compute than a local module pays. A saved graph is only valid until the next optimizer
-    step changes the parameters in place, so every step drops them and a backward without one
-    recomputes from its inputs.
+    A forward that will be followed by a backward may return its autograd graph
+    (``forward_keeping_graph``) for the server to keep (``moe/saved_graphs.py``), so that the
+    backward does not recompute the forward. A graph is only valid until the next optimizer step
+    changes the parameters in place: the server drops an expert's graphs after each of its
+    backwards, and a backward without one recomputes from its inputs.
     """
 
     def __init__(
@@ -143,7 +150,6 @@ class ExpertBackend:
         self.sample_shape = tuple(sample_shape)
         self.dtype = next(self.module.parameters()).dtype
         self.steps = 0
-        self._saved: OrderedDict[Any, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     @classmethod
     def create(
@@ -182,31 +188,42 @@ class ExpertBackend:
             raise ValueError(f"{what} contain NaN or Inf; refused (the expert is shared with other callers)")
 
     # ------------------------------------------------------------------ compute (worker thread)
-    def forward(self, inputs: torch.Tensor, keep_graph_as: list[Any] | None = None) -> torch.Tensor:
-        """Outputs for ``inputs``. With ``keep_graph_as`` (one token per job, all sharing this batch
-        only if there is one), the graph is saved for ``backward(token=...)``."""
-        x = inputs.to(self.device, non_blocking=True)
-        if keep_graph_as and len(keep_graph_as) == 1:
-            x = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                y = self.module(x)
-            self._saved[keep_graph_as[0]] = (x, y)
-            while len(self._saved) > MAX_SAVED_FORWARDS:
-                self._saved.popitem(last=False)
-            return y.detach().to("cpu")
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Outputs for ``inputs``, keeping no graph."""
         with torch.no_grad():
-            return self.module(x).to("cpu")
+            return self.module(inputs.to(self.device, non_blocking=True)).to("cpu")
 
-    def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, token: Any = None) -> torch.Tensor:
+    def forward_keeping_graph(self, inputs: torch.Tensor) -> tuple[torch.Tensor, SavedGraph]:
+        """Outputs for ``inputs``, and the graph for ``backward_per_caller(saved=...)``, measured as
+        autograd saves its tensors."""
+        x = inputs.to(self.device, non_blocking=True).detach().requires_grad_(True)
+        own = {t.untyped_storage().data_ptr() for t in (*self.module.parameters(), *self.module.buffers())}
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in own:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            y = self.module(x)
+        for tensor in (x, y):
+            pack(tensor)
+        return y.detach().to("cpu"), SavedGraph(x, y, sum(storages.values()))
+
+    def backward(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, saved: SavedGraph | None = None
+    ) -> torch.Tensor:
         """Gradient w.r.t. ``inputs`` of one caller; also takes one optimizer step on its (clipped)
         parameter gradient. Raises RefusedGradient if that gradient is not finite."""
-        [result] = self.backward_per_caller(inputs, grad_outputs, [inputs.shape[0]], token)
+        [result] = self.backward_per_caller(inputs, grad_outputs, [inputs.shape[0]], saved)
         if isinstance(result, Exception):
             raise result
         return result
 
     def backward_per_caller(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, sizes: Sequence[int], token: Any = None
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, sizes: Sequence[int], saved: SavedGraph | None = None
     ) -> list[torch.Tensor | RefusedGradient]:
         """Input gradients for a batch of callers (``sizes``: their rows, in order), and one
         optimizer step on the sum of their parameter gradients, each clipped to ``clip_grad_norm``
@@ -214,10 +231,10 @@ class ExpertBackend:
         its place and adds nothing to the step.
 
         Each caller's parameter gradient needs its own backward pass through the batch's graph, so
-        a batch of k callers costs k backward passes (one when a caller is alone)."""
-        saved = self._saved.pop(token, None) if token is not None else None
-        if saved is not None and saved[0].shape == inputs.shape:
-            x, y = saved
+        a batch of k callers costs k backward passes (one when a caller is alone). ``saved``: the
+        graph of these inputs' forward, if it was kept (used if its shape matches)."""
+        if saved is not None and saved.inputs.shape == inputs.shape:
+            x, y = saved.inputs, saved.outputs
         else:
             x = inputs.to(self.device, non_blocking=True).detach().requires_grad_(True)
             with torch.enable_grad():
@@ -249,7 +266,6 @@ class ExpertBackend:
                     accumulated.add_(g, alpha=scale)
             contributors += 1
             results.append(grad_x.to("cpu"))
-        self._saved.clear()  # parameters are about to change in place: the saved graphs are stale
         if total is not None:
             norm = total_norm if contributors == 1 else _norm(total)
             scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
@@ -260,10 +276,6 @@ class ExpertBackend:
             self.steps += 1
         return results
 
-    def forget(self, token: Any) -> None:
-        """Drop a saved graph whose backward will never come (the caller gave up)."""
-        self._saved.pop(token, None)
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
@@ -272,7 +284,6 @@ class ExpertBackend:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state.get("steps", 0))
-        self._saved.clear()
 
     def save(self, path: Path) -> None:
         """Write atomically (temporary file, then rename) so a crash never leaves half a checkpoint."""

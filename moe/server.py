@@ -7,8 +7,12 @@ runtime does: torch already spreads one batch over every core, and one-at-a-time
 optimizer step never races another batch of the same expert). Requests that arrive while a batch
 is computing form the next batch, so concurrent callers are batched without any waiting timer.
 
-``open_expert_server`` owns everything it starts (runners, the DHT heartbeat, periodic checkpoints)
-in one nursery: leaving the block stops them all and writes a final checkpoint.
+A forward that asks for gradients, computed alone, has its autograd graph kept for its backward
+within per-caller and total budgets and for a limited time (``saved_graphs.py``).
+
+``open_expert_server`` owns everything it starts (runners, the DHT heartbeat, periodic checkpoints,
+the expiry of kept graphs) in one nursery: leaving the block stops them all and writes a final
+checkpoint.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Reque
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
 from .batching import BatchQueue, Job
-from .experts import ExpertBackend, RefusedGradient
+from .experts import ExpertBackend, RefusedGradient, SavedGraph
 from .protocol import pack_tensors, unpack_tensors
+from .saved_graphs import SavedGraphs
 
 __all__ = ["ExpertServer", "open_expert_server", "DEFAULT_MAX_BATCH_SIZE", "ExpertFailed"]
 
@@ -84,6 +89,8 @@ class ExpertServer:
         self._pending_total = 0
         self.max_pending_per_peer = PENDING_BATCHES_PER_PEER * max_batch_size
         self.max_pending = PENDING_BATCHES * max_batch_size
+        self.graphs = SavedGraphs()  # forwards' graphs awaiting their backwards, by (expert, token)
+        self._graph_kept = trio.Event()  # wakes the expiry of graphs (``expire_graphs``)
 
     def register(self, router: Router) -> None:
         router.add_unary("moe.forward", self._handle_forward)
@@ -194,11 +201,17 @@ class ExpertServer:
                 batch = queue.next_batch()
                 if not batch:
                     continue  # their callers gave up while we waited
+                # A lone backward may reuse its forward's graph; any backward steps the optimizer,
+                # which makes every kept graph of this expert stale.
+                lone = batch[0].data.token if len(batch) == 1 else None
+                saved = self.graphs.pop((uid, lone)) if lone is not None and batch[0].kind == "backward" else None
+                if batch[0].kind == "backward":
+                    self.graphs.drop_expert(uid)
                 try:
                     if sum(job.data.tensors[0].numel() for job in batch) <= INLINE_COMPUTE_NUMEL:
-                        results = _compute(backend, batch)  # tiny: cheaper than a thread round trip
+                        results, graph = _compute(backend, batch, saved)  # tiny: cheaper than a thread
                     else:
-                        results = await trio.to_thread.run_sync(_compute, backend, batch)
+                        results, graph = await trio.to_thread.run_sync(_compute, backend, batch, saved)
                 except Exception as error:
                     log.warning("expert %s failed on a %s batch: %r", uid, batch[0].kind, error)
                     for job in batch:
@@ -209,10 +222,25 @@ class ExpertServer:
                             job.error = result
                         else:
                             job.result = result
+                    if graph is not None and self.graphs.keep(
+                        (uid, lone), batch[0].data.caller, uid, graph, graph.nbytes, trio.current_time()
+                    ):
+                        self._graph_kept.set()
                     self.stats["batches"] += 1
                     self.stats["samples"] += sum(job.size for job in batch)
             for job in batch:
                 job.data.done.set()
+
+    async def expire_graphs(self) -> None:
+        """Drop kept graphs whose lifetime is over, as it ends, until cancelled."""
+        while True:
+            deadline = self.graphs.next_expiry()
+            if deadline is None:
+                self._graph_kept = trio.Event()
+                await self._graph_kept.wait()
+                continue
+            await trio.sleep_until(deadline)
+            self.graphs.expire(trio.current_time())
 
     # ------------------------------------------------------------------ checkpoints
     async def save_checkpoint(self, directory: Path) -> None:
@@ -228,6 +256,7 @@ class ExpertServer:
             path = Path(directory) / f"{uid}.pt"
             if path.exists():
                 await trio.to_thread.run_sync(backend.load, path, limiter=self.compute_limiter)
+                self.graphs.drop_expert(uid)  # graphs of the parameters it had
                 loaded.append(uid)
         return loaded
 
@@ -242,27 +271,34 @@ def _claimed_batch_size(headers: Any) -> int | None:
     return first if type(first) is int else None
 
 
-def _compute(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
+def _compute(
+    backend: ExpertBackend, batch: list[Job], saved: SavedGraph | None = None
+) -> tuple[list[torch.Tensor | Exception], SavedGraph | None]:
     """Concatenate the batch, run it, split the result (views, no copies) back per job; a job whose
     own part came out non-finite gets an error instead, and the other jobs their results. A
-    backward batch is concatenated in calling-peer order (``_backward_per_peer``)."""
+    backward batch is concatenated in calling-peer order (``_backward_per_peer``) and may use the
+    ``saved`` graph of a lone job's forward; a lone forward that asks for gradients returns its
+    graph beside the results."""
     if batch[0].kind == "backward":
-        return _backward_per_peer(backend, batch)
-    tokens = [job.data.token for job in batch if job.data.keep_graph]
-    out = backend.forward(
-        _cat([job.data.tensors[0] for job in batch]), keep_graph_as=tokens if len(batch) == 1 else None
-    )
+        return _backward_per_peer(backend, batch, saved), None
+    inputs, graph = _cat([job.data.tensors[0] for job in batch]), None
+    if len(batch) == 1 and batch[0].data.keep_graph:
+        out, graph = backend.forward_keeping_graph(inputs)
+    else:
+        out = backend.forward(inputs)
     return [
         part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
         for part in out.split([job.size for job in batch])
-    ]
+    ], graph
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def _backward_per_peer(backend: ExpertBackend, batch: list[Job]) -> list[torch.Tensor | Exception]:
+def _backward_per_peer(
+    backend: ExpertBackend, batch: list[Job], saved: SavedGraph | None
+) -> list[torch.Tensor | Exception]:
     """One backward pass per calling peer, not per request: gradients are clipped per peer (the
     trust boundary), and a peer that splits its rows into many small requests costs one pass, not
     one per request (k requests would otherwise cost k passes over the whole batch)."""
@@ -273,8 +309,7 @@ def _backward_per_peer(backend: ExpertBackend, batch: list[Job]) -> list[torch.T
     inputs = _cat([batch[i].data.tensors[0] for i in order])
     grads = _cat([batch[i].data.tensors[1] for i in order])
     sizes = [sum(batch[i].size for i in indices) for indices in by_peer.values()]
-    token = batch[0].data.token if len(batch) == 1 else None  # a lone request may reuse its saved graph
-    per_peer = backend.backward_per_caller(inputs, grads, sizes, token=token)
+    per_peer = backend.backward_per_caller(inputs, grads, sizes, saved)
     results: list[torch.Tensor | Exception | None] = [None] * len(batch)
     for indices, outcome in zip(by_peer.values(), per_peer, strict=True):
         parts = (
@@ -325,6 +360,7 @@ async def open_expert_server(
         async with trio.open_nursery() as nursery:
             for uid in server.experts:
                 nursery.start_soon(server.run_expert, uid)
+            nursery.start_soon(server.expire_graphs)
             if directory is not None:
                 nursery.start_soon(_checkpoint_loop, server, directory, checkpoint_period)
             if dht is not None and address is not None:

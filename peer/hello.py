@@ -7,8 +7,10 @@ swarm a refused peer gets ``{"refused": reason}`` in place of the hello.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .address import PeerAddress
 from .identity import PeerID
 from .node_id import LOCAL_DIFFICULTY, MAX_DIFFICULTY, NONCE_BYTES, NodeIDProof
 from .packing import packb, unpackb
@@ -61,6 +63,19 @@ class Hello:
     # Required: a hand-made hello without a solved nonce would be refused by every peer anyway.
     node_id_nonce: bytes = field(kw_only=True)
     node_id_difficulty: int = field(default=LOCAL_DIFFICULTY, kw_only=True)
+
+    def listen_address(self, peer_id: PeerID, seen_host: Callable[[], str | None]) -> PeerAddress | None:
+        """Where ``peer_id``, which sent this hello, accepts connections (None for a client-mode
+        peer or an unreadable address). An advertised wildcard host (0.0.0.0, ::) is replaced by
+        ``seen_host()``, the address we see the peer connecting from."""
+        if self.client_mode or not self.listen_addresses:
+            return None
+        try:
+            advertised = PeerAddress.parse(self.listen_addresses[0])
+        except ValueError:
+            return None
+        host = advertised.host if advertised.host not in ("0.0.0.0", "::", "") else seen_host()
+        return None if host is None else PeerAddress(host, advertised.port, peer_id, advertised.relay)
 
     def encode(self) -> bytes:
         return packb(

@@ -9,6 +9,7 @@ from typing import Any
 from .address import PeerAddress
 from .identity import PeerID
 from .message import Message
+from .rpc_protocol import MAX_STREAM_MESSAGE
 from .rpc_streams import ServerStream
 
 __all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
@@ -42,19 +43,30 @@ class Router:
         self._unary: dict[str, UnaryHandler] = {}
         self._stream: dict[str, StreamHandler] = {}
         self._prepare: dict[str, StreamPrepare] = {}
+        self._max_message: dict[str, int] = {}
 
     def add_unary(self, name: str, handler: UnaryHandler) -> None:
         self._check_free(name)
         self._unary[name] = handler
 
-    def add_stream(self, name: str, handler: StreamHandler, *, prepare: StreamPrepare | None = None) -> None:
+    def add_stream(
+        self,
+        name: str,
+        handler: StreamHandler,
+        *,
+        prepare: StreamPrepare | None = None,
+        max_message: int = MAX_STREAM_MESSAGE,
+    ) -> None:
         """``prepare(stream)``, if given, runs synchronously when a call opens, before any of its
         messages is processed: the place to ``set_buffer_provider`` so that even the first
-        payloads land in the handler's buffers."""
+        payloads land in the handler's buffers. ``max_message``: the largest message payload the
+        handler accepts from its caller; a larger one ends the call with ``MessageTooLarge``
+        before any of it is received."""
         self._check_free(name)
         self._stream[name] = handler
         if prepare is not None:
             self._prepare[name] = prepare
+        self._max_message[name] = max_message
 
     def _check_free(self, name: str) -> None:
         # A silent replacement or skip would leave one of two registrants without its calls.
@@ -74,6 +86,10 @@ class Router:
             return handler
 
         return register
+
+    def max_message(self, name: str) -> int:
+        """The largest message payload a stream method accepts (``add_stream``)."""
+        return self._max_message.get(name, MAX_STREAM_MESSAGE)
 
     def lookup(self, name: str, unary: bool) -> UnaryHandler | StreamHandler | None:
         return (self._unary if unary else self._stream).get(name)

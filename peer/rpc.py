@@ -26,6 +26,7 @@ from .link_silence import UNANSWERED_PROBES, LinkSilence
 from .node_id import NodeIDProof
 from .router import Message, Request, Router
 from .rpc_errors import (
+    BUSY,
     DEADLINE_EXCEEDED,
     UNKNOWN_METHOD,
     CallTimeoutError,
@@ -33,17 +34,9 @@ from .rpc_errors import (
     error_code,
     remote_error,
 )
+from .rpc_events import CallCancelled, CallFailed, CallOpened, CallResult, CreditGranted, StreamData, StreamEnd
 from .rpc_outgoing import RepliesUnread, SendQueue, TrafficCounter
-from .rpc_protocol import (
-    CallCancelled,
-    CallFailed,
-    CallOpened,
-    CallResult,
-    CreditGranted,
-    RPCProtocol,
-    StreamData,
-    StreamEnd,
-)
+from .rpc_protocol import MAX_STREAM_MESSAGE, RPCProtocol
 from .rpc_streams import ClientStream, PendingCall, ServerStream
 from .secure_channel import SecureChannel
 
@@ -87,7 +80,7 @@ class Connection:
         self.channel = channel
         self.router = router if router is not None else Router()
         self.serve = serve  # False for client-mode peers: incoming calls are refused
-        self.protocol = RPCProtocol(channel.initiator)
+        self.protocol = RPCProtocol(channel.initiator, max_message=self.router.max_message)
         self.remote_hello = channel.remote_hello
         self.relayed_via = relayed_via
         self.closed = trio.Event()
@@ -107,22 +100,15 @@ class Connection:
 
     @functools.cached_property
     def remote_listen_address(self) -> PeerAddress | None:
-        """Where the peer accepts connections (None for client-mode peers). An advertised wildcard
-        host (0.0.0.0, ::) is replaced by the address we see the peer connecting from. Worked out
-        once: every request a handler receives carries it."""
-        if self.remote_hello.client_mode or not self.remote_hello.listen_addresses:
-            return None
+        """Where the peer accepts connections, as its hello says (``Hello.listen_address``). Worked
+        out once: every request a handler receives carries it."""
+        return self.remote_hello.listen_address(self.remote_peer_id, self._seen_host)
+
+    def _seen_host(self) -> str | None:
         try:
-            advertised = PeerAddress.parse(self.remote_hello.listen_addresses[0])
-        except ValueError:
+            return self.channel.stream.socket.getpeername()[0]
+        except (AttributeError, OSError):
             return None
-        host = advertised.host
-        if host in ("0.0.0.0", "::", ""):
-            try:
-                host = self.channel.stream.socket.getpeername()[0]
-            except (AttributeError, OSError):
-                return None
-        return PeerAddress(host, advertised.port, self.remote_peer_id, advertised.relay)
 
     def remote_moved(self, listen_addresses: tuple[str, ...]) -> None:
         """The peer told us where it is reached now (``peer/nat.py``): those addresses replace its
@@ -268,10 +254,13 @@ class Connection:
             self._cancel_scope.cancel()
 
     @asynccontextmanager
-    async def stream(self, method: str, *, timeout: float | None = None) -> AsyncIterator[ClientStream]:
-        """Open a stream call; leaving the block early cancels it at the peer."""
+    async def stream(
+        self, method: str, *, timeout: float | None = None, max_message: int = MAX_STREAM_MESSAGE
+    ) -> AsyncIterator[ClientStream]:
+        """Open a stream call; leaving the block early cancels it at the peer. ``max_message``: the
+        largest message payload we accept from the handler (a larger one ends the call)."""
         self._check_open()
-        call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout))
+        call_id, header = self.protocol.open_stream(method, self._deadline_budget(timeout), max_message)
         state = self._pending[call_id] = PendingCall(method)
         self.enqueue(header)
         stream = ClientStream(self, call_id, method, state)
@@ -315,10 +304,16 @@ class Connection:
         first of them must not go out alone ahead of the rest, which the writer sends as one."""
         return len(self._pending) + len(self._handler_scopes) + self._woken == 1
 
-    def _reply(self, header: bytes, payload: memoryview | None = None, direct: bool = False) -> None:
-        """Queue what the peer asked for (a result, an error, a refusal), within the reply cap."""
+    def _reply_result(self, call_id: int, header: bytes, payload: memoryview | None, direct: bool) -> None:
+        """Queue a handler's result, or a Busy error in its place when the reply budgets do not hold
+        it (the peer has left too much unread; ``rpc_outgoing.py``)."""
+        if not self._outgoing.append_result(header, payload, direct=direct):
+            self._reply(self.protocol.send_error(call_id, BUSY, self._outgoing.refusal_text()))
+
+    def _reply(self, header: bytes) -> None:
+        """Queue an error reply (a refusal, a handler's failure), within the room for errors."""
         try:
-            self._outgoing.append_reply(header, payload, direct=direct)
+            self._outgoing.append_error(header)
         except RepliesUnread as error:
             self._close_reason = f"peer {self.remote_peer_id} left {error}"
             log.warning("dropping connection: %s", self._close_reason)
@@ -441,6 +436,9 @@ class Connection:
                 reason = f"no such method {event.method!r}"
             self._reply(self.protocol.send_error(event.call_id, UNKNOWN_METHOD, reason))
             return
+        if self._outgoing.backlogged:  # its earlier answers are unread: no handler runs for more
+            self._reply(self.protocol.send_error(event.call_id, BUSY, self._outgoing.refusal_text()))
+            return
         scope = trio.CancelScope()
         if event.timeout is not None:
             scope.deadline = trio.current_time() + event.timeout
@@ -475,7 +473,7 @@ class Connection:
                         result = Message(result)
                     view = byte_view(result.payload) if len(result.payload) else None
                     header = self.protocol.send_result(call_id, result.body, len(view) if view is not None else 0)
-                    self._reply(header, view, self._outgoing.idle and self._alone())
+                    self._reply_result(call_id, header, view, self._outgoing.idle and self._alone())
                 else:
                     try:
                         await handler(stream)

@@ -17,6 +17,7 @@ __all__ = [
     "UnknownMethodError",
     "BadRequestError",
     "BusyError",
+    "MessageTooLargeError",
     "DeadlineExceededError",
     "CallTimeoutError",
     "ConnectionLost",
@@ -28,6 +29,7 @@ __all__ = [
     "BAD_REQUEST",
     "BUSY",
     "DEADLINE_EXCEEDED",
+    "MESSAGE_TOO_LARGE",
 ]
 
 # The wire's error codes (the type_name of an ERROR header).
@@ -35,6 +37,7 @@ UNKNOWN_METHOD = "UnknownMethod"  # no handler of that name and kind, or a clien
 BAD_REQUEST = "BadRequest"  # the handler raised BadRequest: the arguments were wrong
 BUSY = "Busy"  # no room for the call now: the connection's call limit, or a handler raised Busy
 DEADLINE_EXCEEDED = "DeadlineExceeded"  # the handler ran past the time budget the caller sent
+MESSAGE_TOO_LARGE = "MessageTooLarge"  # a stream message larger than its receiver accepts on that stream
 
 
 class RPCError(Exception):
@@ -59,6 +62,11 @@ class BadRequestError(RemoteError):
 
 class BusyError(RemoteError):
     pass
+
+
+class MessageTooLargeError(RemoteError):
+    """A stream message larger than its receiver accepts on that stream (``max_message``): the
+    receiver refused it and ended the call, or its sender found so before sending it."""
 
 
 class DeadlineExceededError(RemoteError, TimeoutError):
@@ -89,6 +97,7 @@ _ERROR_TYPES: dict[str, type[RemoteError]] = {
     ValueError.__name__: BadRequestError,
     BUSY: BusyError,
     DEADLINE_EXCEEDED: DeadlineExceededError,
+    MESSAGE_TOO_LARGE: MessageTooLargeError,
 }
 
 

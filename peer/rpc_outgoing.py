@@ -19,6 +19,13 @@ encrypted in the order they go on the wire. What the kernel does not take (a ful
 becomes an already-encrypted item at the head of the queue, which the writer sends before anything
 else; its sender's ``encrypted`` event is set only once those bytes are out, so a message cut off
 by a dying connection still fails its send.
+
+Replies are what a peer makes us hold by asking: a result stays queued, with its payload, until the
+peer reads enough for the writer to send it. Results are admitted within a budget per connection
+and one for the whole process (``ReplyBudget``); a result that does not fit is not queued, and the
+caller answers with a small Busy error in its place (``Connection`` also refuses a backlogged
+peer's new calls before running their handlers). Errors are small and have a room of their own; a
+peer that fills even that while it keeps calling is cut off (``RepliesUnread``).
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ from collections import deque
 import trio
 
 from .framing import AEAD_TAG_SIZE, HEADER, MAX_RECORD_PLAINTEXT
-from .rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW
+from .rpc_protocol import STREAM_WINDOW
 from .secure_channel import SecureChannel
 
-__all__ = ["SendQueue", "TrafficCounter", "RepliesUnread"]
+__all__ = ["SendQueue", "TrafficCounter", "RepliesUnread", "ReplyBudget", "process_reply_budget"]
 
 # One send buffer: a full record plus room for the small messages around it (the header that
 # announces a payload goes out in the same syscall as the payload's first record). Not more: a
@@ -46,14 +53,58 @@ _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 # The fast path takes messages up to this size (header plus payload): DHT and control traffic.
 # Larger payloads go through the writer, which splits them into records and batches them.
 FAST_PATH_MAX = 16 * 1024
-# Replies (results, errors, refusals) queued for a peer that does not read them: one maximal
-# payload plus a window of small ones. Beyond that the peer is making us buffer what it asks for
-# faster than it takes it, and the connection is closed.
-MAX_QUEUED_REPLY_BYTES = MAX_PAYLOAD + STREAM_WINDOW
+# Results queued for one peer and not yet written: two stream windows, room for a result being
+# written and one behind it as large as a maximal expert output (4096 samples of width 1024 are
+# 16 MiB). A result past it gets a Busy error in its place, and once half of it is unread so does
+# every new call from that peer, before its handler runs, until it reads. One result larger than
+# this is still queued while nothing else is, so an answer is never refused for its size alone
+# (it is bounded by the sender's ``MAX_PAYLOAD``).
+REPLY_BUDGET_PER_CONNECTION = 2 * STREAM_WINDOW
+# Results queued over every connection of the process: half the receive budget (what peers may make
+# us hold while their messages arrive, an eighth of a 4 GiB volunteer machine), so that peers that
+# do not read, however many, add at most half as much again. One result larger than this is queued
+# only while no other result is.
+REPLY_BUDGET = 256 << 20
+# Error replies (refusals among them; each a short header and at most ``MAX_ERROR_TEXT``) queued for
+# one peer: about 250 of the longest. A peer that leaves this much unread while it keeps calling is
+# not reading at all, and its connection is closed.
+ERROR_ROOM = 1 << 20
 
 
 class RepliesUnread(Exception):
-    """The peer left more than ``MAX_QUEUED_REPLY_BYTES`` of replies unread."""
+    """The peer left more than ``ERROR_ROOM`` of error replies unread while it kept calling."""
+
+
+class ReplyBudget:
+    """Bytes of results queued on a set of connections (by default every connection of the
+    process) and not yet written."""
+
+    __slots__ = ("limit", "used", "peak")
+
+    def __init__(self, limit: int = REPLY_BUDGET) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0  # for tests and metrics: the most ever held at once
+
+    def admits(self, nbytes: int) -> bool:
+        """Whether a result of ``nbytes`` may be queued now (a lone one always may)."""
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    def charge(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def refund(self, nbytes: int) -> None:
+        self.used -= nbytes
+        assert self.used >= 0, "refunded more than was charged"
+
+
+_PROCESS_REPLY_BUDGET = ReplyBudget()
+
+
+def process_reply_budget() -> ReplyBudget:
+    """The reply budget every connection of this process shares unless given its own."""
+    return _PROCESS_REPLY_BUDGET
 
 
 class TrafficCounter:
@@ -67,20 +118,24 @@ class TrafficCounter:
         self.bytes_received = 0
 
 
-# A queued message: (header, payload or None, ``encrypted`` event or None, bytes counted against
-# MAX_QUEUED_REPLY_BYTES until written, records the fast path already encrypted or None). A plain
-# tuple: one is made per message, and a class's __init__ cost a Python call each.
-_Outgoing = tuple[bytes, "memoryview | None", "trio.Event | None", int, "bytes | None"]
+# A queued message: (header, payload or None, ``encrypted`` event or None, bytes counted as a
+# queued result until written, bytes counted as a queued error until written, records the fast path
+# already encrypted or None). A plain tuple: one is made per message, and a class's __init__ cost a
+# Python call each.
+_Outgoing = tuple[bytes, "memoryview | None", "trio.Event | None", int, int, "bytes | None"]
 
 
 class SendQueue:
     """What a connection has yet to send, in order, and the loop that sends it."""
 
-    def __init__(self, channel: SecureChannel, traffic: TrafficCounter) -> None:
+    def __init__(self, channel: SecureChannel, traffic: TrafficCounter, replies: ReplyBudget | None = None) -> None:
         self._channel = channel
         self._traffic = traffic
         self._items: deque[_Outgoing] = deque()
-        self._queued_reply_bytes = 0
+        self._replies = replies if replies is not None else process_reply_budget()
+        self.queued_results = 0  # bytes of results queued and not yet written (read-only for others)
+        self._queued_errors = 0
+        self._released = False  # the connection is gone: nothing queued now would be written
         self._wakeup = trio.Event()
         # True only while the writer waits for work with nothing queued: the fast path may then use
         # the send buffer and the socket, which nothing else is touching. Read-only for others (a
@@ -101,21 +156,60 @@ class SendQueue:
         """Queue a message; ``direct``: the caller allows the fast path (see the module docstring)."""
         if direct and self.idle and not self._send_now(header, payload, encrypted, 0):
             return
-        self._items.append((header, payload, encrypted, 0, None))
+        self._items.append((header, payload, encrypted, 0, 0, None))
         self._wakeup.set()
 
-    def append_reply(self, header: bytes, payload: memoryview | None = None, *, direct: bool = False) -> None:
-        """Queue what the peer asked for, within ``MAX_QUEUED_REPLY_BYTES`` (else RepliesUnread)."""
+    @property
+    def backlogged(self) -> bool:
+        """Whether the peer has left half its reply budget unread: its new calls are then refused
+        until it reads, and the other half is room for the results of handlers already running."""
+        return self.queued_results >= REPLY_BUDGET_PER_CONNECTION // 2
+
+    def refusal_text(self) -> str:
+        """What a call refused for the reply budgets is told."""
+        if self.queued_results:
+            return f"{self.queued_results} bytes of replies to you are unsent: read them before asking for more"
+        return "this peer holds as many unsent replies as it can; try again shortly"
+
+    def append_result(self, header: bytes, payload: memoryview | None = None, *, direct: bool = False) -> bool:
+        """Queue what the peer asked for if the reply budgets hold it (the module docstring); False
+        if they do not, and nothing was queued: the caller then answers with a refusal instead."""
         size = len(header) + (len(payload) if payload is not None else 0)
-        if self._queued_reply_bytes + size > MAX_QUEUED_REPLY_BYTES:
-            raise RepliesUnread(f"{self._queued_reply_bytes} bytes of replies unread")
         if direct and self.idle and not self._send_now(header, payload, None, size):
-            return
-        self._queued_reply_bytes += size
-        self._items.append((header, payload, None, size, None))
+            return True
+        queued = self.queued_results
+        if self._released or (queued and queued + size > REPLY_BUDGET_PER_CONNECTION):
+            return False
+        if not self._replies.admits(size):
+            return False
+        self._charge(size)
+        self._items.append((header, payload, None, size, 0, None))
+        self._wakeup.set()
+        return True
+
+    def append_error(self, header: bytes) -> None:
+        """Queue an error reply (a refusal, a handler's failure) within ``ERROR_ROOM``, else
+        raise RepliesUnread."""
+        if self._queued_errors + len(header) > ERROR_ROOM:
+            raise RepliesUnread(
+                f"{self._queued_errors} bytes of error replies and {self.queued_results} of results unread"
+            )
+        self._queued_errors += len(header)
+        self._items.append((header, None, None, 0, len(header), None))
         self._wakeup.set()
 
-    def _send_now(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None, reply: int) -> bool:
+    def _charge(self, result_bytes: int) -> None:
+        self.queued_results += result_bytes
+        self._replies.charge(result_bytes)
+
+    def _written(self, item: _Outgoing) -> None:
+        """An item left the queue for the wire: its reply bytes no longer count."""
+        if item[3]:
+            self.queued_results -= item[3]
+            self._replies.refund(item[3])
+        self._queued_errors -= item[4]
+
+    def _send_now(self, header: bytes, payload: memoryview | None, encrypted: trio.Event | None, result: int) -> bool:
         """The fast path (see the module docstring); False once the message is handled, True if it
         is for the writer (too large, or no socket to write to directly)."""
         size = len(header) + (len(payload) if payload is not None else 0)
@@ -133,16 +227,19 @@ class SendQueue:
             if encrypted is not None:
                 encrypted.set()
             return False
-        # The kernel took only part: the rest goes first, from the writer, which we wake.
+        # The kernel took only part: the rest goes first, from the writer, which we wake. (A result
+        # counts whole: the budgets then hold at most one small message more than they say.)
         self.idle = False
-        self._queued_reply_bytes += reply
-        self._items.append((header, None, encrypted, reply, bytes(view[sent:position])))
+        self._charge(result)
+        self._items.append((header, None, encrypted, result, 0, bytes(view[sent:position])))
         self._wakeup.set()
         return False
 
     def release(self) -> None:
         """The connection is gone: wake every sender still waiting for its payload to go out."""
+        self._released = True
         for item in self._items:
+            self._written(item)  # (never will be: what it held goes back to the budgets)
             if item[2] is not None:
                 item[2].set()
         self._items.clear()
@@ -166,8 +263,8 @@ class SendQueue:
                 position = 0
                 while items:
                     item = items.popleft()
-                    header, payload, encrypted, reply_bytes, sealed = item
-                    self._queued_reply_bytes -= reply_bytes
+                    header, payload, encrypted, _result, _error, sealed = item
+                    self._written(item)
                     if sealed is not None:
                         if position:  # (never: a sealed item is queued only with nothing ahead of it)
                             await channel.send_all(view[:position])

@@ -9,7 +9,7 @@ Wire format of a header (msgpack array), followed by ``payload_len`` raw bytes w
 
     UNARY  [7, id, method, timeout, body, payload_len]   a whole request
     RESULT [8, id, body, payload_len]                    a whole response; ends the call
-    OPEN   [1, id, method, timeout]                      opens a stream call
+    OPEN   [1, id, method, timeout, max_message]         opens a stream call
     DATA   [2, id, body, payload_len]                    one stream message (costs credit)
     END    [3, id]                                       the sender's half of a stream is done
     ERROR  [4, id, type_name, message]                   the handler failed; ends the call
@@ -18,17 +18,22 @@ Wire format of a header (msgpack array), followed by ``payload_len`` raw bytes w
 
 Call IDs are odd for calls opened by the connection's initiator and even for the responder, so both
 sides can open calls on one connection without colliding (as in HTTP/2).
+
+Each side of a stream says how large a message it accepts (``max_message``): the caller in its
+OPEN, the handler's side where the method is registered. A larger message is refused at its
+header, before any of its payload is allocated, and ends the call with ``MessageTooLarge``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .framing import ProtocolError
 from .incoming_payload import IncomingPayload
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
-from .rpc_errors import BUSY
+from .rpc_errors import BUSY, MESSAGE_TOO_LARGE
 from .rpc_events import (
     CallCancelled,
     CallFailed,
@@ -38,6 +43,7 @@ from .rpc_events import (
     StreamData,
     StreamEnd,
 )
+from .rpc_headers import CANCEL, CREDIT, DATA, END, ERROR, OPEN, RESULT, UNARY, check, validate
 
 __all__ = [
     "RPCProtocol",
@@ -48,9 +54,8 @@ __all__ = [
     "CallFailed",
     "CallCancelled",
     "CreditGranted",
+    "MAX_STREAM_MESSAGE",
 ]
-
-OPEN, DATA, END, ERROR, CANCEL, CREDIT, UNARY, RESULT = 1, 2, 3, 4, 5, 6, 7, 8
 
 # A single message's raw payload may span many records; 256 MiB bounds what one hostile message
 # can make us allocate, while a 64M-parameter float32 tensor still fits in one message.
@@ -68,12 +73,26 @@ STREAM_WINDOW = 16 << 20
 # windows plus one maximal message (see ``_fits_credit``), which an honest peer reaches only with
 # several bulk transfers at once.
 MAX_UNREAD_PER_CONNECTION = 4 * STREAM_WINDOW + MAX_PAYLOAD
-MAX_METHOD_NAME = 256
+# The largest stream message (payload bytes) a side accepts unless it says otherwise: one window.
+# A larger one is accepted only where its receiver expects it (a state download's tensors), not
+# merely because the window is empty: four 250 MiB messages unread on live streams held +514 MB.
+MAX_STREAM_MESSAGE = STREAM_WINDOW
 MAX_ERROR_TEXT = 4096
 
 
 class _Call:
-    __slots__ = ("local", "unary", "sent_done", "received_done", "send_credit", "receive_credit", "unacked", "unread")
+    __slots__ = (
+        "local",
+        "unary",
+        "sent_done",
+        "received_done",
+        "send_credit",
+        "receive_credit",
+        "unacked",
+        "unread",
+        "max_receive",
+        "max_send",
+    )
     # A call the peer opened ends when we send END/RESULT/ERROR or it sends CANCEL; a call we opened
     # ends when the peer sends END/RESULT/ERROR or we cancel it.
 
@@ -86,19 +105,13 @@ class _Call:
         self.receive_credit = window
         self.unacked = 0  # bytes the application consumed but we have not re-granted yet
         self.unread = 0  # bytes delivered to the application and not yet consumed
+        self.max_receive = MAX_STREAM_MESSAGE  # the largest message payload we accept on it
+        self.max_send = MAX_PAYLOAD  # the largest the other side accepts (what its OPEN said)
 
 
 # What may arrive for a call we opened, by its kind (CREDIT is harmless on either).
 _UNARY_ANSWERS = frozenset({RESULT, ERROR, CREDIT})
 _STREAM_ANSWERS = frozenset({DATA, END, ERROR, CREDIT})
-
-# Items in a header of each kind.
-_SHAPES = {OPEN: 4, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4}
-
-
-def _check(condition: bool, what: str) -> None:
-    if not condition:
-        raise ProtocolError(f"malformed RPC header: {what}")
 
 
 class RPCProtocol:
@@ -120,8 +133,10 @@ class RPCProtocol:
         window: int = STREAM_WINDOW,
         max_unread: int = MAX_UNREAD_PER_CONNECTION,
         budget: ReceiveBudget | None = None,
+        max_message: Callable[[str], int] | None = None,
     ):
-        self.initiator = initiator
+        """``max_message(method)``: the largest stream message we accept on a stream the peer
+        opens to ``method`` (default: ``MAX_STREAM_MESSAGE``)."""
         self.max_concurrent_calls = max_concurrent_calls
         self.max_payload = max_payload
         self.window = window
@@ -130,6 +145,7 @@ class RPCProtocol:
         self._remote_calls = 0
         self._last_remote_call_id = 0
         self._outbox: list[bytes] = []
+        self._max_message = max_message
         self.max_unread = max_unread
         self.budget = budget if budget is not None else process_budget()
         self._unread = 0  # stream bytes delivered to calls and not yet consumed, over all calls
@@ -153,13 +169,24 @@ class RPCProtocol:
         call.sent_done = call.unary = True
         return call_id, packb([UNARY, call_id, method, timeout, body, payload_len])
 
-    def open_stream(self, method: str, timeout: float | None) -> tuple[int, bytes]:
+    def open_stream(
+        self, method: str, timeout: float | None, max_message: int = MAX_STREAM_MESSAGE
+    ) -> tuple[int, bytes]:
+        """``max_message``: the largest message payload we accept from the handler."""
+        if max_message < 0:
+            raise ValueError("max_message must not be negative")
         call_id = self._new_call()
-        return call_id, packb([OPEN, call_id, method, timeout])
+        self._calls[call_id].max_receive = max_message = min(max_message, self.max_payload)
+        return call_id, packb([OPEN, call_id, method, timeout, max_message])
 
     def send_credit(self, call_id: int) -> int:
         call = self._calls.get(call_id)
         return call.send_credit if call is not None else 0
+
+    def send_limit(self, call_id: int) -> int:
+        """The largest message payload the other side accepts on a stream, as far as it has said."""
+        call = self._calls.get(call_id)
+        return call.max_send if call is not None else self.max_payload
 
     def send_data(self, call_id: int, body: Any, payload_len: int) -> bytes | None:
         """The header of a DATA message, or None if the message does not fit the credit the peer
@@ -167,6 +194,8 @@ class RPCProtocol:
         call = self._live(call_id)
         if call.sent_done:
             raise RuntimeError("cannot send on a stream after ending it")
+        if payload_len > call.max_send:
+            raise ValueError(f"a message of {payload_len} bytes; the peer accepts at most {call.max_send}")
         header = packb([DATA, call_id, body, payload_len])
         cost = len(header) + payload_len
         if not self._fits_credit(call.send_credit, cost):
@@ -334,35 +363,46 @@ class RPCProtocol:
                 header = unpackb(plaintext)
             except Exception as error:  # msgpack raises many types on garbage; all mean the same
                 raise ProtocolError(f"undecodable RPC header: {error}") from None
-            _check(isinstance(header, list) and len(header) >= 2, "not an array of at least 2 items")
+            check(isinstance(header, list) and len(header) >= 2, "not an array of at least 2 items")
             self._header_size = len(plaintext)  # what the sender charged against its credit
             kind, call_id = header[0], header[1]
-            _check(type(call_id) is int and 0 < call_id < 1 << 63, "bad call ID")
-            payload_len = self._validate(kind, header)
-            if kind == DATA:
-                self._check_credit(call_id, payload_len)
+            check(type(call_id) is int and 0 < call_id < 1 << 63, "bad call ID")
+            payload_len = validate(kind, header, self.max_payload)
+            refused = self._check_data(call_id, payload_len) if kind == DATA else []
             if payload_len:
                 self._pending = header
                 discard = not self._wants_payload(kind, call_id)
                 self._payload = IncomingPayload(payload_len, self.budget, discard=discard)
-                return []
+                return refused
             return self._dispatch(header, b"")
         except ProtocolError as error:
             self._failed = error
             raise
 
-    def _check_credit(self, call_id: int, payload_len: int) -> None:
-        """Checked when the header arrives, before any of the payload is received or allocated."""
+    def _check_data(self, call_id: int, payload_len: int) -> list:
+        """Checked when a DATA header arrives, before any of the payload is received or allocated:
+        sending past the credit breaks the protocol; a message larger than its stream accepts ends
+        that call (the events that say so), and its payload is dropped as it arrives."""
         call = self._calls.get(call_id)
         if call is None:
-            return  # late traffic for an ended call: its payload is discarded as it arrives
-        _check(not call.received_done, "data after end of stream")
+            return []  # late traffic for an ended call: its payload is discarded as it arrives
+        check(not call.received_done, "data after end of stream")
         cost = self._header_size + payload_len
         if not self._fits_credit(call.receive_credit, cost):
             raise ProtocolError(
                 f"peer sent a stream message of {cost} bytes with {call.receive_credit} bytes of credit left"
             )
         call.receive_credit -= cost
+        if payload_len <= call.max_receive:
+            return []
+        text = f"a stream message of {payload_len} bytes; this stream accepts at most {call.max_receive}"
+        if call.local:  # the handler sent it: we give up the call, and our caller learns why
+            self._pop_call(call_id)
+            self._outbox.append(packb([CANCEL, call_id]))
+            return [CallFailed(call_id, MESSAGE_TOO_LARGE, f"the handler sent {text}")]
+        self._forget_remote(call_id)  # the caller sent it: its call ends with the reason
+        self._outbox.append(packb([ERROR, call_id, MESSAGE_TOO_LARGE, f"refused {text}"]))
+        return [CallCancelled(call_id)]
 
     def _wants_payload(self, kind: int, call_id: int) -> bool:
         """Whether a payload will be delivered to anyone; if not it is dropped as it arrives."""
@@ -370,30 +410,6 @@ class RPCProtocol:
             return self._remote_calls < self.max_concurrent_calls  # otherwise the call is refused
         call = self._calls.get(call_id)
         return call is not None and (kind == DATA or call.local)
-
-    def _validate(self, kind: Any, header: list) -> int:
-        """Check the shape of a header; return its payload length."""
-        # (The messages are formatted only on failure: this runs for every message received.)
-        size = _SHAPES.get(kind) if type(kind) is int else None
-        if size is None:
-            _check(False, f"unknown message kind {kind!r}")
-        if len(header) != size:
-            _check(False, f"kind {kind} needs {size} items, got {len(header)}")
-        if kind in (OPEN, UNARY):
-            method, timeout = header[2], header[3]
-            _check(isinstance(method, str) and 0 < len(method) <= MAX_METHOD_NAME, "bad method name")
-            _check(timeout is None or (isinstance(timeout, (int, float)) and timeout > 0), "bad timeout")
-        if kind == ERROR:
-            _check(isinstance(header[2], str) and isinstance(header[3], str), "bad error fields")
-        if kind == CREDIT:
-            _check(type(header[2]) is int and 0 < header[2] <= 1 << 40, "bad credit")
-        if kind in (DATA, RESULT, UNARY):
-            payload_len = header[-1]
-            _check(type(payload_len) is int and 0 <= payload_len, "bad payload length")
-            if payload_len > self.max_payload:
-                raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {self.max_payload}")
-            return payload_len
-        return 0
 
     def _dispatch(self, header: list, payload: Any) -> list:
         kind, call_id = header[0], header[1]
@@ -406,7 +422,7 @@ class RPCProtocol:
             # A unary call is answered by RESULT or ERROR, a stream by DATA, END or ERROR: anything
             # else would leave our caller waiting for an answer that cannot come.
             answers = _UNARY_ANSWERS if call.unary else _STREAM_ANSWERS
-            _check(kind in answers, f"message kind {kind} does not answer a {'unary' if call.unary else 'stream'} call")
+            check(kind in answers, f"message kind {kind} does not answer a {'unary' if call.unary else 'stream'} call")
         if kind == DATA:
             # Credit was checked and charged when the header arrived (``_check_credit``).
             cost = self._header_size + header[3]
@@ -425,21 +441,21 @@ class RPCProtocol:
             call.send_credit += header[2]
             return [CreditGranted(call_id, header[2])]
         if kind == CANCEL:
-            _check(not call.local, "cancel of a call we opened")
+            check(not call.local, "cancel of a call we opened")
             self._forget_remote(call_id)
             return [CallCancelled(call_id)]
-        _check(call.local, "result or error for a call the peer opened")
+        check(call.local, "result or error for a call the peer opened")
         self._pop_call(call_id)
         if kind == RESULT:
             return [CallResult(call_id, header[2], payload)]
         return [CallFailed(call_id, header[2], header[3])]
 
     def _remote_open(self, kind: int, call_id: int, header: list, payload: Any) -> list:
-        _check(call_id % 2 == (0 if self.initiator else 1), "call ID of the wrong parity")
+        check(call_id % 2 != self._next_call_id % 2, "call ID of the wrong parity")  # ours have the other
         # Call IDs only grow (as HTTP/2 stream IDs do): a reused ID could alias a call whose handler
         # is still unwinding, leaving a second handler that nothing counts or can cancel.
         if call_id <= self._last_remote_call_id:
-            _check(False, f"call ID {call_id} is not above the last one opened")
+            check(False, f"call ID {call_id} is not above the last one opened")
         self._last_remote_call_id = call_id
         if self._remote_calls >= self.max_concurrent_calls:
             self._outbox.append(
@@ -449,6 +465,10 @@ class RPCProtocol:
         call = _Call(local=False, window=self.window)
         self._calls[call_id] = call
         self._remote_calls += 1
+        if kind == OPEN:
+            call.max_send = header[4]
+            if self._max_message is not None:
+                call.max_receive = self._max_message(header[2])
         if kind == UNARY:
             call.received_done = True
             # The handler holds the payload until it returns: it counts as unread until then.

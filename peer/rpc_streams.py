@@ -16,7 +16,7 @@ import trio
 from .buffers import byte_view
 from .identity import PeerID
 from .message import Message
-from .rpc_errors import StreamClosed
+from .rpc_errors import MESSAGE_TOO_LARGE, MessageTooLargeError, StreamClosed
 from .rpc_protocol import RPCProtocol, StreamData
 
 __all__ = ["BufferProvider", "ClientStream", "PendingCall", "ServerStream", "StreamTransport"]
@@ -96,10 +96,16 @@ class _StreamBase:
     async def send(self, body: Any = None, payload: Any = None) -> None:
         """Send one message; waits until it fits the receiver's window (a message larger than the
         whole window waits for all of it). Returns once the payload has been encrypted, so the
-        caller may reuse its buffer."""
+        caller may reuse its buffer. A payload larger than the receiver accepts on this stream
+        raises MessageTooLargeError (here, if the receiver said so in advance, or from the
+        receiver, which then ends the call)."""
         transport, protocol, state = self._transport, self._transport.protocol, self._state
         view = byte_view(payload) if payload is not None else None
         nbytes = len(view) if view is not None else 0
+        if nbytes > protocol.send_limit(self._call_id):
+            limit = protocol.send_limit(self._call_id)
+            text = f"a message of {nbytes} bytes; the receiver accepts at most {limit} on this stream"
+            raise MessageTooLargeError(self.method, self.peer, MESSAGE_TOO_LARGE, text)
         while True:
             if state.error is not None:
                 raise state.error

@@ -78,13 +78,13 @@ class FaultyRouter:
         self._inner = inner
         self._fault = fault
 
-    def add_stream(self, name: str, handler: Any, *, prepare: Any = None) -> None:
+    def add_stream(self, name: str, handler: Any, **options: Any) -> None:
         fault = self._fault
 
         async def faulty_handler(stream: Any) -> Any:
             return await handler(FaultyStream(stream, fault, outgoing=False))
 
-        self._inner.add_stream(name, faulty_handler, prepare=prepare)
+        self._inner.add_stream(name, faulty_handler, **options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -6,6 +6,7 @@ import pytest
 
 from peer.framing import ProtocolError
 from peer.packing import packb
+from peer.rpc_headers import OPEN
 from peer.rpc_protocol import (
     CallCancelled,
     CallFailed,
@@ -166,6 +167,9 @@ def test_concurrency_limit_refuses_with_busy_error():
         msgpack.packb([7, 2, "m", None, None, 1 << 40]),  # payload beyond the limit
         msgpack.packb([7, "2", "m", None, None, 0]),  # call ID of the wrong type
         msgpack.packb([6, 2]),  # wrong arity
+        msgpack.packb([OPEN, 2, "s", None]),  # an OPEN without the largest message its caller accepts
+        msgpack.packb([OPEN, 2, "s", None, -1]),  # a negative one
+        msgpack.packb([OPEN, 2, "s", None, "16 MiB"]),  # not a number
         b"\x91" * 5000,  # nesting far too deep
     ],
 )

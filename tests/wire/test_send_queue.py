@@ -1,6 +1,7 @@
-"""The send queue's fast path (``peer/rpc_outgoing.py``): a message written by its sender while the
-writer is idle. Driven against a scripted channel whose kernel takes as many bytes as a test says,
-so partial writes happen exactly where wanted; the bytes it receives are decrypted in order."""
+"""The send queue (``peer/rpc_outgoing.py``): its fast path (a message written by its sender while the
+writer is idle) and its reply budgets (what a peer that does not read its answers makes us hold).
+Driven against a scripted channel whose kernel takes as many bytes as a test says, so partial writes
+happen exactly where wanted; the bytes it receives are decrypted in order."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 
+import peer.rpc_outgoing
 from peer import Identity, Router, open_peer_host
 from peer.framing import RecordDecoder
 from peer.record_cipher import TransportCipher
-from peer.rpc_outgoing import SendQueue, TrafficCounter
+from peer.rpc_outgoing import RepliesUnread, ReplyBudget, SendQueue, TrafficCounter
 
 
 class ScriptedChannel:
@@ -224,3 +227,55 @@ async def test_link_progress_counts_what_the_fast_path_sent():
         with trio.fail_after(5):  # until the kernel has seen the ACKs of what was sent
             while connection.link_progress()[0] - before_delivered < sent:
                 await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- reply budgets
+KIB = 1 << 10
+
+
+async def test_results_for_a_peer_that_does_not_read_stop_at_its_budget(monkeypatch):
+    """Every result was queued until 272 MiB were unread (the issue's 40 unread 15 MiB DHT answers
+    held +300 MB); now a result that does not fit is not queued, and the caller refuses instead."""
+    result = memoryview(bytes(30 * KIB))
+    monkeypatch.setattr(peer.rpc_outgoing, "REPLY_BUDGET_PER_CONNECTION", 3 * (len(b"result") + len(result)))
+    channel, budget = ScriptedChannel(), ReplyBudget(limit=1 << 30)
+    channel.blocked = True  # the peer stopped reading
+    queue = SendQueue(channel, TrafficCounter(), budget)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.write_loop)
+        admitted = []
+        for _ in range(40):
+            await settle()
+            admitted.append(queue.append_result(b"result", result))
+        # The first went into the send buffer (the writer waits on the socket with it), three more
+        # into the queue, and none after them.
+        assert admitted == [True] * 4 + [False] * 36
+        assert queue.backlogged and budget.used == queue.queued_results == 3 * (6 + 30 * KIB)
+        channel.blocked = False  # the peer reads: what was queued goes out and stops counting
+        channel.unblocked.set()
+        await settle()
+        assert budget.used == 0 and not queue.backlogged
+        assert queue.append_result(b"result", result)
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_result_larger_than_the_budget_is_queued_while_nothing_else_is(monkeypatch):
+    monkeypatch.setattr(peer.rpc_outgoing, "REPLY_BUDGET_PER_CONNECTION", 10 * KIB)
+    channel, budget = ScriptedChannel(), ReplyBudget(limit=20 * KIB)
+    channel.blocked = True
+    queue = SendQueue(channel, TrafficCounter(), budget)  # (no writer: nothing leaves the queue)
+    assert queue.append_result(b"big", memoryview(bytes(50 * KIB)))  # alone: never refused for its size
+    assert not queue.append_result(b"small", memoryview(bytes(KIB)))
+    other = SendQueue(ScriptedChannel(), TrafficCounter(), budget)  # another peer's connection
+    assert not other.append_result(b"small", memoryview(bytes(KIB)))  # the process-wide total is full
+    queue.release()  # the connection is gone: what it held goes back to the total
+    assert budget.used == 0 and other.append_result(b"small", memoryview(bytes(KIB)))
+
+
+async def test_errors_for_a_peer_that_reads_nothing_close_it_past_their_room(monkeypatch):
+    monkeypatch.setattr(peer.rpc_outgoing, "ERROR_ROOM", 10 * KIB)
+    queue = SendQueue(ScriptedChannel(), TrafficCounter(), ReplyBudget())
+    for _ in range(10):
+        queue.append_error(b"e" * KIB)
+    with pytest.raises(RepliesUnread):
+        queue.append_error(b"e" * KIB)

@@ -13,12 +13,16 @@ import tracemalloc
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 import peer.rpc
-from peer import Identity, Router, open_peer_host
+import peer.rpc_outgoing
+from peer import Identity, Message, MessageTooLargeError, Router, open_peer_host
 from peer.framing import HEADER, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
-from peer.packing import packb
+from peer.packing import packb, unpackb
 from peer.receive_budget import ReceiveBudget, ReceiveBudgetExceeded
+from peer.rpc_events import CallCancelled
+from peer.rpc_outgoing import ReplyBudget
 from peer.rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW, RPCProtocol, StreamData
 from tests.wire.test_hostile import authenticated_raw
 
@@ -160,6 +164,112 @@ def test_unread_stream_data_per_connection_is_capped():
         server.payload_whole(bytes(990))
 
 
+# ---------------------------------------------------------------------- message sizes
+def test_a_stream_message_larger_than_its_receiver_accepts_is_dropped_and_ends_the_call():
+    """A 20 MiB message into an empty 16 MiB window used to be taken whole, as every message larger
+    than the window was (four 250 MiB ones unread on live streams held +514 MB). Now the handler's
+    side accepts what its method registered (16 MiB by default): the call ends, and the payload is
+    dropped as it arrives, with nothing allocated or charged to the budget."""
+    budget = ReceiveBudget()
+    client, server = RPCProtocol(True), RPCProtocol(False, budget=budget)
+    call_id, header = client.open_stream("s", None)
+    server.receive_header(header)
+    assert client.send_data(call_id, None, 20 * MIB) is not None  # the sender's window admits it
+    [cancelled] = server.receive_header(packb([2, call_id, None, 20 * MIB]))
+    assert cancelled == CallCancelled(call_id)  # the handler is cancelled: its call is over
+    [refusal] = server.take_outbox()
+    assert unpackb(refusal)[:3] == [4, call_id, "MessageTooLarge"]
+    assert "at most 16777216" in unpackb(refusal)[3] and not server.is_live(call_id)
+    for _ in range(20):  # the payload keeps coming; none of it is held
+        server.payload_target(MIB)[:] = bytes(MIB)
+        assert server.payload_received(MIB) == []
+        assert budget.used == budget.peak == 0
+    other, header = client.open_stream("s", None)  # the connection serves on
+    [opened] = server.receive_header(header)
+    assert opened.call_id == other
+
+
+def test_a_stream_accepts_the_messages_its_receiver_registered_for():
+    limits = {"big": 64 * MIB}
+    client = RPCProtocol(True)
+    server = RPCProtocol(False, budget=ReceiveBudget(), max_message=lambda method: limits.get(method, 1000))
+    call_id, header = client.open_stream("big", None)
+    server.receive_header(header)
+    assert server.receive_header(packb([2, call_id, None, 2 * MIB])) == []  # accepted: it arrives
+    server.payload_target()[:] = bytes(2 * MIB)
+    [data] = server.payload_received(2 * MIB)
+    assert isinstance(data, StreamData) and len(data.payload) == 2 * MIB
+    small, header = client.open_stream("small", None)
+    server.receive_header(header)
+    assert server.receive_header(packb([2, small, None, 1001])) == [CallCancelled(small)]
+
+
+def test_the_callers_limit_travels_in_its_open_and_binds_the_handlers_side():
+    client, server = RPCProtocol(True, budget=ReceiveBudget()), RPCProtocol(False)
+    call_id, header = client.open_stream("s", None, max_message=1000)
+    server.receive_header(header)
+    assert server.send_limit(call_id) == 1000
+    with pytest.raises(ValueError, match="at most 1000"):  # an honest handler's side never sends it
+        server.send_data(call_id, None, 1001)
+    # One sent anyway (a hostile handler) ends the call at the caller, before any of it is held.
+    [failed] = client.receive_header(packb([2, call_id, None, 5000]))
+    assert failed.type_name == "MessageTooLarge" and "at most 1000" in failed.message
+    assert unpackb(client.take_outbox()[0]) == [5, call_id]  # the handler is told to stop
+    client.payload_target()[:] = bytes(5000)
+    assert client.payload_received(5000) == [] and client.budget.peak == 0
+
+
+async def test_a_message_over_the_handlers_limit_fails_the_call_and_the_connection_serves_on():
+    router, received = Router(), []
+
+    async def collect(stream):
+        async for message in stream:
+            received.append(len(message.payload))
+
+    router.add_stream("collect", collect, max_message=MIB)
+
+    @router.unary("echo")
+    async def echo(request):
+        return request.body
+
+    async with (
+        open_peer_host(Identity.generate(), router=router) as server,
+        open_peer_host(Identity.generate(), listen=None) as client,
+    ):
+        connection = await client.connect(server.listen_address)
+        with trio.fail_after(10):
+            with pytest.raises(MessageTooLargeError, match=f"at most {MIB}"):
+                async with connection.stream("collect") as stream:
+                    await stream.send(None, bytes(MIB))
+                    await stream.send(None, bytes(2 * MIB))  # sent: the handler's side refuses it
+                    await stream.receive()
+            assert (await connection.call("echo", "still here")).body == "still here"
+        assert received == [MIB]
+
+
+async def test_a_handler_sending_more_than_its_caller_accepts_is_stopped_before_sending():
+    router, failures = Router(), []
+
+    async def big(stream):
+        try:
+            await stream.send(None, bytes(2 * MIB))
+        except MessageTooLargeError as error:
+            failures.append(error)
+            await stream.send("too large")
+
+    router.add_stream("big", big)
+    async with (
+        open_peer_host(Identity.generate(), router=router) as server,
+        open_peer_host(Identity.generate(), listen=None) as client,
+    ):
+        connection = await client.connect(server.listen_address)
+        with trio.fail_after(10):
+            async with connection.stream("big", max_message=MIB) as stream:
+                assert (await stream.receive()).body == "too large"
+        [error] = failures
+        assert f"at most {MIB}" in str(error)
+
+
 # ---------------------------------------------------------------------- records
 def test_decoder_buffer_never_exceeds_one_record_plus_slack():
     """The old decoder grew to four maximal records per connection."""
@@ -225,3 +335,47 @@ async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypa
         async with open_peer_host(Identity.generate(), listen=None, run_id="r") as client:
             connection = await client.connect(host.listen_address)
             assert (await connection.call("echo", "still here", timeout=5)).body == "still here"
+
+
+async def test_answers_a_peer_leaves_unread_are_bounded_and_its_further_calls_refused(monkeypatch):
+    """A DHT node asked 40 times for a 15 MiB dictionary value over one connection, by a peer that
+    reads nothing, held +300 MB until the connection was cut (every result was queued up to 272 MiB).
+    Scaled down: 40 answers of 1 MiB against a budget of 4 MiB."""
+    monkeypatch.setattr(peer.rpc_outgoing, "REPLY_BUDGET_PER_CONNECTION", 4 * MIB)
+    budget = ReplyBudget()
+    monkeypatch.setattr(peer.rpc_outgoing, "process_reply_budget", lambda: budget)
+    router, answered = Router(), []
+
+    @router.unary("find")
+    async def find(request):
+        answered.append(request.body)
+        return Message(None, bytes(MIB))
+
+    async with open_peer_host(Identity.generate(), router=router, run_id="r") as host:
+        stream, channel = await authenticated_raw(host)
+        calls = range(1, 81, 2)
+        for call_id in calls:
+            await channel.send_record(packb([7, call_id, "find", None, call_id, 0]))
+            if call_id == 39:
+                await wait_all_tasks_blocked()  # the first 20 are answered (or refused) and queued
+        await wait_all_tasks_blocked()  # the node has taken every request; the peer reads now
+        replies = {}
+        with trio.fail_after(10):
+            while len(replies) < len(calls):
+                header = unpackb(await channel.receive_record())
+                replies[header[1]] = header
+                if header[0] == 8:
+                    received = 0
+                    while received < header[3]:
+                        received += len(await channel.receive_record())
+        results = [i for i, header in replies.items() if header[0] == 8]
+        refused = [i for i, header in replies.items() if header[0] == 4 and header[2] == "Busy"]
+        assert len(results) + len(refused) == len(calls) and refused  # each answered, some with Busy
+        # What waited for the peer: the budget, one answer over it, and what the writer holds.
+        assert budget.peak <= 5 * MIB + 64 * 1024
+        # Calls made while it was backlogged (all of the second 20) never reached the handler.
+        assert answered and max(answered) <= 39
+        await channel.send_record(packb([7, 81, "find", None, 81, 0]))  # having read, it is served
+        with trio.fail_after(5):
+            assert unpackb(await channel.receive_record())[:2] == [8, 81]
+        await trio.aclose_forcefully(stream)
