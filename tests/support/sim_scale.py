@@ -229,8 +229,9 @@ async def run_scenario(scenario: Scenario, network: SimNetwork | None = None) ->
 
 def bootstrap_failure(error: BaseException) -> bool:
     """``error`` is a DHT bootstrap failure, perhaps inside (nested) exception groups."""
-    if isinstance(error, BaseExceptionGroup):
-        return all(bootstrap_failure(inner) for inner in error.exceptions)
+    inner = getattr(error, "exceptions", None)  # an exception group's
+    if inner:
+        return all(bootstrap_failure(one) for one in inner)
     return isinstance(error, DHTBootstrapError)
 
 

@@ -125,10 +125,10 @@ async def test_an_empty_payload_adds_no_record_on_either_path():
         await settle()
         fast, queued = trio.Event(), trio.Event()
         queue.append(b"fast", memoryview(b""), fast, direct=True)  # the writer is idle: fast path
-        queue.append_reply(b"reply", memoryview(b""), direct=True)
+        assert queue.append_result(b"reply", memoryview(b""), direct=True)
         assert channel.direct_writes == 2 and fast.is_set()
         queue.append(b"queued", memoryview(b""), queued)  # through the writer
-        queue.append_reply(b"queued reply", memoryview(b""))
+        assert queue.append_result(b"queued reply", memoryview(b""))
         with trio.fail_after(5):
             await queued.wait()
         await settle()
