@@ -4,7 +4,6 @@ honest reducers pass every check. How one answer is judged is in ``test_verifica
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -124,7 +123,7 @@ async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_on
             checks = peers[i].service.checks
             assert set(checks.banned.until) == {liar} and checks.caught == 1
             assert checks.banned.reasons[liar] == verdicts[liar]
-            assert checks.banned.until[liar] - time.monotonic() > UNANSWERED_BAN_SECONDS  # a liar's ban
+            assert checks.banned.until[liar] - checks.banned.clock() > UNANSWERED_BAN_SECONDS  # a liar's ban
             # the lie never reached our values: that shard kept them
             assert results[i].local_shards[shard] == f"reducer failed its check: {verdicts[liar]}"
             assert round_.kept_own_values(i)
@@ -152,14 +151,14 @@ async def test_an_unanswered_check_leaves_the_reducer_out_briefly_and_a_lie_for_
         for i in range(3):
             checks = round_.peers[i].service.checks
             assert forgetful in checks.banned and checks.caught == 0
-            left = checks.banned.until[forgetful] - time.monotonic()
+            left = checks.banned.until[forgetful] - checks.banned.clock()
             assert 0 < left <= UNANSWERED_BAN_SECONDS, left
             assert "unanswered" in results[i].local_shards[shard]
             assert round_.kept_own_values(i)  # its shard unused
             # a lie found later bans it for long, and an unanswered check cannot shorten that
             checks.banned.ban(forgetful, "lied")
             checks.banned.ban(forgetful, "no answer", UNANSWERED_BAN_SECONDS)
-            assert checks.banned.until[forgetful] - time.monotonic() > UNANSWERED_BAN_SECONDS
+            assert checks.banned.until[forgetful] - checks.banned.clock() > UNANSWERED_BAN_SECONDS
         nursery.cancel_scope.cancel()
 
 
