@@ -12,7 +12,7 @@ import mmap
 import struct
 from typing import Any
 
-__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "HEADER", "READ_SLACK"]
+__all__ = ["FrameTooLarge", "ProtocolError", "RecordDecoder", "HEADER", "IDLE_BUFFER_SIZE", "READ_SLACK"]
 
 HEADER = struct.Struct(">I")
 # A record carries at most 1 MiB of plaintext plus the 16-byte AEAD tag. 1 MiB is large enough that
@@ -25,6 +25,9 @@ MAX_RECORD_SIZE = MAX_RECORD_PLAINTEXT + AEAD_TAG_SIZE
 # hands over per wakeup without SO_RCVLOWAT, so small records still arrive many per syscall, and it
 # is the room a large record may start at without the buffer having to move it (see writable()).
 READ_SLACK = 64 * 1024
+# What an idle connection's decoder holds: a peer keeps a connection to each of the dozens of peers
+# its DHT and groups talk to, and most of them are quiet most of the time.
+IDLE_BUFFER_SIZE = 4 * 1024
 
 
 class ProtocolError(Exception):
@@ -43,14 +46,18 @@ class RecordDecoder:
     to ``writable`` (which may compact the buffer). ``receive_data`` does the same for tests.
 
     Memory: the decoder holds at most one record plus ``READ_SLACK``. It starts with a small buffer
-    (an idle or handshaking connection costs little) and switches to one of the full size when a
-    record needs it; that large buffer is an anonymous mapping, so the pages a record has not reached
-    are never committed (a record left half-sent costs half a record) and ``release()`` returns all
-    of it to the OS, which the C heap would not reliably do for many freed 1 MiB blocks. The large
-    buffer is charged to ``budget`` (a ``ReceiveBudget``) while held.
+    (an idle or handshaking connection costs ``IDLE_BUFFER_SIZE``), widens it to ``READ_SLACK`` when
+    a record needs more or a read filled it (traffic is arriving faster than the small buffer takes
+    it), and switches to one of the full size when a record needs it; that large buffer is an
+    anonymous mapping, so the pages a record has not reached are never committed (a record left
+    half-sent costs half a record) and ``release()`` returns all of it to the OS, which the C heap
+    would not reliably do for many freed 1 MiB blocks. The large buffer is charged to ``budget`` (a
+    ``ReceiveBudget``) while held.
     """
 
-    def __init__(self, max_record_size: int = MAX_RECORD_SIZE, initial_size: int = READ_SLACK, budget: Any = None):
+    def __init__(
+        self, max_record_size: int = MAX_RECORD_SIZE, initial_size: int = IDLE_BUFFER_SIZE, budget: Any = None
+    ):
         self.max_record_size = max_record_size
         self._capacity = HEADER.size + max_record_size + READ_SLACK
         self._initial_size = min(initial_size, self._capacity)
@@ -60,6 +67,8 @@ class RecordDecoder:
         self._view = memoryview(self._buffer)
         self._start = 0  # first unconsumed byte
         self._end = 0  # one past the last received byte
+        self._offered = 0  # the size of the last view writable() handed out
+        self._filled = False  # the last read took all of it: widen before the next
         self._failed: ProtocolError | None = None
 
     def writable(self, min_free: int = READ_SLACK) -> memoryview:
@@ -83,6 +92,10 @@ class RecordDecoder:
                 needed = missing
                 if HEADER.size + length > READ_SLACK:
                     limit = missing
+        if len(self._buffer) < READ_SLACK and (self._filled or pending + needed > len(self._buffer)):
+            if pending + needed <= READ_SLACK:
+                self._widen(READ_SLACK)
+        self._filled = False
         free = len(self._buffer) - self._end
         if free < needed or free < min(limit, len(self._buffer) // 4):
             tail = self._view[self._start : self._end]
@@ -96,7 +109,17 @@ class RecordDecoder:
                 # are not promised memmove semantics, so that case goes through one temporary copy.
                 self._view[:pending] = tail if pending <= self._start else bytes(tail)
             self._start, self._end = 0, pending
-        return self._view[self._end : self._end + limit]
+        view = self._view[self._end : self._end + limit]
+        self._offered = len(view)
+        return view
+
+    def _widen(self, size: int) -> None:
+        """Move the unconsumed bytes into a plain buffer of ``size`` bytes, from its start."""
+        wide = bytearray(size)
+        pending = self._end - self._start
+        wide[:pending] = self._view[self._start : self._end]
+        self._buffer, self._view = wide, memoryview(wide)
+        self._start, self._end = 0, pending
 
     def _grow(self, tail: memoryview) -> None:
         if self._budget is not None:
@@ -112,9 +135,10 @@ class RecordDecoder:
         self._buffer, self._view = grown, view
 
     def release(self, *, closing: bool = False) -> bool:
-        """Give the large buffer back if no partial record is in it (or ``closing``: the connection
-        is done and nothing in the buffer matters any more); True if memory was returned."""
-        if self._charged == 0 and not isinstance(self._buffer, mmap.mmap):
+        """Give back whatever the buffer holds beyond its idle size if no partial record is in it
+        (or ``closing``: the connection is done and nothing in the buffer matters any more); True
+        if memory was returned."""
+        if not self.holds_spare_buffer:
             return False
         if self._end > self._start and not closing:
             return False
@@ -137,6 +161,11 @@ class RecordDecoder:
     def holds_large_buffer(self) -> bool:
         return isinstance(self._buffer, mmap.mmap)
 
+    @property
+    def holds_spare_buffer(self) -> bool:
+        """More buffer than an idle connection needs (``release`` gives it back)."""
+        return self._charged > 0 or isinstance(self._buffer, mmap.mmap) or len(self._buffer) > self._initial_size
+
     def take_buffered(self) -> bytes:
         """Remove and return the unconsumed bytes (hand-over from the handshake decoder)."""
         data = bytes(self._view[self._start : self._end])
@@ -145,6 +174,7 @@ class RecordDecoder:
 
     def commit(self, nbytes: int) -> None:
         self._end += nbytes
+        self._filled = nbytes >= self._offered > 0
 
     def receive_data(self, data: bytes) -> None:
         """Copy ``data`` into the buffer (convenience for tests and handshakes)."""

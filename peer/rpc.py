@@ -175,6 +175,11 @@ class Connection:
         (``SecureChannel.set_pacing_rate``)."""
         return self.channel.set_pacing_rate(bytes_per_s)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes its send and receive buffers hold now: small while the connection is quiet."""
+        return self._outgoing.buffer_size + self.channel.decoder.buffer_size
+
     def link_progress(self) -> tuple[int, int]:
         """``(delivered, arrived)`` bytes of this connection so far, counted at the socket (see
         ``SecureChannel.link_progress``): what a caller watches to tell a slow peer from a stalled one."""
@@ -353,7 +358,7 @@ class Connection:
                 if budget <= 0:
                     budget = READ_BUDGET
                     await trio.lowlevel.cancel_shielded_checkpoint()
-            if protocol.awaiting_payload or decoder.buffered or decoder.holds_large_buffer:
+            if protocol.awaiting_payload or decoder.buffered or decoder.holds_spare_buffer:
                 more = await self._fill()
             else:  # between messages, as most reads start: no deadline, nothing to release
                 more = await channel.fill()
@@ -372,7 +377,7 @@ class Connection:
                 raise ProtocolError(
                     f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)"
                 ) from None
-        if decoder.holds_large_buffer:
+        if decoder.holds_spare_buffer:
             try:
                 return await channel.fill(IDLE_BUFFER_RELEASE)
             except trio.TooSlowError:

@@ -45,10 +45,13 @@ __all__ = ["SendQueue", "TrafficCounter", "RepliesUnread", "ReplyBudget", "proce
 # buffer of several records makes the receiver idle while the sender encrypts all of them, and
 # measured no cheaper per byte.
 SEND_BUFFER_SIZE = MAX_RECORD_PLAINTEXT + 64 * 1024 + 2 * (HEADER.size + AEAD_TAG_SIZE)
-# Most connections (DHT, matchmaking) only ever carry small messages: start small, grow to
-# SEND_BUFFER_SIZE on the first large payload. A 50-node swarm in one process otherwise holds
-# 50 x 49 x 4 MiB of zeroed buffers.
-INITIAL_SEND_BUFFER_SIZE = 64 * 1024
+# Most connections (DHT, matchmaking) only ever carry small messages and are idle most of the time:
+# start small, grow (doubling, or to what a record needs) up to SEND_BUFFER_SIZE as payloads need,
+# and go back to the small buffer after SEND_BUFFER_IDLE_RELEASE seconds with nothing to send. A
+# peer holds a connection to each of the dozens of peers its DHT and groups talk to.
+INITIAL_SEND_BUFFER_SIZE = 4 * 1024
+BATCH_BUFFER_SIZE = 64 * 1024  # what a burst of small messages grows the buffer to, to go out in few writes
+SEND_BUFFER_IDLE_RELEASE = 1.0
 _RECORD_OVERHEAD = HEADER.size + AEAD_TAG_SIZE
 # The fast path takes messages up to this size (header plus payload): DHT and control traffic.
 # Larger payloads go through the writer, which splits them into records and batches them.
@@ -215,6 +218,7 @@ class SendQueue:
         size = len(header) + (len(payload) if payload is not None else 0)
         if not self._fast or size > FAST_PATH_MAX or self._items:
             return True
+        self._ensure_room(size + 2 * _RECORD_OVERHEAD)
         view, seal = self._view, self._channel.seal_into
         position = seal(header, view)
         # An empty payload is no record at all: its header announces 0 bytes, so the receiver reads
@@ -235,6 +239,38 @@ class SendQueue:
         self._wakeup.set()
         return False
 
+    def _ensure_room(self, needed: int) -> None:
+        """A send buffer of at least ``needed`` bytes: doubled (or as large as needed) up to
+        BATCH_BUFFER_SIZE for small messages; for a larger record the full SEND_BUFFER_SIZE, which
+        has room for the messages around it, so a payload goes out in as few writes as before."""
+        if len(self._buffer) < needed:
+            size = SEND_BUFFER_SIZE if needed > BATCH_BUFFER_SIZE else max(needed, 2 * len(self._buffer))
+            self._buffer = bytearray(min(size, SEND_BUFFER_SIZE))
+            self._view = memoryview(self._buffer)
+
+    async def _wait_for_work(self) -> None:
+        """Until something is queued; the send buffer goes back to its small size once the
+        connection has had nothing to send for SEND_BUFFER_IDLE_RELEASE seconds."""
+        while not self._items:
+            self._wakeup = trio.Event()
+            self.idle = True
+            try:
+                if len(self._buffer) > INITIAL_SEND_BUFFER_SIZE:
+                    with trio.move_on_after(SEND_BUFFER_IDLE_RELEASE) as quiet:
+                        await self._wakeup.wait()
+                    if quiet.cancelled_caught:
+                        self._buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
+                        self._view = memoryview(self._buffer)
+                        continue
+                await self._wakeup.wait()
+            finally:
+                self.idle = False
+
+    @property
+    def buffer_size(self) -> int:
+        """Bytes of send buffer held now (what this connection's sending costs at rest)."""
+        return len(self._buffer)
+
     def release(self) -> None:
         """The connection is gone: wake every sender still waiting for its payload to go out."""
         self._released = True
@@ -247,19 +283,13 @@ class SendQueue:
     async def write_loop(self) -> None:
         """Send queued messages until cancelled (or the channel breaks)."""
         channel, traffic = self._channel, self._traffic
-        buffer, view = self._buffer, self._view
         seal = channel.seal_into
         items = self._items
         item: _Outgoing | None = None
         try:
             while True:
-                while not items:
-                    self._wakeup = trio.Event()
-                    self.idle = True
-                    try:
-                        await self._wakeup.wait()
-                    finally:
-                        self.idle = False
+                await self._wait_for_work()
+                buffer, view = self._buffer, self._view  # the fast path or the idle release may have replaced them
                 position = 0
                 while items:
                     item = items.popleft()
@@ -291,9 +321,8 @@ class SendQueue:
                                     traffic.bytes_sent += position
                                     position = 0
                                 if len(chunk) + _RECORD_OVERHEAD > len(buffer):
-                                    view.release()
-                                    buffer = self._buffer = bytearray(SEND_BUFFER_SIZE)
-                                    view = self._view = memoryview(buffer)
+                                    self._ensure_room(len(chunk) + _RECORD_OVERHEAD)
+                                    buffer, view = self._buffer, self._view
                             position += seal(chunk, view[position:])
                     if encrypted is not None:
                         encrypted.set()
@@ -302,6 +331,8 @@ class SendQueue:
                 if position:
                     await channel.send_all(view[:position])
                     traffic.bytes_sent += position
+                if items and len(buffer) < BATCH_BUFFER_SIZE:  # a burst of small messages: batch more
+                    self._ensure_room(2 * len(buffer))
         finally:
             self.idle = False
             # A message cut off half-way (the writer was cancelled in a send_all) is never finished:

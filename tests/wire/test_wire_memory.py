@@ -18,11 +18,11 @@ from trio.testing import wait_all_tasks_blocked
 import peer.rpc
 import peer.rpc_outgoing
 from peer import Identity, Message, MessageTooLargeError, Router, open_peer_host
-from peer.framing import HEADER, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
+from peer.framing import HEADER, IDLE_BUFFER_SIZE, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
 from peer.packing import packb, unpackb
 from peer.receive_budget import ReceiveBudget, ReceiveBudgetExceeded
 from peer.rpc_events import CallCancelled
-from peer.rpc_outgoing import ReplyBudget
+from peer.rpc_outgoing import INITIAL_SEND_BUFFER_SIZE, ReplyBudget
 from peer.rpc_protocol import MAX_PAYLOAD, STREAM_WINDOW, RPCProtocol, StreamData
 from tests.wire.test_hostile import authenticated_raw
 
@@ -379,3 +379,35 @@ async def test_answers_a_peer_leaves_unread_are_bounded_and_its_further_calls_re
         with trio.fail_after(5):
             assert unpackb(await channel.receive_record())[:2] == [8, 81]
         await trio.aclose_forcefully(stream)
+
+
+async def test_a_quiet_connection_holds_small_buffers_whatever_it_carried_before(monkeypatch):
+    """A peer keeps connections to dozens of peers, most of them quiet: each end's buffers grow
+    for a large payload and go back to a few KiB once the connection has been quiet a moment."""
+    monkeypatch.setattr(peer.rpc, "IDLE_BUFFER_RELEASE", 0.2)
+    monkeypatch.setattr(peer.rpc_outgoing, "SEND_BUFFER_IDLE_RELEASE", 0.2)
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return Message(None, request.payload)
+
+    quiet = 2 * (IDLE_BUFFER_SIZE + INITIAL_SEND_BUFFER_SIZE)
+    async with (
+        open_peer_host(Identity.generate(), router=router) as server,
+        open_peer_host(Identity.generate()) as client,
+    ):
+        reply = await client.call(server.listen_address, "echo", None, payload=b"x" * 100, timeout=5)
+        connection = client.connection_to(server.peer_id)
+        served = server.connection_to(client.peer_id)
+        assert bytes(reply.payload) == b"x" * 100
+        assert connection.buffer_bytes <= quiet and served.buffer_bytes <= quiet
+        big = bytes(3 << 20)
+        reply = await client.call(server.listen_address, "echo", None, payload=big, timeout=10)
+        assert len(reply.payload) == len(big)
+        assert connection.buffer_bytes > 1 << 20 and served.buffer_bytes > 1 << 20
+        with trio.fail_after(5):
+            while connection.buffer_bytes > IDLE_BUFFER_SIZE + INITIAL_SEND_BUFFER_SIZE:
+                await trio.sleep(0.05)
+            while served.buffer_bytes > IDLE_BUFFER_SIZE + INITIAL_SEND_BUFFER_SIZE:
+                await trio.sleep(0.05)
