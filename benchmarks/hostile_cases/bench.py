@@ -16,7 +16,12 @@ from dht.records import pack
 from peer import Identity, PeerAddress, open_peer_host
 
 from .attacker import dht_read_as_peers_do, progress_records
-from .target import MIB, RSS_LIMIT_MB, RUN_ID, MemoryWatch, Target, fetch_status, legit_ping
+from .target import MIB, RSS_LIMIT_MB, RUN_ID, MemoryWatch, Target, fetch_status, legit_ping, read_memory_kb
+
+# A target is attacked once its memory has settled: it grew by less than this over SETTLE_S.
+SETTLE_MIB = 2.0
+SETTLE_S = 1.0
+SETTLE_DEADLINE_S = 30.0
 
 
 @dataclass
@@ -120,6 +125,7 @@ class Bench:
             target = self._training = await self.start_target("training", ["--task", "digits", "--device", "cpu"])
             if target.address is None:
                 raise RuntimeError(f"the training target did not start: {target.exit_note()}")
+            await settle(target, training=True)
         return target
 
     def stop_all(self) -> None:
@@ -194,3 +200,25 @@ class Bench:
                     await trio.sleep(0.5)
         out.notes.append("training target published no progress record")
         return None
+
+
+async def settle(target: Target, *, training: bool = False) -> bool:
+    """Wait until ``target`` has finished starting (a training target: it has trained on samples)
+    and its memory has stopped growing, so that a case's baseline is not taken in the middle of
+    its own start: a training peer publishes its progress before it loads its task, and it then
+    grew by ~160 MiB (imports, data set, model, first steps) in the first seconds of the case that
+    attacked it. False if it did not settle within ``SETTLE_DEADLINE_S``."""
+    with trio.move_on_after(SETTLE_DEADLINE_S):
+        while training and target.running:
+            status = await fetch_status(target.status_port, timeout=2.0)
+            if status is not None and (status.get("samples") or 0) > 0:
+                break
+            await trio.sleep(0.2)
+        last = read_memory_kb(target.pid)
+        while last is not None:
+            await trio.sleep(SETTLE_S)
+            now = read_memory_kb(target.pid)
+            if now is None or now[0] - last[0] < SETTLE_MIB * 1024:
+                return now is not None
+            last = now
+    return False

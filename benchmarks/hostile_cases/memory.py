@@ -100,7 +100,7 @@ async def credit_overshoot(bench: Bench, out: Outcome) -> None:
                     readers.start_soon(peer.read_replies)
                     # A reducer's handler reads the header, then waits (5 s) for a session
                     # that never comes: everything after the header sits in its queue.
-                    await peer.send([1, 1, "avg.reduce", None])
+                    await peer.send([1, 1, "avg.reduce", None, STREAM_WINDOW])  # OPEN: the largest we accept back
                     first = packb([2, 1, {"group_id": b"\x01" * 16, "weight": 1.0, "total": 1}, 0])
                     await peer.channel.send_record(first)
                     used = len(first)
