@@ -17,7 +17,7 @@ import trio
 from averaging.averager import GroupAverager, tensor_schema
 from averaging.group import AveragingMode
 from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
-from averaging.own_radius import RADIUS_FACTOR
+from averaging.own_radius import RADIUS_FACTOR, SAMPLE
 from dht.node import DHTNode
 from peer import Identity, PeerAddress, Router
 
@@ -171,6 +171,9 @@ async def small_group(bench: Bench, out: Outcome) -> None:
     start = torch.randn(s.pair_dim, generator=generator) * 10
     ours, theirs = start.clone(), start.clone()
     step_scale, updates, lines = 0.1, [], []
+    # Past SAMPLE values the peer estimates its updates on a sample, "within a few percent"
+    # (own_radius.py; its tests allow 5%): the bound here is the whole vector's.
+    slack = 1.001 if s.pair_dim <= SAMPLE else 1.05
     async with bench.watch(target, out), trio.open_nursery() as nursery:
         nodes = [await nursery.start(_node, [target.address]) for _ in range(2)]
         options = {"prefix": f"{RUN_ID}.pair", "target_group_size": 2, "matchmaking_timeout": MATCHMAKING_S}
@@ -197,8 +200,9 @@ async def small_group(bench: Bench, out: Outcome) -> None:
                 if not exact:
                     out.degraded = True
                 continue
-            lines.append(f"{attack}: moved {moved:.3g} (bound {bound:.3g})")
-            if not torch.isfinite(ours).all() or moved > bound * 1.001:
+            lines.append(f"{attack}: moved {moved:.4g} (bound {bound:.4g})")
+            if not torch.isfinite(ours).all() or moved > bound * slack:
                 out.exceeded.append(f"{attack}: the liar moved the honest peer {moved:.3g}, bound {bound:.3g}")
         nursery.cancel_scope.cancel()
-    out.notes.append(f"{s.pair_dim} values, rounds: " + "; ".join(lines))
+    sampled = f" (the peer estimates it on {SAMPLE}: {slack - 1:.0%} slack)" if s.pair_dim > SAMPLE else ""
+    out.notes.append(f"{s.pair_dim} values, bound twice the own update{sampled}; rounds: " + "; ".join(lines))
