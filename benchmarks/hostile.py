@@ -1,4 +1,4 @@
-"""Hostile peers, part 1: a catalogue of attacks against a real ``peerd join`` process.
+"""Hostile peers, parts 1 and 3: a catalogue of attacks against a real ``peerd join`` process.
 
 Every attack is made the way an attacker would make it: over TCP to a real peer started as
 ``peerd join --listen 127.0.0.1:0 --status-port 0 --identity ...`` (a bootstrap peer, or a training
@@ -9,30 +9,48 @@ limits are measured as they would act on the internet (both are loopback on Linu
 
 Catalogue (the rows of the table):
   remote_crash          a fake DHT peer answers ``dht.find`` with contacts that share one host:port
+  empty_payloads        calls whose payload is ``b""`` (the library's own, and by hand), one connection
   stalled_payloads      4 calls announce 256 MiB payloads; 1 MiB of each arrives, then nothing
   half_sent_records     many connections leave a 1 MiB transport record half sent
   idle_flood            1,000 idle TCP connections (held open, refilled) that never handshake
   connection_burst      2,000 quick connections that send a first Noise message and hang up
+  status_flood          1,500 idle connections to the status port (held, refilled) while the operator
+                        runs ``peerd status`` and GETs /status
   forge_matchmaking     rewrite another peer's matchmaking declaration with a 24 h expiration, under
                         its owner-signed subkey and under its plain peer ID (the old layout)
   store_flood           100 ``dht.store`` requests of 24 h records, then an honest short-lived store
+  contact_reflection    a liar among the initial peers of ``peerd dht store`` and ``get`` names 5
+                        foreign endpoints 4 times each in every find reply: the dials each one gets
+  fake_leader           a signed declaration that sorts first, of a leader that never serves a join
+                        (client mode, or silent): the rounds it fails, the times it is tried
+  small_group           a liar alone with an honest peer sends 1e30, or claims a weight of 2**40:
+                        how far it moves the honest peer against twice the peer's own update
+  unread_replies        40 finds of a 15 MiB dictionary over one connection, none of them read
   credit_overshoot      stream DATA past the granted credit window (training peer, ``avg.reduce``)
+  oversized_message     4 streams to a reducer, each opened by one message larger than it accepts
   forge_progress        rewrite the training peer's own progress record the same two ways
+  kept_graphs           32 expert forwards of 4096 x 256 asking for gradients, no backward ever
   sybil_placement       node IDs that pass the puzzle per second on one core, and the time to place
                         20 of them near a key (measured at the run's difficulty, estimated at the
                         public default; key grinding, what an ID cost before the puzzle, as baseline)
+
+fake_leader and small_group attack averagers embedded in this process (a script's ``GroupAverager``
+on its own DHT node, over TCP, the bootstrap target their DHT); contact_reflection's victims are the
+operator's ``peerd dht`` commands; every other case attacks a ``peerd join`` process (a bootstrap
+peer, a training peer, or one that also hosts an expert).
 
 Scoring, per case: *crash* = the target exited, or neither its status endpoint nor ``peer.ping``
 answered; *degraded* = the target is alive but a legitimate peer could not get service (a
 connect + ``peer.ping`` during or after the attack, a join under a flood, an honest store);
 *forgery* = a forged record that a reader accepts (read back and parsed the way peers parse it) or
-that blocks its owner's re-store;
+that blocks its owner's re-store; *bound exceeded* = a bound the case checks beyond health (dials of
+a foreign endpoint per command, rounds a fake leader fails, how far a liar moves an honest peer);
 *rss growth* = peak VmRSS (and VmHWM, reset through /proc/PID/clear_refs) minus the case's
-baseline. Failures are results, reported as numbers; the benchmark itself never fails because an
-attack succeeded. Every process it starts is killed and reaped, every socket closed, also on
-Ctrl-C, SIGTERM or an error.
+baseline, taken once the target has finished starting (``bench.settle``). Failures are results,
+reported as numbers; the benchmark itself never fails because an attack succeeded. Every process it
+starts is killed and reaped, every socket closed, also on Ctrl-C, SIGTERM or an error.
 
-    python benchmarks/hostile.py --quick     # ~2 minutes on 2 cores
+    python benchmarks/hostile.py --quick     # about a minute on 2 cores (within 180 s)
     python benchmarks/hostile.py             # longer holds, more connections, larger Sybil swarm
 
 The last line of output is one JSON object.
@@ -57,21 +75,29 @@ if sys.version_info < (3, 11):  # pragma: no cover
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hostile_cases import admission, crash, memory, records, sybil  # noqa: E402
+from benchmarks.hostile_cases import admission, averaging, contacts, crash, memory, pins, records, sybil  # noqa: E402
 from benchmarks.hostile_cases.bench import Bench, Outcome, Settings  # noqa: E402
 from benchmarks.hostile_cases.target import reap_all  # noqa: E402
 
 # The rows of the table, in the order they run.
 CASES = [
     ("remote_crash", crash.remote_crash),
+    ("empty_payloads", crash.empty_payloads),
     ("stalled_payloads", memory.stalled_payloads),
     ("half_sent_records", memory.half_sent_records),
     ("idle_flood", admission.idle_flood),
     ("connection_burst", admission.connection_burst),
+    ("status_flood", admission.status_flood),
     ("forge_matchmaking", records.forge_matchmaking),
     ("store_flood", records.store_flood),
+    ("contact_reflection", contacts.contact_reflection),
+    ("fake_leader", averaging.fake_leader),
+    ("small_group", averaging.small_group),
+    ("unread_replies", pins.unread_replies),
     ("credit_overshoot", memory.credit_overshoot),
+    ("oversized_message", pins.oversized_message),
     ("forge_progress", records.forge_progress),
+    ("kept_graphs", pins.kept_graphs),
     ("sybil_placement", sybil.sybil_placement),
 ]
 
@@ -124,7 +150,8 @@ def print_report(outcomes: list[Outcome], figures: dict[str, Any], settings: Set
     rows = [("case", "result", "rss MiB", "notes")]
     for out in outcomes:
         error = [f"benchmark error: {out.error}"] if out.error else []
-        notes = "; ".join(error + out.notes + ([out.rss_note] if out.rss_note else []))
+        exceeded = [f"BOUND EXCEEDED: {text}" for text in out.exceeded]
+        notes = "; ".join(error + exceeded + out.notes + ([out.rss_note] if out.rss_note else []))
         rows.append((out.case, out.result, f"{out.rss_growth_mb:.0f}", notes))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
@@ -138,6 +165,7 @@ def print_report(outcomes: list[Outcome], figures: dict[str, Any], settings: Set
         "crashes": sum(out.crashed for out in outcomes),
         "degraded": sum(out.degraded for out in outcomes),
         "accepted_forgeries": sum(out.forgeries for out in outcomes),
+        "bounds_exceeded": sum(len(out.exceeded) for out in outcomes),
         "max_rss_growth_mb": round(max((out.rss_growth_mb for out in outcomes), default=0.0), 1),
         "legit_join_s_under_flood": figures.get("legit_join_s_under_flood"),
         "legit_joined_under_flood": figures.get("legit_joined_under_flood"),

@@ -2,5 +2,6 @@
 
 ``target`` starts and watches the process under attack, ``attacker`` holds the attacker's
 hand-written connection and DHT record helpers, ``bench`` the run's settings, a case's outcome and
-the shared targets; the cases live in ``crash``, ``memory``, ``admission``, ``records`` and ``sybil``.
+the shared targets; the cases live in ``crash``, ``memory``, ``pins``, ``admission``, ``records``,
+``contacts``, ``averaging`` and ``sybil``.
 """

@@ -1,9 +1,12 @@
 """Attacks on admission, all from one address: idle connections that never handshake (held open and
-refilled), and a burst of quick connections that each cost the target a first Noise step."""
+refilled), a burst of quick connections that each cost the target a first Noise step, and idle
+connections that hold the status port."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
 import trio
@@ -12,7 +15,9 @@ from peer.framing import HEADER
 
 from .attacker import close_all
 from .bench import Bench, Outcome
-from .target import ATTACKER_HOST, fetch_status, legit_join
+from .target import ATTACKER_HOST, ROOT, fetch_status, legit_join
+
+STATUS_QUERIES = 3  # `peerd status` runs, each with a GET /status beside it, while the flood is held
 
 
 async def idle_flood(bench: Bench, out: Outcome) -> None:
@@ -120,3 +125,72 @@ async def connection_burst(bench: Bench, out: Outcome) -> None:
     else:
         out.notes.append(f"legit join during burst {seconds:.2f} s")
     bench.figures["legit_join_s_under_burst"] = round(seconds, 2) if seconds is not None else None
+
+
+async def status_flood(bench: Bench, out: Outcome) -> None:
+    """Idle connections to the status port (the issue's 1,500, held open and refilled), while the
+    operator runs ``peerd status`` and a monitor GETs /status from loopback: every place held by
+    the flood used to tell them 503 for as long as it was held."""
+    s = bench.settings
+    target = await bench.bootstrap()
+    counts = {"opened": 0, "closed": 0, "told": 0, "refused": 0, "held": 0}
+    held: set[trio.SocketStream] = set()
+
+    async def holder() -> None:
+        while True:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", target.status_port, local_address=ATTACKER_HOST)
+            except OSError:
+                counts["refused"] += 1
+                await trio.sleep(s.refill_delay_s)
+                continue
+            counts["opened"] += 1
+            held.add(stream)
+            try:
+                if await stream.receive_some(4096):  # never a request: an answer is a refusal (503)
+                    counts["told"] += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                held.discard(stream)
+                await trio.aclose_forcefully(stream)
+            counts["closed"] += 1
+            await trio.sleep(s.refill_delay_s)
+
+    answers: list[bool] = []
+    async with bench.watch(target, out):
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(s.status_connections):
+                    nursery.start_soon(holder)
+                with trio.move_on_after(10.0):
+                    while counts["opened"] < s.status_connections:
+                        await trio.sleep(0.05)
+                opened_first = counts["opened"]
+                for _ in range(STATUS_QUERIES):
+                    answers.append(await _peerd_status(target.status_port))
+                    answers.append(await fetch_status(target.status_port) is not None)
+                counts["held"] = len(held)
+                nursery.cancel_scope.cancel()
+        finally:
+            await close_all(list(held))
+    ok = sum(answers)
+    out.notes.append(
+        f"{opened_first} idle conns to the status port up; {counts['closed']} closed by the target "
+        f"({counts['told']} told 503), {counts['held']} held at the end; `peerd status` and GET /status "
+        f"answered {ok} of {len(answers)}"
+    )
+    if ok < len(answers):
+        out.degraded = True
+
+
+async def _peerd_status(port: int) -> bool:
+    """``peerd status --json`` as the operator runs it: whether it printed the peer's status."""
+    command = [sys.executable, "-m", "peerd.cli", "status", "--status-port", str(port), "--json"]
+    with trio.move_on_after(30):
+        done = await trio.run_process(command, cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False)
+        try:
+            return done.returncode == 0 and "peer_id" in json.loads(done.stdout)
+        except ValueError:
+            return False
+    return False

@@ -16,20 +16,45 @@ from dht.records import pack
 from peer import Identity, PeerAddress, open_peer_host
 
 from .attacker import dht_read_as_peers_do, progress_records
-from .target import MIB, RSS_LIMIT_MB, RUN_ID, MemoryWatch, Target, fetch_status, legit_ping
+from .target import MIB, RSS_LIMIT_MB, RUN_ID, MemoryWatch, Target, fetch_status, legit_ping, read_memory_kb
+
+# The expert the expert target hosts, of the width the issue's attack used (4096 x 256 inputs).
+EXPERT_UID = "ffn.0.0"
+EXPERT_WIDTH = 256
+# A target is attacked once its memory has settled: it grew by less than this over SETTLE_S.
+SETTLE_MIB = 2.0
+SETTLE_S = 1.0
+SETTLE_DEADLINE_S = 30.0
+
+
+@dataclass
+class MemorySizes:
+    """What each attack on the target's memory sends."""
+
+    stalled_calls: int = 4
+    stalled_payload: int = 256 * MIB
+    half_records: int = 100
+    overshoot_streams: int = 4
+    overshoot_payload: int = 64 * MIB
+    unread_calls: int = 40  # the issue's: 40 finds of a 15 MiB dictionary
+    unread_value: int = 15 * MIB
+    oversized_streams: int = 4  # the issue's: four messages of 250 MiB (the full run's)
+    oversized_payload: int = 128 * MIB
+    graph_forwards: int = 32  # the issue's: 32 forwards of 4096 x 256
+    graph_batch: int = 4096
 
 
 @dataclass
 class Settings:
     quick: bool
-    stalled_calls: int = 4
-    stalled_payload: int = 256 * MIB
-    half_records: int = 100
+    memory: MemorySizes = field(default_factory=MemorySizes)
     idle_connections: int = 1000
     burst_connections: int = 2000
+    status_connections: int = 1500  # the issue's: 1,500 held idle connections kept `peerd status` out
     store_requests: int = 100
-    overshoot_streams: int = 4
-    overshoot_payload: int = 64 * MIB
+    reflection_runs: int = 1  # `peerd dht store` and `get` pairs
+    leader_rounds: int = 4
+    pair_dim: int = 1 << 16
     hold_s: float = 2.0
     flood_join_deadline_s: float = 15.0
     refill_delay_s: float = 1.0
@@ -43,8 +68,10 @@ class Settings:
             return cls(quick=True)
         return cls(
             quick=False,
-            half_records=250,
-            overshoot_payload=128 * MIB,
+            memory=MemorySizes(half_records=250, overshoot_payload=128 * MIB, oversized_payload=250 * MIB),
+            reflection_runs=3,
+            leader_rounds=8,
+            pair_dim=1 << 20,
             hold_s=6.0,
             flood_join_deadline_s=30.0,
             sybil_swarm_n=100_000,
@@ -61,6 +88,9 @@ class Outcome:
     forgeries: int = 0
     rss_growth_mb: float = 0.0
     info_only: bool = False
+    # Bounds the case checks beyond health (dials to a foreign endpoint, failed rounds, how far a
+    # liar moved an honest peer), each as text saying which and by how much: any one fails the case.
+    exceeded: list[str] = field(default_factory=list)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     rss_note: str = ""  # the target's RSS once the attack is over (is the memory given back?)
@@ -69,7 +99,7 @@ class Outcome:
     def result(self) -> str:
         if self.error is not None:
             return "ERROR"
-        if self.crashed or self.degraded or self.forgeries or self.rss_growth_mb > RSS_LIMIT_MB:
+        if self.crashed or self.degraded or self.forgeries or self.exceeded or self.rss_growth_mb > RSS_LIMIT_MB:
             return "FAIL"
         return "info" if self.info_only else "ok"
 
@@ -83,7 +113,7 @@ class Outcome:
             what.append(f"{self.forgeries} forgery")
         if self.rss_growth_mb > RSS_LIMIT_MB:
             what.append(f"rss +{self.rss_growth_mb:.0f} MiB")
-        return what
+        return what + [f"bound exceeded: {text}" for text in self.exceeded]
 
 
 class Bench:
@@ -93,6 +123,7 @@ class Bench:
         self.targets: list[Target] = []
         self._bootstrap: Target | None = None
         self._training: Target | None = None
+        self._experts: Target | None = None
         self.figures: dict[str, Any] = {}
 
     async def start_target(self, name: str, extra: list[str], timeout: float = 60.0) -> Target:
@@ -120,6 +151,20 @@ class Bench:
             target = self._training = await self.start_target("training", ["--task", "digits", "--device", "cpu"])
             if target.address is None:
                 raise RuntimeError(f"the training target did not start: {target.exit_note()}")
+            await settle(target, training=True)
+        return target
+
+    async def experts(self) -> Target:
+        """A target that also hosts one expert, ``ffn.0.0`` (an FFN of width ``graph_width``)."""
+        target = self._experts
+        if target is None or not target.running or target.address is None:
+            if target is not None:
+                target.stop()
+            extra = ["--serve-experts", EXPERT_UID, "--hidden-dim", str(EXPERT_WIDTH), "--device", "cpu"]
+            target = self._experts = await self.start_target("experts", extra)
+            if target.address is None:
+                raise RuntimeError(f"the expert target did not start: {target.exit_note()}")
+            await settle(target)
         return target
 
     def stop_all(self) -> None:
@@ -194,3 +239,25 @@ class Bench:
                     await trio.sleep(0.5)
         out.notes.append("training target published no progress record")
         return None
+
+
+async def settle(target: Target, *, training: bool = False) -> bool:
+    """Wait until ``target`` has finished starting (a training target: it has trained on samples)
+    and its memory has stopped growing, so that a case's baseline is not taken in the middle of
+    its own start: a training peer publishes its progress before it loads its task, and it then
+    grew by ~160 MiB (imports, data set, model, first steps) in the first seconds of the case that
+    attacked it. False if it did not settle within ``SETTLE_DEADLINE_S``."""
+    with trio.move_on_after(SETTLE_DEADLINE_S):
+        while training and target.running:
+            status = await fetch_status(target.status_port, timeout=2.0)
+            if status is not None and (status.get("samples") or 0) > 0:
+                break
+            await trio.sleep(0.2)
+        last = read_memory_kb(target.pid)
+        while last is not None:
+            await trio.sleep(SETTLE_S)
+            now = read_memory_kb(target.pid)
+            if now is None or now[0] - last[0] < SETTLE_MIB * 1024:
+                return now is not None
+            last = now
+    return False

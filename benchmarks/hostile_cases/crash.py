@@ -1,5 +1,6 @@
-"""Attack 1, remote crash: a fake DHT peer, the target's initial peer, answers ``dht.find`` with
-contacts that all share one host:port (a second listener of the attacker's)."""
+"""What dropped a peer or its connections: a fake DHT peer, the target's initial peer, answering
+``dht.find`` with contacts that all share one host:port (a second listener of the attacker's), and
+calls whose payload is empty (``b""``), which the receiver took for an undecodable header."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import trio
 
 from peer import Identity, Message, PeerAddress, Router, open_peer_host
+from peer.rpc_protocol import unpackb
 
+from .attacker import RawPeer, close_all
 from .bench import Bench, Outcome
 from .target import RUN_ID
 
@@ -58,3 +61,42 @@ async def remote_crash(bench: Bench, out: Outcome) -> None:
                 out.notes.append(f"target {target.exit_note()}")
         finally:
             target.stop()
+
+
+async def empty_payloads(bench: Bench, out: Outcome) -> None:
+    """Calls with an empty payload over one connection, as an honest peer's library sends them
+    (``b""``, ``bytearray()``, ``memoryview(b"")``: a lone small call takes the send queue's fast
+    path, which sealed an empty record after the header, and the receiver dropped the whole
+    connection), each followed by a call with a payload; then the call written by hand (a header
+    announcing 0 bytes and nothing after it) on a connection of its own."""
+    target = await bench.bootstrap()
+    address = PeerAddress(target.address.host, target.address.port)
+    rounds, answered, failures, raw_answered = 5, 0, [], 0
+    async with bench.watch(target, out):
+        async with open_peer_host(Identity.generate(), listen=None, run_id=RUN_ID) as caller:
+            connection = await caller.connect(address)
+            for _ in range(rounds):
+                for payload in (b"", bytearray(), memoryview(b""), b"x"):
+                    try:
+                        reply = await connection.call("peer.ping", payload=payload, timeout=5)
+                        answered += isinstance(reply.body, dict) and "peer_id" in reply.body
+                    except Exception as error:  # a dropped connection fails every call after it
+                        failures.append(type(error).__name__)
+                    await trio.sleep(0.01)  # the writer idles again: the next call takes the fast path
+            kept = not connection.is_closed
+        raw = await RawPeer.connect(target.address)
+        try:
+            with trio.move_on_after(5):
+                for call_id in (1, 3, 5):
+                    await raw.send([7, call_id, "peer.ping", None, None, 0])
+                    header = unpackb(await raw.channel.receive_record())
+                    raw_answered += isinstance(header, list) and header[:2] == [8, call_id]
+        finally:
+            await close_all([raw])
+    out.notes.append(
+        f"{4 * rounds} pings over one connection, {3 * rounds} with an empty payload: {answered} answered, "
+        f"connection {'kept' if kept else 'DROPPED'}; by hand, 0-byte payloads: {raw_answered} of 3 answered"
+    )
+    if failures or not kept or raw_answered < 3:
+        out.degraded = True
+        out.notes.append(f"failed calls: {', '.join(sorted(set(failures))) or 'none'}")

@@ -29,7 +29,14 @@ def test_a_piece_of_the_hostile_benchmark_reports_one_json_line():
     summary = json.loads(lines[-1])
     assert summary["cases"] == 2 and summary["errors"] == 0, completed.stdout
     assert summary["crashes"] in (0, 1)  # 1 while the duplicate-endpoint crash is unfixed
-    for name in ("degraded", "accepted_forgeries", "max_rss_growth_mb", "sybil_20_ids_s", "sybil_ids_per_s"):
+    for name in (
+        "degraded",
+        "accepted_forgeries",
+        "bounds_exceeded",
+        "max_rss_growth_mb",
+        "sybil_20_ids_s",
+        "sybil_ids_per_s",
+    ):
         assert isinstance(summary[name], (int, float)), name
     assert summary["sybil_ids_per_s"] > 0 and summary["sybil_20_ids_s"] > 0
     assert any(line.startswith("remote_crash") for line in lines)
