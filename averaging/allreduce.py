@@ -108,6 +108,11 @@ class RoundSettings:
     check_reducers: bool | None = None
     uplink: float | None = None
 
+    def __post_init__(self) -> None:
+        # A part goes in one stream message, which a reducer accepts up to MAX_PART_MESSAGE.
+        if not 0 < self.part_size <= MAX_PART_MESSAGE // 4 - 1024:
+            raise ValueError(f"part_size must be 1..{MAX_PART_MESSAGE // 4 - 1024} values, got {self.part_size}")
+
     @property
     def sender_rules(self) -> DeadlineRules:
         """How long our reducer waits for a sender."""

@@ -9,7 +9,9 @@ swarm, again and again, and each read brings back the same records: the verdict 
 signed version and its lifetime cap, or refused) is remembered by a digest of everything it
 consists of, so that reading it again costs a hash and the lifetime arithmetic, not its decoding
 and the validators' work. The memory is bounded (``VERDICTS`` records, oldest forgotten first) and
-starts over whenever a validator is added.
+starts over whenever a validator is added or the lifetime caps are replaced; validators must
+therefore judge a record by its bytes alone (a schema check with state of its own would be
+remembered at its first answer).
 
 Lifetimes: a record may expire at most its namespace's cap (``lifetimes``, the validators'
 ``max_ttl``, ``MAX_TTL``) ahead of now. An owner-signed record is bounded from its signing time
@@ -33,7 +35,7 @@ __all__ = ["LocalRecords", "as_records"]
 # The built-in caps depend on the key alone and every record is checked on each store and read:
 # remembering the answer per key saves decoding the key once per cap. Bounded: cleared when full.
 _KEY_CAP_CACHE_SIZE = 4096
-VERDICTS = 4096  # remembered record verdicts per node (about 150 bytes each)
+VERDICTS = 4096  # remembered record verdicts per node (about 170 bytes each)
 _REFUSED = (None, -1.0)
 
 
@@ -44,7 +46,7 @@ class LocalRecords:
         self.lifetimes = DEFAULT_TTL_CAPS  # caps by key namespace, on top of the validators' own
         self._key_caps: dict[bytes, float | None] = {}
         self._verdicts: dict[bytes, tuple[int | None, float]] = {}  # digest -> (version, cap) or _REFUSED
-        self._generation = getattr(validator, "generation", 0)
+        self._generation: tuple[int, int] | None = None  # (the validators' generation, the caps table's id)
 
     def now(self) -> float:
         """The wall clock records live by here (the storage's: ``time.time`` unless the node was
@@ -103,9 +105,10 @@ class LocalRecords:
     def verdict(self, record: DHTRecord) -> tuple[int | None, float] | None:
         """``(signed version, lifetime cap)`` of an ``acceptable`` record, None for any other:
         remembered, so the same record read again is not validated again."""
-        generation = getattr(self.validator, "generation", 0)
+        generation = (getattr(self.validator, "generation", 0), id(self.lifetimes))
         if generation != self._generation:
             self._verdicts.clear()
+            self._key_caps.clear()
             self._generation = generation
         digest = _digest(record)
         known = self._verdicts.get(digest)
@@ -178,7 +181,7 @@ class LocalRecords:
 
 def _digest(record: DHTRecord) -> bytes:
     """A digest of every part of ``record``, each length-prefixed so no two records share one."""
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.blake2b(digest_size=32)  # a collision would pass a forgery as verified
     subkey = b"" if record.subkey is None else record.subkey
     flag = b"\x00" if record.subkey is None else b"\x01"
     digest.update(struct.pack(">IId", len(record.key), len(subkey), record.expiration_time))

@@ -114,30 +114,35 @@ class HolePuncher:
             arrived.set()
         if connection.relayed_via is None or incoming or self.host.listen_address is None:
             return
-        if peer in self._in_progress or peer in self._retrying or len(self._in_progress) >= MAX_PUNCHES:
+        if peer in self._retrying:
             return
-        self._in_progress.add(peer)
+        self._retrying.add(peer)
         try:
             self.host.start_soon(self.keep_punching, connection)
         except RuntimeError:  # the host is closing
-            self._in_progress.discard(peer)
+            self._retrying.discard(peer)
 
     async def keep_punching(self, relayed: Connection) -> None:
         """Punch rounds for ``relayed`` until one succeeds or the connection ends, the pause
-        between rounds doubling. Waiting holds no punch slot, only this task (one per relayed
-        connection we dialed, so bounded by the connection pool)."""
+        between failed rounds doubling. A round waits (``RETRY_PAUSE``, not doubled) while our
+        public address is unknown, a punch with this peer is already running, or ``MAX_PUNCHES``
+        are. Waiting holds no punch slot, only this task (one per peer we dialed through a
+        relay, so bounded by the connection pool)."""
         peer = relayed.remote_peer_id
         pause = RETRY_PAUSE
-        self._retrying.add(peer)
         try:
-            while not await self.punch(relayed):
-                if pause == RETRY_PAUSE:
-                    log.info("hole punching to %s failed; staying on the relay, trying again later", peer)
-                with trio.move_on_after(pause):
+            while not (relayed.is_closed or self._direct(peer)):
+                ready = bool(self._addresses()) and peer not in self._in_progress
+                if ready and len(self._in_progress) < MAX_PUNCHES:
+                    if await self.punch(relayed):
+                        return
+                    if pause == RETRY_PAUSE:
+                        log.info("hole punching to %s failed; staying on the relay, trying again later", peer)
+                    waited, pause = pause, min(2 * pause, MAX_RETRY_PAUSE)
+                else:
+                    waited = RETRY_PAUSE
+                with trio.move_on_after(waited):
                     await relayed.closed.wait()
-                if relayed.is_closed or self._direct(peer):
-                    return
-                pause = min(2 * pause, MAX_RETRY_PAUSE)
         finally:
             self._retrying.discard(peer)
 
@@ -151,7 +156,7 @@ class HolePuncher:
         try:
             for _ in range(ATTEMPTS):
                 if self._direct(peer) or relayed.is_closed or not self._addresses():
-                    break  # without our public address the other side has nothing to dial
+                    break  # (without our public address the other side has nothing to dial)
                 self.attempts += 1
                 sent = trio.current_time()
                 try:

@@ -30,6 +30,7 @@ peer that fills even that while it keeps calling is cut off (``RepliesUnread``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import trio
@@ -147,6 +148,7 @@ class SendQueue:
         self._fast = channel.can_send_now
         self._buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
         self._view = memoryview(self._buffer)
+        self._sent_now_at = -math.inf  # when the fast path last wrote (the buffer is in use)
 
     def append(
         self,
@@ -226,6 +228,7 @@ class SendQueue:
         if payload:
             position += seal(payload, view[position:])
         sent = self._channel.send_now(view[:position])
+        self._sent_now_at = trio.current_time()
         self._traffic.bytes_sent += sent
         if sent == position:
             if encrypted is not None:
@@ -247,6 +250,8 @@ class SendQueue:
             size = SEND_BUFFER_SIZE if needed > BATCH_BUFFER_SIZE else max(needed, 2 * len(self._buffer))
             self._buffer = bytearray(min(size, SEND_BUFFER_SIZE))
             self._view = memoryview(self._buffer)
+            if self.idle:  # grown by the fast path: the idle writer must time its release again
+                self._wakeup.set()
 
     async def _wait_for_work(self) -> None:
         """Until something is queued; the send buffer goes back to its small size once the
@@ -255,14 +260,15 @@ class SendQueue:
             self._wakeup = trio.Event()
             self.idle = True
             try:
-                if len(self._buffer) > INITIAL_SEND_BUFFER_SIZE:
-                    with trio.move_on_after(SEND_BUFFER_IDLE_RELEASE) as quiet:
-                        await self._wakeup.wait()
-                    if quiet.cancelled_caught:
-                        self._buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
-                        self._view = memoryview(self._buffer)
-                        continue
-                await self._wakeup.wait()
+                if len(self._buffer) <= INITIAL_SEND_BUFFER_SIZE:
+                    await self._wakeup.wait()
+                    continue
+                with trio.move_on_after(SEND_BUFFER_IDLE_RELEASE) as quiet:
+                    await self._wakeup.wait()
+                quiet_for = trio.current_time() - self._sent_now_at  # the fast path uses it too
+                if quiet.cancelled_caught and quiet_for >= SEND_BUFFER_IDLE_RELEASE:
+                    self._buffer = bytearray(INITIAL_SEND_BUFFER_SIZE)
+                    self._view = memoryview(self._buffer)
             finally:
                 self.idle = False
 
@@ -286,6 +292,7 @@ class SendQueue:
         seal = channel.seal_into
         items = self._items
         item: _Outgoing | None = None
+        counted = False
         try:
             while True:
                 await self._wait_for_work()
@@ -294,7 +301,7 @@ class SendQueue:
                 while items:
                     item = items.popleft()
                     header, payload, encrypted, _result, _error, sealed = item
-                    self._written(item)
+                    counted = True  # its reply bytes count until it is out of our hands
                     if sealed is not None:
                         if position:  # (never: a sealed item is queued only with nothing ahead of it)
                             await channel.send_all(view[:position])
@@ -302,6 +309,8 @@ class SendQueue:
                             position = 0
                         await channel.send_all(memoryview(sealed))
                         traffic.bytes_sent += len(sealed)
+                        self._written(item)
+                        counted = False
                         if encrypted is not None:
                             encrypted.set()
                         continue
@@ -324,6 +333,8 @@ class SendQueue:
                                     self._ensure_room(len(chunk) + _RECORD_OVERHEAD)
                                     buffer, view = self._buffer, self._view
                             position += seal(chunk, view[position:])
+                    self._written(item)
+                    counted = False
                     if encrypted is not None:
                         encrypted.set()
                     if position >= len(buffer) // 2:
@@ -339,4 +350,6 @@ class SendQueue:
             # it goes back to the queue, whose senders ``release()`` wakes once the connection has
             # recorded its error, so its sender sees that error instead of returning as if sent.
             if item is not None and item[2] is not None and not item[2].is_set():
-                items.appendleft(item)
+                items.appendleft(item)  # (still counted: release() refunds it with the rest)
+            elif item is not None and counted:
+                self._written(item)

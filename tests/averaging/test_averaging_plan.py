@@ -229,3 +229,13 @@ def test_a_part_whose_contributors_all_weigh_nothing_has_no_average():
     outcome = reduction.outcome()
     assert torch.equal(reduction.part_average(0), torch.full((1,), 4.0))
     assert reduction.part_average(1) is None and outcome.averaged is None
+
+
+def test_a_part_larger_than_a_reducer_accepts_is_refused_when_configured():
+    from averaging.allreduce import RoundSettings
+    from averaging.allreduce_protocol import MAX_PART_MESSAGE
+
+    assert RoundSettings(part_size=1 << 20).part_size == 1 << 20
+    for wrong in (0, -1, MAX_PART_MESSAGE // 4):  # the last: every round's first part refused
+        with pytest.raises(ValueError, match="part_size"):
+            RoundSettings(part_size=wrong)

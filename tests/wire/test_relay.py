@@ -301,6 +301,25 @@ async def test_a_failed_punch_is_tried_again_while_the_relayed_connection_lives(
     assert puncher.failures == 1, puncher.status()
 
 
+async def test_a_relayed_connection_made_while_every_punch_slot_is_taken_is_punched_later(relayed, monkeypatch):
+    relay_host, relay, behind, dialer = relayed
+    monkeypatch.setattr("peer.host.RELAY_HANDOVER_GRACE", 0.2)
+    monkeypatch.setattr("peer.holepunch.RETRY_PAUSE", 0.3)
+    monkeypatch.setattr("peer.holepunch.MAX_PUNCHES", 0)  # every slot taken (by punches with others)
+    HolePuncher(behind, lambda: "127.0.0.1")
+    puncher = HolePuncher(dialer, lambda: "127.0.0.1")
+    listen = relay_host.listen_address
+    address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+    relayed_connection = await dialer.connect(address)
+    await trio.sleep(1.0)
+    assert puncher.attempts == 0 and relayed_connection.relayed_via is not None
+    monkeypatch.setattr("peer.holepunch.MAX_PUNCHES", 8)  # the other punches are over
+    with trio.fail_after(10):
+        await until(lambda: puncher.successes == 1)
+        await relayed_connection.closed.wait()
+    assert puncher.failures == 0, puncher.status()
+
+
 async def test_an_unreachable_peer_falls_back_to_client_mode_until_a_relay_takes_it(monkeypatch):
     verdict = Reachability(NAT, ("203.0.113.7", 40000), 3, "none of 3 peers could dial us back")
 
