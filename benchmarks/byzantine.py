@@ -1,37 +1,54 @@
 """Byzantine peers: 8 in-process peers train the digits task while f of them attack.
 
     python benchmarks/byzantine.py [--quick] [--peers 8] [--epochs E]
+        [--attacks NAME,...] [--fs 1,2,3] [--shardings iid,non-iid] [--modes gradient,local]
 
 Every peer is a real host with its own all-reduce service on 127.0.0.1 (Noise-encrypted streams,
-the real reducers, the real reducer checks), in one process. An epoch: each peer computes its
-gradient on one batch (32 samples of its shard of the data: the task's swarm batch of 256 over 8
-peers), the peers average their gradients in one all-reduce round, and each applies the average
-with its own Adam (the task's optimizer). Every peer starts from the same model.
+the real reducers, the real reducer checks), in one process (``byzantine_cases/swarm.py``). An
+epoch: each peer computes its gradient on one batch (32 samples of its shard of the data: the
+task's swarm batch of 256 over 8 peers), the peers average their gradients in one all-reduce round,
+and each applies the average with its own Adam (the task's optimizer). Every peer starts from the
+same model.
 
-Attackers (the last f peers; f = 1, 2, 3) each claim weight 2**40 and send, in turn:
+Loud attackers (the last f peers; f = 1, 2, 3) each claim weight 2**40 and send, in turn:
 ``scaled`` (their gradient times 1e4), ``sign-flipped`` (times -10) or ``random`` (Gaussian, 10x
 the gradient's norm); and each lies as a reducer: it aggregates as honest ones do and answers every
-part of its shard with the aggregate times -10 (``tests/support/hostile_reducers.py``). Groups are formed
-as matchmaking forms them once peers ban each other: without any peer that an honest member has
-caught (``averaging/verification.py``).
+part of its shard with the aggregate times -10 (``tests/support/hostile_reducers.py``). Groups are
+formed as matchmaking forms them once peers ban each other: without any peer that an honest member
+has caught (``averaging/verification.py``).
+
+Quiet attackers are the literature's (``byzantine_cases/attacks.py``): ALIE (z from Baruch et al.'s
+formula, z = 1, z = 2), IPM (eps = 0.1, 0.5, 4, 100), sign flip, label flip, and min-max / min-sum
+(Shejwalkar and Houmansadr, p = -std or -unit(mean)). They claim weight 1, reduce honestly, and know
+every honest update of the round before they send. Cases: f = 1 and 2 of ``--peers``, 3 of twice
+as many; ``iid`` shards and ``non-iid`` ones (Dirichlet(0.5) over labels, ``byzantine_cases/
+shards.py``); ``gradient`` mode and ``local`` mode (local updates: 5 Adam steps, then the peers
+average pseudo-gradients and take peerd's outer step; half as many rounds as gradient mode has
+epochs). All with the defaults: centered-clip and reducer checks.
 
 Figures, after the same number of epochs:
 
 * ``accuracy_clean``: held-out accuracy of the honest peers (their mean) with no attacker, with
   centered-clip; ``accuracy_clean_mean``: the same with the plain mean;
-* ``accuracy_f1`` .. ``accuracy_f3``: with 1-3 attackers, centered-clip and reducer checks on;
+* ``accuracy_f1`` .. ``accuracy_f3``: with 1-3 loud attackers, centered-clip and reducer checks on;
 * ``accuracy_f1_mean`` (not with ``--quick``): one attacker against the plain mean (no checks),
   for contrast;
-* ``liars_caught`` / ``liars``: attackers that some honest peer caught, over all runs, and how
+* ``liars_caught`` / ``liars``: loud attackers that some honest peer caught, over all runs, and how
   many attacked; ``caught_after_epochs``: per run, the epoch by which all its liars were caught;
 * ``robust_time_ratio``: median CPU seconds of a round (all 8 peers, this process) with
   centered-clip / with the plain mean, on the clean swarm (a third clean run, checks off);
   ``robust_wall_ratio``, the same in wall-clock seconds (noisier on a shared machine);
 * ``checked_time_ratio`` / ``checked_wall_ratio``: the same with the reducer checks on (the
   ``clean`` run): every peer checks every other reducer each round, as the shards of this small
-  model fit the check budget (``averaging/reducer_checks.py``), so this is their upper bound.
+  model fit the check budget (``averaging/reducer_checks.py``), so this is their upper bound;
+* ``quiet_clean``: the clean accuracy per ``peers/sharding/mode``; ``quiet_accuracy``: the honest
+  peers' accuracy per ``attack/f<f>of<n>/sharding/mode``; ``worst_drop_model_poisoning`` (over
+  ALIE, IPM, sign flip, min-max, min-sum) and ``worst_drop_label_flip``: the largest drop from the
+  clean run of the same peers, sharding and mode, with ``worst_case_...`` naming the case.
 
-The last line printed is one JSON object.
+``--quick``: 60 epochs, no contrast run, and of the quiet attacks IPM eps = 4, ALIE z_max, label
+flip and min-max (std) at f = 2, iid, gradient mode. The full run (every case above, 100 epochs)
+takes hours on 2 cores; the filters pick a part. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -42,168 +59,139 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
-import torch
 import trio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from averaging.allreduce import AllReduceService, RoundSettings  # noqa: E402
-from averaging.group import AveragingMode, GroupInfo, GroupMember  # noqa: E402
-from peer import Identity, open_peer_host  # noqa: E402
-from peerd.tasks import ShardSpec, digits_task  # noqa: E402
-from tests.support.hostile_reducers import LyingShard  # noqa: E402
+import torch  # noqa: E402
 
-ATTACKS = ("scaled", "sign-flipped", "random")
-HOSTILE_WEIGHT = float(2**40)
-# A round's deadlines: generous for 8 peers sharing 2 cores, only there to catch hangs.
-SENDER_TIMEOUT = 20.0
-REDUCER_TIMEOUT = 40.0
+from benchmarks.byzantine_cases.attacks import QUIET  # noqa: E402
+from benchmarks.byzantine_cases.shards import SHARDINGS  # noqa: E402
+from benchmarks.byzantine_cases.swarm import MODES, Case, RunResult, run_swarm  # noqa: E402
+
+QUICK_ATTACKS = ("ipm-4", "alie-zmax", "label-flip", "min-max-std")
 
 
-@dataclass
-class SwarmPeer:
-    index: int
-    host: object
-    service: AllReduceService
-    task: object
-    optimizer: torch.optim.Optimizer
-    attack: str | None = None  # None: honest
-
-    @property
-    def peer_id(self):
-        return self.host.peer_id
+def loud_runs(peers: int, quick: bool) -> dict[str, Case]:
+    runs = {
+        "clean": Case(peers, 0, None),
+        "clean_mean": Case(peers, 0, None, "mean", False),
+        "clean_nochk": Case(peers, 0, None, "centered-clip", False),
+        **{f"f{f}": Case(peers, f, "loud") for f in (1, 2, 3)},
+    }
+    if not quick:
+        runs["f1_mean"] = Case(peers, 1, "loud", "mean", False)
+    return runs
 
 
-@dataclass
-class RunResult:
-    accuracy: float
-    caught: int
-    liars: int
-    caught_after: int | None
-    round_cpu: list[float] = field(default_factory=list)
-    round_wall: list[float] = field(default_factory=list)
+def quiet_runs(args: argparse.Namespace) -> dict[str, Case]:
+    """The quiet cases asked for, and the clean runs they are measured against (the loud runs'
+    ``clean`` is the one of ``--peers`` iid gradient peers)."""
+    sizes = {1: args.peers, 2: args.peers, 3: 2 * args.peers}
+    runs: dict[str, Case] = {}
+    for mode in args.modes:
+        for sharding in args.shardings:
+            for f in args.fs:
+                n = sizes[f]
+                clean = f"clean/{n}/{sharding}/{mode}"
+                runs.setdefault(clean, Case(n, 0, None, sharding=sharding, mode=mode))
+                for attack in args.attacks:
+                    runs[f"{attack}/f{f}of{n}/{sharding}/{mode}"] = Case(n, f, attack, sharding=sharding, mode=mode)
+    return runs
 
 
-def gradient(peer: SwarmPeer) -> torch.Tensor:
-    model, task = peer.task.model, peer.task
-    model.zero_grad()
-    task.loss_fn(model, next(task.batches)).backward()
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    if peer.attack == "scaled":
-        return flat * 1e4
-    if peer.attack == "sign-flipped":
-        return flat * -10.0
-    if peer.attack == "random":
-        noise = torch.randn(flat.numel())
-        return noise * (10 * float(flat.norm()) / float(noise.norm()))
-    return flat
+def clean_key(case: Case) -> str:
+    return f"clean/{case.peers}/{case.sharding}/{case.mode}"
 
 
-def apply(peer: SwarmPeer, averaged: torch.Tensor) -> None:
-    offset = 0
-    for p in peer.task.model.parameters():
-        p.grad.copy_(averaged[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    peer.optimizer.step()
+def worst_drop(quiet: dict[str, Case], results: dict[str, RunResult], family: str) -> tuple[float | None, str | None]:
+    drops = {
+        name: results[clean_key(case)].accuracy - results[name].accuracy
+        for name, case in quiet.items()
+        if case.attack is not None and QUIET[case.attack].family == family
+    }
+    if not drops:
+        return None, None
+    name = max(drops, key=drops.get)
+    return round(drops[name], 4), name
 
 
-async def run_swarm(count: int, attackers: int, epochs: int, aggregation: str, checks: bool = True) -> RunResult:
-    torch.manual_seed(1)
-    peers: list[SwarmPeer] = []
-    async with trio.open_nursery() as nursery:
+def print_table(quiet: dict[str, Case], results: dict[str, RunResult]) -> None:
+    """Accuracy per attack (rows) and case (columns: f of n, sharding, mode), the clean row first."""
+    columns = sorted({(c.attackers, c.peers, c.sharding, c.mode) for c in quiet.values() if c.attack})
+    heads = [f"f{f}of{n}/{s}/{m}" for f, n, s, m in columns]
+    print(f"\n{'attack':<13} " + " ".join(f"{h:>22}" for h in heads))
+    clean = [results[f"clean/{n}/{s}/{m}"].accuracy for f, n, s, m in columns]
+    print(f"{'(clean)':<13} " + " ".join(f"{a:>22.3f}" for a in clean))
+    for attack in dict.fromkeys(c.attack for c in quiet.values() if c.attack):
+        cells = []
+        for (f, n, s, m), base in zip(columns, clean, strict=True):
+            result = results.get(f"{attack}/f{f}of{n}/{s}/{m}")
+            cells.append(f"{result.accuracy:.3f} ({result.accuracy - base:+.3f})" if result else "-")
+        print(f"{attack:<13} " + " ".join(f"{cell:>22}" for cell in cells))
 
-        async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with open_peer_host(Identity.generate()) as host:
-                hostile = index >= count - attackers
-                service = AllReduceService(host, shard_type=LyingShard) if hostile else AllReduceService(host)
-                task = digits_task(ShardSpec(index, count))
-                attack = ATTACKS[(index - (count - attackers)) % len(ATTACKS)] if hostile else None
-                peer = SwarmPeer(index, host, service, task, task.make_optimizer(list(task.model.parameters())), attack)
-                task_status.started(peer)
-                await trio.sleep_forever()
 
-        for index in range(count):
-            peers.append(await nursery.start(run_peer, index))
-        honest = [p for p in peers if p.attack is None]
-        liars = {p.peer_id for p in peers if p.attack is not None}
-        result = RunResult(0.0, 0, len(liars), None)
-        for epoch in range(epochs):
-            banned = {peer for p in honest for peer in liars if peer in p.service.checks.banned}
-            if banned == liars and result.caught_after is None and liars:
-                result.caught_after = epoch
-            members = [p for p in peers if p.peer_id not in banned]
-            group = GroupInfo(
-                os.urandom(16),
-                tuple(GroupMember(p.peer_id, p.host.listen_address, 1.0, AveragingMode.NODE) for p in members),
-            )
-            vectors = {p.index: gradient(p) for p in members}
-            cpu, wall = time.process_time(), time.perf_counter()
-
-            async def one(p: SwarmPeer, group: GroupInfo, vector: torch.Tensor) -> None:
-                weight = HOSTILE_WEIGHT if p.attack else 1.0
-                settings = RoundSettings(
-                    aggregation=aggregation,
-                    check_reducers=checks and aggregation == "centered-clip",
-                    sender_timeout=SENDER_TIMEOUT,
-                    reducer_timeout=REDUCER_TIMEOUT,
-                )
-                await p.service.run(group, [vector], weight=weight, settings=settings)
-
-            async with trio.open_nursery() as round_nursery:
-                for p in members:
-                    round_nursery.start_soon(one, p, group, vectors[p.index])
-            result.round_cpu.append(time.process_time() - cpu)
-            result.round_wall.append(time.perf_counter() - wall)
-            for p in members:
-                apply(p, vectors[p.index])
-        accuracies = [p.task.evaluate(p.task.model)["accuracy"] for p in honest]
-        result.accuracy = statistics.fmean(accuracies)
-        result.caught = sum(1 for peer in liars if any(peer in p.service.checks.banned for p in honest))
-        nursery.cancel_scope.cancel()
-    return result
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer epochs and cases (~2 min on 2 cores)")
+    parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--epochs", type=int, help="epochs per run (default 100; --quick: 60)")
+    parser.add_argument("--attacks", help=f"quiet attacks, of {','.join(QUIET)} (default: all)")
+    parser.add_argument("--fs", help="attackers per quiet case, of 1,2,3 (3 is of twice the peers)")
+    parser.add_argument("--shardings", help=f"of {','.join(SHARDINGS)}")
+    parser.add_argument("--modes", help=f"of {','.join(MODES)}")
+    args = parser.parse_args()
+    defaults = {
+        "attacks": QUICK_ATTACKS if args.quick else tuple(QUIET),
+        "fs": (2,) if args.quick else (1, 2, 3),
+        "shardings": ("iid",) if args.quick else SHARDINGS,
+        "modes": ("gradient",) if args.quick else MODES,
+    }
+    for name, default in defaults.items():
+        given = getattr(args, name)
+        setattr(args, name, tuple(given.split(",")) if given else default)
+    args.fs = tuple(int(f) for f in args.fs)
+    for name, known in (("attacks", QUIET), ("shardings", SHARDINGS), ("modes", MODES), ("fs", (1, 2, 3))):
+        unknown = set(getattr(args, name)) - set(known)
+        if unknown:
+            parser.error(f"--{name}: unknown {sorted(unknown)}")
+    args.epochs = args.epochs or (60 if args.quick else 100)
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer epochs, no contrast run (~2 min on 2 cores)")
-    parser.add_argument("--peers", type=int, default=8)
-    parser.add_argument("--epochs", type=int, help="epochs per run (default 100; --quick: 60)")
-    args = parser.parse_args()
+    args = parse_args()
     torch.set_num_threads(1)
-    epochs = args.epochs or (60 if args.quick else 100)
-    runs = [  # (name, attackers, aggregation, reducer checks)
-        ("clean", 0, "centered-clip", True),
-        ("clean_mean", 0, "mean", False),
-        ("clean_nochk", 0, "centered-clip", False),
-        ("f1", 1, "centered-clip", True),
-        ("f2", 2, "centered-clip", True),
-        ("f3", 3, "centered-clip", True),
-    ]
-    if not args.quick:
-        runs.append(("f1_mean", 1, "mean", False))
+    loud, quiet = loud_runs(args.peers, args.quick), quiet_runs(args)
+    runs = {**loud, **quiet}
+    runs.pop(f"clean/{args.peers}/iid/gradient", None)  # the loud runs' clean is that run
     results: dict[str, RunResult] = {}
     started = time.perf_counter()
-    print(f"{args.peers} peers, digits, {epochs} epochs per run; {os.cpu_count()} cores")
-    print(f"{'run':<11} {'attackers':>9} {'aggregation':>13} {'accuracy':>9} {'caught':>7} {'cpu/round':>10}")
-    for name, attackers, aggregation, checks in runs:
-        result = trio.run(run_swarm, args.peers, attackers, epochs, aggregation, checks)
+    print(f"{args.peers} peers, digits, {args.epochs} epochs per run; {os.cpu_count()} cores")
+    print(f"{'run':<36} {'aggregation':>13} {'accuracy':>9} {'caught':>7} {'cpu/round':>10}")
+    for name, case in runs.items():
+        epochs = args.epochs if case.mode == "gradient" else max(1, args.epochs // 2)
+        result = trio.run(run_swarm, case, epochs)
         results[name] = result
         print(
-            f"{name:<11} {attackers:>9} {aggregation:>13} {result.accuracy:>9.3f} "
+            f"{name:<36} {case.aggregation:>13} {result.accuracy:>9.3f} "
             f"{result.caught:>3}/{result.liars:<3} {statistics.median(result.round_cpu) * 1e3:>8.1f}ms",
             flush=True,
         )
+    results[f"clean/{args.peers}/iid/gradient"] = results["clean"]
+    print_table(quiet, results)
     clean, plain, unchecked = results["clean"], results["clean_mean"], results["clean_nochk"]
 
     def ratio(run: RunResult, figure: str) -> float:
         return round(statistics.median(getattr(run, figure)) / statistics.median(getattr(plain, figure)), 3)
 
+    model_drop, model_case = worst_drop(quiet, results, "model")
+    label_drop, label_case = worst_drop(quiet, results, "label")
     summary = {
         "peers": args.peers,
-        "epochs": epochs,
+        "epochs": args.epochs,
         "accuracy_clean": round(clean.accuracy, 4),
         "accuracy_clean_mean": round(plain.accuracy, 4),
         **{f"accuracy_f{f}": round(results[f"f{f}"].accuracy, 4) for f in (1, 2, 3)},
@@ -215,6 +203,12 @@ def main() -> None:
         "robust_wall_ratio": ratio(unchecked, "round_wall"),
         "checked_time_ratio": ratio(clean, "round_cpu"),
         "checked_wall_ratio": ratio(clean, "round_wall"),
+        "quiet_clean": {name[6:]: round(results[name].accuracy, 4) for name in quiet if name.startswith("clean/")},
+        "quiet_accuracy": {name: round(results[name].accuracy, 4) for name in quiet if not name.startswith("clean/")},
+        "worst_drop_model_poisoning": model_drop,
+        "worst_case_model_poisoning": model_case,
+        "worst_drop_label_flip": label_drop,
+        "worst_case_label_flip": label_case,
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))

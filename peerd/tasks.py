@@ -28,12 +28,14 @@ __all__ = [
     "check_task",
     "task_name",
     "digits_task",
+    "digits_data",
+    "endless_batches",
     "textlm_task",
     "BUILTIN_TASKS",
 ]
 
 
-def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
+def endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int, seed: int):
     """Shuffled batches forever; a shard smaller than one batch is one (smaller) batch, so a peer
     on a thin shard still trains instead of waiting forever for a full batch."""
     batch_size = min(batch_size, len(inputs))
@@ -45,18 +47,24 @@ def _endless_batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: in
             yield inputs[index], targets[index]
 
 
-def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu", batch_size: int = 32) -> Task:
-    """8x8 handwritten digits (1,797 images shipped with scikit-learn), 20% held out for evaluation."""
+def digits_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The digits images (scaled to [0, 1]), their labels, and the indices of the training and the
+    held-out split (20%, the same for every peer: a seeded shuffle)."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as error:  # pragma: no cover - scikit-learn is a dependency
         raise TaskError("the digits task needs scikit-learn (pip install scikit-learn)") from error
-    device = torch.device(device)
     data = load_digits()
     inputs = torch.tensor(data.data, dtype=torch.float32) / 16.0
     targets = torch.tensor(data.target, dtype=torch.long)
     split = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(12345))
-    held_out, train = split[: len(split) // 5], split[len(split) // 5 :]
+    return inputs, targets, split[len(split) // 5 :], split[: len(split) // 5]
+
+
+def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu", batch_size: int = 32) -> Task:
+    """8x8 handwritten digits (1,797 images shipped with scikit-learn), 20% held out for evaluation."""
+    device = torch.device(device)
+    inputs, targets, train, held_out = digits_data()
     mine = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(shard.seed))][
         shard.index :: shard.count
     ]
@@ -83,7 +91,7 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
         name="digits",
         model=model,
         make_optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
-        batches=_endless_batches(inputs[mine], targets[mine], batch_size, seed=1000 + shard.index),
+        batches=endless_batches(inputs[mine], targets[mine], batch_size, seed=1000 + shard.index),
         loss_fn=loss_fn,
         evaluate=evaluate,
         batch_size=batch_size,

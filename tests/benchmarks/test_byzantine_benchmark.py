@@ -29,3 +29,11 @@ def test_a_short_byzantine_run_reports_one_json_line():
     # with one or two liars among 4 peers, every honest sender checks every reducer: all caught
     assert summary["liars"] == 6 and summary["liars_caught"] >= 3
     assert summary["caught_after_epochs"]["f1"] == 1
+    # the quick subset of quiet attacks, each measured against the clean run of the same swarm
+    assert sorted(summary["quiet_accuracy"]) == sorted(
+        f"{attack}/f2of4/iid/gradient" for attack in ("ipm-4", "alie-zmax", "label-flip", "min-max-std")
+    )
+    assert summary["quiet_clean"] == {"4/iid/gradient": summary["accuracy_clean"]}
+    for family in ("model_poisoning", "label_flip"):
+        assert isinstance(summary[f"worst_drop_{family}"], float)
+        assert summary[f"worst_case_{family}"] in summary["quiet_accuracy"]

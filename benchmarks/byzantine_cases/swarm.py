@@ -1,0 +1,194 @@
+"""The in-process swarm of ``benchmarks/byzantine.py``: real hosts, real all-reduce services and
+reducer checks on 127.0.0.1, one process, training the digits task while some peers attack.
+
+``gradient`` mode (collaborative training): an epoch is one batch of 32 per peer; the peers
+average their gradients in one round and each applies the average with its own Adam. ``local``
+mode (local updates, DiLoCo): a round is ``LOCAL_STEPS`` Adam steps per peer on its own batches;
+the peers average their pseudo-gradients (``start - params``) and each takes peerd's outer step
+(``OuterStep``: Nesterov SGD from the shared start, the optimizer's default lr 0.7, momentum 0.9).
+
+Attackers are the last f peers. They compute their own update as honest peers do (on flipped
+labels for label flipping), then, knowing every honest update of the round, send their attack's
+(``attacks.py``); all attackers of a run send the same attack, except the loud ones, which take
+turns through ``LOUD``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from averaging.allreduce import AllReduceService, RoundSettings
+from averaging.group import AveragingMode, GroupInfo, GroupMember
+from averaging.outer_step import OuterStep
+from peer import Identity, open_peer_host
+from peerd.tasks import Task
+from tests.support.hostile_reducers import LyingShard
+
+from .attacks import LOUD, QUIET, Attack, flip_labels
+from .shards import peer_task
+
+__all__ = ["Case", "RunResult", "run_swarm", "MODES", "LOCAL_STEPS"]
+
+MODES = ("gradient", "local")
+HOSTILE_WEIGHT = float(2**40)
+LOCAL_STEPS = 5  # inner steps per local-updates round: few, so the quick runs see many rounds
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # LocalUpdatesOptimizer's defaults (averaging/local_updates.py)
+# A round's deadlines: generous for 16 peers sharing 2 cores, only there to catch hangs.
+SENDER_TIMEOUT = 20.0
+REDUCER_TIMEOUT = 40.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: ``attack`` names a quiet attack (``QUIET``), ``"loud"`` (part 1's attacks in
+    turn) or None (no attacker)."""
+
+    peers: int
+    attackers: int
+    attack: str | None
+    aggregation: str = "centered-clip"
+    checks: bool = True
+    sharding: str = "iid"
+    mode: str = "gradient"
+
+    def attack_of(self, index: int) -> Attack | None:
+        first = self.peers - self.attackers
+        if index < first or self.attack is None:
+            return None
+        return LOUD[(index - first) % len(LOUD)] if self.attack == "loud" else QUIET[self.attack]
+
+
+@dataclass
+class SwarmPeer:
+    index: int
+    host: object
+    service: AllReduceService
+    task: Task
+    optimizer: torch.optim.Optimizer
+    outer: OuterStep | None  # local mode's outer step
+    attack: Attack | None = None  # None: honest
+
+    @property
+    def peer_id(self):
+        return self.host.peer_id
+
+
+@dataclass
+class RunResult:
+    accuracy: float
+    caught: int
+    liars: int
+    caught_after: int | None
+    round_cpu: list[float] = field(default_factory=list)
+    round_wall: list[float] = field(default_factory=list)
+
+
+def batch(peer: SwarmPeer) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = next(peer.task.batches)
+    return (inputs, flip_labels(targets)) if peer.attack and peer.attack.flips_labels else (inputs, targets)
+
+
+def own_update(peer: SwarmPeer) -> torch.Tensor:
+    """This peer's honest update: its gradient on one batch, or its pseudo-gradient after a round
+    of local steps."""
+    model, task = peer.task.model, peer.task
+    if peer.outer is None:
+        model.zero_grad()
+        task.loss_fn(model, batch(peer)).backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    for _ in range(LOCAL_STEPS):
+        peer.optimizer.zero_grad()
+        task.loss_fn(model, batch(peer)).backward()
+        peer.optimizer.step()
+    peer.outer.compute_deltas()
+    return torch.cat([delta.reshape(-1) for delta in peer.outer.deltas])
+
+
+def apply(peer: SwarmPeer, averaged: torch.Tensor) -> None:
+    targets = [p.grad for p in peer.task.model.parameters()] if peer.outer is None else peer.outer.deltas
+    offset = 0
+    for target in targets:
+        target.copy_(averaged[offset : offset + target.numel()].view_as(target))
+        offset += target.numel()
+    if peer.outer is None:
+        peer.optimizer.step()
+    else:
+        peer.outer.apply()
+
+
+def updates(members: list[SwarmPeer]) -> dict[int, torch.Tensor]:
+    """What each member sends this round: honest peers their own update; attackers their attack's,
+    computed from every honest update of the round."""
+    own = {p.index: own_update(p) for p in members}
+    honest = torch.stack([own[p.index] for p in members if p.attack is None])
+    n, f = len(members), sum(1 for p in members if p.attack is not None)
+    return {p.index: p.attack.update(own[p.index], honest, n, f) if p.attack else own[p.index] for p in members}
+
+
+async def run_round(members: list[SwarmPeer], vectors: dict[int, torch.Tensor], settings: RoundSettings) -> None:
+    group = GroupInfo(
+        os.urandom(16),
+        tuple(GroupMember(p.peer_id, p.host.listen_address, 1.0, AveragingMode.NODE) for p in members),
+    )
+
+    async def one(p: SwarmPeer) -> None:
+        weight = HOSTILE_WEIGHT if p.attack and p.attack.loud else 1.0
+        await p.service.run(group, [vectors[p.index]], weight=weight, settings=settings)
+
+    async with trio.open_nursery() as nursery:
+        for p in members:
+            nursery.start_soon(one, p)
+
+
+async def run_swarm(case: Case, epochs: int) -> RunResult:
+    """Train ``epochs`` epochs (gradient mode) or rounds (local mode) under ``case``'s attack;
+    groups are formed as matchmaking forms them once peers ban each other: without any peer that
+    an honest member has caught (``averaging/verification.py``)."""
+    torch.manual_seed(1)
+    settings = RoundSettings(
+        aggregation=case.aggregation,
+        check_reducers=case.checks and case.aggregation == "centered-clip",
+        sender_timeout=SENDER_TIMEOUT,
+        reducer_timeout=REDUCER_TIMEOUT,
+    )
+    peers: list[SwarmPeer] = []
+    async with trio.open_nursery() as nursery:
+
+        async def run_peer(index: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with open_peer_host(Identity.generate()) as host:
+                attack = case.attack_of(index)
+                lying = attack is not None and attack.loud
+                service = AllReduceService(host, shard_type=LyingShard) if lying else AllReduceService(host)
+                task = peer_task(index, case.peers, case.sharding)
+                params = list(task.model.parameters())
+                outer = OuterStep(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM) if case.mode == "local" else None
+                task_status.started(SwarmPeer(index, host, service, task, task.make_optimizer(params), outer, attack))
+                await trio.sleep_forever()
+
+        for index in range(case.peers):
+            peers.append(await nursery.start(run_peer, index))
+        honest = [p for p in peers if p.attack is None]
+        liars = {p.peer_id for p in peers if p.attack is not None}
+        result = RunResult(0.0, 0, len(liars), None)
+        for epoch in range(epochs):
+            banned = {peer for p in honest for peer in liars if peer in p.service.checks.banned}
+            if banned == liars and result.caught_after is None and liars:
+                result.caught_after = epoch
+            members = [p for p in peers if p.peer_id not in banned]
+            vectors = updates(members)
+            cpu, wall = time.process_time(), time.perf_counter()
+            await run_round(members, vectors, settings)
+            result.round_cpu.append(time.process_time() - cpu)
+            result.round_wall.append(time.perf_counter() - wall)
+            for p in members:
+                apply(p, vectors[p.index])
+        result.accuracy = statistics.fmean(p.task.evaluate(p.task.model)["accuracy"] for p in honest)
+        result.caught = sum(1 for peer in liars if any(peer in p.service.checks.banned for p in honest))
+        nursery.cancel_scope.cancel()
+    return result
