@@ -58,6 +58,7 @@ MAX_PUNCHES = 8  # punches in progress at once (each holds a socket and a task)
 MAX_TRACKED = 1024
 RETRY_PAUSE = 10.0  # after a failed round; doubles up to MAX_RETRY_PAUSE
 MAX_RETRY_PAUSE = 300.0
+NOT_READY_PAUSE = 1.0  # how often a round that cannot start yet looks again (no traffic: a timer)
 # The responder waits this long for the initiator's first handshake message before starting the
 # handshake itself (its SYN met the other side's listener).
 RESPONDER_PATIENCE = 1.0
@@ -124,7 +125,7 @@ class HolePuncher:
 
     async def keep_punching(self, relayed: Connection) -> None:
         """Punch rounds for ``relayed`` until one succeeds or the connection ends, the pause
-        between failed rounds doubling. A round waits (``RETRY_PAUSE``, not doubled) while our
+        between failed rounds doubling. A round waits (``NOT_READY_PAUSE`` at a time) while our
         public address is unknown, a punch with this peer is already running, or ``MAX_PUNCHES``
         are. Waiting holds no punch slot, only this task (one per peer we dialed through a
         relay, so bounded by the connection pool)."""
@@ -140,7 +141,7 @@ class HolePuncher:
                         log.info("hole punching to %s failed; staying on the relay, trying again later", peer)
                     waited, pause = pause, min(2 * pause, MAX_RETRY_PAUSE)
                 else:
-                    waited = RETRY_PAUSE
+                    waited = NOT_READY_PAUSE
                 with trio.move_on_after(waited):
                     await relayed.closed.wait()
         finally:

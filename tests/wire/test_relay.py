@@ -304,7 +304,7 @@ async def test_a_failed_punch_is_tried_again_while_the_relayed_connection_lives(
 async def test_a_relayed_connection_made_while_every_punch_slot_is_taken_is_punched_later(relayed, monkeypatch):
     relay_host, relay, behind, dialer = relayed
     monkeypatch.setattr("peer.host.RELAY_HANDOVER_GRACE", 0.2)
-    monkeypatch.setattr("peer.holepunch.RETRY_PAUSE", 0.3)
+    monkeypatch.setattr("peer.holepunch.NOT_READY_PAUSE", 0.3)
     monkeypatch.setattr("peer.holepunch.MAX_PUNCHES", 0)  # every slot taken (by punches with others)
     HolePuncher(behind, lambda: "127.0.0.1")
     puncher = HolePuncher(dialer, lambda: "127.0.0.1")
