@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import trio
 
+from peer.worker_threads import run_blocking
+
 from .later import Later
 from .outer_step import OuterStep
 from .replica import AveragingRecord, Replica
@@ -73,7 +75,7 @@ class SequentialRounds:
     communication stalls local training for as long as it takes."""
 
     async def end_round(self, run: LocalRound, weight: float) -> bool:
-        await trio.to_thread.run_sync(run.outer_step.compute_deltas)
+        await run_blocking(run.outer_step.compute_deltas)
         record = await run.average_deltas(run.epoch, weight)
         await run.advance(run.outer_step.apply, record)
         await run.finish_round()
@@ -120,7 +122,7 @@ class OverlappedRounds:
             stepped = True
         else:
             run.restart_round()
-        self._anchor = await trio.to_thread.run_sync(run.outer_step.compute_deltas_and_anchor)
+        self._anchor = await run_blocking(run.outer_step.compute_deltas_and_anchor)
         self._record = Later(self.background, functools.partial(run.average_deltas, run.epoch, weight))
         return stepped
 

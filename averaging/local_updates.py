@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import trio
 
+from peer.worker_threads import run_blocking
+
 from .averager import GroupAverager
 from .error_feedback import ErrorFeedback
 from .local_rounds import RoundSchedule, SequentialRounds
@@ -136,7 +138,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             swarm = await self.replica.fetch(self.local_samples)
             if swarm.epoch > self.replica.epoch + 1:
                 await self._catch_up(swarm.epoch)
-        await trio.to_thread.run_sync(self._inner_step)
+        await run_blocking(self._inner_step)
         self.inner_steps += 1
         self.local_samples += batch_size
         view = await self._view()
@@ -193,12 +195,12 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
         feedback = self.error_feedback
         if feedback is not None:
-            await trio.to_thread.run_sync(feedback.add_residual, self.deltas)
+            await run_blocking(feedback.add_residual, self.deltas)
         record = await average_once(
             self.delta_averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
         )
         if feedback is not None:
-            await trio.to_thread.run_sync(feedback.settle, record.result)
+            await run_blocking(feedback.settle, record.result)
         return record
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
@@ -206,7 +208,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         peer that loaded state while its donor's step was in flight is one behind), as one change
         for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
-            await trio.to_thread.run_sync(apply)
+            await run_blocking(apply)
             self.replica.count_round(record)
 
     def restart_round(self) -> None:
@@ -226,7 +228,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         """Average the shared start with a group; parameters move by the same correction, keeping
         whatever local progress they carry. A copy is averaged, so newcomers can still download
         our state meanwhile."""
-        await trio.to_thread.run_sync(self._outer_step.copy_start_for_averaging)
+        await run_blocking(self._outer_step.copy_start_for_averaging)
         if await average_state(self.start_averager, self.replica.epoch):
             async with self.replica.state.locked_tensors():
-                await trio.to_thread.run_sync(self._outer_step.move_to_averaged_start)
+                await run_blocking(self._outer_step.move_to_averaged_start)

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import trio
 
+from peer.worker_threads import run_blocking
+
 from .averager import FormedGroup, GroupAverager
 from .match_ahead import GroupSource, MatchAtStep, Matching, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
@@ -92,7 +94,7 @@ class LRSchedule:
         steps = min(epochs, MAX_SCHEDULER_CATCH_UP)
         if steps < epochs:
             log.warning("the swarm is %d epochs ahead; moving the scheduler %d only", epochs, steps)
-        await trio.to_thread.run_sync(self.step, steps)
+        await run_blocking(self.step, steps)
 
 
 class GradientSum:
@@ -232,7 +234,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         if self.accumulated.numel <= INLINE_ACCUMULATE_NUMEL:
             self.accumulated.add(batch_size)  # a thread hop would cost more than the work
         else:
-            await trio.to_thread.run_sync(self.accumulated.add, batch_size)
+            await run_blocking(self.accumulated.add, batch_size)
         self._update_throughput(batch_size)
         replica = self.replica
         if replica.exchange_due():
@@ -289,7 +291,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         parameters into NaN on the next step."""
         if self.optimizer_state:
             async with self.replica.state.locked_tensors():
-                await trio.to_thread.run_sync(sanitize_state, self.optimizer)
+                await run_blocking(sanitize_state, self.optimizer)
 
     def _update_throughput(self, batch_size: int) -> None:
         """Until the first epoch ends, the local rate; afterwards the rate over whole epochs."""
@@ -313,7 +315,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             group=await self.grads_ahead.take(replica.epoch),
         )
         async with replica.state.locked_tensors():  # a donor never sends half a step
-            await trio.to_thread.run_sync(self._apply_gradients)
+            await run_blocking(self._apply_gradients)
         # A peer one epoch behind steps when it sees the swarm ahead, and so averages in the
         # swarm's round for the next epoch: it counts that epoch as done, as its group does, and
         # moves its schedule as far (``_apply_gradients`` stepped it for one epoch).
@@ -341,7 +343,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
     async def land(self, record: AveragingRecord, launched_at: int, landed: Callable[[], None]) -> None:
         replica = self.replica
         async with replica.state.locked_tensors():
-            await trio.to_thread.run_sync(self._apply_gradients)
+            await run_blocking(self._apply_gradients)
             landed()
         # counted at the launch; a group that was an epoch ahead moves us (and the schedule) once more
         self.lr_schedule.step(replica.count_round(record, launched_at=launched_at))

@@ -20,6 +20,7 @@ import trio
 from trio.lowlevel import ParkingLot
 
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
+from peer.worker_threads import run_blocking
 
 from .allreduce_protocol import (
     MAX_PART_MESSAGE,
@@ -57,7 +58,7 @@ def tensor_work_limiter() -> trio.CapacityLimiter:
 
 
 async def in_thread(fn, *args):
-    return await trio.to_thread.run_sync(fn, *args, limiter=tensor_work_limiter())
+    return await run_blocking(fn, *args, limiter=tensor_work_limiter())
 
 
 # Tensor work on at most this many values runs on the event loop (~0.4 ms), larger in a thread.

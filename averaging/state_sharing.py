@@ -29,6 +29,7 @@ import trio
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
+from peer.worker_threads import run_blocking
 
 from .group import is_counter
 from .state_checks import DONOR_AGREEMENT, WITNESS_SHARE, check_state, disagreement, sample_indices
@@ -149,7 +150,7 @@ class StateSharing:
                     raise ValueError("a sample request may name about an eighth of the state, not more")
                 tensors = [tensors[i] for i in only]
             # Copy under the lock (in a thread: may be large) so a concurrent round cannot tear it.
-            snapshot = await trio.to_thread.run_sync(lambda: [t.detach().to("cpu", copy=True) for t in tensors])
+            snapshot = await run_blocking(lambda: [t.detach().to("cpu", copy=True) for t in tensors])
             metadata = self.owner.state_metadata()
         wires = [tensor_to_wire(t) for t in snapshot]
         await stream.send({"metadata": metadata, "tensors": [header for header, _ in wires]})
@@ -183,7 +184,7 @@ class StateSharing:
             for address in donors:
                 try:
                     metadata, tensors = await self._download_from(address, expected, timeout)
-                    await trio.to_thread.run_sync(check_state, tensors, expected)
+                    await run_blocking(check_state, tensors, expected)
                     await self._witnessed(address, donors, tensors, expected, timeout)
                     return metadata, tensors
                 except (RPCError, ConnectError, ValueError, trio.EndOfChannel) as error:
@@ -216,7 +217,7 @@ class StateSharing:
             except (RPCError, ConnectError, ValueError, trio.EndOfChannel, trio.TooSlowError) as error:
                 log.info("witness %s could not send a sample: %s", witness.peer_id, error or "no answer in time")
                 return
-            distance = await trio.to_thread.run_sync(disagreement, [tensors[i] for i in indices], sample)
+            distance = await run_blocking(disagreement, [tensors[i] for i in indices], sample)
             if distance <= DONOR_AGREEMENT:
                 agreed = True
                 scope.cancel()

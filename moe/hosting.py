@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from peer import PeerAddress, PeerHost
+from peer.worker_threads import run_blocking
 
 if TYPE_CHECKING:
     from dht.node import DHTNode
@@ -100,7 +101,7 @@ async def host_experts(
     from .server import open_expert_server
 
     if experts is None:
-        experts = await trio.to_thread.run_sync(config.build_experts)
+        experts = await run_blocking(config.build_experts)
     async with open_expert_server(
         host,
         experts,

@@ -29,6 +29,7 @@ import torch
 import trio
 
 from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Request, Router
+from peer.worker_threads import run_blocking
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
 from .batching import BatchQueue, Job
@@ -211,7 +212,7 @@ class ExpertServer:
                     if sum(job.data.tensors[0].numel() for job in batch) <= INLINE_COMPUTE_NUMEL:
                         results, graph = _compute(backend, batch, saved)  # tiny: cheaper than a thread
                     else:
-                        results, graph = await trio.to_thread.run_sync(_compute, backend, batch, saved)
+                        results, graph = await run_blocking(_compute, backend, batch, saved)
                 except Exception as error:
                     log.warning("expert %s failed on a %s batch: %r", uid, batch[0].kind, error)
                     for job in batch:
@@ -247,7 +248,7 @@ class ExpertServer:
         """One file per expert (``UID.pt``), written between batches, never during one."""
         directory = Path(directory)
         for uid, backend in self.experts.items():
-            await trio.to_thread.run_sync(backend.save, directory / f"{uid}.pt", limiter=self.compute_limiter)
+            await run_blocking(backend.save, directory / f"{uid}.pt", limiter=self.compute_limiter)
 
     async def load_checkpoint(self, directory: Path) -> list[str]:
         """Load every expert that has a checkpoint file; returns their IDs."""
@@ -255,7 +256,7 @@ class ExpertServer:
         for uid, backend in self.experts.items():
             path = Path(directory) / f"{uid}.pt"
             if path.exists():
-                await trio.to_thread.run_sync(backend.load, path, limiter=self.compute_limiter)
+                await run_blocking(backend.load, path, limiter=self.compute_limiter)
                 self.graphs.drop_expert(uid)  # graphs of the parameters it had
                 loaded.append(uid)
         return loaded

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import trio
+
+from peer.worker_threads import run_blocking
 
 from .tasks import Task
 
@@ -122,7 +123,7 @@ class Trainer:
         while max_epochs is None or self.optimizer.epoch < max_epochs:
             batches = [next(self.task.batches) for _ in range(self.slice_size())]
             samples = sum(len(batch[0]) for batch in batches)
-            loss = await trio.to_thread.run_sync(self.forward_backward, batches)
+            loss = await run_blocking(self.forward_backward, batches)
             status.loss = loss if math.isnan(status.loss) else 0.9 * status.loss + 0.1 * loss
             stepped = await self.optimizer.step(samples)
             status.samples += samples
@@ -141,7 +142,7 @@ class Trainer:
                 spare = target_accuracy is not None or time.monotonic() >= self._next_evaluation
                 due = status.epoch % self.evaluate_every == 0 and spare
                 if stepped and (due or last):
-                    metrics = await trio.to_thread.run_sync(self._evaluate)
+                    metrics = await run_blocking(self._evaluate)
                     status.accuracy, status.eval_loss = metrics.get("accuracy"), metrics.get("loss")
                     status.bits_per_byte = metrics.get("bits_per_byte")
                     status.evaluated_samples = status.samples

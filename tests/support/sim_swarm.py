@@ -17,6 +17,7 @@ from dht import DHTConfig, DHTNode
 from peer import Router, open_peer_host
 from peer.clock import TrioClock
 from peer.simnet import SimNetwork, SimTransport
+from peer.worker_threads import inline_blocking_work
 
 
 class SimSwarm:
@@ -62,12 +63,15 @@ class SimSwarm:
 async def open_sim_swarm(
     network: SimNetwork, size: int, *, config: DHTConfig | None = None, clock: TrioClock | None = None
 ) -> AsyncIterator[SimSwarm]:
-    """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones."""
+    """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones.
+    Within the block blocking work runs on the event loop (``peer.worker_threads``), so that CPU
+    time costs no simulated time."""
     choices = random.Random(f"peerd-sim-swarm-{network.seed}")  # not the model's own sequence
-    async with trio.open_nursery() as nursery:
-        swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig())
-        for index in range(size):
-            earlier = [swarm.nodes[i].address for i in choices.sample(range(index), min(index, 2))]
-            await swarm.add(earlier)
-        yield swarm
-        nursery.cancel_scope.cancel()
+    with inline_blocking_work():
+        async with trio.open_nursery() as nursery:
+            swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig())
+            for index in range(size):
+                earlier = [swarm.nodes[i].address for i in choices.sample(range(index), min(index, 2))]
+                await swarm.add(earlier)
+            yield swarm
+            nursery.cancel_scope.cancel()
