@@ -3,7 +3,9 @@
 1. Every peer stores a declaration under ``{prefix}.matchmaking`` (a DHT dictionary; subkey = its
    owner-signed ``peer_subkey``, value = address, bandwidth, mode, tensor schema, round), expiring
    with the deadline. Readers take the peer ID from the signed subkey, so nobody can declare, or
-   squat on, another peer's place in a group.
+   squat on, another peer's place in a group. A swarm of more than a few groups declares in cells
+   instead, one key each (``cells.py``), their number from a census of the DHT that every peer
+   takes alike; a peer reads only its own cell, so a read costs the same at any swarm size.
 2. After a short settle time it reads all declarations, keeps those with its schema and round, and
    applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader. The settle
    time ends early once every peer of the view that formed this peer's last group has declared
@@ -40,8 +42,9 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
+from .cells import MAX_CELLS, Cells, cell_count, census_target, sparse_cell, swarm_estimate
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
-from .matchmaking_rules import Candidate, PassedOver, propose_group
+from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
 
@@ -68,6 +71,10 @@ LEADER_PATIENCE_SHARE = 0.5
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
 WITHDRAWAL_TTL = 5.0
+# The census (one lookup per CENSUS_PERIOD_S) may take this share of a round's matchmaking time, at
+# most CENSUS_TIMEOUT; one that does not finish keeps the cells as they were.
+CENSUS_SHARE = 0.25
+CENSUS_TIMEOUT = 5.0
 
 
 class MatchmakingError(RuntimeError):
@@ -206,6 +213,11 @@ class Matchmaker:
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
         self._passed_over = PassedOver()  # leaders that did not serve us, until their declarations expire
+        self.cells = Cells(prefix)
+        self._census_target: int | None = None  # the target of the census that set ``cells``
+        self._census_estimate = 0.0
+        self._counted: Cells | None = None  # the last census's cells, from the next round on
+        self._declared_key: str | None = None  # where our live declaration is, to withdraw it
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
         try:
@@ -216,9 +228,29 @@ class Matchmaker:
             ) from error
         self._join_method = method
 
-    @property
-    def key(self) -> str:
-        return f"{self.prefix}.matchmaking"
+    def key(self, round_number: int, cells: Cells | None = None) -> str:
+        """The DHT key this peer declares under, and reads, for ``round_number``."""
+        return (cells or self.cells).key(self.host.identity.peer_id.to_bytes(), round_number)
+
+    async def _count_cells(self, group_size: int, timeout: float) -> None:
+        """Once per census period: how many cells the swarm declares in (``cells.py``), for the
+        rounds after this one (this one's reads and declarations keep the cells they started
+        with). A census that fails or runs out of time is taken again in the next round."""
+        target = census_target(self.prefix, self.dht.clock.time())
+        if target == self._census_target:
+            return
+        with trio.move_on_after(min(CENSUS_TIMEOUT, timeout * CENSUS_SHARE)):
+            try:
+                nearest = await self.dht.find_nearest(target)
+            except Exception as error:  # (a DHT that cannot look up now: the cells stay as they are)
+                log.debug("census failed: %s", error)
+                return
+            estimate = swarm_estimate(target, [peer.to_int() for peer in nearest], self.dht.config.k)
+            count = cell_count(estimate, group_size)
+            if count != self.cells.count:
+                log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)
+            self._census_estimate, self._census_target = estimate, target
+            self._counted = Cells(self.prefix, count)
 
     async def _handle_join(self, request) -> dict:
         gathering = self._gathering
@@ -262,6 +294,27 @@ class Matchmaker:
         group is full or the event is set (the round is due), within its followers' patience."""
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
+        if self._counted is not None:
+            self.cells, self._counted = self._counted, None
+        failed: Exception | None = None
+        async with trio.open_nursery() as census:  # the census runs alongside, for the next round
+            census.start_soon(self._count_cells, target_group_size, timeout)
+            try:
+                return await self._match(me, target_group_size, min_group_size, timeout, settle_time, hold_open)
+            except Exception as error:  # raised as itself, not in the nursery's exception group
+                failed = error
+        assert failed is not None
+        raise failed
+
+    async def _match(
+        self,
+        me: Declaration,
+        target_group_size: int,
+        min_group_size: int,
+        timeout: float,
+        settle_time: float | None,
+        hold_open: trio.Event | None,
+    ) -> Match:
         deadline = trio.current_time() + timeout
         own_round = me.round
         await self.declare(me, timeout)
@@ -269,15 +322,20 @@ class Matchmaker:
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
+        sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
             candidates, settled = settled or await self._read_candidates(me), None
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
+                moves = self.key(newest) != self.key(me.round)
                 me = replace(me, round=newest)
-                candidates[me.peer_id] = me
                 await self.declare(me, timeout)
+                candidates = await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
+            if not probed and len(candidates) < sparse and self._census_estimate >= sparse:
+                me, candidates = await self._join_the_crowd(me, candidates, timeout)
+                probed = True
             alone = alone and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
@@ -297,7 +355,9 @@ class Matchmaker:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 try:
                     if proposal.leader == me.peer_id.to_bytes():
-                        group = await self.lead(me, expected, target_group_size, min_group_size, deadline, hold_open)
+                        # the grid's ragged edge merges a small group into its neighbour: room for all
+                        size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
+                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open)
                     else:
                         group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
                     self._last_view = frozenset(candidates) - {me.peer_id}
@@ -340,18 +400,49 @@ class Matchmaker:
     async def declare(self, me: Declaration, timeout: float) -> None:
         """Store our declaration under our own signed subkey, to live as long as the round."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
+        key = self.key(me.round)
+        if self._declared_key not in (None, key):  # moved cells: the old one must not expect us
+            await self.withdraw()
+        self._declared_key = key
+        await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
 
     async def withdraw(self) -> None:
         """Take our declaration back (we are leaving): until it expired, others would keep
         proposing us as their leader or wait for us as a member. Readers drop the marker stored in
         its place as malformed."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
+        key = self._declared_key or self.key(0)
+        await self.dht.store(key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
 
-    async def _read_candidates(self, me: Declaration) -> dict[PeerID, Declaration]:
-        found = await self.dht.get(self.key, latest=True)
+    async def _join_the_crowd(
+        self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float
+    ) -> tuple[Declaration, dict[PeerID, Declaration]]:
+        """Our cell is sparse: we may count cells differently from the swarm (a census that saw a
+        different k-th node, a newcomer's first census). Read our cell for half and for twice our
+        count, and move to whichever of the three holds the most peers; the swarm's majority sees
+        full cells and stays, so its count wins."""
+        here = self.cells
+        best, best_candidates = here, candidates
+        for count in {max(1, here.count // 2), min(MAX_CELLS, here.count * 2)} - {here.count}:
+            probe = Cells(self.prefix, count)
+            found = await self._read_candidates(me, probe)
+            if len(found) > len(best_candidates):
+                best, best_candidates = probe, found
+        if best is not here:
+            log.info("matchmaking in %d cell(s), as the peers around us do (not %d)", best.count, here.count)
+            self.cells = best
+            await self.declare(me, timeout)
+            best_candidates[me.peer_id] = me
+        return me, best_candidates
+
+    async def _read_candidates(self, me: Declaration, cells: Cells | None = None) -> dict[PeerID, Declaration]:
+        cells = cells or self.cells
+        key = self.key(me.round, cells)
+        found = await self.dht.get(key, latest=True)
         candidates = {me.peer_id: me}
+        # A newcomer (round 0) reads its first cell for the rounds declared there, and takes the
+        # others' word for whose cell it is; everyone else counts only those who belong in it.
+        newcomer = me.round == 0
 
         def parse(subkey: tuple[PeerID, str], body) -> Declaration:
             peer, raw = subkey
@@ -361,7 +452,9 @@ class Matchmaker:
         for (peer, _raw), declaration in dictionary_entries(
             found, lambda raw: (subkey_peer(raw), raw), parse, now=self.dht.clock.time()
         ):
-            if declaration.schema == me.schema and not self.excluded(peer):
+            if declaration.schema != me.schema or self.excluded(peer):
+                continue
+            if newcomer or cells.belongs(peer.to_bytes(), me.round, key):
                 candidates[peer] = declaration
         return candidates
 
@@ -424,33 +517,3 @@ class Matchmaker:
                 raise LeaderHoldsExcluded(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
             return group
         raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")
-
-
-def view_settled(last_view: frozenset[PeerID], declared: dict[PeerID, Declaration], round_number: int) -> bool:
-    """Whether every peer of ``last_view`` has declared ``round_number`` (or later): the view then
-    holds everyone the last one did, so waiting longer only waits for newcomers, which the settle
-    time never promised to catch. A missing peer (it left, or is slow) means waiting out the settle
-    time. Declarations are claims, but only their owners can store them: another peer's can
-    neither add to this view nor hold it back beyond the settle time."""
-    return bool(last_view) and all(peer in declared and declared[peer].round >= round_number for peer in last_view)
-
-
-def round_to_join(own_round: int, declared: list[int]) -> int:
-    """The round to declare, given the rounds other peers declared. Every round number is a claim
-    (anyone may store a declaration), so none may pull this peer along by itself: a peer that has
-    averaged before catches up one round at most (further behind, it loads state instead); a
-    newcomer (round 0) joins the lower median of the declared rounds, which a minority of liars
-    cannot move."""
-    if own_round == 0:
-        return sorted(declared)[(len(declared) - 1) // 2] if declared else 0
-    return max((r for r in declared if own_round < r <= own_round + 1), default=own_round)
-
-
-def confirmed_round(own_round: int, me: PeerID, group: GroupInfo, declared: dict[PeerID, Declaration]) -> int:
-    """The round this peer took part in: its own, or the next one if another member of the group
-    that formed declared it (catching up by one round). A declaration from outside the group, which
-    anyone can store, never moves it: otherwise one peer declaring a round ahead, again and again,
-    would push every honest peer's epoch forward an extra step per round."""
-    members = {member.peer_id for member in group.members} - {me}
-    ahead = any(declared[peer].round == own_round + 1 for peer in members if peer in declared)
-    return own_round + 1 if ahead else own_round

@@ -24,8 +24,26 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["Candidate", "GroupProposal", "MAX_PASSED_OVER", "PassedOver", "propose_group", "grid_dimensions"]
+from peer import PeerID
+
+from .group import GroupInfo
+
+if TYPE_CHECKING:
+    from .matchmaking import Declaration
+
+__all__ = [
+    "Candidate",
+    "GroupProposal",
+    "MAX_PASSED_OVER",
+    "PassedOver",
+    "confirmed_round",
+    "grid_dimensions",
+    "propose_group",
+    "round_to_join",
+    "view_settled",
+]
 
 
 @dataclass(frozen=True)
@@ -130,3 +148,33 @@ class PassedOver:
     def _expire(self, now: float) -> None:
         for leader in [leader for leader, until in self._until.items() if until <= now]:
             del self._until[leader]
+
+
+def view_settled(last_view: frozenset[PeerID], declared: dict[PeerID, Declaration], round_number: int) -> bool:
+    """Whether every peer of ``last_view`` has declared ``round_number`` (or later): the view then
+    holds everyone the last one did, so waiting longer only waits for newcomers, which the settle
+    time never promised to catch. A missing peer (it left, or is slow) means waiting out the settle
+    time. Declarations are claims, but only their owners can store them: another peer's can
+    neither add to this view nor hold it back beyond the settle time."""
+    return bool(last_view) and all(peer in declared and declared[peer].round >= round_number for peer in last_view)
+
+
+def round_to_join(own_round: int, declared: list[int]) -> int:
+    """The round to declare, given the rounds other peers declared. Every round number is a claim
+    (anyone may store a declaration), so none may pull this peer along by itself: a peer that has
+    averaged before catches up one round at most (further behind, it loads state instead); a
+    newcomer (round 0) joins the lower median of the declared rounds, which a minority of liars
+    cannot move."""
+    if own_round == 0:
+        return sorted(declared)[(len(declared) - 1) // 2] if declared else 0
+    return max((r for r in declared if own_round < r <= own_round + 1), default=own_round)
+
+
+def confirmed_round(own_round: int, me: PeerID, group: GroupInfo, declared: dict[PeerID, Declaration]) -> int:
+    """The round this peer took part in: its own, or the next one if another member of the group
+    that formed declared it (catching up by one round). A declaration from outside the group, which
+    anyone can store, never moves it: otherwise one peer declaring a round ahead, again and again,
+    would push every honest peer's epoch forward an extra step per round."""
+    members = {member.peer_id for member in group.members} - {me}
+    ahead = any(declared[peer].round == own_round + 1 for peer in members if peer in declared)
+    return own_round + 1 if ahead else own_round

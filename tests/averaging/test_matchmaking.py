@@ -134,6 +134,20 @@ async def test_group_of_four_averages_exactly_and_respects_target_size():
         nursery.cancel_scope.cancel()
 
 
+async def test_a_ragged_edge_merged_into_a_group_is_admitted_past_the_target_size():
+    # 5 peers in groups of 4: the grid's second row holds one peer, merged into the first group,
+    # so the leader expects 4 followers and must admit them all, not refuse the fifth as "full"
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 5)
+        averagers = make_averagers(nodes, [1.0, 2.0, 3.0, 4.0, 10.0], target_group_size=4, min_group_size=2)
+        with trio.fail_after(30):
+            results = await step_all(averagers, timeout=20)
+        assert {len(r.group.members) for r in results.values()} == {5}
+        for averager in averagers:
+            assert averager.tensors[0].item() == pytest.approx(4.0, abs=1e-6)
+        nursery.cancel_scope.cancel()
+
+
 async def test_mismatched_schemas_are_never_grouped():
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 4)

@@ -1,0 +1,127 @@
+"""Where a large swarm declares itself for matchmaking: one DHT key per cell, not one for everyone.
+
+With one key, ``{prefix}.matchmaking``, every peer reads every peer's declaration every round:
+O(N) signed records per read, O(N^2) across the swarm, all of it on the k nodes that hold the key.
+So a swarm larger than a few groups splits into ``count`` cells, each a key of its own holding
+about ``CELL_GROUPS`` groups' worth of declarations; a read costs the same whatever the swarm's
+size, and the load spreads over ``count`` sets of holders. Within a cell the Moshpit grid
+(``matchmaking_rules``) forms the groups, as it does for a small swarm in its single key.
+
+Which cell a peer is in is a hash of its peer ID and the round's period (``CELL_ROUNDS`` rounds,
+the grid's depth within a cell, so that the cell reaches its exact mean before it is reshuffled):
+nobody chooses a cell, every reader can check that a declaration belongs in the cell it is read
+from, and each period mixes the swarm's cells afresh, so values travel between cells as they do
+between groups.
+
+Every peer must agree on ``count``, or peers would declare under keys the others never read. It
+comes from a census: the k nodes nearest to a target that every peer derives from the prefix and
+the wall-clock period (``census_target``), from whose distances Kademlia's size estimate
+(``swarm_estimate``) follows. Peers that look up the same target find the same k nodes, and so
+the same estimate, without anyone announcing a size; the target moves every ``CENSUS_PERIOD_S``,
+so no node holds the census for long. The estimate counts DHT nodes: a DHT shared by several
+prefixes, or stuffed with nodes near one target, makes cells sparser than they should be, which
+``MAX_CELLS`` and the cells' own width (``CELL_GROUPS`` groups) bound.
+
+Sans I/O: the matchmaker does the lookup and the reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "CELL_GROUPS",
+    "CELL_ROUNDS",
+    "CENSUS_PERIOD_S",
+    "Cells",
+    "KEYSPACE",
+    "MAX_CELLS",
+    "MIN_CELL_SWARM",
+    "census_target",
+    "sparse_cell",
+    "cell_count",
+    "swarm_estimate",
+]
+
+# A cell holds between CELL_GROUPS and 2 x CELL_GROUPS groups' worth of declarations: enough that
+# the grid's ragged edge and a few peers leaving or arriving do not leave anyone alone in it.
+CELL_GROUPS = 2
+# A peer stays in one cell for this many rounds: the grid's depth for a cell of up to
+# group_size^2 peers, after which the cell holds its exact mean (for group sizes >= 2 x CELL_GROUPS;
+# smaller groups take more rounds, and the next period mixes them on).
+CELL_ROUNDS = 2
+# A swarm smaller than this keeps its single key whatever its group size: a read of a few dozen
+# declarations costs little, and the grid over the whole swarm reaches the exact mean soonest.
+MIN_CELL_SWARM = 64
+# How often the census target moves (wall-clock seconds): a swarm's size changes over minutes.
+CENSUS_PERIOD_S = 600.0
+# At most this many cells: 2^12 cells of 4-8 groups of 16 is ~0.5M peers, past anything we test,
+# and a census inflated by nodes packed near its target can cost no more than this split.
+MAX_CELLS = 1 << 12
+KEYSPACE = 1 << 160
+
+
+def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
+    """The number of nodes in a DHT whose ``k`` nearest node IDs to ``target`` are ``nearest``.
+    IDs are uniform over the key space, so the k-th nearest lies at distance k / (N + 1) of it on
+    average, and ``(k - 1) / distance`` estimates N without bias (within ~1/sqrt(k)). Fewer than
+    k found: the lookup saw the whole DHT."""
+    distances = sorted(node ^ target for node in nearest)
+    if len(distances) < k or k < 2:
+        return float(len(distances))
+    return (k - 1) * KEYSPACE / max(1, distances[k - 1])
+
+
+def cell_count(estimate: float, group_size: int) -> int:
+    """How many cells a swarm of ``estimate`` peers splits into: a power of two (so that counts
+    change by halves and doublings), each cell holding ``CELL_GROUPS`` to 2 x ``CELL_GROUPS``
+    groups; 1 (the single key) below twice that or below ``MIN_CELL_SWARM``."""
+    width = CELL_GROUPS * max(2, group_size)
+    if not math.isfinite(estimate) or estimate < max(2 * width, MIN_CELL_SWARM):
+        return 1
+    return min(MAX_CELLS, 1 << int(math.log2(estimate / width)))
+
+
+def sparse_cell(group_size: int) -> int:
+    """Fewer declarations than this in a cell suggest that we count cells differently from the
+    swarm around us (half a cell's least width)."""
+    return max(2, CELL_GROUPS * max(2, group_size) // 2)
+
+
+def census_target(prefix: str, wall_time: float) -> int:
+    """The ID whose nearest nodes every peer of ``prefix`` counts during the current census period."""
+    period = int(wall_time // CENSUS_PERIOD_S)
+    return int.from_bytes(hashlib.blake2b(f"{prefix}.census.{period}".encode(), digest_size=20).digest(), "big")
+
+
+@dataclass(frozen=True)
+class Cells:
+    """``count`` cells of one prefix's matchmaking: which key a peer declares under in a round."""
+
+    prefix: str
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_CELLS:
+            raise ValueError(f"need 1 <= cell count <= {MAX_CELLS}")
+
+    def cell_of(self, peer: bytes, round_number: int) -> int:
+        if self.count == 1:
+            return 0
+        period = round_number // CELL_ROUNDS
+        digest = hashlib.blake2b(peer + period.to_bytes(8, "big"), digest_size=8, person=b"peerd-cell").digest()
+        return int.from_bytes(digest, "big") % self.count
+
+    def key(self, peer: bytes, round_number: int) -> str:
+        """The key ``peer`` declares under for ``round_number``."""
+        if self.count == 1:
+            return f"{self.prefix}.matchmaking"
+        return f"{self.prefix}.cells{self.count}.{self.cell_of(peer, round_number)}.matchmaking"
+
+    def belongs(self, peer: bytes, round_number: int, key: str) -> bool:
+        """Whether ``peer``, taking part in ``round_number``, declares under ``key``: a declaration
+        read from a cell it has left (an older period, a newcomer's first look) is no candidate."""
+        return self.key(peer, round_number) == key
