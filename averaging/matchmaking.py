@@ -418,12 +418,16 @@ class Matchmaker:
         self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float
     ) -> tuple[Declaration, dict[PeerID, Declaration]]:
         """Our cell is sparse: we may count cells differently from the swarm (a census that saw a
-        different k-th node, a newcomer's first census). Read our cell for half and for twice our
-        count, and move to whichever of the three holds the most peers; the swarm's majority sees
-        full cells and stays, so its count wins."""
+        different k-th node, a newcomer whose census is still running). Read our cell for half and
+        for twice our count (and for the count of a census that has just come in), and move to
+        whichever holds the most peers; the swarm's majority sees full cells and stays, so its
+        count wins."""
         here = self.cells
         best, best_candidates = here, candidates
-        for count in {max(1, here.count // 2), min(MAX_CELLS, here.count * 2)} - {here.count}:
+        counts = {max(1, here.count // 2), min(MAX_CELLS, here.count * 2)}
+        if self._counted is not None:  # this round's census came in: a newcomer's first count
+            counts.add(self._counted.count)
+        for count in sorted(counts - {here.count}):
             probe = Cells(self.prefix, count)
             found = await self._read_candidates(me, probe)
             if len(found) > len(best_candidates):
