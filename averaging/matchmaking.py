@@ -241,11 +241,11 @@ class Matchmaker:
             return
         with trio.move_on_after(min(CENSUS_TIMEOUT, timeout * CENSUS_SHARE)):
             try:
-                nearest = await self.dht.find_nearest(target)
+                nearest = await self.dht.nearest_node_ids(target)
             except Exception as error:  # (a DHT that cannot look up now: the cells stay as they are)
                 log.debug("census failed: %s", error)
                 return
-            estimate = swarm_estimate(target, [peer.to_int() for peer in nearest], self.dht.config.k)
+            estimate = swarm_estimate(target, nearest, self.dht.config.k)
             count = cell_count(estimate, group_size)
             if count != self.cells.count:
                 log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)

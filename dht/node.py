@@ -262,13 +262,20 @@ class DHTNode:
 
     async def find_nearest(self, target: int, k: int | None = None) -> list[PeerID]:
         """The k nearest peers to ``target`` in the swarm, ourselves included unless in client mode."""
+        return [peer for _, peer in await self._nearest(target, k)]
+
+    async def nearest_node_ids(self, target: int, k: int | None = None) -> list[int]:
+        """The node IDs (what the DHT's distances are measured in) of ``find_nearest``'s peers."""
+        return [node_id for node_id, _ in await self._nearest(target, k)]
+
+    async def _nearest(self, target: int, k: int | None) -> list[tuple[int, PeerID]]:
         k = k or self.config.k
         result = await self._lookups.run(target)
         placed = [(contact.long_id, contact.peer_id) for contact in result.nearest]
         if not self.client_mode:
             placed.append((self.node_id, self.peer_id))
         placed.sort(key=lambda entry: entry[0] ^ target)
-        return [peer for _, peer in placed[:k]]
+        return placed[:k]
 
     # ------------------------------------------------------------------ records
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:

@@ -62,5 +62,9 @@ async def test_a_swarm_in_cells_agrees_on_them_reads_only_its_own_and_averages(a
         assert len(reads) >= 4 and all(".cells4." in key for key in reads), reads
 
         assert max(len(peers) for peers in declared.values()) <= 2 * PEERS // 4
+        # the census: every peer finds the same k nearest node IDs, so all take the same count
+        target = averaging.cells.census_target("cells", swarm.clock.time())
+        seen = {tuple(await node.nearest_node_ids(target)) for node in swarm.nodes[::5]}
+        assert len(seen) == 1 and averaging.cells.swarm_estimate(target, list(seen.pop()), 20) < 2 * PEERS
         # values travel between cells as the periods reshuffle them: the spread shrinks toward the mean
         assert spread[-1] < 0.15 * spread[0], spread
