@@ -27,7 +27,7 @@ from typing import Any
 
 from .lifetimes import DEFAULT_TTL_CAPS, key_ttl_cap
 from .records import CLOCK_SKEW, MAX_TTL, DHTRecord, DHTValue, RecordError, unpack
-from .storage import Found, RecordStore, StoredValue, Writer, merge_found
+from .storage import Found, RecordStore, StoredValue, Writer, merge_found, precedence
 from .validation import RecordValidator, signed_version
 
 __all__ = ["LocalRecords", "as_records"]
@@ -155,16 +155,25 @@ class LocalRecords:
 
     def validated(self, records: list[DHTRecord]) -> Found | None:
         """The valid ones among ``records`` (all of one key), merged."""
-        result: Found | None = None
         now = self.storage.clock()
+        kept: list[tuple[DHTRecord, StoredValue]] = []
         for record in records:
             verdict = self.verdict(record)
             if verdict is None:
                 continue
             version, limit = verdict
             if not self._outlives(record, now, version, limit):
-                item = StoredValue(record.value, record.expiration_time, version)
-                result = merge_found(result, item if record.subkey is None else {record.subkey: item})
+                kept.append((record, StoredValue(record.value, record.expiration_time, version)))
+        if kept and all(record.subkey is not None for record, _ in kept):
+            entries: dict[bytes, StoredValue] = {}  # a dictionary's entries, merged in place: O(n)
+            for record, item in kept:
+                held = entries.get(record.subkey)
+                if held is None or precedence(held) < precedence(item):
+                    entries[record.subkey] = item
+            return entries
+        result: Found | None = None
+        for record, item in kept:
+            result = merge_found(result, item if record.subkey is None else {record.subkey: item})
         return result
 
     def decode(self, key: bytes, found: Found) -> DHTValue:
