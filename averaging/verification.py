@@ -16,10 +16,11 @@ and the clip radius it used. The reducer keeps them from the moment each part is
    every other input to be the one its sender committed to, for this round, this reducer, this
    part and the weight stated with it (its digest in a commitment the sender signed), and decodes
    the inputs itself;
-2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
-   far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
-   most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
-   (a start far away makes tau huge, CenteredClip the mean, and the start the result);
+2. recomputes the radius the reducer's start (the contribution it names, its own unless another
+   is closer-knit, ``robust.py``) gives, and requires that start to be a plausible one: its radius
+   at most ``START_MARGIN * START_SLACK`` times the smallest of the radii every contribution would
+   give (a start far out makes tau huge and CenteredClip the mean: a reducer that starts from a
+   quiet attacker's contribution hands the attackers its shard);
 3. recomputes CenteredClip over the inputs from that start with that radius, and compares it
    with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
    rounds).
@@ -347,9 +348,9 @@ class PartCheck:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
             else:
                 radii = start_radii(inputs.values, inputs.values[trusted], exact=True)
-            typical = sorted(radii)[(len(radii) - 1) // 2]
-            if expected > START_MARGIN * START_SLACK * typical:
-                return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
+            smallest = min(radii)
+            if expected > START_MARGIN * START_SLACK * smallest:
+                return f"it started far from the others (radius {expected:.4g}, smallest {smallest:.4g})"
         return None
 
 
