@@ -83,6 +83,30 @@ def test_a_quiet_attacker_that_reduces_starts_where_an_honest_reducer_does(monke
             assert float(out @ mu) > 0.05 * float(mu @ mu)
 
 
+def test_attackers_past_the_honest_spread_are_clipped_to_it(monkeypatch):
+    """Two of eight attackers at twice the honest contributions' distance from their mean (ALIE
+    with z = 2 in high dimensions, a sign flip) lie within the start's distance to the honest
+    ones (sqrt 2 times that): a radius of the whole distance leaves them unclipped, and they
+    pull as in the mean (f / n x 2 spreads = 0.5). The radius is the honest spread, so they pull
+    by about f / n of it, while a clean group still gets its mean."""
+    import averaging.robust as robust
+
+    generator = torch.Generator().manual_seed(0)
+    honest = honest_cloud(6)
+    mean = torch.stack(honest).mean(0)
+    spread_from_mean = sum(float((h - mean).norm()) for h in honest) / len(honest)
+    away = torch.randn(DIM, generator=generator)
+    away /= away.norm()
+    hostile = mean - 2 * spread_from_mean * away
+    for limit in (0, 8 * DIM):
+        monkeypatch.setattr(robust, "GRAM_LIMIT", limit)
+        out = torch.empty(DIM)
+        centered_clip(honest + [hostile, hostile.clone()], [1.0] * 8, out, center=honest[0])
+        assert float((mean - out) @ away) < 0.4 * spread_from_mean
+        centered_clip(honest, [1.0] * 6, out, center=honest[0])
+        assert float((out - mean).norm()) < 1e-3 * spread_from_mean
+
+
 def test_claimed_weights_are_capped_at_twice_the_median():
     assert clip_weights([1.0, 2.0, 3.0, 2.0**40]) == [1.0, 2.0, 3.0, 4.0]
     assert clip_weights([0.0, 5.0]) == [0.0, 5.0]
