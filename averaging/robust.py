@@ -40,7 +40,7 @@ Choices the papers leave open, and ours:
   against 0.944, clean 0.966 / 0.965 against 0.960 / 0.964). Peers that check a reducer
   (``verification.py``) recompute the radius from the reducer's start, and bound that start.
 - **Iterations.** At most ``MAX_ITERATIONS``, ending once a step moves ``v`` by less than
-  ``TOLERANCE * tau``; from its own contribution a clean group takes 2-3.
+  ``TOLERANCE * tau``; from an honest start a clean group takes a few.
 - **Weights.** Claimed weights are clipped to ``MAX_WEIGHT_RATIO`` times the median positive
   weight of the part's contributors before anything else (``clip_weights``).
 
@@ -144,13 +144,13 @@ def centered_clip(
     and already clipped) into ``out``; returns the clipping radius tau (0 for a single part), and
     the index of the part it started from instead of ``center``, if it did (see "Start").
 
-    ``center``: a contribution this peer trusts (its own); the iteration starts there, and the
-    contributions are taken relative to it (exact distances in float32 even where they are tiny
-    next to the values, as between replicas' parameters). Without one it starts from the
-    coordinate-wise median (a sort: several times the cost). ``tau``: the radius to use instead
-    of choosing one, and ``choose_start=False`` to start at ``center`` whatever it is (to recompute
-    another peer's aggregate). ``workspace``: at least ``len(parts) * numel`` float32 values to
-    work in (else allocated)."""
+    ``center``: a contribution this peer trusts (its own); the iteration starts there unless
+    another is closer-knit (see "Start"), and the contributions are taken relative to it (exact
+    distances in float32 even where they are tiny next to the values, as between replicas'
+    parameters). Without one it starts from the coordinate-wise median (a sort: several times
+    the cost). ``tau``: the radius to use instead of choosing one, and ``choose_start=False`` to
+    start at ``center`` whatever it is (to recompute another peer's aggregate). ``workspace``: at
+    least ``len(parts) * numel`` float32 values to work in (else allocated)."""
     n = len(parts)
     if n == 0:
         raise ValueError("nothing to aggregate")
