@@ -22,8 +22,10 @@ same start. Groups smaller than the swarm and failed rounds break that, and noth
 averaging pulls replicas back: their differences add up round after round. So every
 ``average_state_every`` rounds the peers also average the shared start itself (in float32, one
 more model-sized message per that many rounds) and move their parameters by the same correction.
-The outer momentum is not averaged: differences in it decay by the momentum factor each round.
-Newcomers load both the start and the momentum.
+The outer momentum is each peer's own (worker momentum: folded into the delta before it is
+averaged, which with the mean is the same step and under robust aggregation narrows the honest
+spread that an attacker may pull by; ``outer_step.py``). Newcomers load both the start and a
+donor's momentum.
 
 With overlapped rounds, progress records and donor announcements go out in the background nursery
 between rounds. The start's averaging stays in line: besides pulling replicas together, its
@@ -110,7 +112,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
 
     @property
     def outer(self) -> torch.optim.Optimizer:
-        """The outer SGD (Nesterov momentum) optimizer."""
+        """The outer SGD optimizer (the momentum is folded in before averaging: ``outer_step.py``)."""
         return self._outer_step.optimizer
 
     @property
@@ -124,7 +126,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
 
     @property
     def outer_state(self) -> list[torch.Tensor]:
-        """The outer momentum buffer(s)."""
+        """The outer momentum buffer(s): this peer's own (worker momentum, ``outer_step.py``)."""
         return self._outer_step.momentum
 
     @property

@@ -89,7 +89,8 @@ class ShardReduction:
         self._outcome: ReductionOutcome | None = None
         self.aggregation = Aggregation(aggregation)
         self.workspace = workspace
-        self.own: Hashable | None = None  # the reducer's own contribution: CenteredClip starts there
+        # the reducer's own contribution: CenteredClip starts there, or at a closer-knit one
+        self.own: Hashable | None = None
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
         # With ``keep_inputs``, per aggregated part: the senders with positive weight, their
         # claimed weights, a copy of their values (one row each), the row CenteredClip started

@@ -16,10 +16,11 @@ and the clip radius it used. The reducer keeps them from the moment each part is
    every other input to be the one its sender committed to, for this round, this reducer, this
    part and the weight stated with it (its digest in a commitment the sender signed), and decodes
    the inputs itself;
-2. recomputes the radius the reducer's start (the contribution it names, its own unless that lay
-   far out, ``robust.py``) gives, and requires that start to be a plausible one: its radius at
-   most ``START_MARGIN * START_SLACK`` times the median of the radii every contribution would give
-   (a start far away makes tau huge, CenteredClip the mean, and the start the result);
+2. recomputes the radius the reducer's start (the contribution it names, its own unless another
+   is closer-knit, ``robust.py``) gives, and requires that start to be a plausible one: its radius
+   at most ``START_MARGIN * START_SLACK`` times the smallest of the radii every contribution would
+   give (a start far out makes tau huge and CenteredClip the mean: a reducer that starts from a
+   quiet attacker's contribution hands the attackers its shard);
 3. recomputes CenteredClip over the inputs from that start with that radius, and compares it
    with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
    rounds).
@@ -71,6 +72,7 @@ from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedS
 from .compression import codec_of
 from .robust import (
     GRAM_LIMIT,
+    RADIUS_SHARE,
     START_SLACK,
     Aggregation,
     centered_clip,
@@ -317,17 +319,20 @@ class PartCheck:
             if not signed.commitment.verify(self.group_id, sender, weight, self.verified):
                 return f"it states an input of {sender} under a commitment {sender} did not sign"
         parts = list(inputs.values.unbind(0))
-        # The reducer starts from its own contribution (the coordinate-wise median if it sent
-        # none), and its radius follows from that start: recompute both exactly as it must have.
+        # The reducer starts from the contribution it names (its own, or one closer-knit; the
+        # coordinate-wise median if it sent none), and its radius follows from that start:
+        # recompute it exactly as the reducer must have.
         n = len(parts)
         trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
         between = None  # small parts: every distance between inputs at once (their radii too)
         if inputs.start is not None and n * parts[0].numel() <= GRAM_LIMIT:
             assert trusted is not None
             between = pairwise_distances(inputs.values, trusted)
-            start, expected = parts[inputs.start], float(np.sort(between[inputs.start])[n // 2])
+            start, radius = parts[inputs.start], float(np.sort(between[inputs.start])[n // 2])
         elif inputs.start is not None:
-            start, expected = parts[inputs.start], radius_from(inputs.values, inputs.start)
+            start, radius = parts[inputs.start], radius_from(inputs.values, inputs.start)
+        if inputs.start is not None:
+            expected = RADIUS_SHARE * radius  # (the start's radius, as ``robust.py`` scales it)
         else:
             start, expected = None, clip_radius(parts, None)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
@@ -347,9 +352,9 @@ class PartCheck:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
             else:
                 radii = start_radii(inputs.values, inputs.values[trusted], exact=True)
-            typical = sorted(radii)[(len(radii) - 1) // 2]
-            if expected > START_MARGIN * START_SLACK * typical:
-                return f"it started far from the others (radius {expected:.4g}, typical {typical:.4g})"
+            smallest = min(radii)
+            if radius > START_MARGIN * START_SLACK * smallest:
+                return f"it started far from the others (radius {radius:.4g}, smallest {smallest:.4g})"
         return None
 
 

@@ -171,10 +171,7 @@ def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFe
 
 
 def _outer_step(model: torch.nn.Module, config: Config) -> OuterStep:
-    outer = OuterStep(list(model.parameters()), lr=config.outer_lr, momentum=0.9)
-    for group in outer.optimizer.param_groups:  # OuterStep always builds Nesterov momentum 0.9
-        group["momentum"], group["nesterov"] = config.momentum, config.nesterov
-    return outer
+    return OuterStep(list(model.parameters()), lr=config.outer_lr, momentum=config.momentum, nesterov=config.nesterov)
 
 
 def run_swarm(

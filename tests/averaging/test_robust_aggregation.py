@@ -51,6 +51,62 @@ def test_huge_contributions_move_the_result_by_a_bounded_amount():
             assert float((out - mean).norm()) < bound
 
 
+def inner_product_attack(seed: int = 3) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """IPM (Xie et al. 2020) on a cloud whose spread is twice its mean's norm, as a gradient's
+    noise is next to its mean: 6 honest points, 2 attackers at -4x the honest mean. Their radius
+    (2.7x the honest spread) is no outlier's, yet it takes in every honest point."""
+    generator = torch.Generator().manual_seed(seed)
+    mu = torch.randn(DIM, generator=generator)
+    mu *= 0.5 / mu.norm()
+    honest = [mu + torch.randn(DIM, generator=generator) / DIM**0.5 for _ in range(6)]
+    return mu, honest, -4 * mu
+
+
+def test_a_quiet_attacker_that_reduces_starts_where_an_honest_reducer_does(monkeypatch):
+    """A reducer's own contribution is no start: an IPM attacker that reduces honestly would start
+    at -4x the mean, whose radius takes in every honest point, and its shard would be the mean,
+    pulled past zero. Whoever reduces starts in the honest cloud, and the aggregate keeps the
+    honest mean's direction (both the Gram iteration and the streamed one)."""
+    import averaging.robust as robust
+
+    mu, honest, hostile = inner_product_attack()
+    points = honest + [hostile, hostile.clone()]
+    assert float(torch.stack(points).mean(0) @ mu) < 0  # the mean is sign-flipped
+    for limit in (0, len(points) * DIM):
+        monkeypatch.setattr(robust, "GRAM_LIMIT", limit)
+        by_honest, by_attacker = torch.empty(DIM), torch.empty(DIM)
+        tau, _ = centered_clip(points, [1.0] * 8, by_honest, center=honest[0])
+        attacker_tau, moved_to = centered_clip(points, [1.0] * 8, by_attacker, center=hostile)
+        assert moved_to is not None and moved_to < len(honest)
+        assert abs(attacker_tau - tau) <= 0.05 * tau
+        for out in (by_honest, by_attacker):
+            assert float(out @ mu) > 0.05 * float(mu @ mu)
+
+
+def test_attackers_past_the_honest_spread_are_clipped_to_it(monkeypatch):
+    """Two of eight attackers at twice the honest contributions' distance from their mean (ALIE
+    with z = 2 in high dimensions, a sign flip) lie within the start's distance to the honest
+    ones (sqrt 2 times that): a radius of the whole distance leaves them unclipped, and they
+    pull as in the mean (f / n x 2 spreads = 0.5). The radius is the honest spread, so they pull
+    by about f / n of it, while a clean group still gets its mean."""
+    import averaging.robust as robust
+
+    generator = torch.Generator().manual_seed(0)
+    honest = honest_cloud(6)
+    mean = torch.stack(honest).mean(0)
+    spread_from_mean = sum(float((h - mean).norm()) for h in honest) / len(honest)
+    away = torch.randn(DIM, generator=generator)
+    away /= away.norm()
+    hostile = mean - 2 * spread_from_mean * away
+    for limit in (0, 8 * DIM):
+        monkeypatch.setattr(robust, "GRAM_LIMIT", limit)
+        out = torch.empty(DIM)
+        centered_clip(honest + [hostile, hostile.clone()], [1.0] * 8, out, center=honest[0])
+        assert float((mean - out) @ away) < 0.4 * spread_from_mean
+        centered_clip(honest, [1.0] * 6, out, center=honest[0])
+        assert float((out - mean).norm()) < 1e-3 * spread_from_mean
+
+
 def test_claimed_weights_are_capped_at_twice_the_median():
     assert clip_weights([1.0, 2.0, 3.0, 2.0**40]) == [1.0, 2.0, 3.0, 4.0]
     assert clip_weights([0.0, 5.0]) == [0.0, 5.0]

@@ -96,6 +96,19 @@ def test_an_honest_answer_holds_and_every_lie_is_named(distances, monkeypatch):
     honest_looking = checker(me, peers[0], far[2].clone(), 1.0, list(peers), reply)
     lie = PartInputs(peers, weights, far, tau, Aggregation.CENTERED_CLIP, 0, signed_rows(peers, weights, far))
     assert "far" in (honest_looking.verdict(lie) or "")
+    # a quiet attacker that starts from its own contribution (-4x the honest mean, two of them):
+    # its radius takes in every honest input, though it is no outlier's (under 4x the median's)
+    generator = torch.Generator().manual_seed(5)
+    mu = torch.randn(DIM, generator=generator)
+    mu *= 0.5 / mu.norm()
+    ipm = torch.stack([mu + torch.randn(DIM, generator=generator) / DIM**0.5 for _ in range(3)] + [-4 * mu] * 2)
+    ipm_weights = [1.0] * 5
+    ipm_reply = torch.empty(DIM)
+    tau, _ = centered_clip(list(ipm.unbind(0)), ipm_weights, ipm_reply, center=ipm[4], choose_start=False)
+    ipm_lie = PartInputs(
+        peers, ipm_weights, ipm, tau, Aggregation.CENTERED_CLIP, 4, signed_rows(peers, ipm_weights, ipm)
+    )
+    assert "far" in (checker(me, peers[0], ipm[2].clone(), 1.0, list(peers), ipm_reply).verdict(ipm_lie) or "")
     # an honest reducer whose own contribution lies far out (a replica that lags) starts elsewhere
     tau, moved_to = centered_clip(parts, clip_weights(weights), reply, center=far[0])
     assert moved_to not in (None, 0)
