@@ -35,12 +35,14 @@ from dataclasses import dataclass
 __all__ = [
     "CELL_GROUPS",
     "CELL_ROUNDS",
+    "CENSUS_HYSTERESIS",
     "CENSUS_PERIOD_S",
     "Cells",
     "KEYSPACE",
     "MAX_CELLS",
     "MIN_CELL_SWARM",
     "census_target",
+    "next_cell_count",
     "sparse_cell",
     "cell_count",
     "swarm_estimate",
@@ -58,6 +60,9 @@ CELL_ROUNDS = 2
 MIN_CELL_SWARM = 64
 # How often the census target moves (wall-clock seconds): a swarm's size changes over minutes.
 CENSUS_PERIOD_S = 600.0
+# A census moves the count only past this factor of margin (``next_cell_count``): wider than the
+# estimate's spread between two censuses of one swarm (k = 20: within 1.5x of each other mostly).
+CENSUS_HYSTERESIS = 1.5
 # At most this many cells: 2^12 cells of 4-8 groups of 16 is ~0.5M peers, past anything we test,
 # and a census inflated by nodes packed near its target can cost no more than this split.
 MAX_CELLS = 1 << 12
@@ -83,6 +88,17 @@ def cell_count(estimate: float, group_size: int) -> int:
     if not math.isfinite(estimate) or estimate < max(2 * width, MIN_CELL_SWARM):
         return 1
     return min(MAX_CELLS, 1 << int(math.log2(estimate / width)))
+
+
+def next_cell_count(current: int, estimate: float, group_size: int) -> int:
+    """The count to take after a census, from ``current``: kept while any estimate within a factor
+    ``CENSUS_HYSTERESIS`` of this one would give it, else ``cell_count(estimate)``. A census is
+    noisy (~1/sqrt(k)) and a swarm near a boundary would otherwise flip its count at every period,
+    splitting for a while into peers that count differently; the band keeps a count until the
+    swarm has clearly grown or shrunk past it."""
+    low = cell_count(estimate / CENSUS_HYSTERESIS, group_size)
+    high = cell_count(estimate * CENSUS_HYSTERESIS, group_size)
+    return current if low <= current <= high else cell_count(estimate, group_size)
 
 
 def sparse_cell(group_size: int) -> int:

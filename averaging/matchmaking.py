@@ -42,7 +42,7 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
-from .cells import MAX_CELLS, Cells, cell_count, census_target, sparse_cell, swarm_estimate
+from .cells import MAX_CELLS, Cells, census_target, next_cell_count, sparse_cell, swarm_estimate
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
@@ -246,7 +246,7 @@ class Matchmaker:
                 log.debug("census failed: %s", error)
                 return
             estimate = swarm_estimate(target, nearest, self.dht.config.k)
-            count = cell_count(estimate, group_size)
+            count = next_cell_count(self.cells.count, estimate, group_size)
             if count != self.cells.count:
                 log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)
             self._census_estimate, self._census_target = estimate, target

@@ -17,6 +17,7 @@ from averaging.cells import (
     MIN_CELL_SWARM,
     Cells,
     cell_count,
+    next_cell_count,
     swarm_estimate,
 )
 
@@ -82,3 +83,14 @@ def test_a_declaration_belongs_only_in_the_cell_its_owner_is_in_for_the_round():
     assert cells.belongs(peer, 5, here)
     elsewhere = next(r for r in range(0, 400, CELL_ROUNDS) if cells.key(peer, r) != here)
     assert not cells.belongs(peer, elsewhere, here)  # a stale or a newcomer's lobby declaration
+
+
+def test_a_census_near_a_boundary_does_not_flip_the_count():
+    width = CELL_GROUPS * 16
+    # from the single key, a swarm splits once clearly past the boundary (128 peers: ~3.2 widths)
+    assert next_cell_count(1, 2.4 * width, 16) == 1 and next_cell_count(1, 3.2 * width, 16) == 2
+    # then censuses between 1.33x and 6x width keep 2 cells
+    assert all(next_cell_count(2, factor * width, 16) == 2 for factor in (1.4, 2.0, 3.5, 5.9))
+    # the swarm clearly grew or shrank: the count follows
+    assert next_cell_count(2, 6.1 * width, 16) == cell_count(6.1 * width, 16) == 4
+    assert next_cell_count(4, 0.5 * width, 16) == 1
