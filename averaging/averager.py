@@ -118,6 +118,7 @@ class GroupAverager:
         settle_time: float | None = None,
         aggregation: Aggregation | str = "auto",
         uplink: float | None = None,
+        replicated: int | None = None,
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
         ``centered-clip`` (robust to a hostile minority, ``robust.py``), or ``auto``:
@@ -125,7 +126,10 @@ class GroupAverager:
         centered-clip, a round too small to outvote a liar (fewer than three senders) moves our
         tensors only as far as their own recent updates allow (``own_radius.py``).
         ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
-        connections are paced to share it (``uplink.py``); None leaves the sharing to TCP."""
+        connections are paced to share it (``uplink.py``); None leaves the sharing to TCP.
+        ``replicated``: how many of the leading tensors honest replicas hold alike (a newcomer's
+        witnesses compare only those; the rest, such as worker momentum, are each peer's own);
+        None: all of them."""
         if uplink is not None and not (0 < uplink < math.inf):
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
@@ -161,7 +165,7 @@ class GroupAverager:
         # One matchmaking at a time (the matchmaker serves one gathering): a group looked for ahead
         # of the step (``find_group``) may be forming while the previous round's all-reduce runs.
         self._matching = trio.Lock()
-        self.state_sharing = StateSharing(self.host, dht, prefix, self)
+        self.state_sharing = StateSharing(self.host, dht, prefix, self, replicated=replicated)
 
     @property
     def host(self) -> PeerHost:

@@ -95,9 +95,15 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         )
         self.error_feedback = ErrorFeedback(self.deltas, codec, dht.host.peer_id) if error_feedback else None
         # Newcomers download the start and the outer momentum; the start alone is averaged now and
-        # then (a copy of it, by ``start_averager``) to pull replicas together.
+        # then (a copy of it, by ``start_averager``) to pull replicas together, and only the start is
+        # what witnesses compare: each peer's momentum is its own (worker momentum).
         self.replica = Replica(
-            dht, prefix, self.snapshot + self.outer_state, averaging, progress_interval=settings.progress_interval
+            dht,
+            prefix,
+            self.snapshot + self.outer_state,
+            averaging,
+            progress_interval=settings.progress_interval,
+            replicated=len(self.snapshot),
         )
         self.start_averager = GroupAverager(
             self._outer_step.start_average, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging

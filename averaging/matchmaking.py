@@ -34,16 +34,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 
 import trio
 
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
-from peer import ConnectError, ConnectionLost, PeerAddress, PeerHost, PeerID, Router, RPCError, UnknownMethodError
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
 from .cells import MAX_CELLS, Cells, census_target, next_cell_count, sparse_cell, swarm_estimate
-from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
+from .gathering import ANSWER_MARGIN, Declaration, Gathering, Match
+from .group import MAX_GROUP_SIZE, GroupInfo
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
@@ -61,9 +62,6 @@ MAX_SETTLE = 0.5
 SETTLE_POLL = 0.05
 SETTLE_READS = 4
 EARLY_SETTLE_VIEW = 16
-# A leader answers this long before its own deadline or a follower's: enough for the answer to
-# cross a continent before the follower stops listening.
-ANSWER_MARGIN = 0.1
 # A follower gives its leader this share of the time left to answer; an honest leader answers by
 # then with whoever joined (it forms the group before its most impatient follower gives up), and a
 # leader that did not is passed over with the other half left for the next one to gather a group.
@@ -94,105 +92,6 @@ class LeaderHoldsExcluded(LeaderFailed):
     not remembered, since the excluded peer, not the leader, chose to join it."""
 
 
-@dataclass(frozen=True)
-class Declaration:
-    peer_id: PeerID
-    address: PeerAddress | None
-    bandwidth: float
-    mode: AveragingMode
-    schema: str
-    round: int
-    # When the DHT record it was read from expires (the DHT's wall clock); None: not read from it
-    expiration: float | None = field(default=None, compare=False)
-
-    def to_wire(self) -> dict:
-        return {
-            "address": str(self.address) if self.address else None,
-            "bandwidth": self.bandwidth,
-            "mode": self.mode.value,
-            "schema": self.schema,
-            "round": self.round,
-        }
-
-    @classmethod
-    def from_wire(cls, peer_id: PeerID, body) -> Declaration:
-        if not isinstance(body, dict):
-            raise ValueError("declaration must be a map")
-        member = GroupMember.from_wire(
-            [peer_id.to_bytes(), body.get("address"), body.get("bandwidth"), body.get("mode")]
-        )
-        schema, round_number = body.get("schema"), body.get("round")
-        if not (isinstance(schema, str) and len(schema) <= 128 and is_counter(round_number)):
-            raise ValueError("declaration needs a schema string and a round number")
-        return cls(peer_id, member.address, member.bandwidth, member.mode, schema, round_number)
-
-    def member(self) -> GroupMember:
-        return GroupMember(self.peer_id, self.address, self.bandwidth, self.mode)
-
-
-@dataclass(frozen=True)
-class Match:
-    """A group that formed, and the round this peer takes part in with it: the one it declared,
-    or the next if the group had caught up to it (``confirmed_round``)."""
-
-    group: GroupInfo
-    round: int
-
-
-class _Gathering:
-    """A leader's open invitation for one round."""
-
-    def __init__(self, me: Declaration, expected: set[PeerID], target: int):
-        self.me = me
-        self.expected = expected
-        self.target = target
-        self.joined: dict[PeerID, Declaration] = {}
-        self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
-        self.changed = trio.Event()
-        self.formed: GroupInfo | None = None
-        self.closed = trio.Event()
-
-    def admit(self, declaration: Declaration, gives_up_at: float) -> None:
-        if self.formed is not None or len(self.joined) + 1 >= self.target:
-            raise ValueError("group is already full or formed")
-        self.joined[declaration.peer_id] = declaration
-        self.patience[declaration.peer_id] = gives_up_at
-        self._changed()
-
-    def withdraw(self, peer: PeerID) -> None:
-        """A follower stopped waiting before the group formed: it must not become a member that
-        never shows up (the others would wait a whole sender deadline for it)."""
-        if self.formed is None and self.joined.pop(peer, None) is not None:
-            self.patience.pop(peer, None)
-            self._changed()
-
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    @property
-    def answer_by(self) -> float:
-        """Form the group before the most impatient follower gives up on us."""
-        return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
-
-    @property
-    def full(self) -> bool:
-        return len(self.joined) + 1 >= self.target
-
-    @property
-    def complete(self) -> bool:
-        return self.expected <= set(self.joined) or self.full
-
-    def changed_when(self, event: trio.Event) -> Callable[[], Awaitable[None]]:
-        """A task that wakes the leader once ``event`` is set."""
-
-        async def wake() -> None:
-            await event.wait()
-            self._changed()
-
-        return wake
-
-
 class Matchmaker:
     """Runs matchmaking for one prefix on one peer; serves ``avg.join`` for it."""
 
@@ -208,7 +107,7 @@ class Matchmaker:
         self.excluded = excluded or (lambda peer: False)
         self.dht = dht
         self.prefix = prefix
-        self._gathering: _Gathering | None = None
+        self._gathering: Gathering | None = None
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
@@ -480,7 +379,7 @@ class Matchmaker:
         asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
         MatchmakingError."""
-        gathering = _Gathering(me, expected, target)
+        gathering = Gathering(me, expected, target)
         self._gathering = gathering
         try:
             async with trio.open_nursery() as waking:

@@ -175,12 +175,14 @@ class Replica:
         samples_per_epoch: int | None = None,
         progress_interval: float,
         served_epoch: Callable[[int], int] | None = None,
+        replicated: int | None = None,
     ):
         """``averaging``: the state averager's ``GroupAverager`` options; ``samples_per_epoch``:
         the fewest samples an epoch takes, which bounds how fast other peers' claimed epochs may
         advance (``epoch_evidence.py``; None: epochs are not counted in samples);
         ``progress_interval``: how often ``exchange_due`` says yes; ``served_epoch``: the epoch
-        donors tell newcomers our state belongs to, given ours (default: ours)."""
+        donors tell newcomers our state belongs to, given ours (default: ours); ``replicated``: how
+        many of the leading state tensors every honest replica holds alike (``GroupAverager``)."""
         self.epoch = 0
         self.samples_per_s = 0.0
         self.swarm = SwarmProgress({}, 0)  # the last view fetched from the DHT
@@ -192,7 +194,9 @@ class Replica:
         self._exchange_again = False  # ... and our record changed since it published
         served = served_epoch if served_epoch is not None else (lambda epoch: epoch)
         # Averaged now and then to pull replicas together, and what newcomers download.
-        self.state = EpochStateAverager(lambda: served(self.epoch), state, dht, prefix=f"{prefix}.state", **averaging)
+        self.state = EpochStateAverager(
+            lambda: served(self.epoch), state, dht, prefix=f"{prefix}.state", replicated=replicated, **averaging
+        )
 
     def exchange_due(self) -> bool:
         """Whether ``progress_interval`` has passed since this last said yes (then the caller

@@ -89,7 +89,12 @@ class DonorOffer:
 
 
 class StateSharing:
-    def __init__(self, host: PeerHost, dht, prefix: str, owner: StateOwner):
+    def __init__(self, host: PeerHost, dht, prefix: str, owner: StateOwner, *, replicated: int | None = None):
+        """``replicated``: how many of the owner's leading tensors honest replicas hold alike, the
+        only ones a witness's sample is compared on (None: all)."""
+        if replicated is not None and replicated < 0:
+            raise ValueError(f"replicated must be a count of tensors, got {replicated}")
+        self.replicated = replicated
         self.host = host
         self.dht = dht
         self.prefix = prefix
@@ -203,6 +208,9 @@ class StateSharing:
     ) -> None:
         """Compare a sample of ``tensors`` with other donors' until one agrees; raises ValueError
         if the witnesses that answered all disagree (none answering leaves nothing to compare)."""
+        shared = tensors if self.replicated is None else tensors[: self.replicated]
+        if not shared:
+            return  # nothing that honest replicas hold alike: nothing to compare
         witnesses = [address for address in donors if address.peer_id != donor.peer_id]
         self._rng.shuffle(witnesses)
         disagreed: list[str] = []
@@ -226,7 +234,7 @@ class StateSharing:
 
         async with trio.open_nursery() as nursery:
             for witness in witnesses[:MAX_WITNESSES]:
-                indices = sample_indices([t.numel() for t in tensors], self._rng)
+                indices = sample_indices([t.numel() for t in shared], self._rng)
                 nursery.start_soon(ask, witness, indices, nursery.cancel_scope)
         if disagreed and not agreed:
             raise ValueError(f"its state disagrees with other donors': {', '.join(disagreed)}")

@@ -99,6 +99,37 @@ async def test_two_donors_that_disagree_load_neither() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_witnesses_compare_only_the_tensors_replicas_share() -> None:
+    """Worker momentum is each peer's own: two honest donors' momentum buffers point different ways
+    while their starts agree. A witness that sampled the momentum took an honest donor for a liar
+    (0.71 apart) and a newcomer in local-updates mode loaded nothing; with ``replicated`` it compares
+    the start alone, and a donor whose start is sign-flipped is still refused."""
+    start = [torch.linspace(-1.0, 1.0, 8)]
+    momenta = [torch.ones(56), -torch.ones(56)]  # 7 times the start's values: sampled alone half the time
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [])
+        nodes = [first] + [await nursery.start(run_node, [first.address]) for _ in range(3)]
+        donors = [
+            GroupAverager([start[0].clone(), momentum], node, prefix=PREFIX, replicated=1)
+            for node, momentum in zip(nodes[:2], momenta, strict=True)
+        ]
+        for donor in donors:
+            await donor.state_sharing.announce(5)
+        newcomer = GroupAverager([torch.zeros(8), torch.zeros(56)], nodes[3], prefix=PREFIX, replicated=1)
+        for _ in range(6):  # each load samples afresh
+            with trio.fail_after(20):
+                await newcomer.load_state_from_peers(timeout=15)
+            assert torch.equal(newcomer.tensors[0], start[0])
+            assert any(torch.equal(newcomer.tensors[1], momentum) for momentum in momenta)
+
+        liar = StateSharing(nodes[2].host, nodes[2], PREFIX, HostileState([-3 * start[0], momenta[0]]), replicated=1)
+        await liar.announce(MAX_COUNTER)  # offered first, refused by the witnesses' starts
+        with trio.fail_after(20):
+            metadata = await newcomer.load_state_from_peers(timeout=15)
+        assert metadata["round"] != 10**9 and torch.equal(newcomer.tensors[0], start[0])
+        nursery.cancel_scope.cancel()
+
+
 def test_the_checks_and_their_bounds() -> None:
     reference = model_state(1)
     check_state(model_state(0), reference)

@@ -1,0 +1,119 @@
+"""What matchmaking passes around: a peer's declaration as read from the DHT, the group it formed,
+and a leader's open invitation (``Gathering``), which is plain state that the leader's trio code
+drives: who joined, by when each follower stops waiting, and whether the group is complete."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from peer import PeerAddress, PeerID
+
+from .group import AveragingMode, GroupInfo, GroupMember, is_counter
+
+__all__ = ["Declaration", "Match", "Gathering", "ANSWER_MARGIN"]
+
+# A leader answers this long before its own deadline or a follower's: enough for the answer to
+# cross a continent before the follower stops listening.
+ANSWER_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Declaration:
+    peer_id: PeerID
+    address: PeerAddress | None
+    bandwidth: float
+    mode: AveragingMode
+    schema: str
+    round: int
+    # When the DHT record it was read from expires (the DHT's wall clock); None: not read from it
+    expiration: float | None = field(default=None, compare=False)
+
+    def to_wire(self) -> dict:
+        return {
+            "address": str(self.address) if self.address else None,
+            "bandwidth": self.bandwidth,
+            "mode": self.mode.value,
+            "schema": self.schema,
+            "round": self.round,
+        }
+
+    @classmethod
+    def from_wire(cls, peer_id: PeerID, body) -> Declaration:
+        if not isinstance(body, dict):
+            raise ValueError("declaration must be a map")
+        member = GroupMember.from_wire(
+            [peer_id.to_bytes(), body.get("address"), body.get("bandwidth"), body.get("mode")]
+        )
+        schema, round_number = body.get("schema"), body.get("round")
+        if not (isinstance(schema, str) and len(schema) <= 128 and is_counter(round_number)):
+            raise ValueError("declaration needs a schema string and a round number")
+        return cls(peer_id, member.address, member.bandwidth, member.mode, schema, round_number)
+
+    def member(self) -> GroupMember:
+        return GroupMember(self.peer_id, self.address, self.bandwidth, self.mode)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A group that formed, and the round this peer takes part in with it: the one it declared,
+    or the next if the group had caught up to it (``confirmed_round``)."""
+
+    group: GroupInfo
+    round: int
+
+
+class Gathering:
+    """A leader's open invitation for one round."""
+
+    def __init__(self, me: Declaration, expected: set[PeerID], target: int):
+        self.me = me
+        self.expected = expected
+        self.target = target
+        self.joined: dict[PeerID, Declaration] = {}
+        self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
+        self.changed = trio.Event()
+        self.formed: GroupInfo | None = None
+        self.closed = trio.Event()
+
+    def admit(self, declaration: Declaration, gives_up_at: float) -> None:
+        if self.formed is not None or len(self.joined) + 1 >= self.target:
+            raise ValueError("group is already full or formed")
+        self.joined[declaration.peer_id] = declaration
+        self.patience[declaration.peer_id] = gives_up_at
+        self._changed()
+
+    def withdraw(self, peer: PeerID) -> None:
+        """A follower stopped waiting before the group formed: it must not become a member that
+        never shows up (the others would wait a whole sender deadline for it)."""
+        if self.formed is None and self.joined.pop(peer, None) is not None:
+            self.patience.pop(peer, None)
+            self._changed()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def answer_by(self) -> float:
+        """Form the group before the most impatient follower gives up on us."""
+        return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
+
+    @property
+    def full(self) -> bool:
+        return len(self.joined) + 1 >= self.target
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= set(self.joined) or self.full
+
+    def changed_when(self, event: trio.Event) -> Callable[[], Awaitable[None]]:
+        """A task that wakes the leader once ``event`` is set."""
+
+        async def wake() -> None:
+            await event.wait()
+            self._changed()
+
+        return wake
