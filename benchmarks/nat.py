@@ -50,13 +50,21 @@ RUN_ID = "bench-nat"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def read_json(process, timeout: float) -> dict[str, Any]:
+def log_tail(path: Path, lines: int = 6) -> str:
+    """The last lines of a helper's log: what a failed run's JSON says about why."""
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def read_json(process, timeout: float, log: Path) -> dict[str, Any]:
     ready, _, _ = select.select([process.stdout], [], [], timeout)
     if not ready:
-        raise RuntimeError(f"no answer within {timeout} s")
+        raise RuntimeError(f"{log.stem} gave no answer within {timeout} s: {log_tail(log)}")
     line = process.stdout.readline()
     if not line:
-        raise RuntimeError("a lab helper exited")
+        raise RuntimeError(f"{log.stem} exited ({process.wait()}): {log_tail(log)}")
     return json.loads(line)
 
 
@@ -98,17 +106,17 @@ def run(workdir: Path, tries: int, megabytes: int, rate: float | None) -> dict[s
         records = []
         relay_cpu = None
         for index in range(tries):
-            offered = read_json(target, 60)
+            offered = read_json(target, 60, workdir / "target.log")
             before = cpu_seconds(relay_peer.process.pid)
             tell(dialer, offered["address"])
-            record = read_json(dialer, 120)
+            record = read_json(dialer, 120, workdir / "dialer.log")
             if index == 0:
                 relay_cpu = cpu_seconds(relay_peer.process.pid) - before
             record["direct_to_nat"] = (record.get("remote") or "").split(":")[0] == behind[0].router.address
             records.append(record)
             print(
-                f"try {index:3d}: punched={record['punched']!s:5} punch_s={record['punch_s']:.3f} "
-                f"remote={record.get('remote')}",
+                f"try {index:3d}: punched={record['punched']!s:5} punch_s={record.get('punch_s')} "
+                f"remote={record.get('remote')} {record.get('error') or ''}",
                 flush=True,
             )
             tell(target, "next")

@@ -62,6 +62,9 @@ def churn(lab, churn_seconds: float) -> None:
     assert all(peer.alive() for peer in live), lab.logs()
 
 
+# Slow (45 s of CI): the simulated swarm's churn scenario (tests/averaging/test_averaging_simnet.py)
+# covers churn in the default suite.
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_churn_one_peer_replaced_every_10_s(netlab):
     churn(netlab, churn_seconds=30)

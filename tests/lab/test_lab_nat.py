@@ -23,6 +23,10 @@ def averaged_group(peer) -> int:
     return (record.get("group") or 0) if record.get("averaged") else 0
 
 
+# Slow (32 s of CI): peers behind both kinds of NAT train with public peers in the default suite as
+# full peers (test_lab_relay.py); client peers average with full ones in process
+# (tests/averaging/test_allreduce.py::test_mixed_node_client_and_auxiliary_peers).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_peers_behind_nat_train_with_three_public_peers(nat_netlab):
     lab = nat_netlab

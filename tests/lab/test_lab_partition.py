@@ -22,6 +22,9 @@ def group_of(peer) -> int:
     return (record.get("group") or 0) if record.get("averaged") else 0
 
 
+# Slow (70 s of CI): the simulated swarm's partition scenario covers a healed partition in the
+# default suite.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_partition_of_two_from_three_heals_into_one_swarm(netlab):
     hosts = [netlab.add_host(f"h{index}", rate_mbit=100) for index in range(5)]

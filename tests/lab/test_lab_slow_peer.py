@@ -47,6 +47,9 @@ START_TIMEOUT = 60.0
 RUN_TIMEOUT = 90.0
 
 
+# Slow (50 s of CI): peers of different speeds are covered in the default suite by
+# tests/averaging/test_round_length.py.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_slow_peer_keeps_its_place_without_setting_the_pace(netlab, tmp_path):
     rates = [FAST_MBIT, FAST_MBIT, FAST_MBIT, SLOW_MBIT]

@@ -23,6 +23,9 @@ def averaged_group(peer) -> int:
     return record.get("group") or 0 if record.get("averaged") else 0
 
 
+# Slow (25-30 s of CI each): both modes train across lab hosts in the default suite with two and three
+# hosts (test_lab_small_swarms.py), and five local peers train to the target in tests/daemon/test_swarm.py.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["collaborative", "local-updates"])
 def test_five_hosts_train_to_the_target(netlab, mode):

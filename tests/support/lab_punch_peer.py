@@ -7,8 +7,8 @@ stdin (the dialer is done), and ends at end of input.
 ``dialer``: for each relayed address read from stdin, a fresh host on ``--host:--port+i`` dials it
 through the relay, on the first try measures the relayed stream throughput (``--megabytes``),
 punches, on the first try measures the direct throughput, and prints ``{"try", "punched",
-"punch_s", "remote", "relayed_mb_s", "direct_mb_s"}``. Each try has its own ports: a closed
-connection's 4-tuple lingers (TIME_WAIT).
+"punch_s", "remote", "relayed_mb_s", "direct_mb_s"}`` (a try that raised: ``punched`` false and
+its ``error``). Each try has its own ports: a closed connection's 4-tuple lingers (TIME_WAIT).
 
 Both learn their public host once, on the first try, by asking the relay (a public peer) for a
 dial-back's observed address (which takes the dial-back's timeout: nobody can dial them), unless
@@ -120,28 +120,34 @@ async def dialer(args) -> None:
             host.service(ReachabilityService)
             RelayClient(host)
             public = public or await observed_host(host, relay)
-            record: dict = {"try": index, "observed": public}
-            with trio.fail_after(60):
-                relayed = await host.connect(address)
-                first_contact = time.perf_counter()
-                measure = args.megabytes and index == 0  # throughput on the first try only
-                if measure:
-                    record["relayed_mb_s"] = round(await throughput(relayed, args.megabytes), 2)
-                puncher = HolePuncher(host, lambda public=public: public)
-                started = time.perf_counter()
-                punched = await puncher.punch(relayed)
-                record["punched"] = punched
-                record["punch_s"] = round(time.perf_counter() - started, 3)
-                record["since_contact_s"] = round(time.perf_counter() - first_contact, 3)
-                direct = host.connection_to(address.peer_id)
-                if punched and direct is not None and direct.relayed_via is None:
-                    record["remote"] = "{}:{}".format(*direct.channel.stream.socket.getpeername()[:2])
-                    if measure:
-                        record["direct_mb_s"] = round(await throughput(direct, args.megabytes), 2)
-                else:
-                    record["remote"] = None
+            record: dict = {"try": index, "observed": public, "punched": False, "remote": None}
+            try:
+                with trio.fail_after(60):
+                    await one_try(host, address, public, record, measure=bool(args.megabytes) and index == 0, args=args)
+            except Exception as failure:  # a failed try is a result (a miss), not the end of the run
+                logging.exception("try %d failed", index)
+                record["error"] = repr(failure)
             say(record)
         index += 1
+
+
+async def one_try(host, address: PeerAddress, public, record: dict, *, measure: bool, args) -> None:
+    """Dial ``address`` through its relay, punch, and fill ``record`` (throughputs when ``measure``)."""
+    relayed = await host.connect(address)
+    first_contact = time.perf_counter()
+    if measure:
+        record["relayed_mb_s"] = round(await throughput(relayed, args.megabytes), 2)
+    puncher = HolePuncher(host, lambda public=public: public)
+    started = time.perf_counter()
+    punched = await puncher.punch(relayed)
+    record["punched"] = punched
+    record["punch_s"] = round(time.perf_counter() - started, 3)
+    record["since_contact_s"] = round(time.perf_counter() - first_contact, 3)
+    direct = host.connection_to(address.peer_id)
+    if punched and direct is not None and direct.relayed_via is None:
+        record["remote"] = "{}:{}".format(*direct.channel.stream.socket.getpeername()[:2])
+        if measure:
+            record["direct_mb_s"] = round(await throughput(direct, args.megabytes), 2)
 
 
 if __name__ == "__main__":
