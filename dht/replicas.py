@@ -1,7 +1,8 @@
 """Store and get: a record's replicas live on the k peers nearest to its key.
 
 A store looks up the key's k nearest peers and sends each the record, pipelined: a peer that answers
-while it is among the k nearest known gets the record at once instead of after the whole lookup. A
+while it is among the k nearest known gets the record at once instead of after the whole lookup; a
+key looked up within the last minute goes straight to the holders that lookup found (``dht/holders.py``). A
 get returns the local copy or looks the key up along disjoint paths (any one that finds it wins),
 and with ``cache_on_path`` sends what it found to the nearest peer on the path that lacked it
 (Kademlia's caching, section 2.3 of the paper).
@@ -18,6 +19,7 @@ from . import wire
 from .background import Background
 from .config import DHTConfig
 from .contacts import Contacts
+from .holders import HolderCache
 from .local import LocalRecords, as_records
 from .lookup_driver import LookupDriver
 from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, DHTValue, key_id, pack
@@ -46,6 +48,7 @@ class Replicas:
         self.node_id = node_id
         self.config = config
         self.client_mode = client_mode  # a client keeps no records, not even its own
+        self.holders = HolderCache()
 
     async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
         """Store ``value`` under ``key`` (or under ``subkey`` of the dictionary at ``key``) on the k
@@ -63,33 +66,46 @@ class Replicas:
         target = key_id(record.key)
         k = self.config.k
         outcomes: list[bool] = []
+        unanswered: list[Contact] = []
         sent: set[bytes] = set()
+        looked_up_at = trio.current_time()
         async with trio.open_nursery() as nursery:
 
             def send_to(contact: Contact) -> None:
                 if contact.id not in sent:
                     sent.add(contact.id)
-                    nursery.start_soon(self.send, contact, [record], outcomes)
+                    nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
 
-            # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
-            result = await self.lookups.run(
-                target, on_answer=lambda contact, search: send_to(contact) if search.among_nearest(contact) else None
-            )
-            nearest = result.nearest[:k]
+            nearest = self.holders.holders(target, looked_up_at)
+            if nearest is None:
+                # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
+                result = await self.lookups.run(
+                    target,
+                    on_answer=lambda contact, search: send_to(contact) if search.among_nearest(contact) else None,
+                )
+                nearest = result.nearest[:k]
+                if not result.timed_out:
+                    self.holders.remember(target, nearest, looked_up_at)
             for contact in nearest:
                 send_to(contact)
             if not self.client_mode and (len(nearest) < k or self.node_id ^ target < nearest[-1].long_id ^ target):
                 outcomes.append(self.records.store(record))
+        if unanswered:
+            self.holders.forget(target)  # one of them is gone: look the holders up again next time
         return any(outcomes)
 
-    async def send(self, contact: Contact, records: list[DHTRecord], outcomes: list[bool]) -> None:
+    async def send(
+        self, contact: Contact, records: list[DHTRecord], outcomes: list[bool], unanswered: list[Contact] | None = None
+    ) -> None:
         """``dht.store`` ``records`` on ``contact`` in batches; one outcome per batch (False once one
-        gets no answer, and the rest are not sent)."""
+        gets no answer, and the rest are not sent; ``contact`` then goes on ``unanswered``)."""
         for start in range(0, len(records), wire.MAX_RECORDS_PER_STORE):
             batch = records[start : start + wire.MAX_RECORDS_PER_STORE]
             reply = await self.contacts.call(contact, "dht.store", [wire.encode_record(r) for r in batch])
             if reply is None or not isinstance(reply.body, list):
                 outcomes.append(False)
+                if unanswered is not None:
+                    unanswered.append(contact)
                 return
             outcomes.append(any(result is True for result in reply.body))
 
@@ -103,7 +119,10 @@ class Replicas:
         if local is not None and not latest:
             return self.records.decode(key_bytes, local)
         target = key_id(key_bytes)
+        looked_up_at = trio.current_time()
         result = await self.lookups.run(target, key_bytes, stop_on_value=not latest, paths=self.config.disjoint_paths)
+        if latest and not result.timed_out:  # a full lookup: its nearest are the key's holders
+            self.holders.remember(target, result.nearest[: self.config.k], looked_up_at)
         found = merge_found(local, result.found)
         if found is None:
             return None

@@ -1,0 +1,84 @@
+"""A key's holders, remembered for a minute (``dht/holders.py``): a repeated store goes straight to
+them, and a holder that stops answering sends the next store back to a full lookup."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from dht import DHTConfig
+from dht.holders import HOLDERS_TTL, HolderCache
+from dht.records import pack
+from peer.simnet import SimNetwork
+from tests.support.sim_swarm import open_sim_swarm
+
+
+def contacts(count: int) -> list:
+    return [object() for _ in range(count)]  # the cache keeps contacts as given, never reads them
+
+
+def test_holders_are_fresh_for_their_lifetime_and_then_gone():
+    cache = HolderCache(ttl=60)
+    nearest = contacts(3)
+    cache.remember(7, nearest, now=100.0)
+    assert cache.holders(7, now=159.9) == nearest
+    assert cache.holders(7, now=160.0) is None
+    assert len(cache) == 0 and cache.holders(8, now=100.0) is None
+
+
+def test_a_forgotten_or_empty_answer_is_not_a_set_of_holders():
+    cache = HolderCache()
+    cache.remember(1, [], now=0.0)
+    assert cache.holders(1, now=0.0) is None
+    cache.remember(2, contacts(2), now=0.0)
+    cache.forget(2)
+    assert cache.holders(2, now=0.0) is None
+
+
+def test_the_cache_keeps_at_most_its_size_dropping_the_least_recently_used():
+    cache = HolderCache(max_targets=2)
+    for target in range(3):
+        cache.remember(target, contacts(1), now=0.0)
+    assert len(cache) == 2 and cache.holders(0, now=0.0) is None
+    cache.holders(1, now=0.0)  # used: 2 is now the oldest
+    cache.remember(3, contacts(1), now=0.0)
+    assert cache.holders(2, now=0.0) is None and cache.holders(1, now=0.0) is not None
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        HolderCache(ttl=-1)
+
+
+def served(swarm) -> int:
+    return sum(swarm.nodes[i].requests_served for i in swarm.alive())
+
+
+async def test_a_repeated_store_asks_only_the_holders_until_one_of_them_is_gone(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=11), 40, config=DHTConfig()) as swarm:
+        writer, clock = swarm.nodes[0], swarm.clock
+        await trio.sleep(5)  # the swarm's own joining traffic is over
+        before = served(swarm)
+        assert await writer.store("declarations", "first", clock.time() + 600, subkey="me")
+        first = served(swarm) - before
+        k = DHTConfig().k
+        assert first > k  # a lookup (finds) and then the k stores
+
+        before = served(swarm)
+        assert await writer.store("declarations", "second", clock.time() + 600, subkey="me")
+        assert served(swarm) - before <= k  # the stores alone: no walk to the holders
+        assert (await swarm.nodes[25].get("declarations", latest=True)).value["me"].value == "second"
+
+        gone = next(i for i in swarm.alive()[1:] if swarm.nodes[i].records.found(pack("declarations")) is not None)
+        swarm.leave(gone)
+        assert await writer.store("declarations", "third", clock.time() + 600, subkey="me")
+        before = served(swarm)
+        assert await writer.store("declarations", "fourth", clock.time() + 600, subkey="me")
+        assert served(swarm) - before > k  # a holder did not answer: looked up again
+
+        await trio.sleep(HOLDERS_TTL)
+        before = served(swarm)
+        assert await writer.store("declarations", "fifth", clock.time() + 600, subkey="me")
+        assert served(swarm) - before > k  # a minute later the holders are looked up afresh
+        reader = swarm.nodes[30 if gone != 30 else 31]
+        assert (await reader.get("declarations", latest=True)).value["me"].value == "fifth"
