@@ -38,6 +38,7 @@ __all__ = [
     "check_difficulty",
     "load_or_solve",
     "proof_path",
+    "search_range",
 ]
 
 # Public runs: 2**24 hashes, about 10 s of one core in this Python solver (measured ~1.6 M hashes/s;
@@ -85,21 +86,29 @@ class NodeIDProof:
 
     @classmethod
     def solve(cls, peer_id: PeerID, difficulty: int, *, start: int = 0) -> NodeIDProof:
-        """Search nonces from ``start`` until one meets ``difficulty`` (2**difficulty tries on average)."""
+        """Search nonces from ``start`` until one meets ``difficulty`` (2**difficulty tries on average),
+        in this process (``peer/node_id_solver.py`` searches on every core)."""
         check_difficulty(difficulty)
-        base = hashlib.sha256(_PUZZLE_PREFIX + peer_id.to_bytes())
-        bound = 1 << (256 - difficulty)  # a digest below this has `difficulty` leading zero bits
-        counter = start
-        while True:
-            nonce = counter.to_bytes(NONCE_BYTES, "little")
-            attempt = base.copy()
-            attempt.update(nonce)
-            if int.from_bytes(attempt.digest(), "big") < bound:
-                return cls(peer_id, nonce)
-            counter += 1
+        raw = peer_id.to_bytes()
+        while (nonce := search_range(raw, difficulty, start, 1 << 16)) is None:
+            start += 1 << 16
+        return cls(peer_id, nonce)
 
     def __repr__(self) -> str:
         return f"NodeIDProof({self.peer_id}, {self.nonce.hex()}, {self.work_bits} bits)"
+
+
+def search_range(peer_bytes: bytes, difficulty: int, start: int, count: int) -> bytes | None:
+    """The first nonce in ``start .. start + count`` that solves the puzzle for ``peer_bytes``, or None."""
+    base = hashlib.sha256(_PUZZLE_PREFIX + peer_bytes)
+    bound = 1 << (256 - difficulty)  # a digest below this has `difficulty` leading zero bits
+    for counter in range(start, start + count):
+        nonce = counter.to_bytes(NONCE_BYTES, "little")
+        attempt = base.copy()
+        attempt.update(nonce)
+        if int.from_bytes(attempt.digest(), "big") < bound:
+            return nonce
+    return None
 
 
 def proof_path(identity_path: str | os.PathLike[str]) -> Path:
@@ -114,10 +123,11 @@ def load_or_solve(
     difficulty: int,
     *,
     on_solve: Callable[[Path | None], None] | None = None,
+    solver: Callable[[PeerID, int], NodeIDProof] = NodeIDProof.solve,
 ) -> NodeIDProof:
-    """The stored solution for this key if it meets ``difficulty``, else a new one (stored when
-    there is a key file to store it beside). A damaged or foreign file is replaced, not trusted.
-    ``on_solve(path)`` runs just before a solve starts (to tell a user why start-up pauses)."""
+    """The stored solution for this key if it meets ``difficulty``, else a new one from ``solver``
+    (stored when there is a key file to store it beside). A damaged or foreign file is replaced, not
+    trusted. ``on_solve(path)`` runs just before a solve starts (to tell a user why start-up pauses)."""
     check_difficulty(difficulty)
     path = proof_path(identity_path) if identity_path is not None else None
     if path is not None and path.exists():
@@ -130,7 +140,7 @@ def load_or_solve(
             pass
     if on_solve is not None:
         on_solve(path)
-    proof = NodeIDProof.solve(peer_id, difficulty)
+    proof = solver(peer_id, difficulty)
     if path is not None:
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(json.dumps({"peer_id": str(peer_id), "nonce": proof.nonce.hex(), "bits": proof.work_bits}))

@@ -11,21 +11,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import time
 from pathlib import Path
 
 from peer import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.node_id import MAX_DIFFICULTY, check_difficulty, load_or_solve
+from peer.node_id_solver import SolveProgress, solve
 
 from .setting_kinds import Setting
 from .settings import Settings
 
-__all__ = ["NODE_ID_DIFFICULTY", "add_difficulty_argument", "node_id_difficulty", "node_id_for", "solve_estimate"]
+__all__ = [
+    "NODE_ID_DIFFICULTY",
+    "ProgressLog",
+    "add_difficulty_argument",
+    "node_id_difficulty",
+    "node_id_for",
+    "solve_estimate",
+]
 
 log = logging.getLogger("peerd")
 
 # This solver's rate on one core (peer/node_id.py: ~1.6-1.9 M SHA-256 per second, measured); only
 # used to tell the user how long the one-time solve will take.
 SOLVER_HASHES_PER_SECOND = 1.7e6
+PROGRESS_EVERY_S = 5.0  # a long solve says how far it is this often
 
 
 def node_id_difficulty(text: str) -> int:
@@ -55,9 +66,9 @@ def add_difficulty_argument(parser: argparse.ArgumentParser, settings: Settings 
     NODE_ID_DIFFICULTY.add_to(parser, settings if settings is not None else Settings())
 
 
-def solve_estimate(difficulty: int) -> str:
-    """About how long a solve takes here, for humans: '~10 s'."""
-    seconds = 2**difficulty / SOLVER_HASHES_PER_SECOND
+def solve_estimate(difficulty: int, cores: int = 1) -> str:
+    """About how long a solve takes here on ``cores`` cores, for humans: '~10 s'."""
+    seconds = 2**difficulty / (SOLVER_HASHES_PER_SECOND * max(1, cores))
     if seconds < 1:
         return "<1 s"
     if seconds < 120:
@@ -65,13 +76,42 @@ def solve_estimate(difficulty: int) -> str:
     return f"~{seconds / 60:.0f} min"
 
 
+class ProgressLog:
+    """Log a solve's progress every ``PROGRESS_EVERY_S``: done against expected, rate, time left."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._last = clock()
+
+    def __call__(self, progress: SolveProgress) -> None:
+        now = self._clock()
+        if now - self._last < PROGRESS_EVERY_S:
+            return
+        self._last = now
+        left = max(progress.expected - progress.hashes, 0) / progress.rate if progress.rate else float("inf")
+        log.info(
+            "node-ID puzzle: %.0f%% of the expected work done, %.1f M hashes/s on %d cores%s",
+            100 * progress.fraction,
+            progress.rate / 1e6,
+            progress.workers,
+            f", ~{left:.0f} s left on average" if left > 0 else ", past the average: any moment now",
+        )
+
+
 def node_id_for(identity: Identity, identity_path: Path | None, difficulty: int) -> NodeIDProof:
     """The proof for ``identity`` at ``difficulty``: read from beside ``identity_path``, or solved
-    now (saying so in one log line) and stored there. Without a key file it is solved every time."""
+    now on every core (saying so in one log line, then how far it is) and stored there. Without a
+    key file it is solved every time."""
+    cores = os.cpu_count() or 1
 
     def announce(path: Path | None) -> None:
         where = f"stored in {path}" if path is not None else "not stored: no identity file"
-        estimate = solve_estimate(difficulty)
-        log.info("solving the node-ID puzzle (difficulty %d, %s once; %s)", difficulty, estimate, where)
+        estimate = solve_estimate(difficulty, cores)
+        log.info(
+            "solving the node-ID puzzle (difficulty %d, %s once on %d cores; %s)", difficulty, estimate, cores, where
+        )
 
-    return load_or_solve(identity_path, identity.peer_id, difficulty, on_solve=announce)
+    def solver(peer_id, bits: int) -> NodeIDProof:
+        return solve(peer_id, bits, workers=cores, on_progress=ProgressLog())
+
+    return load_or_solve(identity_path, identity.peer_id, difficulty, on_solve=announce, solver=solver)

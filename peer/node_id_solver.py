@@ -1,0 +1,98 @@
+"""The node-ID puzzle (``peer/node_id.py``) solved on every core, saying how far it is.
+
+A public run's puzzle is ~2**24 hashes: ~10 s of one core of this Python solver, minutes on a slow
+or loaded machine, which a user waits out once per key before the peer starts. The work splits
+without coordination: nonces are searched in ranges of ``CHUNK``, each range a task for a pool of
+worker processes (hashlib holds the GIL on inputs this small, so threads would not run in parallel),
+and the first range that holds a solution ends the search. The caller learns after every range how
+many hashes are done against the 2**difficulty expected, and at what rate.
+
+Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the parent, which owns the pool,
+is the one that stops (each worker finishes its range, under a second, and exits) and tells the user.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+
+from .identity import PeerID
+from .node_id import NodeIDProof, check_difficulty, search_range
+
+__all__ = ["CHUNK", "SERIAL_BELOW", "SolveProgress", "solve"]
+
+CHUNK = 1 << 19  # nonces per task: ~0.3 s of one core, so progress comes often and Ctrl-C is quick
+# Below this many bits a solve takes well under a second on one core: less than starting the workers.
+SERIAL_BELOW = 18
+
+
+@dataclass(frozen=True)
+class SolveProgress:
+    hashes: int  # tried so far
+    difficulty: int
+    seconds: float  # since the search started
+    workers: int
+
+    @property
+    def expected(self) -> int:
+        """Hashes a solve takes on average (each try succeeds with probability 2**-difficulty)."""
+        return 1 << self.difficulty
+
+    @property
+    def rate(self) -> float:
+        """Hashes per second over all workers."""
+        return self.hashes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def fraction(self) -> float:
+        """Hashes done ÷ the expected number (past 1.0 on an unlucky key: the search is memoryless)."""
+        return self.hashes / self.expected
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def solve(
+    peer_id: PeerID,
+    difficulty: int,
+    *,
+    workers: int | None = None,
+    on_progress: Callable[[SolveProgress], None] | None = None,
+) -> NodeIDProof:
+    """A proof for ``peer_id`` at ``difficulty``, searched by ``workers`` processes (default: every
+    core; in this process below ``SERIAL_BELOW`` bits or with one worker). ``on_progress`` runs in
+    this process after each range of nonces."""
+    check_difficulty(difficulty)
+    workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    if difficulty < SERIAL_BELOW or workers == 1:
+        return NodeIDProof.solve(peer_id, difficulty)
+    raw = peer_id.to_bytes()
+    started = time.monotonic()
+    hashes, next_start = 0, 0
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupts)
+    pending: set[Future] = set()
+    try:
+        for _ in range(2 * workers):  # one range running and one queued per worker
+            pending.add(pool.submit(search_range, raw, difficulty, next_start, CHUNK))
+            next_start += CHUNK
+        while True:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            found = None
+            for future in done:
+                hashes += CHUNK
+                found = found or future.result()
+            if found is not None:
+                return NodeIDProof(peer_id, found)
+            for _ in done:
+                pending.add(pool.submit(search_range, raw, difficulty, next_start, CHUNK))
+                next_start += CHUNK
+            if on_progress is not None:
+                on_progress(SolveProgress(hashes, difficulty, time.monotonic() - started, workers))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,57 @@
+"""The node-ID puzzle on every core (``peer/node_id_solver.py``): a pool's answer is a real proof,
+the caller hears how far the search is, and small puzzles stay in the process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from peer import Identity
+from peer.node_id import NodeIDProof, search_range
+from peer.node_id_solver import CHUNK, SERIAL_BELOW, SolveProgress, solve
+from peerd.node_ids import ProgressLog
+
+
+def test_two_workers_find_a_proof_and_report_progress_on_the_way():
+    peer_id = Identity.generate().peer_id
+    seen: list[SolveProgress] = []
+    proof = solve(peer_id, 20, workers=2, on_progress=seen.append)
+    assert proof.peer_id == peer_id and proof.satisfies(20)
+    hashes = [progress.hashes for progress in seen]
+    assert hashes == sorted(hashes) and all(h % CHUNK == 0 for h in hashes)
+    if seen:  # (a lucky key is solved within the first ranges, before any report)
+        assert seen[-1].rate > 0 and seen[-1].workers == 2 and seen[-1].expected == 1 << 20
+
+
+def test_a_small_puzzle_is_solved_here_as_the_serial_solver_would():
+    peer_id = Identity.generate().peer_id
+    proof = solve(peer_id, SERIAL_BELOW - 1, workers=4, on_progress=lambda progress: pytest.fail("no pool"))
+    assert proof.nonce == NodeIDProof.solve(peer_id, SERIAL_BELOW - 1).nonce
+
+
+def test_a_range_holds_the_first_solution_in_it_or_none():
+    raw = Identity.generate().peer_id.to_bytes()
+    first = int.from_bytes(search_range(raw, 8, 0, 1 << 16), "little")
+    assert search_range(raw, 8, 0, first) is None
+    assert int.from_bytes(search_range(raw, 8, first, 1), "little") == first
+
+
+def test_bad_difficulties_are_refused_before_any_work():
+    with pytest.raises(ValueError):
+        solve(Identity.generate().peer_id, 41, workers=2)
+
+
+def test_progress_is_logged_at_most_every_few_seconds_with_the_time_left(caplog):
+    now = [0.0]
+    report = ProgressLog(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="peerd"):
+        report(SolveProgress(hashes=1 << 22, difficulty=24, seconds=1.0, workers=4))  # too soon
+        now[0] = 6.0
+        report(SolveProgress(hashes=1 << 22, difficulty=24, seconds=2.0, workers=4))
+        now[0] = 12.0
+        report(SolveProgress(hashes=1 << 25, difficulty=24, seconds=9.0, workers=4))
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines
+    assert "25% of the expected work done, 2.1 M hashes/s on 4 cores, ~6 s left on average" in lines[0]
+    assert "200% of the expected work" in lines[1] and "past the average" in lines[1]
