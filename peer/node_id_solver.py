@@ -13,18 +13,22 @@ is the one that stops (each worker finishes its range, under a second, and exits
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from .identity import PeerID
 from .node_id import NodeIDProof, check_difficulty, search_range
 
 __all__ = ["CHUNK", "SERIAL_BELOW", "SolveProgress", "solve"]
+
+log = logging.getLogger("peerd")
 
 CHUNK = 1 << 19  # nonces per task: ~0.3 s of one core, so progress comes often and Ctrl-C is quick
 # Below this many bits a solve takes well under a second on one core: less than starting the workers.
@@ -72,6 +76,16 @@ def solve(
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     if difficulty < SERIAL_BELOW or workers == 1:
         return NodeIDProof.solve(peer_id, difficulty)
+    try:
+        return _solve_in_pool(peer_id, difficulty, workers, on_progress)
+    except (BrokenProcessPool, OSError) as error:  # no processes here (a sandbox, a main module spawn cannot load)
+        log.info("solving the node-ID puzzle in this process: its workers could not run (%s)", error)
+        return NodeIDProof.solve(peer_id, difficulty)
+
+
+def _solve_in_pool(
+    peer_id: PeerID, difficulty: int, workers: int, on_progress: Callable[[SolveProgress], None] | None
+) -> NodeIDProof:
     raw = peer_id.to_bytes()
     started = time.monotonic()
     hashes, next_start = 0, 0

@@ -4,6 +4,9 @@ the caller hears how far the search is, and small puzzles stay in the process.""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,8 @@ from peer import Identity
 from peer.node_id import NodeIDProof, search_range
 from peer.node_id_solver import CHUNK, SERIAL_BELOW, SolveProgress, solve
 from peerd.node_ids import ProgressLog
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_workers_find_a_proof_and_report_progress_on_the_way():
@@ -55,3 +60,17 @@ def test_progress_is_logged_at_most_every_few_seconds_with_the_time_left(caplog)
     assert len(lines) == 2, lines
     assert "25% of the expected work done, 2.1 M hashes/s on 4 cores, ~6 s left on average" in lines[0]
     assert "200% of the expected work" in lines[1] and "past the average" in lines[1]
+
+
+def test_where_workers_cannot_start_the_puzzle_is_solved_in_the_process():
+    # a main module read from stdin is one that spawned workers cannot load: each dies at start
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from peer import Identity\n"
+        "from peer.node_id_solver import solve\n"
+        "print('proof', solve(Identity.generate().peer_id, 19, workers=2).satisfies(19))\n"
+    )
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "proof True" in done.stdout and "in this process: its workers could not run" in done.stdout, done.stdout
