@@ -8,7 +8,8 @@ and the first range that holds a solution ends the search. The caller learns aft
 many hashes are done against the 2**difficulty expected, and at what rate.
 
 Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the parent, which owns the pool,
-is the one that stops (each worker finishes its range, under a second, and exits) and tells the user.
+is the one that stops: it terminates the workers at once (as it does once a range holds a solution)
+and tells the user.
 """
 
 from __future__ import annotations
@@ -109,4 +110,20 @@ def _solve_in_pool(
             if on_progress is not None:
                 on_progress(SolveProgress(hashes, difficulty, time.monotonic() - started, workers))
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        _stop_at_once(pool)
+
+
+def _stop_at_once(pool: ProcessPoolExecutor) -> None:
+    """End the workers now, not after their ranges: a solution found or a Ctrl-C makes the rest of
+    the search useless, and on a loaded machine a range can take seconds. (Python 3.14 has this as
+    ``terminate_workers``; before it the pool's processes are only reachable through ``_processes``.)"""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
