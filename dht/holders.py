@@ -8,11 +8,17 @@ themselves: half of a store's requests. The holders of a key change only as peer
 so a lookup's answer stays right for a while; ``HOLDERS_TTL`` bounds how stale it may be (a peer
 that joined nearer the key in the meantime misses one store; readers still find every other copy,
 and the next lookup, a minute later at most, includes it). A store that any remembered holder
-failed to answer forgets the key, so the next store looks it up again.
+failed to answer, or answered keeping nothing, forgets the key, so the next store looks it up again.
 
-The cache learns only from this node's own complete lookups (never from what a peer claims the
-holders are), and holds at most ``MAX_TARGETS`` keys of at most k contacts each. Sans I/O: the
-caller passes the time.
+A swarm that grows fast (a start-up wave) moves a key's holders within the minute: so remembered
+holders count only while this node's own routing table knows no peer that belongs among them and is
+missing (``lacks_a_nearer``: nearer the key than the farthest remembered, or any while fewer than k
+are remembered); the table learns of newcomers as they look themselves up, and a store then walks again.
+
+The cache learns only from this node's own complete single-path store lookups, never from gets: a
+get's k nearest are merged over disjoint paths, so a poisoned path's made-up nodes near the key
+would be among them, and stores would go to those alone for a minute. It holds at most
+``MAX_TARGETS`` keys of at most k contacts each. Sans I/O: the caller passes the time.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections import OrderedDict
 
 from .routing import Contact
 
-__all__ = ["HOLDERS_TTL", "MAX_TARGETS", "HolderCache"]
+__all__ = ["HOLDERS_TTL", "MAX_TARGETS", "HolderCache", "lacks_a_nearer"]
 
 HOLDERS_TTL = 60.0  # seconds a lookup's nearest peers are trusted to still be a key's holders
 MAX_TARGETS = 256  # keys remembered (least recently used go first): 256 x 20 contacts
@@ -61,3 +67,13 @@ class HolderCache:
 
     def forget(self, target: int) -> None:
         self._entries.pop(target, None)
+
+
+def lacks_a_nearer(target: int, holders: list[Contact], known: list[Contact], k: int) -> bool:
+    """Whether ``known`` (the nearest contacts our table holds) names a peer missing from ``holders``
+    that belongs among a key's k nearest: the remembered holders are out of date."""
+    remembered = {contact.id for contact in holders}
+    farthest = max((contact.long_id ^ target for contact in holders), default=0)
+    return any(
+        contact.id not in remembered and (len(holders) < k or contact.long_id ^ target < farthest) for contact in known
+    )

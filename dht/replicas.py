@@ -19,7 +19,7 @@ from . import wire
 from .background import Background
 from .config import DHTConfig
 from .contacts import Contacts
-from .holders import HolderCache
+from .holders import HolderCache, lacks_a_nearer
 from .local import LocalRecords, as_records
 from .lookup_driver import LookupDriver
 from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, DHTValue, key_id, pack
@@ -77,6 +77,8 @@ class Replicas:
                     nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
 
             nearest = self.holders.holders(target, looked_up_at)
+            if nearest is not None and lacks_a_nearer(target, nearest, self.contacts.nearest(target, k), k):
+                nearest = None  # our table has met a peer that belongs among the holders
             if nearest is None:
                 # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
                 result = await self.lookups.run(
@@ -91,14 +93,15 @@ class Replicas:
             if not self.client_mode and (len(nearest) < k or self.node_id ^ target < nearest[-1].long_id ^ target):
                 outcomes.append(self.records.store(record))
         if unanswered:
-            self.holders.forget(target)  # one of them is gone: look the holders up again next time
+            self.holders.forget(target)  # one is gone or refused: look the holders up again next time
         return any(outcomes)
 
     async def send(
         self, contact: Contact, records: list[DHTRecord], outcomes: list[bool], unanswered: list[Contact] | None = None
     ) -> None:
         """``dht.store`` ``records`` on ``contact`` in batches; one outcome per batch (False once one
-        gets no answer, and the rest are not sent; ``contact`` then goes on ``unanswered``)."""
+        gets no answer, and the rest are not sent). ``contact`` goes on ``unanswered`` when a batch
+        got no answer or none of it was accepted."""
         for start in range(0, len(records), wire.MAX_RECORDS_PER_STORE):
             batch = records[start : start + wire.MAX_RECORDS_PER_STORE]
             reply = await self.contacts.call(contact, "dht.store", [wire.encode_record(r) for r in batch])
@@ -107,7 +110,10 @@ class Replicas:
                 if unanswered is not None:
                     unanswered.append(contact)
                 return
-            outcomes.append(any(result is True for result in reply.body))
+            accepted = any(result is True for result in reply.body)
+            if not accepted and unanswered is not None:
+                unanswered.append(contact)  # a holder that keeps nothing of ours is no holder to remember
+            outcomes.append(accepted)
 
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged
@@ -119,10 +125,9 @@ class Replicas:
         if local is not None and not latest:
             return self.records.decode(key_bytes, local)
         target = key_id(key_bytes)
-        looked_up_at = trio.current_time()
+        # (no holders remembered from here: the k nearest merged over disjoint paths include whatever a
+        # poisoned path made up, and stores would then go to those alone)
         result = await self.lookups.run(target, key_bytes, stop_on_value=not latest, paths=self.config.disjoint_paths)
-        if latest and not result.timed_out:  # a full lookup: its nearest are the key's holders
-            self.holders.remember(target, result.nearest[: self.config.k], looked_up_at)
         found = merge_found(local, result.found)
         if found is None:
             return None

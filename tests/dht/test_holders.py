@@ -3,12 +3,14 @@ them, and a holder that stops answering sends the next store back to a full look
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import trio
 
 from dht import DHTConfig
-from dht.holders import HOLDERS_TTL, HolderCache
-from dht.records import pack
+from dht.holders import HOLDERS_TTL, HolderCache, lacks_a_nearer
+from dht.records import key_id, pack
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -50,6 +52,20 @@ def test_bad_settings_are_refused():
         HolderCache(ttl=-1)
 
 
+def placed(long_id: int) -> SimpleNamespace:
+    return SimpleNamespace(id=long_id.to_bytes(20, "big"), long_id=long_id)
+
+
+def test_remembered_holders_are_out_of_date_once_the_table_knows_a_nearer_peer_they_lack():
+    target = 0
+    holders = [placed(distance) for distance in (1, 2, 4)]
+    assert not lacks_a_nearer(target, holders, holders[:2], k=3)  # the table knows only holders
+    assert not lacks_a_nearer(target, holders, [*holders, placed(9)], k=3)  # a farther one: not a holder
+    assert lacks_a_nearer(target, holders, [placed(3)], k=3)  # nearer than the farthest holder
+    # fewer than k remembered (the swarm was smaller than k): any peer they lack belongs among them
+    assert lacks_a_nearer(target, holders, [placed(9)], k=20)
+
+
 def served(swarm) -> int:
     return sum(swarm.nodes[i].requests_served for i in swarm.alive())
 
@@ -82,3 +98,16 @@ async def test_a_repeated_store_asks_only_the_holders_until_one_of_them_is_gone(
         assert served(swarm) - before > k  # a minute later the holders are looked up afresh
         reader = swarm.nodes[30 if gone != 30 else 31]
         assert (await reader.get("declarations", latest=True)).value["me"].value == "fifth"
+
+
+async def test_a_swarm_that_grows_past_the_holders_sends_the_next_store_back_to_a_lookup(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=12), 6, config=DHTConfig()) as swarm:
+        writer, clock, k = swarm.nodes[0], swarm.clock, DHTConfig().k
+        assert await writer.store("declarations", "first", clock.time() + 600, subkey="me")
+        for index in range(40):  # a start-up wave: most of the key's k nearest are newcomers now
+            await swarm.add([swarm.nodes[i].address for i in (0, index % 6)])
+        assert await writer.store("declarations", "second", clock.time() + 600, subkey="me")
+        target = key_id(pack("declarations"))
+        nearest = sorted(swarm.nodes[1:], key=lambda node: node.node_id ^ target)[:k]
+        holding = [node for node in nearest if node.records.found(pack("declarations")) is not None]
+        assert len(holding) == k, f"{len(holding)} of the {k} nearest hold the record"
