@@ -248,7 +248,7 @@ class GroupAverager:
                 log.info("round done with %d peers", len(group.group.members))
             self.link_speed.update(result.link_rate)
             timing = RoundTiming(formed - started, trio.current_time() - formed)
-        if self.allow_state_sharing and self._matchmaker.cells.donor_turn(self.host.peer_id.to_bytes(), group.round):
+        if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
         return AveragingRound(group.group, group.round, timing, result)
 

@@ -22,11 +22,6 @@ so no node holds the census for long. The estimate counts DHT nodes: a DHT share
 prefixes, or stuffed with nodes near one target, makes cells sparser than they should be, which
 ``MAX_CELLS`` and the cells' own width (``CELL_GROUPS`` groups) bound.
 
-The swarm's one state-donors key (``state_sharing.py``) would gather N stores a round on its holders
-if every peer re-announced itself after every round; in a swarm of ``count`` cells a peer does so in
-about one round in ``count`` (``Cells.donor_turn``, at most one in ``MAX_DONOR_SKIP``), so the key
-takes about a cell's worth of announcements a round and still lists donors of the newest state.
-
 Sans I/O: the matchmaker does the lookup and the reads.
 """
 
@@ -45,7 +40,6 @@ __all__ = [
     "Cells",
     "KEYSPACE",
     "MAX_CELLS",
-    "MAX_DONOR_SKIP",
     "MIN_CELL_SWARM",
     "census_target",
     "next_cell_count",
@@ -73,9 +67,6 @@ CENSUS_HYSTERESIS = 1.5
 # and a census inflated by nodes packed near its target can cost no more than this split.
 MAX_CELLS = 1 << 12
 KEYSPACE = 1 << 160
-# A donor announces itself at least once every this many rounds, however many cells a census claims:
-# an inflated count cannot leave newcomers without donors of fresh state.
-MAX_DONOR_SKIP = 32
 
 
 def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
@@ -150,13 +141,3 @@ class Cells:
         """Whether ``peer``, taking part in ``round_number``, declares under ``key``: a declaration
         read from a cell it has left (an older period, a newcomer's first look) is no candidate."""
         return self.key(peer, round_number) == key
-
-    def donor_turn(self, peer: bytes, round_number: int) -> bool:
-        """Whether ``peer`` re-announces itself as a state donor after ``round_number``: every round
-        in one cell, else in about one round in ``count`` (at most ``MAX_DONOR_SKIP``), a hash of the
-        peer and the round deciding which, so the announcers of a round are an even spread."""
-        every = min(self.count, MAX_DONOR_SKIP)
-        if every <= 1:
-            return True
-        digest = hashlib.blake2b(peer + round_number.to_bytes(8, "big"), digest_size=8, person=b"peerd-donor").digest()
-        return int.from_bytes(digest, "big") % every == 0

@@ -1,10 +1,8 @@
 """State sharing: a newcomer downloads tensors and metadata from a peer that already has them.
 
 Donors announce themselves under ``{prefix}.state_donors`` in the DHT (subkey = the donor's
-owner-signed ``peer_subkey``, value = its own address and the version of its state) after an
-averaging round: after every round in a small swarm, in about one round in C in a swarm of C
-matchmaking cells (``Cells.donor_turn``), so that the one key's holders take about a cell's worth of
-stores a round, not the whole swarm's. A newcomer reads the donors, keeps those with the newest version, and
+owner-signed ``peer_subkey``, value = its own address and the version of its state) each time they
+finish an averaging round. A newcomer reads the donors, keeps those with the newest version, and
 tries them in random order: random, so that a wave of newcomers spreads over all donors instead of
 all hitting the first one.
 

@@ -14,7 +14,6 @@ from averaging.cells import (
     CELL_ROUNDS,
     KEYSPACE,
     MAX_CELLS,
-    MAX_DONOR_SKIP,
     MIN_CELL_SWARM,
     Cells,
     cell_count,
@@ -95,17 +94,3 @@ def test_a_census_near_a_boundary_does_not_flip_the_count():
     # the swarm clearly grew or shrank: the count follows
     assert next_cell_count(2, 6.1 * width, 16) == cell_count(6.1 * width, 16) == 4
     assert next_cell_count(4, 0.5 * width, 16) == 1
-
-
-def test_donors_announce_every_round_in_one_cell_and_about_one_round_in_count_in_many():
-    peers = [bytes([index % 256, index // 256]) * 16 for index in range(2000)]
-    assert all(Cells("p", 1).donor_turn(peer, 7) for peer in peers[:50])
-    for count in (4, 16):
-        announcing = sum(Cells("p", count).donor_turn(peer, 7) for peer in peers)
-        assert abs(announcing / len(peers) - 1 / count) < 0.3 / count, (count, announcing)
-        # a different round, a different spread of announcers (each peer's turn comes round)
-        turns = [sum(Cells("p", count).donor_turn(peer, r) for r in range(20 * count)) for peer in peers[:100]]
-        assert min(turns) >= 1 and 18 <= sum(turns) / len(turns) <= 22
-    # however many cells a census claims, a donor announces at least one round in MAX_DONOR_SKIP
-    announcing = sum(Cells("p", MAX_CELLS).donor_turn(peer, 7) for peer in peers)
-    assert abs(announcing / len(peers) - 1 / MAX_DONOR_SKIP) < 0.4 / MAX_DONOR_SKIP
