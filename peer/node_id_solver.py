@@ -14,10 +14,12 @@ and tells the user.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -59,8 +61,33 @@ class SolveProgress:
         return self.hashes / self.expected
 
 
-def _ignore_interrupts() -> None:
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+MAX_WORKERS = 16  # past this, each worker's start-up (~0.5 s, ~45 MB) outweighs its share of the search
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # a Linux without a loadable libc
+    _libc = None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _worker_start(parent_pid: int) -> None:
+    """In each worker: die with the parent (a SIGTERM or SIGKILL to it must not leave a search
+    running), and ignore Ctrl-C, which the parent handles (it started the worker with SIGINT
+    blocked, so one that came during the start is dropped here, not raised mid-import)."""
+    if _libc is not None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def solve(
@@ -74,7 +101,7 @@ def solve(
     core; in this process below ``SERIAL_BELOW`` bits or with one worker). ``on_progress`` runs in
     this process after each range of nonces."""
     check_difficulty(difficulty)
-    workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
+    workers = max(1, min(MAX_WORKERS, workers if workers is not None else usable_cores()))
     if difficulty < SERIAL_BELOW or workers == 1:
         return NodeIDProof.solve(peer_id, difficulty)
     try:
@@ -90,12 +117,23 @@ def _solve_in_pool(
     raw = peer_id.to_bytes()
     started = time.monotonic()
     hashes, next_start = 0, 0
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_interrupts)
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_start,
+        initargs=(os.getpid(),),
+    )
     pending: set[Future] = set()
     try:
-        for _ in range(2 * workers):  # one range running and one queued per worker
-            pending.add(pool.submit(search_range, raw, difficulty, next_start, CHUNK))
-            next_start += CHUNK
+        # the workers start during these submits, and inherit SIGINT blocked (a Ctrl-C now reaches
+        # this process once they are up)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for _ in range(2 * workers):  # one range running and one queued per worker
+                pending.add(pool.submit(search_range, raw, difficulty, next_start, CHUNK))
+                next_start += CHUNK
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         while True:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             found = None

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from pathlib import Path
 
 from peer import DEFAULT_DIFFICULTY, LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.node_id import MAX_DIFFICULTY, check_difficulty, load_or_solve
-from peer.node_id_solver import SolveProgress, solve
+from peer.node_id_solver import SolveProgress, solve, usable_cores
 
 from .setting_kinds import Setting
 from .settings import Settings
@@ -88,13 +87,14 @@ class ProgressLog:
         if now - self._last < PROGRESS_EVERY_S:
             return
         self._last = now
-        left = max(progress.expected - progress.hashes, 0) / progress.rate if progress.rate else float("inf")
+        # the search is memoryless: from any point on, a solve takes 2**d hashes on average
+        ahead = f", ~{progress.expected / progress.rate:.0f} s more on average" if progress.rate else ""
         log.info(
-            "node-ID puzzle: %.0f%% of the expected work done, %.1f M hashes/s on %d cores%s",
+            "node-ID puzzle: %.0f%% of the average work done, %.1f M hashes/s on %d cores%s",
             100 * progress.fraction,
             progress.rate / 1e6,
             progress.workers,
-            f", ~{left:.0f} s left on average" if left > 0 else ", past the average: any moment now",
+            ahead,
         )
 
 
@@ -102,7 +102,7 @@ def node_id_for(identity: Identity, identity_path: Path | None, difficulty: int)
     """The proof for ``identity`` at ``difficulty``: read from beside ``identity_path``, or solved
     now on every core (saying so in one log line, then how far it is) and stored there. Without a
     key file it is solved every time."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
 
     def announce(path: Path | None) -> None:
         where = f"stored in {path}" if path is not None else "not stored: no identity file"
