@@ -14,12 +14,10 @@ and tells the user.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 
 from .identity import PeerID
 from .node_id import NodeIDProof, check_difficulty, search_range
+from .parent_death import die_with_parent
 
 __all__ = ["CHUNK", "SERIAL_BELOW", "SolveProgress", "solve"]
 
@@ -61,13 +60,7 @@ class SolveProgress:
         return self.hashes / self.expected
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 MAX_WORKERS = 16  # past this, each worker's start-up (~0.5 s, ~45 MB) outweighs its share of the search
-
-try:
-    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:  # a Linux without a loadable libc
-    _libc = None
 
 
 def usable_cores() -> int:
@@ -82,10 +75,7 @@ def _worker_start(parent_pid: int) -> None:
     """In each worker: die with the parent (a SIGTERM or SIGKILL to it must not leave a search
     running), and ignore Ctrl-C, which the parent handles (it started the worker with SIGINT
     blocked, so one that came during the start is dropped here, not raised mid-import)."""
-    if _libc is not None:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 

@@ -4,7 +4,7 @@ the launcher.
 Each child runs in its own session, so a Ctrl-C in the terminal reaches only the launcher, which
 then stops the children itself (SIGTERM, a deadline, SIGKILL) and prints its summary. For the
 cases where the launcher cannot do that (SIGKILL, the OOM killer, a crash) each child asks the
-Linux kernel to SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``, set between fork
+Linux kernel to SIGKILL it when its parent dies (``peer/parent_death.py``, set between fork
 and exec). That was chosen over a pipe each child watches because the kernel delivers it however
 the parent dies and whatever the child is doing at the time (importing torch, solving its node-ID
 puzzle, a long C call holding the GIL), without a watcher thread in every peer. The one race,
@@ -14,7 +14,7 @@ Elsewhere than Linux there is no such call, and a SIGKILLed launcher leaves its 
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import os
 import selectors
@@ -26,30 +26,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from peer.parent_death import available as parent_death_available
+from peer.parent_death import die_with_parent
+
 from .status_server import fetch_status
 
 __all__ = ["SwarmPeer", "wait_started", "stop_all"]
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_TIMEOUT = 5.0  # a peer stops within 2 s of SIGTERM (README); then it is killed
-
-try:
-    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:  # pragma: no cover - a Linux without a loadable libc
-    _libc = None
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child SIGKILLed when ``parent_pid`` dies (Linux)."""
-    if _libc is None:
-        return None
-
-    def preexec() -> None:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
+    return functools.partial(die_with_parent, parent_pid) if parent_death_available() else None
 
 
 class SwarmPeer:

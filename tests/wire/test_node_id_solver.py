@@ -99,6 +99,7 @@ def spawned_children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="dying with the parent is Linux's prctl")
 def test_workers_die_with_a_killed_parent(tmp_path):
+    """Each worker asks the kernel to kill it with its parent (``peer/parent_death.py``)."""
     script = tmp_path / "solver_child.py"
     script.write_text(
         "from peer import Identity\n"
