@@ -33,23 +33,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run soak and scale tests marked slow")
 
 
-# Tests that build network-lab namespaces, directly or through a benchmark they run: the suite runs
-# on two workers (pyproject's addopts), and these all go to one of them, one lab at a time, because a
-# lab's five shaped peers already take both cores of a CI machine.
+# Tests that build network-lab namespaces: the suite runs on two workers (pyproject's addopts), and
+# these all go to one of them, one lab at a time, because a lab's five shaped peers already take both
+# cores of a CI machine. Those using a lab fixture are found here; a test whose benchmark subprocess
+# builds the lab carries ``LAB_GROUP`` itself (tests/benchmarks).
 LAB_FIXTURES = {"netlab", "nat_netlab"}
-LAB_FILES = {"test_faults_benchmark.py"}
-LAB_IDS = {"test_a_benchmark_at_its_smallest_size_ends_with_its_json_line[nat]"}
-
-
-def uses_the_lab(item: pytest.Item) -> bool:
-    fixtures = set(getattr(item, "fixturenames", ()))
-    return bool(fixtures & LAB_FIXTURES) or item.path.name in LAB_FILES or item.name in LAB_IDS
+LAB_GROUP = pytest.mark.xdist_group("netlab")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if uses_the_lab(item):
-            item.add_marker(pytest.mark.xdist_group("netlab"))
+        if set(getattr(item, "fixturenames", ())) & LAB_FIXTURES:
+            item.add_marker(LAB_GROUP)
     if config.getoption("--run-slow"):
         return
     skip_slow = pytest.mark.skip(reason="slow soak/scale test: run with --run-slow")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LAB_GROUP
 from tests.support.netlab import lab_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,9 @@ SMALLEST = {
 NEEDS_THE_NAT_LAB = {"nat"}
 
 
-@pytest.mark.parametrize("name", list(SMALLEST))
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=LAB_GROUP) if name in NEEDS_THE_NAT_LAB else name for name in SMALLEST]
+)
 def test_a_benchmark_at_its_smallest_size_ends_with_its_json_line(name):
     flags, headline = SMALLEST[name]
     if name in NEEDS_THE_NAT_LAB and (reason := lab_unavailable(nat=True)) is not None:

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LAB_GROUP
 from tests.support.netlab import lab_unavailable
 
+pytestmark = LAB_GROUP  # its benchmark builds the network lab
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -23,6 +23,7 @@ import torch
 from averaging.partition import AllReducePlan
 from peer import Identity
 from tests.support.lab_allreduce_peer import PART_SIZE, WEIGHTS, tensors_of
+from tests.support.processes import process_state
 
 SENDER_TIMEOUT = 2.0
 REDUCER_TIMEOUT = 4.0
@@ -204,15 +205,6 @@ BIG_VALUES = 24_000_000
 BIG_REDUCER_TIMEOUT = 20.0  # the library's default: what a healthy peer would wait if it missed the death
 STOPPED_FOR = 1.5
 SENDER_DEADLINE = 3.0  # a dropped sender's deadline, well below the reducer's
-
-
-def process_state(pid: int) -> str:
-    """The state letter of /proc/PID/stat ("T": stopped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 @pytest.mark.timeout(120)

@@ -24,6 +24,14 @@ def status_of(port: int) -> dict | None:
         return None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat ("T": stopped, "Z": a zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def wait_until(predicate, timeout: float, what: str) -> None:
     """Poll ``predicate`` (a real process's state) until it holds; fail after ``timeout``."""
     deadline = time.monotonic() + timeout

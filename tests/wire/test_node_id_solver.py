@@ -15,6 +15,7 @@ from peer import Identity
 from peer.node_id import NodeIDProof, search_range
 from peer.node_id_solver import CHUNK, SERIAL_BELOW, SolveProgress, solve
 from peerd.node_ids import ProgressLog
+from tests.support.processes import process_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,14 +76,6 @@ def test_where_workers_cannot_start_the_puzzle_is_solved_in_the_process():
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "proof True" in done.stdout and "in this process: its workers could not run" in done.stdout, done.stdout
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of a live process ("Z": a zombie), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def spawned_children(pid: int) -> list[int]:
