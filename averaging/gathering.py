@@ -4,7 +4,7 @@ drives: who joined, by when each follower stops waiting, and whether the group i
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -13,11 +13,15 @@ from peer import PeerAddress, PeerID
 
 from .group import AveragingMode, GroupInfo, GroupMember, is_counter
 
-__all__ = ["Declaration", "Match", "Gathering", "ANSWER_MARGIN"]
+__all__ = ["Declaration", "Match", "Gathering", "ANSWER_MARGIN", "MAX_CONFIRMS"]
 
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
 ANSWER_MARGIN = 0.1
+# A leader re-reads the declarations at most this many times a round because joiners named members
+# it does not expect: an honest view that missed a declaration needs one, and a joiner that names
+# made-up peers costs no more than these reads.
+MAX_CONFIRMS = 2
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,33 @@ class Gathering:
         self.me = me
         self.expected = expected
         self.target = target
+        # Members that joiners' views put in this group and ours does not: the declarations we read
+        # may have missed one that theirs found, and closing on our smaller view would turn that
+        # peer away. They are claims: the leader confirms them with a read of its own (``confirm``).
+        self.unconfirmed: set[PeerID] = set()
+        self._looked_up: set[PeerID] = set()
         self.joined: dict[PeerID, Declaration] = {}
         self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
         self.changed = trio.Event()
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
 
-    def admit(self, declaration: Declaration, gives_up_at: float) -> None:
+    def admit(self, declaration: Declaration, gives_up_at: float, view: Iterable[PeerID] = ()) -> None:
+        """``view``: the members the joiner's own read put in this group."""
         if self.formed is not None or len(self.joined) + 1 >= self.target:
             raise ValueError("group is already full or formed")
         self.joined[declaration.peer_id] = declaration
         self.patience[declaration.peer_id] = gives_up_at
+        known = self.expected | self.joined.keys() | self._looked_up | {self.me.peer_id}
+        self.unconfirmed |= set(view) - known
+        self._changed()
+
+    def confirm(self, found: set[PeerID]) -> None:
+        """A fresh read of the declarations puts ``found`` in this group: wait for them too. The
+        members joiners named are settled by it, whether it found them or not."""
+        self._looked_up |= self.unconfirmed
+        self.unconfirmed.clear()
+        self.expected = self.expected | (found - {self.me.peer_id})
         self._changed()
 
     def withdraw(self, peer: PeerID) -> None:

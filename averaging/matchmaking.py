@@ -13,7 +13,10 @@
    that left or a newcomer costs the whole settle time, as before.
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
-   and a fresh group ID. A follower whose leader refuses re-reads the declarations and tries
+   and a fresh group ID. Reads can differ (a store that has not yet reached every holder): a
+   follower names the members its view gives, and a leader asked for members it did not expect
+   reads again and waits for those that the fresh read puts in its group, instead of closing
+   without them. A follower whose leader refuses re-reads the declarations and tries
    again until the deadline; one whose leader is unreachable (refused the connection or lost it:
    dead) passes it over from then on, as every other follower of that leader does, so the group
    elects the next leader instead of losing the round to a declaration that outlived its peer.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import trio
@@ -43,7 +46,7 @@ from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
 from .cells import MAX_CELLS, Cells, census_target, next_cell_count, sparse_cell, swarm_estimate
-from .gathering import ANSWER_MARGIN, Declaration, Gathering, Match
+from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
@@ -90,6 +93,17 @@ class LeaderFailed(MatchmakingError):
 class LeaderHoldsExcluded(LeaderFailed):
     """The elected leader's group holds a peer this one excludes: passed over for the round, but
     not remembered, since the excluded peer, not the leader, chose to join it."""
+
+
+def joiner_view(raw) -> list[PeerID]:
+    """The members a joiner's read put in the group it asks to join; anything malformed names none
+    (an older peer sends no view)."""
+    if not isinstance(raw, list) or len(raw) > MAX_GROUP_SIZE:
+        return []
+    try:
+        return [PeerID(item) for item in raw if isinstance(item, bytes)]
+    except ValueError:
+        return []
 
 
 class Matchmaker:
@@ -163,7 +177,7 @@ class Matchmaker:
         patience = request.body.get("patience")
         if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
             raise ValueError("a join needs the follower's patience in seconds")
-        gathering.admit(declaration, trio.current_time() + patience)
+        gathering.admit(declaration, trio.current_time() + patience, joiner_view(request.body.get("view")))
         try:
             await gathering.closed.wait()
         finally:
@@ -256,9 +270,11 @@ class Matchmaker:
                     if proposal.leader == me.peer_id.to_bytes():
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
-                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open)
+                        confirm = self._confirmer(me, candidates, target_group_size, min_group_size, unreachable)
+                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm)
                     else:
-                        group = await self._follow(me, candidates[PeerID(proposal.leader)], deadline)
+                        leader = candidates[PeerID(proposal.leader)]
+                        group = await self._follow(me, leader, deadline, proposal.members)
                     self._last_view = frozenset(candidates) - {me.peer_id}
                     # a newcomer (round 0) has already joined the round its candidates declared
                     joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
@@ -273,6 +289,34 @@ class Matchmaker:
             await trio.sleep(0.05)
         error = NoOtherPeers if alone else MatchmakingError
         raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
+
+    def _confirmer(
+        self,
+        me: Declaration,
+        candidates: dict[PeerID, Declaration],
+        target_group_size: int,
+        min_group_size: int,
+        unreachable: set[bytes],
+    ) -> Callable[[], Awaitable[set[PeerID]]]:
+        """For a leader whose joiners name members it did not expect: read the declarations again
+        and return the others that the grid rule now puts in our group (none if we no longer lead
+        it). Declarations read before are kept: a read that misses one is why views differ."""
+
+        async def confirm() -> set[PeerID]:
+            fresh = {**candidates, **await self._read_candidates(me)}
+            proposal = propose_group(
+                [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in fresh.values()],
+                me.peer_id.to_bytes(),
+                me.round,
+                target_group_size,
+                min_group_size,
+                unreachable | self._passed_over.current(self.dht.clock.time()),
+            )
+            if proposal.leader != me.peer_id.to_bytes():
+                return set()
+            return {PeerID(raw) for raw in proposal.members} - {me.peer_id}
+
+        return confirm
 
     def _leader_failed(self, leader: Declaration, error: Exception) -> None:
         """``leader`` did not serve our join: passed over for the rest of the round (by the
@@ -374,13 +418,16 @@ class Matchmaker:
         min_size: int,
         deadline: float,
         hold_open: trio.Event | None = None,
+        confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
     ) -> GroupInfo:
         """As the elected leader of ``me``'s round: admit joins until the ``expected`` members all
         asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
-        MatchmakingError."""
+        MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
+        name members we do not expect (at most MAX_CONFIRMS times)."""
         gathering = Gathering(me, expected, target)
         self._gathering = gathering
+        confirms = 0
         try:
             async with trio.open_nursery() as waking:
                 if hold_open is not None:
@@ -388,8 +435,18 @@ class Matchmaker:
                 # Wait for the expected members (and, held open, for latecomers), but not for the
                 # whole deadline: leave the followers time to receive the answer and the all-reduce
                 # time to start.
-                while not (gathering.full or (gathering.complete and (hold_open is None or hold_open.is_set()))):
-                    with trio.move_on_at(min(deadline - ANSWER_MARGIN, gathering.answer_by)) as scope:
+                while not gathering.full:
+                    answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
+                    if gathering.unconfirmed and confirm is not None and confirms < MAX_CONFIRMS:
+                        confirms += 1
+                        found: set[PeerID] = set()
+                        with trio.move_on_at(answer_by):
+                            found = await confirm()
+                        gathering.confirm(found)
+                        continue
+                    if gathering.complete and (hold_open is None or hold_open.is_set()):
+                        break
+                    with trio.move_on_at(answer_by) as scope:
                         await gathering.changed.wait()
                     if scope.cancelled_caught:
                         break
@@ -403,11 +460,15 @@ class Matchmaker:
             self._gathering = None
             gathering.closed.set()
 
-    async def _follow(self, me: Declaration, leader: Declaration, deadline: float) -> GroupInfo:
+    async def _follow(
+        self, me: Declaration, leader: Declaration, deadline: float, view: tuple[bytes, ...] = ()
+    ) -> GroupInfo:
+        """Ask ``leader`` to admit us, naming the group our ``view`` of the declarations gives: a
+        leader whose own read missed one of its members looks again instead of closing without it."""
         if leader.address is None:
             raise LeaderFailed("the leader has no address")
         patience = max((deadline - trio.current_time()) * LEADER_PATIENCE_SHARE, 1e-3)
-        body = {**me.to_wire(), "patience": patience}
+        body = {**me.to_wire(), "patience": patience, "view": list(view[:MAX_GROUP_SIZE])}
         with trio.move_on_after(patience + ANSWER_MARGIN):
             reply = await self.host.call(leader.address, self._join_method, body)
             try:
