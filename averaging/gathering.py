@@ -11,9 +11,9 @@ import trio
 
 from peer import PeerAddress, PeerID
 
-from .group import AveragingMode, GroupInfo, GroupMember, is_counter
+from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 
-__all__ = ["Declaration", "Match", "Gathering", "ANSWER_MARGIN", "MAX_CONFIRMS"]
+__all__ = ["Declaration", "Match", "Gathering", "joiner_view", "ANSWER_MARGIN", "MAX_CONFIRMS"]
 
 # A leader answers this long before its own deadline or a follower's: enough for the answer to
 # cross a continent before the follower stops listening.
@@ -67,6 +67,17 @@ class Match:
 
     group: GroupInfo
     round: int
+
+
+def joiner_view(raw) -> list[PeerID]:
+    """The members a joiner's read put in the group it asks to join; anything malformed names none
+    (an older peer sends no view)."""
+    if not isinstance(raw, list) or len(raw) > MAX_GROUP_SIZE:
+        return []
+    try:
+        return [PeerID(item) for item in raw if isinstance(item, bytes)]
+    except ValueError:
+        return []
 
 
 class Gathering:

@@ -45,8 +45,9 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
-from .cells import MAX_CELLS, Cells, census_target, next_cell_count, sparse_cell, swarm_estimate
-from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
+from .cells import MAX_CELLS, Cells, sparse_cell
+from .census import Census
+from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match, joiner_view
 from .group import MAX_GROUP_SIZE, GroupInfo
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
@@ -69,13 +70,13 @@ EARLY_SETTLE_VIEW = 16
 # then with whoever joined (it forms the group before its most impatient follower gives up), and a
 # leader that did not is passed over with the other half left for the next one to gather a group.
 LEADER_PATIENCE_SHARE = 0.5
+# After a failed attempt a peer waits FIRST_RETRY_PAUSE before reading the declarations again,
+# twice as long after each further failure, at most MAX_RETRY_PAUSE.
+FIRST_RETRY_PAUSE = 0.05
+MAX_RETRY_PAUSE = 1.0
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
 WITHDRAWAL_TTL = 5.0
-# The census (one lookup per CENSUS_PERIOD_S) may take this share of a round's matchmaking time, at
-# most CENSUS_TIMEOUT; one that does not finish keeps the cells as they were.
-CENSUS_SHARE = 0.25
-CENSUS_TIMEOUT = 5.0
 
 
 class MatchmakingError(RuntimeError):
@@ -95,17 +96,6 @@ class LeaderHoldsExcluded(LeaderFailed):
     not remembered, since the excluded peer, not the leader, chose to join it."""
 
 
-def joiner_view(raw) -> list[PeerID]:
-    """The members a joiner's read put in the group it asks to join; anything malformed names none
-    (an older peer sends no view)."""
-    if not isinstance(raw, list) or len(raw) > MAX_GROUP_SIZE:
-        return []
-    try:
-        return [PeerID(item) for item in raw if isinstance(item, bytes)]
-    except ValueError:
-        return []
-
-
 class Matchmaker:
     """Runs matchmaking for one prefix on one peer; serves ``avg.join`` for it."""
 
@@ -122,14 +112,16 @@ class Matchmaker:
         self.dht = dht
         self.prefix = prefix
         self._gathering: Gathering | None = None
+        # While this peer matches for a round it has not yet chosen, a join waits for the choice
+        # (``_handle_join``): set each time it leads, follows or gives up, then replaced.
+        self._matching_round: int | None = None
+        self._chosen = trio.Event()
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
         self._passed_over = PassedOver()  # leaders that did not serve us, until their declarations expire
         self.cells = Cells(prefix)
-        self._census_target: int | None = None  # the target of the census that set ``cells``
-        self._census_estimate = 0.0
-        self._counted: Cells | None = None  # the last census's cells, from the next round on
+        self.census = Census(prefix)
         self._declared_key: str | None = None  # where our live declaration is, to withdraw it
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
@@ -145,39 +137,25 @@ class Matchmaker:
         """The DHT key this peer declares under, and reads, for ``round_number``."""
         return (cells or self.cells).key(self.host.identity.peer_id.to_bytes(), round_number)
 
-    async def _count_cells(self, group_size: int, timeout: float) -> None:
-        """Once per census period: how many cells the swarm declares in (``cells.py``), for the
-        rounds after this one (this one's reads and declarations keep the cells they started
-        with). A census that fails or runs out of time is taken again in the next round."""
-        target = census_target(self.prefix, self.dht.clock.time())
-        if target == self._census_target:
-            return
-        with trio.move_on_after(min(CENSUS_TIMEOUT, timeout * CENSUS_SHARE)):
-            try:
-                nearest = await self.dht.nearest_node_ids(target)
-            except Exception as error:  # (a DHT that cannot look up now: the cells stay as they are)
-                log.debug("census failed: %s", error)
-                return
-            estimate = swarm_estimate(target, nearest, self.dht.config.k)
-            count = next_cell_count(self.cells.count, estimate, group_size)
-            if count != self.cells.count:
-                log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)
-            self._census_estimate, self._census_target = estimate, target
-            self._counted = Cells(self.prefix, count)
-
     async def _handle_join(self, request) -> dict:
-        gathering = self._gathering
         declaration = Declaration.from_wire(request.peer, request.body)
-        if gathering is None:
-            raise ValueError("not gathering a group now")
         if self.excluded(request.peer):
             raise ValueError("this peer excludes you from its groups")
-        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
-            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
         patience = request.body.get("patience")
         if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
             raise ValueError("a join needs the follower's patience in seconds")
-        gathering.admit(declaration, trio.current_time() + patience, joiner_view(request.body.get("view")))
+        gives_up_at = trio.current_time() + patience
+        if self._gathering is None and self._matching_round is not None and declaration.round <= self._matching_round:
+            # A follower whose read came back before ours: refused now, it would read the
+            # declarations again and retry; instead it waits until we lead, follow or give up.
+            with trio.move_on_at(gives_up_at):
+                await self._chosen.wait()
+        gathering = self._gathering
+        if gathering is None:
+            raise ValueError("not gathering a group now")
+        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
+            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
+        gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
             await gathering.closed.wait()
         finally:
@@ -207,17 +185,28 @@ class Matchmaker:
         group is full or the event is set (the round is due), within its followers' patience."""
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
-        if self._counted is not None:
-            self.cells, self._counted = self._counted, None
+        self.cells = self.census.next_round(self.cells)
         failed: Exception | None = None
         async with trio.open_nursery() as census:  # the census runs alongside, for the next round
-            census.start_soon(self._count_cells, target_group_size, timeout)
+            census.start_soon(self.census.take, self.dht, lambda: self.cells, target_group_size, timeout)
             try:
                 return await self._match(me, target_group_size, min_group_size, timeout, settle_time, hold_open)
             except Exception as error:  # raised as itself, not in the nursery's exception group
                 failed = error
+            finally:
+                self._matching_for(None)
         assert failed is not None
         raise failed
+
+    def _matching_for(self, round_number: int | None) -> None:
+        """We match for ``round_number`` now (None: no longer); joins waiting for our choice of
+        role wake up and look again."""
+        self._matching_round = round_number
+        self._chose()
+
+    def _chose(self) -> None:
+        self._chosen.set()
+        self._chosen = trio.Event()
 
     async def _match(
         self,
@@ -230,12 +219,14 @@ class Matchmaker:
     ) -> Match:
         deadline = trio.current_time() + timeout
         own_round = me.round
+        self._matching_for(me.round)
         await self.declare(me, timeout)
         settled = await self._settle(me, settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
+        pause = FIRST_RETRY_PAUSE
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
@@ -244,9 +235,10 @@ class Matchmaker:
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 moves = self.key(newest) != self.key(me.round)
                 me = replace(me, round=newest)
+                self._matching_for(newest)
                 await self.declare(me, timeout)
                 candidates = await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
-            if not probed and len(candidates) < sparse and self._census_estimate >= sparse:
+            if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
                 me, candidates = await self._join_the_crowd(me, candidates, timeout)
                 probed = True
             alone = alone and len(candidates.keys() - {me.peer_id}) == 0
@@ -274,6 +266,7 @@ class Matchmaker:
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
+                        self._chose()  # (joins that wait for us are refused: we follow)
                         group = await self._follow(me, leader, deadline, proposal.members)
                     self._last_view = frozenset(candidates) - {me.peer_id}
                     # a newcomer (round 0) has already joined the round its candidates declared
@@ -286,7 +279,10 @@ class Matchmaker:
                 except (MatchmakingError, RPCError, ValueError) as error:
                     last_error = str(error)
                     log.debug("matchmaking attempt failed: %s", error)
-            await trio.sleep(0.05)
+            # Each failed attempt reads the declarations again: wait longer after each, or a peer
+            # whose group cannot form (its members beyond a partition) reads many times a second.
+            await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
+            pause = min(2 * pause, MAX_RETRY_PAUSE)
         error = NoOtherPeers if alone else MatchmakingError
         raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
 
@@ -368,8 +364,8 @@ class Matchmaker:
         here = self.cells
         best, best_candidates = here, candidates
         counts = {max(1, here.count // 2), min(MAX_CELLS, here.count * 2)}
-        if self._counted is not None:  # this round's census came in: a newcomer's first count
-            counts.add(self._counted.count)
+        if self.census.counted is not None:  # this round's census came in: a newcomer's first count
+            counts.add(self.census.counted.count)
         for count in sorted(counts - {here.count}):
             probe = Cells(self.prefix, count)
             found = await self._read_candidates(me, probe)
@@ -427,6 +423,7 @@ class Matchmaker:
         name members we do not expect (at most MAX_CONFIRMS times)."""
         gathering = Gathering(me, expected, target)
         self._gathering = gathering
+        self._chose()
         confirms = 0
         try:
             async with trio.open_nursery() as waking:

@@ -1,14 +1,18 @@
-"""Peers whose reads of the declarations differ still form one group: a leader whose read missed a
-member that its followers' reads found looks again instead of closing without it."""
+"""Peers whose reads of the declarations differ, or come back at different times, still form one
+group without reading the declarations over and over: a leader whose read missed a member that
+its followers' reads found looks again instead of closing without it; a follower that asks before
+its leader has chosen to lead waits for the choice; a peer whose group cannot form reads less and
+less often."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import trio
 
 from averaging.group import AveragingMode
-from averaging.matchmaking import Declaration, Matchmaker
+from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
 from dht.peer_dictionary import subkey_peer
 from peer import PeerID
 from peer.simnet import SimNetwork
@@ -33,6 +37,59 @@ class MissesOnFirstRead:
                 self.misses += 1
                 return dataclasses.replace(found, value=kept)
         return found
+
+
+class CountsReads:
+    """A DHT node that counts the reads made through it."""
+
+    def __init__(self, node):
+        self._node, self.reads = node, 0
+
+    def __getattr__(self, name):
+        return getattr(self._node, name)
+
+    async def get(self, key, latest: bool = False):
+        self.reads += 1
+        return await self._node.get(key, latest=latest)
+
+
+def declaration_of(node) -> Declaration:
+    return Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
+
+
+async def test_followers_that_ask_before_their_leader_chose_wait_instead_of_reading_again(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=6), 3) as swarm:
+        leader, *followers = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        dhts = {node: CountsReads(node) for node in swarm.nodes}
+        settle = {leader: 4.0, followers[0]: 1.5, followers[1]: 1.5}  # the leader reads last
+        groups = {}
+
+        async def form(node) -> None:
+            match = await Matchmaker(node.host, dhts[node], "views").form_group(
+                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
+            )
+            groups[node] = {member.peer_id for member in match.group.members}
+
+        async with trio.open_nursery() as nursery:
+            for node in swarm.nodes:
+                nursery.start_soon(form, node)
+        assert groups == {node: {n.host.peer_id for n in swarm.nodes} for node in swarm.nodes}
+        # one read each (a second one if the first came before the others' declarations landed)
+        assert all(dhts[node].reads <= 2 for node in followers), [dhts[node].reads for node in followers]
+
+
+async def test_a_peer_whose_group_cannot_form_reads_less_and_less_often(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=7), 4) as swarm:
+        gone, survivor = sorted(swarm.nodes[1:3], key=lambda node: node.host.peer_id.to_bytes())
+        await Matchmaker(gone.host, gone, "views").declare(declaration_of(gone), 20.0)
+        swarm.leave(swarm.nodes.index(gone))  # its declaration outlives it: elected leader, it never answers
+        survivor = CountsReads(survivor)
+        with pytest.raises(MatchmakingError):
+            await Matchmaker(survivor.host, survivor, "views").form_group(
+                declaration_of(survivor), target_group_size=2, min_group_size=2, timeout=12.0, settle_time=0.5
+            )
+        # pauses of 0.05, 0.1, ... 1 s between reads (each takes a few round trips): 6 here, 14 without them
+        assert survivor.reads <= 9, survivor.reads
 
 
 async def test_a_leader_whose_read_missed_a_member_waits_for_it_when_a_joiner_names_it(autojump_clock):

@@ -1,0 +1,58 @@
+"""How many cells a swarm matchmakes in (``cells.py``), counted once per census period beside a
+round's matchmaking: the k node IDs nearest the period's target give Kademlia's size estimate, and
+every peer that looks up one target finds the same k nodes, so the same count."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+from .cells import Cells, census_target, next_cell_count, swarm_estimate
+
+__all__ = ["Census", "CENSUS_SHARE", "CENSUS_TIMEOUT"]
+
+log = logging.getLogger("peerd.averaging")
+
+# The census (one lookup per CENSUS_PERIOD_S) may take this share of a round's matchmaking time, at
+# most CENSUS_TIMEOUT; one that does not finish keeps the cells as they were.
+CENSUS_SHARE = 0.25
+CENSUS_TIMEOUT = 5.0
+
+
+class Census:
+    """The last census of one prefix: its target, its estimate and, until the next round takes
+    them, the cells it counted."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.target: int | None = None  # the target of the census that set the cells
+        self.estimate = 0.0
+        self.counted: Cells | None = None  # the last census's cells, from the next round on
+
+    def next_round(self, cells: Cells) -> Cells:
+        """The cells a round that starts now matchmakes in: the last census's, once it came in."""
+        counted, self.counted = self.counted, None
+        return counted or cells
+
+    async def take(self, dht, current: Callable[[], Cells], group_size: int, timeout: float) -> None:
+        """Once per census period: count the cells for the rounds after this one (this one's reads
+        and declarations keep the cells they started with). A census that fails or runs out of
+        time is taken again in the next round. ``current``: the cells this peer matchmakes in when
+        the count comes in (a sparse cell may have moved it meanwhile), which the margin is kept from."""
+        target = census_target(self.prefix, dht.clock.time())
+        if target == self.target:
+            return
+        with trio.move_on_after(min(CENSUS_TIMEOUT, timeout * CENSUS_SHARE)):
+            try:
+                nearest = await dht.nearest_node_ids(target)
+            except Exception as error:  # (a DHT that cannot look up now: the cells stay as they are)
+                log.debug("census failed: %s", error)
+                return
+            estimate, cells = swarm_estimate(target, nearest, dht.config.k), current()
+            count = next_cell_count(cells.count, estimate, group_size)
+            if count != cells.count:
+                log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)
+            self.estimate, self.target = estimate, target
+            self.counted = Cells(self.prefix, count)
