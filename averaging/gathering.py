@@ -109,11 +109,13 @@ class Gathering:
         self._changed()
 
     def confirm(self, found: set[PeerID]) -> None:
-        """A fresh read of the declarations puts ``found`` in this group: wait for them too. The
-        members joiners named are settled by it, whether it found them or not."""
-        self._looked_up |= self.unconfirmed
-        self.unconfirmed.clear()
-        self.expected = self.expected | (found - {self.me.peer_id})
+        """A fresh read of the declarations puts ``found`` in this group: wait for the members
+        joiners named that it found. The named are settled by it, found or not; others it puts in
+        the group are not waited for (the grid rule over a larger view may reshuffle the groups,
+        and a peer nobody named is likely in another one)."""
+        named, self.unconfirmed = self.unconfirmed, set()
+        self._looked_up |= named
+        self.expected = self.expected | (found & named)
         self._changed()
 
     def withdraw(self, peer: PeerID) -> None:

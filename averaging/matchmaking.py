@@ -47,8 +47,9 @@ from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCErro
 
 from .cells import MAX_CELLS, Cells, sparse_cell
 from .census import Census
-from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match, joiner_view
+from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
+from .joins import Joins
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
@@ -111,11 +112,8 @@ class Matchmaker:
         self.excluded = excluded or (lambda peer: False)
         self.dht = dht
         self.prefix = prefix
-        self._gathering: Gathering | None = None
-        # While this peer matches for a round it has not yet chosen, a join waits for the choice
-        # (``_handle_join``): set each time it leads, follows or gives up, then replaced.
-        self._matching_round: int | None = None
-        self._chosen = trio.Event()
+        self.joins = Joins(self.excluded)  # the leader's side of avg.join
+        self._confirms_left = MAX_CONFIRMS  # (this round's)
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
@@ -126,7 +124,7 @@ class Matchmaker:
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
         try:
-            router.add_unary(method, self._handle_join)
+            router.add_unary(method, self.joins.handle)
         except ValueError as error:  # two on one peer would share its peer ID, declarations and joins
             raise ValueError(
                 f"this peer already averages under prefix {prefix!r}; each averager on a peer needs its own prefix"
@@ -136,34 +134,6 @@ class Matchmaker:
     def key(self, round_number: int, cells: Cells | None = None) -> str:
         """The DHT key this peer declares under, and reads, for ``round_number``."""
         return (cells or self.cells).key(self.host.identity.peer_id.to_bytes(), round_number)
-
-    async def _handle_join(self, request) -> dict:
-        declaration = Declaration.from_wire(request.peer, request.body)
-        if self.excluded(request.peer):
-            raise ValueError("this peer excludes you from its groups")
-        patience = request.body.get("patience")
-        if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
-            raise ValueError("a join needs the follower's patience in seconds")
-        gives_up_at = trio.current_time() + patience
-        if self._gathering is None and self._matching_round is not None and declaration.round <= self._matching_round:
-            # A follower whose read came back before ours: refused now, it would read the
-            # declarations again and retry; instead it waits until we lead, follow or give up.
-            with trio.move_on_at(gives_up_at):
-                await self._chosen.wait()
-        gathering = self._gathering
-        if gathering is None:
-            raise ValueError("not gathering a group now")
-        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
-            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
-        gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
-        try:
-            await gathering.closed.wait()
-        finally:
-            if gathering.formed is None:  # the follower gave up, or its connection died
-                gathering.withdraw(request.peer)
-        if gathering.formed is None or gathering.formed.member(request.peer) is None:
-            raise ValueError("the group did not form")
-        return gathering.formed.to_wire()
 
     async def form_group(
         self,
@@ -194,19 +164,9 @@ class Matchmaker:
             except Exception as error:  # raised as itself, not in the nursery's exception group
                 failed = error
             finally:
-                self._matching_for(None)
+                self.joins.choosing(None)
         assert failed is not None
         raise failed
-
-    def _matching_for(self, round_number: int | None) -> None:
-        """We match for ``round_number`` now (None: no longer); joins waiting for our choice of
-        role wake up and look again."""
-        self._matching_round = round_number
-        self._chose()
-
-    def _chose(self) -> None:
-        self._chosen.set()
-        self._chosen = trio.Event()
 
     async def _match(
         self,
@@ -219,7 +179,8 @@ class Matchmaker:
     ) -> Match:
         deadline = trio.current_time() + timeout
         own_round = me.round
-        self._matching_for(me.round)
+        self._confirms_left = MAX_CONFIRMS
+        self.joins.choosing(me)
         await self.declare(me, timeout)
         settled = await self._settle(me, settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
         last_error = "no other peer declared itself"
@@ -235,7 +196,8 @@ class Matchmaker:
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 moves = self.key(newest) != self.key(me.round)
                 me = replace(me, round=newest)
-                self._matching_for(newest)
+                self.joins.choosing(me)
+                pause = FIRST_RETRY_PAUSE  # (a new round: its attempts have not failed yet)
                 await self.declare(me, timeout)
                 candidates = await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
             if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
@@ -266,7 +228,7 @@ class Matchmaker:
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
-                        self._chose()  # (joins that wait for us are refused: we follow)
+                        self.joins.choosing(None)  # (joins that wait for us are refused: we follow)
                         group = await self._follow(me, leader, deadline, proposal.members)
                     self._last_view = frozenset(candidates) - {me.peer_id}
                     # a newcomer (round 0) has already joined the round its candidates declared
@@ -281,6 +243,7 @@ class Matchmaker:
                     log.debug("matchmaking attempt failed: %s", error)
             # Each failed attempt reads the declarations again: wait longer after each, or a peer
             # whose group cannot form (its members beyond a partition) reads many times a second.
+            self.joins.choosing(me)
             await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
             pause = min(2 * pause, MAX_RETRY_PAUSE)
         error = NoOtherPeers if alone else MatchmakingError
@@ -299,6 +262,9 @@ class Matchmaker:
         it). Declarations read before are kept: a read that misses one is why views differ."""
 
         async def confirm() -> set[PeerID]:
+            if self._confirms_left <= 0:  # (joiners' claims cost at most MAX_CONFIRMS reads a round)
+                return set()
+            self._confirms_left -= 1
             fresh = {**candidates, **await self._read_candidates(me)}
             proposal = propose_group(
                 [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in fresh.values()],
@@ -404,7 +370,7 @@ class Matchmaker:
     @property
     def gathering(self) -> bool:
         """Whether this peer is gathering a group as its leader now (admitting joins)."""
-        return self._gathering is not None
+        return self.joins.gathering is not None
 
     async def lead(
         self,
@@ -420,11 +386,9 @@ class Matchmaker:
         asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
         MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
-        name members we do not expect (at most MAX_CONFIRMS times)."""
+        name members we do not expect."""
         gathering = Gathering(me, expected, target)
-        self._gathering = gathering
-        self._chose()
-        confirms = 0
+        self.joins.open(gathering)
         try:
             async with trio.open_nursery() as waking:
                 if hold_open is not None:
@@ -434,8 +398,7 @@ class Matchmaker:
                 # time to start.
                 while not gathering.full:
                     answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
-                    if gathering.unconfirmed and confirm is not None and confirms < MAX_CONFIRMS:
-                        confirms += 1
+                    if gathering.unconfirmed and confirm is not None:
                         found: set[PeerID] = set()
                         with trio.move_on_at(answer_by):
                             found = await confirm()
@@ -454,7 +417,7 @@ class Matchmaker:
             gathering.formed = GroupInfo(os.urandom(16), tuple(d.member() for d in members))
             return gathering.formed
         finally:
-            self._gathering = None
+            self.joins.close()
             gathering.closed.set()
 
     async def _follow(

@@ -136,3 +136,66 @@ def test_members_a_joiner_names_are_claims_the_leader_looks_up_once():
     gathering.withdraw(honest.peer_id)
     gathering.admit(honest, gives_up_at=10.0, view=[made_up])  # named again: not looked up again
     assert gathering.unconfirmed == set()
+
+
+async def test_a_join_at_a_peer_that_follows_another_is_refused_at_once(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=5), 3) as swarm:
+        leader, middle, late = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        # the late peer's first read misses the leader: it asks the middle peer, which follows
+        # the leader by then; told at once, it reads again and joins the leader's group
+        lagging = MissesOnFirstRead(late, leader.host.peer_id)
+        matchmakers = {
+            leader: Matchmaker(leader.host, leader, "views"),
+            middle: Matchmaker(middle.host, middle, "views"),
+            late: Matchmaker(late.host, lagging, "views"),
+        }
+        settle = {leader: 0.5, middle: 0.5, late: 0.6}
+        groups, took = {}, {}
+
+        async def form(node) -> None:
+            started = trio.current_time()
+            match = await matchmakers[node].form_group(
+                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
+            )
+            groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
+
+        async with trio.open_nursery() as nursery:
+            for node in matchmakers:
+                nursery.start_soon(form, node)
+        assert lagging.misses == 1
+        everyone = {node.host.peer_id for node in matchmakers}
+        assert groups == {node: everyone for node in matchmakers}
+        assert max(took.values()) < 2.0, took  # not the followers' whole patience (~4.7 s)
+
+
+async def test_joiners_claims_cost_the_leader_at_most_its_confirm_reads_a_round(autojump_clock):
+    from averaging.gathering import MAX_CONFIRMS
+
+    async with open_sim_swarm(SimNetwork(seed=8), 3) as swarm:
+        leader, follower, liar = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        counted = CountsReads(leader)
+        leading = Matchmaker(leader.host, counted, "views")
+        await Matchmaker(liar.host, liar, "views").declare(declaration_of(liar), 20.0)
+        groups = {}
+
+        async def form(node, matchmaker, settle: float) -> None:
+            match = await matchmaker.form_group(
+                declaration_of(node), target_group_size=8, min_group_size=2, timeout=10.0, settle_time=settle
+            )
+            groups[node] = {member.peer_id for member in match.group.members}
+
+        async def lie(number: int) -> None:
+            await trio.sleep(0.7 + 0.4 * number)  # after the leader's read, each after the last confirm
+            made_up = [PeerID(bytes([number + 1]) * 20).to_bytes()]
+            body = {**declaration_of(liar).to_wire(), "patience": 8.0, "view": made_up}
+            with trio.move_on_after(9.0):
+                await liar.host.call(leader.host.listen_address, "avg.join.views", body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(form, leader, leading, 0.5)
+            nursery.start_soon(form, follower, Matchmaker(follower.host, follower, "views"), 3.5)
+            for number in range(5):
+                nursery.start_soon(lie, number)
+        assert groups[leader] == groups[follower] == {node.host.peer_id for node in swarm.nodes}
+        # its own read, then the capped confirms: fewer than the five claims (six reads without a cap)
+        assert MAX_CONFIRMS < 5 and counted.reads <= 1 + MAX_CONFIRMS, counted.reads

@@ -1,0 +1,103 @@
+"""The leader's side of ``avg.join``: a join is admitted to this peer's open invitation
+(``Gathering``) and answered once the group forms; a join that arrives while this peer is still
+choosing its role for the round waits for the choice.
+
+Reads of the declarations come back at different times: a follower whose read came back before
+its leader's asks before the leader knows it leads. Refused then, it would read the declarations
+again and retry, and with many such followers the key's holders would carry every retry. So such a
+join waits until we lead (it is admitted), follow or give up (it is refused, and its peer reads
+again). The wait is bounded like everything a remote peer asks for: only joins of our schema and
+of a round we match for wait, at most one per peer and MAX_WAITING_JOINS in all, and a join whose
+patience ran out while it waited is refused rather than admitted with no time to form a group in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from peer import PeerID
+
+from .gathering import ANSWER_MARGIN, Declaration, Gathering, joiner_view
+from .group import MAX_GROUP_SIZE
+
+__all__ = ["Joins", "MAX_WAITING_JOINS"]
+
+# No more joins than one group's members wait for our choice: an honest swarm sends us at most
+# the followers of one group.
+MAX_WAITING_JOINS = MAX_GROUP_SIZE
+# A join admitted with less patience left than this could not see the group form: the leader
+# answers ANSWER_MARGIN before the most impatient follower gives up.
+MIN_PATIENCE_LEFT = 2 * ANSWER_MARGIN
+
+
+class Joins:
+    """Serves ``avg.join`` for one matchmaker: what its matchmaking is doing decides a join's
+    fate. ``choosing``: our declaration while we match for its round and have not chosen a role
+    for this attempt; ``gathering``: our open invitation while we lead."""
+
+    def __init__(self, excluded: Callable[[PeerID], bool]):
+        self.excluded = excluded
+        self.gathering: Gathering | None = None
+        self._choosing: Declaration | None = None
+        self._chosen = trio.Event()
+        self._waiting: set[PeerID] = set()
+
+    def choosing(self, me: Declaration | None) -> None:
+        """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
+        joins that wait for the choice look again."""
+        self._choosing = me
+        self._chosen.set()
+        self._chosen = trio.Event()
+
+    def open(self, gathering: Gathering) -> None:
+        """We lead: joins are admitted to ``gathering`` until ``close``."""
+        self.gathering = gathering
+        self.choosing(None)
+
+    def close(self) -> None:
+        self.gathering = None
+
+    async def handle(self, request) -> dict:
+        declaration = Declaration.from_wire(request.peer, request.body)
+        if self.excluded(request.peer):
+            raise ValueError("this peer excludes you from its groups")
+        patience = request.body.get("patience")
+        if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
+            raise ValueError("a join needs the follower's patience in seconds")
+        gives_up_at = trio.current_time() + patience
+        if self.gathering is None and self._would_wait(declaration):
+            await self._wait_for_choice(declaration, gives_up_at)
+        gathering = self.gathering
+        if gathering is None:
+            raise ValueError("not gathering a group now")
+        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
+            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
+        gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
+        try:
+            await gathering.closed.wait()
+        finally:
+            if gathering.formed is None:  # the follower gave up, or its connection died
+                gathering.withdraw(request.peer)
+        if gathering.formed is None or gathering.formed.member(request.peer) is None:
+            raise ValueError("the group did not form")
+        return gathering.formed.to_wire()
+
+    def _would_wait(self, joiner: Declaration) -> bool:
+        me = self._choosing
+        return me is not None and joiner.schema == me.schema and joiner.round <= me.round
+
+    async def _wait_for_choice(self, joiner: Declaration, gives_up_at: float) -> None:
+        if joiner.peer_id in self._waiting or len(self._waiting) >= MAX_WAITING_JOINS:
+            raise ValueError("too many joins wait for this peer to choose its role")
+        self._waiting.add(joiner.peer_id)
+        try:
+            with trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
+                # (woken by a catch-up to a newer round too: still choosing, so wait on)
+                while self.gathering is None and self._would_wait(joiner):
+                    await self._chosen.wait()
+        finally:
+            self._waiting.discard(joiner.peer_id)
+        if gives_up_at - trio.current_time() < MIN_PATIENCE_LEFT:
+            raise ValueError("the join's patience ran out while this peer chose its role")

@@ -1,0 +1,99 @@
+"""The leader's side of ``avg.join`` (``averaging/joins.py``) without sockets: a join that comes
+while we choose our role waits for the choice, within bounds a remote peer cannot stretch."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import trio
+import trio.testing
+
+from averaging.gathering import Declaration, Gathering
+from averaging.group import AveragingMode
+from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Joins
+from peer import PeerAddress, PeerID
+
+
+def declaration(number: int, schema: str = "s", round_number: int = 1) -> Declaration:
+    peer = PeerID(number.to_bytes(2, "big") * 10)
+    address = PeerAddress("127.0.0.1", 10000 + number, peer)
+    return Declaration(peer, address, 1.0, AveragingMode.NODE, schema, round_number)
+
+
+def request(joiner: Declaration, patience: float):
+    return types.SimpleNamespace(peer=joiner.peer_id, body={**joiner.to_wire(), "patience": patience})
+
+
+async def outcome(joins: Joins, joiner: Declaration, patience: float, into: dict) -> None:
+    try:
+        into[joiner.peer_id] = ("admitted", len((await joins.handle(request(joiner, patience)))["members"]))
+    except ValueError as error:
+        into[joiner.peer_id] = ("refused", str(error), trio.current_time())
+
+
+async def test_a_join_waits_for_our_choice_and_is_admitted_when_we_lead(autojump_clock):
+    me, joiner = declaration(1), declaration(2)
+    joins, outcomes = Joins(lambda peer: False), {}
+    joins.choosing(me)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
+        await trio.sleep(1.0)
+        joins.choosing(dataclasses.replace(me, round=2))  # caught up meanwhile: still choosing
+        await trio.sleep(1.0)
+        assert outcomes == {}
+        gathering = Gathering(me, {joiner.peer_id}, target=2)
+        joins.open(gathering)
+        await trio.sleep(0.1)
+        assert joiner.peer_id in gathering.joined  # (a group of 2 is full: the leader closes it)
+        gathering.formed = types.SimpleNamespace(member=lambda peer: peer, to_wire=lambda: {"members": [1, 2]})
+        gathering.closed.set()
+    assert outcomes == {joiner.peer_id: ("admitted", 2)}
+
+
+async def test_a_join_is_refused_once_we_follow_or_when_its_patience_ran_out_waiting(autojump_clock):
+    me, follower, impatient = declaration(1), declaration(2), declaration(3)
+    joins, outcomes = Joins(lambda peer: False), {}
+    joins.choosing(me)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, follower, 5.0, outcomes)
+        nursery.start_soon(outcome, joins, impatient, 1.0, outcomes)
+        await trio.sleep(0.5)
+        joins.choosing(None)  # we follow another leader: the waiting join is told at once
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes[follower.peer_id][:2] == ("refused", "not gathering a group now")
+        assert outcomes[follower.peer_id][2] == pytest.approx(0.5)
+        joins.choosing(me)  # that attempt failed: choosing again
+        nursery.start_soon(outcome, joins, impatient, 1.0, outcomes)
+        await trio.sleep(1.0 - MIN_PATIENCE_LEFT / 2)
+        joins.open(Gathering(me, {impatient.peer_id}, target=4))  # too late to form a group for it
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()  # (an admitted join would wait for the group to form)
+    assert outcomes[impatient.peer_id][:2] == ("refused", "the join's patience ran out while this peer chose its role")
+    assert outcomes[impatient.peer_id][2] == pytest.approx(1.5 - MIN_PATIENCE_LEFT)
+
+
+async def test_only_joins_we_could_admit_wait_and_no_more_than_a_group_of_them(autojump_clock):
+    me = declaration(1)
+    joins, outcomes = Joins(lambda peer: False), {}
+    joins.choosing(me)
+    async with trio.open_nursery() as nursery:
+        for joiner in [declaration(2, schema="other"), declaration(3, round_number=2)]:
+            nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
+        await trio.sleep(0.1)
+        # another schema, or a round ahead of ours: refused at once
+        assert {result[0] for result in outcomes.values()} == {"refused"} and len(outcomes) == 2
+        outcomes.clear()
+        waiting = [declaration(10 + number) for number in range(MAX_WAITING_JOINS)]
+        for joiner in waiting:
+            nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
+        await trio.sleep(0.1)
+        assert outcomes == {}
+        nursery.start_soon(outcome, joins, declaration(99), 5.0, outcomes)  # one too many
+        nursery.start_soon(outcome, joins, waiting[0], 5.0, outcomes)  # the same peer twice
+        await trio.sleep(0.1)
+        too_many = "too many joins wait for this peer to choose its role"
+        assert [result[1] for result in outcomes.values()] == [too_many] * 2
+        joins.choosing(None)
+    assert len(outcomes) == MAX_WAITING_JOINS + 1
