@@ -22,7 +22,7 @@ from peer import PeerID
 from .gathering import ANSWER_MARGIN, Declaration, Gathering, joiner_view
 from .group import MAX_GROUP_SIZE
 
-__all__ = ["Joins", "MAX_WAITING_JOINS"]
+__all__ = ["Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
 
 # No more joins than one group's members wait for our choice: an honest swarm sends us at most
 # the followers of one group.
@@ -30,6 +30,14 @@ MAX_WAITING_JOINS = MAX_GROUP_SIZE
 # A join admitted with less patience left than this could not see the group form: the leader
 # answers ANSWER_MARGIN before the most impatient follower gives up.
 MIN_PATIENCE_LEFT = 2 * ANSWER_MARGIN
+
+
+class NotLeading(Exception):
+    """This peer leads no group for the joiner's round; reaches the joiner as a RemoteError whose
+    ``type_name`` is NOT_LEADING."""
+
+
+NOT_LEADING = NotLeading.__name__
 
 
 class Joins:
@@ -71,7 +79,7 @@ class Joins:
             await self._wait_for_choice(declaration, gives_up_at)
         gathering = self.gathering
         if gathering is None:
-            raise ValueError("not gathering a group now")
+            raise NotLeading("not gathering a group now")
         if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
             raise ValueError("schema differs from this group's, or the joiner is a round ahead")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))

@@ -17,9 +17,13 @@
    follower names the members its view gives, and a leader asked for members it did not expect
    reads again and waits for those that the fresh read puts in its group, instead of closing
    without them. A follower whose leader refuses re-reads the declarations and tries
-   again until the deadline; one whose leader is unreachable (refused the connection or lost it:
-   dead) passes it over from then on, as every other follower of that leader does, so the group
-   elects the next leader instead of losing the round to a declaration that outlived its peer.
+   again until the deadline. A leader that declines because it leads no group this round (it
+   matched, or follows another: a late reader's grid can differ from the one that formed the
+   groups) is left out of the follower's view for the round, and the grid of the rest elects
+   the next leader at once, without a read or a pause. One whose leader is unreachable
+   (refused the connection or lost it: dead) passes it over from then on, as every other
+   follower of that leader does, so the group elects the next leader instead of losing the
+   round to a declaration that outlived its peer.
    A leader that answers garbage, or a group without the follower, serves no matchmaking (a
    client-mode peer, whose connection to us serves no calls), or does not answer within half of
    the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
@@ -43,13 +47,13 @@ from dataclasses import replace
 import trio
 
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
-from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCError, UnknownMethodError
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, Router, RPCError, UnknownMethodError
 
 from .cells import MAX_CELLS, Cells, sparse_cell
 from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
-from .joins import Joins
+from .joins import NOT_LEADING, Joins
 from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
@@ -90,6 +94,11 @@ class NoOtherPeers(MatchmakingError):
 
 class LeaderFailed(MatchmakingError):
     """The elected leader answered garbage, left us out, or did not answer in time."""
+
+
+class LeaderDeclined(MatchmakingError):
+    """The elected leader leads no group for our round (it follows another, or has matched): our
+    view elected it from a declaration that outlived its choice."""
 
 
 class LeaderHoldsExcluded(LeaderFailed):
@@ -188,10 +197,14 @@ class Matchmaker:
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         pause = FIRST_RETRY_PAUSE
+        # Declarations whose peers declined to lead us (they chose a group without us): left out
+        # of our view for the round, so the grid of the rest elects a leader that still gathers.
+        declined: set[tuple[PeerID, int, float | None]] = set()
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
             candidates, settled = settled or await self._read_candidates(me), None
+            candidates = {p: d for p, d in candidates.items() if (p, d.round, d.expiration) not in declined}
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 moves = self.key(newest) != self.key(me.round)
@@ -234,6 +247,11 @@ class Matchmaker:
                     # a newcomer (round 0) has already joined the round its candidates declared
                     joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
                     return Match(group, joined)
+                except LeaderDeclined as error:
+                    declined_by = candidates[PeerID(proposal.leader)]
+                    declined.add((declined_by.peer_id, declined_by.round, declined_by.expiration))
+                    last_error = str(error)
+                    settled = candidates  # (no need to read again: the rest of the view stands)
                 except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:
                     unreachable.add(proposal.leader)
                     last_error = str(error)
@@ -243,7 +261,10 @@ class Matchmaker:
                     log.debug("matchmaking attempt failed: %s", error)
             # Each failed attempt reads the declarations again: wait longer after each, or a peer
             # whose group cannot form (its members beyond a partition) reads many times a second.
+            # A leader that declined costs no read and no wait: the next one is asked at once.
             self.joins.choosing(me)
+            if settled is not None:
+                continue
             await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
             pause = min(2 * pause, MAX_RETRY_PAUSE)
         error = NoOtherPeers if alone else MatchmakingError
@@ -430,7 +451,12 @@ class Matchmaker:
         patience = max((deadline - trio.current_time()) * LEADER_PATIENCE_SHARE, 1e-3)
         body = {**me.to_wire(), "patience": patience, "view": list(view[:MAX_GROUP_SIZE])}
         with trio.move_on_after(patience + ANSWER_MARGIN):
-            reply = await self.host.call(leader.address, self._join_method, body)
+            try:
+                reply = await self.host.call(leader.address, self._join_method, body)
+            except RemoteError as error:
+                if error.type_name == NOT_LEADING:
+                    raise LeaderDeclined(str(error)) from None
+                raise
             try:
                 group = GroupInfo.from_wire(reply.body)
             except ValueError as error:

@@ -12,7 +12,7 @@ import trio.testing
 
 from averaging.gathering import Declaration, Gathering
 from averaging.group import AveragingMode
-from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Joins
+from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Joins, NotLeading
 from peer import PeerAddress, PeerID
 
 
@@ -29,7 +29,7 @@ def request(joiner: Declaration, patience: float):
 async def outcome(joins: Joins, joiner: Declaration, patience: float, into: dict) -> None:
     try:
         into[joiner.peer_id] = ("admitted", len((await joins.handle(request(joiner, patience)))["members"]))
-    except ValueError as error:
+    except (ValueError, NotLeading) as error:
         into[joiner.peer_id] = ("refused", str(error), trio.current_time())
 
 

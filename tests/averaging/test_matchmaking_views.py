@@ -199,3 +199,27 @@ async def test_joiners_claims_cost_the_leader_at_most_its_confirm_reads_a_round(
         assert groups[leader] == groups[follower] == {node.host.peer_id for node in swarm.nodes}
         # its own read, then the capped confirms: fewer than the five claims (six reads without a cap)
         assert MAX_CONFIRMS < 5 and counted.reads <= 1 + MAX_CONFIRMS, counted.reads
+
+
+async def test_late_peers_whose_view_elects_a_peer_that_matched_already_form_a_group_of_the_rest(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=9), 4) as swarm:
+        first, second, *late = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        groups, took = {}, {}
+
+        async def form(node, target: int) -> None:
+            started = trio.current_time()
+            match = await Matchmaker(node.host, node, "views").form_group(
+                declaration_of(node), target_group_size=target, min_group_size=2, timeout=10.0, settle_time=0.5
+            )
+            groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
+
+        async with trio.open_nursery() as nursery:  # the two first peers match each other and are done
+            nursery.start_soon(form, first, 2)
+            nursery.start_soon(form, second, 2)
+        # the late peers read all four declarations: their grid elects the first peer, which
+        # declines (it matched), then the second; the late peers form a group of their own
+        async with trio.open_nursery() as nursery:
+            for node in late:
+                nursery.start_soon(form, node, 4)
+        assert groups[late[0]] == groups[late[1]] == {node.host.peer_id for node in late}
+        assert max(took[node] for node in late) < 2.0, took  # one join per declined leader, no pauses
