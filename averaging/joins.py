@@ -9,6 +9,12 @@ join waits until we lead (it is admitted), follow or give up (it is refused, and
 again). The wait is bounded like everything a remote peer asks for: only joins of our schema and
 of a round we match for wait, at most one per peer and MAX_WAITING_JOINS in all, and a join whose
 patience ran out while it waited is refused rather than admitted with no time to form a group in.
+
+A join for a round this peer has matched already is refused with ``NotLeading``: a late reader
+whose view of the grid differs from the one that formed the groups elected us from a declaration
+that outlived our choice, and passes us over for the round instead of asking again and again. Any
+other refusal (we follow another leader now, or have not begun this round) may change within the
+round, a follow that fails sends us back to choosing, and is answered with a retryable error.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ MIN_PATIENCE_LEFT = 2 * ANSWER_MARGIN
 
 
 class NotLeading(Exception):
-    """This peer leads no group for the joiner's round; reaches the joiner as a RemoteError whose
-    ``type_name`` is NOT_LEADING."""
+    """This peer has matched the joiner's round and leads no group for it; reaches the joiner as a
+    RemoteError whose ``type_name`` is NOT_LEADING."""
 
 
 NOT_LEADING = NotLeading.__name__
@@ -51,6 +57,7 @@ class Joins:
         self._choosing: Declaration | None = None
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()
+        self._matched_round: int | None = None  # the newest round we formed or joined a group for
 
     def choosing(self, me: Declaration | None) -> None:
         """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
@@ -58,6 +65,12 @@ class Joins:
         self._choosing = me
         self._chosen.set()
         self._chosen = trio.Event()
+
+    def matched(self, round_number: int) -> None:
+        """We have our group for ``round_number``: joins for it (or older rounds) are declined."""
+        if self._matched_round is None or round_number > self._matched_round:
+            self._matched_round = round_number
+        self.choosing(None)
 
     def open(self, gathering: Gathering) -> None:
         """We lead: joins are admitted to ``gathering`` until ``close``."""
@@ -79,7 +92,9 @@ class Joins:
             await self._wait_for_choice(declaration, gives_up_at)
         gathering = self.gathering
         if gathering is None:
-            raise NotLeading("not gathering a group now")
+            if self._matched_round is not None and declaration.round <= self._matched_round:
+                raise NotLeading(f"this peer has its group for round {self._matched_round}")
+            raise ValueError("not gathering a group now")
         if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
             raise ValueError("schema differs from this group's, or the joiner is a round ahead")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))

@@ -17,10 +17,10 @@
    follower names the members its view gives, and a leader asked for members it did not expect
    reads again and waits for those that the fresh read puts in its group, instead of closing
    without them. A follower whose leader refuses re-reads the declarations and tries
-   again until the deadline. A leader that declines because it leads no group this round (it
-   matched, or follows another: a late reader's grid can differ from the one that formed the
-   groups) is left out of the follower's view for the round, and the grid of the rest elects
-   the next leader at once, without a read or a pause. One whose leader is unreachable
+   again until the deadline. A leader that declines because it has matched the round already
+   (a late reader's grid can differ from the one that formed the groups) is passed over for the
+   round, keeping its place in the grid, and the next leader is asked at once, without a read or
+   a pause. One whose leader is unreachable
    (refused the connection or lost it: dead) passes it over from then on, as every other
    follower of that leader does, so the group elects the next leader instead of losing the
    round to a declaration that outlived its peer.
@@ -97,8 +97,8 @@ class LeaderFailed(MatchmakingError):
 
 
 class LeaderDeclined(MatchmakingError):
-    """The elected leader leads no group for our round (it follows another, or has matched): our
-    view elected it from a declaration that outlived its choice."""
+    """The elected leader has matched our round without us: our view elected it from a
+    declaration that outlived its choice."""
 
 
 class LeaderHoldsExcluded(LeaderFailed):
@@ -197,14 +197,10 @@ class Matchmaker:
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         pause = FIRST_RETRY_PAUSE
-        # Declarations whose peers declined to lead us (they chose a group without us): left out
-        # of our view for the round, so the grid of the rest elects a leader that still gathers.
-        declined: set[tuple[PeerID, int, float | None]] = set()
         while trio.current_time() < deadline:
             # Peers declared at an older round are in the middle of catching up, as we may be about
             # to: they belong in this round's grid, or the leader would not wait for them.
             candidates, settled = settled or await self._read_candidates(me), None
-            candidates = {p: d for p, d in candidates.items() if (p, d.round, d.expiration) not in declined}
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 moves = self.key(newest) != self.key(me.round)
@@ -246,10 +242,10 @@ class Matchmaker:
                     self._last_view = frozenset(candidates) - {me.peer_id}
                     # a newcomer (round 0) has already joined the round its candidates declared
                     joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
+                    self.joins.matched(me.round)
                     return Match(group, joined)
-                except LeaderDeclined as error:
-                    declined_by = candidates[PeerID(proposal.leader)]
-                    declined.add((declined_by.peer_id, declined_by.round, declined_by.expiration))
+                except LeaderDeclined as error:  # it matched without us: the next one leads
+                    unreachable.add(proposal.leader)
                     last_error = str(error)
                     settled = candidates  # (no need to read again: the rest of the view stands)
                 except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:

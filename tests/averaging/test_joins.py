@@ -97,3 +97,21 @@ async def test_only_joins_we_could_admit_wait_and_no_more_than_a_group_of_them(a
         assert [result[1] for result in outcomes.values()] == [too_many] * 2
         joins.choosing(None)
     assert len(outcomes) == MAX_WAITING_JOINS + 1
+
+
+async def test_only_a_join_for_a_round_we_matched_is_declined_for_good(autojump_clock):
+    me = declaration(1)
+    joins, outcomes = Joins(lambda peer: False), {}
+    joins.matched(1)
+    with pytest.raises(NotLeading, match="has its group for round 1"):
+        await joins.handle(request(declaration(2, round_number=1), 5.0))
+    # a round we have not matched: we may yet lead it, so the refusal is one to retry
+    with pytest.raises(ValueError, match="not gathering a group now"):
+        await joins.handle(request(declaration(3, round_number=2), 5.0))
+    joins.choosing(dataclasses.replace(me, round=2))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, declaration(3, round_number=2), 5.0, outcomes)
+        await trio.sleep(0.5)
+        assert outcomes == {}  # waits for our choice
+        joins.matched(2)
+    assert outcomes[declaration(3).peer_id][:2] == ("refused", "this peer has its group for round 2")

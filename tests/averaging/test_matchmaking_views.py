@@ -12,9 +12,10 @@ import pytest
 import trio
 
 from averaging.group import AveragingMode
+from averaging.joins import NotLeading
 from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
 from dht.peer_dictionary import subkey_peer
-from peer import PeerID
+from peer import PeerID, Router
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -223,3 +224,28 @@ async def test_late_peers_whose_view_elects_a_peer_that_matched_already_form_a_g
                 nursery.start_soon(form, node, 4)
         assert groups[late[0]] == groups[late[1]] == {node.host.peer_id for node in late}
         assert max(took[node] for node in late) < 2.0, took  # one join per declined leader, no pauses
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_peer_that_declines_every_join_costs_no_one_the_round(autojump_clock, seed):
+    async with open_sim_swarm(SimNetwork(seed=seed), 9) as swarm:
+        hostile, *honest = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+
+        async def decline(request):  # elected leader of the first group, it claims to have matched
+            raise NotLeading("this peer has its group for round 1")
+
+        hostile.host.router.add_unary("avg.join.views", decline)
+        await Matchmaker(hostile.host, hostile, "views", router=Router()).declare(declaration_of(hostile), 20.0)
+        groups = {}
+
+        async def form(node) -> None:
+            match = await Matchmaker(node.host, node, "views").form_group(
+                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=0.5
+            )
+            groups[node] = {member.peer_id for member in match.group.members}
+
+        async with trio.open_nursery() as nursery:
+            for node in honest:
+                nursery.start_soon(form, node)
+        assert set(groups) == set(honest)
+        assert all(hostile.host.peer_id not in group for group in groups.values())
