@@ -54,7 +54,15 @@ from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
 from .joins import NOT_LEADING, Joins
-from .matchmaking_rules import Candidate, PassedOver, confirmed_round, propose_group, round_to_join, view_settled
+from .matchmaking_rules import (
+    Candidate,
+    PassedOver,
+    confirmed_round,
+    in_reach,
+    propose_group,
+    round_to_join,
+    view_settled,
+)
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
 
@@ -209,12 +217,17 @@ class Matchmaker:
                 pause = FIRST_RETRY_PAUSE  # (a new round: its attempts have not failed yet)
                 await self.declare(me, timeout)
                 candidates = await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
+            declared = len(candidates)
+            candidates = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
+            far = declared - len(candidates)  # (peers rounds away: a group with them cannot form)
             if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
                 me, candidates = await self._join_the_crowd(me, candidates, timeout)
                 probed = True
-            alone = alone and len(candidates.keys() - {me.peer_id}) == 0
+            alone = alone and far == 0 and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
+                if far:
+                    last_error += f"; {far} more declared rounds too far from our {me.round}"
                 await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
                 continue
             proposal = propose_group(
@@ -283,6 +296,7 @@ class Matchmaker:
                 return set()
             self._confirms_left -= 1
             fresh = {**candidates, **await self._read_candidates(me)}
+            fresh = {peer: d for peer, d in fresh.items() if in_reach(me.round, d.round)}
             proposal = propose_group(
                 [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in fresh.values()],
                 me.peer_id.to_bytes(),

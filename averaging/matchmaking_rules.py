@@ -40,6 +40,7 @@ __all__ = [
     "PassedOver",
     "confirmed_round",
     "grid_dimensions",
+    "in_reach",
     "propose_group",
     "round_to_join",
     "view_settled",
@@ -168,6 +169,16 @@ def round_to_join(own_round: int, declared: list[int]) -> int:
     if own_round == 0:
         return sorted(declared)[(len(declared) - 1) // 2] if declared else 0
     return max((r for r in declared if own_round < r <= own_round + 1), default=own_round)
+
+
+def in_reach(own_round: int, declared: int) -> bool:
+    """Whether a peer that declared round ``declared`` can be in one group with us in ``own_round``:
+    one round apart at most (the one behind catches up), or a newcomer (round 0, which joins where
+    the swarm is). A declaration further away is left out of the grid: its peer cannot catch up to
+    us, nor we to it (``round_to_join``), so electing it leader, or waiting for it as a member,
+    costs the round; a peer left behind by failed rounds would otherwise cost its grid neighbours
+    every round after."""
+    return declared == 0 or abs(declared - own_round) <= 1
 
 
 def confirmed_round(own_round: int, me: PeerID, group: GroupInfo, declared: dict[PeerID, Declaration]) -> int:

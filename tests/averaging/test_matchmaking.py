@@ -364,6 +364,14 @@ def test_round_numbers_are_claims_that_move_a_peer_one_round_at_most():
     assert round_to_join(0, []) == 0
 
 
+def test_a_declaration_more_than_a_round_away_is_out_of_reach_unless_a_newcomers():
+    from averaging.matchmaking_rules import in_reach
+
+    assert in_reach(5, 4) and in_reach(5, 5) and in_reach(5, 6)  # one behind catches up; one ahead, we do
+    assert not in_reach(5, 3) and not in_reach(5, 7) and not in_reach(5, 10**12)
+    assert in_reach(5, 0)  # a newcomer joins where the swarm is
+
+
 def test_a_view_is_settled_once_everyone_of_the_last_one_declared_the_round():
     from averaging.matchmaking import Declaration, view_settled
 

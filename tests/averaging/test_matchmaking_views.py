@@ -249,3 +249,27 @@ async def test_a_peer_that_declines_every_join_costs_no_one_the_round(autojump_c
                 nursery.start_soon(form, node)
         assert set(groups) == set(honest)
         assert all(hostile.host.peer_id not in group for group in groups.values())
+
+
+async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=4), 4) as swarm:
+        behind, *current = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        groups, failures = {}, {}
+
+        async def form(node, round_number: int) -> None:
+            me = dataclasses.replace(declaration_of(node), round=round_number)
+            try:
+                match = await Matchmaker(node.host, node, "views").form_group(
+                    me, target_group_size=4, min_group_size=2, timeout=10.0, settle_time=0.5
+                )
+            except MatchmakingError as error:
+                failures[node] = error
+                return
+            groups[node] = {member.peer_id for member in match.group.members}
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(form, behind, 1)  # ranks first: the others' grid would elect it
+            for node in current:
+                nursery.start_soon(form, node, 3)
+        assert groups == {node: {n.host.peer_id for n in current} for node in current}
+        assert list(failures) == [behind] and "too far from our 1" in str(failures[behind])
