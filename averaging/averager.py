@@ -22,7 +22,7 @@ from peer import PeerHost
 from .allreduce import AllReduceResult, AllReduceService, RoundSettings
 from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
-from .matchmaking import Declaration, Matchmaker, MatchmakingError
+from .matchmaking import Declaration, Matchmaker, MatchmakingError, OutOfReach
 from .own_radius import OwnRadius
 from .partition import DEFAULT_PART_SIZE
 from .robust import Aggregation, resolve_aggregation
@@ -233,12 +233,18 @@ class GroupAverager:
         ``sender_timeout`` and ``reducer_timeout`` where they are set. ``group``: one that
         ``find_group`` formed ahead of time, to average with at once instead of matching now.
         ``round_number``: the round to declare (default: ``self.round``, one past the last round
-        this averager took part in); ``self.round`` moves one past the round averaged in.
+        this averager took part in); ``self.round`` moves one past the round averaged in, or, left
+        more than a round behind every peer that declared (``OutOfReach``), to the swarm's round.
         """
         async with self._lock:
             started = trio.current_time()
             if group is None:
-                group = await self.find_group(round_number, timeout)
+                try:
+                    group = await self.find_group(round_number, timeout)
+                except OutOfReach as error:
+                    if round_number is None:  # our own count, left behind: join where the swarm is
+                        self.round = error.swarm_round
+                    raise
             self.round = group.round + 1
             formed = max(started, group.formed_at)
             result = await self._average(group.group, weight)

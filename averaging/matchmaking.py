@@ -54,8 +54,19 @@ from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
 from .joins import NOT_LEADING, Joins
+from .matchmaking_errors import (
+    LeaderDeclined,
+    LeaderFailed,
+    LeaderHoldsExcluded,
+    MatchmakingError,
+    NoOtherPeers,
+    OutOfReach,
+    no_group,
+    too_few,
+)
 from .matchmaking_rules import (
     Candidate,
+    GroupProposal,
     PassedOver,
     confirmed_round,
     in_reach,
@@ -64,7 +75,7 @@ from .matchmaking_rules import (
     view_settled,
 )
 
-__all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "Declaration", "Match"]
+__all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
 log = logging.getLogger("peerd.averaging")
 
@@ -87,31 +98,17 @@ LEADER_PATIENCE_SHARE = 0.5
 # twice as long after each further failure, at most MAX_RETRY_PAUSE.
 FIRST_RETRY_PAUSE = 0.05
 MAX_RETRY_PAUSE = 1.0
+# Too few peers declared: the first look again comes SPARSE_POLL later, then as after failed attempts.
+SPARSE_POLL = 0.2
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
 WITHDRAWAL_TTL = 5.0
 
 
-class MatchmakingError(RuntimeError):
-    """No group of at least ``min_group_size`` formed before the deadline."""
-
-
-class NoOtherPeers(MatchmakingError):
-    """No other peer declared itself for the round before the deadline: this peer is alone."""
-
-
-class LeaderFailed(MatchmakingError):
-    """The elected leader answered garbage, left us out, or did not answer in time."""
-
-
-class LeaderDeclined(MatchmakingError):
-    """The elected leader has matched our round without us: our view elected it from a
-    declaration that outlived its choice."""
-
-
-class LeaderHoldsExcluded(LeaderFailed):
-    """The elected leader's group holds a peer this one excludes: passed over for the round, but
-    not remembered, since the excluded peer, not the leader, chose to join it."""
+async def back_off(pause: float, deadline: float, least: float = 0.0) -> float:
+    """Wait ``pause`` (at least ``least``) within the deadline; returns the next, twice as long."""
+    await trio.sleep(min(max(pause, least), max(0.0, deadline - trio.current_time())))
+    return min(2 * pause, MAX_RETRY_PAUSE)
 
 
 class Matchmaker:
@@ -205,39 +202,30 @@ class Matchmaker:
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
         sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         pause = FIRST_RETRY_PAUSE
+        far_rounds: list[int] = []  # (the rounds out of reach, when they are why no group formed)
         while trio.current_time() < deadline:
-            # Peers declared at an older round are in the middle of catching up, as we may be about
-            # to: they belong in this round's grid, or the leader would not wait for them.
+            # Peers declared a round behind are catching up, as we may be about to: they belong in
+            # this round's grid, or the leader would not wait for them.
             candidates, settled = settled or await self._read_candidates(me), None
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
-                moves = self.key(newest) != self.key(me.round)
-                me = replace(me, round=newest)
-                self.joins.choosing(me)
+                me, candidates = await self._catch_up(me, newest, candidates, timeout)
                 pause = FIRST_RETRY_PAUSE  # (a new round: its attempts have not failed yet)
-                await self.declare(me, timeout)
-                candidates = await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
-            declared = len(candidates)
+            # (peers rounds away from ours cannot be in a group with us)
+            far_rounds = [d.round for d in candidates.values() if not in_reach(me.round, d.round)]
             candidates = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
-            far = declared - len(candidates)  # (peers rounds away: a group with them cannot form)
             if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
                 me, candidates = await self._join_the_crowd(me, candidates, timeout)
                 probed = True
-            alone = alone and far == 0 and len(candidates.keys() - {me.peer_id}) == 0
+            alone = alone and not far_rounds and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
-                last_error = f"only {len(candidates)} matching peer(s) declared (need {min_group_size})"
-                if far:
-                    last_error += f"; {far} more declared rounds too far from our {me.round}"
-                await trio.sleep(min(0.2, max(0.0, deadline - trio.current_time())))
+                last_error = too_few(len(candidates), min_group_size, len(far_rounds), me.round)
+                # (read again later and later: a peer that waits for others, or was left behind,
+                # must not read the key many times a second for the whole deadline)
+                pause = await back_off(pause, deadline, least=SPARSE_POLL)
                 continue
-            proposal = propose_group(
-                [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in candidates.values()],
-                me.peer_id.to_bytes(),
-                me.round,
-                target_group_size,
-                min_group_size,
-                unreachable | self._passed_over.current(self.dht.clock.time()),
-            )
+            far_rounds = []
+            proposal = self._propose(me, candidates, target_group_size, min_group_size, unreachable)
             expected = {PeerID(raw) for raw in proposal.members} - {me.peer_id}
             if proposal.leader is None:
                 raise MatchmakingError("no peer in the proposed group can lead (all are in client mode)")
@@ -252,11 +240,7 @@ class Matchmaker:
                         leader = candidates[PeerID(proposal.leader)]
                         self.joins.choosing(None)  # (joins that wait for us are refused: we follow)
                         group = await self._follow(me, leader, deadline, proposal.members)
-                    self._last_view = frozenset(candidates) - {me.peer_id}
-                    # a newcomer (round 0) has already joined the round its candidates declared
-                    joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
-                    self.joins.matched(me.round)
-                    return Match(group, joined)
+                    return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
                     unreachable.add(proposal.leader)
                     last_error = str(error)
@@ -274,10 +258,45 @@ class Matchmaker:
             self.joins.choosing(me)
             if settled is not None:
                 continue
-            await trio.sleep(min(pause, max(0.0, deadline - trio.current_time())))
-            pause = min(2 * pause, MAX_RETRY_PAUSE)
-        error = NoOtherPeers if alone else MatchmakingError
-        raise error(f"no averaging group formed within {timeout:g} s: {last_error}")
+            pause = await back_off(pause, deadline)
+        raise no_group(f"no averaging group formed within {timeout:g} s: {last_error}", far_rounds, alone)
+
+    async def _catch_up(
+        self, me: Declaration, newest: int, candidates: dict[PeerID, Declaration], timeout: float
+    ) -> tuple[Declaration, dict[PeerID, Declaration]]:
+        """Declare ``newest`` instead of our round; the candidates of its key."""
+        moves = self.key(newest) != self.key(me.round)
+        me = replace(me, round=newest)
+        self.joins.choosing(me)
+        await self.declare(me, timeout)
+        return me, await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
+
+    def _matched(
+        self, me: Declaration, own_round: int, group: GroupInfo, candidates: dict[PeerID, Declaration]
+    ) -> Match:
+        self._last_view = frozenset(candidates) - {me.peer_id}
+        # a newcomer (round 0) has already joined the round its candidates declared
+        joined = confirmed_round(own_round, me.peer_id, group, candidates) if own_round else me.round
+        self.joins.matched(me.round)
+        return Match(group, joined)
+
+    def _propose(
+        self,
+        me: Declaration,
+        candidates: dict[PeerID, Declaration],
+        target_group_size: int,
+        min_group_size: int,
+        unreachable: set[bytes],
+    ) -> GroupProposal:
+        """Our group by the grid rule, passing over the leaders that did not serve us."""
+        return propose_group(
+            [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in candidates.values()],
+            me.peer_id.to_bytes(),
+            me.round,
+            target_group_size,
+            min_group_size,
+            unreachable | self._passed_over.current(self.dht.clock.time()),
+        )
 
     def _confirmer(
         self,
@@ -297,14 +316,7 @@ class Matchmaker:
             self._confirms_left -= 1
             fresh = {**candidates, **await self._read_candidates(me)}
             fresh = {peer: d for peer, d in fresh.items() if in_reach(me.round, d.round)}
-            proposal = propose_group(
-                [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in fresh.values()],
-                me.peer_id.to_bytes(),
-                me.round,
-                target_group_size,
-                min_group_size,
-                unreachable | self._passed_over.current(self.dht.clock.time()),
-            )
+            proposal = self._propose(me, fresh, target_group_size, min_group_size, unreachable)
             if proposal.leader != me.peer_id.to_bytes():
                 return set()
             return {PeerID(raw) for raw in proposal.members} - {me.peer_id}

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import trio
 
+from averaging.averager import GroupAverager
 from averaging.group import AveragingMode
 from averaging.joins import NotLeading
 from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
+from averaging.matchmaking_errors import OutOfReach
 from dht.peer_dictionary import subkey_peer
 from peer import PeerID, Router
 from peer.simnet import SimNetwork
@@ -91,6 +94,17 @@ async def test_a_peer_whose_group_cannot_form_reads_less_and_less_often(autojump
             )
         # pauses of 0.05, 0.1, ... 1 s between reads (each takes a few round trips): 6 here, 14 without them
         assert survivor.reads <= 9, survivor.reads
+
+
+async def test_a_peer_alone_reads_less_and_less_often_while_it_waits(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=7), 2) as swarm:
+        lonely = CountsReads(swarm.nodes[0])
+        with pytest.raises(MatchmakingError):
+            await Matchmaker(lonely.host, lonely, "views").form_group(
+                declaration_of(lonely), target_group_size=2, min_group_size=2, timeout=12.0, settle_time=0.5
+            )
+        # 0.2, 0.2, 0.4, 0.8, then 1 s apart: ~15 reads in 12 s (one every 0.2 s: ~55)
+        assert lonely.reads <= 16, lonely.reads
 
 
 async def test_a_leader_whose_read_missed_a_member_waits_for_it_when_a_joiner_names_it(autojump_clock):
@@ -273,3 +287,34 @@ async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round(autojump_
                 nursery.start_soon(form, node, 3)
         assert groups == {node: {n.host.peer_id for n in current} for node in current}
         assert list(failures) == [behind] and "too far from our 1" in str(failures[behind])
+        assert isinstance(failures[behind], OutOfReach) and failures[behind].swarm_round == 3
+
+
+async def test_a_bare_averager_left_behind_joins_the_swarms_round_after_one_lost_step(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=4), 4) as swarm:
+        nodes = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        averagers = [
+            GroupAverager([torch.tensor([float(i)])], node, prefix="views", target_group_size=4, aggregation="mean")
+            for i, node in enumerate(nodes)
+        ]
+        for averager in averagers[1:]:
+            averager.round = 5  # the others have averaged five rounds; the first, one
+        averagers[0].round = 1
+        lost = []
+
+        async def step(averager) -> None:
+            try:
+                await averager.step(timeout=10.0)
+            except OutOfReach:
+                lost.append(averager)
+
+        async with trio.open_nursery() as nursery:
+            for averager in averagers:
+                nursery.start_soon(step, averager)
+        assert lost == [averagers[0]] and averagers[0].round == 5
+        async with trio.open_nursery() as nursery:  # the next round: all four in one group
+            for averager in averagers:
+                nursery.start_soon(step, averager)
+        assert lost == [averagers[0]]
+        assert all(averager.tensors[0].item() == pytest.approx(1.5) for averager in averagers)
+        assert {averager.round for averager in averagers} == {7}

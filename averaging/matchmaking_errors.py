@@ -1,0 +1,62 @@
+"""How matchmaking fails, for the averager and the optimizer to tell apart: alone, out of reach
+of the swarm's round, a leader that did not serve us, or no group within the deadline."""
+
+from __future__ import annotations
+
+from .matchmaking_rules import round_to_join
+
+__all__ = [
+    "LeaderDeclined",
+    "LeaderFailed",
+    "LeaderHoldsExcluded",
+    "MatchmakingError",
+    "NoOtherPeers",
+    "OutOfReach",
+    "no_group",
+    "too_few",
+]
+
+
+class MatchmakingError(RuntimeError):
+    """No group of at least ``min_group_size`` formed before the deadline."""
+
+
+class NoOtherPeers(MatchmakingError):
+    """No other peer declared itself for the round before the deadline: this peer is alone."""
+
+
+class OutOfReach(MatchmakingError):
+    """No group formed, and the peers that declared are all more than a round from ours: this peer
+    was left behind (or ran ahead). ``swarm_round``: the lower median of their rounds, which a
+    minority of liars cannot move; a peer whose round is only a label for matching (a bare
+    averager, not a training epoch) can declare it next time, as a newcomer does."""
+
+    def __init__(self, message: str, swarm_round: int):
+        super().__init__(message)
+        self.swarm_round = swarm_round
+
+
+class LeaderFailed(MatchmakingError):
+    """The elected leader answered garbage, left us out, or did not answer in time."""
+
+
+class LeaderDeclined(MatchmakingError):
+    """The elected leader has matched our round without us: our view elected it from a
+    declaration that outlived its choice."""
+
+
+class LeaderHoldsExcluded(LeaderFailed):
+    """The elected leader's group holds a peer this one excludes: passed over for the round, but
+    not remembered, since the excluded peer, not the leader, chose to join it."""
+
+
+def no_group(message: str, far_rounds: list[int], alone: bool) -> MatchmakingError:
+    """What a round that formed no group raises: ``far_rounds`` were why, if any; else alone or not."""
+    if far_rounds:
+        return OutOfReach(message, swarm_round=round_to_join(0, far_rounds))
+    return (NoOtherPeers if alone else MatchmakingError)(message)
+
+
+def too_few(found: int, min_group_size: int, far: int, round_number: int) -> str:
+    message = f"only {found} matching peer(s) declared (need {min_group_size})"
+    return message + (f"; {far} more declared rounds too far from our {round_number}" if far else "")
