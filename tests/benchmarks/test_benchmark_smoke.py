@@ -25,6 +25,7 @@ SMALLEST = {
     "moe": (["--quick", "--hidden", "64", "--batch", "32"], "ratio"),
     "training": (["--quick", "--solo-s", "0.5", "--collab-s", "1.5", "--target-batch-sizes", "256"], "overhead_ratio"),
     "diloco_sim": (["--quick"], "rows"),
+    "scale_tcp": (["--quick"], "averaged_fraction"),
     "nat": (["--quick", "--tries", "3", "--megabytes", "2"], "punch_success"),
 }
 NEEDS_THE_NAT_LAB = {"nat"}
