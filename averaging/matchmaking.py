@@ -98,7 +98,7 @@ LEADER_PATIENCE_SHARE = 0.5
 # twice as long after each further failure, at most MAX_RETRY_PAUSE.
 FIRST_RETRY_PAUSE = 0.05
 MAX_RETRY_PAUSE = 1.0
-# Too few peers declared: the first look again comes SPARSE_POLL later, then as after failed attempts.
+# Too few peers declared: look again SPARSE_POLL later.
 SPARSE_POLL = 0.2
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
@@ -220,9 +220,8 @@ class Matchmaker:
             alone = alone and not far_rounds and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = too_few(len(candidates), min_group_size, len(far_rounds), me.round)
-                # (read again later and later: a peer that waits for others, or was left behind,
-                # must not read the key many times a second for the whole deadline)
-                pause = await back_off(pause, deadline, least=SPARSE_POLL)
+                # (a peer that waits for others looks again soon: they may be declaring now)
+                await back_off(SPARSE_POLL, deadline)
                 continue
             far_rounds = []
             proposal = self._propose(me, candidates, target_group_size, min_group_size, unreachable)
