@@ -203,6 +203,7 @@ class Matchmaker:
         sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         pause = FIRST_RETRY_PAUSE
         far_rounds: list[int] = []  # (the rounds out of reach, when they are why no group formed)
+        rounds: list[int] = []  # (the others' rounds, newcomers' aside, of the read that found too few)
         while trio.current_time() < deadline:
             # Peers declared a round behind are catching up, as we may be about to: they belong in
             # this round's grid, or the leader would not wait for them.
@@ -213,6 +214,7 @@ class Matchmaker:
                 pause = FIRST_RETRY_PAUSE  # (a new round: its attempts have not failed yet)
             # (peers rounds away from ours cannot be in a group with us)
             far_rounds = [d.round for d in candidates.values() if not in_reach(me.round, d.round)]
+            rounds = [d.round for peer, d in candidates.items() if peer != me.peer_id and d.round]
             candidates = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
             if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
                 me, candidates = await self._join_the_crowd(me, candidates, timeout)
@@ -258,7 +260,8 @@ class Matchmaker:
             if settled is not None:
                 continue
             pause = await back_off(pause, deadline)
-        raise no_group(f"no averaging group formed within {timeout:g} s: {last_error}", far_rounds, alone)
+        message = f"no averaging group formed within {timeout:g} s: {last_error}"
+        raise no_group(message, me.round, far_rounds, rounds, alone)
 
     async def _catch_up(
         self, me: Declaration, newest: int, candidates: dict[PeerID, Declaration], timeout: float

@@ -3,7 +3,7 @@ of the swarm's round, a leader that did not serve us, or no group within the dea
 
 from __future__ import annotations
 
-from .matchmaking_rules import round_to_join
+from .matchmaking_rules import in_reach, round_to_join
 
 __all__ = [
     "LeaderDeclined",
@@ -50,10 +50,15 @@ class LeaderHoldsExcluded(LeaderFailed):
     not remembered, since the excluded peer, not the leader, chose to join it."""
 
 
-def no_group(message: str, far_rounds: list[int], alone: bool) -> MatchmakingError:
-    """What a round that formed no group raises: ``far_rounds`` were why, if any; else alone or not."""
-    if far_rounds:
-        return OutOfReach(message, swarm_round=round_to_join(0, far_rounds))
+def no_group(message: str, own_round: int, far_rounds: list[int], rounds: list[int], alone: bool) -> MatchmakingError:
+    """What a round that formed no group raises. ``far_rounds``: declarations out of reach were
+    why; ``rounds``: every other peer's declared round. The swarm's round is the lower median of
+    all of them, so a minority of liars declaring far rounds cannot move it; only when that median
+    is itself out of our reach are we stranded (``OutOfReach``)."""
+    if far_rounds and rounds:
+        swarm_round = round_to_join(0, rounds)
+        if not in_reach(own_round, swarm_round):
+            return OutOfReach(message, swarm_round=swarm_round)
     return (NoOtherPeers if alone else MatchmakingError)(message)
 
 

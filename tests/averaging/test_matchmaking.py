@@ -410,3 +410,14 @@ async def test_a_swarm_that_stays_as_it_was_matches_without_waiting_out_the_sett
         assert {len(r.group.members) for r in results.values()} == {3}
         assert all(r.timing.matchmaking_s >= settle for r in results.values())
         nursery.cancel_scope.cancel()
+
+
+def test_one_liar_declaring_a_far_round_strands_no_one():
+    from averaging.matchmaking_errors import MatchmakingError, OutOfReach, no_group
+
+    # a group too small with a liar's round 10^6 beside honest rounds 7 and 8: not stranded, not moved
+    error = no_group("no group", 7, [10**6], [7, 8, 10**6], alone=False)
+    assert type(error) is MatchmakingError
+    # left behind by the whole swarm: stranded, at the swarm's (lower median) round
+    error = no_group("no group", 1, [5, 5, 6], [5, 5, 6], alone=False)
+    assert isinstance(error, OutOfReach) and error.swarm_round == 5
