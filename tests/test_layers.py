@@ -130,3 +130,50 @@ def test_the_packages_import_without_cycles_and_the_wire_without_the_daemon() ->
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def wire_import_graph() -> dict[str, set[str]]:
+    """Each module of the wire (``peer``) and the wire modules it imports, type-checking imports
+    included: a circle is a circle whether or not it runs. Packages' ``__init__`` re-exports are
+    left out (a package imports its own modules by design)."""
+    modules = {module: (path, is_package) for path, module, is_package in project_modules() if floor_of(module) == 0}
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in modules.items():
+        if is_package:
+            continue
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in imported_modules(node, module, is_package):
+                    if target in modules and not modules[target][1]:
+                        targets.add(target)
+        graph[module] = targets - {module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each module that lies on any (depth-first, in sorted order)."""
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(path[path.index(module) :] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return circles
+
+
+def test_no_circle_among_the_wires_modules() -> None:
+    assert import_circles(wire_import_graph()) == []
+
+
+def test_a_circle_is_found() -> None:
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []

@@ -174,8 +174,8 @@ class SimNetwork:
             await listener.wait_for_room()  # the SYN was dropped: try again once one is accepted
         local, remote = (source, self._port(source, FIRST_EPHEMERAL_PORT)), (host, port)
         there, back = Flow(source, host), Flow(host, source)
-        client = SimStream(self, local, remote, there, back)
-        server = SimStream(self, remote, local, back, there)
+        client = SimStream(self.model, local, remote, there, back, self.forget)
+        server = SimStream(self.model, remote, local, back, there, self.forget)
         self._streams.update((client, server))
         listener.arrive(server)
         return client

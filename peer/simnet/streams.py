@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import trio
 
-if TYPE_CHECKING:
-    from .network import SimNetwork
+from .model import NetworkModel
 
 __all__ = ["SimStream", "Flow", "SEGMENT_BYTES", "RECEIVE_WINDOW_BYTES"]
 
@@ -59,9 +58,16 @@ class SimStream(trio.abc.HalfCloseableStream):
     """One end of a simulated connection: ``local`` and ``remote`` are ``(host, port)``."""
 
     def __init__(
-        self, network: SimNetwork, local: tuple[str, int], remote: tuple[str, int], outgoing: Flow, incoming: Flow
+        self,
+        model: NetworkModel,
+        local: tuple[str, int],
+        remote: tuple[str, int],
+        outgoing: Flow,
+        incoming: Flow,
+        on_close: Callable[[SimStream], None],
     ):
-        self.network = network
+        self.model = model
+        self.on_close = on_close  # the network forgets a closed end
         self.local, self.remote = local, remote
         self._outgoing, self._incoming = outgoing, incoming
         self._closed = False
@@ -81,7 +87,7 @@ class SimStream(trio.abc.HalfCloseableStream):
             await self._wait_for_link_and_room(len(piece))
             self._check_can_send()
             flow = self._outgoing
-            segment = self.network.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
+            segment = self.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
             flow.segments.append((segment.arrives_at, piece))
             flow.unread += len(piece)
             flow.notify()
@@ -104,7 +110,7 @@ class SimStream(trio.abc.HalfCloseableStream):
 
     def _end_outgoing(self) -> None:
         flow = self._outgoing
-        model = self.network.model
+        model = self.model
         now = trio.current_time()
         last = flow.segments[-1][0] if flow.segments else now
         linked = model.linked(flow.source, flow.destination)
@@ -138,7 +144,7 @@ class SimStream(trio.abc.HalfCloseableStream):
         self._check_host()
         flow = self._incoming
         now = trio.current_time()
-        if not self.network.model.linked(flow.source, flow.destination):
+        if not self.model.linked(flow.source, flow.destination):
             return None
         if flow.segments:
             head = flow.segments[0]
@@ -161,7 +167,7 @@ class SimStream(trio.abc.HalfCloseableStream):
 
     async def _wait_for_arrival(self) -> None:
         flow = self._incoming
-        if not self.network.model.linked(flow.source, flow.destination):
+        if not self.model.linked(flow.source, flow.destination):
             await flow.changed.park()  # the network wakes every flow when a link changes
             return
         if flow.segments:
@@ -173,24 +179,22 @@ class SimStream(trio.abc.HalfCloseableStream):
 
     async def _wait_for_link_and_room(self, size: int) -> None:
         flow = self._outgoing
-        while not self.network.model.linked(flow.source, flow.destination) or (
-            flow.unread + size > RECEIVE_WINDOW_BYTES
-        ):
+        while not self.model.linked(flow.source, flow.destination) or (flow.unread + size > RECEIVE_WINDOW_BYTES):
             self._check_can_send()
             await flow.changed.park()  # woken by link changes, the reader taking, the far end closing
 
     def _check_host(self) -> None:
-        if self.local[0] not in self.network.model.hosts:
+        if self.local[0] not in self.model.hosts:
             raise trio.BrokenResourceError(f"{self.local[0]} has left the network")
 
     # ------------------------------------------------------------------ closing
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            if self.local[0] in self.network.model.hosts:
+            if self.local[0] in self.model.hosts:
                 self._close_flows()
             # else: a host that left sends nothing more, not even its close; the far end hears nothing
-            self.network.forget(self)
+            self.on_close(self)
         await trio.lowlevel.checkpoint()
 
     def _close_flows(self) -> None:
