@@ -207,7 +207,7 @@ class Matchmaker:
         while trio.current_time() < deadline:
             # Peers declared a round behind are catching up, as we may be about to: they belong in
             # this round's grid, or the leader would not wait for them.
-            candidates, settled = settled or await self._read_candidates(me), None
+            candidates, settled = settled or await self.read_candidates(me), None
             newest = round_to_join(own_round, [d.round for p, d in candidates.items() if p != me.peer_id])
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me, candidates = await self._catch_up(me, newest, candidates, timeout)
@@ -271,7 +271,7 @@ class Matchmaker:
         me = replace(me, round=newest)
         self.joins.choosing(me)
         await self.declare(me, timeout)
-        return me, await self._read_candidates(me) if moves else {**candidates, me.peer_id: me}
+        return me, await self.read_candidates(me) if moves else {**candidates, me.peer_id: me}
 
     def _matched(
         self, me: Declaration, own_round: int, group: GroupInfo, candidates: dict[PeerID, Declaration]
@@ -316,7 +316,7 @@ class Matchmaker:
             if self._confirms_left <= 0:  # (joiners' claims cost at most MAX_CONFIRMS reads a round)
                 return set()
             self._confirms_left -= 1
-            fresh = {**candidates, **await self._read_candidates(me)}
+            fresh = {**candidates, **await self.read_candidates(me)}
             fresh = {peer: d for peer, d in fresh.items() if in_reach(me.round, d.round)}
             proposal = self._propose(me, fresh, target_group_size, min_group_size, unreachable)
             if proposal.leader != me.peer_id.to_bytes():
@@ -340,7 +340,7 @@ class Matchmaker:
             return None
         with trio.move_on_after(settle):
             for _ in range(SETTLE_READS):
-                candidates = await self._read_candidates(me)
+                candidates = await self.read_candidates(me)
                 if view_settled(self._last_view, candidates, me.round):
                     return candidates
                 await trio.sleep(max(SETTLE_POLL, settle / SETTLE_READS))
@@ -379,7 +379,7 @@ class Matchmaker:
             counts.add(self.census.counted.count)
         for count in sorted(counts - {here.count}):
             probe = Cells(self.prefix, count)
-            found = await self._read_candidates(me, probe)
+            found = await self.read_candidates(me, probe)
             if len(found) > len(best_candidates):
                 best, best_candidates = probe, found
         if best is not here:
@@ -389,7 +389,9 @@ class Matchmaker:
             best_candidates[me.peer_id] = me
         return me, best_candidates
 
-    async def _read_candidates(self, me: Declaration, cells: Cells | None = None) -> dict[PeerID, Declaration]:
+    async def read_candidates(self, me: Declaration, cells: Cells | None = None) -> dict[PeerID, Declaration]:
+        """One read of the round's declarations in ``cells`` (ours by default): those of our schema
+        that belong in the cell we read, and ours, by peer."""
         cells = cells or self.cells
         key = self.key(me.round, cells)
         found = await self.dht.get(key, latest=True)

@@ -65,7 +65,10 @@ class ExpertFailed(Exception):
 
 
 @dataclass(eq=False)
-class _Work:
+class Work:
+    """One request's part of a batch: its tensors, the caller's token for a kept graph, and the
+    event its handler waits on for the result."""
+
     tensors: list[torch.Tensor]
     token: Any
     keep_graph: bool
@@ -142,12 +145,12 @@ class ExpertServer:
         tensors = self._tensors(request.body, request.payload, backend, 1)
         token = self._token(request)
         keep_graph = request.body.get("grad") is True and token is not None
-        return await self._submit(request.peer, uid, "forward", _Work(tensors, token, keep_graph, trio.Event()))
+        return await self._submit(request.peer, uid, "forward", Work(tensors, token, keep_graph, trio.Event()))
 
     async def _handle_backward(self, request: Request) -> Message:
         uid, backend = self._expert(request.body)
         tensors = self._tensors(request.body, request.payload, backend, 2)
-        work = _Work(tensors, self._token(request), False, trio.Event())
+        work = Work(tensors, self._token(request), False, trio.Event())
         return await self._submit(request.peer, uid, "backward", work)
 
     async def _handle_info(self, request: Request) -> dict:
@@ -159,7 +162,7 @@ class ExpertServer:
             "max_batch_size": self.max_batch_size,
         }
 
-    async def _submit(self, caller: PeerID, uid: str, kind: str, work: _Work) -> Message:
+    async def _submit(self, caller: PeerID, uid: str, kind: str, work: Work) -> Message:
         work.caller = caller
         job = Job(kind, work.tensors[0].shape[0], work)
         mine = self._pending.get(caller, 0)
@@ -210,9 +213,9 @@ class ExpertServer:
                     self.graphs.drop_expert(uid)
                 try:
                     if sum(job.data.tensors[0].numel() for job in batch) <= INLINE_COMPUTE_NUMEL:
-                        results, graph = _compute(backend, batch, saved)  # tiny: cheaper than a thread
+                        results, graph = compute_batch(backend, batch, saved)  # tiny: cheaper than a thread
                     else:
-                        results, graph = await run_blocking(_compute, backend, batch, saved)
+                        results, graph = await run_blocking(compute_batch, backend, batch, saved)
                 except Exception as error:
                     log.warning("expert %s failed on a %s batch: %r", uid, batch[0].kind, error)
                     for job in batch:
@@ -272,7 +275,7 @@ def _claimed_batch_size(headers: Any) -> int | None:
     return first if type(first) is int else None
 
 
-def _compute(
+def compute_batch(
     backend: ExpertBackend, batch: list[Job], saved: SavedGraph | None = None
 ) -> tuple[list[torch.Tensor | Exception], SavedGraph | None]:
     """Concatenate the batch, run it, split the result (views, no copies) back per job; a job whose

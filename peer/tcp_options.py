@@ -83,7 +83,7 @@ def _limit_unsent(sock) -> None:
 
 # Linux's SO_MAX_PACING_RATE: a cap, in bytes per second, on how fast the kernel sends on a
 # socket (TCP paces itself to it, no qdisc needed). ~0 lifts the cap.
-_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 _NO_CAP = 2**64 - 1
 
 
@@ -96,7 +96,7 @@ def set_pacing_rate(sock, bytes_per_s: float | None) -> bool:
     fits = bytes_per_s is not None and bytes_per_s < _NO_CAP
     value = max(1, int(bytes_per_s)) if fits else _NO_CAP
     try:
-        sock.setsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, struct.pack("Q", value))
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("Q", value))
     except OSError:
         return False
     return True

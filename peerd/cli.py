@@ -189,12 +189,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     width = max(len(key) for key in status)
     for key, value in status.items():
         if key == "reachability" and isinstance(value, dict):
-            value = _reachability_line(value)
+            value = reachability_line(value)
         print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
 
 
-def _reachability_line(reachability: dict) -> str:
+def reachability_line(reachability: dict) -> str:
     """``nat; seen as HOST:PORT; via RELAYED...; 3 direct, 1 relayed connections`` for humans."""
     parts = [str(reachability.get("status", "?"))]
     if reachability.get("observed_address"):

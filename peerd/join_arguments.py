@@ -194,7 +194,7 @@ UPLINK_MBIT = Setting(
     "leaves the sharing to TCP, as without it",
 )  # fmt: skip
 LOCAL_STEPS = Setting(
-    # LocalUpdatesOptimizer's default (tests/test_settings.py holds them equal): the number cannot be
+    # LocalUpdatesOptimizer's default (tests/daemon/test_settings.py holds them equal): the number cannot be
     # imported from averaging/ here, which would load torch into every peerd command.
     name="local_steps", flag="--local-steps", variable="LOCAL_STEPS", parse=int, default=20, metavar="STEPS",
     help="inner steps per round in local-updates mode, per peer on average (faster peers take more)",

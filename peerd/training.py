@@ -73,7 +73,7 @@ class Trainer:
     def __init__(
         self, task: Task, optimizer, *, evaluate_every: int = 1, clock: Callable[[], float] = time.perf_counter
     ):
-        """``clock``: what batches are timed with (seconds; a test gives its own)."""
+        """``clock``: what batches and evaluations are timed with (seconds; a test gives its own)."""
         self.task = task
         self.clock = clock
         self.optimizer = optimizer
@@ -84,7 +84,7 @@ class Trainer:
         self.round_observers: list[Callable[[Any], None]] = []
         self._last_round = None
         self._batch_s = math.inf  # compute time of one batch, as last measured
-        self._next_evaluation = -math.inf  # (time.monotonic) not before then: EVAL_SHARE
+        self._next_evaluation = -math.inf  # (on ``clock``) not before then: EVAL_SHARE
 
     @property
     def batch_s(self) -> float:
@@ -109,11 +109,11 @@ class Trainer:
         return batches_per_slice(self._batch_s, getattr(self.optimizer, "accumulates_batches", False))
 
     def _evaluate(self) -> dict[str, float]:
-        started = time.monotonic()
+        started = self.clock()
         self.task.model.eval()
         with torch.no_grad():
             metrics = self.task.evaluate(self.task.model)
-        finished = time.monotonic()
+        finished = self.clock()
         self._next_evaluation = finished + (finished - started) * (1 / EVAL_SHARE - 1)
         return metrics
 
@@ -139,7 +139,7 @@ class Trainer:
                 status.last_averaging = self.optimizer.last_averaging
                 last = max_epochs is not None and status.epoch >= max_epochs  # the figures it ends with
                 # with a target, the evaluation is what ends the run: never skipped to save time
-                spare = target_accuracy is not None or time.monotonic() >= self._next_evaluation
+                spare = target_accuracy is not None or self.clock() >= self._next_evaluation
                 due = status.epoch % self.evaluate_every == 0 and spare
                 if stepped and (due or last):
                     metrics = await run_blocking(self._evaluate)

@@ -25,7 +25,7 @@ async def test_a_swarm_in_cells_agrees_on_them_reads_only_its_own_and_averages(a
     monkeypatch.setattr(averaging.cells, "MIN_CELL_SWARM", 0)
     reads: collections.Counter[str] = collections.Counter()
     declared: dict[tuple[int, str], set[bytes]] = collections.defaultdict(set)  # by round and key
-    read_candidates = averaging.matchmaking.Matchmaker._read_candidates
+    read_candidates = averaging.matchmaking.Matchmaker.read_candidates
 
     async def counting_reads(self, me, cells=None):
         found = await read_candidates(self, me, cells)
@@ -33,7 +33,7 @@ async def test_a_swarm_in_cells_agrees_on_them_reads_only_its_own_and_averages(a
         declared[me.round, self.key(me.round, cells)].update(peer.to_bytes() for peer in found)
         return found
 
-    monkeypatch.setattr(averaging.matchmaking.Matchmaker, "_read_candidates", counting_reads)
+    monkeypatch.setattr(averaging.matchmaking.Matchmaker, "read_candidates", counting_reads)
     async with open_sim_swarm(SimNetwork(seed=3), PEERS, config=DHTConfig()) as swarm:
         values = [torch.randn(16, generator=torch.Generator().manual_seed(i)) for i in range(PEERS)]
         mean = torch.stack(values).mean(0)

@@ -22,7 +22,7 @@ from averaging.partition import AllReducePlan
 from averaging.round_links import ConnectionCaps
 from averaging.uplink import AVERAGES, MIN_EVEN_SHARE, PACING_SHARE, PARTS, uplink_shares
 from peer import Identity, PeerAddress, Router, open_peer_host
-from peer.tcp_options import _MAX_PACING_RATE, set_pacing_rate
+from peer.tcp_options import SO_MAX_PACING_RATE, set_pacing_rate
 from tests.daemon.test_training import open_swarm
 
 UPLINK = 1_000_000.0
@@ -196,9 +196,9 @@ def test_a_rate_beyond_what_the_kernel_takes_lifts_the_cap_instead_of_failing():
     with socket.socket() as sock:
         for rate in (1e25, float("inf")):
             assert set_pacing_rate(sock, rate)
-            assert sock.getsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, 8) == struct.pack("Q", 2**64 - 1)
+            assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8) == struct.pack("Q", 2**64 - 1)
         assert set_pacing_rate(sock, 1000.0)
-        assert struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, _MAX_PACING_RATE, 8))[0] == 1000
+        assert struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8))[0] == 1000
 
 
 @pytest.mark.parametrize("uplink", [0.0, -1.0, float("nan"), float("inf")])

@@ -97,13 +97,12 @@ class SteppingEveryBatch(Recording):
         return True
 
 
-def trainer_on_a_fake_clock(monkeypatch, evaluate) -> Trainer:
-    """A digits trainer whose batches and evaluations each cost 10 ms of a fake monotonic clock;
+def trainer_on_a_fake_clock(evaluate) -> Trainer:
+    """A digits trainer whose batches and evaluations each cost 10 ms of a fake clock;
     ``evaluate(trainer)`` gives an evaluation's figures."""
     clock = [0.0]
-    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
     task = digits_task(shard=ShardSpec(0, 1))
-    trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()))
+    trainer = Trainer(task, SteppingEveryBatch(task.model.parameters()), clock=lambda: clock[0])
     train_loss = task.loss_fn
 
     def batch_costing_10ms(model, batch):
@@ -118,7 +117,7 @@ def trainer_on_a_fake_clock(monkeypatch, evaluate) -> Trainer:
     return trainer
 
 
-async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run(monkeypatch):
+async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_the_run():
     """An evaluation costing as much as a batch (textlm's does) runs every ~1 / EVAL_SHARE epochs
     here, not every epoch; the run's last epoch is always evaluated."""
     evaluated_at: list[int] = []
@@ -127,18 +126,18 @@ async def test_held_out_evaluation_takes_a_bounded_share_of_the_time_and_ends_th
         evaluated_at.append(trainer.optimizer.epoch)
         return {"accuracy": 0.5, "loss": 1.0}
 
-    trainer = trainer_on_a_fake_clock(monkeypatch, evaluate)
+    trainer = trainer_on_a_fake_clock(evaluate)
     await trainer.run(max_epochs=100)
     assert evaluated_at[0] == 1 and evaluated_at[-1] == 100
     assert trainer.status.evaluated_samples == trainer.status.samples  # what the figures belong to
     assert 3 <= len(evaluated_at) <= 100 * training.EVAL_SHARE + 2, evaluated_at
 
 
-async def test_a_run_to_a_target_accuracy_stops_at_the_first_epoch_that_reaches_it(monkeypatch):
+async def test_a_run_to_a_target_accuracy_stops_at_the_first_epoch_that_reaches_it():
     """With a target the evaluation decides when the run ends, so it is not skipped to save time:
     peers training to a target stop together instead of up to 1 / EVAL_SHARE epochs apart."""
     trainer = trainer_on_a_fake_clock(
-        monkeypatch, lambda trainer: {"accuracy": 0.95 if trainer.optimizer.epoch >= 10 else 0.5, "loss": 1.0}
+        lambda trainer: {"accuracy": 0.95 if trainer.optimizer.epoch >= 10 else 0.5, "loss": 1.0}
     )
     status = await trainer.run(max_epochs=100, target_accuracy=0.9)
     assert status.epoch == 10 and status.accuracy == 0.95

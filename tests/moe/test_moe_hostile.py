@@ -131,7 +131,7 @@ def test_many_small_requests_from_one_peer_cost_one_backward_pass_not_one_each()
     """Clipping is per calling peer: one peer's 64 one-row requests in a batch are one caller (one
     pass through the batch's graph), another peer's requests a second; each still gets its rows."""
     from moe.batching import Job
-    from moe.server import _compute, _Work
+    from moe.server import Work, compute_batch
     from peer import PeerID
 
     backend = adam_backend()
@@ -146,10 +146,10 @@ def test_many_small_requests_from_one_peer_cost_one_backward_pass_not_one_each()
     spammer, other = PeerID(b"\x01" * 20), PeerID(b"\x02" * 20)
     rows = [(spammer, 1)] * 64 + [(other, 3)] + [(spammer, 1)] * 8
     batch = [
-        Job("backward", size, _Work([torch.randn(size, HIDDEN), torch.randn(size, HIDDEN)], None, False, None, caller))
+        Job("backward", size, Work([torch.randn(size, HIDDEN), torch.randn(size, HIDDEN)], None, False, None, caller))
         for caller, size in rows
     ]
-    results, _ = _compute(backend, batch)
+    results, _ = compute_batch(backend, batch)
     assert passes == [2]  # two peers, two passes (was 73)
     assert [r.shape[0] for r in results] == [size for _, size in rows]
     assert backend.steps == 1

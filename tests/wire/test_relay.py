@@ -383,9 +383,9 @@ async def test_a_circuit_is_held_to_its_byte_rate_and_lifetime():
 
 
 def test_peerd_status_says_in_one_line_how_the_peer_is_reached():
-    from peerd.cli import _reachability_line
+    from peerd.cli import reachability_line
 
-    line = _reachability_line(
+    line = reachability_line(
         {
             "status": "nat",
             "observed_address": "203.0.113.7:31337",
