@@ -60,7 +60,7 @@ from .robust import Aggregation
 from .round_links import ConnectionCaps, RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
 from .round_state import AllReduceResult, AllReduceRound
-from .uplink import uplink_shares
+from .uplink import UploadFigures, uplink_shares
 from .verification import KeptInputs
 
 __all__ = [
@@ -270,7 +270,9 @@ class AllReduceService:
                             moved,
                         )
                 await in_thread(write_back, tensors, averages)
-        result = round_.finish(links.link_rate(), trio.current_time() - started, bounded)
+        link_rate = links.link_rate()  # (reads the round's last bytes first)
+        upload = UploadFigures(links.upload.rate(), settings.uplink if pacing else None)
+        result = round_.finish(link_rate, trio.current_time() - started, bounded, upload)
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         return result

@@ -6,6 +6,7 @@ synchronous ``Averager`` in ``averaging/facade.py`` wraps it for plain scripts.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -27,6 +28,7 @@ from .own_radius import OwnRadius
 from .partition import DEFAULT_PART_SIZE
 from .robust import Aggregation, resolve_aggregation
 from .state_sharing import StateSharing
+from .uplink import UplinkEstimate
 
 __all__ = [
     "AveragingRound",
@@ -126,7 +128,8 @@ class GroupAverager:
         centered-clip, a round too small to outvote a liar (fewer than three senders) moves our
         tensors only as far as their own recent updates allow (``own_radius.py``).
         ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
-        connections are paced to share it (``uplink.py``); None leaves the sharing to TCP.
+        connections are paced to share it (``uplink.py``); None: the rounds measure it and pace
+        to share what they measured (``uplink.UplinkEstimate``).
         ``replicated``: how many of the leading tensors honest replicas hold alike (a newcomer's
         witnesses compare only those; the rest, such as worker momentum, are each peer's own);
         None: all of them."""
@@ -142,6 +145,7 @@ class GroupAverager:
         # reduction follows it; a number: declare that, always (0 reduces nothing).
         self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
         self.link_speed = BandwidthEstimate()
+        self.uplink_estimate = UplinkEstimate(declared=uplink)
         rounds = RoundSettings(
             codec=codec,
             sender_timeout=sender_timeout,
@@ -179,8 +183,9 @@ class GroupAverager:
 
     @property
     def uplink(self) -> float | None:
-        """The uplink (bytes/s) this averager's rounds pace their connections to share, if known."""
-        return self.settings.rounds.uplink
+        """The uplink (bytes/s) this averager's rounds pace their connections to share, declared or
+        measured, if known."""
+        return self.uplink_estimate.value
 
     @property
     def bandwidth(self) -> float:
@@ -253,6 +258,7 @@ class GroupAverager:
             else:
                 log.info("round done with %d peers", len(group.group.members))
             self.link_speed.update(result.link_rate)
+            self.uplink_estimate.observe(result.upload)
             timing = RoundTiming(formed - started, trio.current_time() - formed)
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
@@ -262,10 +268,9 @@ class GroupAverager:
         """One all-reduce of our tensors with ``group``, bounded by our own history if it is robust."""
         history = self._own_radius
         radius = history.before_round(self.tensors) if history is not None else None
+        settings = dataclasses.replace(self.settings.rounds, uplink=self.uplink_estimate.for_next_round())
         try:
-            return await self._service.run(
-                group, self.tensors, weight=weight, settings=self.settings.rounds, own_radius=radius
-            )
+            return await self._service.run(group, self.tensors, weight=weight, settings=settings, own_radius=radius)
         finally:
             if history is not None:  # (a failed or cancelled round left our values as they were)
                 history.after_round(self.tensors)

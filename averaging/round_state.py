@@ -32,6 +32,7 @@ from peer import PeerID
 from .group import GroupInfo
 from .partition import AllReducePlan
 from .reduction import ReductionOutcome
+from .uplink import UploadFigures
 
 __all__ = ["AllReduceResult", "AllReduceRound", "RoundPhase", "RoundStateError", "SenderState", "ShardState"]
 
@@ -100,6 +101,8 @@ class AllReduceResult:
     # history allows (``own_radius.py``): (how far its averages were from our values, the radius
     # they were held to); None if it moved them no farther
     bounded: tuple[float, float] | None = None
+    # what the round showed of our uplink (``uplink.UplinkEstimate`` learns it from this)
+    upload: UploadFigures | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -244,13 +247,18 @@ class AllReduceRound:
             self._move(index, ShardState.BANNED, reason=f"reducer failed its check: {verdict}")
 
     def finish(
-        self, link_rate: float | None = None, seconds: float = 0.0, bounded: tuple[float, float] | None = None
+        self,
+        link_rate: float | None = None,
+        seconds: float = 0.0,
+        bounded: tuple[float, float] | None = None,
+        upload: UploadFigures | None = None,
     ) -> AllReduceResult:
-        """The round's result, written once, from the table (``bounded``: see ``AllReduceResult``)."""
+        """The round's result, written once, from the table (``bounded``, ``upload``: see
+        ``AllReduceResult``)."""
         self._event("finish")
         self.phase = RoundPhase.DONE
         result = AllReduceResult(self.group, plan=self.plan, my_shard=self.my_shard, link_rate=link_rate)
-        result.seconds, result.bounded = seconds, bounded
+        result.seconds, result.bounded, result.upload = seconds, bounded, upload
         for index, entry in self.shards.items():
             if entry.contributors is not None:
                 result.contributors[index] = entry.contributors

@@ -25,16 +25,35 @@ neither is its free flow held to an uplink share nor the uplink left partly idle
 
 A declared uplink below the real one wastes the difference; one more than ~3% above it leaves TCP
 to share the link as before. The caps are lifted when the round ends.
+
+A peer whose operator declared nothing measures its uplink instead (``UplinkEstimate``), as BBR
+does: the best sustained rate at which its bytes were delivered in a round that TCP paced alone
+(``link_speed.ThroughputMeter``: the uplink was full then, since every flow of the round had bytes
+to send), and paces the rounds after it to share that. A paced round cannot show a faster link
+(its caps bound what it sends), so every ``PROBE_EVERY``-th round goes unpaced and measures again;
+a paced round whose bytes went out clearly slower than its caps allowed shows a slower link (other
+traffic on it, a worse route) and lowers the estimate at once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from peer import PeerAddress
 
 from .group import GroupInfo
 from .partition import AllReducePlan
 
-__all__ = ["AVERAGES", "MIN_EVEN_SHARE", "PACING_SHARE", "PARTS", "uplink_shares"]
+__all__ = [
+    "AVERAGES",
+    "MIN_EVEN_SHARE",
+    "PACING_SHARE",
+    "PARTS",
+    "PROBE_EVERY",
+    "UploadFigures",
+    "UplinkEstimate",
+    "uplink_shares",
+]
 
 PACING_SHARE = 0.97
 # No rate below this fraction of an even split of the paced uplink. Shards follow the reducers'
@@ -44,6 +63,14 @@ PACING_SHARE = 0.97
 # costs the other flows nothing; at worst (every flow at the floor) the caps add up to 1/32 more.
 MIN_EVEN_SHARE = 1 / 32
 
+
+# One round in this many goes unpaced to measure the uplink again (at worst that round shares the
+# link as TCP does, as every round would with no estimate).
+PROBE_EVERY = 8
+# A paced round whose upload peaked below this share of its caps' sum was held back by the link,
+# not by the caps: the link is slower than the estimate. (A round that its caps held back peaks
+# at about their sum.)
+SLOWER_THAN_CAPS = 0.85
 
 PARTS = "parts"  # our parts of the peer's shard (we send, it reduces)
 AVERAGES = "averages"  # our shard's average (we reduce, it sends)
@@ -78,3 +105,45 @@ def _same_machine(ours: PeerAddress | None, theirs: PeerAddress | None) -> bool:
     if ours is None or theirs is None or ours.relay is not None or theirs.relay is not None:
         return False
     return ours.host == theirs.host
+
+
+class UploadFigures(NamedTuple):
+    """What a round shows of this peer's uplink."""
+
+    rate: float | None  # the best sustained rate our bytes were delivered at (bytes/s), if measurable
+    paced_at: float | None  # the uplink (bytes/s) the round's caps shared; None: TCP paced it alone
+
+
+class UplinkEstimate:
+    """The uplink (bytes/s) a peer's next round paces its connections to share, sans I/O: the
+    operator's figure where one was declared, else the one measured (see the module's text)."""
+
+    def __init__(self, declared: float | None = None, probe_every: int = PROBE_EVERY):
+        self.declared = declared
+        self.probe_every = probe_every
+        self.measured: float | None = None
+        self.paced_rounds = 0  # since the last unpaced round that measured the link
+
+    @property
+    def value(self) -> float | None:
+        """The uplink as known now (declared or measured), whether or not the next round probes."""
+        return self.declared if self.declared is not None else self.measured
+
+    def for_next_round(self) -> float | None:
+        """The uplink to pace the next round at; None: let TCP share the link (and measure it)."""
+        if self.declared is not None:
+            return self.declared
+        if self.measured is None or self.paced_rounds >= self.probe_every - 1:
+            return None
+        return self.measured
+
+    def observe(self, figures: UploadFigures | None) -> None:
+        """Take in what a round showed (rounds that moved too few bytes to tell change nothing)."""
+        if self.declared is not None or figures is None or figures.rate is None:
+            return
+        if figures.paced_at is None:
+            self.measured, self.paced_rounds = figures.rate, 0
+            return
+        self.paced_rounds += 1
+        if figures.rate < SLOWER_THAN_CAPS * PACING_SHARE * figures.paced_at:
+            self.measured = figures.rate

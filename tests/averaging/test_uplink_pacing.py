@@ -1,6 +1,7 @@
-"""A peer that declares its uplink paces each connection of a round to its share of it
-(``averaging/uplink.py``): the shares follow the bytes each connection carries, a paced connection
-sends no faster than its cap, and the caps are lifted when the round ends."""
+"""A peer paces each connection of a round to its share of its uplink (``averaging/uplink.py``):
+the shares follow the bytes each connection carries, a paced connection sends no faster than its
+cap, and the caps are lifted when the round ends. The uplink is the operator's figure where one was
+declared, else measured by the rounds themselves (``UplinkEstimate``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,16 @@ from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
 from averaging.partition import AllReducePlan
 from averaging.round_links import ConnectionCaps
-from averaging.uplink import AVERAGES, MIN_EVEN_SHARE, PACING_SHARE, PARTS, uplink_shares
+from averaging.uplink import (
+    AVERAGES,
+    MIN_EVEN_SHARE,
+    PACING_SHARE,
+    PARTS,
+    UplinkEstimate,
+    UploadFigures,
+    uplink_shares,
+)
+from dht import DHTNode
 from peer import Identity, PeerAddress, Router, open_peer_host
 from peer.tcp_options import SO_MAX_PACING_RATE, set_pacing_rate
 from tests.daemon.test_training import open_swarm
@@ -236,3 +246,80 @@ def test_members_on_our_own_host_are_left_out_of_the_uplink():
     shares = uplink_shares(AllReducePlan.build(4_000_000, [1.0] * 4), group, me.peer_id, UPLINK)
     assert {peer for peer, _ in shares} == {remote.peer_id, relayed.peer_id}
     assert sum(shares.values()) == pytest.approx(UPLINK * PACING_SHARE)
+
+
+def test_an_undeclared_uplink_is_measured_in_an_unpaced_round_and_paced_at_after():
+    estimate = UplinkEstimate()
+    assert estimate.for_next_round() is None  # nothing known: TCP shares the link
+    estimate.observe(UploadFigures(None, None))  # too few bytes to tell
+    assert estimate.for_next_round() is None
+    estimate.observe(UploadFigures(12e6, None))
+    assert estimate.for_next_round() == estimate.value == 12e6
+
+
+def test_a_paced_round_held_back_by_its_caps_keeps_the_estimate_and_every_eighth_probes_again():
+    estimate = UplinkEstimate(probe_every=8)
+    estimate.observe(UploadFigures(12e6, None))
+    paced = []
+    for _ in range(7):
+        paced.append(estimate.for_next_round())
+        estimate.observe(UploadFigures(PACING_SHARE * 12e6 * 0.98, 12e6))  # what its caps allowed
+    assert paced == [12e6] * 7  # the caps bound what a paced round shows: no creeping down
+    assert estimate.for_next_round() is None  # the eighth measures the link afresh
+    estimate.observe(UploadFigures(20e6, None))  # a faster link than we knew
+    assert estimate.for_next_round() == 20e6
+
+
+def test_a_paced_round_well_below_its_caps_shows_a_slower_link():
+    estimate = UplinkEstimate()
+    estimate.observe(UploadFigures(12e6, None))
+    estimate.observe(UploadFigures(5e6, 12e6))  # other traffic on the link, a worse route
+    assert estimate.for_next_round() == 5e6
+
+
+def test_a_declared_uplink_is_an_override_that_no_round_moves():
+    estimate = UplinkEstimate(declared=3e6)
+    for figures in (UploadFigures(12e6, None), UploadFigures(1e6, 3e6)):
+        estimate.observe(figures)
+        assert estimate.for_next_round() == estimate.value == 3e6
+
+
+async def test_averagers_that_declare_no_uplink_pace_their_rounds_at_what_they_measured():
+    values = 1 << 20  # 4 MiB of float32: enough bytes to measure
+    async with trio.open_nursery() as nursery:
+
+        async def run_node(address: str, initial, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with DHTNode.open(listen=(address, 0), initial_peers=initial) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        # each on a loopback address of its own: peers on one host are left unpaced
+        first = await nursery.start(run_node, "127.0.0.2", [])
+        nodes = [first] + [await nursery.start(run_node, f"127.0.0.{i + 3}", [first.address]) for i in range(2)]
+        averagers = [
+            GroupAverager(
+                [torch.full((values,), float(i))], node, prefix="measured", target_group_size=3, aggregation="mean"
+            )
+            for i, node in enumerate(nodes)
+        ]
+        assert {averager.uplink for averager in averagers} == {None}
+        rounds: list[list] = [[], []]
+        measured: list[float] = []
+        for number in range(2):
+
+            async def step(averager: GroupAverager, done: list = rounds[number]) -> None:
+                done.append(await averager.step(timeout=30))
+
+            async with trio.open_nursery() as steps:
+                for averager in averagers:
+                    steps.start_soon(step, averager)
+            if number == 0:
+                figures = [r.result.upload for r in rounds[0]]
+                assert all(f is not None and f.paced_at is None and f.rate > 0 for f in figures), figures
+                measured = sorted(f.rate for f in figures)
+                assert sorted(a.uplink for a in averagers) == measured
+        # the second round paces each peer's connections to share what its first measured
+        assert sorted(r.result.upload.paced_at for r in rounds[1]) == measured
+        for averager in averagers:
+            assert torch.allclose(averager.tensors[0], torch.full((values,), 1.0))
+        nursery.cancel_scope.cancel()
