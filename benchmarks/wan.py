@@ -4,7 +4,7 @@ compute utilisation, with every host on its own shaped link.
     python benchmarks/wan.py --quick              # within 180 s on 2 busy cores, 100 Mbit/s
     python benchmarks/wan.py --rate 20mbit        # 20 Mbit/s links, longer windows
     python benchmarks/wan.py --only allreduce     # one part
-    python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind
+    python benchmarks/wan.py --only allreduce --hivemind /work/hmvenv/bin/python   # with Hivemind's defaults
 
 Runs in the network lab (``tests/support/netlab.py``: one network namespace per host on a private bridge,
 each host's link shaped by tbf on both ends; real processes started with ``ip netns exec``), so it
@@ -21,12 +21,16 @@ Parts (rows of the table):
                  ``raw_alltoall_parallel_fraction`` and ``raw_alltoall_rotating_fraction`` = bound ÷
                  median round time (first byte sent to last byte received, all hosts).
   allreduce      4 peers, each a DHT node with a ``GroupAverager`` of 4,194,304 float32 values
-                 (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together, with the
-                 aggregation a public swarm uses (``--aggregation mean``: the exact mean). The baseline
-                 is the line-rate bound of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal
-                 rate (2.01 s at 100 Mbit/s). Each peer declares its uplink, the link's rate (as
-                 ``peerd join --uplink-mbit``), and paces its connections to share it
-                 (``averaging/uplink.py``); ``--no-uplink``: TCP shares the link on its own.
+                 (16 MiB; ``faults_cases/matchmaking_member.py``), stepping together, in two
+                 configurations whose steps take turns on the same hosts. First, ``defaults``: the
+                 public API as a user embeds it, nothing declared: the aggregation a public swarm
+                 uses (centered-clip with reducer checks), the uplink measured by the rounds
+                 themselves (``averaging/uplink.py``), matchmaking's own settle time; its figures are
+                 ``defaults_*``. Beside it, ``tuned``: the aggregation ``--aggregation`` names (the
+                 exact mean by default), the uplink declared as the link's rate (as ``peerd join
+                 --uplink-mbit``; ``--no-uplink``: measured, as in the defaults) and a LAN's settle
+                 time (0.3 s); its figures keep the plain names. The baseline is the line-rate bound
+                 of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal rate (2.01 s at 100 Mbit/s).
                  Figures: ``allreduce_line_rate_fraction`` = bound ÷ median all-reduce time
                  (group formed until the round is done, slowest peer), and
                  ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
@@ -38,7 +42,8 @@ Parts (rows of the table):
                  (as ``step_s``); ``hivemind_allreduce_s``: from the step entering its
                  ``RUNNING_ALLREDUCE`` stage (group formed) to the step's end (as ``allreduce_s``).
                  ``step_vs_hivemind`` and ``allreduce_vs_hivemind`` = peerd's time ÷ Hivemind's
-                 (< 1: peerd is faster). Without the flag they are null. PYTHON is an interpreter
+                 (< 1: peerd is faster; ``defaults_step_vs_hivemind`` for the defaults). Without the
+                 flag they are null. PYTHON is an interpreter
                  with Hivemind installed apart from the project's environment, e.g.
                      python -m venv --system-site-packages /work/hmvenv   # reuses the installed torch
                      /work/hmvenv/bin/pip install hivemind==1.1.12        # its wheel bundles p2pd
@@ -141,15 +146,17 @@ def line_rate_bound_s(values: int, peers: int, rate_mbit: float) -> float:
     return 2 * (peers - 1) / peers * values * 4 * 8 / (rate_mbit * 1e6)
 
 
-def spawn_all(lab: Lab, hosts, workdir: Path, script: str, argv_of) -> list:
+def spawn_all(lab: Lab, hosts, workdir: Path, script: str, argv_of, name: str = "", first: int = 0) -> list:
+    """Start ``script`` on each host, with ``argv_of(index)``; logs named by ``name`` (default: the
+    script's) and the index counted from ``first``."""
     processes = []
+    log_of = {index: workdir / f"{name or Path(script).stem}{first + index}.log" for index in range(len(hosts))}
     for index, host in enumerate(hosts):
-        log = workdir / f"{Path(script).stem}{index}.log"
-        processes.append(lab.spawn(host, [script, *argv_of(index)], log))
+        processes.append(lab.spawn(host, [script, *argv_of(index)], log_of[index]))
     for index, process in enumerate(processes):
         line = read_line(process, START_TIMEOUT)
         if line != "ready":
-            tail = (workdir / f"{Path(script).stem}{index}.log").read_text(errors="replace")[-800:]
+            tail = log_of[index].read_text(errors="replace")[-800:]
             raise RuntimeError(f"{script} {index} did not start ({line!r}):\n{tail}")
     return processes
 
@@ -172,63 +179,95 @@ def raw_tcp(lab: Lab, workdir: Path, rate: float, quick: bool) -> dict[str, Any]
     return {"mbit_s": measured["bytes"] * 8 / measured["seconds"] / 1e6, "bytes": measured["bytes"]}
 
 
+# The all-reduce part's configurations, stepped in turn on the same hosts. ``defaults``: the public
+# API as a user embeds it, nothing declared (the uplink measured by the rounds, the aggregation a
+# public swarm uses, matchmaking's own settle time); ``tuned``: the uplink declared as the link's
+# rate and the part's ``--aggregation``, matchmaking settling 0.3 s as on a LAN.
+CONFIGURATIONS = ("defaults", "tuned")
+
+
 def allreduce(
     lab: Lab,
     workdir: Path,
     rate: float,
     quick: bool,
     hivemind: str | None,
-    aggregation: str = "auto",
+    aggregation: str = "mean",
     declare_uplink: bool = True,
 ) -> dict[str, Any]:
+    """Both configurations (and Hivemind's, with ``hivemind``), their steps taking turns: the
+    tuned one's figures at the top level, the defaults' under ``defaults``."""
     hosts = [lab.add_host(f"a{index}", rate_mbit=rate) for index in range(PEERS)]
     keys = []
-    for index in range(PEERS):
+    for index in range(PEERS * len(CONFIGURATIONS)):
         key = workdir / f"allreduce{index}.key"
         Identity.generate().save(key)
         keys.append(str(key))
     bound = line_rate_bound_s(VALUES, PEERS, rate)
     round_limit = 20 * bound + 30  # a step that takes this long has failed, whatever the cause
 
-    def argv(index: int) -> list[str]:
+    def argv(configuration: int, index: int) -> list[str]:
+        port = MEMBER_PORT + configuration
         flags = [
-            "--index", str(index), "--key", keys[index], "--listen", f"{hosts[index].address}:{MEMBER_PORT}",
-            "--run-id", "wan", "--group-size", str(PEERS), "--values", str(VALUES),
-            "--matchmaking-timeout", "15", "--settle", "0.3", "--aggregation", aggregation,
+            "--index", str(index), "--key", keys[configuration * PEERS + index],
+            "--listen", f"{hosts[index].address}:{port}", "--run-id", f"wan-{CONFIGURATIONS[configuration]}",
+            "--group-size", str(PEERS), "--values", str(VALUES), "--matchmaking-timeout", "15",
             "--sender-timeout", str(10 * bound + 10), "--reducer-timeout", str(20 * bound + 20),
         ]  # fmt: skip
-        if declare_uplink:  # as `peerd join --uplink-mbit RATE` on a link of that rate
-            flags += ["--uplink-mbit", str(rate)]
-        return [*flags, "--initial-peer", f"{hosts[0].address}:{MEMBER_PORT}"] if index else flags
+        if CONFIGURATIONS[configuration] == "defaults":
+            flags += ["--settle", "default"]
+        else:
+            flags += ["--settle", "0.3", "--aggregation", aggregation]
+            if declare_uplink:  # as `peerd join --uplink-mbit RATE` on a link of that rate
+                flags += ["--uplink-mbit", str(rate)]
+        return [*flags, "--initial-peer", f"{hosts[0].address}:{port}"] if index else flags
 
     script = "benchmarks/faults_cases/matchmaking_member.py"
-    processes = spawn_all(lab, hosts[:1], workdir, script, argv)
-    processes += spawn_all(lab, hosts[1:], workdir, script, lambda i: argv(i + 1))
+    members = []
+    for configuration, name in enumerate(CONFIGURATIONS):
+        started = spawn_all(lab, hosts[:1], workdir, script, lambda i, c=configuration: argv(c, i), name)
+        started += spawn_all(lab, hosts[1:], workdir, script, lambda i, c=configuration: argv(c, i + 1), name, 1)
+        members.append(started)
     baseline = hivemind and hivemind_baseline.Baseline(lab, hosts, workdir, hivemind, VALUES, START_TIMEOUT)
-    steps, failures = [], []
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGURATIONS}
+    failures: dict[str, list] = {name: [] for name in CONFIGURATIONS}
     try:
         for number in range(1 + (3 if quick else 8)):  # the first step warms up connections and the DHT
             if baseline and number % 2:  # alternate which goes first: neither always follows the other
                 baseline.step(number, round_limit)
-            tell(processes, "step")
-            deadline = time.monotonic() + round_limit
-            outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
-            if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
-                failures.append([r.get("error") or r.get("failed") or r.get("size") for r in outcome])
-            elif number > 0:
-                steps.append(
-                    {
-                        "step_s": max(r["seconds"] for r in outcome),
-                        "allreduce_s": max(r["allreduce_s"] for r in outcome),
-                    }
-                )
+            order = list(enumerate(CONFIGURATIONS))
+            for configuration, name in order if number % 2 else order[::-1]:
+                step = one_step(members[configuration], round_limit)
+                if isinstance(step, list):
+                    failures[name].append(step)
+                elif number > 0:
+                    steps[name].append(step)
             if baseline and not number % 2:
                 baseline.step(number, round_limit)
     finally:
         if baseline:
             baseline.stop()
+    figures = {name: step_figures(steps[name], failures[name], bound) for name in CONFIGURATIONS}
+    return {
+        **figures["tuned"],
+        "defaults": figures["defaults"],
+        "hivemind": baseline.figures(bound) if baseline else None,
+    }
+
+
+def one_step(processes: list, limit: float) -> dict[str, float] | list:
+    """One step of every member: its times (slowest peer's), or what went wrong."""
+    tell(processes, "step")
+    deadline = time.monotonic() + limit
+    outcome = [json.loads(read_line(p, max(0.1, deadline - time.monotonic()))) for p in processes]
+    if not all(r["ok"] and r["size"] == PEERS and not r["failed"] for r in outcome):
+        return [r.get("error") or r.get("failed") or r.get("size") for r in outcome]
+    return {"step_s": max(r["seconds"] for r in outcome), "allreduce_s": max(r["allreduce_s"] for r in outcome)}
+
+
+def step_figures(steps: list[dict[str, float]], failures: list, bound: float) -> dict[str, Any]:
     if not steps:
-        raise RuntimeError(f"no step averaged all {PEERS} peers: {failures[:3]}")
+        return {"failed_steps": len(failures), "failures": failures[:3], "error": f"no step averaged all {PEERS} peers"}
     allreduce_s = statistics.median(s["allreduce_s"] for s in steps)
     step_s = statistics.median(s["step_s"] for s in steps)
     return {
@@ -240,7 +279,6 @@ def allreduce(
         "steps": steps,
         "failed_steps": len(failures),
         "failures": failures[:3],
-        "hivemind": baseline.figures(bound) if baseline else None,
     }
 
 
@@ -390,15 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--aggregation",
         choices=["auto", "mean", "centered-clip"],
-        default="auto",
-        help="the all-reduce part's aggregation (auto: what a public swarm uses, centered-clip with "
-        "reducer checks; mean: the exact mean, as Hivemind averages)",
+        default="mean",
+        help="the tuned all-reduce's aggregation (mean, the default: the exact mean, as Hivemind averages; "
+        "auto: what a public swarm uses, centered-clip with reducer checks). The defaults' is always auto",
     )
     parser.add_argument(
         "--no-uplink",
         action="store_true",
-        help="peers do not declare their uplink (by default each declares the link's rate, as "
-        "`peerd join --uplink-mbit`, and paces its connections to share it: averaging/uplink.py)",
+        help="the tuned all-reduce and the training parts do not declare the uplink (by default they "
+        "declare the link's rate, as `peerd join --uplink-mbit`; undeclared, the rounds measure it: "
+        "averaging/uplink.py)",
     )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
@@ -440,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(results, args.rate, window)
+    reduced = results.get("allreduce") or {}
+    for name, figures in (("defaults", reduced.get("defaults") or {}), ("tuned", reduced)):
+        if figures.get("error"):  # a configuration that never averaged is the part's error too
+            errors[f"allreduce_{name}"] = figures["error"]
     summary.update(
         quick=args.quick,
         interrupted=interrupted,
@@ -483,7 +526,17 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
     loss_ratio = None
     if local.get("bits_per_byte") and single_.get("bits_per_byte"):
         loss_ratio = local["bits_per_byte"] / single_["bits_per_byte"]
+    defaults = reduce_.get("defaults") or {}
+
+    def defaults_versus(figure: str) -> float | None:
+        return defaults[figure] / hivemind[figure] if defaults.get(figure) and hivemind.get(figure) else None
+
     return {
+        "defaults_step_line_rate_fraction": _figure(defaults.get("step_line_rate_fraction")),
+        "defaults_allreduce_line_rate_fraction": _figure(defaults.get("allreduce_line_rate_fraction")),
+        "defaults_step_s": _figure(defaults.get("step_s")),
+        "defaults_allreduce_s": _figure(defaults.get("allreduce_s")),
+        "defaults_step_vs_hivemind": _figure(defaults_versus("step_s")),
         "allreduce_line_rate_fraction": _figure(reduce_.get("allreduce_line_rate_fraction")),
         "step_line_rate_fraction": _figure(reduce_.get("step_line_rate_fraction")),
         "utilization_local_updates": _figure(utilization(local)),
@@ -510,6 +563,8 @@ def summarize(results: dict[str, dict[str, Any] | None], rate: float, window: fl
         "solo_samples_per_s": _figure(solo_rate, 2),
         "window_s": window,
         "targets": {
+            "defaults_step_line_rate_fraction": 0.9,
+            "defaults_step_vs_hivemind": round(1 / 1.15, 3),
             "allreduce_line_rate_fraction": 0.95,
             "step_line_rate_fraction": 0.85,
             "utilization_local_updates": 0.9 if rate >= 100 else 0.8,
@@ -523,8 +578,12 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
     def cell(value: Any) -> str:
         return "-" if value is None else f"{value}"
 
-    print(f"{'figure':<32} {'value':>10} {'target':>8}")
+    print(f"{'figure':<38} {'value':>10} {'target':>8}")
     for name in (
+        "defaults_step_line_rate_fraction",
+        "defaults_allreduce_line_rate_fraction",
+        "defaults_step_s",
+        "defaults_step_vs_hivemind",
         "raw_tcp_mbit_s",
         "line_rate_bound_s",
         "raw_alltoall_parallel_fraction",
@@ -548,7 +607,7 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any] | Non
         "bytes_per_sample_collaborative",
         "loss_ratio",
     ):
-        print(f"{name:<32} {cell(summary.get(name)):>10} {cell(summary['targets'].get(name)):>8}")
+        print(f"{name:<38} {cell(summary.get(name)):>10} {cell(summary['targets'].get(name)):>8}")
     for name, error in summary.get("errors", {}).items():
         print(f"  {name} failed: {error.splitlines()[0]}")
     if summary.get("hivemind_error"):

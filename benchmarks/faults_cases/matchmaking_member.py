@@ -104,5 +104,10 @@ if __name__ == "__main__":
     parser.add_argument("--reducer-timeout", type=float, default=4.0)
     parser.add_argument("--aggregation", default="auto", choices=["auto", "mean", "centered-clip"])
     parser.add_argument("--uplink-mbit", type=float, default=None, help="declare this uplink (GroupAverager uplink=)")
-    parser.add_argument("--settle", type=float, default=0.2, help="a LAN: declarations land within milliseconds")
+    parser.add_argument(
+        "--settle",
+        type=lambda text: None if text == "default" else float(text),
+        default=0.2,
+        help="a LAN: declarations land within milliseconds ('default': matchmaking's own)",
+    )
     trio.run(main, parser.parse_args())

@@ -31,6 +31,7 @@ def test_without_the_baseline_the_hivemind_figures_are_null():
             "step_vs_hivemind",
             "allreduce_vs_hivemind",
             "hivemind_error",
+            "defaults_step_vs_hivemind",
         ]
     )
     assert all(summary[name] is None for name in names)
@@ -109,3 +110,14 @@ def test_the_plain_tcp_all_to_all_figures_are_reported():
     assert summary["raw_alltoall_parallel_fraction"] == 0.81
     assert summary["raw_alltoall_rotating_fraction"] == 0.842
     assert summarize({}, 100.0, 20.0)["raw_alltoall_rotating_fraction"] is None
+
+
+def test_the_defaults_come_first_and_are_compared_to_hivemind_too():
+    hivemind = {"step_s": 2.5, "allreduce_s": 2.0}
+    part = {**peerd_part(hivemind), "defaults": {"step_s": 4.0, "allreduce_s": 3.8, "step_line_rate_fraction": 0.5}}
+    summary = summarize({"allreduce": part}, 100.0, 20.0)
+    assert next(iter(summary)) == "defaults_step_line_rate_fraction"
+    assert summary["defaults_step_line_rate_fraction"] == 0.5
+    assert summary["defaults_step_vs_hivemind"] == round(4.0 / 2.5, 3)
+    assert summary["step_vs_hivemind"] == round(3.5 / 2.5, 3)  # the tuned configuration's
+    assert summarize({"allreduce": peerd_part(None)}, 100.0, 20.0)["defaults_step_vs_hivemind"] is None
