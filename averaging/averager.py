@@ -143,8 +143,7 @@ class GroupAverager:
             self.mode = AveragingMode.CLIENT  # a peer that accepts no connections cannot reduce
         # None: declare what our link achieved in past rounds (bytes/s), so that our share of the
         # reduction follows it; a number: declare that, always (0 reduces nothing).
-        self.fixed_bandwidth = None if bandwidth is None else float(bandwidth)
-        self.link_speed = BandwidthEstimate()
+        self.link_speed = BandwidthEstimate(fixed=None if bandwidth is None else float(bandwidth))
         self.uplink_estimate = UplinkEstimate(declared=uplink)
         rounds = RoundSettings(
             codec=codec,
@@ -192,8 +191,8 @@ class GroupAverager:
         """What this peer declares: 0 in client mode, else the fixed or the measured bandwidth."""
         if self.mode is AveragingMode.CLIENT:
             return 0.0
-        if self.fixed_bandwidth is not None:
-            return self.fixed_bandwidth
+        if self.link_speed.fixed is not None:
+            return self.link_speed.fixed
         return min(self.link_speed.value, MAX_BANDWIDTH)
 
     def _declaration(self, round_number: int | None = None) -> Declaration:

@@ -193,12 +193,14 @@ class BandwidthEstimate:
     """This peer's link rate as a moving average over rounds (bytes/s), starting at ``prior``.
 
     The first measurement replaces the prior; later ones move the estimate by ``weight`` of the
-    difference, so one round disturbed by other traffic does not swing a peer's share."""
+    difference, so one round disturbed by other traffic does not swing a peer's share. ``fixed``:
+    a figure the caller states instead, which is what a peer declares whatever it measures."""
 
-    def __init__(self, prior: float = UNMEASURED_BANDWIDTH, weight: float = 0.5):
+    def __init__(self, prior: float = UNMEASURED_BANDWIDTH, weight: float = 0.5, fixed: float | None = None):
         self.value = prior
         self.weight = weight
         self.measured = False
+        self.fixed = fixed
 
     def update(self, rate: float | None) -> float:
         if rate is not None and math.isfinite(rate) and rate > 0:
