@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--initial-peer", action="append", default=[], metavar="ADDR")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--min-group-size", type=int, default=2, help="the fewest peers a round averages with")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -37,7 +38,11 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     true_weights = torch.randn(8, 1)
     averager = Averager(
-        list(model.parameters()), dht, prefix="embed_example", target_group_size=args.group_size, min_group_size=2
+        list(model.parameters()),
+        dht,
+        prefix="embed_example",
+        target_group_size=args.group_size,
+        min_group_size=args.min_group_size,
     )
     for round_number in range(args.rounds):
         for _ in range(10):  # a few local steps on this copy's own data
