@@ -11,7 +11,10 @@ plan from the same group description, so no coordination beyond the group announ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .link_speed import UNMEASURED_BANDWIDTH
 
 __all__ = [
     "AllReducePlan",
@@ -19,6 +22,10 @@ __all__ = [
     "MAX_SHARE_RATIO",
     "MIN_PART_SIZE",
     "MIN_PARTS_PER_SHARD",
+    "MIN_SLOW_PART_SIZE",
+    "PART_SECONDS",
+    "SLOW_PARTS_PER_SHARD",
+    "part_for_links",
     "bounded_claims",
     "split_by_bandwidth",
 ]
@@ -35,6 +42,22 @@ DEFAULT_PART_SIZE = 1 << 19
 # benchmark's 64 MiB shards keep their 8 parts of the full size).
 MIN_PARTS_PER_SHARD = 8
 MIN_PART_SIZE = 1 << 16
+# Over slow links parts are made smaller still, down to MIN_SLOW_PART_SIZE (64 KiB), until the
+# largest shard has SLOW_PARTS_PER_SHARD of them, as long as a part takes at least PART_SECONDS at
+# the group's (lower median) claimed bandwidth: there a message's own costs (~0.1 ms of CPU) are
+# small beside its transfer, while on a fast link (loopback: 1.8x the time with 64 parts per shard)
+# they are not. A part is the unit the end of a round waits for (the last part's aggregation, with
+# CenteredClip several passes over every sender's contribution, and its answer) and the unit a
+# reducer check fetches again (its inputs, senders x part, ``reducer_checks.py``): with more parts
+# each sender checks every reducer (with the probability CHECK_SHARE x parts / senders, up to 1)
+# and each check moves fewer bytes. The 100 Mbit/s lab, 16 MiB, 4 peers, the public swarm's
+# defaults (centered-clip with reducer checks), interleaved runs of ``benchmarks/wan.py --quick``:
+# 8 parts per shard 0.68-0.71 of the line-rate bound, 32 parts 0.78-0.82, 64 parts 0.84-0.87,
+# 128 parts 0.86-0.87; the exact mean 0.93-0.94 in all of them. Claims no higher than the floor
+# rate a newcomer declares say nothing of the link (unmeasured): such a group keeps the parts above.
+SLOW_PARTS_PER_SHARD = 64
+MIN_SLOW_PART_SIZE = 1 << 14
+PART_SECONDS = 0.005
 # A declared bandwidth is a claim, and a reducer decides what its shard's average is: no member's
 # claim counts for more than this many times the group's (lower) median claim. With 2, a liar
 # claiming 1e12 in a group of n equal peers reduces 2/(n+1) of the vector instead of 1/n (40% in
@@ -54,6 +77,16 @@ def bounded_claims(bandwidths: list[float], ratio: float = MAX_SHARE_RATIO) -> l
         return list(bandwidths)
     bound = ratio * positive[(len(positive) - 1) // 2]
     return [min(b, bound) for b in bandwidths]
+
+
+def part_for_links(bandwidths: list[float]) -> float:
+    """The fewest values a part may hold so that it takes PART_SECONDS at the lower median of the
+    positive claims in ``bandwidths`` (bytes/s), which a minority of liars cannot move far; no
+    bound (infinity) where that median is no measurement (the floor rate newcomers declare)."""
+    positive = sorted(b for b in bandwidths if b > 0)
+    if not positive or positive[(len(positive) - 1) // 2] <= UNMEASURED_BANDWIDTH:
+        return math.inf
+    return math.ceil(positive[(len(positive) - 1) // 2] * PART_SECONDS / 4)  # float32 values
 
 
 def split_by_bandwidth(total: int, bandwidths: list[float]) -> list[int]:
@@ -86,12 +119,15 @@ class AllReducePlan:
     def build(cls, total: int, bandwidths: list[float], part_size: int = DEFAULT_PART_SIZE) -> AllReducePlan:
         """Shards in proportion to the reducers' claimed ``bandwidths``, each claim bounded
         (``bounded_claims``); parts of ``part_size`` elements, or smaller (not below
-        MIN_PART_SIZE) so that the largest shard has MIN_PARTS_PER_SHARD of them."""
+        MIN_PART_SIZE) so that the largest shard has MIN_PARTS_PER_SHARD of them, and over slow
+        links smaller still (``part_for_links``)."""
         if part_size <= 0:
             raise ValueError("part_size must be positive")
         shards = tuple(split_by_bandwidth(total, bounded_claims(bandwidths)))
-        enough = max(MIN_PART_SIZE, -(-max(shards, default=0) // MIN_PARTS_PER_SHARD))
-        return cls(total, shards, min(part_size, enough))
+        largest = max(shards, default=0)
+        enough = max(MIN_PART_SIZE, -(-largest // MIN_PARTS_PER_SHARD))
+        slow = max(MIN_SLOW_PART_SIZE, -(-largest // SLOW_PARTS_PER_SHARD), part_for_links(bandwidths))
+        return cls(total, shards, min(part_size, enough, slow))
 
     @property
     def num_shards(self) -> int:

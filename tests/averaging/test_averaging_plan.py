@@ -1,12 +1,18 @@
 """The all-reduce plan and a reducer's bookkeeping, without sockets."""
 
+import math
+
 import pytest
 import torch
 
+from averaging.link_speed import UNMEASURED_BANDWIDTH
 from averaging.partition import (
     DEFAULT_PART_SIZE,
     MIN_PART_SIZE,
     MIN_PARTS_PER_SHARD,
+    MIN_SLOW_PART_SIZE,
+    PART_SECONDS,
+    SLOW_PARTS_PER_SHARD,
     AllReducePlan,
     split_by_bandwidth,
 )
@@ -45,6 +51,25 @@ def test_parts_shrink_until_every_shard_streams_in_several():
     assert AllReducePlan.build(1 << 24, [1, 1, 1, 1], part_size=1000).part_size == 1000  # a caller's smaller size
     small = AllReducePlan.build(10_000, [1, 1])
     assert small.part_size == MIN_PART_SIZE and small.num_parts(0) == 1
+
+
+def test_over_slow_links_parts_shrink_further_and_on_fast_or_unmeasured_ones_they_do_not():
+    """64 parts per shard where a part still takes PART_SECONDS at the group's median claim (the
+    lab's 100 Mbit/s), the usual 8 where a message's own costs would count (loopback) or where no
+    claim says anything of the links yet (newcomers declare the floor rate); one liar's claim does
+    not move it."""
+    lab = AllReducePlan.build(1 << 22, [12.5e6] * 4)
+    assert lab.part_size == MIN_SLOW_PART_SIZE and lab.num_parts(0) == SLOW_PARTS_PER_SHARD
+    assert AllReducePlan.build(1 << 22, [1e9] * 4).part_size == 1 << 17  # ~1 GB/s: 8 parts
+    assert AllReducePlan.build(1 << 22, [UNMEASURED_BANDWIDTH] * 4).part_size == 1 << 17
+    liar = AllReducePlan.build(1 << 22, [12.5e6] * 3 + [1e12])  # its shard is bounded to twice the others'
+    assert liar.num_parts(3) == SLOW_PARTS_PER_SHARD and liar.num_parts(0) == SLOW_PARTS_PER_SHARD // 2
+    fast = AllReducePlan.build(1 << 22, [1e9] * 3 + [1.0])  # one liar claiming next to nothing
+    assert fast.num_parts(0) == MIN_PARTS_PER_SHARD
+    # a part taking PART_SECONDS at a link between the two: between the bounds
+    between = AllReducePlan.build(1 << 22, [100e6] * 4).part_size
+    assert between == math.ceil(100e6 * PART_SECONDS / 4) and MIN_SLOW_PART_SIZE < between < 1 << 17
+    assert AllReducePlan.build(9610, [12.5e6] * 8).num_parts(0) == 1  # a small model: one part
 
 
 def reduction_with(part_sizes, senders=("a", "b", "c")):
