@@ -274,7 +274,9 @@ def test_a_paced_round_well_below_its_caps_shows_a_slower_link():
     estimate = UplinkEstimate()
     estimate.observe(UploadFigures(12e6, None))
     estimate.observe(UploadFigures(5e6, 12e6))  # other traffic on the link, a worse route
-    assert estimate.for_next_round() == 5e6
+    assert estimate.for_next_round() == 5e6 / PACING_SHARE  # the caps add up to what it delivered
+    estimate.observe(UploadFigures(0.96 * 5e6, 5e6 / PACING_SHARE))  # held back by its caps now
+    assert estimate.for_next_round() == 5e6 / PACING_SHARE
 
 
 def test_a_declared_uplink_is_an_override_that_no_round_moves():
