@@ -234,9 +234,10 @@ class AllReduceService:
                 flat = await in_thread(checked_flat, tensors) if member.mode.sends else None  # (refuses NaN)
                 prepared = await strategy.prepare(group, plan, flat, weight, codec)
                 round_ = AllReduceRound(group, plan, me, sends=flat is not None)
-                pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink else None
+                crossing = {peer for peer, _ in uplink_shares(plan, group, me, 1.0)}  # through our uplink
+                pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink and crossing else None
                 others = [m.peer_id for m in group.members if m.peer_id != me]
-                links = RoundLinks(self.host, others, pacing, self._caps)
+                links = RoundLinks(self.host, others, pacing, self._caps, crossing)
                 reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy)
                 announce(reducer)  # (no await since the last: see ``_taking_part``)
                 if reducer is not None:  # its inputs, for the checks, as they come
@@ -271,7 +272,7 @@ class AllReduceService:
                         )
                 await in_thread(write_back, tensors, averages)
         link_rate = links.link_rate()  # (reads the round's last bytes first)
-        upload = UploadFigures(links.upload.rate(), settings.uplink if pacing else None)
+        upload = UploadFigures(links.uplink.rate(), settings.uplink if pacing else None)
         result = round_.finish(link_rate, trio.current_time() - started, bounded, upload)
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])

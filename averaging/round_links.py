@@ -81,10 +81,13 @@ class RoundLinks:
         peers: list[PeerID],
         pacing: dict[tuple[PeerID, str], float] | None = None,
         caps: ConnectionCaps | None = None,
+        crossing: set[PeerID] | frozenset[PeerID] = frozenset(),
     ):
         """``pacing``: sending rates for what the round sends each of these peers (``uplink.py``):
         a connection is capped at the sum for what it carries while the round uses it (held in
-        ``caps``, shared by the rounds of one host), and the caps are lifted by ``lift_pacing``."""
+        ``caps``, shared by the rounds of one host), and the caps are lifted by ``lift_pacing``.
+        ``crossing``: the peers our bytes reach through our uplink (not on our own machine), whose
+        upload alone ``uplink`` meters."""
         self.host = host
         self.peers = peers
         self.pacing = pacing or {}
@@ -97,6 +100,8 @@ class RoundLinks:
         self._wakeup = trio.Event()
         self.upload = ThroughputMeter()
         self.download = ThroughputMeter()
+        self.crossing = crossing
+        self.uplink = ThroughputMeter()
 
     def add(self, peer: PeerID, link: Any, carries: str | None = None) -> None:
         """A connection to ``peer`` that this round uses (anything with ``link_progress()``), to
@@ -181,6 +186,7 @@ class RoundLinks:
         counts = self._counts()
         self.upload.observe(now, sum(delivered for delivered, _ in counts.values()))
         self.download.observe(now, sum(arrived for _, arrived in counts.values()))
+        self.uplink.observe(now, sum(delivered for peer, (delivered, _) in counts.items() if peer in self.crossing))
         return counts
 
     async def run(self) -> None:

@@ -49,6 +49,7 @@ from .partition import AllReducePlan
 
 __all__ = [
     "AVERAGES",
+    "MAX_LOWERING",
     "MIN_EVEN_SHARE",
     "PACING_SHARE",
     "PARTS",
@@ -74,6 +75,12 @@ PROBE_EVERY = 8
 # not by the caps: the link is slower than the estimate. (A round that its caps held back reads
 # 0.97-0.99 of their sum: the lab's 100 Mbit/s links, the uplink declared.)
 SLOWER_THAN_CAPS = 0.95
+
+# A paced round lowers the estimate to no less than this share of what the last unpaced round read:
+# all our flows add up to what a round shows, so members that read slowly (a slow downlink, or a
+# hostile peer reading at a crawl on purpose) hold it back as a slow link would, and must not push
+# our rounds down round after round until the next probe.
+MAX_LOWERING = 0.5
 
 PARTS = "parts"  # our parts of the peer's shard (we send, it reduces)
 AVERAGES = "averages"  # our shard's average (we reduce, it sends)
@@ -125,7 +132,8 @@ class UplinkEstimate:
         self.declared = declared
         self.probe_every = probe_every
         self.measured: float | None = None
-        self.paced_rounds = 0  # since the last unpaced round that measured the link
+        self.probed: float | None = None  # what the last unpaced round read
+        self.paced_rounds = 0  # rounds paced since that one, finished or not
 
     @property
     def value(self) -> float | None:
@@ -133,11 +141,14 @@ class UplinkEstimate:
         return self.declared if self.declared is not None else self.measured
 
     def for_next_round(self) -> float | None:
-        """The uplink to pace the next round at; None: let TCP share the link (and measure it)."""
+        """The uplink to pace the next round at (call once per round); None: let TCP share the
+        link and measure it, which every ``probe_every``-th round does, and every round until one
+        has measured it."""
         if self.declared is not None:
             return self.declared
         if self.measured is None or self.paced_rounds >= self.probe_every - 1:
             return None
+        self.paced_rounds += 1
         return self.measured
 
     def observe(self, figures: UploadFigures | None) -> None:
@@ -145,8 +156,10 @@ class UplinkEstimate:
         if self.declared is not None or figures is None or figures.rate is None:
             return
         if figures.paced_at is None:
-            self.measured, self.paced_rounds = figures.rate, 0
-            return
-        self.paced_rounds += 1
-        if figures.rate < SLOWER_THAN_CAPS * PACING_SHARE * figures.paced_at:
-            self.measured = figures.rate / PACING_SHARE  # the caps add up to what the link delivered
+            self.measured = self.probed = figures.rate
+            self.paced_rounds = 0
+        elif figures.rate < SLOWER_THAN_CAPS * PACING_SHARE * figures.paced_at:
+            # held back by the link: the caps add up to what it delivered, but no lower than
+            # MAX_LOWERING of the last reading, whatever slow readers held our flows back
+            floor = MAX_LOWERING * self.probed if self.probed is not None else 0.0
+            self.measured = max(figures.rate / PACING_SHARE, floor)

@@ -23,6 +23,7 @@ from averaging.partition import AllReducePlan
 from averaging.round_links import ConnectionCaps
 from averaging.uplink import (
     AVERAGES,
+    MAX_LOWERING,
     MIN_EVEN_SHARE,
     PACING_SHARE,
     PARTS,
@@ -270,13 +271,25 @@ def test_a_paced_round_held_back_by_its_caps_keeps_the_estimate_and_every_eighth
     assert estimate.for_next_round() == 20e6
 
 
-def test_a_paced_round_well_below_its_caps_shows_a_slower_link():
+def test_rounds_that_failed_count_toward_the_next_probe():
+    estimate = UplinkEstimate(probe_every=4)
+    estimate.observe(UploadFigures(12e6, None))
+    assert [estimate.for_next_round() for _ in range(3)] == [12e6] * 3  # none of them observed
+    assert estimate.for_next_round() is None
+    estimate.observe(UploadFigures(None, None))  # the probe moved too little to tell
+    assert estimate.for_next_round() is None  # so the next one probes again
+
+
+def test_a_paced_round_well_below_its_caps_shows_a_slower_link_down_to_half_the_last_reading():
     estimate = UplinkEstimate()
     estimate.observe(UploadFigures(12e6, None))
-    estimate.observe(UploadFigures(5e6, 12e6))  # other traffic on the link, a worse route
-    assert estimate.for_next_round() == 5e6 / PACING_SHARE  # the caps add up to what it delivered
-    estimate.observe(UploadFigures(0.96 * 5e6, 5e6 / PACING_SHARE))  # held back by its caps now
-    assert estimate.for_next_round() == 5e6 / PACING_SHARE
+    estimate.observe(UploadFigures(8e6, 12e6))  # other traffic on the link, a worse route
+    assert estimate.for_next_round() == 8e6 / PACING_SHARE  # the caps add up to what it delivered
+    estimate.observe(UploadFigures(0.96 * 8e6, 8e6 / PACING_SHARE))  # held back by its caps now
+    assert estimate.for_next_round() == 8e6 / PACING_SHARE
+    for _ in range(3):  # a member that reads at a crawl holds our flows back round after round
+        estimate.observe(UploadFigures(0.1 * estimate.value, estimate.value))
+    assert estimate.value == MAX_LOWERING * 12e6
 
 
 def test_a_declared_uplink_is_an_override_that_no_round_moves():
@@ -324,4 +337,36 @@ async def test_averagers_that_declare_no_uplink_pace_their_rounds_at_what_they_m
         assert sorted(r.result.upload.paced_at for r in rounds[1]) == measured
         for averager in averagers:
             assert torch.allclose(averager.tensors[0], torch.full((values,), 1.0))
+        nursery.cancel_scope.cancel()
+
+
+async def test_bytes_to_members_on_our_own_host_say_nothing_of_the_uplink():
+    """A peer per GPU on one machine: what goes between them never crosses the uplink, so a round
+    among them measures no uplink (it would read loopback's speed) and paces nothing."""
+    values = 1 << 20
+    async with trio.open_nursery() as nursery:
+        hosts, services = [], []
+
+        async def run_host(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with open_peer_host(Identity.generate(), router=sink_router(), listen=("127.0.0.1", 0)) as host:
+                task_status.started((host, AllReduceService(host)))
+                await trio.sleep_forever()
+
+        for _ in range(2):
+            host, service = await nursery.start(run_host)
+            hosts.append(host)
+            services.append(service)
+        members = tuple(GroupMember(h.peer_id, h.listen_address, 1.0, AveragingMode.NODE) for h in hosts)
+        group = GroupInfo(os.urandom(16), members)
+        results = []
+
+        async def one(i: int) -> None:
+            tensors = [torch.full((values,), float(i))]
+            results.append(await services[i].run(group, tensors, settings=RoundSettings(uplink=UPLINK)))
+
+        async with trio.open_nursery() as round_:
+            for i in range(2):
+                round_.start_soon(one, i)
+        assert all(r.succeeded and r.link_rate is not None for r in results)  # the link was metered
+        assert [r.upload for r in results] == [UploadFigures(None, None)] * 2  # but not as uplink
         nursery.cancel_scope.cancel()
