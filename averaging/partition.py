@@ -25,7 +25,9 @@ __all__ = [
     "MIN_SLOW_PART_SIZE",
     "PART_SECONDS",
     "SLOW_PARTS_PER_SHARD",
+    "lower_median_claim",
     "part_for_links",
+    "slow_parts_per_shard",
     "bounded_claims",
     "split_by_bandwidth",
 ]
@@ -43,7 +45,8 @@ DEFAULT_PART_SIZE = 1 << 19
 MIN_PARTS_PER_SHARD = 8
 MIN_PART_SIZE = 1 << 16
 # Over slow links parts are made smaller still, down to MIN_SLOW_PART_SIZE (64 KiB), until the
-# largest shard has SLOW_PARTS_PER_SHARD of them, as long as a part takes at least PART_SECONDS at
+# largest shard has SLOW_PARTS_PER_SHARD of them (fewer in groups of more than four reducers:
+# ``slow_parts_per_shard``), as long as a part takes at least PART_SECONDS at
 # the group's (lower median) claimed bandwidth: there a message's own costs (~0.1 ms of CPU) are
 # small beside its transfer, while on a fast link (loopback: 1.8x the time with 64 parts per shard)
 # they are not. A part is the unit the end of a round waits for (the last part's aggregation, with
@@ -72,21 +75,35 @@ def bounded_claims(bandwidths: list[float], ratio: float = MAX_SHARE_RATIO) -> l
     positive claims. The lower median is an honest claim (or between two) whenever fewer than half
     of the claims are lies, so a minority can neither raise the bound nor, by claiming little,
     push it below the smallest honest claim."""
-    positive = sorted(b for b in bandwidths if b > 0)
-    if not positive:
+    median = lower_median_claim(bandwidths)
+    if median is None:
         return list(bandwidths)
-    bound = ratio * positive[(len(positive) - 1) // 2]
-    return [min(b, bound) for b in bandwidths]
+    return [min(b, ratio * median) for b in bandwidths]
+
+
+def lower_median_claim(bandwidths: list[float]) -> float | None:
+    """The lower median of the positive claims (None if there are none)."""
+    positive = sorted(b for b in bandwidths if b > 0)
+    return positive[(len(positive) - 1) // 2] if positive else None
 
 
 def part_for_links(bandwidths: list[float]) -> float:
     """The fewest values a part may hold so that it takes PART_SECONDS at the lower median of the
     positive claims in ``bandwidths`` (bytes/s), which a minority of liars cannot move far; no
     bound (infinity) where that median is no measurement (the floor rate newcomers declare)."""
-    positive = sorted(b for b in bandwidths if b > 0)
-    if not positive or positive[(len(positive) - 1) // 2] <= UNMEASURED_BANDWIDTH:
+    median = lower_median_claim(bandwidths)
+    if median is None or median <= UNMEASURED_BANDWIDTH:
         return math.inf
-    return math.ceil(positive[(len(positive) - 1) // 2] * PART_SECONDS / 4)  # float32 values
+    return math.ceil(median * PART_SECONDS / 4)  # float32 values
+
+
+def slow_parts_per_shard(reducers: int) -> int:
+    """How many parts a shard is cut into over slow links: SLOW_PARTS_PER_SHARD in groups of up to
+    four reducers, fewer in larger ones (not below MIN_PARTS_PER_SHARD), since every sender's
+    commitment names every part of every shard, and a reducer check carries each sender's: in a
+    group of R reducers with k parts per shard that is R x k digests per sender, which should stay
+    small beside the part itself."""
+    return max(MIN_PARTS_PER_SHARD, SLOW_PARTS_PER_SHARD * 4 // max(1, reducers))
 
 
 def split_by_bandwidth(total: int, bandwidths: list[float]) -> list[int]:
@@ -126,7 +143,8 @@ class AllReducePlan:
         shards = tuple(split_by_bandwidth(total, bounded_claims(bandwidths)))
         largest = max(shards, default=0)
         enough = max(MIN_PART_SIZE, -(-largest // MIN_PARTS_PER_SHARD))
-        slow = max(MIN_SLOW_PART_SIZE, -(-largest // SLOW_PARTS_PER_SHARD), part_for_links(bandwidths))
+        reducers = sum(1 for size in shards if size)
+        slow = max(MIN_SLOW_PART_SIZE, -(-largest // slow_parts_per_shard(reducers)), part_for_links(bandwidths))
         return cls(total, shards, min(part_size, enough, slow))
 
     @property

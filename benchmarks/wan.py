@@ -29,8 +29,10 @@ Parts (rows of the table):
                  ``defaults_*``. Beside it, ``tuned``: the aggregation ``--aggregation`` names (the
                  exact mean by default), the uplink declared as the link's rate (as ``peerd join
                  --uplink-mbit``; ``--no-uplink``: measured, as in the defaults) and a LAN's settle
-                 time (0.3 s); its figures keep the plain names. The baseline is the line-rate bound
-                 of a butterfly all-reduce, 2·(n−1)/n·bytes at the nominal rate (2.01 s at 100 Mbit/s).
+                 time (0.3 s); its figures keep the plain names (before the defaults ran beside
+                 it, the part's one configuration took ``--aggregation auto`` by default). The
+                 baseline is the line-rate bound of a butterfly all-reduce, 2·(n−1)/n·bytes at the
+                 nominal rate (2.01 s at 100 Mbit/s).
                  Figures: ``allreduce_line_rate_fraction`` = bound ÷ median all-reduce time
                  (group formed until the round is done, slowest peer), and
                  ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).

@@ -70,6 +70,9 @@ def test_over_slow_links_parts_shrink_further_and_on_fast_or_unmeasured_ones_the
     between = AllReducePlan.build(1 << 22, [100e6] * 4).part_size
     assert between == math.ceil(100e6 * PART_SECONDS / 4) and MIN_SLOW_PART_SIZE < between < 1 << 17
     assert AllReducePlan.build(9610, [12.5e6] * 8).num_parts(0) == 1  # a small model: one part
+    # every sender's commitment names every part of every shard: larger groups cut shards in fewer
+    assert AllReducePlan.build(1 << 24, [12.5e6] * 16).num_parts(0) == SLOW_PARTS_PER_SHARD // 4
+    assert AllReducePlan.build(1 << 26, [12.5e6] * 64).num_parts(0) == MIN_PARTS_PER_SHARD
 
 
 def reduction_with(part_sizes, senders=("a", "b", "c")):
