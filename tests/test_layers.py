@@ -145,8 +145,13 @@ def wire_import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in imported_modules(node, module, is_package):
-                    if target in modules and not modules[target][1]:
-                        targets.add(target)
+                    # ``from . import rpc`` names a module the package holds
+                    named = (
+                        [f"{target}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+                    )
+                    for candidate in [target, *named]:
+                        if candidate in modules and not modules[candidate][1]:
+                            targets.add(candidate)
         graph[module] = targets - {module}
     return graph
 
