@@ -352,15 +352,16 @@ async def _dictionary_pair(records: list[Any], caches: list[Any], task_status: A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller runs (under 50 s on 2 cores)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (seconds): that every part still works")
     parser.add_argument("--kademlia-worker", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kademlia_worker:
         kademlia_worker(*args.kademlia_worker)
         return
-    keys, gets = (100, 300) if args.quick else (300, 1000)
-    churn_nodes, churn_keys = (40, 200) if args.quick else (60, 300)
-    scale_nodes, scale_lookups = (200, 50) if args.quick else (500, 100)
-    dictionary_reads = 50 if args.quick else 200
+    keys, gets = (20, 50) if args.smoke else (100, 300) if args.quick else (300, 1000)
+    churn_nodes, churn_keys = (16, 40) if args.smoke else (40, 200) if args.quick else (60, 300)
+    scale_nodes, scale_lookups = (24, 10) if args.smoke else (200, 50) if args.quick else (500, 100)
+    dictionary_reads = 10 if args.smoke else 50 if args.quick else 200
 
     import trio
 

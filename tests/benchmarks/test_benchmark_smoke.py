@@ -1,8 +1,8 @@
 """Benchmarks that cannot rot: each benchmark runs at its smallest size, as a user would run it,
-and must end with one JSON line that carries its headline figure and no error. (byzantine.py, the
-faults and hostile benchmarks and wan.py's report have tests of their own beside this; nat.py runs
-in the network lab, so where the lab cannot run it is skipped with the lab's reason, and CI, which
-requires the lab, fails instead.)"""
+and must end with one JSON line that carries its headline figure and no error. (byzantine.py and
+the faults and hostile benchmarks have tests of their own beside this; nat.py and wan.py run in
+the network lab, so where the lab cannot run they are skipped with the lab's reason, and CI,
+which requires the lab, fails instead.)"""
 
 from __future__ import annotations
 
@@ -27,16 +27,22 @@ SMALLEST = {
     "diloco_sim": (["--quick"], "rows"),
     "scale_tcp": (["--quick"], "averaged_fraction"),
     "nat": (["--quick", "--tries", "3", "--megabytes", "2"], "punch_success"),
+    "dht": (["--smoke"], "get_ratio"),
+    "scale": (["--peers", "8", "--dht-nodes", "32"], "averaged_fraction"),
+    "wan": (["--quick", "--only", "allreduce"], "defaults_step_line_rate_fraction"),
 }
 NEEDS_THE_NAT_LAB = {"nat"}
+NEEDS_THE_LAB = {"wan"}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=LAB_GROUP) if name in NEEDS_THE_NAT_LAB else name for name in SMALLEST]
+    "name",
+    [pytest.param(name, marks=LAB_GROUP) if name in NEEDS_THE_NAT_LAB | NEEDS_THE_LAB else name for name in SMALLEST],
 )
 def test_a_benchmark_at_its_smallest_size_ends_with_its_json_line(name):
     flags, headline = SMALLEST[name]
-    if name in NEEDS_THE_NAT_LAB and (reason := lab_unavailable(nat=True)) is not None:
+    needs_a_lab = name in NEEDS_THE_NAT_LAB | NEEDS_THE_LAB
+    if needs_a_lab and (reason := lab_unavailable(nat=name in NEEDS_THE_NAT_LAB)) is not None:
         if os.environ.get("PEERD_REQUIRE_NETLAB") == "1":
             pytest.fail(f"PEERD_REQUIRE_NETLAB=1 but {reason}")
         pytest.skip(reason)
@@ -45,5 +51,5 @@ def test_a_benchmark_at_its_smallest_size_ends_with_its_json_line(name):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     last = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert last.get("error") is None, last
+    assert last.get("error") is None and not last.get("errors"), last
     assert last[headline] is not None, last
