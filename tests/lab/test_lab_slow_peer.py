@@ -88,11 +88,11 @@ def test_a_slow_peer_keeps_its_place_without_setting_the_pace(netlab, tmp_path):
     rounds = [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
     done = [[r for r in peer_rounds if "error" not in r or isinstance(r["error"], float)] for peer_rounds in rounds]
     table = [
-        (i, r["attempt"], round(r["seconds"], 2), round(r["shards"][slow] / VALUES, 4), r["declared"])
+        (i, r["attempt"], round(r["seconds"], 2), round(r["shards"][slow] / VALUES, 4), r["declared"], r["error"])
         for i, peer_rounds in enumerate(done)
         for r in peer_rounds
     ]
-    context = f"(peer, attempt, seconds, slow share, declared): {table}\n{logs()}"
+    context = f"(peer, attempt, seconds, slow share, declared, error): {table}\n{logs()}"
     for peer_rounds in done:
         assert len(peer_rounds) == ROUNDS, context
         for r in peer_rounds:
