@@ -156,9 +156,18 @@ class AllReducePlan:
         return start, start + self.shard_sizes[index]
 
     def parts(self, index: int) -> list[tuple[int, int]]:
-        """Element ranges (absolute, half-open) of the parts of shard ``index``."""
+        """Element ranges (absolute, half-open) of the parts of shard ``index``: as few as hold at
+        most ``part_size`` each, of sizes that differ by one at most. Cutting full parts and leaving
+        the rest would leave a last part of any size down to one value, and CenteredClip over a
+        few values is no mean: iid contributions lie at distances that vary as much as the values
+        (4 contributions of 30 values: up to 0.19 from their mean; of 1,000: exact to float32)."""
         start, end = self.shard_bounds(index)
-        return [(offset, min(offset + self.part_size, end)) for offset in range(start, end, self.part_size)]
+        count = self.num_parts(index)
+        if count == 0:
+            return []
+        size, longer = divmod(end - start, count)  # the first ``longer`` parts hold one more
+        bounds = [start + part * size + min(part, longer) for part in range(count + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
 
     def num_parts(self, index: int) -> int:
         return -(-self.shard_sizes[index] // self.part_size)

@@ -75,6 +75,27 @@ def test_over_slow_links_parts_shrink_further_and_on_fast_or_unmeasured_ones_the
     assert AllReducePlan.build(1 << 26, [12.5e6] * 64).num_parts(0) == MIN_PARTS_PER_SHARD
 
 
+def test_no_part_is_a_sliver_so_centered_clip_over_a_clean_group_is_its_mean():
+    """A shard a few values past a whole number of parts: its parts are balanced, none under
+    half a part, and CenteredClip over four honest contributions gives their mean on every part
+    (a last part of 3 values took it up to ~0.7 from their mean)."""
+    from averaging.robust import centered_clip
+
+    plan = AllReducePlan(total=2 * 16_387, shard_sizes=(16_387, 16_387), part_size=4096)
+    parts = plan.parts(1)
+    assert len(parts) == plan.num_parts(1) == 5
+    assert parts[0][0] == 16_387 and parts[-1][1] == 2 * 16_387
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous
+    assert max(end - start for start, end in parts) - min(end - start for start, end in parts) <= 1
+    assert all(end - start <= plan.part_size for start, end in parts)
+    contributions = [torch.randn(plan.total, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for start, end in parts:
+        rows = [c[start:end] for c in contributions]
+        out = torch.empty(end - start)
+        centered_clip(rows, [1.0] * 4, out, center=rows[0])
+        assert torch.allclose(out, sum(rows) / 4, atol=1e-5), (start, end)
+
+
 def reduction_with(part_sizes, senders=("a", "b", "c")):
     return ShardReduction(list(part_sizes), list(senders))
 
