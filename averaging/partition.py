@@ -167,7 +167,7 @@ class AllReducePlan:
             return []
         size, longer = divmod(end - start, count)  # the first ``longer`` parts hold one more
         bounds = [start + part * size + min(part, longer) for part in range(count + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
 
     def num_parts(self, index: int) -> int:
         return -(-self.shard_sizes[index] // self.part_size)

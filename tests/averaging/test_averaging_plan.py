@@ -85,7 +85,7 @@ def test_no_part_is_a_sliver_so_centered_clip_over_a_clean_group_is_its_mean():
     parts = plan.parts(1)
     assert len(parts) == plan.num_parts(1) == 5
     assert parts[0][0] == 16_387 and parts[-1][1] == 2 * 16_387
-    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))  # contiguous
     assert max(end - start for start, end in parts) - min(end - start for start, end in parts) <= 1
     assert all(end - start <= plan.part_size for start, end in parts)
     contributions = [torch.randn(plan.total, generator=torch.Generator().manual_seed(i)) for i in range(4)]
