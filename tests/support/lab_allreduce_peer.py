@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -100,8 +101,9 @@ async def main(args: argparse.Namespace) -> None:
         outcome["cancelled"] = scope.cancelled_caught
         outcome["seconds"] = time.monotonic() - started
         outcome["finished_at"] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
-        with open(args.out, "w") as file:
+        with open(args.out + ".part", "w") as file:  # whole or not at all: the test waits for it to exist
             json.dump(outcome, file)
+        os.replace(args.out + ".part", args.out)
         # Every member stays up until the test ends it, as a daemon does after a round: the round
         # returning here does not mean that the replies this peer sends as a reducer were delivered.
         await trio.sleep(math.inf)

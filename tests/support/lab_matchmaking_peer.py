@@ -63,8 +63,9 @@ async def main(args: argparse.Namespace) -> None:
             except MatchmakingError as error:
                 outcome["error"] = str(error)
             outcome["seconds"] = time.monotonic() - started
-            with open(args.out, "w") as file:
+            with open(args.out + ".part", "w") as file:  # whole or not at all: the test waits for it to exist
                 json.dump(outcome, file)
+            os.replace(args.out + ".part", args.out)
             await trio.sleep(math.inf)  # stays up, as a daemon does, until the test ends it
 
 
