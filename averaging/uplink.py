@@ -32,7 +32,8 @@ does: the best sustained rate at which its bytes were acknowledged in a round th
 to send), and paces the rounds after it to share that. A paced round cannot show a faster link
 (its caps bound what it sends), so every ``PROBE_EVERY``-th round goes unpaced and measures again.
 A paced round whose bytes went out clearly slower than its caps allowed was held back by the link,
-not by them, and the estimate drops so that the caps add up to what that round delivered: an
+not by them, and the estimate drops so that the caps add up to what that round delivered (never
+below ``MAX_LOWERING`` of the last unpaced reading: slow readers hold a round back too): an
 unpaced round's reading is often high, since acknowledgements that queued behind the other
 direction's data come in bursts (1.02-1.22x the link in the lab's 50 ms queues), while a paced
 round's flows and their acknowledgements are smooth (0.95 of the link when it holds them back).
