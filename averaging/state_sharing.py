@@ -1,10 +1,15 @@
 """State sharing: a newcomer downloads tensors and metadata from a peer that already has them.
 
-Donors announce themselves under ``{prefix}.state_donors`` in the DHT (subkey = the donor's
-owner-signed ``peer_subkey``, value = its own address and the version of its state) each time they
-finish an averaging round. A newcomer reads the donors, keeps those with the newest version, and
-tries them in random order: random, so that a wave of newcomers spreads over all donors instead of
-all hitting the first one.
+Donors announce themselves in the DHT (subkey = the donor's owner-signed ``peer_subkey``, value =
+its own address and the version of its state) after their averaging rounds, under one of
+``DONOR_SHARDS`` keys ``{prefix}.state_donors.{i}`` picked by a hash of the donor's peer ID
+(``donor_shard``). One key for the whole swarm would put every donor's store on its k holders and
+hand every newcomer every donor's offer: O(N) both, the hottest key of a large swarm. A newcomer
+reads shards in a random order, a few at a time, until it holds ``DONORS_WANTED`` offers (in a
+small swarm: all of them), orders them newest version first, and tries equals in random order:
+random, so that a wave of newcomers spreads over all donors instead of all hitting the first one.
+A donor re-stores its offer once a quarter of its lifetime has passed, not after every round: a
+round costs a peer no DHT store, and the offer is listed without a gap (``DonorAnnouncer``).
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -16,6 +21,7 @@ stream method: the newcomer names the tensors it wants, the donor sends those th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from collections.abc import Sequence
@@ -34,12 +40,30 @@ from peer.worker_threads import run_blocking
 from .group import is_counter
 from .state_checks import DONOR_AGREEMENT, WITNESS_SHARE, check_state, disagreement, sample_indices
 
-__all__ = ["DonorOffer", "StateOwner", "StateSharing", "StateUnavailable"]
+__all__ = [
+    "DONOR_SHARDS",
+    "DonorAnnouncer",
+    "DonorOffer",
+    "StateOwner",
+    "StateSharing",
+    "StateUnavailable",
+    "donor_shard",
+]
 
 log = logging.getLogger("peerd.averaging")
 
 # A donor that has not averaged for this long is probably gone; the announcement expires with it.
 DONOR_TTL = 120.0
+# A donor stores its offer again once this much of its lifetime has passed (or when its address
+# changed): three refreshes may fail before the offer lapses.
+DONOR_REFRESH = DONOR_TTL / 4
+# Offers are spread over this many keys. Sixteen shards of a 1,000-peer swarm hold ~60 offers each;
+# a swarm of a few peers leaves most shards empty, and a newcomer then reads them all.
+DONOR_SHARDS = 16
+# A newcomer reads shards this many at a time until it holds DONORS_WANTED offers: enough to find
+# the newest state, a witness that agrees with it and fallbacks for donors that are busy or gone.
+SHARDS_PER_READ = 4
+DONORS_WANTED = 8
 MAX_TENSORS = 10_000
 # Each download being served pins a full copy of the state until it is sent. A newcomer needs one
 # download at a time; a few donors' worth in total keeps a popular donor's memory bounded.
@@ -88,10 +112,43 @@ class DonorOffer:
         return cls(address, version)
 
 
+def donor_shard(peer: PeerID) -> int:
+    """The shard ``peer`` offers its state under: a hash of its ID, so nobody picks a shard to
+    crowd, and a reader drops an offer found in a shard that is not its owner's."""
+    digest = hashlib.blake2b(peer.to_bytes(), digest_size=8, person=b"peerd-donors").digest()
+    return int.from_bytes(digest, "big") % DONOR_SHARDS
+
+
+class DonorAnnouncer:
+    """When a donor's offer needs storing again: at the first announcement, once ``refresh``
+    seconds have passed since the last one that was stored, or when the address changed. Sans I/O:
+    the caller stores, then calls ``stored``."""
+
+    def __init__(self, refresh: float = DONOR_REFRESH):
+        self.refresh = refresh
+        self._last: tuple[float, str] | None = None  # (when, address) of the last stored offer
+
+    def due(self, now: float, address: str) -> bool:
+        return self._last is None or self._last[1] != address or now - self._last[0] >= self.refresh
+
+    def stored(self, now: float, address: str) -> None:
+        self._last = (now, address)
+
+
 class StateSharing:
-    def __init__(self, host: PeerHost, dht, prefix: str, owner: StateOwner, *, replicated: int | None = None):
+    def __init__(
+        self,
+        host: PeerHost,
+        dht,
+        prefix: str,
+        owner: StateOwner,
+        *,
+        replicated: int | None = None,
+        donor_refresh: float = DONOR_REFRESH,
+    ):
         """``replicated``: how many of the owner's leading tensors honest replicas hold alike, the
-        only ones a witness's sample is compared on (None: all)."""
+        only ones a witness's sample is compared on (None: all). ``donor_refresh``: the seconds
+        between stores of our offer (0: every announcement is stored)."""
         if replicated is not None and replicated < 0:
             raise ValueError(f"replicated must be a count of tensors, got {replicated}")
         self.replicated = replicated
@@ -103,20 +160,25 @@ class StateSharing:
         self.sample_method = f"avg.state_sample.{prefix}"
         self._serving: dict[PeerID, int] = {}
         self._rng = random.Random()
+        self._announcer = DonorAnnouncer(donor_refresh)
         host.router.add_stream(self.method, self._serve_state)
         host.router.add_stream(self.sample_method, self._serve_sample)
 
-    @property
-    def key(self) -> str:
-        return f"{self.prefix}.state_donors"
+    def key(self, shard: int) -> str:
+        return f"{self.prefix}.state_donors.{shard}"
 
     async def announce(self, version: int) -> None:
+        """Offer our state at ``version``, if our offer is due for storing again (``DonorAnnouncer``)."""
         address = self.host.public_address
         if address is None:
             return  # client-mode peers cannot be dialed, so they cannot donate
+        now = self.dht.clock.time()
+        if not self._announcer.due(now, str(address)):
+            return
         value = {"address": str(address), "version": int(version)}
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        await self.dht.store(self.key, value, self.dht.clock.time() + DONOR_TTL, subkey=subkey)
+        if await self.dht.store(self.key(donor_shard(self.host.peer_id)), value, now + DONOR_TTL, subkey=subkey):
+            self._announcer.stored(now, str(address))
 
     async def _serve_state(self, stream) -> None:
         await self._serve(stream, None)
@@ -162,14 +224,25 @@ class StateSharing:
         for _, payload in wires:
             await stream.send(None, payload)
 
-    async def _donors(self) -> list[PeerAddress]:
-        found = await self.dht.get(self.key, latest=True)
-        offers = [
-            offer
-            for peer, offer in peer_entries(found, DonorOffer.from_wire, now=self.dht.clock.time())
-            if peer != self.host.peer_id
-        ]
-        return [offer.address for offer in self.order_donors(offers)]
+    async def donors(self) -> list[PeerAddress]:
+        """Donors' addresses, best first, from as few shards as hold ``DONORS_WANTED`` offers."""
+        shards = list(range(DONOR_SHARDS))
+        self._rng.shuffle(shards)
+        offers: dict[PeerID, DonorOffer] = {}
+
+        async def read(shard: int) -> None:
+            found = await self.dht.get(self.key(shard), latest=True)
+            for peer, offer in peer_entries(found, DonorOffer.from_wire, now=self.dht.clock.time()):
+                if peer != self.host.peer_id and donor_shard(peer) == shard:
+                    offers[peer] = offer
+
+        for start in range(0, DONOR_SHARDS, SHARDS_PER_READ):
+            async with trio.open_nursery() as nursery:
+                for shard in shards[start : start + SHARDS_PER_READ]:
+                    nursery.start_soon(read, shard)
+            if len(offers) >= DONORS_WANTED:
+                break
+        return [offer.address for offer in self.order_donors(list(offers.values()))]
 
     @staticmethod
     def order_donors(offers: list[DonorOffer]) -> list[DonorOffer]:
@@ -185,7 +258,7 @@ class StateSharing:
         StateUnavailable after ``timeout`` or when every donor failed them."""
         reasons: list[str] = []
         with trio.move_on_after(timeout):
-            donors = await self._donors()
+            donors = await self.donors()
             for address in donors:
                 try:
                     metadata, tensors = await self._download_from(address, expected, timeout)

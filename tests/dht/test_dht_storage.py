@@ -152,7 +152,7 @@ def test_future_signatures_and_lifetimes_beyond_the_signing_time_are_refused():
 # ---------------------------------------------------------------------- lifetimes per record type
 @pytest.mark.parametrize(
     ("key", "allowed", "refused"),
-    [("run.progress", 60, 120), ("run.matchmaking", 300, 600), ("run.state_donors", 300, 600), ("ffn.3.", 600, 900)],
+    [("run.progress", 60, 120), ("run.matchmaking", 300, 600), ("run.state_donors.3", 300, 600), ("ffn.3.", 600, 900)],
 )
 def test_default_ttl_caps_per_record_type(key, allowed, refused):
     clock = Clock()
@@ -187,7 +187,7 @@ def test_callers_ttls_fit_their_caps():
         return records.max_ttl(DHTRecord(pack(key), None, pack(0), NOW))
 
     assert PROGRESS_TTL <= cap("run.progress") < MAX_TTL
-    assert DONOR_TTL <= cap("run.state_donors") < MAX_TTL
+    assert DONOR_TTL <= cap("run.state_donors.15") < MAX_TTL
     assert 5.0 + 1.0 <= cap("run.matchmaking") < MAX_TTL  # Averager's default matchmaking timeout + 1 s
     assert HEARTBEAT_TTL <= cap(prefix_key("ffn", ())) == cap(prefix_key("ffn", (3,))) < MAX_TTL
     assert len(DEFAULT_TTL_CAPS) == 4

@@ -23,7 +23,7 @@ import trio
 from averaging.group import AveragingMode
 from averaging.matchmaking import Declaration, Matchmaker
 from averaging.progress import PeerProgress, ProgressTracker
-from averaging.state_sharing import DonorOffer, StateSharing
+from averaging.state_sharing import DonorOffer, StateSharing, donor_shard
 from dht.node import DHTNode
 from dht.peer_dictionary import dictionary_entries, peer_entries, peer_subkey
 from dht.records import MAX_TTL, DHTRecord, DHTValue, pack
@@ -39,7 +39,8 @@ ATTACKER_ADDRESS = "127.0.0.66:9"
 class RecordType:
     """How one record type is written by its owner and read back, in the owner's own code paths."""
 
-    key: str
+    # The key the owner's record is stored under.
+    key: Callable[[DHTNode], str]
     # Publish the owner's record; ``n`` changes what it says, so a reader can tell which one it sees.
     publish: Callable[[DHTNode, int], Awaitable[None]]
     # What a reader makes of a get's answer: {peer: what its record says}.
@@ -75,7 +76,7 @@ _donors: weakref.WeakKeyDictionary[DHTNode, StateSharing] = weakref.WeakKeyDicti
 
 async def publish_donor(node: DHTNode, n: int) -> None:
     if node not in _donors:  # one per host: it registers the state download method
-        _donors[node] = StateSharing(node.host, node, PREFIX, NoState())
+        _donors[node] = StateSharing(node.host, node, PREFIX, NoState(), donor_refresh=0.0)
     await _donors[node].announce(n)
 
 
@@ -93,7 +94,7 @@ def experts(found: DHTValue | None) -> dict[PeerID, Any]:
 
 RECORD_TYPES = {
     "progress": RecordType(
-        key=f"{PREFIX}.progress",
+        key=lambda owner: f"{PREFIX}.progress",
         publish=publish_progress,
         parse=lambda found: {peer: p.epoch for peer, p in peer_entries(found, lambda _, b: PeerProgress.from_wire(b))},
         says=lambda node, n: n,
@@ -102,7 +103,7 @@ RECORD_TYPES = {
         forged=lambda owner, attacker: {"epoch": 1_000_000, "samples": 0, "sps": 0.0},
     ),
     "matchmaking": RecordType(
-        key=f"{PREFIX}.matchmaking",
+        key=lambda owner: f"{PREFIX}.matchmaking",
         publish=publish_declaration,
         parse=lambda found: {peer: d.round for peer, d in peer_entries(found, Declaration.from_wire)},
         says=lambda node, n: n,
@@ -117,7 +118,7 @@ RECORD_TYPES = {
         },
     ),
     "state_donors": RecordType(
-        key=f"{PREFIX}.state_donors",
+        key=lambda owner: f"{PREFIX}.state_donors.{donor_shard(owner.peer_id)}",
         publish=publish_donor,
         parse=lambda found: {peer: o.version for peer, o in peer_entries(found, DonorOffer.from_wire)},
         says=lambda node, n: n,
@@ -126,7 +127,7 @@ RECORD_TYPES = {
         forged=lambda owner, attacker: {"address": f"{ATTACKER_ADDRESS}/{attacker.peer_id}", "version": 1_000_000},
     ),
     "experts": RecordType(
-        key="ffn.",
+        key=lambda owner: "ffn.",
         publish=publish_expert,
         parse=experts,
         says=expert_address,
@@ -160,7 +161,7 @@ async def send_store(nodes: list[DHTNode], sender: Identity, record: DHTRecord) 
 
 def forgeries(record: RecordType, owner: DHTNode, attacker: Identity) -> dict[str, DHTRecord]:
     """The attacker's stores under the owner's marked subkey, none of which any node may take."""
-    key, value = pack(record.key), pack(record.forged(owner, attacker))
+    key, value = pack(record.key(owner)), pack(record.forged(owner, attacker))
     owned = pack(record.owned_subkey(owner.host.identity))
     # A valid signature of the attacker's, made for its own marked subkey and moved to the owner's.
     own = DHTRecord(key, pack(record.owned_subkey(attacker)), value, 0.0)
@@ -178,10 +179,13 @@ def local_view(node: DHTNode, key: str) -> DHTValue | None:
     return None if found is None else node.records.decode(pack(key), found)
 
 
-async def everyone_sees(record: RecordType, nodes: list[DHTNode], reader: DHTNode) -> list[dict[PeerID, Any]]:
-    views = [record.parse(local_view(node, record.key)) for node in nodes]
+async def everyone_sees(
+    record: RecordType, owner: DHTNode, nodes: list[DHTNode], reader: DHTNode
+) -> list[dict[PeerID, Any]]:
+    key = record.key(owner)
+    views = [record.parse(local_view(node, key)) for node in nodes]
     with trio.fail_after(10):
-        views.append(record.parse(await reader.get(record.key, latest=True)))
+        views.append(record.parse(await reader.get(key, latest=True)))
     return views
 
 
@@ -192,7 +196,7 @@ async def test_an_attacker_cannot_write_or_squat_on_another_peers_record(kind: s
     async with three_nodes() as (storage, owner, reader):
         full = [storage, owner]
         await record.publish(owner, 1)
-        assert await everyone_sees(record, full, reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
+        assert await everyone_sees(record, owner, full, reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
 
         for name, forged in forgeries(record, owner, attacker).items():
             assert await send_store(full, attacker, forged) == [False, False], name
@@ -201,12 +205,12 @@ async def test_an_attacker_cannot_write_or_squat_on_another_peers_record(kind: s
         plain = pack(record.plain_subkey(owner.host.identity))
         value = pack(record.forged(owner, attacker))
         for expiration, taken in ((time.time() + 30, True), (time.time() + MAX_TTL, False)):
-            squat = DHTRecord(pack(record.key), plain, value, expiration)
+            squat = DHTRecord(pack(record.key(owner)), plain, value, expiration)
             assert await send_store(full, attacker, squat) == [taken, taken]
-        assert await everyone_sees(record, full, reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
+        assert await everyone_sees(record, owner, full, reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
 
         await record.publish(owner, 2)  # short-lived (4-45 s), later than every forged expiration
-        assert await everyone_sees(record, full, reader) == [{owner.peer_id: record.says(owner, 2)}] * 3
+        assert await everyone_sees(record, owner, full, reader) == [{owner.peer_id: record.says(owner, 2)}] * 3
         if kind == "experts":
             assert await get_expert_addresses(reader, ["ffn.3"]) == {"ffn.3": expert_address(owner, 2)}
 
@@ -226,8 +230,11 @@ async def test_a_record_the_attacker_signs_about_the_owner_reaches_no_reader(kin
                 "experts": str(expert_address(owner, 5)),
             }[kind]
             subkey = record.owned_subkey(attacker.host.identity)
-            assert await attacker.store(record.key, claim, time.time() + 30, subkey=subkey)
-            assert await everyone_sees(record, [storage, owner], reader) == [{owner.peer_id: record.says(owner, 1)}] * 3
+            assert await attacker.store(record.key(owner), claim, time.time() + 30, subkey=subkey)
+            assert (
+                await everyone_sees(record, owner, [storage, owner], reader)
+                == [{owner.peer_id: record.says(owner, 1)}] * 3
+            )
 
 
 async def test_a_node_signs_only_with_its_hosts_identity() -> None:

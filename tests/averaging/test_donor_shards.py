@@ -1,0 +1,122 @@
+"""Donor offers spread over shards and stored rarely (``averaging/state_sharing.py``): a newcomer
+reads only as many shards as hold the donors it needs, a peer is listed only in its own shard, and
+an averaging round costs a donor no DHT store once its offer is fresh."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import trio
+
+from averaging.averager import GroupAverager
+from averaging.state_sharing import (
+    DONOR_REFRESH,
+    DONOR_SHARDS,
+    DONORS_WANTED,
+    SHARDS_PER_READ,
+    DonorAnnouncer,
+    StateSharing,
+    donor_shard,
+)
+from dht.node import DHTNode
+from dht.peer_dictionary import peer_subkey
+from peer.clock import SYSTEM_CLOCK, TrioClock
+
+PREFIX = "sharded.state"
+
+
+async def run_node(initial, clock=SYSTEM_CLOCK, task_status=trio.TASK_STATUS_IGNORED):
+    async with DHTNode.open(initial_peers=initial, clock=clock) as node:
+        task_status.started(node)
+        await trio.sleep(math.inf)
+
+
+class CountingDHT:
+    """A DHT node seen through what a caller asks of it: the keys it reads and stores."""
+
+    def __init__(self, node: DHTNode):
+        self.node, self.host, self.clock = node, node.host, node.clock
+        self.gets: list[str] = []
+        self.stores: list[str] = []
+
+    async def get(self, key, latest=False):
+        self.gets.append(key)
+        return await self.node.get(key, latest=latest)
+
+    async def store(self, key, value, expiration_time, subkey=None):
+        self.stores.append(key)
+        return await self.node.store(key, value, expiration_time, subkey=subkey)
+
+
+def test_an_offer_is_stored_again_only_when_due():
+    announcer = DonorAnnouncer()
+    assert announcer.due(0.0, "a")
+    announcer.stored(0.0, "a")
+    assert not announcer.due(DONOR_REFRESH - 0.1, "a")
+    assert announcer.due(0.0, "b")  # a new address is announced at once
+    assert announcer.due(DONOR_REFRESH, "a")
+    announcer.stored(DONOR_REFRESH, "a")
+    assert not announcer.due(DONOR_REFRESH + 1.0, "a")
+
+
+def test_shards_spread_peers_over_every_key():
+    from peer import Identity
+
+    shards = [donor_shard(Identity.generate().peer_id) for _ in range(400)]
+    counts = [shards.count(shard) for shard in range(DONOR_SHARDS)]
+    assert min(counts) > 0 and max(counts) < 3 * 400 / DONOR_SHARDS, counts
+
+
+async def test_a_newcomer_reads_only_the_shards_it_needs_and_each_offer_from_its_owners_shard():
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [])
+        nodes = [first] + [await nursery.start(run_node, [first.address]) for _ in range(24)]
+        state = [torch.ones(8)]
+        for node in nodes[:-1]:
+            await GroupAverager([t.clone() for t in state], node, prefix=PREFIX).state_sharing.announce(3)
+        newcomer = CountingDHT(nodes[-1])
+        sharing = StateSharing(newcomer.host, newcomer, PREFIX, owner=None)
+        with trio.fail_after(30):
+            donors = await sharing.donors()
+        assert len(donors) >= DONORS_WANTED
+        assert len(newcomer.gets) < DONOR_SHARDS and len(newcomer.gets) % SHARDS_PER_READ == 0, newcomer.gets
+        assert len(set(donors)) == len(donors)
+        read = {int(key.rsplit(".", 1)[1]) for key in newcomer.gets}
+        assert {donor_shard(address.peer_id) for address in donors} <= read
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_small_swarm_newcomer_reads_every_shard_and_finds_every_donor_in_its_own_shard():
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [])
+        nodes = [first] + [await nursery.start(run_node, [first.address]) for _ in range(4)]
+        for node in nodes[:3]:
+            await GroupAverager([torch.ones(8)], node, prefix=PREFIX).state_sharing.announce(1)
+        # a peer that lists itself only in a shard other than its own: not offered
+        stray = nodes[3]
+        elsewhere = (donor_shard(stray.host.peer_id) + 1) % DONOR_SHARDS
+        offer = {"address": str(stray.host.public_address), "version": 9}
+        subkey = peer_subkey(stray.host.identity.public_key)
+        assert await stray.store(f"{PREFIX}.state_donors.{elsewhere}", offer, stray.clock.time() + 60, subkey=subkey)
+        newcomer = CountingDHT(nodes[4])
+        with trio.fail_after(30):
+            donors = await StateSharing(newcomer.host, newcomer, PREFIX, owner=None).donors()
+        assert {address.peer_id for address in donors} == {node.host.peer_id for node in nodes[:3]}
+        assert sorted(int(key.rsplit(".", 1)[1]) for key in newcomer.gets) == list(range(DONOR_SHARDS))
+        nursery.cancel_scope.cancel()
+
+
+async def test_rounds_within_the_refresh_cost_a_donor_no_store(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [], TrioClock())  # record times on the test's clock
+        counted = CountingDHT(first)
+        sharing = StateSharing(first.host, counted, PREFIX, owner=None)
+        for version in range(1, 6):  # five rounds, a second apart
+            await sharing.announce(version)
+            await trio.sleep(1.0)
+        assert len(counted.stores) == 1
+        await trio.sleep(DONOR_REFRESH)
+        await sharing.announce(6)
+        assert counted.stores == [sharing.key(donor_shard(first.host.peer_id))] * 2
+        nursery.cancel_scope.cancel()
