@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import errno
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -110,35 +112,48 @@ class SimNetwork:
     # ------------------------------------------------------------------ faults
     def cut(self, a: str, b: str) -> None:
         """The link between hosts ``a`` and ``b`` goes dead (until ``heal``)."""
-        self.model.cut(a, b)
-        self._links_changed()
+        with self._changing_links():
+            self.model.cut(a, b)
 
     def heal(self, a: str, b: str) -> None:
-        self.model.heal(a, b)
-        self._links_changed()
+        with self._changing_links():
+            self.model.heal(a, b)
 
     def partition(self, *sides: list[str]) -> None:
         """Hosts reach only those on their own side (hosts on no side form one more)."""
-        self.model.partition(sides)
-        self._links_changed()
+        with self._changing_links():
+            self.model.partition(sides)
 
     def heal_partition(self) -> None:
-        self.model.heal_partition()
-        self._links_changed()
+        with self._changing_links():
+            self.model.heal_partition()
 
     def leave(self, address: str) -> None:
         """Host ``address`` drops off the network: its own connection ends break at once, the far
         ends hear nothing more (they find out by their deadlines), and dials to it go unanswered.
         The peer's tasks are the caller's to cancel (a crashed process, a switched-off machine)."""
         self.model.remove_host(address)
-        self._links_changed()
+        for flow in self._flows():
+            if address in (flow.source, flow.destination):
+                flow.notify()  # (its own ends raise; the far ends look at the dead link)
+        self._link_lot.unpark_all()
 
-    def _links_changed(self) -> None:
-        # Every waiter looks at its link again: rare events, so waking all of them is cheap enough.
-        for stream in self._streams:
-            for flow in stream.flows:
+    @contextmanager
+    def _changing_links(self) -> Iterator[None]:
+        """Wake the waiters of every flow whose link goes dead or comes back within the block: a
+        swarm holds thousands of connections, and waking them all to look at links that did not
+        change would cost a trip through the scheduler each."""
+        flows = self._flows()
+        linked = self.model.linked
+        before = [linked(flow.source, flow.destination) for flow in flows]
+        yield
+        for flow, was in zip(flows, before, strict=True):
+            if linked(flow.source, flow.destination) != was:
                 flow.notify()
         self._link_lot.unpark_all()
+
+    def _flows(self) -> list[Flow]:
+        return list({id(flow): flow for stream in self._streams for flow in stream.flows}.values())
 
     # ------------------------------------------------------------------ listeners and dials
     def bind(self, address: str, port: int) -> SimListener:

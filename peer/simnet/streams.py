@@ -2,9 +2,15 @@
 
 Each direction of a connection is a ``Flow``: segments in the order they were sent, each with the
 time it arrives. A receiver takes a segment once trio's clock has reached its arrival and the link
-is alive; a sender hands its bytes to the model in segments of ``SEGMENT_BYTES`` and is held until
-each has left its uplink (a socket whose send buffer is full, so a fast writer cannot run ahead of
-its link). While the link is dead (``model.py``) nothing is delivered and senders wait for it.
+is alive; a sender hands its bytes to the model in segments of ``SEGMENT_BYTES`` and is held while
+more than ``SEND_BUFFER_BYTES`` of what its host gave the uplink has not left it yet (a socket whose
+send buffer is full), so a fast writer cannot run ahead of its link, and a small message costs no
+wait. While the link is dead (``model.py``) nothing is delivered and senders wait for it.
+
+A reader waiting for bytes sleeps until the head segment's arrival; a segment sent to a reader
+that waits moves its wake-up to that segment's arrival (``Flow.waiting``) instead of waking it to
+look: a simulation of many peers is mostly small messages, and each spurious wake-up is a trip
+through trio's scheduler.
 A flow holds at most ``RECEIVE_WINDOW_BYTES`` that its reader has not taken (in flight or
 arrived): a sender to a reader that does not read waits, as on a full TCP window, until it reads.
 
@@ -25,11 +31,16 @@ import trio
 
 from .model import NetworkModel
 
-__all__ = ["SimStream", "Flow", "SEGMENT_BYTES", "RECEIVE_WINDOW_BYTES"]
+__all__ = ["SimStream", "Flow", "SEGMENT_BYTES", "SEND_BUFFER_BYTES", "RECEIVE_WINDOW_BYTES"]
 
 # Bytes per segment given to the model: small enough that connections sharing an uplink take turns
 # (64 KiB is ~50 ms at 10 Mbit/s), large enough that a sender makes few trips through the loop.
 SEGMENT_BYTES = 64 * 1024
+
+# What a sender may have given its uplink beyond what has left it before ``send_all`` holds it: a
+# socket's send buffer at Linux's initial size (tcp_wmem's default, 16 KiB) and then some: a
+# request or a reply leaves the writer at once, a bulk transfer keeps pace with the link.
+SEND_BUFFER_BYTES = 64 * 1024
 
 # Unread bytes a flow holds before its sender waits: of the order of what Linux lets one TCP
 # connection buffer for a reader that does not read (its receive buffer plus its send buffer, each
@@ -49,6 +60,12 @@ class Flow:
         self.ends_at: float | None = None  # when the end of the stream arrives, once the sender closed
         self.receiver_closed = False
         self.changed = trio.lowlevel.ParkingLot()
+        self.waiting: trio.CancelScope | None = None  # the reader's sleep until the head arrives
+
+    def arriving(self, arrives_at: float) -> None:
+        """A segment was added: a reader asleep until later wakes at its arrival instead."""
+        if self.waiting is not None and arrives_at < self.waiting.deadline:
+            self.waiting.deadline = arrives_at
 
     def notify(self) -> None:
         self.changed.unpark_all()
@@ -90,8 +107,12 @@ class SimStream(trio.abc.HalfCloseableStream):
             segment = self.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
             flow.segments.append((segment.arrives_at, piece))
             flow.unread += len(piece)
-            flow.notify()
-            await trio.sleep_until(segment.sent_at)
+            flow.arriving(segment.arrives_at)
+            room_at = segment.sent_at - SEND_BUFFER_BYTES / self.model.hosts[flow.source].uplink
+            if room_at > trio.current_time():
+                await trio.sleep_until(room_at)
+            else:
+                await trio.lowlevel.checkpoint()
 
     def _check_can_send(self) -> None:
         if self._closed or self._outgoing.ends_at is not None:
@@ -174,8 +195,12 @@ class SimStream(trio.abc.HalfCloseableStream):
             wake_at = flow.segments[0][0]
         else:
             wake_at = flow.ends_at if flow.ends_at is not None else math.inf
-        with trio.move_on_at(wake_at):
-            await flow.changed.park()
+        with trio.move_on_at(wake_at) as sleep:
+            flow.waiting = sleep
+            try:
+                await flow.changed.park()
+            finally:
+                flow.waiting = None
 
     async def _wait_for_link_and_room(self, size: int) -> None:
         flow = self._outgoing

@@ -234,6 +234,51 @@ async def test_a_host_that_leaves_breaks_its_own_ends_and_goes_silent(autojump_c
     assert silent.cancelled_caught
 
 
+class TaskSteps(trio.abc.Instrument):
+    """How many times each task ran."""
+
+    def __init__(self):
+        self.steps: dict[trio.lowlevel.Task, int] = {}
+
+    def before_task_step(self, task):
+        self.steps[task] = self.steps.get(task, 0) + 1
+
+
+async def test_a_small_message_leaves_its_writer_at_once_and_wakes_its_reader_only_when_it_arrives(autojump_clock):
+    network = SimNetwork(seed=18, mixes=[(10.0, 50.0)])
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    start = trio.current_time()
+    await client.send_all(bytes(1000))  # within the send buffer: no wait for the uplink
+    assert trio.current_time() == start
+    assert await server.receive_some() == bytes(1000)
+    arrivals: list[float] = []
+    reader_task: list[trio.lowlevel.Task] = []
+
+    async def read(count):
+        reader_task.append(trio.lowlevel.current_task())
+        for _ in range(count):
+            await server.receive_some()
+            arrivals.append(trio.current_time())
+
+    steps, sent = TaskSteps(), []
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, 5)
+            await trio.sleep(1.0)  # the reader is waiting for bytes
+            for _ in range(5):
+                sent.append(trio.current_time())
+                await client.send_all(b"ping")
+                await trio.sleep(1.0)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    delay = network.model.one_way_delay(b.address, a.address)
+    assert arrivals == pytest.approx([at + delay for at in sent], abs=1e-3)
+    # one step to start, then per message one wake-up at its arrival (and the checkpoint after it)
+    assert steps.steps[reader_task[0]] <= 1 + 2 * 5
+
+
 async def test_a_sender_waits_while_its_reader_leaves_a_full_window_unread(autojump_clock):
     network = SimNetwork(seed=17)
     a, b = network.add_host(), network.add_host()
