@@ -11,13 +11,18 @@ The rules (Maymounkov & Mazieres, section 2.3):
   initiator resends the FIND_NODE to all of the k closest nodes it has not already queried": after
   a response that does not improve the closest node, up to ``k`` requests may be in flight.
 - A peer that fails (timeout, refused, bad reply) drops out of the candidates.
-- Done when each of the k nearest live candidates has answered.
+- Done when each of the k nearest live candidates has answered (or each of the ``quorum``
+  nearest, for a path of a disjoint lookup: see below).
 
 ``DisjointLookup`` runs d of these along disjoint paths (S/Kademlia, Baumgart & Mies 2007, section
 4.4): the initial candidates are dealt out among d sub-lookups, a node queried by one path is never
 queried by another, and a value is found if any path finds it. A hostile node can then poison only
 the path that asked it: its fake contacts stay on that path, and the others still reach the honest
-nodes that hold the record.
+nodes that hold the record. The k nearest are dealt out among the paths too: each path is done when
+its ceil(k / d) nearest live candidates have answered, so a lookup hears about k nodes near the
+target in all, as one path does, instead of k per path. Waiting for k answers on every path cost
+d times the requests at the key's holders, and more the larger the swarm (a swarm of 64 nodes
+holds fewer than d * k near any key; one of 1,000 holds them all).
 """
 
 from __future__ import annotations
@@ -106,10 +111,15 @@ class IterativeLookup:
         alpha: int = ALPHA,
         self_id: int | None = None,
         excluded: Iterable[bytes] = (),
+        quorum: int | None = None,
     ):
-        """``excluded``: node IDs never to consider (for a disjoint path, those other paths took)."""
+        """``excluded``: node IDs never to consider (for a disjoint path, those other paths took);
+        ``quorum``: how many of the nearest live candidates must answer (default k)."""
+        if quorum is not None and not 1 <= quorum <= k:
+            raise ValueError(f"need 1 <= quorum <= k, got {quorum}")
         self.target = target
         self.k, self.alpha = k, alpha
+        self.quorum = quorum or k
         self._heap = CandidateHeap(Contact.for_id(target), k)
         self._self_id = self_id
         self._hops: dict[bytes, int] = {}
@@ -138,7 +148,7 @@ class IterativeLookup:
         if self._narrow:
             limit = 1 - len(self._in_flight)
         else:
-            limit = (self.k if self._widened else self.alpha) - len(self._in_flight)
+            limit = (self.quorum if self._widened else self.alpha) - len(self._in_flight)
         chosen: list[Contact] = []
         if limit <= 0:
             return chosen
@@ -176,9 +186,9 @@ class IterativeLookup:
     # ------------------------------------------------------------------ state
     @property
     def done(self) -> bool:
-        """Every one of the k nearest live candidates has answered (or there are none)."""
+        """Every one of the ``quorum`` nearest live candidates has answered (or there are none)."""
         responded = self._responded
-        return all(contact.id in responded for contact in self._heap)
+        return all(contact.id in responded for contact in islice(self._heap, self.quorum))
 
     @property
     def in_flight(self) -> int:
@@ -245,6 +255,7 @@ class DisjointLookup:
             raise ValueError("a lookup needs at least one path")
         self.target = target
         self._k, self._alpha, self._self_id = k, alpha, self_id
+        self._quorum = -(-k // paths)  # the k nearest, dealt out among the paths
         ordered = [entry[1] for entry in sorted(((c.long_id ^ target, c) for c in initial), key=_distance)]
         # Dealt out nearest first, so every path starts with some of the best candidates.
         self._shares = [ordered[index::paths] for index in range(paths)]
@@ -258,7 +269,13 @@ class DisjointLookup:
         if path is None:
             taken = self._owner  # every node queried so far was queried by another path
             path = self._paths[index] = IterativeLookup(
-                self.target, self._shares[index], k=self._k, alpha=self._alpha, self_id=self._self_id, excluded=taken
+                self.target,
+                self._shares[index],
+                k=self._k,
+                alpha=self._alpha,
+                self_id=self._self_id,
+                excluded=taken,
+                quorum=self._quorum,
             )
         return path
 

@@ -117,7 +117,8 @@ class Replicas:
 
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged
-        across all k nearest peers for dictionaries). None if nobody holds a live value."""
+        across the k nearest peers, dealt among the disjoint paths, for dictionaries). None if
+        nobody holds a live value."""
         key_bytes = pack(key)
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"keys are limited to {MAX_KEY_BYTES} bytes")

@@ -136,3 +136,53 @@ def test_after_a_narrow_start_no_node_is_queried_by_two_paths_either():
     counts = Counter(c.id for c in network.queried)
     assert max(counts.values()) == 1 and search.rpcs == len(network.queried)
     assert all(sum(path.responded(c) for path in search.paths) == 1 for c in network.queried)
+
+
+def kademlia_swarm(seed: int, size: int) -> tuple[list[Contact], dict[bytes, list[Contact]]]:
+    """``size`` nodes at random positions, each knowing up to K random nodes per bucket."""
+    rng = random.Random(seed)
+    nodes = [placed_contact(rng.getrandbits(160), 6000 + n) for n in range(size)]
+    tables = {}
+    for node in nodes:
+        buckets: dict[int, list[Contact]] = {}
+        for other in nodes:
+            if other is not node:
+                buckets.setdefault((node.long_id ^ other.long_id).bit_length(), []).append(other)
+        tables[node.id] = [o for bucket in buckets.values() for o in rng.sample(bucket, min(K, len(bucket)))]
+    return nodes, tables
+
+
+class RoutedNetwork(Network):
+    """Every node answers with the K nodes of its own table nearest the target."""
+
+    def __init__(self, tables: dict[bytes, list[Contact]], target: int):
+        super().__init__([], [], [])
+        self.tables, self.target = tables, target
+
+    def answer(self, contact: Contact) -> tuple[list[Contact], bool]:
+        self.queried.append(contact)
+        return sorted(self.tables[contact.id], key=lambda o: o.long_id ^ self.target)[:K], False
+
+
+def test_disjoint_paths_share_the_k_nearest_instead_of_each_waiting_for_k_answers():
+    """In a swarm of 1,000 nodes every path finds k nodes near any key; waiting for k answers on
+    each of three paths cost ~2.8 times one path's requests. Dealt out, the paths together still
+    hear every one of the k nearest, at less than 2.5 times one path's requests."""
+    single, disjoint = 0, 0
+    for seed in range(6):
+        nodes, tables = kademlia_swarm(seed, 1000)
+        target = random.Random(seed).getrandbits(160)
+
+        start = random.Random(seed).choice(nodes)
+        initial = sorted(tables[start.id], key=lambda o: o.long_id ^ target)[:K]
+        nearest = {c.id for c in sorted(nodes, key=lambda c: c.long_id ^ target)[:K]}
+        for paths in (1, 3):
+            network = RoutedNetwork(tables, target)
+            search = DisjointLookup(target, initial, paths=paths, k=K)
+            walk(search, network)
+            assert search.done and nearest <= {c.id for c in network.queried}, (seed, paths)
+            if paths == 1:
+                single += search.rpcs
+            else:
+                disjoint += search.rpcs
+    assert disjoint < 2.5 * single, (disjoint, single)
