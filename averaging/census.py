@@ -25,8 +25,9 @@ class Census:
     """The last census of one prefix: its target, its estimate and, until the next round takes
     them, the cells it counted."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, counts: str = "matchmaking"):
+        """``counts``: what the cells are for, as the log says it."""
+        self.prefix, self.counts = prefix, counts
         self.target: int | None = None  # the target of the census that set the cells
         self.estimate = 0.0
         self.counted: Cells | None = None  # the last census's cells, from the next round on
@@ -53,6 +54,6 @@ class Census:
             estimate, cells = swarm_estimate(target, nearest, dht.config.k), current()
             count = next_cell_count(cells.count, estimate, group_size)
             if count != cells.count:
-                log.info("matchmaking in %d cell(s): the census counts ~%.0f peers", count, estimate)
+                log.info("%s in %d cell(s): the census counts ~%.0f peers", self.counts, count, estimate)
             self.estimate, self.target = estimate, target
             self.counted = Cells(self.prefix, count)

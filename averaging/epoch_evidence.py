@@ -85,11 +85,13 @@ class EpochEvidence:
         """``peers`` averaged with this peer in its last round: each one's claim is evidence alone."""
         self._vouched = frozenset(peers)
 
-    def evidenced(self, claims: Mapping[PeerID, Claim], my_epoch: int, now: float) -> int:
-        """The highest epoch backed by evidence, never below ``my_epoch``; ``now`` in seconds."""
+    def evidenced(self, claims: Mapping[PeerID, Claim], my_epoch: int, now: float, *, scale: int = 1) -> int:
+        """The highest epoch backed by evidence, never below ``my_epoch``; ``now`` in seconds;
+        ``scale``: the swarm is this many times the peers of ``claims`` (a progress cell's view),
+        so its combined rate is as many times theirs."""
         others = {peer: claim for peer, claim in claims.items() if peer != self.me}
         fresh = my_epoch == 0 and not self._seen_others
-        rate = self._epochs_per_s(claims.values())
+        rate = scale * self._epochs_per_s(claims.values())
         plausible = []
         standing = []  # for the majority: strangers' claims, and known peers' as far as plausible
         vouched = 0

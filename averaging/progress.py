@@ -6,6 +6,18 @@ everyone's. From that every peer decides on its own, and consistently with the o
 swarm has accumulated ``target_batch_size`` samples for the current epoch (time to average and
 step) and whether it has fallen behind (time to load state from peers). Every record is a claim:
 the swarm's epoch is the one backed by evidence (``epoch_evidence.py``), not the highest claimed.
+
+A large swarm keeps its records in cells. Every peer refreshes its record about once a second, so
+one key for everyone costs each reader O(N) records a second and the key's k holders O(N^2); past
+``2 * PROGRESS_CELL_PEERS`` peers (by a census, ``census.py``, as matchmaking counts its cells) the
+records go to ``count`` keys ``{prefix}.progress.cells{count}.{i}``, a peer's cell fixed by a hash
+of its ID, and a peer reads only its own cell. A cell is a uniform sample of the swarm, so
+``count`` times what it holds estimates the swarm (``SwarmProgress.scale``): samples toward the
+target batch, the combined rate, the rate that bounds how fast claims may advance. Peers of one
+cell see the same records and step together; cells differ by the sampling (a cell of ~64-128
+peers: about a tenth), which matchmaking's reach of one round absorbs. A peer whose cell is
+nearly empty (its census counted differently from the swarm's) reads the neighbouring counts and
+moves to the fullest, at most once a ``PROBE_PERIOD_S``.
 The data shard a record names (``I/N`` of the task's data, None: not said) only steers which shard
 a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 """
@@ -13,16 +25,22 @@ a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import trio
 
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import PeerID
 
+from .cells import CELL_GROUPS, Cells
+from .census import Census
 from .epoch_evidence import EpochEvidence
 from .group import is_counter
 
-__all__ = ["PeerProgress", "SwarmProgress", "ProgressTracker"]
+__all__ = ["PROGRESS_CELL_PEERS", "PeerProgress", "SwarmProgress", "ProgressTracker", "progress_cell", "progress_key"]
 
 # A record outlives a few missed refreshes (peers publish at least every second while training),
 # then disappears with a dead peer.
@@ -32,6 +50,18 @@ PROGRESS_TTL = 15.0
 # loses little by the bound, while a liar alone with one honest peer can at most end its epoch
 # after a fifth of the target instead of at once.
 MAX_SAMPLE_SHARE = 4
+# Peers per progress cell, at the least (a cell holds one to two times this many): enough that the
+# evidence's quorum and majority have many claims to weigh and a cell's sum is within ~10% of its
+# share of the swarm's.
+PROGRESS_CELL_PEERS = 64
+# A cell with fewer other peers than this is sparse: the swarm may count its cells differently.
+SPARSE_PROGRESS_CELL = PROGRESS_CELL_PEERS // 4
+# A sparse cell's neighbouring counts are read at most this often (wall-clock seconds): a lone peer,
+# or a DHT shared with other runs, would otherwise read three keys at every refresh.
+PROBE_PERIOD_S = 60.0
+# The census, beside a progress read, takes at most this long (it runs once per census period).
+CENSUS_DEADLINE = 20.0
+
 # The most shards a record may claim to split the data into: far more than any swarm needs, and
 # small enough that overlaps of two claims (``lcm`` of the counts) stay cheap integers.
 MAX_CLAIMED_SHARDS = 1 << 16
@@ -83,6 +113,7 @@ class SwarmProgress:
     peers: dict[PeerID, PeerProgress]
     evidenced: int | None = None
     me: PeerID | None = None  # whose view: our own samples are a fact, not a claim
+    scale: int = 1  # the swarm is this many times the peers in view (their progress cells' count)
 
     @property
     def epoch(self) -> int:
@@ -103,7 +134,7 @@ class SwarmProgress:
         if not positive:
             return 0
         bound = MAX_SAMPLE_SHARE * max(positive[(len(positive) - 1) // 2], own)
-        return own + sum(min(claim, bound) for claim in claims)
+        return self.scale * (own + sum(min(claim, bound) for claim in claims))
 
     def ready_to_step(self, epoch: int, target_batch_size: int) -> bool:
         """The swarm finished ``epoch``: enough samples, or the evidence says it moved past it."""
@@ -111,22 +142,44 @@ class SwarmProgress:
 
     @property
     def samples_per_s(self) -> float:
-        return sum(p.samples_per_s for p in self.peers.values())
+        return self.scale * sum(p.samples_per_s for p in self.peers.values())
+
+
+def progress_cell(peer: PeerID, count: int) -> int:
+    """The progress cell of ``peer`` among ``count``: a hash of its ID, so nobody picks a cell."""
+    if count == 1:
+        return 0
+    digest = hashlib.blake2b(peer.to_bytes(), digest_size=8, person=b"peerd-progress").digest()
+    return int.from_bytes(digest, "big") % count
+
+
+def progress_key(prefix: str, count: int, cell: int) -> str:
+    """Where the records of cell ``cell`` of ``count`` live (one cell: the swarm's single key)."""
+    return f"{prefix}.progress" if count == 1 else f"{prefix}.progress.cells{count}.{cell}"
 
 
 class ProgressTracker:
-    """Publishes this peer's progress record and reads everyone's, weighing them as evidence.
+    """Publishes this peer's progress record and reads those of its progress cell (the whole
+    swarm's, below ``2 * PROGRESS_CELL_PEERS`` peers), weighing them as evidence.
 
     ``samples_per_epoch``: how many of the swarm's samples an epoch takes (the target batch size),
     which bounds how fast claims may advance; None where epochs are not counted in samples."""
 
     def __init__(self, dht, prefix: str, samples_per_epoch: int | None = None):
         self.dht = dht
-        self.key = f"{prefix}.progress"
+        self.prefix = prefix
+        self.count = 1  # progress cells, from the census
+        self.census = Census(f"{prefix}.progress", counts="progress records")
+        self._probed_at = -math.inf  # (the DHT's wall clock) when a sparse cell was last probed
         self.me = dht.host.peer_id
         self.subkey = peer_subkey(dht.host.identity.public_key)
         self.evidence = EpochEvidence(self.me, samples_per_epoch)
         self.data_shard: tuple[int, int] | None = None  # named in every record this tracker publishes
+
+    @property
+    def key(self) -> str:
+        """Where our record goes now."""
+        return progress_key(self.prefix, self.count, progress_cell(self.me, self.count))
 
     async def publish(self, progress: PeerProgress) -> None:
         if progress.shard is None and self.data_shard is not None:
@@ -134,23 +187,48 @@ class ProgressTracker:
         await self.dht.store(self.key, progress.to_wire(), self.dht.clock.time() + PROGRESS_TTL, subkey=self.subkey)
 
     async def records(self) -> dict[PeerID, PeerProgress]:
-        """Every other peer's live record as it claims it (no evidence weighed)."""
-        found = await self.dht.get(self.key, latest=True)
+        """Every other live record of our progress cell as it claims it (no evidence weighed)."""
+        await self._recount()
+        found = await self._read(self.count)
+        if len(found) < SPARSE_PROGRESS_CELL and self.census.estimate >= 2 * SPARSE_PROGRESS_CELL:
+            found = await self._probe(found)
+        return found
+
+    async def fetch(self, mine: PeerProgress) -> SwarmProgress:
+        peers = {self.me: mine, **await self.records()}
+        scale, now = self.count, self.dht.clock.monotonic()
+        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, now, scale=scale), self.me, scale)
+
+    async def _read(self, count: int) -> dict[PeerID, PeerProgress]:
+        """The live records of our cell among ``count``, but ours and those of other cells' peers."""
+        cell = progress_cell(self.me, count)
+        found = await self.dht.get(progress_key(self.prefix, count, cell), latest=True)
         return {
             peer: progress
             for peer, progress in peer_entries(found, _parse, now=self.dht.clock.time())
-            if peer != self.me
+            if peer != self.me and progress_cell(peer, count) == cell
         }
 
-    async def fetch(self, mine: PeerProgress) -> SwarmProgress:
-        found = await self.dht.get(self.key, latest=True)
-        peers = {self.me: mine}
-        peers.update(
-            (peer, progress)
-            for peer, progress in peer_entries(found, _parse, now=self.dht.clock.time())
-            if peer != self.me
-        )
-        return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, self.dht.clock.monotonic()), self.me)
+    async def _recount(self) -> None:
+        """Take the census when its period is new (in line: once per period) and apply its count."""
+        current = Cells(f"{self.prefix}.progress", self.count)
+        await self.census.take(self.dht, lambda: current, PROGRESS_CELL_PEERS // CELL_GROUPS, CENSUS_DEADLINE)
+        self.count = self.census.next_round(current).count
+
+    async def _probe(self, found: dict[PeerID, PeerProgress]) -> dict[PeerID, PeerProgress]:
+        """Our cell is sparse: read it at half and twice our count and move to the fullest."""
+        now = self.dht.clock.time()
+        if now - self._probed_at < PROBE_PERIOD_S:
+            return found
+        self._probed_at = now
+        best, best_found = self.count, found
+        for count in sorted({max(1, self.count // 2), self.count * 2} - {self.count}):
+            with trio.move_on_after(CENSUS_DEADLINE):
+                probed = await self._read(count)
+                if len(probed) > len(best_found):
+                    best, best_found = count, probed
+        self.count = best
+        return best_found
 
 
 def _parse(peer: PeerID, body: Any) -> PeerProgress:

@@ -214,7 +214,8 @@ class Replica:
         """The last view fetched, with our own record as of now (``samples`` this epoch) and
         never an epoch below ours."""
         me = self.tracker.me
-        return SwarmProgress({**self.swarm.peers, me: self.progress(samples)}, max(self.swarm.epoch, self.epoch), me)
+        peers = {**self.swarm.peers, me: self.progress(samples)}
+        return SwarmProgress(peers, max(self.swarm.epoch, self.epoch), me, self.swarm.scale)
 
     async def publish(self, samples: int) -> None:
         await self.tracker.publish(self.progress(samples))

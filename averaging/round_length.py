@@ -53,4 +53,5 @@ def round_over(view: SwarmProgress, epoch: int, own_steps: int, own_samples: int
     if own_steps < floor:
         return False
     batch = own_samples / own_steps
-    return view.samples_at(epoch) >= local_steps * batch * (1 + taking_part)
+    # (the view may be one progress cell of the swarm: samples_at scales its sum to the swarm's)
+    return view.samples_at(epoch) >= local_steps * batch * view.scale * (1 + taking_part)

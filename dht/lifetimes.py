@@ -61,9 +61,9 @@ def key_ttl_cap(key: bytes, caps: Iterable[TTLCap]) -> float | None:
 
 
 DEFAULT_TTL_CAPS: tuple[TTLCap, ...] = (
-    # "{prefix}.progress": averaging.progress.PROGRESS_TTL is 15 s, refreshed at least every second
-    # while training; four times that leaves slack and still clears a dead peer within a minute.
-    TTLCap(r"\.progress$", 60.0),
+    # "{prefix}.progress" and its cells: averaging.progress.PROGRESS_TTL is 15 s, refreshed at least
+    # every second while training; four times that leaves slack and clears a dead peer within a minute.
+    TTLCap(r"\.progress(\.cells\d+\.\d+)?$", 60.0),
     # "{prefix}.matchmaking": declarations live for the matchmaking timeout plus 1 s (3-5 s by
     # default); a round that waits longer than five minutes for its group has failed anyway.
     TTLCap(r"\.matchmaking$", 300.0),

@@ -152,7 +152,13 @@ def test_future_signatures_and_lifetimes_beyond_the_signing_time_are_refused():
 # ---------------------------------------------------------------------- lifetimes per record type
 @pytest.mark.parametrize(
     ("key", "allowed", "refused"),
-    [("run.progress", 60, 120), ("run.matchmaking", 300, 600), ("run.state_donors.3", 300, 600), ("ffn.3.", 600, 900)],
+    [
+        ("run.progress", 60, 120),
+        ("run.progress.cells8.5", 60, 120),
+        ("run.matchmaking", 300, 600),
+        ("run.state_donors.3", 300, 600),
+        ("ffn.3.", 600, 900),
+    ],
 )
 def test_default_ttl_caps_per_record_type(key, allowed, refused):
     clock = Clock()
