@@ -85,23 +85,32 @@ class LookupDriver:
         initial = contacts.nearest(target, config.k)
         contacts.touch(target)
         search = DisjointLookup(target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id)
-        body = [target.to_bytes(20, "big"), key]
+        target_bytes = target.to_bytes(20, "big")
         found: Found | None = None
         missing: list[Contact] = []
         send, receive = trio.open_memory_channel(math.inf)
-        narrow = stop_on_value
+        # A value lookup starts with one request (``start_narrow``): for the first value found, the
+        # nearest peer holds it almost always; for the latest, its answer names the entries that
+        # every later holder then leaves out (``wire.known_entries``), instead of d * alpha holders
+        # each sending all of them at once.
+        narrow = key is not None
         if narrow:
             search.start_narrow()
         started, first_answer = trio.current_time(), True
 
         async def query(contact: Contact) -> None:
+            # (the entries of a dictionary found so far are named, so that this holder sends only
+            # what we lack: holders answer with nearly the same entries)
+            known = wire.known_entries(found) if key is not None else b""
+            body = [target_bytes, key, known] if known else [target_bytes, key]
             reply = await contacts.call(contact, "dht.find", body)
             parsed = None
             if reply is not None:
                 try:
                     neighbours = contacts.parse(reply.body)
                     records = wire.parse_found(key, reply.payload, self.records.now()) if key is not None else []
-                    parsed = neighbours, self.records.validated(records) if records else None
+                    # (a holder with nothing newer answers an empty dictionary: it holds the key)
+                    parsed = neighbours, self.records.validated(records) if records else None, bool(reply.payload)
                 except RecordError as error:
                     log.debug("bad find reply from %s: %s", contact.peer_id, error)
             send.send_nowait((contact, parsed))
@@ -134,7 +143,7 @@ class LookupDriver:
                         on_answer(contact, search)
                     if parsed[1] is not None:
                         found = merge_found(found, parsed[1])
-                    elif key is not None:
+                    elif key is not None and not parsed[2]:
                         missing.append(contact)
                 nursery.cancel_scope.cancel()
         return LookupResult(search.closest(), found, search.hops, search.rpcs, scope.cancelled_caught, missing)

@@ -77,11 +77,11 @@ class DHTServer:
 
     async def find(self, request: Request) -> Message:
         self._begin()
-        target, key = wire.parse_find_request(request.body)
+        target, key, known = wire.parse_find_request(request.body)
         self._note_caller(request)
         found = self.records.found(key) if key is not None else None
         if found is not None:  # as Kademlia's FIND_VALUE: the value instead of contacts
-            return Message([], wire.encode_found(found))
+            return Message([], wire.encode_found(found, known))
         neighbours = self.contacts.nearest(target, self.k, excluding=request.peer)
         return Message(wire.encode_contacts(neighbours))
 

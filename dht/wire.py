@@ -5,18 +5,26 @@ raises ``BadRequest`` on the serving side, or ``RecordError`` on the calling sid
 touches storage or the routing table.
 
     dht.ping   body: None                              reply: None
-    dht.find   body: [target(20 bytes), key | None]    reply: body [[peer_id, host, port, nonce], ...],
+    dht.find   body: [target(20 bytes), key | None(, known)]
+                                                       reply: body [[peer_id, host, port, nonce], ...],
                                                               payload msgpack(found) or empty
     dht.store  body: [[key, subkey|None, value, expiration], ...]   reply: [accepted: bool, ...]
 
 ``found`` is ``[0, value, expiration]`` for a plain value, ``[1, [[subkey, value, expiration], ...]]``
-for a dictionary. A contact's ``nonce`` is its node-ID puzzle solution: a contact whose nonce does
-not solve the puzzle for its peer ID at the run's difficulty is dropped, like any malformed entry.
-A contact behind a relay has ``RELAY_HOST/RELAY_ID`` as its host and the relay's port.
+for a dictionary. ``known`` (optional) is the ``entry_digest``s of the dictionary entries the asker
+already holds, concatenated: the holder leaves those out of its answer (``[1, []]`` when it holds
+nothing newer). A lookup of a dictionary asks about k holders, each of which holds nearly the same
+entries: without it a read of a key with n entries moved and checked k * n of them.
+
+A contact's ``nonce`` is its node-ID puzzle solution: a contact whose nonce does not solve the puzzle
+for its peer ID at the run's difficulty is dropped, like any malformed entry. A contact behind a
+relay has ``RELAY_HOST/RELAY_ID`` as its host and the relay's port.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Any
 
 from peer import BadRequest, NodeIDProof, PeerAddress, PeerID
@@ -24,7 +32,7 @@ from peer.node_id import NONCE_BYTES
 
 from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, RecordError, check_expiration, pack, unpack
 from .routing import Contact
-from .storage import Found, StoredValue
+from .storage import MAX_SUBKEYS, Found, StoredValue
 
 __all__ = [
     "MAX_RECORDS_PER_STORE",
@@ -35,6 +43,8 @@ __all__ = [
     "parse_contacts",
     "contact_for",
     "encode_found",
+    "entry_digest",
+    "known_entries",
     "parse_found",
 ]
 
@@ -45,6 +55,9 @@ MAX_CONTACTS_PER_REPLY = 64
 # Reply payload: MAX_SUBKEYS records of maximal size plus framing.
 MAX_FOUND_BYTES = 256 * (MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 64)
 _MAX_HOST = 255
+# An entry's digest in a find's ``known``: a collision would only hide an entry from the asker that
+# wrote it, since owner-signed subkeys are each their owner's alone.
+ENTRY_DIGEST_BYTES = 8
 # Contacts named in replies repeat constantly; reusing their objects skips re-deriving the peer ID
 # text, integer ID and proof hashes on every reply. Bounded: cleared when full. Keyed by the nonce
 # too, and the proof's work is compared with the difficulty on every use, so nodes of different
@@ -68,14 +81,21 @@ def _check_encoded(data: bytes, name: str) -> None:
         raise BadRequest(f"{name}: {error}") from None
 
 
-def parse_find_request(body: Any) -> tuple[int, bytes | None]:
-    if not isinstance(body, list) or len(body) != 2:
-        raise BadRequest("dht.find takes [target, key or None]")
+def parse_find_request(body: Any) -> tuple[int, bytes | None, frozenset[bytes]]:
+    """``(target, key or None, the digests of the entries the asker already holds)``."""
+    if not isinstance(body, list) or len(body) not in (2, 3):
+        raise BadRequest("dht.find takes [target, key or None, known entries (optional)]")
     target = body[0]
     if not isinstance(target, bytes) or len(target) != 20:
         raise BadRequest("target must be 20 bytes")
     key = None if body[1] is None else _bytes_field(body[1], MAX_KEY_BYTES, "key")
-    return int.from_bytes(target, "big"), key
+    known: frozenset[bytes] = frozenset()
+    if len(body) == 3:
+        raw = body[2]
+        if not isinstance(raw, bytes) or len(raw) % ENTRY_DIGEST_BYTES or len(raw) > MAX_SUBKEYS * ENTRY_DIGEST_BYTES:
+            raise BadRequest(f"known entries are at most {MAX_SUBKEYS} digests of {ENTRY_DIGEST_BYTES} bytes")
+        known = frozenset(raw[i : i + ENTRY_DIGEST_BYTES] for i in range(0, len(raw), ENTRY_DIGEST_BYTES))
+    return int.from_bytes(target, "big"), key, known
 
 
 def parse_store_request(body: Any, now: float) -> list[DHTRecord]:
@@ -171,10 +191,32 @@ def contact_for(proof: NodeIDProof, address: PeerAddress) -> Contact:
 
 
 # ---------------------------------------------------------------------- found values
-def encode_found(found: Found) -> bytes:
+def entry_digest(subkey: bytes, item: StoredValue) -> bytes:
+    """What identifies one dictionary entry as held: its subkey, value and expiration."""
+    digest = hashlib.blake2b(digest_size=ENTRY_DIGEST_BYTES, person=b"peerd-dht-entry")
+    digest.update(struct.pack(">Id", len(subkey), item.expiration_time))
+    digest.update(subkey)
+    digest.update(item.value)
+    return digest.digest()
+
+
+def known_entries(found: Found | None) -> bytes:
+    """A find's ``known`` for what the asker holds of a dictionary (b"" for anything else)."""
+    if not isinstance(found, dict):
+        return b""
+    return b"".join(entry_digest(subkey, item) for subkey, item in list(found.items())[:MAX_SUBKEYS])
+
+
+def encode_found(found: Found, known: frozenset[bytes] = frozenset()) -> bytes:
+    """A find's payload: ``found``, without the dictionary entries the asker holds already."""
     if isinstance(found, StoredValue):
         return pack([0, found.value, found.expiration_time])
-    return pack([1, [[subkey, item.value, item.expiration_time] for subkey, item in found.items()]])
+    entries = [
+        [subkey, item.value, item.expiration_time]
+        for subkey, item in found.items()
+        if not known or entry_digest(subkey, item) not in known
+    ]
+    return pack([1, entries])
 
 
 def parse_found(key: bytes, payload: bytes, now: float) -> list[DHTRecord]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ from dht.routing import Contact
 from dht.server import DHTServer, ServedContacts
 from dht.testing import placed_contact
 from dht.validation import SignatureValidator
-from dht.wire import encode_record, parse_contacts, parse_found
+from dht.wire import encode_record, entry_digest, parse_contacts, parse_found
 from peer import BadRequestError, Identity, PeerAddress, PeerHost, PeerID, RemoteError, Router, open_peer_host
 
 
@@ -90,3 +91,34 @@ async def test_stopped_server_refuses_while_its_host_lives_on():
             with pytest.raises(RemoteError, match="stopped"):
                 await caller.call(host.listen_address, method, body, timeout=5)
         assert len(records.storage) == 0 and contacts.seen == [caller.peer_id]
+
+
+async def test_a_find_that_names_the_entries_its_asker_holds_gets_only_the_others():
+    records = LocalRecords(SignatureValidator(None))
+    server = DHTServer(records, RecordingContacts([]), k=3)
+    key = pack("group")
+    entries = [DHTRecord(key, pack(f"peer{n}"), pack(n), time.time() + 30) for n in range(3)]
+    async with serving(server) as (host, caller):
+        address = host.listen_address
+        stored = await caller.call(address, "dht.store", [encode_record(r) for r in entries], timeout=5)
+        assert stored.body == [True] * 3
+        target = key_id(key).to_bytes(20, "big")
+        held = records.found(key)
+        assert isinstance(held, dict)
+
+        def known(*subkeys: bytes) -> bytes:
+            return b"".join(entry_digest(subkey, held[subkey]) for subkey in subkeys)
+
+        async def find(*body):
+            reply = await caller.call(address, "dht.find", [target, key, *body], timeout=5)
+            return sorted(r.subkey for r in parse_found(key, reply.payload, time.time())), bool(reply.payload)
+
+        everything = sorted(r.subkey for r in entries)
+        assert await find() == (everything, True)
+        assert await find(known(pack("peer0"), pack("peer2"))) == ([pack("peer1")], True)
+        assert await find(known(*everything)) == ([], True)  # it holds the key, nothing we lack
+        stale = entry_digest(pack("peer1"), replace(held[pack("peer1")], expiration_time=1.0))
+        assert await find(stale) == (everything, True)  # an older version of an entry is not it
+        for malformed in (b"short", b"x" * 8 * 257, "not bytes"):
+            with pytest.raises(BadRequestError):
+                await caller.call(address, "dht.find", [target, key, malformed], timeout=5)

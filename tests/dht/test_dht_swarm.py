@@ -10,6 +10,7 @@ import time
 import pytest
 import trio
 
+import dht.wire
 from dht.node import DHTBootstrapError, DHTConfig, DHTNode
 from dht.records import DHTRecord, key_id, pack
 from dht.testing import jaccard, open_swarm
@@ -81,6 +82,33 @@ async def test_concurrent_dictionary_writers_all_visible():
             assert {sub: item.value for sub, item in merged.value.items()} == {f"peer{i}": {"bw": i} for i in range(10)}
         client = await swarm.add([swarm.nodes[0].address], client_mode=True)
         assert len((await client.get("group")).value) == 10
+
+
+async def test_a_dictionary_read_moves_each_entry_from_a_few_holders_not_from_all(monkeypatch):
+    """Every holder holds nearly the same entries: a read names what it already has, so later
+    holders send only what it lacks, and one read of n entries from ~k holders parses a few times n
+    of them instead of k times n."""
+    parsed = []
+    parse_found = dht.wire.parse_found
+
+    def counting(key, payload, now):
+        records = parse_found(key, payload, now)
+        parsed.append(len(records))
+        return records
+
+    monkeypatch.setattr(dht.wire, "parse_found", counting)
+    async with open_swarm(24, seed=6) as swarm:
+        expiration = time.time() + 60
+        entries = 40
+        for index in range(entries):
+            assert await swarm.nodes[index % 20].store("crowd", index, expiration, subkey=f"peer{index}")
+        merged = await swarm.nodes[23].get("crowd", latest=True)
+        assert merged is not None and {sub: item.value for sub, item in merged.value.items()} == {
+            f"peer{i}": i for i in range(entries)
+        }
+        holders = len(parsed)
+        assert holders >= 8  # the read asked many holders ...
+        assert sum(parsed) <= 4 * entries, parsed  # ... and moved each entry from a few of them
 
 
 async def test_forged_signed_record_refused_everywhere_and_never_returned():
