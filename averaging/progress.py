@@ -33,9 +33,10 @@ from typing import Any
 import trio
 
 from dht.peer_dictionary import peer_entries, peer_subkey
-from peer import PeerID
+from peer import NodeIDProof, PeerID
+from peer.node_id import NONCE_BYTES
 
-from .cells import CELL_GROUPS, Cells
+from .cells import CELL_GROUPS, CENSUS_HYSTERESIS, Cells, cell_count
 from .census import Census
 from .epoch_evidence import EpochEvidence
 from .group import is_counter
@@ -59,8 +60,12 @@ SPARSE_PROGRESS_CELL = PROGRESS_CELL_PEERS // 4
 # A sparse cell's neighbouring counts are read at most this often (wall-clock seconds): a lone peer,
 # or a DHT shared with other runs, would otherwise read three keys at every refresh.
 PROBE_PERIOD_S = 60.0
-# The census, beside a progress read, takes at most this long (it runs once per census period).
+# The census, beside a progress read, takes at most this long (it runs once per census period), and
+# is looked at once a CENSUS_RETRY_S at most (a census that failed is retried then).
 CENSUS_DEADLINE = 20.0
+CENSUS_RETRY_S = 60.0
+# The group size that makes ``cells.cell_count`` count cells of PROGRESS_CELL_PEERS.
+CELL_GROUP = PROGRESS_CELL_PEERS // CELL_GROUPS
 
 # The most shards a record may claim to split the data into: far more than any swarm needs, and
 # small enough that overlaps of two claims (``lcm`` of the counts) stay cheap integers.
@@ -171,6 +176,7 @@ class ProgressTracker:
         self.count = 1  # progress cells, from the census
         self.census = Census(f"{prefix}.progress", counts="progress records")
         self._probed_at = -math.inf  # (the DHT's wall clock) when a sparse cell was last probed
+        self._census_tried = -math.inf  # (the DHT's wall clock) when the census was last looked at
         self.me = dht.host.peer_id
         self.subkey = peer_subkey(dht.host.identity.public_key)
         self.evidence = EpochEvidence(self.me, samples_per_epoch)
@@ -184,7 +190,8 @@ class ProgressTracker:
     async def publish(self, progress: PeerProgress) -> None:
         if progress.shard is None and self.data_shard is not None:
             progress = dataclasses.replace(progress, shard=self.data_shard)
-        await self.dht.store(self.key, progress.to_wire(), self.dht.clock.time() + PROGRESS_TTL, subkey=self.subkey)
+        wire = {**progress.to_wire(), "nonce": self.dht.host.node_id.nonce}  # (see ``_parse``)
+        await self.dht.store(self.key, wire, self.dht.clock.time() + PROGRESS_TTL, subkey=self.subkey)
 
     async def records(self) -> dict[PeerID, PeerProgress]:
         """Every other live record of our progress cell as it claims it (no evidence weighed)."""
@@ -205,31 +212,55 @@ class ProgressTracker:
         found = await self.dht.get(progress_key(self.prefix, count, cell), latest=True)
         return {
             peer: progress
-            for peer, progress in peer_entries(found, _parse, now=self.dht.clock.time())
+            for peer, progress in peer_entries(found, self._parse, now=self.dht.clock.time())
             if peer != self.me and progress_cell(peer, count) == cell
         }
 
     async def _recount(self) -> None:
-        """Take the census when its period is new (in line: once per period) and apply its count."""
-        current = Cells(f"{self.prefix}.progress", self.count)
-        await self.census.take(self.dht, lambda: current, PROGRESS_CELL_PEERS // CELL_GROUPS, CENSUS_DEADLINE)
-        self.count = self.census.next_round(current).count
+        """Take the census when its period is new and apply its count: looked at once a
+        ``CENSUS_RETRY_S`` at most, so a census that fails is not retried at every refresh."""
+        now = self.dht.clock.time()
+        if now - self._census_tried >= CENSUS_RETRY_S:
+            self._census_tried = now
+            current = Cells(f"{self.prefix}.progress", self.count)
+            await self.census.take(self.dht, lambda: current, CELL_GROUP, CENSUS_DEADLINE)
+        self.count = self.census.next_round(Cells(f"{self.prefix}.progress", self.count)).count
 
     async def _probe(self, found: dict[PeerID, PeerProgress]) -> dict[PeerID, PeerProgress]:
-        """Our cell is sparse: read it at half and twice our count and move to the fullest."""
+        """Our cell is sparse: read our cell at every count a swarm of about our census's
+        estimate may hold (the census's margin spans up to three) and at half and twice ours, and
+        move to the fullest."""
         now = self.dht.clock.time()
         if now - self._probed_at < PROBE_PERIOD_S:
             return found
         self._probed_at = now
-        best, best_found = self.count, found
-        for count in sorted({max(1, self.count // 2), self.count * 2} - {self.count}):
+        estimate = self.census.estimate
+        low, high = (
+            cell_count(estimate / CENSUS_HYSTERESIS, CELL_GROUP),
+            cell_count(estimate * CENSUS_HYSTERESIS, CELL_GROUP),
+        )
+        counts = {1 << bits for bits in range(low.bit_length() - 1, high.bit_length())}
+        counts = (counts | {max(1, self.count // 2), self.count * 2}) - {self.count}
+        probed: dict[int, dict[PeerID, PeerProgress]] = {}
+
+        async def probe(count: int) -> None:
             with trio.move_on_after(CENSUS_DEADLINE):
-                probed = await self._read(count)
-                if len(probed) > len(best_found):
-                    best, best_found = count, probed
-        self.count = best
-        return best_found
+                probed[count] = await self._read(count)
 
+        async with trio.open_nursery() as nursery:
+            for count in sorted(counts):
+                nursery.start_soon(probe, count)
+        best = max(probed, key=lambda count: len(probed[count]), default=self.count)
+        if best in probed and len(probed[best]) > len(found):
+            self.count, found = best, probed[best]
+        return found
 
-def _parse(peer: PeerID, body: Any) -> PeerProgress:
-    return PeerProgress.from_wire(body)
+    def _parse(self, peer: PeerID, body: Any) -> PeerProgress:
+        """A record, if it comes with its writer's node-ID proof at the run's difficulty: an
+        identity costs the puzzle, so a writer cannot fill a cell with free signing keys."""
+        nonce = body.get("nonce") if isinstance(body, dict) else None
+        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+            raise ValueError("a progress record carries its writer's node-ID nonce")
+        if not NodeIDProof(peer, nonce).satisfies(self.dht.host.node_id_difficulty):
+            raise ValueError("the writer's node-ID nonce does not solve the puzzle")
+        return PeerProgress.from_wire(body)

@@ -60,8 +60,9 @@ DONOR_REFRESH = DONOR_TTL / 4
 # Offers are spread over this many keys. Sixteen shards of a 1,000-peer swarm hold ~60 offers each;
 # a swarm of a few peers leaves most shards empty, and a newcomer then reads them all.
 DONOR_SHARDS = 16
-# A newcomer reads shards this many at a time until it holds DONORS_WANTED offers: enough to find
-# the newest state, a witness that agrees with it and fallbacks for donors that are busy or gone.
+# A newcomer reads this many shards, then twice as many more at a time, until it holds DONORS_WANTED
+# offers: enough to find the newest state, a witness that agrees with it and fallbacks for donors
+# that are busy or gone. A swarm of few donors is read whole in three waves of reads.
 SHARDS_PER_READ = 4
 DONORS_WANTED = 8
 MAX_TENSORS = 10_000
@@ -236,12 +237,12 @@ class StateSharing:
                 if peer != self.host.peer_id and donor_shard(peer) == shard:
                     offers[peer] = offer
 
-        for start in range(0, DONOR_SHARDS, SHARDS_PER_READ):
+        start, wave = 0, SHARDS_PER_READ
+        while start < DONOR_SHARDS and len(offers) < DONORS_WANTED:
             async with trio.open_nursery() as nursery:
-                for shard in shards[start : start + SHARDS_PER_READ]:
+                for shard in shards[start : start + wave]:
                     nursery.start_soon(read, shard)
-            if len(offers) >= DONORS_WANTED:
-                break
+            start, wave = start + wave, 2 * wave  # (a small swarm reads all shards in three waves)
         return [offer.address for offer in self.order_donors(list(offers.values()))]
 
     @staticmethod

@@ -63,7 +63,7 @@ def test_a_cell_view_allows_claims_to_advance_at_the_swarms_rate_not_the_cells()
 
 async def test_a_swarm_in_progress_cells_reads_its_own_cell_and_estimates_the_whole(autojump_clock, monkeypatch):
     monkeypatch.setattr(averaging.cells, "MIN_CELL_SWARM", 0)
-    monkeypatch.setattr(averaging.progress, "PROGRESS_CELL_PEERS", 4)  # cells of 4-8 peers
+    monkeypatch.setattr(averaging.progress, "CELL_GROUP", 2)  # cells of 4-8 peers
     monkeypatch.setattr(averaging.progress, "SPARSE_PROGRESS_CELL", 2)
     peers = 32
     reads: collections.Counter[str] = collections.Counter()
@@ -111,15 +111,51 @@ async def test_a_swarm_in_progress_cells_reads_its_own_cell_and_estimates_the_wh
         estimates = [view.samples_at(1) for view in views]
         assert abs(statistics.mean(estimates) - total) < 0.25 * total, (estimates, total)
 
-        # a peer that counts half as many cells as the swarm finds nobody where it reads, probes
-        # the neighbouring counts and moves to the swarm's (a probe period later, records renewed)
+        # a peer that counts one cell where the swarm counts eight (its census's margin spans
+        # several counts) finds nobody where it reads, probes the counts a swarm of its estimate
+        # may hold and moves to the swarm's (a probe period later, records renewed)
         await trio.sleep(averaging.progress.PROBE_PERIOD_S)
         async with trio.open_nursery() as nursery:
             for tracker in trackers:
                 nursery.start_soon(tracker.publish, PeerProgress(1, samples[tracker.me], 1.0))
         odd = trackers[0]
-        odd.count, odd.census.counted = count // 2, None
+        odd.count, odd.census.counted = 1, None
         odd.census.target = averaging.cells.census_target(odd.census.prefix, odd.dht.clock.time())  # (no recount)
         view = await odd.fetch(PeerProgress(1, samples[odd.me], 1.0))
         assert odd.count == count and view.scale == count and len(view.peers) > 1
         assert math.isfinite(view.samples_at(1))
+
+
+async def test_records_without_their_writers_node_id_proof_are_dropped(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=6), 3, config=DHTConfig()) as swarm:
+        honest, forger, reader = (ProgressTracker(node, "proofs") for node in swarm.nodes)
+        await honest.publish(PeerProgress(2, 20, 1.0))
+        for nonce in (None, b"short", 7):  # the forger's own signed records, without a valid nonce
+            body = {**PeerProgress(9, 10**6, 1e6).to_wire(), **({} if nonce is None else {"nonce": nonce})}
+            await forger.dht.store(forger.key, body, forger.dht.clock.time() + 10, subkey=forger.subkey)
+            assert set(await reader.records()) == {honest.me}
+
+
+async def test_a_census_that_fails_is_retried_once_a_minute_not_at_every_read(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=7), 2, config=DHTConfig()) as swarm:
+        tries = []
+
+        class FailingCensus:
+            def __init__(self, node):
+                self.node, self.host, self.clock, self.config = node, node.host, node.clock, node.config
+
+            async def get(self, key, latest=False):
+                return await self.node.get(key, latest=latest)
+
+            async def nearest_node_ids(self, target, k=None):
+                tries.append(trio.current_time())
+                raise RuntimeError("no lookup now")
+
+        tracker = ProgressTracker(FailingCensus(swarm.nodes[0]), "failing")
+        for _ in range(30):  # a read a second for half a minute
+            await tracker.records()
+            await trio.sleep(1.0)
+        assert len(tries) == 1
+        await trio.sleep(averaging.progress.CENSUS_RETRY_S)
+        await tracker.records()
+        assert len(tries) == 2

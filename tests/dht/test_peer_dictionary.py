@@ -198,6 +198,8 @@ async def test_progress_fetch_keeps_sane_records_and_this_peers_own_view():
         for identity, records in writes.items():
             writer = await stack.enter_async_context(DHTNode.open(identity=identity, initial_peers=[node.address]))
             for value, subkey in records:
+                if isinstance(value, dict):  # (a record carries its writer's node-ID proof)
+                    value = {**value, "nonce": writer.host.node_id.nonce}
                 assert await writer.store(tracker.key, value, expires, subkey=subkey)
         # a record of ours from the past must not override what we know now
         await node.store(tracker.key, {"epoch": 7, "samples": 1, "sps": 1.0}, expires, subkey=tracker.subkey)
