@@ -11,13 +11,15 @@ A large swarm keeps its records in cells. Every peer refreshes its record about 
 one key for everyone costs each reader O(N) records a second and the key's k holders O(N^2); past
 ``2 * PROGRESS_CELL_PEERS`` peers (by a census, ``census.py``, as matchmaking counts its cells) the
 records go to ``count`` keys ``{prefix}.progress.cells{count}.{i}``, a peer's cell fixed by a hash
-of its ID, and a peer reads only its own cell. A cell is a uniform sample of the swarm, so
-``count`` times what it holds estimates the swarm (``SwarmProgress.scale``): samples toward the
-target batch, the combined rate, the rate that bounds how fast claims may advance. Peers of one
-cell see the same records and step together; cells differ by the sampling (a cell of ~64-128
-peers: about a tenth), which matchmaking's reach of one round absorbs. A peer whose cell is
-nearly empty (its census counted differently from the swarm's) reads the neighbouring counts and
-moves to the fullest, at most once a ``PROBE_PERIOD_S``.
+of its DHT node ID (which each record proves), and a peer reads only its own cell. A cell is a
+uniform sample of the swarm, so ``count`` times what it holds estimates the swarm
+(``SwarmProgress.scale``): samples toward the target batch, the combined rate, the rate that bounds
+how fast claims may advance. Peers of one cell see the same records and step together; cells
+differ by the sampling (a cell of ~64-128 peers: about a tenth), which matchmaking's reach of one
+round absorbs. A peer whose cell is nearly empty (its census counted differently from the swarm's)
+reads its cell at every count a swarm of its estimate may hold and moves to the fullest, at most
+once a ``PROBE_PERIOD_S``.
+
 The data shard a record names (``I/N`` of the task's data, None: not said) only steers which shard
 a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 """
@@ -150,11 +152,13 @@ class SwarmProgress:
         return self.scale * sum(p.samples_per_s for p in self.peers.values())
 
 
-def progress_cell(peer: PeerID, count: int) -> int:
-    """The progress cell of ``peer`` among ``count``: a hash of its ID, so nobody picks a cell."""
+def progress_cell(node_id: bytes, count: int) -> int:
+    """The progress cell among ``count`` of the peer with DHT node ID ``node_id`` (its puzzle's
+    outcome, ``peer/node_id.py``): landing in a chosen cell takes ``count`` solved puzzles on
+    average, so filling one with identities costs the puzzle times the cell count each."""
     if count == 1:
         return 0
-    digest = hashlib.blake2b(peer.to_bytes(), digest_size=8, person=b"peerd-progress").digest()
+    digest = hashlib.blake2b(node_id, digest_size=8, person=b"peerd-progress").digest()
     return int.from_bytes(digest, "big") % count
 
 
@@ -178,6 +182,7 @@ class ProgressTracker:
         self._probed_at = -math.inf  # (the DHT's wall clock) when a sparse cell was last probed
         self._census_tried = -math.inf  # (the DHT's wall clock) when the census was last looked at
         self.me = dht.host.peer_id
+        self.node_id = dht.host.node_id.node_id
         self.subkey = peer_subkey(dht.host.identity.public_key)
         self.evidence = EpochEvidence(self.me, samples_per_epoch)
         self.data_shard: tuple[int, int] | None = None  # named in every record this tracker publishes
@@ -185,7 +190,7 @@ class ProgressTracker:
     @property
     def key(self) -> str:
         """Where our record goes now."""
-        return progress_key(self.prefix, self.count, progress_cell(self.me, self.count))
+        return progress_key(self.prefix, self.count, progress_cell(self.node_id, self.count))
 
     async def publish(self, progress: PeerProgress) -> None:
         if progress.shard is None and self.data_shard is not None:
@@ -208,12 +213,19 @@ class ProgressTracker:
 
     async def _read(self, count: int) -> dict[PeerID, PeerProgress]:
         """The live records of our cell among ``count``, but ours and those of other cells' peers."""
-        cell = progress_cell(self.me, count)
+        cell = progress_cell(self.node_id, count)
         found = await self.dht.get(progress_key(self.prefix, count, cell), latest=True)
+
+        def parse(peer: PeerID, body: Any) -> PeerProgress:
+            progress, node_id = self._parse(peer, body)
+            if progress_cell(node_id, count) != cell:
+                raise ValueError("a record of another cell's peer")
+            return progress
+
         return {
             peer: progress
-            for peer, progress in peer_entries(found, self._parse, now=self.dht.clock.time())
-            if peer != self.me and progress_cell(peer, count) == cell
+            for peer, progress in peer_entries(found, parse, now=self.dht.clock.time())
+            if peer != self.me
         }
 
     async def _recount(self) -> None:
@@ -255,12 +267,14 @@ class ProgressTracker:
             self.count, found = best, probed[best]
         return found
 
-    def _parse(self, peer: PeerID, body: Any) -> PeerProgress:
-        """A record, if it comes with its writer's node-ID proof at the run's difficulty: an
-        identity costs the puzzle, so a writer cannot fill a cell with free signing keys."""
+    def _parse(self, peer: PeerID, body: Any) -> tuple[PeerProgress, bytes]:
+        """A record and its writer's node ID, if it comes with the writer's node-ID proof at the
+        run's difficulty: an identity costs the puzzle, so a writer cannot fill a cell with free
+        signing keys, and the node ID places it in its cell."""
         nonce = body.get("nonce") if isinstance(body, dict) else None
         if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
             raise ValueError("a progress record carries its writer's node-ID nonce")
-        if not NodeIDProof(peer, nonce).satisfies(self.dht.host.node_id_difficulty):
+        proof = NodeIDProof(peer, nonce)
+        if not proof.satisfies(self.dht.host.node_id_difficulty):
             raise ValueError("the writer's node-ID nonce does not solve the puzzle")
-        return PeerProgress.from_wire(body)
+        return PeerProgress.from_wire(body), proof.node_id

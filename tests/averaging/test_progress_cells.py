@@ -19,7 +19,7 @@ from averaging.epoch_evidence import EpochEvidence
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, progress_cell, progress_key
 from averaging.round_length import round_over
 from dht import DHTConfig
-from peer import Identity, PeerID
+from peer import Identity, NodeIDProof, PeerID
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -27,9 +27,9 @@ ME, A, B = (PeerID(bytes([i]) * 20) for i in (1, 2, 3))
 
 
 def test_one_cell_is_the_single_key_and_peers_spread_over_many():
-    assert progress_key("run", 1, progress_cell(ME, 1)) == "run.progress"
-    peers = [Identity.generate().peer_id for _ in range(800)]
-    counts = collections.Counter(progress_cell(peer, 8) for peer in peers)
+    assert progress_key("run", 1, progress_cell(bytes(20), 1)) == "run.progress"
+    nodes = [NodeIDProof.solve(Identity.generate().peer_id, 4).node_id for _ in range(800)]
+    counts = collections.Counter(progress_cell(node, 8) for node in nodes)
     assert sorted(counts) == list(range(8)) and max(counts.values()) < 2 * 800 / 8
     assert progress_key("run", 8, 3) == "run.progress.cells8.3"
 
@@ -85,6 +85,7 @@ async def test_a_swarm_in_progress_cells_reads_its_own_cell_and_estimates_the_wh
     async with open_sim_swarm(SimNetwork(seed=5), peers, config=DHTConfig()) as swarm:
         trackers = [ProgressTracker(CountingReads(node), "cells") for node in swarm.nodes]
         samples = {tracker.me: 10 + index for index, tracker in enumerate(trackers)}
+        node_ids = {tracker.me: tracker.node_id for tracker in trackers}
         total = sum(samples.values())
         for _ in range(2):  # the first exchange takes the census; the second publishes in cells
             async with trio.open_nursery() as nursery:
@@ -107,7 +108,9 @@ async def test_a_swarm_in_progress_cells_reads_its_own_cell_and_estimates_the_wh
         assert sum(reads.values()) == peers
         for view in views:
             assert view.scale == count and len(view.peers) < peers / 2
-            assert {progress_cell(peer, count) for peer in view.peers} == {progress_cell(view.me, count)}
+            assert {progress_cell(node_ids[peer], count) for peer in view.peers} == {
+                progress_cell(node_ids[view.me], count)
+            }
         estimates = [view.samples_at(1) for view in views]
         assert abs(statistics.mean(estimates) - total) < 0.25 * total, (estimates, total)
 
