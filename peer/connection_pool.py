@@ -14,6 +14,7 @@ import trio
 
 from .address import PeerAddress
 from .identity import PeerID
+from .idle_connections import IDLE_RETIRE_S, IdleConnections
 from .rpc import Connection
 
 __all__ = ["ConnectError", "ConnectionPool", "MAX_KNOWN_ENDPOINTS"]
@@ -51,19 +52,29 @@ class _Dial:
 class ConnectionPool:
     """Live connections by remote peer, the peers known at dialed endpoints, and shared dials."""
 
-    def __init__(self) -> None:
+    def __init__(self, retire_idle_after: float | None = IDLE_RETIRE_S) -> None:
+        """``retire_idle_after``: seconds a connection may stay idle (None: for ever)."""
+        self._idle = IdleConnections(retire_idle_after) if retire_idle_after is not None else None
         self._connections: dict[PeerID, Connection] = {}
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
         self._dialing: dict[_DialKey, _Dial] = {}
 
     def get(self, peer: PeerID) -> Connection | None:
-        """The pooled connection to ``peer``, unless it is closed or closing."""
+        """The pooled connection to ``peer``, unless it is closed, closing or retiring."""
         connection = self._connections.get(peer)
-        return connection if connection is not None and not connection.is_closed else None
+        return connection if connection is not None and connection.takes_calls else None
 
     @property
     def peers(self) -> list[PeerID]:
-        return [peer for peer, connection in self._connections.items() if not connection.is_closed]
+        return [peer for peer, connection in self._connections.items() if connection.takes_calls]
+
+    def idle(self, now: float) -> list[Connection]:
+        """The pooled connections idle long enough to retire (``idle_connections.py``)."""
+        if self._idle is None:
+            return []
+        live = [connection for connection in self._connections.values() if connection.takes_calls]
+        activity = ((c, (c.link_progress(), c.protocol.active_calls)) for c in live)
+        return self._idle.look(activity, now)
 
     def add(self, connection: Connection) -> Connection | None:
         """Pool ``connection`` if its peer has no live one, or only a relayed one while this one is
@@ -71,7 +82,7 @@ class ConnectionPool:
         replaces (the caller gives its calls a grace period), else None."""
         peer = connection.remote_peer_id
         existing = self._connections.get(peer)
-        if existing is None or existing.is_closed:
+        if existing is None or not existing.takes_calls:
             self._connections[peer] = connection
         elif existing.relayed_via is not None and connection.relayed_via is None:
             self._connections[peer] = connection

@@ -33,6 +33,7 @@ from .address import PeerAddress
 from .admission import Admission, address_group
 from .connection_pool import ConnectError, ConnectionPool
 from .identity import Identity, PeerID
+from .idle_connections import IDLE_CHECK_S, IDLE_RETIRE_S
 from .nat_state import TOKEN_BYTES
 from .node_id import LOCAL_DIFFICULTY, NodeIDProof, check_difficulty
 from .presence import Presence
@@ -78,6 +79,7 @@ class PeerHost:
         node_id: NodeIDProof | None = None,
         access: SwarmAccess | None = None,
         transport: Transport | None = None,
+        retire_idle_after: float | None = IDLE_RETIRE_S,
     ):
         """``node_id_difficulty`` is the run's: every peer of a run must use the same one. The
         default is the local one (a few hundred hashes), so that scripts, tests and local swarms
@@ -86,7 +88,9 @@ class PeerHost:
         start. Without ``node_id`` the host solves the puzzle itself, now. ``access`` makes the
         swarm private (``peer/access.py``): an allowlist of peer IDs and/or a shared swarm key.
         ``transport`` is how the host dials and listens: TCP (``TcpTransport``, which also holds the
-        dial deadline) unless a test or benchmark passes a simulated network's."""
+        dial deadline) unless a test or benchmark passes a simulated network's.
+        ``retire_idle_after``: seconds a connection may carry nothing before it is retired
+        (``idle_connections.py``; None keeps every connection until it fails)."""
         self.identity = identity
         node_id_difficulty = check_difficulty(node_id_difficulty)
         if node_id is None:
@@ -105,7 +109,7 @@ class PeerHost:
         self.transport: Transport = transport if transport is not None else TcpTransport()
         self.listen_address: PeerAddress | None = None
         self._nursery = nursery
-        self._pool = ConnectionPool()
+        self._pool = ConnectionPool(retire_idle_after)
         self.admission = Admission()  # fair limits on pending handshakes and incoming connections
         self.traffic = TrafficCounter()  # totals over all of this peer's connections
         self.on_connection: list[Any] = []  # callbacks(connection, incoming: bool)
@@ -274,6 +278,14 @@ class PeerHost:
             self._pool.remove(connection)
             log.debug("connection to %s closed", connection.remote_peer_id)
 
+    async def retire_idle_connections(self) -> None:
+        """Every IDLE_CHECK_S, retire the connections idle for longer than the pool allows."""
+        while True:
+            await trio.sleep(IDLE_CHECK_S)
+            for connection in self._pool.idle(trio.current_time()):
+                log.debug("retiring the idle connection to %s", connection.remote_peer_id)
+                connection.retire()
+
     # ------------------------------------------------------------------ dialing
     def connection_to(self, peer: PeerID) -> Connection | None:
         return self._pool.get(peer)
@@ -391,6 +403,7 @@ async def open_peer_host(
     """Run a peer host for the duration of the block. ``listen=None`` accepts no connections."""
     async with trio.open_nursery() as nursery:
         host = PeerHost(identity, nursery, **options)
+        nursery.start_soon(host.retire_idle_connections)
         if listen is not None and not host.client_mode:
             await nursery.start(host._serve, listen[0], listen[1])
         try:

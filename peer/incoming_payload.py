@@ -30,9 +30,10 @@ _SCRATCH = bytearray(MAX_RECORD_PLAINTEXT)  # where discarded payloads are decry
 
 
 class IncomingPayload:
-    __slots__ = ("length", "filled", "discard", "supplied", "_buffer", "_budget", "_charged")
+    __slots__ = ("header", "length", "filled", "discard", "supplied", "_buffer", "_budget", "_charged")
 
-    def __init__(self, length: int, budget: Any, *, discard: bool = False):
+    def __init__(self, length: int, budget: Any, *, discard: bool = False, header: Any = None):
+        self.header = header  # the message header that announced the payload
         self.length = length
         self.filled = 0
         self.discard = discard

@@ -20,7 +20,7 @@ import trio
 
 from .address import PeerAddress
 from .buffers import byte_view
-from .framing import AEAD_TAG_SIZE, HEADER, ProtocolError
+from .framing import ProtocolError
 from .identity import PeerID
 from .link_silence import UNANSWERED_PROBES, LinkSilence
 from .node_id import NodeIDProof
@@ -34,9 +34,19 @@ from .rpc_errors import (
     error_code,
     remote_error,
 )
-from .rpc_events import CallCancelled, CallFailed, CallOpened, CallResult, CreditGranted, StreamData, StreamEnd
+from .rpc_events import (
+    CallCancelled,
+    CallFailed,
+    CallOpened,
+    CallResult,
+    CreditGranted,
+    PeerLeaving,
+    StreamData,
+    StreamEnd,
+)
 from .rpc_outgoing import RepliesUnread, SendQueue, TrafficCounter
 from .rpc_protocol import MAX_STREAM_MESSAGE, RPCProtocol
+from .rpc_reading import RecordReader
 from .rpc_streams import ClientStream, PendingCall, ServerStream
 from .secure_channel import SecureChannel
 
@@ -44,23 +54,11 @@ __all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
 
 log = logging.getLogger("peerd.rpc")
 
-# The reader lets other tasks run after this much work, counting each record as its bytes plus a
-# fixed cost: a bulk stream yields once per MiB, a flood of tiny records once per 64 records
-# (a per-byte budget alone let 24-byte records hold the loop for ~0.5 s).
-READ_BUDGET = 1 << 20
-RECORD_COST = READ_BUDGET // 64
-# A record or payload that has begun must keep arriving: with no progress for this long the
-# connection is dropped with its partial message. 30 s outlasts five lost segments in a row on a
-# healthy path (TCP's retransmission timeout doubles from 1 s: 1 + 2 + 4 + 8 + 16 s) and a
-# volunteer's brief Wi-Fi dropout, and an honest sender is never blocked mid-message by us (credit
-# was granted first). Progress, not an average rate over the whole message: a slow uplink shared
-# by many flows (a donor serving downloads during an all-reduce) is slow, not stalled, and what a
-# trickling sender can hold meanwhile is bounded by the receive budget and per-connection caps.
-STALLED_MESSAGE_TIMEOUT = 30.0
-# A connection that has been quiet this long returns its 1 MiB record buffer to the OS: bulk streams
-# pause far less than a second between messages, so only connections between rounds pay one
-# re-allocation (an mmap) for their next large record.
-IDLE_BUFFER_RELEASE = 1.0
+# A retiring connection (GOAWAY said, see ``rpc_protocol.py``) closes once drained, looked at this
+# often (retiring is rare and drains within a round trip), or after RETIRE_GRACE whatever the peer
+# does: one that never answers its GOAWAY, or never finishes a crossing call, does not hold it open.
+RETIRE_POLL = 0.05
+RETIRE_GRACE = 30.0
 
 
 class Connection:
@@ -135,7 +133,7 @@ class Connection:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     nursery.start_soon(self._until_failure, self._write)
-                    nursery.start_soon(self._until_failure, self._read_loop)
+                    nursery.start_soon(self._until_failure, self._read)
         finally:
             self._fail_all(ConnectionLost(self._close_reason))
             self._outgoing.release()  # after _fail_all: a released sender finds its call's error
@@ -157,6 +155,27 @@ class Connection:
             log.exception("closing connection after an internal error")
         finally:
             self._cancel_scope.cancel()
+
+    @property
+    def takes_calls(self) -> bool:
+        """Whether a new call may start here: not closed or closing, and not retiring."""
+        return not self.is_closed and not self.protocol.goaway.sent
+
+    def retire(self) -> None:
+        """Close the connection without losing a call: say GOAWAY, open no more calls here, and
+        close once both sides have said it and every call that crossed it has ended."""
+        header = self.protocol.go_away()
+        if header is None or self.is_closed or self._nursery is None:
+            return
+        self.enqueue(header)
+        self._nursery.start_soon(self._close_when_drained)
+
+    async def _close_when_drained(self) -> None:
+        with trio.move_on_after(RETIRE_GRACE):
+            while not (self.protocol.drained and self._outgoing.idle):
+                await trio.sleep(RETIRE_POLL)
+        self._close_reason = "connection retired (idle)"
+        self._cancel_scope.cancel()
 
     def close(self) -> None:
         """Stop the connection (non-blocking; ``closed`` is set once it is down)."""
@@ -207,6 +226,8 @@ class Connection:
     def _check_open(self) -> None:
         if self.is_closed:
             raise ConnectionLost(self._close_reason)
+        if self.protocol.goaway.sent:
+            raise ConnectionLost(f"the connection to {self.remote_peer_id} is retiring: dial again")
 
     async def call(
         self, method: str, body: Any = None, *, payload: Any = None, timeout: float | None = None
@@ -329,71 +350,24 @@ class Connection:
         await self._outgoing.write_loop()
 
     # ------------------------------------------------------------------ reading
-    async def _read_loop(self) -> None:
-        channel, protocol = self.channel, self.protocol
-        decoder, open_record, open_into = channel.decoder, channel.open, channel.open_into
-        budget = READ_BUDGET
-        while True:
-            while (record := decoder.next_record()) is not None:
-                self.traffic.bytes_received += len(record) + HEADER.size
-                budget -= len(record) + RECORD_COST
-                if protocol.awaiting_payload:
-                    if protocol.payload_fits_record(len(record) - AEAD_TAG_SIZE):
-                        # The whole payload in one record and nowhere in particular to put it: let
-                        # the AEAD allocate the plaintext (one allocation, no buffer to fill).
-                        events = protocol.payload_whole(open_record(record))
-                    else:
-                        target = protocol.payload_target(len(record) - AEAD_TAG_SIZE)
-                        events = protocol.payload_received(open_into(record, target))
-                        del target  # a fresh payload buffer may have to grow for the next record
-                else:
-                    events = protocol.receive_header(open_record(record))
-                    if protocol.awaiting_payload:
-                        if protocol.announced_data is not None:
-                            self._supply_payload_buffer(*protocol.announced_data)
-                for header in protocol.take_outbox():
-                    self._reply(header)
-                for event in events:
-                    self._handle_event(event)
-                if budget <= 0:
-                    budget = READ_BUDGET
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-            if protocol.awaiting_payload or decoder.buffered or decoder.holds_spare_buffer:
-                more = await self._fill()
-            else:  # between messages, as most reads start: no deadline, nothing to release
-                more = await channel.fill()
-            if not more:
-                self._close_reason = f"peer {self.remote_peer_id} closed the connection"
-                return
+    async def _read(self) -> None:
+        reader = RecordReader(
+            self.channel,
+            self.protocol,
+            self.traffic,
+            on_event=self._handle_event,
+            on_refusal=self._reply,
+            payload_buffer=self._payload_buffer,
+        )
+        await reader.run()
+        self._close_reason = f"peer {self.remote_peer_id} closed the connection"
 
-    async def _fill(self) -> bool:
-        """Receive more bytes, within the deadline of any message in progress; give the record
-        buffer back when the connection goes quiet between messages."""
-        channel, decoder = self.channel, self.channel.decoder
-        if self.protocol.awaiting_payload or decoder.buffered:
-            try:
-                return await channel.fill(STALLED_MESSAGE_TIMEOUT)
-            except trio.TooSlowError:
-                raise ProtocolError(
-                    f"a message stalled mid-way (no progress for {STALLED_MESSAGE_TIMEOUT:g} s)"
-                ) from None
-        if decoder.holds_spare_buffer:
-            try:
-                return await channel.fill(IDLE_BUFFER_RELEASE)
-            except trio.TooSlowError:
-                decoder.release()
-        return await channel.fill()
-
-    def _supply_payload_buffer(self, call_id: int, body: Any) -> None:
+    def _payload_buffer(self, call_id: int, body: Any, nbytes: int) -> Any:
+        """Where a stream message's payload goes: its stream's buffer provider's choice, if any."""
         state = self._pending.get(call_id)
         if state is None or state.buffer_provider is None:
-            return
-        try:
-            buffer = state.buffer_provider(body, self.protocol.payload_remaining)
-            if buffer is not None:
-                self.protocol.supply_payload_buffer(buffer)
-        except Exception as error:  # the application's bug: it costs a copy, not the connection
-            log.warning("buffer provider of stream %s failed (%r); using a fresh buffer", state.method, error)
+            return None
+        return state.buffer_provider(body, nbytes)
 
     def _handle_event(self, event: Any) -> None:
         if isinstance(event, CallOpened):
@@ -427,6 +401,8 @@ class Connection:
             scope = self._handler_scopes.get(event.call_id)
             if scope is not None:
                 scope.cancel()
+        elif isinstance(event, PeerLeaving):
+            self.retire()  # our GOAWAY answers theirs: neither side opens calls here any more
 
     # ------------------------------------------------------------------ serving
     def _start_handler(self, event: CallOpened) -> None:

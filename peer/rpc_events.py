@@ -8,7 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CallOpened", "StreamData", "StreamEnd", "CallResult", "CallFailed", "CallCancelled", "CreditGranted"]
+__all__ = [
+    "CallOpened",
+    "StreamData",
+    "StreamEnd",
+    "CallResult",
+    "CallFailed",
+    "CallCancelled",
+    "CreditGranted",
+    "PeerLeaving",
+]
 
 
 @dataclass(frozen=True)
@@ -57,3 +66,8 @@ class CallCancelled:
 class CreditGranted:
     call_id: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class PeerLeaving:
+    """The peer opens no more calls on this connection (it found it idle, or answers our leaving)."""

@@ -7,14 +7,14 @@ from typing import Any
 
 from .framing import ProtocolError
 
-__all__ = ["OPEN", "DATA", "END", "ERROR", "CANCEL", "CREDIT", "UNARY", "RESULT", "check", "validate"]
+__all__ = ["OPEN", "DATA", "END", "ERROR", "CANCEL", "CREDIT", "UNARY", "RESULT", "GOAWAY", "check", "validate"]
 
-OPEN, DATA, END, ERROR, CANCEL, CREDIT, UNARY, RESULT = 1, 2, 3, 4, 5, 6, 7, 8
+OPEN, DATA, END, ERROR, CANCEL, CREDIT, UNARY, RESULT, GOAWAY = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 MAX_METHOD_NAME = 256
 
 # Items in a header of each kind.
-_SHAPES = {OPEN: 5, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4}
+_SHAPES = {OPEN: 5, DATA: 4, END: 2, ERROR: 4, CANCEL: 2, CREDIT: 3, UNARY: 6, RESULT: 4, GOAWAY: 2}
 
 
 def check(condition: bool, what: str) -> None:

@@ -15,9 +15,15 @@ Wire format of a header (msgpack array), followed by ``payload_len`` raw bytes w
     ERROR  [4, id, type_name, message]                   the handler failed; ends the call
     CANCEL [5, id]                                       the caller gave up; ends the call
     CREDIT [6, id, nbytes]                               the receiver can take nbytes more DATA
+    GOAWAY [9, 0]                                        the sender opens no more calls here
 
 Call IDs are odd for calls opened by the connection's initiator and even for the responder, so both
 sides can open calls on one connection without colliding (as in HTTP/2).
+
+A side that finds the connection idle says GOAWAY and opens no more calls; the other answers with
+its own GOAWAY at once. Once both have said it and no call is left (calls that crossed the first
+GOAWAY in flight are served as usual: ``drained``), either side may close the connection knowing
+that nothing it was asked is lost.
 
 Each side of a stream says how large a message it accepts (``max_message``): the caller in its
 OPEN, the handler's side where the method is registered. A larger message is refused at its
@@ -33,6 +39,7 @@ from .framing import ProtocolError
 from .incoming_payload import IncomingPayload
 from .packing import packb, unpackb
 from .receive_budget import ReceiveBudget, process_budget
+from .rpc_call_state import MAX_PAYLOAD, MAX_STREAM_MESSAGE, STREAM_WINDOW, CallState, GoAway
 from .rpc_errors import BUSY, MESSAGE_TOO_LARGE
 from .rpc_events import (
     CallCancelled,
@@ -40,10 +47,11 @@ from .rpc_events import (
     CallOpened,
     CallResult,
     CreditGranted,
+    PeerLeaving,
     StreamData,
     StreamEnd,
 )
-from .rpc_headers import CANCEL, CREDIT, DATA, END, ERROR, OPEN, RESULT, UNARY, check, validate
+from .rpc_headers import CANCEL, CREDIT, DATA, END, ERROR, GOAWAY, OPEN, RESULT, UNARY, check, validate
 
 __all__ = [
     "RPCProtocol",
@@ -54,18 +62,13 @@ __all__ = [
     "CallFailed",
     "CallCancelled",
     "CreditGranted",
+    "PeerLeaving",
     "MAX_STREAM_MESSAGE",
 ]
 
-# A single message's raw payload may span many records; 256 MiB bounds what one hostile message
-# can make us allocate, while a 64M-parameter float32 tensor still fits in one message.
-MAX_PAYLOAD = 256 << 20
 # HTTP/2's default SETTINGS_MAX_CONCURRENT_STREAMS is 100; tensor work needs more (1,000 in-flight
 # calls are tested), and each idle call costs only a dict entry and a task.
 MAX_CONCURRENT_CALLS = 4096
-# Per-direction stream window: 16 MiB keeps a loopback pipe of 1 MiB records full (measured) while
-# bounding what a slow reader makes the sender's peer buffer.
-STREAM_WINDOW = 16 << 20
 # Stream data received but not yet read by the application, and the payloads of unary requests
 # whose handlers are still running, summed over one connection's calls. A call's window bounds
 # stream data per call; this bounds a peer that opens many streams to handlers that do not read
@@ -73,40 +76,7 @@ STREAM_WINDOW = 16 << 20
 # windows plus one maximal message (see ``_fits_credit``), which an honest peer reaches only with
 # several bulk transfers at once.
 MAX_UNREAD_PER_CONNECTION = 4 * STREAM_WINDOW + MAX_PAYLOAD
-# The largest stream message (payload bytes) a side accepts unless it says otherwise: one window.
-# A larger one is accepted only where its receiver expects it (a state download's tensors), not
-# merely because the window is empty: four 250 MiB messages unread on live streams held +514 MB.
-MAX_STREAM_MESSAGE = STREAM_WINDOW
 MAX_ERROR_TEXT = 4096
-
-
-class _Call:
-    __slots__ = (
-        "local",
-        "unary",
-        "sent_done",
-        "received_done",
-        "send_credit",
-        "receive_credit",
-        "unacked",
-        "unread",
-        "max_receive",
-        "max_send",
-    )
-    # A call the peer opened ends when we send END/RESULT/ERROR or it sends CANCEL; a call we opened
-    # ends when the peer sends END/RESULT/ERROR or we cancel it.
-
-    def __init__(self, local: bool, window: int):
-        self.local = local  # True if we opened it
-        self.unary = False  # we opened it as a unary call: only RESULT or ERROR may answer it
-        self.sent_done = False
-        self.received_done = False
-        self.send_credit = window
-        self.receive_credit = window
-        self.unacked = 0  # bytes the application consumed but we have not re-granted yet
-        self.unread = 0  # bytes delivered to the application and not yet consumed
-        self.max_receive = MAX_STREAM_MESSAGE  # the largest message payload we accept on it
-        self.max_send = MAX_PAYLOAD  # the largest the other side accepts (what its OPEN said)
 
 
 # What may arrive for a call we opened, by its kind (CREDIT is harmless on either).
@@ -141,7 +111,7 @@ class RPCProtocol:
         self.max_payload = max_payload
         self.window = window
         self._next_call_id = 1 if initiator else 2
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, CallState] = {}
         self._remote_calls = 0
         self._last_remote_call_id = 0
         self._outbox: list[bytes] = []
@@ -149,18 +119,20 @@ class RPCProtocol:
         self.max_unread = max_unread
         self.budget = budget if budget is not None else process_budget()
         self._unread = 0  # stream bytes delivered to calls and not yet consumed, over all calls
-        self._pending: tuple | None = None  # header awaiting its payload
-        self._payload: IncomingPayload | None = None  # that payload, as its records arrive
+        self._payload: IncomingPayload | None = None  # an announced payload, as its records arrive
         self._header_size = 0
+        self.goaway = GoAway()  # who said GOAWAY: after ours, no call of ours opens
         # Set by the first protocol error on any incoming path; every incoming method (headers,
         # payloads, payload buffers) then raises it again, as h11's ERROR state: nothing half-works.
         self._failed: ProtocolError | None = None
 
     # ----------------------------------------------------------------- outgoing
     def _new_call(self) -> int:
+        if self.goaway.sent:
+            raise RuntimeError("no call opens on a connection we are leaving")
         call_id = self._next_call_id
         self._next_call_id += 2
-        self._calls[call_id] = _Call(local=True, window=self.window)
+        self._calls[call_id] = CallState(local=True, window=self.window)
         return call_id
 
     def open_unary(self, method: str, body: Any, payload_len: int, timeout: float | None) -> tuple[int, bytes]:
@@ -256,6 +228,18 @@ class RPCProtocol:
         call.receive_credit += grant
         return packb([CREDIT, call_id, grant])
 
+    def go_away(self) -> bytes | None:
+        """Leave the connection: the GOAWAY header to send, or None if we already did."""
+        if self.goaway.sent:
+            return None
+        self.goaway.sent = True
+        return packb([GOAWAY, 0])
+
+    @property
+    def drained(self) -> bool:
+        """Both sides said GOAWAY and no call is open or half-received: closing loses nothing."""
+        return self.goaway.sent and self.goaway.received and not self._calls and self._payload is None
+
     def take_outbox(self) -> list[bytes]:
         """Headers the protocol itself wants sent (refusals of calls over the limit)."""
         outbox, self._outbox = self._outbox, []
@@ -271,7 +255,7 @@ class RPCProtocol:
     # ----------------------------------------------------------------- incoming
     @property
     def awaiting_payload(self) -> bool:
-        return self._pending is not None
+        return self._payload is not None
 
     @property
     def payload_remaining(self) -> int:
@@ -287,10 +271,10 @@ class RPCProtocol:
     def announced_data(self) -> tuple[int, Any] | None:
         """``(call_id, body)`` of the stream message whose payload is awaited (None otherwise), so
         that the driver can ask the application where the payload should go."""
-        header, payload = self._pending, self._payload
-        if header is None or header[0] != DATA or payload is None or payload.started or payload.discard:
+        payload = self._payload
+        if payload is None or payload.header[0] != DATA or payload.started or payload.discard:
             return None
-        return header[1], header[2]
+        return payload.header[1], payload.header[2]
 
     def payload_fits_record(self, size: int) -> bool:
         """Whether a record of ``size`` plaintext bytes is the whole awaited payload and no buffer
@@ -316,9 +300,8 @@ class RPCProtocol:
             incoming = self._payload
             if incoming is None or incoming.started or len(payload) != incoming.length:
                 raise ProtocolError("payload record does not match the announced payload length")
-            header = self._pending
-            self._pending = self._payload = None
-            return [] if incoming.discard else self._dispatch(header, payload)
+            self._payload = None
+            return [] if incoming.discard else self._dispatch(incoming.header, payload)
         except ProtocolError as error:
             self._failed = error
             raise
@@ -339,16 +322,15 @@ class RPCProtocol:
     def payload_received(self, nbytes: int) -> list:
         if self._failed is not None:
             raise self._failed
-        assert self._payload is not None and self._pending is not None
+        assert self._payload is not None
         if not self._payload.received(nbytes):
             return []
-        header, incoming = self._pending, self._payload
-        self._pending = self._payload = None
+        incoming, self._payload = self._payload, None
         payload = incoming.take()
         if incoming.discard:
             return []
         try:
-            return self._dispatch(header, payload)  # its checks (credit, state) fail the protocol too
+            return self._dispatch(incoming.header, payload)  # its checks (credit, state) fail the protocol too
         except ProtocolError as error:
             self._failed = error
             raise
@@ -356,7 +338,7 @@ class RPCProtocol:
     def receive_header(self, plaintext: bytes | memoryview) -> list:
         if self._failed is not None:
             raise self._failed
-        if self._pending is not None:
+        if self._payload is not None:
             raise RuntimeError("a payload is pending; feed it through payload_target")
         try:
             try:
@@ -366,13 +348,12 @@ class RPCProtocol:
             check(isinstance(header, list) and len(header) >= 2, "not an array of at least 2 items")
             self._header_size = len(plaintext)  # what the sender charged against its credit
             kind, call_id = header[0], header[1]
-            check(type(call_id) is int and 0 < call_id < 1 << 63, "bad call ID")
+            check(type(call_id) is int and (0 < call_id or kind == GOAWAY) and call_id < 1 << 63, "bad call ID")
             payload_len = validate(kind, header, self.max_payload)
             refused = self._check_data(call_id, payload_len) if kind == DATA else []
             if payload_len:
-                self._pending = header
                 discard = not self._wants_payload(kind, call_id)
-                self._payload = IncomingPayload(payload_len, self.budget, discard=discard)
+                self._payload = IncomingPayload(payload_len, self.budget, discard=discard, header=header)
                 return refused
             return self._dispatch(header, b"")
         except ProtocolError as error:
@@ -415,6 +396,10 @@ class RPCProtocol:
         kind, call_id = header[0], header[1]
         if kind in (OPEN, UNARY):
             return self._remote_open(kind, call_id, header, payload)
+        if kind == GOAWAY:
+            check(call_id == 0, "GOAWAY names no call")
+            self.goaway.received = True
+            return [PeerLeaving()]
         call = self._calls.get(call_id)
         if call is None:
             return []  # a call that already ended here (cancelled, failed): late traffic is normal
@@ -452,6 +437,7 @@ class RPCProtocol:
 
     def _remote_open(self, kind: int, call_id: int, header: list, payload: Any) -> list:
         check(call_id % 2 != self._next_call_id % 2, "call ID of the wrong parity")  # ours have the other
+        check(not self.goaway.received, "a call opened after GOAWAY")
         # Call IDs only grow (as HTTP/2 stream IDs do): a reused ID could alias a call whose handler
         # is still unwinding, leaving a second handler that nothing counts or can cancel.
         if call_id <= self._last_remote_call_id:
@@ -462,7 +448,7 @@ class RPCProtocol:
                 packb([ERROR, call_id, BUSY, f"too many concurrent calls (limit {self.max_concurrent_calls})"])
             )
             return []
-        call = _Call(local=False, window=self.window)
+        call = CallState(local=False, window=self.window)
         self._calls[call_id] = call
         self._remote_calls += 1
         if kind == OPEN:
@@ -480,13 +466,13 @@ class RPCProtocol:
         return [CallOpened(call_id, header[2], header[3], False)]
 
     # ----------------------------------------------------------------- bookkeeping
-    def _live(self, call_id: int) -> _Call:
+    def _live(self, call_id: int) -> CallState:
         call = self._calls.get(call_id)
         if call is None:
             raise KeyError(f"call {call_id} is not live")
         return call
 
-    def _pop_call(self, call_id: int) -> _Call | None:
+    def _pop_call(self, call_id: int) -> CallState | None:
         """Remove a call; what it had delivered unread no longer counts (no more can arrive)."""
         call = self._calls.pop(call_id, None)
         if call is not None:

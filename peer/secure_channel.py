@@ -76,8 +76,9 @@ __all__ = [
 # 2: hellos carry the node-ID proof and difficulty; DHT contacts carry nonces; records are signed
 # in the new envelope. 3: a stream's OPEN says the largest message its caller accepts. 4: a DHT find
 # may name the dictionary entries its asker holds; all-reduce parts may be split finer over slow
-# links. A peer of another version is told the versions differ instead of failing obscurely.
-PROTOCOL_VERSION = 4
+# links. 5: a side that finds a connection idle says GOAWAY (rpc_protocol.py) and both retire it.
+# A peer of another version is told the versions differ instead of failing obscurely.
+PROTOCOL_VERSION = 5
 NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
 PROLOGUE = b"peerd-noise-v1"
 STATIC_KEY_CONTEXT = b"peerd-noise-static-key:"

@@ -131,8 +131,8 @@ async def test_the_tasks_a_host_runs_end_with_it():
         host.start_soon(forever)
 
 
-def pooled(peer: str, *, relayed_via=None, closed: bool = False):
-    return SimpleNamespace(remote_peer_id=peer, relayed_via=relayed_via, is_closed=closed)
+def pooled(peer: str, *, relayed_via=None):
+    return SimpleNamespace(remote_peer_id=peer, relayed_via=relayed_via, takes_calls=True)
 
 
 def test_the_pool_keeps_one_connection_per_peer_and_a_direct_one_replaces_a_relayed_one():
@@ -145,7 +145,7 @@ def test_the_pool_keeps_one_connection_per_peer_and_a_direct_one_replaces_a_rela
     assert pool.get("b") is direct and pool.add(pooled("b")) is None and pool.get("b") is direct
     pool.remove(relayed)  # not the pooled one: nothing changes
     assert pool.peers == ["b"]
-    direct.is_closed = True
+    direct.takes_calls = False  # closed, closing or retiring: no new call goes on it
     assert pool.get("b") is None and pool.peers == []
     pool.remove(direct)
     fresh = pooled("b")

@@ -15,8 +15,8 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-import peer.rpc
 import peer.rpc_outgoing
+import peer.rpc_reading
 from peer import Identity, Message, MessageTooLargeError, Router, open_peer_host
 from peer.framing import HEADER, IDLE_BUFFER_SIZE, MAX_RECORD_SIZE, READ_SLACK, ProtocolError, RecordDecoder
 from peer.packing import packb, unpackb
@@ -317,7 +317,7 @@ def test_half_sent_records_commit_half_a_record_and_give_it_back_on_close():
 
 # ---------------------------------------------------------------------- the driver
 async def test_a_stalled_payload_costs_its_connection_after_the_timeout(monkeypatch):
-    monkeypatch.setattr(peer.rpc, "STALLED_MESSAGE_TIMEOUT", 0.5)
+    monkeypatch.setattr(peer.rpc_reading, "STALLED_MESSAGE_TIMEOUT", 0.5)
     router = Router()
 
     @router.unary("echo")
@@ -384,7 +384,7 @@ async def test_answers_a_peer_leaves_unread_are_bounded_and_its_further_calls_re
 async def test_a_quiet_connection_holds_small_buffers_whatever_it_carried_before(monkeypatch):
     """A peer keeps connections to dozens of peers, most of them quiet: each end's buffers grow
     for a large payload and go back to a few KiB once the connection has been quiet a moment."""
-    monkeypatch.setattr(peer.rpc, "IDLE_BUFFER_RELEASE", 0.2)
+    monkeypatch.setattr(peer.rpc_reading, "IDLE_BUFFER_RELEASE", 0.2)
     monkeypatch.setattr(peer.rpc_outgoing, "SEND_BUFFER_IDLE_RELEASE", 0.2)
     router = Router()
 

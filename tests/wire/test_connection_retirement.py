@@ -1,0 +1,212 @@
+"""Idle connections are retired without losing a call: the idle bookkeeping and the GOAWAY rules
+sans I/O, then real hosts on the simulated network under the virtual clock (and hand-driven peers
+that do not keep the rules)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from peer import LOCAL_DIFFICULTY, ConnectionLost, Identity, Message, NodeIDProof, Router, open_peer_host
+from peer.framing import ProtocolError
+from peer.idle_connections import IDLE_CHECK_S, IDLE_RETIRE_S, IdleConnections
+from peer.packing import packb, unpackb
+from peer.rpc import RETIRE_GRACE
+from peer.rpc_events import CallOpened, CallResult, PeerLeaving
+from peer.rpc_protocol import RPCProtocol
+from peer.secure_channel import PROTOCOL_VERSION, Hello, secure_handshake
+from peer.simnet import SimNetwork
+
+GOAWAY, UNARY = 9, 7
+
+
+# ---------------------------------------------------------------------- which are idle, sans I/O
+def test_a_connection_is_idle_once_nothing_moved_and_no_call_was_open_for_the_whole_time():
+    idle = IdleConnections(retire_after=90)
+    quiet, busy, chatty = "quiet", "busy", "chatty"
+    assert idle.look([(quiet, ((10, 10), 0)), (busy, ((5, 5), 1)), (chatty, ((1, 1), 0))], now=0) == []
+    assert idle.look([(quiet, ((10, 10), 0)), (busy, ((5, 5), 1)), (chatty, ((2, 1), 0))], now=60) == []
+    # 90 s after the first look that saw it as it is now; an open call with no bytes moving is not idle
+    assert idle.look([(quiet, ((10, 10), 0)), (busy, ((5, 5), 1)), (chatty, ((2, 1), 0))], now=90) == [quiet]
+    assert idle.look([(busy, ((5, 5), 0)), (chatty, ((2, 1), 0))], now=149) == []
+    assert idle.look([(busy, ((5, 5), 0)), (chatty, ((2, 1), 0))], now=150) == [chatty]
+    assert idle.look([(busy, ((5, 5), 0)), (quiet, ((10, 10), 0))], now=240) == [busy]  # quiet: forgotten, new again
+    with pytest.raises(ValueError):
+        IdleConnections(retire_after=0)
+
+
+# ---------------------------------------------------------------------- GOAWAY, sans I/O
+def pair() -> tuple[RPCProtocol, RPCProtocol]:
+    return RPCProtocol(initiator=True), RPCProtocol(initiator=False)
+
+
+def test_goaway_is_answered_and_both_sides_are_drained_once_every_call_ended():
+    a, b = pair()
+    # b's call crosses a's GOAWAY in flight: a still serves it
+    call_id, request = b.open_unary("m", None, 0, None)
+    goaway = a.go_away()
+    assert a.go_away() is None  # said once
+    assert b.receive_header(goaway) == [PeerLeaving()]
+    answer = b.go_away()
+    assert not b.drained  # its call is still open
+    (opened,) = a.receive_header(request)
+    assert isinstance(opened, CallOpened) and opened.call_id == call_id
+    assert a.receive_header(answer) == [PeerLeaving()]
+    assert not a.drained  # the crossing call is still being served
+    result = a.send_result(call_id, "done", 0)
+    assert a.drained
+    assert b.receive_header(result) == [CallResult(call_id, "done", b"")]
+    assert b.drained
+
+
+def test_no_call_opens_after_goaway_and_a_peer_that_opens_one_breaks_the_protocol():
+    a, b = pair()
+    goaway = a.go_away()
+    with pytest.raises(RuntimeError):
+        a.open_unary("m", None, 0, None)
+    with pytest.raises(RuntimeError):
+        a.open_stream("m", None)
+    assert b.receive_header(goaway) == [PeerLeaving()]
+    cheater = RPCProtocol(initiator=True)
+    said = cheater.go_away()
+    _, request = RPCProtocol(initiator=True).open_unary("m", None, 0, None)  # what it sends anyway
+    victim = RPCProtocol(initiator=False)
+    victim.receive_header(said)
+    with pytest.raises(ProtocolError, match="after GOAWAY"):
+        victim.receive_header(request)
+    with pytest.raises(ProtocolError):  # sticky
+        victim.receive_header(packb([GOAWAY, 0]))
+
+
+@pytest.mark.parametrize("header", [[GOAWAY, 1], [GOAWAY], [GOAWAY, 0, 0], [GOAWAY, -1]])
+def test_a_malformed_goaway_breaks_the_protocol(header):
+    with pytest.raises(ProtocolError):
+        RPCProtocol(initiator=False).receive_header(packb(header))
+
+
+# ---------------------------------------------------------------------- real hosts
+def echo_router() -> Router:
+    router = Router()
+
+    @router.unary("echo")
+    async def echo(request):
+        return Message(request.body)
+
+    @router.unary("slow_echo")
+    async def slow_echo(request):
+        await trio.sleep(0.5)
+        return Message(request.body)
+
+    @router.stream("hold")
+    async def hold(stream):
+        await trio.sleep(math.inf)
+
+    return router
+
+
+async def test_an_idle_connection_is_retired_on_both_sides_and_the_next_call_dials_again(autojump_clock):
+    network = SimNetwork(seed=21)
+    async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
+        async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as client:
+            first = await client.connect(server.listen_address)
+            assert (await first.call("echo", "hi")).body == "hi"
+            last_call = trio.current_time()
+            theirs = server.connection_to(client.peer_id)
+            assert theirs is not None
+            with trio.fail_after(IDLE_RETIRE_S + 2 * IDLE_CHECK_S + 5):
+                await first.closed.wait()
+                await theirs.closed.wait()
+            assert trio.current_time() - last_call >= IDLE_RETIRE_S
+            assert "retired" in first.close_reason
+            assert client.connection_to(server.peer_id) is None
+            with pytest.raises(ConnectionLost, match="retir|closed"):
+                await first.call("echo", "on the old one")
+            again = await client.connect(server.listen_address)
+            assert again is not first and (await again.call("echo", "again")).body == "again"
+
+
+async def test_a_connection_with_an_open_call_is_not_retired_however_quiet(autojump_clock):
+    network = SimNetwork(seed=22)
+    async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
+        async with open_peer_host(network.identity(), listen=None, transport=network.add_host()) as client:
+            connection = await client.connect(server.listen_address)
+            async with connection.stream("hold"):
+                await trio.sleep(10 * IDLE_RETIRE_S)
+                assert connection.takes_calls and not connection.closed.is_set()
+            with trio.fail_after(IDLE_RETIRE_S + 2 * IDLE_CHECK_S + 5):
+                await connection.closed.wait()  # once the call ended, it is idle like any other
+
+
+async def test_a_call_that_crosses_the_goaway_in_flight_is_answered(autojump_clock):
+    network = SimNetwork(seed=23)
+    async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
+        async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as client:
+            ours = await client.connect(server.listen_address)
+            await ours.call("echo", "warm")
+            theirs = server.connection_to(client.peer_id)
+            results = []
+
+            async def call() -> None:
+                results.append((await ours.call("slow_echo", "crossing", timeout=10)).body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()  # the request is on its way...
+                theirs.retire()  # ...when the server says GOAWAY
+            assert results == ["crossing"]
+            with trio.fail_after(5):
+                await ours.closed.wait()
+                await theirs.closed.wait()
+            assert "retired" in theirs.close_reason  # (ours may see the server's close first)
+
+
+async def until_closed(channel) -> None:
+    """Read (and drop) records until the other side closes the connection."""
+    with pytest.raises((trio.EndOfChannel, trio.BrokenResourceError)):
+        while True:
+            await channel.receive_record()
+
+
+async def hand_driven(network: SimNetwork, address) -> tuple[Identity, object]:
+    """A secure channel to ``address`` from a peer that follows no rule unless told."""
+    identity = network.identity()
+    nonce = NodeIDProof.solve(identity.peer_id, LOCAL_DIFFICULTY).nonce
+    stream = await network.add_host().connect(address)
+    hello = Hello(PROTOCOL_VERSION, "default", node_id_nonce=nonce)
+    return identity, await secure_handshake(stream, identity, hello, initiator=True, timeout=10)
+
+
+async def test_a_peer_that_never_answers_goaway_is_closed_on_after_the_grace(autojump_clock):
+    network = SimNetwork(seed=24)
+    async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
+        identity, channel = await hand_driven(network, server.listen_address)
+        await channel.send_record(packb([UNARY, 1, "echo", None, "x", 0]))
+        assert unpackb(await channel.receive_record())[:3] == [8, 1, "x"]
+        start = trio.current_time()
+        assert unpackb(await channel.receive_record()) == [GOAWAY, 0]  # idle: the server leaves
+        assert start + IDLE_RETIRE_S - 1 <= trio.current_time() <= start + IDLE_RETIRE_S + 2 * IDLE_CHECK_S
+        said = trio.current_time()
+        with trio.fail_after(RETIRE_GRACE + 5):
+            await until_closed(channel)
+        assert trio.current_time() - said >= RETIRE_GRACE - 1
+        assert server.connection_to(identity.peer_id) is None
+
+
+async def test_a_peer_that_calls_after_its_own_goaway_is_not_served(autojump_clock):
+    network = SimNetwork(seed=25)
+    served = []
+    router = Router()
+
+    @router.unary("note")
+    async def note(request):
+        served.append(request.body)
+
+    async with open_peer_host(network.identity(), router=router, transport=network.add_host()) as server:
+        identity, channel = await hand_driven(network, server.listen_address)
+        await channel.send_record(packb([GOAWAY, 0]))
+        await channel.send_record(packb([UNARY, 1, "note", None, "late", 0]))
+        with trio.fail_after(5):
+            await until_closed(channel)
+        assert served == [] and server.connection_to(identity.peer_id) is None
