@@ -7,13 +7,17 @@ lookup asks ~k peers (20 requests, more with log N hops in a large swarm) before
 themselves: half of a store's requests. The holders of a key change only as peers join and leave,
 so a lookup's answer stays right for a while; ``HOLDERS_TTL`` bounds how stale it may be (a peer
 that joined nearer the key in the meantime misses one store; readers still find every other copy,
-and the next lookup, a minute later at most, includes it). A store that any remembered holder
-failed to answer, or answered keeping nothing, forgets the key, so the next store looks it up again.
+and the next lookup, a minute later at most, includes it). A remembered holder that fails to
+answer a store, or answers keeping nothing, is dropped (``lost``): in a churning swarm one of a key's
+k holders leaves every few seconds, and forgetting the whole set for each made most stores walk
+again. The key's next-nearest peer lacks the record until the next lookup, as it would have until
+a lookup found it; once fewer than ``REFRESH_BELOW`` of the looked-up holders are left, the key is
+forgotten and the next store looks it up again.
 
 A swarm that grows fast (a start-up wave) moves a key's holders within the minute: so remembered
 holders count only while this node's own routing table knows no peer that belongs among them and is
-missing (``lacks_a_nearer``: nearer the key than the farthest remembered, or any while fewer than k
-are remembered); the table learns of newcomers as they look themselves up, and a store then walks again.
+missing (``outdated``: nearer the key than the farthest the lookup found, or any if the lookup found
+fewer than k); the table learns of newcomers as they look themselves up, and a store then walks again.
 
 The cache learns only from this node's own complete single-path store lookups, never from gets: a
 get's k nearest are merged over disjoint paths, so a poisoned path's made-up nodes near the key
@@ -23,14 +27,26 @@ would be among them, and stores would go to those alone for a minute. It holds a
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from .routing import Contact
 
-__all__ = ["HOLDERS_TTL", "MAX_TARGETS", "HolderCache", "lacks_a_nearer"]
+__all__ = ["HOLDERS_TTL", "MAX_TARGETS", "REFRESH_BELOW", "HolderCache"]
 
 HOLDERS_TTL = 60.0  # seconds a lookup's nearest peers are trusted to still be a key's holders
 MAX_TARGETS = 256  # keys remembered (least recently used go first): 256 x 20 contacts
+REFRESH_BELOW = 0.75  # fewer than this share of a lookup's holders still answering: look up again
+
+
+@dataclass
+class _Holders:
+    expires: float
+    contacts: list[Contact]  # those of the lookup's holders still answering
+    found: frozenset[bytes]  # the IDs of all the lookup found (a dropped one stays found)
+    reach: int | None  # XOR distance of the farthest the lookup found, if it found k (None: fewer)
+    floor: int  # fewer holders left than this: forgotten
 
 
 class HolderCache:
@@ -39,16 +55,20 @@ class HolderCache:
             raise ValueError("a holder cache needs a non-negative lifetime and size")
         self.ttl = ttl
         self.max_targets = max_targets
-        self._entries: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
+        self._entries: OrderedDict[int, _Holders] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def remember(self, target: int, nearest: list[Contact], now: float) -> None:
-        """``nearest``: the k nearest live peers a complete lookup of ``target`` found, nearest first."""
+    def remember(self, target: int, nearest: list[Contact], now: float, k: int) -> None:
+        """``nearest``: the (up to) k nearest live peers a complete lookup of ``target`` found,
+        nearest first."""
         if not nearest or self.max_targets == 0:
             return
-        self._entries[target] = (now + self.ttl, list(nearest))
+        reach = max(contact.long_id ^ target for contact in nearest) if len(nearest) >= k else None
+        floor = math.ceil(REFRESH_BELOW * len(nearest))
+        found = frozenset(contact.id for contact in nearest)
+        self._entries[target] = _Holders(now + self.ttl, list(nearest), found, reach, floor)
         self._entries.move_to_end(target)
         while len(self._entries) > self.max_targets:
             self._entries.popitem(last=False)
@@ -58,22 +78,33 @@ class HolderCache:
         entry = self._entries.get(target)
         if entry is None:
             return None
-        expires, nearest = entry
-        if now >= expires:
+        if now >= entry.expires:
             del self._entries[target]
             return None
         self._entries.move_to_end(target)
-        return list(nearest)
+        return list(entry.contacts)
+
+    def lost(self, target: int, gone: list[Contact]) -> None:
+        """``gone`` did not answer a store of ``target`` or kept nothing of it: no longer holders."""
+        entry = self._entries.get(target)
+        if entry is None:
+            return
+        ids = {contact.id for contact in gone}
+        entry.contacts = [contact for contact in entry.contacts if contact.id not in ids]
+        if len(entry.contacts) < entry.floor:
+            del self._entries[target]
 
     def forget(self, target: int) -> None:
         self._entries.pop(target, None)
 
-
-def lacks_a_nearer(target: int, holders: list[Contact], known: list[Contact], k: int) -> bool:
-    """Whether ``known`` (the nearest contacts our table holds) names a peer missing from ``holders``
-    that belongs among a key's k nearest: the remembered holders are out of date."""
-    remembered = {contact.id for contact in holders}
-    farthest = max((contact.long_id ^ target for contact in holders), default=0)
-    return any(
-        contact.id not in remembered and (len(holders) < k or contact.long_id ^ target < farthest) for contact in known
-    )
+    def outdated(self, target: int, known: list[Contact]) -> bool:
+        """Whether ``known`` (the nearest contacts our table holds) names a peer that belongs among
+        ``target``'s holders and was not among those the lookup found (nor dropped since): nearer
+        than the farthest it found, or any if it found fewer than k."""
+        entry = self._entries.get(target)
+        if entry is None:
+            return False
+        return any(
+            contact.id not in entry.found and (entry.reach is None or contact.long_id ^ target < entry.reach)
+            for contact in known
+        )

@@ -19,7 +19,7 @@ from . import wire
 from .background import Background
 from .config import DHTConfig
 from .contacts import Contacts
-from .holders import HolderCache, lacks_a_nearer
+from .holders import HolderCache
 from .local import LocalRecords, as_records
 from .lookup_driver import LookupDriver
 from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, DHTValue, key_id, pack
@@ -77,7 +77,7 @@ class Replicas:
                     nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
 
             nearest = self.holders.holders(target, looked_up_at)
-            if nearest is not None and lacks_a_nearer(target, nearest, self.contacts.nearest(target, k), k):
+            if nearest is not None and self.holders.outdated(target, self.contacts.nearest(target, k)):
                 nearest = None  # our table has met a peer that belongs among the holders
             if nearest is None:
                 # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
@@ -87,13 +87,13 @@ class Replicas:
                 )
                 nearest = result.nearest[:k]
                 if not result.timed_out:
-                    self.holders.remember(target, nearest, looked_up_at)
+                    self.holders.remember(target, nearest, looked_up_at, k)
             for contact in nearest:
                 send_to(contact)
             if not self.client_mode and (len(nearest) < k or self.node_id ^ target < nearest[-1].long_id ^ target):
                 outcomes.append(self.records.store(record))
         if unanswered:
-            self.holders.forget(target)  # one is gone or refused: look the holders up again next time
+            self.holders.lost(target, unanswered)  # gone or refusing: the others still hold the key
         return any(outcomes)
 
     async def send(

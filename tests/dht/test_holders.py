@@ -1,5 +1,6 @@
 """A key's holders, remembered for a minute (``dht/holders.py``): a repeated store goes straight to
-them, and a holder that stops answering sends the next store back to a full lookup."""
+them, a holder that stops answering is dropped from them, and once a quarter of them are gone the
+next store goes back to a full lookup."""
 
 from __future__ import annotations
 
@@ -9,20 +10,24 @@ import pytest
 import trio
 
 from dht import DHTConfig
-from dht.holders import HOLDERS_TTL, HolderCache, lacks_a_nearer
+from dht.holders import HOLDERS_TTL, REFRESH_BELOW, HolderCache
 from dht.records import key_id, pack
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
 
+def placed(long_id: int) -> SimpleNamespace:
+    return SimpleNamespace(id=long_id.to_bytes(20, "big"), long_id=long_id)
+
+
 def contacts(count: int) -> list:
-    return [object() for _ in range(count)]  # the cache keeps contacts as given, never reads them
+    return [placed(distance) for distance in range(1, count + 1)]
 
 
 def test_holders_are_fresh_for_their_lifetime_and_then_gone():
     cache = HolderCache(ttl=60)
     nearest = contacts(3)
-    cache.remember(7, nearest, now=100.0)
+    cache.remember(7, nearest, now=100.0, k=3)
     assert cache.holders(7, now=159.9) == nearest
     assert cache.holders(7, now=160.0) is None
     assert len(cache) == 0 and cache.holders(8, now=100.0) is None
@@ -30,9 +35,9 @@ def test_holders_are_fresh_for_their_lifetime_and_then_gone():
 
 def test_a_forgotten_or_empty_answer_is_not_a_set_of_holders():
     cache = HolderCache()
-    cache.remember(1, [], now=0.0)
+    cache.remember(1, [], now=0.0, k=3)
     assert cache.holders(1, now=0.0) is None
-    cache.remember(2, contacts(2), now=0.0)
+    cache.remember(2, contacts(2), now=0.0, k=3)
     cache.forget(2)
     assert cache.holders(2, now=0.0) is None
 
@@ -40,10 +45,10 @@ def test_a_forgotten_or_empty_answer_is_not_a_set_of_holders():
 def test_the_cache_keeps_at_most_its_size_dropping_the_least_recently_used():
     cache = HolderCache(max_targets=2)
     for target in range(3):
-        cache.remember(target, contacts(1), now=0.0)
+        cache.remember(target, contacts(1), now=0.0, k=3)
     assert len(cache) == 2 and cache.holders(0, now=0.0) is None
     cache.holders(1, now=0.0)  # used: 2 is now the oldest
-    cache.remember(3, contacts(1), now=0.0)
+    cache.remember(3, contacts(1), now=0.0, k=3)
     assert cache.holders(2, now=0.0) is None and cache.holders(1, now=0.0) is not None
 
 
@@ -52,25 +57,42 @@ def test_bad_settings_are_refused():
         HolderCache(ttl=-1)
 
 
-def placed(long_id: int) -> SimpleNamespace:
-    return SimpleNamespace(id=long_id.to_bytes(20, "big"), long_id=long_id)
-
-
 def test_remembered_holders_are_out_of_date_once_the_table_knows_a_nearer_peer_they_lack():
-    target = 0
+    target, cache = 0, HolderCache()
     holders = [placed(distance) for distance in (1, 2, 4)]
-    assert not lacks_a_nearer(target, holders, holders[:2], k=3)  # the table knows only holders
-    assert not lacks_a_nearer(target, holders, [*holders, placed(9)], k=3)  # a farther one: not a holder
-    assert lacks_a_nearer(target, holders, [placed(3)], k=3)  # nearer than the farthest holder
-    # fewer than k remembered (the swarm was smaller than k): any peer they lack belongs among them
-    assert lacks_a_nearer(target, holders, [placed(9)], k=20)
+    cache.remember(target, holders, now=0.0, k=3)
+    assert not cache.outdated(target, holders[:2])  # the table knows only holders
+    assert not cache.outdated(target, [*holders, placed(9)])  # a farther one: not a holder
+    assert cache.outdated(target, [placed(3)])  # nearer than the farthest holder
+    cache.lost(target, [holders[2]])
+    assert not cache.outdated(target, holders)  # a dropped holder the table still names: no newcomer
+    assert not cache.outdated(target, [placed(9)])  # nor one beyond the lookup's reach
+    # the lookup found fewer than k (the swarm was smaller than k): any peer it lacks belongs among them
+    cache.remember(target, holders, now=0.0, k=20)
+    assert cache.outdated(target, [placed(9)])
+
+
+def test_holders_that_stop_answering_are_dropped_until_too_few_are_left():
+    cache, k = HolderCache(), 20
+    nearest = contacts(k)
+    cache.remember(5, nearest, now=0.0, k=k)
+    floor = round(REFRESH_BELOW * k)
+    cache.lost(5, nearest[:1])
+    assert cache.holders(5, now=1.0) == nearest[1:]
+    cache.lost(5, nearest[1 : k - floor])  # exactly the floor left
+    assert cache.holders(5, now=1.0) == nearest[k - floor :]
+    cache.lost(5, [placed(999)])  # not a holder: nothing changes
+    assert len(cache.holders(5, now=1.0)) == floor
+    cache.lost(5, nearest[-1:])
+    assert cache.holders(5, now=1.0) is None  # too few: the next store looks the holders up again
+    cache.lost(6, nearest)  # a key not remembered: nothing to drop
 
 
 def served(swarm) -> int:
     return sum(swarm.nodes[i].requests_served for i in swarm.alive())
 
 
-async def test_a_repeated_store_asks_only_the_holders_until_one_of_them_is_gone(autojump_clock):
+async def test_a_repeated_store_asks_only_the_holders_still_answering_until_too_few_are(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=11), 40, config=DHTConfig()) as swarm:
         writer, clock = swarm.nodes[0], swarm.clock
         await trio.sleep(5)  # the swarm's own joining traffic is over
@@ -85,19 +107,27 @@ async def test_a_repeated_store_asks_only_the_holders_until_one_of_them_is_gone(
         assert served(swarm) - before <= k  # the stores alone: no walk to the holders
         assert (await swarm.nodes[25].get("declarations", latest=True)).value["me"].value == "second"
 
-        gone = next(i for i in swarm.alive()[1:] if swarm.nodes[i].records.found(pack("declarations")) is not None)
+        holding = [i for i in swarm.alive()[1:] if swarm.nodes[i].records.found(pack("declarations")) is not None]
+        gone = holding[0]
         swarm.leave(gone)
         assert await writer.store("declarations", "third", clock.time() + 600, subkey="me")
         before = served(swarm)
         assert await writer.store("declarations", "fourth", clock.time() + 600, subkey="me")
-        assert served(swarm) - before > k  # a holder did not answer: looked up again
+        assert served(swarm) - before <= k - 1  # the holder that did not answer is dropped, not walked for
+
+        for index in holding[1 : k - round(REFRESH_BELOW * k) + 1]:  # a quarter of them gone
+            swarm.leave(index)
+        assert await writer.store("declarations", "fifth", clock.time() + 600, subkey="me")
+        before = served(swarm)
+        assert await writer.store("declarations", "sixth", clock.time() + 600, subkey="me")
+        assert served(swarm) - before > k  # too few answered: looked up again
 
         await trio.sleep(HOLDERS_TTL)
         before = served(swarm)
-        assert await writer.store("declarations", "fifth", clock.time() + 600, subkey="me")
+        assert await writer.store("declarations", "seventh", clock.time() + 600, subkey="me")
         assert served(swarm) - before > k  # a minute later the holders are looked up afresh
-        reader = swarm.nodes[30 if gone != 30 else 31]
-        assert (await reader.get("declarations", latest=True)).value["me"].value == "fifth"
+        reader = swarm.nodes[next(i for i in swarm.alive()[1:] if i not in holding)]
+        assert (await reader.get("declarations", latest=True)).value["me"].value == "seventh"
 
 
 async def test_a_swarm_that_grows_past_the_holders_sends_the_next_store_back_to_a_lookup(autojump_clock):
