@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -228,6 +228,7 @@ class GroupAverager:
         timeout: float | None = None,
         group: FormedGroup | None = None,
         round_number: int | None = None,
+        on_group: Callable[[FormedGroup], None] | None = None,
     ) -> AveragingRound:
         """Find a group and average with it; returns what the round was. Raises MatchmakingError
         if no group formed in time.
@@ -239,6 +240,8 @@ class GroupAverager:
         ``round_number``: the round to declare (default: ``self.round``, one past the last round
         this averager took part in); ``self.round`` moves one past the round averaged in, or, left
         more than a round behind every peer that declared (``OutOfReach``), to the swarm's round.
+        ``on_group(group)`` runs once the group is known, before its all-reduce (``step_ahead.py``
+        starts the next round's matchmaking there).
         """
         async with self._lock:
             started = trio.current_time()
@@ -250,6 +253,8 @@ class GroupAverager:
                         self.round = error.swarm_round
                     raise
             self.round = group.round + 1
+            if on_group is not None:
+                on_group(group)
             formed = max(started, group.formed_at)
             result = await self._average(group.group, weight)
             if result.failed_peers:

@@ -21,6 +21,7 @@ import torch
 
 from .allreduce import AllReduceResult
 from .averager import GroupAverager
+from .step_ahead import StepAhead
 
 __all__ = ["Averager"]
 
@@ -36,6 +37,8 @@ class Averager:
             return GroupAverager(tensors, dht.node, prefix=prefix, **options)
 
         self._averager: GroupAverager = self._loop.run(create)
+        # Steps called in a rhythm (a training loop's) find their group formed ahead.
+        self._steps = StepAhead(self._averager, self._averager.host)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -44,12 +47,13 @@ class Averager:
     def step(
         self, weight: float = 1.0, timeout: float | None = None, *, return_future: bool = False
     ) -> AllReduceResult | concurrent.futures.Future[AllReduceResult]:
-        """Find a group and average; raises MatchmakingError if none formed within ``timeout``."""
+        """Find a group and average; raises MatchmakingError if none formed within ``timeout``.
+        Once steps come in a rhythm, each finds its group formed ahead (``step_ahead.py``)."""
         future = self._loop.submit(self._step, weight, timeout)
         return future if return_future else future.result()
 
     async def _step(self, weight: float, timeout: float | None) -> AllReduceResult:
-        return (await self._averager.step(weight, timeout)).result
+        return (await self._steps.step(weight, timeout)).result
 
     @contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
@@ -66,4 +70,8 @@ class Averager:
     def shutdown(self) -> None:
         """Leave: the other peers stop counting on this one at once (see ``GroupAverager.leave``).
         Call it before shutting down the DHT."""
-        self._loop.run(self._averager.leave)
+        self._loop.run(self._leave)
+
+    async def _leave(self) -> None:
+        await self._steps.close()
+        await self._averager.leave()

@@ -13,19 +13,26 @@ An exception from the task is not kept: it goes to the nursery, as any task's do
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
-__all__ = ["Later"]
+__all__ = ["Later", "TaskSpawner"]
 
 T = TypeVar("T")
+
+
+class TaskSpawner(Protocol):
+    """Where a ``Later``'s task runs: a nursery, or a host (``PeerHost.start_soon``: its tasks end
+    with the host)."""
+
+    def start_soon(self, task: Callable[..., Awaitable[Any]], *args: Any) -> Any: ...
 
 
 class Later(Generic[T]):
     """``await work()`` run in ``nursery``; its value, once it returned, for whoever collects it."""
 
-    def __init__(self, nursery: trio.Nursery, work: Callable[[], Awaitable[T]]):
+    def __init__(self, nursery: TaskSpawner, work: Callable[[], Awaitable[T]]):
         self._scope = trio.CancelScope()
         self._exited = trio.Event()
         self._value: T | None = None

@@ -1,0 +1,126 @@
+"""Steps in a rhythm: an averager stepped by a training loop forms its next group before the next
+step is called, so that step starts its all-reduce at once instead of after a DHT read, a settle
+time and the joins.
+
+A script calls ``step`` every so often (its period: the time from one step's start to the next,
+training included). Once a step's group is known, the next round's matchmaking is planned to begin
+``lead`` seconds before the next step is due by that period (at once if the period is shorter than
+the lead: while this step's all-reduce runs). As a leader, the group stays open to latecomers until
+our step comes (``find_group``'s ``hold_open``), as the collaborative optimizer's groups formed
+ahead do (``match_ahead.py``). What the next step finds:
+
+* the group, formed: it averages with it at once;
+* matchmaking under way: it waits for it (bounded by matchmaking's own deadline);
+* matchmaking not begun yet (the step came sooner than its period said): it is dropped, and the
+  step matches itself;
+* nothing (the first steps, before there is a period; matchmaking ahead failed): the step matches;
+* a group formed too long ago (the step came much later than its period said): members that
+  stepped on time have waited ``allreduce.ROUND_WAIT`` for us and gone on without us, so it is
+  dropped and the step matches afresh.
+
+The first two steps match at the step, as does every step whose period moved a lot; the others
+save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a script that
+stops stepping leaves a declaration that lives out its short lifetime, as a peer that leaves does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import trio
+
+from .allreduce import ROUND_WAIT
+from .averager import AveragingRound, FormedGroup, GroupAverager
+from .later import Later, TaskSpawner
+from .match_ahead import JOIN_ALLOWANCE
+from .matchmaking import MAX_SETTLE
+
+__all__ = ["StepAhead", "STALE_GROUP_S"]
+
+log = logging.getLogger("peerd.averaging")
+
+# A group formed ahead this long before its step: its members that stepped on time are about to
+# give up on us (they wait ROUND_WAIT for each member's round to start).
+STALE_GROUP_S = ROUND_WAIT / 2
+
+
+class _Ahead:
+    """The next round's matchmaking: planned, then under way, then done."""
+
+    def __init__(self, round_number: int) -> None:
+        self.round = round_number
+        self.begun = trio.Event()  # find_group was called
+        self.due = trio.Event()  # our step came: a leader stops holding the group open
+        self.formed: Later[FormedGroup | None] | None = None
+
+
+class StepAhead:
+    """``averager``'s steps, each forming the next round's group ahead (tasks run in ``tasks``)."""
+
+    def __init__(self, averager: GroupAverager, tasks: TaskSpawner):
+        self.averager = averager
+        self.tasks = tasks
+        settle = averager.settings.settle_time
+        self.lead = (settle if settle is not None else MAX_SETTLE) + JOIN_ALLOWANCE
+        self.period: float | None = None  # between the last two steps' starts
+        self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
+        self._last_start: float | None = None
+        self._ahead: _Ahead | None = None
+
+    async def step(self, weight: float = 1.0, timeout: float | None = None) -> AveragingRound:
+        """``GroupAverager.step``, with the group formed ahead when there is one to use."""
+        started = trio.current_time()
+        if self._last_start is not None:
+            self.period = started - self._last_start
+        self._last_start = started
+        group = await self._collect()
+        return await self.averager.step(
+            weight, timeout, group=group, on_group=functools.partial(self._plan, started=started)
+        )
+
+    async def close(self) -> None:
+        """Drop any matchmaking ahead and wait until it is out (before leaving the swarm)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.formed is not None:
+            ahead.formed.cancel()
+            await ahead.formed.wait()
+
+    def _plan(self, group: FormedGroup, *, started: float) -> None:
+        if self.period is None:
+            return  # no rhythm yet
+        ahead = self._ahead = _Ahead(group.round + 1)
+        begin = started + self.period - self.lead
+        ahead.formed = Later(self.tasks, functools.partial(self._match, ahead, begin))
+
+    async def _match(self, ahead: _Ahead, begin: float) -> FormedGroup | None:
+        await trio.sleep_until(begin)
+        ahead.begun.set()
+        try:
+            return await self.averager.find_group(ahead.round, hold_open=ahead.due)
+        except Exception as error:  # a background task: whatever failed, the step matches itself
+            log.info("matchmaking ahead of round %d failed (%s); matching at the step", ahead.round, error)
+            return None
+
+    async def _collect(self) -> FormedGroup | None:
+        """The group formed ahead for this step, or None (the step matches itself)."""
+        self.last_wait_s = 0.0
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.formed is None:
+            return None
+        if not ahead.begun.is_set() or ahead.round != self.averager.round:
+            ahead.formed.cancel()  # not begun: the step came early; or our round moved meanwhile
+            await ahead.formed.wait()
+            return None
+        began = trio.current_time()
+        ahead.due.set()
+        try:
+            group = await ahead.formed.wait()  # bounded: matchmaking gives up at its own deadline
+        except BaseException:  # the step was cancelled: nobody will average in the group
+            ahead.formed.cancel()
+            raise
+        self.last_wait_s = trio.current_time() - began
+        if group is not None and trio.current_time() - group.formed_at > STALE_GROUP_S:
+            log.info("the group formed ahead of round %d is stale; matching at the step", ahead.round)
+            return None
+        return group

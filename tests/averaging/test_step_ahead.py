@@ -1,0 +1,70 @@
+"""Steps in a rhythm find their group formed ahead (``averaging/step_ahead.py``): peers that step
+every so often start each step's all-reduce at once, and a step that breaks the rhythm matches
+itself instead of waiting on a group its members gave up on."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from averaging.step_ahead import StepAhead
+from tests.averaging.test_match_ahead import make_averagers, open_swarm
+
+SETTLE = 0.5
+TRAINING_S = 1.0  # what each peer does between its steps
+
+
+async def test_steps_in_a_rhythm_start_with_their_group_formed_and_average_exactly():
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
+        steps = [StepAhead(averager, nursery) for averager in averagers]
+        matchmaking: dict[int, list[float]] = {i: [] for i in range(3)}
+
+        async def train(i: int) -> None:
+            for number in range(5):
+                with torch.no_grad():
+                    averagers[i].tensors[0].fill_([1.0, 2.0, 6.0][i] + number)
+                done = await steps[i].step(timeout=4.0)
+                assert len(done.group.members) == 3 and not done.result.failed_peers
+                assert torch.allclose(averagers[i].tensors[0], torch.full((3000,), 3.0 + number))
+                matchmaking[i].append(done.timing.matchmaking_s)
+                await trio.sleep(TRAINING_S)
+
+        async with trio.open_nursery() as peers:
+            for i in range(3):
+                peers.start_soon(train, i)
+        for i in range(3):
+            await steps[i].close()
+            await averagers[i].leave()
+        nursery.cancel_scope.cancel()
+    # A group formed at the step formed after every member's step began (a DHT read and the joins
+    # came first); from the third step on (once there is a period) it formed before some began.
+    quickest = [min(matchmaking[i][number] for i in range(3)) for number in range(5)]
+    assert min(quickest[:2]) > 0, quickest
+    assert quickest[2:] == [0.0, 0.0, 0.0], quickest
+
+
+async def test_a_step_that_breaks_the_rhythm_matches_itself_and_averages():
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 2)
+        averagers = make_averagers(nodes, [1.0, 3.0], settle_time=SETTLE)
+        steps = [StepAhead(averager, nursery) for averager in averagers]
+        sizes = []
+
+        async def train(i: int, pauses: list[float]) -> None:
+            for pause in pauses:
+                done = await steps[i].step(timeout=4.0)
+                sizes.append((i, len(done.group.members)))
+                await trio.sleep(pause)
+
+        # Three steps a second apart, then a long pause past the rhythm (the group formed ahead
+        # for the next step goes stale, or its matchmaking times out), then two quick steps (the
+        # next step comes before matchmaking ahead has begun).
+        async with trio.open_nursery() as peers:
+            for i in range(2):
+                peers.start_soon(train, i, [TRAINING_S, TRAINING_S, 12.0, 0.0, 0.0])
+        assert sorted(sizes) == [(0, 2)] * 5 + [(1, 2)] * 5
+        for step in steps:
+            await step.close()
+        nursery.cancel_scope.cancel()
