@@ -54,11 +54,14 @@ __all__ = ["Connection", "ClientStream", "ServerStream", "TrafficCounter"]
 
 log = logging.getLogger("peerd.rpc")
 
-# A retiring connection (GOAWAY said, see ``rpc_protocol.py``) closes once drained, looked at this
-# often (retiring is rare and drains within a round trip), or after RETIRE_GRACE whatever the peer
-# does: one that never answers its GOAWAY, or never finishes a crossing call, does not hold it open.
-RETIRE_POLL = 0.05
+# A retiring connection (GOAWAY said, see ``rpc_protocol.py``) closes once drained, looked at first
+# after RETIRE_POLL and then at doubling intervals up to RETIRE_POLL_MAX (most drain within a round
+# trip; a call that crossed the GOAWAY may take minutes, a state download). A peer that has not
+# answered our GOAWAY within RETIRE_GRACE is closed on; calls it crossed with end by their own deadlines.
+RETIRE_POLL = 0.01
+RETIRE_POLL_MAX = 1.0
 RETIRE_GRACE = 30.0
+RETIRED = "connection retired (idle)"
 
 
 class Connection:
@@ -164,17 +167,26 @@ class Connection:
     def retire(self) -> None:
         """Close the connection without losing a call: say GOAWAY, open no more calls here, and
         close once both sides have said it and every call that crossed it has ended."""
-        header = self.protocol.go_away()
-        if header is None or self.is_closed or self._nursery is None:
+        if self.is_closed or self._nursery is None or (header := self.protocol.go_away()) is None:
             return
         self.enqueue(header)
         self._nursery.start_soon(self._close_when_drained)
 
+    @property
+    def retired(self) -> bool:
+        """Both sides said GOAWAY: it closes (or closed) because it was idle, not for a failure."""
+        return self.protocol.goaway.sent and self.protocol.goaway.received
+
     async def _close_when_drained(self) -> None:
-        with trio.move_on_after(RETIRE_GRACE):
-            while not (self.protocol.drained and self._outgoing.idle):
-                await trio.sleep(RETIRE_POLL)
-        self._close_reason = "connection retired (idle)"
+        give_up, delay = trio.current_time() + RETIRE_GRACE, RETIRE_POLL
+        while not (self.protocol.drained and self._outgoing.idle):
+            if not self.protocol.goaway.received and trio.current_time() >= give_up:
+                self._close_reason = f"peer {self.remote_peer_id} did not answer GOAWAY within {RETIRE_GRACE:g} s"
+                break
+            await trio.sleep(delay)
+            delay = min(2 * delay, RETIRE_POLL_MAX)
+        else:
+            self._close_reason = RETIRED
         self._cancel_scope.cancel()
 
     def close(self) -> None:
@@ -360,7 +372,7 @@ class Connection:
             payload_buffer=self._payload_buffer,
         )
         await reader.run()
-        self._close_reason = f"peer {self.remote_peer_id} closed the connection"
+        self._close_reason = RETIRED if self.retired else f"peer {self.remote_peer_id} closed the connection"
 
     def _payload_buffer(self, call_id: int, body: Any, nbytes: int) -> Any:
         """Where a stream message's payload goes: its stream's buffer provider's choice, if any."""

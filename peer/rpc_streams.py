@@ -150,10 +150,10 @@ class _StreamBase:
         """The next message; raises ``trio.EndOfChannel`` when the other side has ended."""
         state = self._state
         while not state.queue:
+            if state.ended:  # (all it sent is here, even if the connection went down since)
+                raise trio.EndOfChannel
             if state.error is not None:
                 raise state.error
-            if state.ended:
-                raise trio.EndOfChannel
             state.arrived = trio.Event()
             await state.arrived.wait()
         item = state.queue.popleft()

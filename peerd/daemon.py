@@ -237,9 +237,10 @@ def _log_connection(nursery: trio.Nursery, metrics: PeerMetrics, connection, inc
 
 async def _log_when_dropped(connection, metrics: PeerMetrics) -> None:
     """Say when a peer goes away (it left, died or the link broke); not when we closed it ourselves
-    (shutting down, or a newer connection from the same peer replaced it)."""
+    (shutting down, or a newer connection from the same peer replaced it), nor when either side
+    retired it for being idle."""
     await connection.closed.wait()
-    if connection.close_reason != "connection closed locally":
+    if connection.close_reason != "connection closed locally" and not connection.retired:
         log.info("peer %s dropped: %s", connection.remote_peer_id, connection.close_reason)
         metrics.connection_dropped()
 

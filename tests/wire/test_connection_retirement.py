@@ -103,6 +103,21 @@ def echo_router() -> Router:
     async def hold(stream):
         await trio.sleep(math.inf)
 
+    @router.stream("three")
+    async def three(stream):
+        for number in range(3):
+            await stream.send(number)
+
+    @router.unary("longer_than_the_grace")
+    async def longer_than_the_grace(request):
+        await trio.sleep(RETIRE_GRACE + 10)
+        return Message("done")
+
+    @router.unary("large")
+    async def large(request):
+        await trio.sleep(0.5)
+        return Message("ok", b"x" * (8 << 20))
+
     return router
 
 
@@ -119,7 +134,7 @@ async def test_an_idle_connection_is_retired_on_both_sides_and_the_next_call_dia
                 await first.closed.wait()
                 await theirs.closed.wait()
             assert trio.current_time() - last_call >= IDLE_RETIRE_S
-            assert "retired" in first.close_reason
+            assert "retired" in first.close_reason and first.retired and theirs.retired  # (not "dropped")
             assert client.connection_to(server.peer_id) is None
             with pytest.raises(ConnectionLost, match="retir|closed"):
                 await first.call("echo", "on the old one")
@@ -139,7 +154,25 @@ async def test_a_connection_with_an_open_call_is_not_retired_however_quiet(autoj
                 await connection.closed.wait()  # once the call ended, it is idle like any other
 
 
-async def test_a_call_that_crosses_the_goaway_in_flight_is_answered(autojump_clock):
+async def read_all(connection, method: str) -> list:
+    got = []
+    async with connection.stream(method) as stream:
+        async for message in stream:
+            got.append(message.body)
+            await trio.sleep(0.2)  # the caller works on each message
+    return got
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("slow_echo", lambda c: c.call("slow_echo", "crossing", timeout=10)),
+        ("longer_than_the_grace", lambda c: c.call("longer_than_the_grace", timeout=RETIRE_GRACE + 30)),
+        ("large", lambda c: c.call("large", timeout=60)),
+        ("three", lambda c: read_all(c, "three")),
+    ],
+)
+async def test_a_call_that_crosses_the_goaway_in_flight_is_answered_in_full(autojump_clock, method, expected):
     network = SimNetwork(seed=23)
     async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
         async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as client:
@@ -149,17 +182,31 @@ async def test_a_call_that_crosses_the_goaway_in_flight_is_answered(autojump_clo
             results = []
 
             async def call() -> None:
-                results.append((await ours.call("slow_echo", "crossing", timeout=10)).body)
+                results.append(await expected(ours))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
                 await trio.testing.wait_all_tasks_blocked()  # the request is on its way...
                 theirs.retire()  # ...when the server says GOAWAY
-            assert results == ["crossing"]
+                while ours.takes_calls:  # (virtual time: until the GOAWAY has arrived)
+                    await trio.sleep(0.001)
+                # while it drains: no new call goes on it, and the pool dials a fresh connection
+                assert client.connection_to(server.peer_id) is None and server.connection_to(client.peer_id) is None
+                with pytest.raises(ConnectionLost, match="retiring"):
+                    await ours.call("echo", "on the retiring one")
+                fresh = await client.connect(server.listen_address)
+                assert fresh is not ours and (await fresh.call("echo", "fresh")).body == "fresh"
+            (result,) = results
+            if method == "three":
+                assert result == [0, 1, 2]
+            elif method == "large":
+                assert result.body == "ok" and len(result.payload) == 8 << 20
+            else:
+                assert result.body in ("crossing", "done")
             with trio.fail_after(5):
                 await ours.closed.wait()
                 await theirs.closed.wait()
-            assert "retired" in theirs.close_reason  # (ours may see the server's close first)
+            assert ours.retired and theirs.retired and "retired" in ours.close_reason + theirs.close_reason
 
 
 async def until_closed(channel) -> None:
