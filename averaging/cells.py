@@ -35,6 +35,7 @@ from dataclasses import dataclass
 __all__ = [
     "CELL_GROUPS",
     "CELL_ROUNDS",
+    "bucket_of",
     "CENSUS_HYSTERESIS",
     "CENSUS_PERIOD_S",
     "Cells",
@@ -113,6 +114,13 @@ def census_target(prefix: str, wall_time: float) -> int:
     return int.from_bytes(hashlib.blake2b(f"{prefix}.census.{period}".encode(), digest_size=20).digest(), "big")
 
 
+def bucket_of(data: bytes, count: int, purpose: bytes) -> int:
+    """Which of ``count`` buckets ``data`` hashes into, for ``purpose`` (a personalisation of at
+    most 16 bytes, so that one peer's buckets for different purposes are independent)."""
+    digest = hashlib.blake2b(data, digest_size=8, person=purpose).digest()
+    return int.from_bytes(digest, "big") % count
+
+
 @dataclass(frozen=True)
 class Cells:
     """``count`` cells of one prefix's matchmaking: which key a peer declares under in a round."""
@@ -128,8 +136,7 @@ class Cells:
         if self.count == 1:
             return 0
         period = round_number // CELL_ROUNDS
-        digest = hashlib.blake2b(peer + period.to_bytes(8, "big"), digest_size=8, person=b"peerd-cell").digest()
-        return int.from_bytes(digest, "big") % self.count
+        return bucket_of(peer + period.to_bytes(8, "big"), self.count, b"peerd-cell")
 
     def key(self, peer: bytes, round_number: int) -> str:
         """The key ``peer`` declares under for ``round_number``."""

@@ -27,7 +27,6 @@ a newcomer picks (the daemon's ``--data-shard auto``); nothing here counts it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +35,8 @@ import trio
 
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import NodeIDProof, PeerID
-from peer.node_id import NONCE_BYTES
 
-from .cells import CELL_GROUPS, CENSUS_HYSTERESIS, Cells, cell_count
+from .cells import CELL_GROUPS, CENSUS_HYSTERESIS, Cells, bucket_of, cell_count
 from .census import Census
 from .epoch_evidence import EpochEvidence
 from .group import is_counter
@@ -156,10 +154,7 @@ def progress_cell(node_id: bytes, count: int) -> int:
     """The progress cell among ``count`` of the peer with DHT node ID ``node_id`` (its puzzle's
     outcome, ``peer/node_id.py``): landing in a chosen cell takes ``count`` solved puzzles on
     average, so filling one with identities costs the puzzle times the cell count each."""
-    if count == 1:
-        return 0
-    digest = hashlib.blake2b(node_id, digest_size=8, person=b"peerd-progress").digest()
-    return int.from_bytes(digest, "big") % count
+    return 0 if count == 1 else bucket_of(node_id, count, b"peerd-progress")
 
 
 def progress_key(prefix: str, count: int, cell: int) -> str:
@@ -272,9 +267,5 @@ class ProgressTracker:
         run's difficulty: an identity costs the puzzle, so a writer cannot fill a cell with free
         signing keys, and the node ID places it in its cell."""
         nonce = body.get("nonce") if isinstance(body, dict) else None
-        if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-            raise ValueError("a progress record carries its writer's node-ID nonce")
-        proof = NodeIDProof(peer, nonce)
-        if not proof.satisfies(self.dht.host.node_id_difficulty):
-            raise ValueError("the writer's node-ID nonce does not solve the puzzle")
+        proof = NodeIDProof.claimed(peer, nonce, self.dht.host.node_id_difficulty)
         return PeerProgress.from_wire(body), proof.node_id

@@ -21,7 +21,7 @@ stream method: the newcomer names the tensors it wants, the donor sends those th
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import random
 from collections.abc import Sequence
@@ -33,10 +33,11 @@ import torch
 import trio
 
 from dht.peer_dictionary import peer_entries, peer_subkey
-from peer import Busy, ConnectError, PeerAddress, PeerHost, PeerID, RPCError
+from peer import Busy, ConnectError, NodeIDProof, PeerAddress, PeerHost, PeerID, RPCError
 from peer.tensors import tensor_from_wire, tensor_to_wire
 from peer.worker_threads import run_blocking
 
+from .cells import bucket_of
 from .group import is_counter
 from .state_checks import DONOR_AGREEMENT, WITNESS_SHARE, check_state, disagreement, sample_indices
 
@@ -99,25 +100,29 @@ class StateOwner(Protocol):
 
 @dataclass(frozen=True)
 class DonorOffer:
-    """One donor's announcement: where to download from, and the version of its state."""
+    """One donor's announcement: where to download from, the version of its state, and its DHT
+    node ID (proved by the offer's node-ID nonce: it places the offer in its shard)."""
 
     address: PeerAddress
     version: int
+    node_id: bytes = b""
 
     @classmethod
-    def from_wire(cls, peer: PeerID, body: Any) -> DonorOffer:
-        """Raises ValueError, TypeError or KeyError unless ``body`` is an offer made by ``peer``."""
+    def from_wire(cls, peer: PeerID, body: Any, difficulty: int) -> DonorOffer:
+        """Raises ValueError, TypeError or KeyError unless ``body`` is an offer made by ``peer``
+        with its node-ID proof at the run's ``difficulty``."""
         address, version = PeerAddress.parse(body["address"]), body["version"]
         if address.peer_id != peer or not is_counter(version):
             raise ValueError("a donor offers its own address and an integer version")
-        return cls(address, version)
+        return cls(address, version, NodeIDProof.claimed(peer, body.get("nonce"), difficulty).node_id)
 
 
-def donor_shard(peer: PeerID) -> int:
-    """The shard ``peer`` offers its state under: a hash of its ID, so nobody picks a shard to
-    crowd, and a reader drops an offer found in a shard that is not its owner's."""
-    digest = hashlib.blake2b(peer.to_bytes(), digest_size=8, person=b"peerd-donors").digest()
-    return int.from_bytes(digest, "big") % DONOR_SHARDS
+def donor_shard(node_id: bytes) -> int:
+    """The shard a donor with DHT node ID ``node_id`` offers its state under. The node ID is the
+    outcome of the donor's puzzle (``peer/node_id.py``), not of its free signing key: landing many
+    identities in one shard, to be most of what a newcomer reads there, costs the puzzle times
+    the shard count each; a reader drops an offer found in a shard that is not its owner's."""
+    return bucket_of(node_id, DONOR_SHARDS, b"peerd-donors")
 
 
 class DonorAnnouncer:
@@ -176,9 +181,11 @@ class StateSharing:
         now = self.dht.clock.time()
         if not self._announcer.due(now, str(address)):
             return
-        value = {"address": str(address), "version": int(version)}
+        value = {"address": str(address), "version": int(version), "nonce": self.host.node_id.nonce}
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        if await self.dht.store(self.key(donor_shard(self.host.peer_id)), value, now + DONOR_TTL, subkey=subkey):
+        if await self.dht.store(
+            self.key(donor_shard(self.host.node_id.node_id)), value, now + DONOR_TTL, subkey=subkey
+        ):
             self._announcer.stored(now, str(address))
 
     async def _serve_state(self, stream) -> None:
@@ -230,11 +237,12 @@ class StateSharing:
         shards = list(range(DONOR_SHARDS))
         self._rng.shuffle(shards)
         offers: dict[PeerID, DonorOffer] = {}
+        parse = functools.partial(DonorOffer.from_wire, difficulty=self.host.node_id_difficulty)
 
         async def read(shard: int) -> None:
             found = await self.dht.get(self.key(shard), latest=True)
-            for peer, offer in peer_entries(found, DonorOffer.from_wire, now=self.dht.clock.time()):
-                if peer != self.host.peer_id and donor_shard(peer) == shard:
+            for peer, offer in peer_entries(found, parse, now=self.dht.clock.time()):
+                if peer != self.host.peer_id and donor_shard(offer.node_id) == shard:
                     offers[peer] = offer
 
         start, wave = 0, SHARDS_PER_READ

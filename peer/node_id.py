@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .identity import PEER_ID_BYTES, PeerID
 
@@ -83,6 +84,15 @@ class NodeIDProof:
 
     def satisfies(self, difficulty: int) -> bool:
         return self.work_bits >= difficulty
+
+    @classmethod
+    def claimed(cls, peer_id: PeerID, nonce: Any, difficulty: int) -> NodeIDProof:
+        """The proof a peer's record claims with ``nonce``; ValueError unless it solves the puzzle
+        at ``difficulty`` (a record that places its writer by node ID must show the work)."""
+        proof = cls(peer_id, nonce)
+        if not proof.satisfies(difficulty):
+            raise ValueError("the writer's node-ID nonce does not solve the puzzle")
+        return proof
 
     @classmethod
     def solve(cls, peer_id: PeerID, difficulty: int, *, start: int = 0) -> NodeIDProof:

@@ -21,7 +21,9 @@ from averaging.state_sharing import (
 )
 from dht.node import DHTNode
 from dht.peer_dictionary import peer_subkey
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.clock import SYSTEM_CLOCK, TrioClock
+from peer.node_id import NONCE_BYTES
 
 PREFIX = "sharded.state"
 
@@ -61,9 +63,7 @@ def test_an_offer_is_stored_again_only_when_due():
 
 
 def test_shards_spread_peers_over_every_key():
-    from peer import Identity
-
-    shards = [donor_shard(Identity.generate().peer_id) for _ in range(400)]
+    shards = [donor_shard(NodeIDProof.solve(Identity.generate().peer_id, LOCAL_DIFFICULTY).node_id) for _ in range(400)]
     counts = [shards.count(shard) for shard in range(DONOR_SHARDS)]
     assert min(counts) > 0 and max(counts) < 3 * 400 / DONOR_SHARDS, counts
 
@@ -83,7 +83,8 @@ async def test_a_newcomer_reads_only_the_shards_it_needs_and_each_offer_from_its
         assert len(newcomer.gets) in (SHARDS_PER_READ, 3 * SHARDS_PER_READ), newcomer.gets
         assert len(set(donors)) == len(donors)
         read = {int(key.rsplit(".", 1)[1]) for key in newcomer.gets}
-        assert {donor_shard(address.peer_id) for address in donors} <= read
+        node_ids = {node.host.peer_id: node.host.node_id.node_id for node in nodes}
+        assert {donor_shard(node_ids[address.peer_id]) for address in donors} <= read
         nursery.cancel_scope.cancel()
 
 
@@ -95,10 +96,20 @@ async def test_a_small_swarm_newcomer_reads_every_shard_and_finds_every_donor_in
             await GroupAverager([torch.ones(8)], node, prefix=PREFIX).state_sharing.announce(1)
         # a peer that lists itself only in a shard other than its own: not offered
         stray = nodes[3]
-        elsewhere = (donor_shard(stray.host.peer_id) + 1) % DONOR_SHARDS
-        offer = {"address": str(stray.host.public_address), "version": 9}
+        own = donor_shard(stray.host.node_id.node_id)
+        offer = {"address": str(stray.host.public_address), "version": 9, "nonce": stray.host.node_id.nonce}
         subkey = peer_subkey(stray.host.identity.public_key)
-        assert await stray.store(f"{PREFIX}.state_donors.{elsewhere}", offer, stray.clock.time() + 60, subkey=subkey)
+        expires = stray.clock.time() + 60
+        assert await stray.store(f"{PREFIX}.state_donors.{(own + 1) % DONOR_SHARDS}", offer, expires, subkey=subkey)
+        # nor one in its own shard whose nonce does not solve the puzzle (a free signing key's claim;
+        # the nonce's node ID lands in that shard, so only the puzzle can tell)
+        claims = (NodeIDProof(stray.host.peer_id, n.to_bytes(NONCE_BYTES, "big")) for n in range(10_000))
+        unsolved = next(
+            claim.nonce
+            for claim in claims
+            if not claim.satisfies(LOCAL_DIFFICULTY) and donor_shard(claim.node_id) == own
+        )
+        assert await stray.store(f"{PREFIX}.state_donors.{own}", {**offer, "nonce": unsolved}, expires, subkey=subkey)
         newcomer = CountingDHT(nodes[4])
         with trio.fail_after(30):
             donors = await StateSharing(newcomer.host, newcomer, PREFIX, owner=None).donors()
@@ -118,5 +129,5 @@ async def test_rounds_within_the_refresh_cost_a_donor_no_store(autojump_clock):
         assert len(counted.stores) == 1
         await trio.sleep(DONOR_REFRESH)
         await sharing.announce(6)
-        assert counted.stores == [sharing.key(donor_shard(first.host.peer_id))] * 2
+        assert counted.stores == [sharing.key(donor_shard(first.host.node_id.node_id))] * 2
         nursery.cancel_scope.cancel()

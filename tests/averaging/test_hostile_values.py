@@ -10,7 +10,7 @@ from averaging.matchmaking import Declaration
 from averaging.partition import split_by_bandwidth
 from averaging.progress import PeerProgress
 from averaging.state_sharing import DonorOffer
-from peer import Identity, PeerAddress
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress
 
 HUGE = 2**64 - 1  # a valid msgpack uint64: what a hostile peer sends
 
@@ -43,6 +43,9 @@ def test_counters_past_the_bound_are_malformed_records() -> None:
     for field in ("epoch", "samples"):
         with pytest.raises(ValueError):
             PeerProgress.from_wire({"epoch": 1, "samples": 1, "sps": 1.0, field: HUGE})
+    nonce = NodeIDProof.solve(peer_id, LOCAL_DIFFICULTY).nonce
     with pytest.raises(ValueError):
-        DonorOffer.from_wire(peer_id, {"address": address, "version": HUGE})
-    assert DonorOffer.from_wire(peer_id, {"address": address, "version": 3}).version == 3
+        DonorOffer.from_wire(peer_id, {"address": address, "version": HUGE, "nonce": nonce}, LOCAL_DIFFICULTY)
+    assert (
+        DonorOffer.from_wire(peer_id, {"address": address, "version": 3, "nonce": nonce}, LOCAL_DIFFICULTY).version == 3
+    )

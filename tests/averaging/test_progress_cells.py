@@ -19,7 +19,8 @@ from averaging.epoch_evidence import EpochEvidence
 from averaging.progress import PeerProgress, ProgressTracker, SwarmProgress, progress_cell, progress_key
 from averaging.round_length import round_over
 from dht import DHTConfig
-from peer import Identity, NodeIDProof, PeerID
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerID
+from peer.node_id import NONCE_BYTES
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -133,10 +134,41 @@ async def test_records_without_their_writers_node_id_proof_are_dropped(autojump_
     async with open_sim_swarm(SimNetwork(seed=6), 3, config=DHTConfig()) as swarm:
         honest, forger, reader = (ProgressTracker(node, "proofs") for node in swarm.nodes)
         await honest.publish(PeerProgress(2, 20, 1.0))
-        for nonce in (None, b"short", 7):  # the forger's own signed records, without a valid nonce
+        unsolved = next(  # the right length, but no solution of the puzzle (a free signing key's claim)
+            nonce
+            for n in range(1000)
+            if not NodeIDProof(forger.me, nonce := n.to_bytes(NONCE_BYTES, "big")).satisfies(LOCAL_DIFFICULTY)
+        )
+        for nonce in (None, b"short", 7, unsolved):  # the forger's own signed records, without a valid nonce
             body = {**PeerProgress(9, 10**6, 1e6).to_wire(), **({} if nonce is None else {"nonce": nonce})}
             await forger.dht.store(forger.key, body, forger.dht.clock.time() + 10, subkey=forger.subkey)
             assert set(await reader.records()) == {honest.me}
+
+
+def settle_count(tracker: ProgressTracker, count: int) -> None:
+    """Make ``tracker`` count ``count`` cells without a census (its census of this period is taken)."""
+    tracker.count, tracker.census.counted = count, None
+    tracker.census.target = averaging.cells.census_target(tracker.census.prefix, tracker.dht.clock.time())
+
+
+async def test_a_record_stored_in_a_cell_that_is_not_its_writers_is_dropped(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=8), 3, config=DHTConfig()) as swarm:
+        trackers = [ProgressTracker(node, "misplaced") for node in swarm.nodes]
+        # a count at which two of the three peers share a cell and the third is in another
+        for count in (2, 4, 8, 16, 32, 64):
+            cells = [progress_cell(tracker.node_id, count) for tracker in trackers]
+            if len(set(cells)) == 2:
+                break
+        lone = next(i for i, cell in enumerate(cells) if cells.count(cell) == 1)
+        forger = trackers[lone]
+        reader, neighbour = (tracker for i, tracker in enumerate(trackers) if i != lone)
+        for tracker in (reader, forger, neighbour):
+            settle_count(tracker, count)
+        await neighbour.publish(PeerProgress(1, 10, 1.0))  # into its own cell, the reader's
+        # the forger's valid record (its own nonce, its own signed subkey), under the reader's cell
+        body = {**PeerProgress(9, 10**6, 1e6).to_wire(), "nonce": forger.dht.host.node_id.nonce}
+        await forger.dht.store(reader.key, body, forger.dht.clock.time() + 10, subkey=forger.subkey)
+        assert set(await reader.records()) == {neighbour.me}
 
 
 async def test_a_census_that_fails_is_retried_once_a_minute_not_at_every_read(autojump_clock):

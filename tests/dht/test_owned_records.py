@@ -15,6 +15,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ from dht.peer_dictionary import dictionary_entries, peer_entries, peer_subkey
 from dht.records import MAX_TTL, DHTRecord, DHTValue, pack
 from dht.validation import SignatureValidator
 from moe.announce import announced_address, announcement_subkey, declare_experts, get_expert_addresses
-from peer import Identity, PeerAddress, PeerID, Router, open_peer_host
+from peer import LOCAL_DIFFICULTY, Identity, PeerAddress, PeerID, Router, open_peer_host
 
 PREFIX = "owned"
 ATTACKER_ADDRESS = "127.0.0.66:9"
@@ -118,9 +119,12 @@ RECORD_TYPES = {
         },
     ),
     "state_donors": RecordType(
-        key=lambda owner: f"{PREFIX}.state_donors.{donor_shard(owner.peer_id)}",
+        key=lambda owner: f"{PREFIX}.state_donors.{donor_shard(owner.host.node_id.node_id)}",
         publish=publish_donor,
-        parse=lambda found: {peer: o.version for peer, o in peer_entries(found, DonorOffer.from_wire)},
+        parse=lambda found: {
+            peer: o.version
+            for peer, o in peer_entries(found, partial(DonorOffer.from_wire, difficulty=LOCAL_DIFFICULTY))
+        },
         says=lambda node, n: n,
         owned_subkey=lambda identity: peer_subkey(identity.public_key),
         plain_subkey=lambda identity: identity.peer_id.to_bytes(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from dht.node import DHTNode
 from dht.peer_dictionary import dictionary_entries, peer_entries, peer_subkey, subkey_peer
 from dht.records import DHTValue
 from moe.announce import announced_address, announcement_subkey, pick_servers
-from peer import Identity, PeerAddress, PeerID
+from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof, PeerAddress, PeerID
 
 NOW = 1_000.0
 KEYS = [Identity.generate() for _ in range(4)]
@@ -142,15 +143,16 @@ def test_a_declaration_is_its_signers_and_may_not_name_another_peers_address():
 
 
 def test_a_donor_offering_another_peers_address_is_not_a_donor():
+    nonce = {peer: NodeIDProof.solve(peer, LOCAL_DIFFICULTY).nonce for peer in (ALICE, BOB, CAROL, DAVE)}
     found = dictionary(
         {
-            A: ({"address": f"127.0.0.1:5/{ALICE}", "version": 3}, NOW + 5),
-            B: ({"address": f"127.0.0.1:6/{CAROL}", "version": 9}, NOW + 5),  # not its own
-            C: ({"address": "127.0.0.1:7", "version": 9}, NOW + 5),  # unpinned
-            D: ({"address": f"127.0.0.1:8/{ALICE}"}, NOW + 5),  # no version
+            A: ({"address": f"127.0.0.1:5/{ALICE}", "version": 3, "nonce": nonce[ALICE]}, NOW + 5),
+            B: ({"address": f"127.0.0.1:6/{CAROL}", "version": 9, "nonce": nonce[BOB]}, NOW + 5),  # not its own
+            C: ({"address": "127.0.0.1:7", "version": 9, "nonce": nonce[CAROL]}, NOW + 5),  # unpinned
+            D: ({"address": f"127.0.0.1:8/{ALICE}", "nonce": nonce[DAVE]}, NOW + 5),  # no version
         }
     )
-    offers = dict(peer_entries(found, DonorOffer.from_wire, now=NOW))
+    offers = dict(peer_entries(found, partial(DonorOffer.from_wire, difficulty=LOCAL_DIFFICULTY), now=NOW))
     assert list(offers) == [ALICE] and offers[ALICE].version == 3 and offers[ALICE].address.port == 5
 
 
