@@ -234,6 +234,28 @@ async def test_a_host_that_leaves_breaks_its_own_ends_and_goes_silent(autojump_c
     assert silent.cancelled_caught
 
 
+async def test_a_reader_waiting_on_a_host_that_leaves_is_woken_with_the_break(autojump_clock):
+    network = SimNetwork(seed=16)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)  # b dialled: client is b's end
+    outcome = []
+
+    async def read() -> None:
+        try:
+            await client.receive_some()
+        except trio.BrokenResourceError:
+            outcome.append("broken")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()  # b's reader waits for bytes...
+        network.leave(b.address)  # ...when b's machine goes off: its own ends break at once
+        with trio.fail_after(1):
+            while not outcome:
+                await trio.sleep(0.01)
+    assert outcome == ["broken"]
+
+
 class TaskSteps(trio.abc.Instrument):
     """How many times each task ran."""
 
