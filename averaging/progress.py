@@ -203,7 +203,11 @@ class ProgressTracker:
 
     async def fetch(self, mine: PeerProgress) -> SwarmProgress:
         peers = {self.me: mine, **await self.records()}
-        scale, now = self.count, self.dht.clock.monotonic()
+        # A cell that still looks sparse after probing (our reads fail, or we are in the wrong count)
+        # is no sample of the swarm: scaled up, our own samples alone would count as a cell's and
+        # we would step after a fraction of the target. Unscaled, we step late, never early.
+        scale = self.count if len(peers) >= SPARSE_PROGRESS_CELL else 1
+        now = self.dht.clock.monotonic()
         return SwarmProgress(peers, self.evidence.evidenced(peers, mine.epoch, now, scale=scale), self.me, scale)
 
     async def _read(self, count: int) -> dict[PeerID, PeerProgress]:

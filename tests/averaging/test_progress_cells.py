@@ -171,6 +171,14 @@ async def test_a_record_stored_in_a_cell_that_is_not_its_writers_is_dropped(auto
         assert set(await reader.records()) == {neighbour.me}
 
 
+async def test_a_peer_alone_in_its_cell_does_not_scale_its_own_samples_up(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=9), 2, config=DHTConfig()) as swarm:
+        lone = ProgressTracker(swarm.nodes[0], "alone")
+        settle_count(lone, 8)  # the swarm's count, while our cell's reads find nobody
+        view = await lone.fetch(PeerProgress(1, 10, 1.0))
+        assert view.scale == 1 and view.samples_at(1) == 10  # not 8 x 10: we would step 8x early
+
+
 async def test_a_census_that_fails_is_retried_once_a_minute_not_at_every_read(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=7), 2, config=DHTConfig()) as swarm:
         tries = []
