@@ -9,7 +9,9 @@ import time
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
+import dht.replicas
 import dht.wire
 from dht.node import DHTBootstrapError, DHTConfig, DHTNode
 from dht.records import DHTRecord, key_id, pack
@@ -109,6 +111,31 @@ async def test_a_dictionary_read_moves_each_entry_from_a_few_holders_not_from_al
         holders = len(parsed)
         assert holders >= 8  # the read asked many holders ...
         assert sum(parsed) <= 4 * entries, parsed  # ... and moved each entry from a few of them
+
+
+async def test_a_read_caches_a_dictionary_on_a_peer_that_lacked_it_not_on_a_holder_with_nothing_new(monkeypatch):
+    """A holder told what the reader already has answers an empty dictionary: it holds the key,
+    so the read's path cache must not count it as missing the value (and send it a copy)."""
+    cached_on = []
+    send = dht.replicas.Replicas.send
+
+    async def recording(self, contact, records, outcomes, unanswered=None):
+        if unanswered is None:  # (a store's sends pass it; a path cache's does not)
+            cached_on.append(contact.peer_id)
+        return await send(self, contact, records, outcomes, unanswered)
+
+    monkeypatch.setattr(dht.replicas.Replicas, "send", recording)
+    async with open_swarm(30, seed=7) as swarm:
+        expiration = time.time() + 60
+        for index in range(6):
+            assert await swarm.nodes[index].store("crowd", index, expiration, subkey=f"peer{index}")
+        holders = {node.peer_id for node in swarm.nodes if node.records.found(pack("crowd")) is not None}
+        cached_on.clear()
+        reader = next(node for node in swarm.nodes if node.peer_id not in holders)
+        merged = await reader.get("crowd", latest=True)
+        assert merged is not None and len(merged.value) == 6
+        await wait_all_tasks_blocked()  # the path cache's store starts in the background
+        assert not holders & set(cached_on), "a holder that had nothing newer was sent a copy"
 
 
 async def test_forged_signed_record_refused_everywhere_and_never_returned():
