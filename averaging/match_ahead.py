@@ -44,7 +44,16 @@ from .later import Later
 from .matchmaking import MAX_SETTLE
 from .progress import SwarmProgress
 
-__all__ = ["GroupAhead", "GroupSource", "MatchAhead", "MatchAtStep", "Matching", "NoGroupAhead", "matchmaking_due"]
+__all__ = [
+    "wait_for_group",
+    "GroupAhead",
+    "GroupSource",
+    "MatchAhead",
+    "MatchAtStep",
+    "Matching",
+    "NoGroupAhead",
+    "matchmaking_due",
+]
 
 log = logging.getLogger("peerd.training")
 
@@ -62,6 +71,21 @@ def matchmaking_due(view: SwarmProgress, epoch: int, target_batch_size: int, lea
         return True
     rate = view.samples_per_s
     return rate > 0 and missing <= rate * lead
+
+
+async def wait_for_group(formed: Later[FormedGroup | None], due: trio.Event) -> tuple[FormedGroup | None, float]:
+    """The step came: tell a matchmaking formed ahead (``due``: a leader stops holding its group
+    open) and wait for its group (bounded: matchmaking gives up at its own deadline). Returns the
+    group (None if none formed) and how long the step waited. A step cancelled meanwhile cancels
+    the matchmaking: nobody will average in its group."""
+    began = trio.current_time()
+    due.set()
+    try:
+        group = await formed.wait()
+    except BaseException:
+        formed.cancel()
+        raise
+    return group, trio.current_time() - began
 
 
 class GroupSource(Protocol):
@@ -179,14 +203,7 @@ class GroupAhead:
             matching.formed.cancel()
             await matching.formed.wait()
             return None
-        began = trio.current_time()
-        matching.due.set()
-        try:
-            formed = await matching.formed.wait()  # bounded: matchmaking gives up at its own deadline
-        except BaseException:  # the step was cancelled: nobody will average in the group
-            matching.formed.cancel()
-            raise
-        self.last_wait_s = trio.current_time() - began
+        formed, self.last_wait_s = await wait_for_group(matching.formed, matching.due)
         return formed
 
     async def cancel(self) -> None:

@@ -33,7 +33,7 @@ import trio
 from .allreduce import ROUND_WAIT
 from .averager import AveragingRound, FormedGroup, GroupAverager
 from .later import Later, TaskSpawner
-from .match_ahead import JOIN_ALLOWANCE
+from .match_ahead import JOIN_ALLOWANCE, wait_for_group
 from .matchmaking import MAX_SETTLE
 
 __all__ = ["StepAhead", "STALE_GROUP_S"]
@@ -112,14 +112,7 @@ class StepAhead:
             ahead.formed.cancel()  # not begun: the step came early; or our round moved meanwhile
             await ahead.formed.wait()
             return None
-        began = trio.current_time()
-        ahead.due.set()
-        try:
-            group = await ahead.formed.wait()  # bounded: matchmaking gives up at its own deadline
-        except BaseException:  # the step was cancelled: nobody will average in the group
-            ahead.formed.cancel()
-            raise
-        self.last_wait_s = trio.current_time() - began
+        group, self.last_wait_s = await wait_for_group(ahead.formed, ahead.due)
         if group is not None and trio.current_time() - group.formed_at > STALE_GROUP_S:
             log.info("the group formed ahead of round %d is stale; matching at the step", ahead.round)
             return None

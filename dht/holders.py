@@ -9,7 +9,7 @@ so a lookup's answer stays right for a while; ``HOLDERS_TTL`` bounds how stale i
 that joined nearer the key in the meantime misses one store; readers still find every other copy,
 and the next lookup, a minute later at most, includes it). A remembered holder that fails to
 answer a store, or answers keeping nothing, is dropped (``lost``): in a churning swarm one of a key's
-k holders leaves every few seconds, and forgetting the whole set for each made most stores walk
+k holders leaves every few seconds, and dropping the whole set for each made most stores walk
 again. The key's next-nearest peer lacks the record until the next lookup, as it would have until
 a lookup found it; once fewer than ``REFRESH_BELOW`` of the looked-up holders are left, the key is
 forgotten and the next store looks it up again.
@@ -93,9 +93,6 @@ class HolderCache:
         entry.contacts = [contact for contact in entry.contacts if contact.id not in ids]
         if len(entry.contacts) < entry.floor:
             del self._entries[target]
-
-    def forget(self, target: int) -> None:
-        self._entries.pop(target, None)
 
     def outdated(self, target: int, known: list[Contact]) -> bool:
         """Whether ``known`` (the nearest contacts our table holds) names a peer that belongs among

@@ -37,8 +37,9 @@ def test_a_forgotten_or_empty_answer_is_not_a_set_of_holders():
     cache = HolderCache()
     cache.remember(1, [], now=0.0, k=3)
     assert cache.holders(1, now=0.0) is None
-    cache.remember(2, contacts(2), now=0.0, k=3)
-    cache.forget(2)
+    gone = contacts(2)
+    cache.remember(2, gone, now=0.0, k=3)
+    cache.lost(2, gone)
     assert cache.holders(2, now=0.0) is None
 
 
