@@ -88,6 +88,11 @@ class Codec(ABC):
     # may run it on the event loop instead of paying for a worker thread.
     encodes_as_view: ClassVar[bool] = False
 
+    # Whether decoded parts are zero outside the values the sender chose, and a reducer's average
+    # of them is sent back chosen the same way (``sparse_codec.py``): what the returned average
+    # leaves out reached no one, and error feedback keeps it.
+    sparse: ClassVar[bool] = False
+
     def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         """``encode`` for a contiguous 1-D float32 CPU part the caller has already checked finite
         (e.g. as part of a larger tensor): codecs that can skip their own finiteness pass do."""
@@ -469,3 +474,8 @@ def _finite_or_raise(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if not all_finite(tensor):
         raise ValueError(f"{name}: payload decodes to NaN or infinite values")
     return tensor
+
+
+# The sparse codecs register themselves under their names; importing them here makes every name a
+# part's meta may carry known wherever parts are decoded.
+from . import sparse_codec  # noqa: E402, F401

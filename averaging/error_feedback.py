@@ -50,24 +50,55 @@ class ErrorFeedback:
                 offset += size
             self._sent = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
 
+    def move_into(self, params: Sequence[torch.Tensor]) -> None:
+        """Leave what is still owed in the parameters rather than in the residual: ``params -=
+        residual`` (a delta is ``start - params``), so the next round's delta carries it by itself.
+
+        For a sparse codec with outer learning rate 1 and no outer momentum, where a round applies
+        only a few values of each chunk: each peer's parameters then stay where its own training
+        took them, less what the swarm's average already applied, instead of falling back to the
+        shared start and relearning the rest (``local_updates.py``)."""
+        offset = 0
+        with torch.no_grad():
+            for param in params:
+                size = param.numel()
+                owed = self.residual[offset : offset + size].view_as(param)
+                param.sub_(owed.to(param.device, param.dtype))
+                offset += size
+        self.residual.zero_()
+
     def reset(self) -> None:
         """Forget the residual (our parameters were replaced: what earlier rounds dropped no
         longer belongs to them)."""
         self.residual.zero_()
         self._sent = None
 
-    def settle(self, result: AllReduceResult | None) -> None:
+    def settle(self, result: AllReduceResult | None, averaged: Sequence[torch.Tensor] | None = None) -> None:
         """After the round: the new residual is what the round's encoding dropped from our
-        contribution (``result`` None: the round failed and our values were used as they are)."""
+        contribution (``result`` None: the round failed and our values were used as they are).
+
+        A sparse codec's average keeps only some values of each chunk (``Codec.sparse``): then
+        ``averaged`` (the tensors as the round left them) says which, and of every value the
+        average left out our whole contribution stays owed, our own shard's included."""
         sent, self._sent = self._sent, None
         self.residual.zero_()
         if sent is None or result is None or result.plan is None:
             return
+        kept = None
+        if self.codec.sparse:
+            if averaged is None:
+                raise ValueError(f"{self.codec.name} is sparse: settle needs the averaged tensors")
+            kept = torch.cat([t.detach().reshape(-1) for t in averaged]) != 0
         plan = result.plan
         for index in range(plan.num_shards):
-            if index == result.my_shard or index in result.local_shards:
-                continue  # never encoded: our own reduction, or a failed reducer's shard kept local
+            if index in result.local_shards:
+                continue  # a failed reducer's shard: our local values were applied as they are
             parts = plan.parts(index)
+            if index == result.my_shard:  # our own reduction: our values exact, what it kept applied
+                if kept is not None:
+                    for start, end in parts:
+                        torch.mul(sent[start:end], ~kept[start:end], out=self.residual[start:end])
+                continue
             per_part = result.part_contributors.get(index)
             if per_part is None or len(per_part) != len(parts):  # the shard's list holds for each part
                 per_part = [result.contributors.get(index)] * len(parts)
@@ -78,4 +109,6 @@ class ErrorFeedback:
                     continue
                 meta, payload = self.codec.encode(values)
                 decoded = self.codec.decode(meta, payload, end - start)
+                if kept is not None:
+                    decoded.mul_(kept[start:end])
                 torch.sub(values, decoded, out=self.residual[start:end])

@@ -45,6 +45,7 @@ import trio
 from peer.worker_threads import run_blocking
 
 from .averager import GroupAverager
+from .compression import get_codec
 from .error_feedback import ErrorFeedback
 from .local_rounds import RoundSchedule, SequentialRounds
 from .outer_step import OuterStep
@@ -75,8 +76,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         *,
         prefix: str,
         local_steps: int = 20,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
         error_feedback: bool = True,
         rounds: RoundSchedule | None = None,
         settings: AveragingSettings = LOCAL_UPDATES,
@@ -87,9 +88,14 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.inner = inner_optimizer
         self.local_steps = local_steps
         self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
+        codec = settings.codec
+        # With a sparse codec each peer keeps what the swarm has not applied yet in its parameters
+        # (``ErrorFeedback.move_into``), which is only its own unsent progress at outer learning
+        # rate 1 without outer momentum: momentum would apply that progress again every round.
+        self._owed_in_params = get_codec(codec).sparse and error_feedback
+        outer_lr, outer_momentum = _outer_settings(self._owed_in_params, outer_lr, outer_momentum)
         self._outer_step = OuterStep(self.params, lr=outer_lr, momentum=outer_momentum)
         averaging = settings.averager_options()
-        codec = settings.codec
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
@@ -208,7 +214,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             self.delta_averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
         )
         if feedback is not None:
-            await run_blocking(feedback.settle, record.result)
+            await run_blocking(feedback.settle, record.result, self.deltas)
         return record
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
@@ -217,6 +223,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
             await run_blocking(apply)
+            if self._owed_in_params and self.error_feedback is not None:
+                await run_blocking(self.error_feedback.move_into, self.params)
             self.replica.count_round(record)
 
     def restart_round(self) -> None:
@@ -240,3 +248,17 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         if await average_state(self.start_averager, self.replica.epoch):
             async with self.replica.state.locked_tensors():
                 await run_blocking(self._outer_step.move_to_averaged_start)
+
+
+def _outer_settings(owed_in_params: bool, lr: float | None, momentum: float | None) -> tuple[float, float]:
+    """The outer learning rate and momentum: DiLoCo's 0.7 and Nesterov 0.9 for dense deltas; 1 and
+    none when unsent progress stays in the parameters (sparse codecs), where nothing else works."""
+    if not owed_in_params:
+        return (0.7 if lr is None else lr), (0.9 if momentum is None else momentum)
+    lr, momentum = (1.0 if lr is None else lr), (0.0 if momentum is None else momentum)
+    if (lr, momentum) != (1.0, 0.0):
+        raise ValueError(
+            f"a sparse codec keeps unsent progress in the parameters: it needs outer_lr 1 and outer_momentum 0, "
+            f"not {lr} and {momentum}"
+        )
+    return lr, momentum

@@ -63,6 +63,7 @@ class Config:
     overlapped: bool = True  # round t's outer step lands at the end of round t+1
     codec: str = "blockwise_8bit"
     error_feedback: bool = True
+    owed_in_params: bool = False  # lr 1, momentum 0: each peer's params keep what it still owes
     warmup_rounds: int = 0  # the first rounds take warmup_steps local steps each
     warmup_steps: int = 5
     inner_lr_scale: float = 1.0
@@ -78,9 +79,20 @@ class Config:
 
 BENCH = Config("bench: overlapped int8+EF lr0.7 m0.9")
 SEQ = replace(BENCH, name="sequential int8+EF", overlapped=False)
+# The sparse scheme as LocalUpdatesOptimizer runs it with a sparse codec: unsent progress stays in
+# each peer's parameters, outer lr 1 without momentum.
+SPARSE = replace(
+    BENCH, name="overlapped topk_2bit+EF owed in params", codec="topk_2bit", outer_lr=1.0, momentum=0.0,
+    nesterov=False, owed_in_params=True,
+)  # fmt: skip
 CONFIGS = [
     BENCH,
+    SPARSE,
     SEQ,
+    replace(SPARSE, name="sequential topk_2bit+EF owed in params", overlapped=False),
+    replace(SPARSE, name="overlapped topk_4bit+EF owed in params", codec="topk_4bit"),
+    replace(SPARSE, name="overlapped topk_2bit+EF owed in buffer", owed_in_params=False),
+    replace(BENCH, name="overlapped topk_2bit+EF lr0.7 m0.9", codec="topk_2bit"),
     replace(SEQ, name="sequential float32", codec="none", error_feedback=False),
     replace(BENCH, name="overlapped float32", codec="none", error_feedback=False),
     replace(SEQ, name="seq int8 no-EF", error_feedback=False),
@@ -167,7 +179,15 @@ def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFe
         plan = SimpleNamespace(num_shards=PEERS, parts=lambda j: [bounds[j]])
         for me, feedback in enumerate(feedbacks):
             result = SimpleNamespace(plan=plan, my_shard=me, local_shards=(), part_contributors={}, contributors={})
-            feedback.settle(result)
+            feedback.settle(result, replicas[me].deltas)
+
+
+def _keep_owed(config: Config, outers: list[OuterStep], feedbacks: list[ErrorFeedback] | None) -> None:
+    """After an outer step, as LocalUpdatesOptimizer.advance: what each peer still owes moves from
+    its residual into its parameters (``ErrorFeedback.move_into``)."""
+    if config.owed_in_params and feedbacks is not None:
+        for outer, feedback in zip(outers, feedbacks, strict=True):
+            feedback.move_into(outer.params)
 
 
 def _outer_step(model: torch.nn.Module, config: Config) -> OuterStep:
@@ -176,9 +196,10 @@ def _outer_step(model: torch.nn.Module, config: Config) -> OuterStep:
 
 def run_swarm(
     tasks: list[Task], shard_batches: list[list], config: Config, steps: int, every: int
-) -> tuple[dict[int, float], int]:
+) -> tuple[dict[int, float], int, float]:
     """bpb of the best replica whenever each has taken a multiple of ``every`` steps (keyed by the
-    swarm's samples), and the payload bytes one peer sent per round, summed."""
+    swarm's samples), the payload bytes one peer sent per round, summed, and the worst replica's
+    final bpb (replicas differ where each keeps its unsent progress)."""
     models = [copy.deepcopy(tasks[0].model) for _ in range(PEERS)]
     optimizers = [_optimizer(tasks[0], model, config.inner_lr_scale) for model in models]
     outers = [_outer_step(model, config) for model in models]
@@ -191,7 +212,7 @@ def run_swarm(
     round_bytes = 2 * (PEERS - 1) * get_codec(config.codec).payload_size(numel // PEERS)  # out and back
     anchors: list[list[torch.Tensor]] | None = None  # overlapped: where the deltas in flight were taken
     curve: dict[int, float] = {}
-    sent_bytes, done = 0, 0
+    sent_bytes, done, worst = 0, 0, float("nan")
     for length in config.round_lengths(steps):
         for index in range(length):
             for peer in range(PEERS):
@@ -201,6 +222,7 @@ def run_swarm(
             if anchors is not None:  # the previous round's average lands now
                 for outer, anchor in zip(outers, anchors, strict=True):
                     outer.apply_delayed(anchor)
+                _keep_owed(config, outers, feedbacks)
             anchors = [outer.compute_deltas_and_anchor() for outer in outers]
             _average(outers, config.codec, feedbacks)  # in flight until the next round ends
         else:
@@ -209,10 +231,13 @@ def run_swarm(
             _average(outers, config.codec, feedbacks)
             for outer in outers:
                 outer.apply()
+            _keep_owed(config, outers, feedbacks)
         sent_bytes += round_bytes
         if done % every == 0:
-            curve[done * PEERS * tasks[0].batch_size] = min(_evaluate(tasks[0], model) for model in models)
-    return curve, sent_bytes
+            figures = [_evaluate(tasks[0], model) for model in models]
+            curve[done * PEERS * tasks[0].batch_size] = min(figures)
+            worst = max(figures)
+    return curve, sent_bytes, worst
 
 
 def main(args: argparse.Namespace) -> None:
@@ -222,7 +247,7 @@ def main(args: argparse.Namespace) -> None:
     steps = rounds * (5 if args.quick else 20)  # each replica's steps: the benchmark's rounds of 20
     configs = CONFIGS
     if args.quick:
-        configs = [replace(c, local_steps=5) for c in CONFIGS[:3]]
+        configs = [replace(c, local_steps=5) for c in (BENCH, SPARSE)]
     elif args.only:
         wanted = args.only.split(",")
         configs = [c for c in CONFIGS if any(w in c.name for w in wanted)]
@@ -233,22 +258,24 @@ def main(args: argparse.Namespace) -> None:
     started = time.process_time()
     solo = run_solo(whole, _batches(whole, PEERS * steps), PEERS * every)
     rows: list[tuple[str, dict[int, float], float | None]] = [("solo (4x steps)", solo, None)]
-    if not args.only:
-        rows.append(("sync DP", run_sync(tasks[0], shard_batches, steps, every), None))
+    rows.append(("sync DP", run_sync(tasks[0], shard_batches, steps, every), None))
     if not args.quick and not args.only:
         rows.append(("sync DP inner lr x2", run_sync(tasks[0], shard_batches, steps, every, lr_scale=2.0), None))
     for name, curve, _ in rows:
         print(f"{name}: " + " ".join(f"{v:.3f}" for v in curve.values()), file=sys.stderr, flush=True)
     print(f"baselines: {time.process_time() - started:.0f} s CPU", file=sys.stderr, flush=True)
     bench_bytes = None
+    worst: dict[str, float] = {}
     for config in configs:
         begun = time.process_time()
-        curve, sent = run_swarm(tasks, shard_batches, config, steps, every)
+        curve, sent, worst[config.name] = run_swarm(tasks, shard_batches, config, steps, every)
         per_sample = sent / (steps * batch)
         bench_bytes = per_sample if config is configs[0] else bench_bytes
         rows.append((config.name, curve, per_sample))
         trace = " ".join(f"{v:.3f}" for v in curve.values())
-        print(f"{config.name}: {trace} ({time.process_time() - begun:.0f} s CPU)", file=sys.stderr, flush=True)
+        seconds = time.process_time() - begun
+        line = f"{config.name}: {trace}, worst {worst[config.name]:.3f} ({seconds:.0f} s CPU)"
+        print(line, file=sys.stderr, flush=True)
 
     points = sorted(solo)
     width = max(len(name) for name, _, _ in rows)
@@ -264,7 +291,32 @@ def main(args: argparse.Namespace) -> None:
         summary[name] = {"bpb": round(final, 4) if final else None, "loss_ratio": round(ratio, 4) if ratio else None}
         if per_sample is not None and bench_bytes:
             summary[name]["bytes_per_sample_vs_bench"] = round(per_sample / bench_bytes, 3)
-    print(json.dumps({"model_size": size, "steps_per_replica": steps, "samples": points[-1], "rows": summary}))
+    figures = {"model_size": size, "steps_per_replica": steps, "samples": points[-1]}
+    print(json.dumps({**figures, **_sparse_figures(summary, worst, numel_of(tasks[0])), "rows": summary}))
+
+
+def numel_of(task: Task) -> int:
+    return sum(p.numel() for p in task.model.parameters())
+
+
+def _sparse_figures(summary: dict[str, dict], worst: dict[str, float], numel: int) -> dict:
+    """The issue's figures for the sparse scheme: bytes per round against float32 and int8 (one
+    peer's, out and back, as ``run_swarm`` counts them), held-out loss against today's int8 local
+    updates and synchronous data parallelism at the same samples (best replica, and worst)."""
+    shard = numel // PEERS
+    sparse_bytes = get_codec(SPARSE.codec).payload_size(shard)
+    figures = {
+        "sparse_codec": SPARSE.codec,
+        "bytes_vs_float32": round(get_codec("none").payload_size(shard) / sparse_bytes, 1),
+        "bytes_vs_int8": round(get_codec(BENCH.codec).payload_size(shard) / sparse_bytes, 1),
+    }
+    sparse, int8, sync = (summary.get(name, {}).get("bpb") for name in (SPARSE.name, BENCH.name, "sync DP"))
+    if sparse and int8:
+        figures["loss_vs_int8"] = round(sparse / int8, 4)
+        figures["loss_vs_int8_worst_replica"] = round(worst[SPARSE.name] / int8, 4)
+    if sparse and sync:
+        figures["loss_vs_sync_dp"] = round(sparse / sync, 4)
+    return figures
 
 
 if __name__ == "__main__":

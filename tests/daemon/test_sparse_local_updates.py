@@ -1,0 +1,98 @@
+"""Local updates with a sparse codec (``topk_2bit``): the outer step applies only the largest values
+of each chunk of the average, every peer keeps the rest of its own progress in its parameters, so
+nothing any peer trained is lost, and real peers reach the digits target that way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from averaging.local_rounds import SequentialRounds
+from averaging.local_updates import LocalUpdatesOptimizer
+from peerd.tasks import ShardSpec, digits_task
+from peerd.training import Trainer
+from tests.daemon.test_training import open_swarm, train_to_target
+
+
+def sparse_local_updates(node, weight, **options) -> LocalUpdatesOptimizer:
+    return LocalUpdatesOptimizer(
+        torch.optim.SGD([weight], lr=1.0),
+        node,
+        prefix="sparse",
+        local_steps=1,
+        codec="topk_2bit",
+        target_group_size=2,
+        aggregation="mean",
+        settle_time=0.05,
+        matchmaking_timeout=3.0,
+        averaging_timeout=6.0,
+        rounds=SequentialRounds(),
+        **options,
+    )
+
+
+async def test_a_sparse_round_applies_a_few_values_and_each_peer_keeps_the_rest_of_its_progress():
+    """Two peers, one SGD step (lr 1) per round on 128 values: the all-reduce cuts them into two
+    shards of one 64-value chunk each, and each chunk's average keeps one value (exact: a chunk
+    whose only kept value is its own bounds decodes exactly). The shared start moves at those two
+    values; every peer's parameters are the start less what it still owes, and together the peers'
+    parameters moved by exactly what they trained."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        generator = torch.Generator().manual_seed(3)
+        grads = [torch.randn(128, generator=generator) for _ in range(2)]
+        weights = [torch.nn.Parameter(torch.zeros(128)) for _ in range(2)]
+        optimizers = [sparse_local_updates(node, weight) for node, weight in zip(nodes, weights, strict=True)]
+
+        async def one_round(i: int) -> None:
+            weights[i].grad = grads[i].clone()
+            assert await optimizers[i].step(1) is True
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as rounds:
+                for i in range(2):
+                    rounds.start_soon(one_round, i)
+        assert all(o.last_averaging["averaged"] for o in optimizers)
+        start = optimizers[0].snapshot[0]
+        assert torch.equal(start, optimizers[1].snapshot[0])  # the shared start is shared
+        assert int((start != 0).sum()) == 2  # one value of each shard's chunk
+        for weight, optimizer in zip(weights, optimizers, strict=True):
+            assert not optimizer.error_feedback.residual.any()  # what it owes is in its parameters
+            assert (weight.detach() != start).sum() >= 126  # its own progress, kept
+        trained = -(grads[0] + grads[1])  # one SGD step each from zero
+        assert torch.allclose(weights[0].detach() + weights[1].detach(), trained, atol=1e-5)
+        nursery.cancel_scope.cancel()
+
+
+def test_a_sparse_codec_needs_outer_lr_one_without_momentum():
+    weight = torch.nn.Parameter(torch.zeros(4))
+    node = type("Node", (), {})()
+    with pytest.raises(ValueError, match="outer_lr 1 and outer_momentum 0"):
+        LocalUpdatesOptimizer(torch.optim.SGD([weight], lr=1.0), node, prefix="x", codec="topk_2bit", outer_momentum=0.9)
+
+
+def make_sparse_trainer(node, index, count):
+    task = digits_task(shard=ShardSpec(index, count))
+    optimizer = LocalUpdatesOptimizer(
+        task.make_optimizer(list(task.model.parameters())),
+        node,
+        prefix="digits-sparse",
+        local_steps=20,
+        codec="topk_2bit",
+        target_group_size=count,
+        settle_time=0.1,
+        matchmaking_timeout=3.0,
+        averaging_timeout=6.0,
+    )
+    return Trainer(task, optimizer)
+
+
+async def test_three_peers_reach_the_digits_target_with_sparse_outer_rounds():
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        with trio.fail_after(90):
+            trainers, statuses = await train_to_target(nodes, make_sparse_trainer, max_epochs=30)
+        assert max(s.accuracy for s in statuses.values()) >= 0.9
+        assert any(t.optimizer.last_averaging and t.optimizer.last_averaging["averaged"] for t in trainers)
+        nursery.cancel_scope.cancel()
