@@ -43,6 +43,7 @@ import trio
 from peer.worker_threads import run_blocking
 
 from .averager import FormedGroup, GroupAverager
+from .compression import get_codec
 from .match_ahead import GroupSource, MatchAtStep, Matching, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
@@ -168,6 +169,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.updates: UpdateSchedule = updates if updates is not None else ImmediateUpdates()
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.accumulated = GradientSum(self.params)
+        if get_codec(settings.codec).sparse:  # it would drop most of every gradient, for good
+            raise ValueError(f"{settings.codec} is sparse: it needs error feedback, which local updates have")
         averaging = settings.averager_options()
         # Only gradients go through ``codec``: parameters and optimizer state are averaged exactly
         # (8-bit Adam moments or step counts would wreck the next steps). The averager averages

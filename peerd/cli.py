@@ -155,7 +155,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
     if args.compression is not None:
         from averaging.compression import get_codec  # torch loads only in peers that train
 
-        get_codec(args.compression)  # an unknown codec is a ValueError: one line, exit 1
+        # an unknown codec is a ValueError: one line, exit 1
+        if get_codec(args.compression).sparse and args.mode != "local-updates":
+            raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
     access = access_from_args(args)
     # the ports are bound only after the node-ID puzzle: a taken one must fail before it
     check_port_free("listen", *args.listen, "--listen HOST:PORT")

@@ -4,15 +4,20 @@ nothing any peer trained is lost, and real peers reach the digits target that wa
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 import trio
 
 from averaging.local_rounds import SequentialRounds
 from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.optimizer import CollaborativeOptimizer
+from peerd.exit_codes import EXIT_BAD_INPUT
 from peerd.tasks import ShardSpec, digits_task
 from peerd.training import Trainer
 from tests.daemon.test_training import open_swarm, train_to_target
+from tests.support.processes import PEERD
 
 
 def sparse_local_updates(node, weight, **options) -> LocalUpdatesOptimizer:
@@ -69,10 +74,12 @@ def test_a_sparse_codec_needs_outer_lr_one_without_momentum():
     weight = torch.nn.Parameter(torch.zeros(4))
     node = type("Node", (), {})()
     with pytest.raises(ValueError, match="outer_lr 1 and outer_momentum 0"):
-        LocalUpdatesOptimizer(torch.optim.SGD([weight], lr=1.0), node, prefix="x", codec="topk_2bit", outer_momentum=0.9)
+        LocalUpdatesOptimizer(
+            torch.optim.SGD([weight], lr=1.0), node, prefix="x", codec="topk_2bit", outer_momentum=0.9
+        )
 
 
-def make_sparse_trainer(node, index, count):
+def make_sparse_trainer(node, index, count, aggregation="mean"):
     task = digits_task(shard=ShardSpec(index, count))
     optimizer = LocalUpdatesOptimizer(
         task.make_optimizer(list(task.model.parameters())),
@@ -84,15 +91,43 @@ def make_sparse_trainer(node, index, count):
         settle_time=0.1,
         matchmaking_timeout=3.0,
         averaging_timeout=6.0,
+        aggregation=aggregation,
     )
     return Trainer(task, optimizer)
 
 
-async def test_three_peers_reach_the_digits_target_with_sparse_outer_rounds():
+@pytest.mark.parametrize("aggregation", ["mean", "centered-clip"])
+async def test_three_peers_reach_the_digits_target_with_sparse_outer_rounds(aggregation):
+    """Also with the public swarm's robust aggregation, which clips sparse contributions as it
+    clips dense ones."""
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 3)
+
+        def make(node, index, count):
+            return make_sparse_trainer(node, index, count, aggregation)
+
         with trio.fail_after(90):
-            trainers, statuses = await train_to_target(nodes, make_sparse_trainer, max_epochs=30)
+            trainers, statuses = await train_to_target(nodes, make, max_epochs=30)
         assert max(s.accuracy for s in statuses.values()) >= 0.9
         assert any(t.optimizer.last_averaging and t.optimizer.last_averaging["averaged"] for t in trainers)
         nursery.cancel_scope.cancel()
+
+
+def test_peerd_join_refuses_a_sparse_codec_outside_local_updates_in_one_line(tmp_path):
+    result = subprocess.run(
+        PEERD + ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "id.key"),
+                 "--task", "digits", "--compression", "topk_2bit"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "peerd: --compression topk_2bit is sparse: it needs --mode local-updates"
+    ]
+
+
+def test_the_collaborative_optimizer_refuses_a_sparse_codec():
+    weight = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="topk_4bit is sparse"):
+        CollaborativeOptimizer(
+            torch.optim.SGD([weight], lr=1.0), object(), prefix="x", target_batch_size=4, codec="topk_4bit"
+        )

@@ -1,0 +1,178 @@
+"""A run no CPU here can do, simulated: 16 peers training a 1B-parameter model with local updates
+on 100 Mbit/s uplinks, and how much of their time the trainers wait for the network, for today's
+int8 deltas (``blockwise_8bit``) and for sparse outer rounds (``topk_2bit``).
+
+    python benchmarks/billion_sim.py [--quick]
+
+(``--quick``: 8 peers, 3 rounds, the first not measured; by default 16 peers, 5 rounds.)
+
+Every peer is real code on the simulated internet (``peer/simnet``) under trio's virtual clock: a
+``PeerHost`` and ``DHTNode``, and ``LocalUpdatesOptimizer`` with ``OverlappedRounds`` (as ``peerd
+join --mode local-updates`` runs it: matchmaking, progress records, round ends, the group
+all-reduce, the codec and error feedback). What is modelled:
+- compute: a round is 100 s of compute (a hundred 1-second steps of a 1B model on one GPU, taken
+  as ten optimizer steps of 10 simulated seconds each); the gradients are random, since only the
+  schedule and the traffic are measured here;
+- payload size: the model has ``MODEL / SCALE`` real values and every link runs ``SCALE`` times
+  slower than the uplink it models (100/1000 Mbit/s), so a round's real bytes take as long as the
+  1B model's would. The DHT's and matchmaking's small messages are slowed by the same factor, which
+  overstates their cost (they take tens of simulated seconds per round instead of milliseconds):
+  the waiting measured is an upper bound.
+
+A trainer waits when a round ends before the previous round's averaging has finished (overlapped
+rounds hide the averaging behind the next round's compute). ``wait_fraction`` is 1 - compute time
+/ elapsed time, over the rounds after the first, averaged over the peers. The periodic averaging of
+the shared start (float32, every 5 rounds by default) is left out: it is the same for both codecs
+(and with a sparse codec it carries more bytes than the sparse rounds in between: see the note in
+``local_updates.py``).
+
+The last line is one JSON object: ``wait_fraction_int8``, ``wait_fraction_sparse``, and the bytes
+each peer sends per round for the modelled model (``round_bytes_int8``, ``round_bytes_sparse``, from
+the codec's payload size and the group's size) with their ratio. The table also shows all the
+bytes a peer's host sent per round, times ``SCALE`` (DHT and matchmaking included, so overstated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import trio
+import trio.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from averaging.compression import get_codec  # noqa: E402
+from averaging.local_rounds import OverlappedRounds  # noqa: E402
+from averaging.local_updates import LocalUpdatesOptimizer  # noqa: E402
+from dht import DHTConfig, DHTNode  # noqa: E402
+from peer.simnet import SimNetwork  # noqa: E402
+from tests.support.sim_swarm import open_sim_swarm  # noqa: E402
+
+PEERS = 16
+MODEL = 1_000_000_000  # parameters modelled
+SCALE = 100  # real values = MODEL / SCALE; links SCALE times slower
+UPLINK_MBIT, DOWNLINK_MBIT = 100.0, 1000.0
+# An inner step here stands for ten 1-second steps of a 1B model: 100 s of compute per round in ten
+# calls of the optimizer, not a hundred (the schedule only counts steps; a tenth of the CPU).
+STEP_S = 10.0  # simulated seconds of compute per inner step
+LOCAL_STEPS = 10  # inner steps per outer round
+CODECS = ("blockwise_8bit", "topk_2bit")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run models: ``model`` parameters, ``step_s`` of compute per inner step."""
+
+    model: int = MODEL
+    step_s: float = STEP_S
+    rounds: int = 5
+    peers: int = PEERS
+
+
+async def train(node: DHTNode, index: int, codec: str, plan: Plan, background: trio.Nursery) -> dict:
+    """One peer: ``rounds`` outer rounds landed; its compute and elapsed simulated seconds after
+    the first round landed, and the bytes its host sent meanwhile."""
+    generator = torch.Generator().manual_seed(index)
+    weight = torch.nn.Parameter(torch.zeros(plan.model // SCALE))
+    gradient = torch.randn(weight.numel(), generator=generator) * 1e-3
+    optimizer = LocalUpdatesOptimizer(
+        torch.optim.SGD([weight], lr=0.1),
+        node,
+        prefix="billion",
+        local_steps=LOCAL_STEPS,
+        codec=codec,
+        rounds=OverlappedRounds(background),
+        target_group_size=plan.peers,
+        aggregation="mean",
+        matchmaking_timeout=60.0,
+        averaging_timeout=1200.0,
+        progress_interval=20.0,  # a fifth of a round
+        average_state_every=0,
+    )
+    landed, steps, first = 0, 0, None
+    while landed < plan.rounds:
+        weight.grad = gradient.clone()
+        await trio.sleep(plan.step_s)  # the modelled compute of one inner step
+        steps += 1
+        if await optimizer.step(1):
+            landed += 1
+            if landed == 1:
+                first = (trio.current_time(), steps, node.host.traffic.bytes_sent)
+    assert first is not None
+    began, steps_before, bytes_before = first
+    last = optimizer.last_averaging or {}
+    return {
+        "compute_s": (steps - steps_before) * plan.step_s,
+        "elapsed_s": trio.current_time() - began,
+        "bytes": node.host.traffic.bytes_sent - bytes_before,
+        "rounds": plan.rounds - 1,
+        "averaged": bool(last.get("averaged")),
+        "group": int(last.get("group") or 1),
+    }
+
+
+def modelled_round_bytes(codec: str, model: int, group: int) -> int:
+    """What one peer of a group sends per round for the modelled model: its contribution to every
+    other reducer's shard and its own shard's average back to every other member."""
+    return 2 * (group - 1) * get_codec(codec).payload_size(model // group)
+
+
+async def run(codec: str, plan: Plan, seed: int) -> list[dict]:
+    mix = ((UPLINK_MBIT / SCALE, DOWNLINK_MBIT / SCALE),)
+    network = SimNetwork(seed=seed, mixes=mix)
+    results: list[dict] = [{}] * plan.peers
+    async with open_sim_swarm(network, plan.peers, config=DHTConfig()) as swarm:
+        async with trio.open_nursery() as background:
+
+            async def one(index: int) -> None:
+                results[index] = await train(swarm.nodes[index], index, codec, plan, background)
+
+            async with trio.open_nursery() as trainers:
+                for index in range(plan.peers):
+                    trainers.start_soon(one, index)
+            background.cancel_scope.cancel()
+    return results
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    plan = Plan(rounds=3, peers=8) if args.quick else Plan(rounds=args.rounds)
+    plan = plan if args.peers is None else dataclasses.replace(plan, peers=args.peers)
+    figures: dict[str, float] = {}
+    print(f"{plan.peers} peers, {plan.model / 1e9:g}B parameters modelled, {UPLINK_MBIT:.0f} Mbit/s uplinks, "
+          f"{LOCAL_STEPS} steps of {plan.step_s:g} s per round, {plan.rounds} rounds")  # fmt: skip
+    print(
+        f"{'codec':<16} {'wait fraction':>13} {'GB/peer/round':>13} {'(all traffic)':>13} {'averaged':>9} {'CPU s':>6}"
+    )
+    for codec in CODECS:
+        begun = time.process_time()
+        results = trio.run(run, codec, plan, args.seed, clock=trio.testing.MockClock(autojump_threshold=0))
+        wait = statistics.mean(1 - r["compute_s"] / r["elapsed_s"] for r in results)
+        traffic = statistics.mean(r["bytes"] / r["rounds"] for r in results) * SCALE
+        per_round = modelled_round_bytes(codec, plan.model, max(r["group"] for r in results))
+        averaged = sum(r["averaged"] for r in results)
+        cpu = time.process_time() - begun
+        gigabytes = f"{per_round / 1e9:13.3f} {traffic / 1e9:13.3f}"
+        print(f"{codec:<16} {wait:13.3f} {gigabytes} {averaged:>6}/{plan.peers} {cpu:6.0f}", flush=True)
+        key = "sparse" if codec == "topk_2bit" else "int8"
+        figures[f"wait_fraction_{key}"] = round(wait, 4)
+        figures[f"round_bytes_{key}"] = round(per_round)
+    figures["round_bytes_int8_vs_sparse"] = round(figures["round_bytes_int8"] / figures["round_bytes_sparse"], 1)
+    print(json.dumps({"peers": plan.peers, "model_params": plan.model, "uplink_mbit": UPLINK_MBIT, **figures}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="8 peers, 3 rounds (2 measured)")
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds; the first is not measured")
+    parser.add_argument("--peers", type=int, help="peers (default 16, --quick 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    main(parser.parse_args())
