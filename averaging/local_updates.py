@@ -27,6 +27,16 @@ averaged, which with the mean is the same step and under robust aggregation narr
 spread that an attacker may pull by; ``outer_step.py``). Newcomers load both the start and a
 donor's momentum.
 
+With a sparse codec (``topk_2bit``, ``topk_4bit``: ``sparse_codec.py``) a round applies only the
+largest values of each chunk of the average, ~136x fewer bytes than float32. Falling back to the
+shared start would throw away all the rest of a peer's progress every round, so each peer keeps
+in its parameters what the swarm has not applied yet (``params = start - residual``,
+``ErrorFeedback.move_into``) and the next delta carries it; that is the peer's own unsent progress
+only at outer learning rate 1 without outer momentum, which a sparse codec therefore takes. In the
+in-process simulation (``benchmarks/diloco_sim.py``, ``textlm`` small) this trains as well as int8
+deltas; falling back to the start, or momentum 0.9, did not train. The start is then averaged a
+fragment at a time (``SPARSE_START_FRAGMENTS``), so that its float32 does not outweigh the rounds.
+
 With overlapped rounds, progress records and donor announcements go out in the background nursery
 between rounds. The start's averaging stays in line: besides pulling replicas together, its
 matchmaking holds a peer whose rounds run ahead until the others arrive (up to the matchmaking
@@ -55,7 +65,13 @@ from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
 
-__all__ = ["LocalUpdatesOptimizer"]
+__all__ = ["LocalUpdatesOptimizer", "SPARSE_START_FRAGMENTS"]
+
+# With a sparse codec the start is averaged in this many fragments, one per ``average_state_every``
+# rounds: float32 of a 64th of the model every 5 rounds is about the bytes of one sparse round
+# (~136x less than float32) spread over them, so a round costs ~114x less than with float32
+# deltas and whole-start averaging. The price: the whole start is averaged every 320 rounds.
+SPARSE_START_FRAGMENTS = 64
 
 log = logging.getLogger("peerd.training")
 
@@ -111,12 +127,25 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             progress_interval=settings.progress_interval,
             replicated=len(self.snapshot),
         )
-        self.start_averager = GroupAverager(
-            self._outer_step.start_average, dht, prefix=f"{prefix}.start", allow_state_sharing=False, **averaging
-        )
+        # With a sparse codec the start is averaged a fragment at a time, each time the next one:
+        # its float32 would otherwise carry 27x the bytes of the sparse rounds in between.
+        fragments = SPARSE_START_FRAGMENTS if self._owed_in_params else 1
+        self.start_averagers = [
+            GroupAverager(
+                piece, dht, prefix=f"{prefix}.start" + (f".{index}" if fragments > 1 else ""),
+                allow_state_sharing=False, **averaging,
+            )
+            for index, piece in enumerate(self._outer_step.start_fragments(fragments))
+        ]  # fmt: skip
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started: float | None = None
+
+    @property
+    def start_averager(self) -> GroupAverager:
+        """The averager of the start (with a sparse codec: of the fragment averaged next)."""
+        period = max(self.settings.average_state_every, 1)
+        return self.start_averagers[(self.replica.epoch // period) % len(self.start_averagers)]
 
     @property
     def outer_step(self) -> OuterStep:

@@ -90,6 +90,23 @@ class OuterStep:
             for param, extra in zip(self.params, progress, strict=True):
                 param.add_(extra.to(param.device, param.dtype))
 
+    def start_fragments(self, count: int) -> list[list[torch.Tensor]]:
+        """The averaged copy of the start cut into ``count`` fragments of about equal size, each a
+        list of 1-D views into it (averaging a fragment in place averages that part of the copy)."""
+        flat = [tensor.view(-1) for tensor in self.start_average]
+        total = sum(view.numel() for view in flat)
+        bounds = [total * index // count for index in range(count + 1)]
+        fragments: list[list[torch.Tensor]] = []
+        for begin, end in zip(bounds, bounds[1:], strict=False):
+            pieces, offset = [], 0
+            for view in flat:
+                low, high = max(begin, offset), min(end, offset + view.numel())
+                if low < high:
+                    pieces.append(view[low - offset : high - offset])
+                offset += view.numel()
+            fragments.append(pieces)
+        return fragments
+
     def copy_start_for_averaging(self) -> None:
         with torch.no_grad():
             for target, source in zip(self.start_average, self.start, strict=True):

@@ -11,8 +11,9 @@ import torch
 import trio
 
 from averaging.local_rounds import SequentialRounds
-from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.local_updates import SPARSE_START_FRAGMENTS, LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
+from averaging.outer_step import OuterStep
 from peerd.exit_codes import EXIT_BAD_INPUT
 from peerd.tasks import ShardSpec, digits_task
 from peerd.training import Trainer
@@ -131,3 +132,51 @@ def test_the_collaborative_optimizer_refuses_a_sparse_codec():
         CollaborativeOptimizer(
             torch.optim.SGD([weight], lr=1.0), object(), prefix="x", target_batch_size=4, codec="topk_4bit"
         )
+
+
+def test_the_start_cuts_into_fragments_that_cover_it_once_and_write_through():
+    outer = OuterStep([torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))], lr=1.0, momentum=0.0)
+    fragments = outer.start_fragments(4)
+    assert [sum(piece.numel() for piece in fragment) for fragment in fragments] == [5, 6, 5, 6]
+    for number, fragment in enumerate(fragments):
+        for piece in fragment:
+            piece.fill_(number + 1)
+    flat = torch.cat([tensor.reshape(-1) for tensor in outer.start_average])
+    assert flat.tolist() == [1.0] * 5 + [2.0] * 6 + [3.0] * 5 + [4.0] * 6
+
+
+async def test_with_a_sparse_codec_the_start_is_averaged_a_fragment_at_a_time():
+    """Two peers whose starts differ everywhere: the round's start averaging pulls together the
+    fragment that the round's epoch names, and only it; each peer's parameters move with it."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        size = 2 * SPARSE_START_FRAGMENTS
+        weights = [torch.nn.Parameter(torch.full((size,), float(i))) for i in range(2)]
+        optimizers = [
+            sparse_local_updates(node, weight, average_state_every=1)
+            for node, weight in zip(nodes, weights, strict=True)
+        ]
+        assert len(optimizers[0].start_averagers) == SPARSE_START_FRAGMENTS
+
+        async def one_round(i: int) -> None:
+            weights[i].grad = torch.zeros(size)
+            assert await optimizers[i].step(1) is True
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as rounds:
+                for i in range(2):
+                    rounds.start_soon(one_round, i)
+        epoch = optimizers[0].epoch
+        assert epoch == optimizers[1].epoch == 1
+        fragment = slice(2 * (epoch % SPARSE_START_FRAGMENTS), 2 * (epoch % SPARSE_START_FRAGMENTS) + 2)
+        starts = [o.snapshot[0] for o in optimizers]
+        assert torch.equal(starts[0][fragment], torch.full((2,), 0.5)) and torch.equal(
+            starts[1][fragment], starts[0][fragment]
+        )
+        others = torch.ones(size, dtype=torch.bool)
+        others[fragment] = False
+        assert torch.equal(starts[0][others], torch.zeros(size - 2)) and torch.equal(
+            starts[1][others], torch.ones(size - 2)
+        )
+        assert torch.equal(weights[0].detach(), starts[0]) and torch.equal(weights[1].detach(), starts[1])
+        nursery.cancel_scope.cancel()
