@@ -4,15 +4,16 @@ int8 deltas (``blockwise_8bit``) and for sparse outer rounds (``topk_2bit``).
 
     python benchmarks/billion_sim.py [--quick]
 
-(``--quick``: 8 peers, 3 rounds, the first not measured; by default 16 peers, 5 rounds.)
+(``--quick``: 8 peers, 3 rounds, the first not measured, ten steps per round; by default 16 peers,
+5 rounds of a hundred steps.)
 
 Every peer is real code on the simulated internet (``peer/simnet``) under trio's virtual clock: a
 ``PeerHost`` and ``DHTNode``, and ``LocalUpdatesOptimizer`` with ``OverlappedRounds`` (as ``peerd
 join --mode local-updates`` runs it: matchmaking, progress records, round ends, the group
 all-reduce, the codec and error feedback). What is modelled:
-- compute: a round is 100 s of compute (a hundred 1-second steps of a 1B model on one GPU, taken
-  as ten optimizer steps of 10 simulated seconds each); the gradients are random, since only the
-  schedule and the traffic are measured here;
+- compute: a round is 100 s of compute (a hundred 1-second steps of a 1B model on one GPU; with
+  ``--quick``, ten optimizer steps of 10 simulated seconds each); the gradients are random, since
+  only the schedule and the traffic are measured here;
 - payload size: the model has ``MODEL / SCALE`` real values and every link runs ``SCALE`` times
   slower than the uplink it models (100/1000 Mbit/s), so a round's real bytes take as long as the
   1B model's would. The DHT's and matchmaking's small messages are slowed by the same factor, which
@@ -60,10 +61,8 @@ PEERS = 16
 MODEL = 1_000_000_000  # parameters modelled
 SCALE = 100  # real values = MODEL / SCALE; links SCALE times slower
 UPLINK_MBIT, DOWNLINK_MBIT = 100.0, 1000.0
-# An inner step here stands for ten 1-second steps of a 1B model: 100 s of compute per round in ten
-# calls of the optimizer, not a hundred (the schedule only counts steps; a tenth of the CPU).
-STEP_S = 10.0  # simulated seconds of compute per inner step
-LOCAL_STEPS = 10  # inner steps per outer round
+STEP_S = 1.0  # simulated seconds of compute per inner step (a 1B model's step on one GPU)
+LOCAL_STEPS = 100  # inner steps per outer round: 100 s of compute
 CODECS = ("blockwise_8bit", "topk_2bit")
 
 
@@ -75,6 +74,12 @@ class Plan:
     step_s: float = STEP_S
     rounds: int = 5
     peers: int = PEERS
+    local_steps: int = LOCAL_STEPS
+
+
+# --quick: 8 peers, and each inner step stands for ten of a 1B model (ten 10-s steps per round, the
+# same 100 s of compute in a tenth of the optimizer calls).
+QUICK = Plan(step_s=10 * STEP_S, rounds=3, peers=8, local_steps=LOCAL_STEPS // 10)
 
 
 async def train(node: DHTNode, index: int, codec: str, plan: Plan, background: trio.Nursery) -> dict:
@@ -87,7 +92,7 @@ async def train(node: DHTNode, index: int, codec: str, plan: Plan, background: t
         torch.optim.SGD([weight], lr=0.1),
         node,
         prefix="billion",
-        local_steps=LOCAL_STEPS,
+        local_steps=plan.local_steps,
         codec=codec,
         rounds=OverlappedRounds(background),
         target_group_size=plan.peers,
@@ -144,11 +149,11 @@ async def run(codec: str, plan: Plan, seed: int) -> list[dict]:
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    plan = Plan(rounds=3, peers=8) if args.quick else Plan(rounds=args.rounds)
+    plan = QUICK if args.quick else Plan(rounds=args.rounds)
     plan = plan if args.peers is None else dataclasses.replace(plan, peers=args.peers)
     figures: dict[str, float] = {}
     print(f"{plan.peers} peers, {plan.model / 1e9:g}B parameters modelled, {UPLINK_MBIT:.0f} Mbit/s uplinks, "
-          f"{LOCAL_STEPS} steps of {plan.step_s:g} s per round, {plan.rounds} rounds")  # fmt: skip
+          f"{plan.local_steps} steps of {plan.step_s:g} s per round, {plan.rounds} rounds")  # fmt: skip
     print(
         f"{'codec':<16} {'wait fraction':>13} {'GB/peer/round':>13} {'(all traffic)':>13} {'averaged':>9} {'CPU s':>6}"
     )

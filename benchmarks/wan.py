@@ -297,10 +297,10 @@ def _rate(samples: list[tuple[float, int]]) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
-def solo(lab: Lab, workdir: Path, rate: float, window: float) -> dict[str, Any]:
+def solo(lab: Lab, workdir: Path, rate: float, window: float, model_size: str = MODEL_SIZE) -> dict[str, Any]:
     hosts = [lab.add_host(f"s{index}", rate_mbit=rate) for index in range(PEERS)]
     script = "benchmarks/wan_cases/solo_trainer.py"
-    argv = ["--shards", str(PEERS), "--model-size", MODEL_SIZE, "--report-every", "1"]
+    argv = ["--shards", str(PEERS), "--model-size", model_size, "--report-every", "1"]
     processes = spawn_all(lab, hosts, workdir, script, lambda i: ["--shard", str(i), *argv])
     tell(processes, "go")
     readings: list[list[tuple[float, int]]] = [[] for _ in processes]
@@ -337,10 +337,20 @@ def _status_all(peers, patience: float = 30.0) -> list[dict]:
 
 
 def swarm(
-    lab: Lab, workdir: Path, rate: float, window: float, mode: str, quick: bool, declare_uplink: bool = True
+    lab: Lab,
+    workdir: Path,
+    rate: float,
+    window: float,
+    mode: str,
+    quick: bool,
+    declare_uplink: bool = True,
+    model_size: str = MODEL_SIZE,
+    compression: str | None = None,
 ) -> dict[str, Any]:
     hosts = [lab.add_host(f"{mode[:5]}{index}", rate_mbit=rate) for index in range(PEERS)]
-    extra = ["--task", "textlm", "--model-size", MODEL_SIZE, "--mode", mode]
+    extra = ["--task", "textlm", "--model-size", model_size, "--mode", mode]
+    if compression is not None:
+        extra += ["--compression", compression]
     if declare_uplink:
         extra += ["--uplink-mbit", str(rate)]
     if mode == "local-updates" and quick:
@@ -371,10 +381,10 @@ def swarm(
     return result
 
 
-def single(lab: Lab, workdir: Path, rate: float, samples: int) -> dict[str, Any]:
+def single(lab: Lab, workdir: Path, rate: float, samples: int, model_size: str = MODEL_SIZE) -> dict[str, Any]:
     host = lab.add_host("single", rate_mbit=rate)
     script = "benchmarks/wan_cases/solo_trainer.py"
-    argv = ["--model-size", MODEL_SIZE, "--samples", str(samples), "--report-every", "1e9"]
+    argv = ["--model-size", model_size, "--samples", str(samples), "--report-every", "1e9"]
     (process,) = spawn_all(lab, [host], workdir, script, lambda i: argv)
     tell([process], "go")
     done = json.loads(read_line(process, 1800))
@@ -418,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parts = ["raw_tcp", "raw_alltoall", "allreduce", "solo", "local_updates", "collaborative", "single"]
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
+    parser.add_argument("--model-size", default=MODEL_SIZE, help=f"textlm's size (default {MODEL_SIZE})")
+    parser.add_argument(
+        "--compression", metavar="CODEC", help="the local-updates part's codec (default: peerd's, blockwise_8bit)"
+    )
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     parser.add_argument(
@@ -463,14 +477,24 @@ def main(argv: list[str] | None = None) -> int:
         "allreduce": lambda lab, d: allreduce(
             lab, d, args.rate, args.quick, args.hivemind, args.aggregation, not args.no_uplink
         ),
-        "solo": lambda lab, d: solo(lab, d, args.rate, window),
+        "solo": lambda lab, d: solo(lab, d, args.rate, window, args.model_size),
         "local_updates": lambda lab, d: swarm(
-            lab, d, args.rate, window, "local-updates", args.quick, not args.no_uplink
-        ),
+            lab,
+            d,
+            args.rate,
+            window,
+            "local-updates",
+            args.quick,
+            not args.no_uplink,
+            args.model_size,
+            args.compression,
+        ),  # fmt: skip
         "collaborative": lambda lab, d: swarm(
             lab, d, args.rate, window, "collaborative", args.quick, not args.no_uplink
         ),
-        "single": lambda lab, d: single(lab, d, args.rate, (results.get("local_updates") or {})["total_samples"]),
+        "single": lambda lab, d: single(
+            lab, d, args.rate, (results.get("local_updates") or {})["total_samples"], args.model_size
+        ),
     }
     interrupted = False
     try:
@@ -491,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         errors=errors,
         aggregation=args.aggregation,
         uplink_declared=not args.no_uplink,
+        model_size=args.model_size,
+        compression=args.compression,
     )
     print_table(summary, results)
     if errors or interrupted or args.keep:
