@@ -60,6 +60,7 @@ from .robust import Aggregation
 from .round_links import ConnectionCaps, RoundLinks
 from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, tensor_work_limiter
 from .round_state import AllReduceResult, AllReduceRound
+from .sparse_codec import as_sent
 from .uplink import UploadFigures, uplink_shares
 from .verification import KeptInputs
 
@@ -242,9 +243,14 @@ class AllReduceService:
                 announce(reducer)  # (no await since the last: see ``_taking_part``)
                 if reducer is not None:  # its inputs, for the checks, as they come
                     strategy.keep(group, reducer.shard, prepared)
+                local = None
+                if reducer is not None and flat is not None:
+                    bounds = plan.shard_bounds(round_.my_shard)
+                    local = flat[slice(*bounds)]
+                    if codec.sparse:  # our own contribution as the others' arrive (``sparse_codec.as_sent``)
+                        local = await in_thread(as_sent, codec, local, plan.parts(round_.my_shard), bounds[0])
                 async with links.watching(), trio.open_nursery() as roles:
                     if reducer is not None:
-                        local = flat[slice(*plan.shard_bounds(round_.my_shard))] if flat is not None else None
                         roles.start_soon(reducer.reduce, me, local, weight, settings.sender_rules)
                     if flat is not None:
                         header = ReduceHeader(group.group_id, weight, plan.total, prepared.wire_commitment)

@@ -79,7 +79,11 @@ class ErrorFeedback:
 
         A sparse codec's average keeps only some values of each chunk (``Codec.sparse``): then
         ``averaged`` (the tensors as the round left them) says which, and of every value the
-        average left out our whole contribution stays owed, our own shard's included."""
+        average left out our whole contribution stays owed. Our own shard's contribution went in
+        encoded as well (``sparse_codec.as_sent``), so it is settled as the others are.
+
+        Not kept by anyone: the rounding of the reducers' replies (the average at 2 or 4 bits) is
+        shared by the whole group, and no peer's residual holds it."""
         sent, self._sent = self._sent, None
         self.residual.zero_()
         if sent is None or result is None or result.plan is None:
@@ -94,11 +98,8 @@ class ErrorFeedback:
             if index in result.local_shards:
                 continue  # a failed reducer's shard: our local values were applied as they are
             parts = plan.parts(index)
-            if index == result.my_shard:  # our own reduction: our values exact, what it kept applied
-                if kept is not None:
-                    for start, end in parts:
-                        torch.mul(sent[start:end], ~kept[start:end], out=self.residual[start:end])
-                continue
+            if index == result.my_shard and kept is None:
+                continue  # our own reduction, of our exact values (a sparse codec's go in as sent)
             per_part = result.part_contributors.get(index)
             if per_part is None or len(per_part) != len(parts):  # the shard's list holds for each part
                 per_part = [result.contributors.get(index)] * len(parts)

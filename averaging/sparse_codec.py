@@ -11,9 +11,10 @@ against 32 x 64 bits for the chunk in float32 (137x less; 4-bit values: 17 bits,
 
 Everything a part's bytes hold follows from its length (the chunk layout is fixed by the codec's
 name), so the meta is just the name and the payload's size is known before it arrives. The
-decoder treats the payload as hostile: bounds must be finite, non-negative and ordered, and every
-index must fall inside its chunk. Repeated indices (an honest encoder never makes them) overwrite
-one another; they can only narrow what a sender sets.
+decoder treats the payload as hostile: bounds must be finite, non-negative and ordered (a decoded
+value lies between them, so it is finite), and every index must fall inside its chunk. A repeated
+index overwrites itself: an honest encoder repeats one only to fill a chunk with fewer non-zero
+values than slots (with the same value); a liar can only narrow what it sets.
 
 Decoded parts are zero outside the kept values, and a reducer that averages them sends the average
 back encoded the same way: the ``KEEP`` largest of each chunk of the average reach the group, the
@@ -31,9 +32,9 @@ import torch
 from peer.buffers import byte_view
 from peer.tensors import all_finite
 
-from .compression import FLOAT32_MAX, Codec, _check_meta, _empty, _prepare, register_codec
+from .compression import Codec, _check_meta, _empty, _prepare, register_codec
 
-__all__ = ["CHUNK", "KEEP", "TopK2BitCodec", "TopK4BitCodec", "kept_per_chunk"]
+__all__ = ["CHUNK", "KEEP", "TopK2BitCodec", "TopK4BitCodec", "as_sent", "kept_per_chunk"]
 
 # SparseLoCo's chunk and density: 64 of 4,096 (1.56%). A chunk index needs 12 bits.
 CHUNK = 4096
@@ -96,8 +97,6 @@ class _TopKCodec(Codec):
         lo, hi = bounds[:, 0], bounds[:, 1]
         if not all_finite(bounds) or bool((lo < 0).any()) or bool((hi < lo).any()):
             raise ValueError(f"{self.name}: chunk bounds must be finite, non-negative and ordered")
-        if chunks and float(hi.max()) > FLOAT32_MAX / 2:
-            raise ValueError(f"{self.name}: a chunk bound exceeds the float32 range")
         index_end = 8 * chunks + _index_bytes(kept)
         indices = torch.from_numpy(_unpack_indices(view[8 * chunks : index_end], kept).astype(np.int64))
         codes = torch.from_numpy(_unpack_codes(view[index_end:], kept, self.bits))
@@ -130,6 +129,18 @@ class TopK4BitCodec(_TopKCodec):
     bits = 4
 
 
+def as_sent(codec: Codec, shard: torch.Tensor, parts: list[tuple[int, int]], offset: int) -> torch.Tensor:
+    """A reducer's own contribution to its shard (``shard``, at flat ``offset``) as the other
+    senders' arrive: each part encoded and decoded. Added dense among top-k rows, it would be the
+    outlier CenteredClip steers away from, and its unsent values would compete for the shard's
+    slots with what the others sent."""
+    out = torch.empty_like(shard)
+    for start, end in parts:
+        piece = shard[start - offset : end - offset].contiguous()
+        out[start - offset : end - offset] = codec.decode(*codec.encode_finite(piece), end - start)
+    return out
+
+
 def _chunk_counts(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per chunk: how many values it keeps, and its length."""
     full, tail = divmod(numel, CHUNK)
@@ -153,18 +164,27 @@ def _code_bytes(kept: int, bits: int) -> int:
 
 
 def _top_k(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Indices within their chunks (int16, chunk by chunk), the kept values, and per-chunk counts."""
+    """Indices within their chunks (int16, chunk by chunk), the kept values, and per-chunk counts.
+
+    A chunk with fewer non-zero values than slots points its spare slots at its largest value (the
+    same index and value again; the decoder lets a repeated index overwrite itself): a kept zero
+    would otherwise set the chunk's smallest magnitude to 0 and decode as half a step, not 0."""
     numel = part.numel()
     full = numel // CHUNK
-    head = part[: full * CHUNK].view(full, CHUNK)
-    indices = [torch.topk(head.abs(), KEEP, dim=1, sorted=False).indices] if full else []
-    values = [torch.gather(head, 1, indices[0]).reshape(-1)] if full else []
-    indices = [i.reshape(-1) for i in indices]
-    tail = part[full * CHUNK :]
-    if tail.numel():
-        chosen = torch.topk(tail.abs(), kept_per_chunk(tail.numel()), sorted=False).indices
-        indices.append(chosen)
-        values.append(tail[chosen])
+    chunks = [part[: full * CHUNK].view(full, CHUNK)] if full else []
+    if numel > full * CHUNK:
+        chunks.append(part[full * CHUNK :].view(1, -1))
+    indices, values = [], []
+    for chunk in chunks:  # the full chunks as one 2-D view, then the shorter last one
+        keep = kept_per_chunk(chunk.shape[1])
+        chosen = torch.topk(chunk.abs(), keep, dim=1, sorted=False).indices
+        kept = torch.gather(chunk, 1, chosen)
+        largest = kept.abs().argmax(dim=1, keepdim=True)
+        spare = kept == 0
+        chosen = torch.where(spare, torch.gather(chosen, 1, largest), chosen)
+        kept = torch.where(spare, torch.gather(kept, 1, largest), kept)
+        indices.append(chosen.reshape(-1))
+        values.append(kept.reshape(-1))
     counts, _ = _chunk_counts(numel)
     if not indices:
         empty = torch.empty(0)

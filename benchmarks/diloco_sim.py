@@ -174,7 +174,9 @@ def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFe
 
     averaged = torch.empty(total)
     for reducer, (start, end) in enumerate(bounds):
-        parts = [flat[start:end] if i == reducer else sent(flat[start:end]) for i, flat in enumerate(flats)]
+        # the reducer's own part exact, as peerd adds it; a sparse codec's as sent (``as_sent``)
+        own = codec.sparse
+        parts = [flat[start:end] if i == reducer and not own else sent(flat[start:end]) for i, flat in enumerate(flats)]
         averaged[start:end] = sent(torch.stack(parts).mean(dim=0))
     for outer in replicas:
         offset = 0
