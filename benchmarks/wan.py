@@ -346,11 +346,12 @@ def swarm(
     declare_uplink: bool = True,
     model_size: str = MODEL_SIZE,
     compression: str | None = None,
+    aggregation: str = "auto",
 ) -> dict[str, Any]:
     hosts = [lab.add_host(f"{mode[:5]}{index}", rate_mbit=rate) for index in range(PEERS)]
     extra = ["--task", "textlm", "--model-size", model_size, "--mode", mode]
-    if compression is not None:
-        extra += ["--compression", compression]
+    if compression is not None:  # with the tuned all-reduce's aggregation (a sparse codec needs the mean)
+        extra += ["--compression", compression, "--aggregation", aggregation]
     if declare_uplink:
         extra += ["--uplink-mbit", str(rate)]
     if mode == "local-updates" and quick:
@@ -430,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=parts, default=None)
     parser.add_argument("--model-size", default=MODEL_SIZE, help=f"textlm's size (default {MODEL_SIZE})")
     parser.add_argument(
-        "--compression", metavar="CODEC", help="the local-updates part's codec (default: peerd's, blockwise_8bit)"
+        "--compression",
+        metavar="CODEC",
+        help="the local-updates part's codec (default: peerd's, blockwise_8bit); given, that part also takes "
+        "--aggregation",
     )
     parser.add_argument("--window", type=float, default=None, help="seconds each training part is measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
