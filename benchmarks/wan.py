@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             not args.no_uplink,
             args.model_size,
             args.compression,
-        ),  # fmt: skip
+            args.aggregation,
+        ),
         "collaborative": lambda lab, d: swarm(
             lab, d, args.rate, window, "collaborative", args.quick, not args.no_uplink
         ),
