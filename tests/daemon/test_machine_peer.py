@@ -1,0 +1,92 @@
+"""A peer that is a whole machine (``peerd join --nproc-per-node N``, ``peerd/machine*.py``): real
+``peerd`` processes whose ranks train with torch.distributed (gloo on CPU) next to a lone peer."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from tests.support.processes import PeerdProcess, status_of, wait_until
+
+BOOTSTRAP_TIMEOUT = 15.0  # peerd join's default: a killed rank ends its peer within it
+
+
+def start_peer(tmp_path: Path, name: str, shard: str, initial: str | None, *extra: str) -> tuple[PeerdProcess, int]:
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / f"{name}.key"), "--run-id", "machine"]
+    args += ["--task", "digits", "--data-shard", shard, "--status-port", "0", *extra]
+    if initial:
+        args += ["--initial-peer", initial]
+    process = PeerdProcess(args, tmp_path / f"{name}.log")
+    process.read_line(timeout=60)  # listening
+    port = int(process.read_line(timeout=60).rsplit(":", 1)[1].split("/")[0])
+    return process, port
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The PID of ``rank`` among the launcher's children (by the RANK its environment holds)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+def round_bytes(port: int) -> float:
+    """Mean bytes a peer moved per averaging round (``peerd_averaging_round_bytes``)."""
+    from peerd.status_server import fetch_status
+
+    metrics = fetch_status(port, path="/metrics")
+    total = float(re.search(r"^peerd_averaging_round_bytes_sum (\S+)$", metrics, re.M).group(1))
+    count = float(re.search(r"^peerd_averaging_round_bytes_count (\S+)$", metrics, re.M).group(1))
+    return total / count
+
+
+def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_path):
+    lone, lone_port = start_peer(tmp_path, "lone", "0/2", None)
+    machine = None
+    try:
+        address = status_of(lone_port)["address"]
+        machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2")
+        wait_until(
+            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
+            90,
+            "both peers at 0.9 held-out accuracy",
+        )
+        status = status_of(port)
+        ranks = status["ranks"]
+        assert (ranks["world_size"], ranks["backend"]) == (2, "gloo")
+        rank_samples = [row["samples"] for row in ranks["ranks"]]
+        assert min(rank_samples) > 0 and rank_samples[0] == rank_samples[1]  # equal slices, lockstep
+        # the swarm counts the machine's samples: both ranks', as one peer's (at most a slice apart)
+        assert abs(status["samples"] - sum(rank_samples)) <= 2 * 64 * 32
+        wait_until(
+            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
+            60,
+            "a round of the machine and the lone peer",
+        )
+        # one peer to the swarm: a round moves the bytes a lone peer's does (a group of 2, same model)
+        ratio = round_bytes(port) / round_bytes(lone_port)
+        assert 0.7 <= ratio <= 1.4, ratio
+
+        leader = machine.process.pid
+        killed_at = status_of(lone_port)["epoch"]
+        signal_sent = time.monotonic()
+        os.kill(rank_pid(leader, 1), signal.SIGKILL)
+        code = machine.process.wait(BOOTSTRAP_TIMEOUT)
+        assert code == 5 and time.monotonic() - signal_sent < BOOTSTRAP_TIMEOUT
+        said = [line for line in machine.log().splitlines() if line.startswith("peerd:")]
+        assert len(said) == 1 and "rank" in said[0] and "Traceback" not in machine.log(), machine.log()
+        wait_until(  # and the swarm goes on without it
+            lambda: ((status_of(lone_port) or {}).get("epoch") or 0) > killed_at + 3, 60, "the lone peer trains on"
+        )
+    finally:
+        if machine is not None:
+            machine.stop()
+        lone.stop()
