@@ -20,6 +20,7 @@ import trio
 
 from peer.worker_threads import run_blocking
 
+from .exit_codes import EXIT_RANK_FAILED
 from .machine import (
     RankGroup,
     RankReport,
@@ -153,8 +154,6 @@ def run_follower(group: RankGroup, task_spec: str, model_size: str | None) -> in
     """Follow rank 0 in a worker thread, so that SIGINT and SIGTERM reach this (main) thread even
     while a collective blocks; returns the exit code: 0 when rank 0 said stop, EXIT_RANK_FAILED
     (after a log line) when the group broke. Other errors (a task that fails to load) propagate."""
-    from .exit_codes import EXIT_RANK_FAILED
-
     outcome: dict[str, Any] = {}
 
     def follow() -> None:

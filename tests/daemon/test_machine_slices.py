@@ -1,0 +1,82 @@
+"""The arithmetic of a machine of several ranks (``peerd/machine.py``) on a real two-rank gloo group:
+gradients over the machine's samples however they split between ranks, orders and parameters from
+rank 0; and the pieces that need no group (torchrun's variables, the ranks' shards, the launcher's
+arguments)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerd.machine_launch import without_nproc_flag
+from peerd.ranks import RankError, RankPlace, rank_place
+from peerd.task_types import ShardSpec
+from tests.support import rank_slice
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_slice_is_the_gradient_of_the_machines_samples_and_rank_0_leads(tmp_path):
+    port = free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+        command = [sys.executable, "-m", "tests.support.rank_slice", str(tmp_path)]
+        ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+    for process in ranks:
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+    zero, one = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    net = rank_slice.model()
+    inputs, targets = rank_slice.data()
+    rank_slice.loss_fn(net, (inputs, targets)).backward()  # the mean over all 10 samples at once
+    for expected, got0, got1 in zip([p.grad for p in net.parameters()], zero["grads"], one["grads"], strict=True):
+        torch.testing.assert_close(got0, expected)
+        torch.testing.assert_close(got1, expected)
+    assert zero["samples"] == one["samples"] == [8, 2]
+    assert one["orders"] == 3
+    for ours, theirs, start in zip(zero["params"], one["params"], net.parameters(), strict=True):
+        torch.testing.assert_close(theirs, ours)
+        torch.testing.assert_close(ours, start.detach() * -2.0)
+
+
+def test_torchruns_variables_place_a_rank_and_a_lone_process_is_none():
+    assert rank_place({}) is None
+    assert rank_place({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert rank_place({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == RankPlace(1, 4, 1)
+    with pytest.raises(RankError, match="outside"):
+        rank_place({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(RankError, match="integers"):
+        rank_place({"RANK": "a", "WORLD_SIZE": "2"})
+
+
+def test_the_ranks_split_the_machines_shard_exactly():
+    from peerd.machine import RankGroup, rank_shard
+
+    items = list(range(103))
+    machine = ShardSpec(1, 3)
+    parts = []
+    for rank in range(4):
+        group = RankGroup(rank, 4, "gloo", torch.device("cpu"), None)
+        shard = rank_shard(machine, group)
+        parts.append(set(items[shard.index :: shard.count]))
+    assert set().union(*parts) == set(items[machine.index :: machine.count])
+    assert sum(len(part) for part in parts) == len(items[machine.index :: machine.count])
+
+
+def test_the_launcher_passes_every_argument_but_its_own():
+    argv = ["join", "--nproc-per-node", "2", "--task", "digits", "--nproc-per-node=3", "--listen", "127.0.0.1:0"]
+    assert without_nproc_flag(argv) == ["join", "--task", "digits", "--listen", "127.0.0.1:0"]
