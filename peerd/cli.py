@@ -217,6 +217,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for key, value in status.items():
         if key == "reachability" and isinstance(value, dict):
             value = reachability_line(value)
+        elif key == "ranks" and isinstance(value, dict):
+            value = ranks_line(value)
         print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
 
@@ -233,6 +235,12 @@ def reachability_line(reachability: dict) -> str:
     connections = reachability.get("connections") or {}
     parts.append(f"{connections.get('direct', 0)} direct, {connections.get('relayed', 0)} relayed connections")
     return "; ".join(parts)
+
+
+def ranks_line(ranks: dict) -> str:
+    """``2 ranks (gloo on cpu): rank 0 4864 samples, rank 1 4864 samples`` for humans."""
+    rows = ", ".join(f"rank {row.get('rank')} {row.get('samples')} samples" for row in ranks.get("ranks") or [])
+    return f"{ranks.get('world_size')} ranks ({ranks.get('backend')} on {ranks.get('device')}): {rows}"
 
 
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:

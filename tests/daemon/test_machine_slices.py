@@ -80,3 +80,15 @@ def test_the_ranks_split_the_machines_shard_exactly():
 def test_the_launcher_passes_every_argument_but_its_own():
     argv = ["join", "--nproc-per-node", "2", "--task", "digits", "--nproc-per-node=3", "--listen", "127.0.0.1:0"]
     assert without_nproc_flag(argv) == ["join", "--task", "digits", "--listen", "127.0.0.1:0"]
+
+
+def test_peerd_status_shows_the_ranks_on_one_line():
+    from peerd.cli import ranks_line
+
+    ranks = {
+        "world_size": 2,
+        "backend": "gloo",
+        "device": "cpu",
+        "ranks": [{"rank": 0, "samples": 64}, {"rank": 1, "samples": 64}],
+    }
+    assert ranks_line(ranks) == "2 ranks (gloo on cpu): rank 0 64 samples, rank 1 64 samples"
