@@ -96,15 +96,17 @@ BOOTSTRAP_TIMEOUT = Setting(
 )  # fmt: skip
 TASK = Setting(
     name="task", flag="--task", variable="TASK", metavar="NAME",
-    help="train this task: a built-in name (digits, textlm) or package.module:factory",
+    help="train this task: a built-in name (digits, textlm, hf-lm, hf-lm/MODEL_TYPE) or package.module:factory",
     doc="train: `digits` (a small MLP on scikit-learn's digits), `textlm` (a byte-level transformer on Python's "
-    "standard library, below), or your own `package.module:factory`",
+    "standard library, below), `hf-lm` or `hf-lm/MODEL_TYPE` (a `transformers` causal LM from its config on the "
+    "same text, with the `hf` extra: see Hugging Face transformers), or your own `package.module:factory`",
 )  # fmt: skip
 MODEL_SIZE = Setting(
     name="model_size", flag="--model-size", variable="MODEL_SIZE", metavar="SIZE", default_text="the task's",
-    help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; its default: small)",
+    help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; hf-lm: tiny, small, "
+    "gpt2-small; their default: small)",
     doc="`textlm`'s shape: `tiny` (0.1 M parameters), `small` (its default, 1.9 M, for CPUs), `base` (4.8 M), "
-    "`medium` (25 M), `large` (200 M), `xl` (680 M, GPUs)",
+    "`medium` (25 M), `large` (200 M), `xl` (680 M, GPUs); `hf-lm`'s: `tiny`, `small` (its default), `gpt2-small`",
 )  # fmt: skip
 MODE = Setting(
     name="mode", flag="--mode", variable="MODE", choices=("collaborative", "local-updates"), default="collaborative",
