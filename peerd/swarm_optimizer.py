@@ -31,14 +31,16 @@ MODES = ("collaborative", "local-updates")
 class SwarmOptimizer(torch.optim.Optimizer):
     """``optimizer`` trained with the swarm of ``run_id``. Joins through ``initial_peers`` (none:
     this peer starts a swarm; ``address`` says where others reach it) unless given a running
-    ``dht``. ``settings``: ``AveragingSettings`` fields for the swarm's optimizer."""
+    ``dht``. ``batch_size_per_step``: the samples each ``step()`` counts, or a function that says
+    (Lightning's strategy counts the batches since the last step). ``settings``:
+    ``AveragingSettings`` fields for the swarm's optimizer."""
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         *,
         run_id: str,
-        batch_size_per_step: int,
+        batch_size_per_step: int | Callable[[], int],
         target_batch_size: int = 256,
         mode: str = "collaborative",
         local_steps: int = 20,
@@ -49,7 +51,7 @@ class SwarmOptimizer(torch.optim.Optimizer):
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        if batch_size_per_step < 1:
+        if isinstance(batch_size_per_step, int) and batch_size_per_step < 1:
             raise ValueError(f"batch_size_per_step must be at least 1, not {batch_size_per_step}")
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # the wrapped optimizer's own groups and state: schedulers and checkpoints act on it
@@ -89,7 +91,8 @@ class SwarmOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._loop.run(self.swarm.step, self.batch_size_per_step)
+        per_step = self.batch_size_per_step
+        self._loop.run(self.swarm.step, per_step() if callable(per_step) else per_step)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

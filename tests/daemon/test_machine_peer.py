@@ -94,17 +94,22 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
 
 
 def test_a_machine_stops_as_one_peer_on_ctrl_c_and_sigterm_and_refuses_without_a_task(tmp_path):
-    for sig, expected in ((signal.SIGINT, 130), (signal.SIGTERM, 0)):
-        machine, _port = start_peer(tmp_path, f"stop{expected}", "0/1", None, "--nproc-per-node", "2")
-        try:
+    stops = {signal.SIGINT: 130, signal.SIGTERM: 0}
+    machines = {
+        sig: start_peer(tmp_path, f"stop{code}", "0/1", None, "--nproc-per-node", "2")[0] for sig, code in stops.items()
+    }
+    try:
+        for sig, machine in machines.items():
             machine.wait_for_log("training as rank 0 of 2 ranks", 60)
             machine.process.send_signal(sig)
+        for sig, machine in machines.items():
             # rank 0 tells the others to stop (within RELEASE_TIMEOUT_S), then stops as a peer does (2 s)
-            assert machine.process.wait(RELEASE_TIMEOUT_S + 2) == expected
+            assert machine.process.wait(RELEASE_TIMEOUT_S + 2) == stops[sig]
             # as a lone peer's: the log says it stopped, no rank reports a failure, no traceback
             assert "received " in machine.log() and "Traceback" not in machine.log(), machine.log()
             assert not [line for line in machine.log().splitlines() if line.startswith("peerd:")], machine.log()
-        finally:
+    finally:
+        for machine in machines.values():
             machine.stop()
     lone = PeerdProcess(["join", "--nproc-per-node", "2", "--listen", "127.0.0.1:0"], tmp_path / "notask.log")
     assert lone.process.wait(30) == 1
