@@ -58,6 +58,7 @@ class MachineTrainer(Trainer):
         self._shared_version = parameters_version(task.model)  # DDP started every rank from these
         self._last = RankReport(0)
         self._samples = [0] * group.world_size
+        self._shares = 0  # slices that began with rank 0's parameters (they had changed)
         self.status.ranks = self._ranks_status([RankReport(0)] * group.world_size)
 
     def _lead_slice(self, orders: SliceOrders, batches: list) -> tuple[float, list[RankReport]]:
@@ -79,14 +80,17 @@ class MachineTrainer(Trainer):
         batches = [next(self.task.batches) for _ in range(orders.batches)]
         loss, reports = await run_blocking(self._lead_slice, orders, batches)
         self._shared_version = version
+        self._shares += orders.parameters_changed
         for rank, report in enumerate(reports):
             self._samples[rank] += report.samples
         self.status.ranks = self._ranks_status(reports)
         return loss, sum(report.samples for report in reports)
 
     def _ranks_status(self, reports: list[RankReport]) -> dict[str, Any]:
-        """What ``/status`` shows under ``ranks``: the group, and each rank's samples so far and its
-        last slice's loss and per-batch time (rank 0's as of this slice, the others' one behind)."""
+        """What ``/status`` shows under ``ranks``: the group, how many slices began with rank 0's
+        parameters (about one per swarm step in collaborative mode, every slice in local updates),
+        and each rank's samples so far and its last slice's loss and per-batch time (rank 0's as
+        of this slice, the others' one behind)."""
         rows = []
         for rank, report in enumerate(reports):
             loss = self._last.loss if rank == 0 else report.loss
@@ -100,7 +104,13 @@ class MachineTrainer(Trainer):
                 }
             )
         group = self.group
-        return {"world_size": group.world_size, "backend": group.backend, "device": str(group.device), "ranks": rows}
+        return {
+            "world_size": group.world_size,
+            "backend": group.backend,
+            "device": str(group.device),
+            "parameters_shared": self._shares,
+            "ranks": rows,
+        }
 
     async def run(self, **limits: Any) -> TrainingStatus:
         """Train as ``Trainer.run`` does; then tell the followers to stop (unless the group broke)."""

@@ -65,6 +65,9 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
         assert (ranks["world_size"], ranks["backend"]) == (2, "gloo")
         rank_samples = [row["samples"] for row in ranks["ranks"]]
         assert min(rank_samples) > 0 and rank_samples[0] == rank_samples[1]  # equal slices, lockstep
+        # parameters cross the machine when rank 0's changed (a swarm step, a loaded state), not every slice
+        assert 0 < ranks["parameters_shared"] <= status["epoch"] + 1
+        assert ranks["parameters_shared"] < sum(rank_samples) / 2 / 32
         # the swarm counts the machine's samples: both ranks', as one peer's (at most a slice apart)
         assert abs(status["samples"] - sum(rank_samples)) <= 2 * 64 * 32
         wait_until(
