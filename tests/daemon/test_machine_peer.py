@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from peerd.machine_training import RELEASE_TIMEOUT_S
 from tests.support.processes import PeerdProcess, status_of, wait_until
 
@@ -118,3 +120,29 @@ def test_a_machine_stops_as_one_peer_on_ctrl_c_and_sigterm_and_refuses_without_a
     assert lone.process.wait(30) == 1
     lone.stop()
     assert "give --task" in lone.log() and "Traceback" not in lone.log()
+
+
+@pytest.mark.slow
+def test_a_two_rank_peer_trains_local_updates_with_a_lone_peer(tmp_path):
+    mode = ("--mode", "local-updates", "--local-steps", "10")
+    lone, lone_port = start_peer(tmp_path, "lone", "0/2", None, *mode)
+    machine = None
+    try:
+        address = status_of(lone_port)["address"]
+        machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2", *mode)
+        wait_until(
+            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
+            120,
+            "both peers at 0.9 held-out accuracy",
+        )
+        wait_until(
+            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
+            60,
+            "an outer round of the machine and the lone peer",
+        )
+        ranks = status_of(port)["ranks"]
+        assert ranks["ranks"][1]["samples"] > 0
+    finally:
+        if machine is not None:
+            machine.stop()
+        lone.stop()
