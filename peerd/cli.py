@@ -196,12 +196,18 @@ def _join_rank_group(place: RankPlace, device: str | None):
 
 
 def _follow(args: argparse.Namespace, place: RankPlace) -> int:
-    """A rank other than 0: check the task as rank 0 does, then follow rank 0's slices."""
+    """A rank other than 0: check the task as rank 0 does, then follow rank 0's slices. What goes
+    wrong here goes wrong on rank 0 too, which says it in one line: a follower only logs it."""
     from .machine_training import run_follower  # torch loads only in peers that train
     from .tasks import check_task
 
-    check_task(args.task, args.model_size)
-    return run_follower(_join_rank_group(place, args.device), args.task, args.model_size)
+    try:
+        check_task(args.task, args.model_size)
+        group = _join_rank_group(place, args.device)
+    except (ValueError, RankError) as error:  # TaskError is a ValueError
+        logging.getLogger("peerd").warning("rank %d stops: %s", place.rank, error)
+        return EXIT_RANK_FAILED if isinstance(error, RankError) else EXIT_BAD_INPUT
+    return run_follower(group, args.task, args.model_size)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

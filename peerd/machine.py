@@ -95,11 +95,13 @@ def join_rank_group(place: RankPlace, device: str | None = None) -> RankGroup:
     chosen = torch.device(wanted)
     if chosen.type == "cuda" and chosen.index is None:
         chosen = torch.device("cuda", place.local_rank)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {wanted}: torch sees no CUDA device on this machine")
     backend = "nccl" if chosen.type == "cuda" else "gloo"
-    if chosen.type == "cuda":
-        torch.cuda.set_device(chosen)
     timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
     try:
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
         dist.init_process_group(backend, rank=place.rank, world_size=place.world_size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     except (RuntimeError, ValueError) as error:

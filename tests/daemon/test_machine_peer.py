@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from peerd.machine_training import RELEASE_TIMEOUT_S
 from tests.support.processes import PeerdProcess, status_of, wait_until
@@ -116,10 +117,26 @@ def test_a_machine_stops_as_one_peer_on_ctrl_c_and_sigterm_and_refuses_without_a
     finally:
         for machine in machines.values():
             machine.stop()
-    lone = PeerdProcess(["join", "--nproc-per-node", "2", "--listen", "127.0.0.1:0"], tmp_path / "notask.log")
-    assert lone.process.wait(30) == 1
-    lone.stop()
-    assert "give --task" in lone.log() and "Traceback" not in lone.log()
+
+
+def test_a_machine_that_cannot_start_says_why_once(tmp_path):
+    base = ["join", "--nproc-per-node", "2", "--listen", "127.0.0.1:0"]
+    train = [*base, "--task", "digits", "--bootstrap-timeout", "2"]
+    cases = {  # what a user got wrong: (arguments, exit code, what the one line says)
+        "notask": (base, 1, "give --task"),
+        "unreachable": ([*train, "--initial-peer", "127.0.0.1:1"], 2, "could not reach any initial DHT peer"),
+    }
+    if not torch.cuda.is_available():  # (a machine with a GPU has nothing wrong to say here)
+        cases["nocuda"] = ([*train, "--device", "cuda"], 1, "torch sees no CUDA device")
+    started = {}
+    for name, (args, _code, _said) in cases.items():
+        started[name] = PeerdProcess([*args, "--identity", str(tmp_path / f"{name}.key")], tmp_path / f"{name}.log")
+    for name, (_args, code, said) in cases.items():
+        process = started[name]
+        assert process.process.wait(60) == code, process.log()
+        process.stop()
+        lines = [line for line in process.log().splitlines() if line.startswith("peerd:")]
+        assert len(lines) == 1 and said in lines[0] and "Traceback" not in process.log(), process.log()
 
 
 @pytest.mark.slow
