@@ -6,6 +6,7 @@ arguments)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -92,3 +93,29 @@ def test_peerd_status_shows_the_ranks_on_one_line():
         "ranks": [{"rank": 0, "samples": 64}, {"rank": 1, "samples": 64}],
     }
     assert ranks_line(ranks) == "2 ranks (gloo on cpu): rank 0 64 samples, rank 1 64 samples"
+
+
+async def test_the_dashboard_lists_a_machines_ranks(tmp_path):
+    import functools
+
+    import trio
+
+    from peerd.status_pages import StatusPages
+    from peerd.status_server import serve_http
+    from tests.daemon.test_status_pages import RenderedDashboard, chromium, headless
+
+    browser = chromium()
+    rows = [{"rank": rank, "samples": 64 * (rank + 1), "loss": 0.5, "batch_ms": 1.5} for rank in range(3)]
+    ranks = {"world_size": 3, "backend": "gloo", "device": "cpu", "parameters_shared": 7, "ranks": rows}
+    status = {"peer_id": "machine", "run_id": "r", "epoch": 2, "ranks": ranks}
+    pages = StatusPages(lambda: status)
+    pages.sample()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_http, host="127.0.0.1"), 0, pages.routes())
+        url = f"http://127.0.0.1:{port}/"
+        html = (await trio.to_thread.run_sync(headless, browser, tmp_path / "profile", url, "--dump-dom")).stdout
+        nursery.cancel_scope.cancel()
+    assert RenderedDashboard(html).badge.startswith("live")
+    assert [int(rank) for rank in re.findall(r'<tr data-rank="(\d+)"', html)] == [0, 1, 2]
+    assert "3 ranks · gloo on cpu · parameters shared 7 times" in html
+    assert 'id="ranks-section" hidden' not in html
