@@ -30,6 +30,7 @@ SMALLEST = {
     "dht": (["--smoke"], "get_ratio"),
     "scale": (["--peers", "8", "--dht-nodes", "32"], "averaged_fraction"),
     "wan": (["--quick", "--only", "allreduce"], "defaults_step_line_rate_fraction"),
+    "gpu_check": (["--quick", "--device", "cpu"], "checks"),  # the GPU machine's checks, run on the CPU
 }
 NEEDS_THE_NAT_LAB = {"nat"}
 NEEDS_THE_LAB = {"wan"}
