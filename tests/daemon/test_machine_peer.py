@@ -64,6 +64,7 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
             "both peers at 0.9 held-out accuracy",
         )
         status = status_of(port)
+        assert status_of(lone_port)["peers_known"] == 2  # the swarm sees the machine as one peer
         ranks = status["ranks"]
         assert (ranks["world_size"], ranks["backend"]) == (2, "gloo")
         rank_samples = [row["samples"] for row in ranks["ranks"]]
