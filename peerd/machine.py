@@ -52,6 +52,7 @@ __all__ = [
     "RankGroup",
     "RankReport",
     "SliceOrders",
+    "broadcast_parameters",
     "exchange_orders",
     "gather_reports",
     "join_rank_group",
@@ -168,23 +169,29 @@ def exchange_orders(group: RankGroup, orders: SliceOrders | None = None) -> Slic
     return SliceOrders(int(values[0]), bool(values[1]), bool(values[2]))
 
 
-def parameters_version(model: nn.Module) -> int:
+def parameters_version(model: nn.Module | list[torch.Tensor]) -> int:
     """Changes whenever any parameter is written in place (an optimizer step, a loaded state): the
     sum of their autograd version counters, which every in-place write bumps."""
-    return sum(param._version for param in model.parameters())
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    return sum(param._version for param in params)
 
 
 def share_parameters(group: RankGroup, model: nn.Module) -> None:
     """Rank 0's parameters, written into every other rank's: one flat broadcast per dtype."""
-    params = [param for param in model.parameters()]
+    broadcast_parameters(list(model.parameters()), group.leads)
+
+
+def broadcast_parameters(params: list[torch.Tensor], leads: bool, group: Any = None) -> None:
+    """``params`` of rank 0 (``leads``) written into every other rank's, over ``group`` (default:
+    the whole job), one flat broadcast per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in params:
         by_dtype.setdefault(param.dtype, []).append(param)
     with torch.no_grad(), collectives("sharing rank 0's parameters"):
         for tensors in by_dtype.values():
             flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
-            dist.broadcast(flat, 0)
-            if not group.leads:
+            dist.broadcast(flat, 0, group=group)
+            if not leads:
                 for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                     tensor.copy_(part.view_as(tensor))
 

@@ -10,6 +10,13 @@ samples) or a ``LocalUpdatesOptimizer`` (DiLoCo rounds of ``local_steps``). ``pa
 ``state`` are the wrapped optimizer's own, so learning-rate schedulers and checkpoints see it; a
 scheduler the loop steps moves the learning rate per local step, not per swarm epoch, so a
 constant schedule is the one that means what it says here.
+
+A loop that is itself a ``torch.distributed`` job (a ``transformers.Trainer`` under torchrun, its
+gradients reduced by DDP) is one peer, as ``peerd join --nproc-per-node`` is (``machine.py``): when
+the process group exists as the optimizer is made (``TrainingArguments`` makes it), rank 0 alone
+joins the swarm and steps, and after each step that changed its parameters broadcasts them to the
+other ranks, whose own optimizer never steps. The count per step must then be the whole job's
+(``hf_swarm_optimizer`` multiplies by the world size).
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
 from dht import DHT
 from peer import PeerAddress
+
+from .machine import broadcast_parameters, parameters_version
 
 __all__ = ["SwarmOptimizer"]
 
@@ -59,6 +69,15 @@ class SwarmOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.inner = optimizer
         self.batch_size_per_step = batch_size_per_step
+        self.params = [param for group in optimizer.param_groups for param in group["params"]]
+        self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._machine = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._epoch = 0
+        self._shared_version = parameters_version(self.params)
+        self.dht: DHT | None = None
+        self.swarm: CollaborativeOptimizer | LocalUpdatesOptimizer | None = None
+        if self._rank != 0:
+            return  # another rank of a machine: rank 0 is its peer
         self._own_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers, start=True, listen=listen, run_id=run_id)
         self._loop = self.dht.loop
@@ -75,13 +94,14 @@ class SwarmOptimizer(torch.optim.Optimizer):
 
     @property
     def address(self) -> PeerAddress | None:
-        """Where other peers reach this one (give it to them as an initial peer)."""
-        return self.dht.address
+        """Where other peers reach this one (give it to them as an initial peer; None on a rank
+        other than 0)."""
+        return self.dht.address if self.dht is not None else None
 
     @property
     def epoch(self) -> int:
         """The swarm's epoch (collaborative) or outer round (local updates) this peer is at."""
-        return self.swarm.epoch
+        return self.swarm.epoch if self.swarm is not None else self._epoch
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -91,9 +111,25 @@ class SwarmOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        per_step = self.batch_size_per_step
-        self._loop.run(self.swarm.step, per_step() if callable(per_step) else per_step)
+        if self.swarm is not None:
+            per_step = self.batch_size_per_step
+            self._loop.run(self.swarm.step, per_step() if callable(per_step) else per_step)
+        if self._machine:
+            self._share_with_ranks()
         return loss
+
+    def _share_with_ranks(self) -> None:
+        """Rank 0 tells the others its epoch and whether its parameters changed, and then sends
+        them; the others drop the gradients their optimizer will never step on."""
+        version = parameters_version(self.params)
+        news = torch.tensor([int(version != self._shared_version), self.epoch], device=self.params[0].device)
+        dist.broadcast(news, 0)
+        changed, self._epoch = bool(news[0]), int(news[1])
+        if changed:
+            broadcast_parameters(self.params, leads=self._rank == 0)
+        self._shared_version = parameters_version(self.params)
+        if self._rank != 0:
+            self.inner.zero_grad(set_to_none=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -106,5 +142,5 @@ class SwarmOptimizer(torch.optim.Optimizer):
 
     def shutdown(self) -> None:
         """Leave the swarm (and stop the DHT this optimizer started)."""
-        if self._own_dht:
+        if self.dht is not None and self._own_dht:
             self.dht.shutdown()

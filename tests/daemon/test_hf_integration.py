@@ -79,3 +79,31 @@ def test_a_trainers_optimizer_step_counts_its_batch_for_the_swarm_and_runs_light
         optimizer.shutdown()
     with pytest.raises(ValueError, match="mode must be one of"):
         SwarmOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), run_id="x", batch_size_per_step=1, mode="nope")
+
+
+@pytest.mark.slow
+def test_a_transformers_trainer_under_torchrun_is_one_peer(tmp_path):
+    """Two DDP ranks of one trainer are one peer: rank 0 alone joins and averages with the lone peer,
+    and the other rank ends with rank 0's parameters."""
+    import shutil
+
+    torchrun = (shutil.which("torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()))
+    with ScriptPeer("tests.support.hf_peer", "--steps", "30") as lone:
+        address = lone.first_json(60)["address"]
+        args = ("--steps", "30", "--shard", "1", "--initial-peer", address)
+        with ScriptPeer("tests.support.hf_peer", *args, launcher=torchrun) as machine:
+            ranks = {line["rank"]: line for line in machine.json_lines(180) if "rank" in line}
+            alone = lone.last_json(60)
+    assert set(ranks) == {0, 1}
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9)  # one model on the machine
+    for result in (ranks[0], alone):
+        assert result["losses"][-1] < result["losses"][0] - 0.5, result
+        assert result["averaged"] >= 2, result  # the machine and the lone peer averaged together
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -2,18 +2,20 @@
 tests/daemon/test_hf_integration.py: trains the ``hf-lm`` task's tiny GPT-2 on its textlm shard for
 ``--steps`` optimizer steps. It prints its address first (its DHT node starts before transformers
 loads, so the other peer can start meanwhile) and, last, one JSON line: the losses it logged, the
-swarm epoch it reached and how many of its rounds averaged with another peer."""
+swarm epoch it reached and how many of its rounds averaged with another peer. Under torchrun the
+job is one peer: rank 0 prints, and each rank trains on its own part of the shard."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 
 from dht import DHT
 
 
-def train(dht: DHT, shard: int, steps: int) -> dict:
+def train(dht: DHT | None, shard: int, steps: int) -> dict:
     # transformers and torch load here, after the address is out
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -37,12 +39,15 @@ def train(dht: DHT, shard: int, steps: int) -> dict:
             self.optimizer, self.averaged, self.last = optimizer, 0, None
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self.optimizer.swarm is None:  # another rank than 0 of a machine
+                return
             record = self.optimizer.swarm.last_round
             if record is not None and record is not self.last:
                 self.last = record
                 self.averaged += int(record.averaged and record.group >= 2)
 
-    task = load_task("hf-lm", shard=ShardSpec(shard, 2), model_size="tiny")
+    rank, ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    task = load_task("hf-lm", shard=ShardSpec(shard + 2 * rank, 2 * ranks), model_size="tiny")
     with tempfile.TemporaryDirectory() as output:
         args = TrainingArguments(
             output_dir=output, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3,
@@ -58,7 +63,8 @@ def train(dht: DHT, shard: int, steps: int) -> dict:
         )  # fmt: skip
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"losses": losses, "epoch": optimizer.epoch, "averaged": rounds.averaged}
+    checksum = sum(float(param.double().sum()) for param in task.model.parameters())
+    return {"losses": losses, "epoch": optimizer.epoch, "averaged": rounds.averaged, "rank": rank, "checksum": checksum}
 
 
 def main() -> None:
@@ -67,11 +73,14 @@ def main() -> None:
     parser.add_argument("--shard", type=int, default=0)
     parser.add_argument("--steps", type=int, default=40)
     options = parser.parse_args()
-    dht = DHT([options.initial_peer] if options.initial_peer else [], start=True, run_id="hf-test")
-    print(json.dumps({"address": str(dht.address)}), flush=True)
+    dht = None
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone is the swarm's peer
+        dht = DHT([options.initial_peer] if options.initial_peer else [], start=True, run_id="hf-test")
+        print(json.dumps({"address": str(dht.address)}), flush=True)
     result = train(dht, options.shard, options.steps)
     print(json.dumps(result), flush=True)
-    dht.shutdown()
+    if dht is not None:
+        dht.shutdown()
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 class ScriptPeer:
     """``python -m MODULE ARGS...`` with ``env`` added to this process's environment."""
 
-    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()):
+        """``launcher``: what runs the module instead of this interpreter (torchrun and its flags)."""
         environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*(launcher or (sys.executable,)), "-m", module, *args],
             cwd=ROOT,
             env=environ,
             stdout=subprocess.PIPE,
@@ -44,9 +45,13 @@ class ScriptPeer:
 
     def last_json(self, timeout: float) -> dict:
         """The last JSON line, once the script exited 0."""
+        return self.json_lines(timeout)[-1]
+
+    def json_lines(self, timeout: float) -> list[dict]:
+        """Every JSON line printed after the first one read, once the script exited 0."""
         out, err = self.process.communicate(timeout=timeout)
         assert self.process.returncode == 0, err
-        return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        return [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
 
     def __enter__(self) -> ScriptPeer:
         return self
