@@ -11,10 +11,10 @@ from tests.support.script_peers import ScriptPeer
 
 
 def test_two_lightning_trainers_train_as_one_swarm():
-    with ScriptPeer("tests.support.lightning_peer", "--steps", "40") as first:
+    with ScriptPeer("tests.support.lightning_peer", "--steps", "80") as first:
         address = first.first_json(60)["address"]
         env = {INITIAL_PEERS_VARIABLE: address}
-        with ScriptPeer("tests.support.lightning_peer", "--steps", "40", "--shard", "1", env=env) as second:
+        with ScriptPeer("tests.support.lightning_peer", "--steps", "80", "--shard", "1", env=env) as second:
             results = [second.last_json(120), first.last_json(60)]
     for result in results:
         assert result["after"] >= 0.7 > result["before"], result  # it trains (digits: 0.1 at random)

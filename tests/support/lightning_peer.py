@@ -1,7 +1,8 @@
 """A Lightning ``Trainer`` that is a swarm peer through ``PeerdStrategy``
 (``peerd/lightning_strategy.py``), for tests/daemon/test_lightning_integration.py: a small MLP on
 its half of the digits data for ``--steps`` steps. Initial peers come from ``PEERD_INITIAL_PEERS``
-as a user's would. Prints its address first and, last, one JSON line: held-out accuracy before and
+as a user's would. It trains ``--steps`` steps and on until ``--rounds`` rounds averaged with another
+peer (``--max-steps`` at most). Prints its address first and, last, one JSON line: held-out accuracy before and
 after, the swarm epoch it reached and how many of its rounds averaged with another peer."""
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ class Digits(pl.LightningModule):
 
 
 class Announce(pl.Callback):
-    """Prints the peer's address once the strategy has joined the swarm, and counts averaged rounds."""
+    """Prints the peer's address once the strategy has joined the swarm, counts averaged rounds, and
+    stops training after ``steps`` steps once ``rounds`` rounds averaged with another peer (so a
+    peer that started first does not finish before the other has joined)."""
 
-    def __init__(self):
+    def __init__(self, steps: int, rounds: int):
+        self.steps, self.rounds = steps, rounds
         self.averaged, self.last = 0, None
 
     def on_train_start(self, trainer, module):
@@ -52,19 +56,23 @@ class Announce(pl.Callback):
         if record is not None and record is not self.last:
             self.last = record
             self.averaged += int(record.averaged and record.group >= 2)
+        if trainer.global_step >= self.steps and self.averaged >= self.rounds:
+            trainer.should_stop = True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shard", type=int, default=0)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=400)
     options = parser.parse_args()
     task = digits_task(ShardSpec(options.shard, 2), batch_size=16)
     before = task.evaluate(task.model)["accuracy"]
-    announce = Announce()
+    announce = Announce(options.steps, options.rounds)
     strategy = PeerdStrategy(target_batch_size=64, run_id="lightning-test")
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", max_steps=options.steps, callbacks=[announce], logger=False,
+        strategy=strategy, accelerator="cpu", max_steps=options.max_steps, callbacks=[announce], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(Digits(task.model), torch.utils.data.DataLoader(Batches(task.batches), batch_size=None))
