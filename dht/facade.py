@@ -87,6 +87,12 @@ class DHT:
         return self._service is not None and not self._service.closed
 
     @property
+    def loop(self) -> BackgroundLoop:
+        """The background trio loop the node runs in: other facades of this process (an averager,
+        an optimizer) run their coroutines there too."""
+        return self._loop
+
+    @property
     def node(self) -> DHTNode:
         """The trio node (use its methods only from the background loop)."""
         if self._service is None:

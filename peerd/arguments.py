@@ -6,7 +6,7 @@ import argparse
 
 from peer import PeerAddress
 
-__all__ = ["peer_address", "peer_list", "listen_address", "positive_float"]
+__all__ = ["peer_address", "peer_list", "listen_address", "positive_float", "positive_int"]
 
 
 def peer_address(text: str) -> PeerAddress:
@@ -43,3 +43,10 @@ def positive_float(text: str) -> float:
     if not (value > 0 and value < float("inf")):
         raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number above 0 (a count)."""
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number above 0: {text!r}")
+    return int(text)

@@ -8,6 +8,7 @@ built-in defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -23,7 +24,7 @@ from peer.identity import Identity, IdentityError, check_key_path, default_ident
 from .daemon import run_daemon
 from .daemon_config import AveragingConfig, DaemonConfig, NetworkConfig, StatusConfig, TrainingConfig
 from .dht_commands import add_dht_commands, run_dht_command
-from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTED
+from .exit_codes import EXIT_BAD_INPUT, EXIT_CODES, EXIT_IN_USE, EXIT_INTERRUPTED, EXIT_RANK_FAILED
 from .expert_commands import add_serve_experts_command, config_from_args, run_serve_experts
 from .help import PeerdArgumentParser, add_everywhere, env_setting
 from .identity_lock import IdentityInUseError, lock_identity
@@ -40,9 +41,11 @@ from .join_arguments import (
     delay_updates_from_args,
     initial_peers_from_args,
 )
+from .machine_launch import launch_ranks
 from .node_ids import node_id_for
 from .ports import PortInUseError, check_port_free
 from .private_swarm import access_from_args
+from .ranks import RankError, RankPlace, follow_signals, rank_place
 from .runner import EXIT_UNREACHABLE, exit_process, run_joining, until_stopped
 from .setting_kinds import from_args
 from .settings import Settings, SettingsError
@@ -140,7 +143,15 @@ def _experts(args: argparse.Namespace):
     return config, config.build_experts()
 
 
-def _cmd_join(args: argparse.Namespace) -> int:
+def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
+    place = rank_place()  # set by torchrun, or by our own launcher below
+    if place is not None or args.nproc_per_node > 1:
+        if args.task is None:
+            raise ValueError("a peer of several ranks trains: give --task (or run a single process)")
+        if place is None:
+            return launch_ranks(argv, args.nproc_per_node)
+        if place.rank != 0:
+            return follow_signals(functools.partial(_follow, args, place))
     identity_path = Path(args.identity) if args.identity else default_identity_path()
     check_key_path(identity_path)
     lock_identity(identity_path)  # before the slow start-up, so a second process fails at once
@@ -176,6 +187,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         DaemonConfig,
         args,
         identity=identity,
+        ranks=None if place is None else _join_rank_group(place, args.device),
         experts=_experts(args),
         network=from_args(NetworkConfig, args, initial_peers=initial_peers, node_id=node_id, access=access),
         training=from_args(TrainingConfig, args, data_shard=shard),
@@ -183,6 +195,27 @@ def _cmd_join(args: argparse.Namespace) -> int:
         status=from_args(StatusConfig, args),
     )
     return run_joining(_join_main, config)
+
+
+def _join_rank_group(place: RankPlace, device: str | None):
+    from .machine import join_rank_group  # torch loads only in peers that train
+
+    return join_rank_group(place, device)
+
+
+def _follow(args: argparse.Namespace, place: RankPlace) -> int:
+    """A rank other than 0: check the task as rank 0 does, then follow rank 0's slices. What goes
+    wrong here goes wrong on rank 0 too, which says it in one line: a follower only logs it."""
+    from .machine_training import run_follower  # torch loads only in peers that train
+    from .tasks import check_task
+
+    try:
+        check_task(args.task, args.model_size)
+        group = _join_rank_group(place, args.device)
+    except (ValueError, RankError) as error:  # TaskError is a ValueError
+        logging.getLogger("peerd").warning("rank %d stops: %s", place.rank, error)
+        return EXIT_RANK_FAILED if isinstance(error, RankError) else EXIT_BAD_INPUT
+    return run_follower(group, args.task, args.model_size)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -198,6 +231,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for key, value in status.items():
         if key == "reachability" and isinstance(value, dict):
             value = reachability_line(value)
+        elif key == "ranks" and isinstance(value, dict):
+            value = ranks_line(value)
         print(f"{key.replace('_', ' '):<{width}}  {value if value is not None else '-'}")
     return 0
 
@@ -214,6 +249,12 @@ def reachability_line(reachability: dict) -> str:
     connections = reachability.get("connections") or {}
     parts.append(f"{connections.get('direct', 0)} direct, {connections.get('relayed', 0)} relayed connections")
     return "; ".join(parts)
+
+
+def ranks_line(ranks: dict) -> str:
+    """``2 ranks (gloo on cpu): rank 0 4864 samples, rank 1 4864 samples`` for humans."""
+    rows = ", ".join(f"rank {row.get('rank')} {row.get('samples')} samples" for row in ranks.get("ranks") or [])
+    return f"{ranks.get('world_size')} ranks ({ranks.get('backend')} on {ranks.get('device')}): {rows}"
 
 
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,7 +303,7 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "keygen":
             return _cmd_keygen(args)
         if args.command == "join":
-            return _cmd_join(args)
+            return _cmd_join(args, sys.argv[1:] if argv is None else argv)
         if args.command == "status":
             return _cmd_status(args)
         if args.command == "swarm":
@@ -271,6 +312,9 @@ def _main(argv: list[str] | None) -> int:
             return run_dht_command(args)
         if args.command == "serve-experts":
             return run_serve_experts(args)
+    except RankError as error:
+        print(f"peerd: {error}", file=sys.stderr)
+        return EXIT_RANK_FAILED
     except (IdentityInUseError, PortInUseError) as error:
         print(f"peerd: {error}", file=sys.stderr)
         return EXIT_IN_USE

@@ -23,6 +23,7 @@ from dht import DHTConfig, DHTNode
 from moe.hosting import host_experts
 from peer import PeerAddress, PeerHost, Request, Router, open_peer_host
 from peer.nat import NatTraversal, relay_limits
+from peer.worker_threads import run_blocking
 
 from .daemon_config import DaemonConfig
 from .metrics import PeerMetrics
@@ -94,6 +95,8 @@ class Daemon:
                 peers_known=training.peers_known,
                 last_averaging=training.last_averaging,
             )
+            if training.ranks is not None:
+                status["ranks"] = training.ranks
         return status
 
     def metrics(self) -> str:
@@ -151,6 +154,38 @@ class Daemon:
             address = PeerAddress(_reachable_host(), address.port, address.peer_id)
         await host_experts(self.host, dht, hosting, experts=experts, announce_address=address)
 
+    async def _load_task(self, dht, device: str):
+        """This peer's data shard (chosen with the swarm for ``auto``) and its task, loaded on it.
+        A machine of several ranks is one peer on that shard: each rank loads its own part of it
+        (``machine.rank_shard``), which rank 0 tells the others here."""
+        from .data_shards import claim_shard, hold_claim  # torch loads only in peers that train
+        from .tasks import ShardSpec, load_task, task_name
+
+        training, ranks = self.config.training, self.config.ranks
+        shard = training.data_shard or ShardSpec()
+        claim = None
+        if shard == "auto":
+            from averaging.progress import ProgressTracker  # torch loads only in peers that train
+
+            name = await trio.to_thread.run_sync(task_name, training.task, training.model_size)
+            claim = ProgressTracker(dht, f"{self.config.network.run_id}.{name}")
+            shard = ShardSpec(*await claim_shard(claim))
+        self.data_shard = f"{shard.index}/{shard.count}"
+        async with trio.open_nursery() as loading:
+            if claim is not None:  # newcomers must count our shard while the data loads
+                loading.start_soon(hold_claim, claim, (shard.index, shard.count))
+            mine = shard
+            if ranks is not None:
+                from .machine import rank_shard, share_shard  # torch loads only in peers that train
+
+                await run_blocking(share_shard, ranks, shard)
+                mine = rank_shard(shard, ranks)
+            task = await trio.to_thread.run_sync(
+                lambda: load_task(training.task, shard=mine, device=device, model_size=training.model_size)
+            )
+            loading.cancel_scope.cancel()
+        return shard, task
+
     async def _train(self, dht) -> None:
         # torch (through averaging and the task) loads only in peers that train
         import torch
@@ -158,30 +193,13 @@ class Daemon:
         from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
         from averaging.local_rounds import OverlappedRounds
         from averaging.match_ahead import MatchAhead
-        from averaging.progress import ProgressTracker
         from averaging.settings import COLLABORATIVE, LOCAL_UPDATES
         from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 
-        from .data_shards import claim_shard, hold_claim
-        from .tasks import ShardSpec, load_task, task_name
-        from .training import Trainer
-
         training, averaging, run_id = self.config.training, self.config.averaging, self.config.network.run_id
-        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        shard = training.data_shard or ShardSpec()
-        claim = None
-        if shard == "auto":
-            name = await trio.to_thread.run_sync(task_name, training.task, training.model_size)
-            claim = ProgressTracker(dht, f"{run_id}.{name}")
-            shard = ShardSpec(*await claim_shard(claim))
-        self.data_shard = f"{shard.index}/{shard.count}"
-        async with trio.open_nursery() as loading:
-            if claim is not None:  # newcomers must count our shard while the data loads
-                loading.start_soon(hold_claim, claim, (shard.index, shard.count))
-            task = await trio.to_thread.run_sync(
-                lambda: load_task(training.task, shard=shard, device=device, model_size=training.model_size)
-            )
-            loading.cancel_scope.cancel()
+        ranks = self.config.ranks
+        device = ranks.device if ranks else self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        shard, task = await self._load_task(dht, device)
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{run_id}.{task.name}"
         async with trio.open_nursery() as background:
@@ -212,11 +230,25 @@ class Daemon:
                     settings=settings,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
-            self.trainer = Trainer(task, optimizer)
+            self.trainer = await self._trainer(task, optimizer)
             self.trainer.round_observers.append(self.pages.observe_round)
             log.info("training task %s on %s (%s mode)", task.name, device, training.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()
+
+    async def _trainer(self, task, optimizer):
+        """A lone peer's trainer, or rank 0's of a machine of several ranks (``machine_training.py``)."""
+        from .training import Trainer  # torch loads only in peers that train
+
+        ranks = self.config.ranks
+        if ranks is None:
+            return Trainer(task, optimizer)
+        from .machine import wrap_model  # torch loads only in peers that train
+        from .machine_training import MachineTrainer
+
+        model = await run_blocking(wrap_model, ranks, task.model)
+        log.info("training as rank 0 of %d ranks (%s on %s)", ranks.world_size, ranks.backend, ranks.device)
+        return MachineTrainer(task, optimizer, ranks, model)
 
 
 def _reachable_host() -> str:

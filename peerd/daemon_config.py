@@ -101,3 +101,4 @@ class DaemonConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    ranks: Any = None  # peerd.machine.RankGroup: rank 0 of a machine of several ranks (machine.py)

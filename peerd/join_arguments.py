@@ -20,7 +20,7 @@ from peer import PeerAddress
 from peer.identity import default_identity_path
 from peer.nat_state import RelayLimits
 
-from .arguments import listen_address, peer_list, positive_float
+from .arguments import listen_address, peer_list, positive_float, positive_int
 from .expert_commands import add_expert_arguments
 from .node_ids import NODE_ID_DIFFICULTY
 from .private_swarm import ALLOW_PEERS, SWARM_KEY
@@ -33,6 +33,7 @@ __all__ = [
     "JOIN_SETTINGS",
     "KNOWN_FILE_KEYS",
     "LOG_LEVEL",
+    "NPROC_PER_NODE",
     "add_join_arguments",
     "data_shard",
     "data_shard_from_args",
@@ -95,15 +96,17 @@ BOOTSTRAP_TIMEOUT = Setting(
 )  # fmt: skip
 TASK = Setting(
     name="task", flag="--task", variable="TASK", metavar="NAME",
-    help="train this task: a built-in name (digits, textlm) or package.module:factory",
+    help="train this task: a built-in name (digits, textlm, hf-lm, hf-lm/MODEL_TYPE) or package.module:factory",
     doc="train: `digits` (a small MLP on scikit-learn's digits), `textlm` (a byte-level transformer on Python's "
-    "standard library, below), or your own `package.module:factory`",
+    "standard library, below), `hf-lm` or `hf-lm/MODEL_TYPE` (a `transformers` causal LM from its config on the "
+    "same text, with the `hf` extra: see Hugging Face transformers), or your own `package.module:factory`",
 )  # fmt: skip
 MODEL_SIZE = Setting(
     name="model_size", flag="--model-size", variable="MODEL_SIZE", metavar="SIZE", default_text="the task's",
-    help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; its default: small)",
+    help="model shape for sized tasks (textlm: tiny, small, base, medium, large, xl; hf-lm: tiny, small, "
+    "gpt2-small; their default: small)",
     doc="`textlm`'s shape: `tiny` (0.1 M parameters), `small` (its default, 1.9 M, for CPUs), `base` (4.8 M), "
-    "`medium` (25 M), `large` (200 M), `xl` (680 M, GPUs)",
+    "`medium` (25 M), `large` (200 M), `xl` (680 M, GPUs); `hf-lm`'s: `tiny`, `small` (its default), `gpt2-small`",
 )  # fmt: skip
 MODE = Setting(
     name="mode", flag="--mode", variable="MODE", choices=("collaborative", "local-updates"), default="collaborative",
@@ -145,6 +148,15 @@ DATA_SHARD = JoinOnlySetting(
     "start from their progress records)",
     doc="train on shard I of N of the task's data, or `auto`: the shard that the fewest live peers train (chosen at "
     "start from their progress records)",
+)  # fmt: skip
+NPROC_PER_NODE = Setting(
+    name="nproc_per_node", flag="--nproc-per-node", variable="NPROC_PER_NODE", parse=positive_int, default=1,
+    metavar="N",
+    help="train as N ranks of one torch.distributed job (DDP; gloo on CPU, NCCL on GPUs), rank 0 the one swarm peer",
+    doc="train as N ranks of one `torch.distributed` job (DDP: gloo on CPUs, NCCL on GPUs, rank r on `cuda:r`) "
+    "that is one swarm peer: gradients or pseudo-gradients are reduced inside the machine, then averaged once with "
+    "the swarm by rank 0, and the swarm counts the samples of every rank (launched as torchrun would; under "
+    "`torchrun` itself, leave it out)",
 )  # fmt: skip
 DEVICE = Setting(
     name="device", flag="--device", variable="DEVICE", metavar="DEVICE", default_text="CUDA if available",
@@ -225,8 +237,8 @@ LOG_LEVEL = Setting(
 # In the order of ``peerd join --help`` and of the README's table.
 JOIN_SETTINGS: tuple[Setting, ...] = (
     LISTEN, IDENTITY, INITIAL_PEERS, RUN_ID, BOOTSTRAP_TIMEOUT, TASK, MODEL_SIZE, MODE, DELAY_UPDATES, COMPRESSION,
-    AGGREGATION, DATA_SHARD, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS, CLIENT_MODE, RELAY, RELAY_RATE,
-    UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS, SWARM_KEY,
+    AGGREGATION, DATA_SHARD, NPROC_PER_NODE, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS, CLIENT_MODE, RELAY,
+    RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS, SWARM_KEY,
 )  # fmt: skip
 
 # What a config file may hold: every other command's settings are among these.

@@ -23,8 +23,9 @@ import trio
 from dht import DHTBootstrapError
 
 from .exception_groups import find_exception
-from .exit_codes import EXIT_IN_USE, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE
+from .exit_codes import EXIT_IN_USE, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, EXIT_UNREACHABLE
 from .ports import PortInUseError
+from .ranks import RankError
 
 __all__ = ["exit_process", "run_joining", "until_stopped", "EXIT_UNREACHABLE"]
 
@@ -34,7 +35,8 @@ log = logging.getLogger("peerd")
 def run_joining(async_fn: Callable[..., Awaitable[int | None]], *args: Any) -> int:
     """``trio.run`` a command that joins the swarm; returns its exit code: what ``async_fn``
     returns (None: 0), ``EXIT_UNREACHABLE`` (with the reason for each initial peer on stderr) when
-    no initial peer answered, ``EXIT_IN_USE`` when a port to bind is taken, ``EXIT_INTERRUPTED``
+    no initial peer answered, ``EXIT_IN_USE`` when a port to bind is taken, ``EXIT_RANK_FAILED``
+    when another rank of this machine's job failed, ``EXIT_INTERRUPTED``
     on a KeyboardInterrupt that no signal receiver caught."""
     # What is loaded by now (torch, the task, ~250k objects) lives as long as the process. Without
     # this, every full garbage collection walks all of it: ~0.1 s with the event loop stopped,
@@ -47,10 +49,16 @@ def run_joining(async_fn: Callable[..., Awaitable[int | None]], *args: Any) -> i
         if find_exception(error, KeyboardInterrupt) is not None:
             print("peerd: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
-        known = find_exception(error, DHTBootstrapError) or find_exception(error, PortInUseError)
+        known = (
+            find_exception(error, DHTBootstrapError)
+            or find_exception(error, PortInUseError)
+            or find_exception(error, RankError)
+        )
         if known is None:
             raise
         print(f"peerd: {known}", file=sys.stderr)
+        if isinstance(known, RankError):
+            return EXIT_RANK_FAILED
         return EXIT_UNREACHABLE if isinstance(known, DHTBootstrapError) else EXIT_IN_USE
     return EXIT_OK if code is None else code
 

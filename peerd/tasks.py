@@ -1,8 +1,9 @@
 """Training tasks: what a peer trains. A task bundles the model, this peer's data shard, the loss
 and an evaluation, so the daemon can train anything a user describes in one factory function.
 
-Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP) and
-``textlm`` (a byte-level transformer on Python's standard library; ``peerd.textlm``).
+Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn; a small MLP),
+``textlm`` (a byte-level transformer on Python's standard library; ``peerd.textlm``) and ``hf-lm``
+(any ``transformers`` causal LM built from its config, on the same corpus; ``peerd.hf_lm``).
 Users give their own with ``--task package.module:factory``; the factory is called as
 ``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .hf_lm import DEFAULT_HF_SIZE, hf_config, hf_lm_task, hf_model_type
 from .task_types import ShardSpec, Task, TaskError
 from .textlm import DEFAULT_SIZE, MODEL_SIZES, textlm_task
 
@@ -31,6 +33,7 @@ __all__ = [
     "digits_data",
     "endless_batches",
     "textlm_task",
+    "hf_lm_task",
     "BUILTIN_TASKS",
 ]
 
@@ -110,6 +113,10 @@ def check_task(spec: str, model_size: str | None = None) -> None:
         if model_size not in MODEL_SIZES:
             raise TaskError(f"unknown model size {model_size!r}: use one of {', '.join(MODEL_SIZES)}")
         return
+    model_type = hf_model_type(spec)
+    if model_type is not None:  # the config is built (cheap: no weights), which names a bad type or size
+        hf_config(model_type, model_size or DEFAULT_HF_SIZE)
+        return
     if spec not in BUILTIN_TASKS or model_size is not None:
         load_task(spec, model_size=model_size)
 
@@ -121,6 +128,9 @@ def task_name(spec: str, model_size: str | None = None) -> str:
         return "digits"
     if spec == "textlm":
         return f"textlm-{model_size or DEFAULT_SIZE}"
+    model_type = hf_model_type(spec)
+    if model_type is not None:
+        return f"hf-lm-{model_type}-{model_size or DEFAULT_HF_SIZE}"
     return load_task(spec, model_size=model_size).name
 
 
@@ -128,6 +138,10 @@ def load_task(
     spec: str, shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu", model_size: str | None = None
 ) -> Task:
     """A built-in task by name, or ``package.module:factory``; ``model_size`` only for sized tasks."""
+    model_type = hf_model_type(spec)
+    if model_type is not None:
+        size = model_size or DEFAULT_HF_SIZE
+        return hf_lm_task(shard=shard, device=device, model_size=size, model_type=model_type)
     if model_size is not None and spec not in SIZED_TASKS:
         raise TaskError(f"--model-size applies to {', '.join(sorted(SIZED_TASKS))}, not to {spec!r}")
     if spec in BUILTIN_TASKS:

@@ -30,7 +30,16 @@ from torch.nn import functional as F
 
 from .task_types import ShardSpec, Task, TaskError
 
-__all__ = ["MODEL_SIZES", "ModelShape", "ByteTransformer", "corpus_files", "textlm_task"]
+__all__ = [
+    "MODEL_SIZES",
+    "ModelShape",
+    "ByteTransformer",
+    "corpus_files",
+    "endless_text_windows",
+    "split_corpus",
+    "text_windows",
+    "textlm_task",
+]
 
 HELD_OUT_BELOW = 26  # of 256: ~10% of files are held out
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
@@ -134,16 +143,16 @@ def split_corpus(shard: ShardSpec, root: Path | None = None) -> tuple[torch.Tens
     return _concatenate(mine), _concatenate(held_out)
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+def text_windows(data: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
     offsets = starts.unsqueeze(1) + torch.arange(length + 1).unsqueeze(0)
     return data[offsets].long()
 
 
-def _endless_windows(data: torch.Tensor, batch_size: int, length: int, seed: int) -> Iterator[tuple]:
+def endless_text_windows(data: torch.Tensor, batch_size: int, length: int, seed: int) -> Iterator[tuple]:
     generator = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - length - 1, (batch_size,), generator=generator)
-        windows = _windows(data, starts, length)
+        windows = text_windows(data, starts, length)
         yield windows[:, :-1], windows[:, 1:]
 
 
@@ -168,7 +177,7 @@ def textlm_task(
     eval_starts = torch.randint(
         0, len(held_out) - shape.context - 1, (EVAL_WINDOWS,), generator=torch.Generator().manual_seed(4321)
     )
-    eval_windows = _windows(held_out, eval_starts, shape.context).to(device)
+    eval_windows = text_windows(held_out, eval_starts, shape.context).to(device)
     autocast = device.type == "cuda"
 
     def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -194,7 +203,7 @@ def textlm_task(
         name=f"textlm-{model_size}",  # the size is part of the name: peers of other sizes never meet
         model=model,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01),
-        batches=_endless_windows(train, batch_size, shape.context, seed=1000 + shard.index),
+        batches=endless_text_windows(train, batch_size, shape.context, seed=1000 + shard.index),
         loss_fn=loss_fn,
         evaluate=evaluate,
         batch_size=batch_size,

@@ -55,6 +55,7 @@ class TrainingStatus:
     evaluated_samples: int | None = None  # this peer's samples when the figures above were taken
     peers_known: int = 1
     last_averaging: dict[str, Any] | None = None
+    ranks: dict[str, Any] | None = None  # a machine of several ranks: each one's figures (machine_training.py)
     started: float = field(default_factory=time.time)
 
 
@@ -108,6 +109,14 @@ class Trainer:
         """How many batches the next trip to the worker thread takes."""
         return batches_per_slice(self._batch_s, getattr(self.optimizer, "accumulates_batches", False))
 
+    async def compute_slice(self) -> tuple[float, int]:
+        """Gradients of the next slice of batches (``slice_size``), in ``.grad`` for the optimizer;
+        returns their mean loss and the samples they hold, which the optimizer counts for the swarm
+        (a machine of several ranks counts all of its ranks': ``machine_training.py``)."""
+        batches = [next(self.task.batches) for _ in range(self.slice_size())]
+        loss = await run_blocking(self.forward_backward, batches)
+        return loss, sum(len(batch[0]) for batch in batches)
+
     def _evaluate(self) -> dict[str, float]:
         started = self.clock()
         self.task.model.eval()
@@ -121,9 +130,7 @@ class Trainer:
         """Train until ``max_epochs`` or ``target_accuracy`` (whichever first; forever if neither)."""
         status = self.status
         while max_epochs is None or self.optimizer.epoch < max_epochs:
-            batches = [next(self.task.batches) for _ in range(self.slice_size())]
-            samples = sum(len(batch[0]) for batch in batches)
-            loss = await run_blocking(self.forward_backward, batches)
+            loss, samples = await self.compute_slice()
             status.loss = loss if math.isnan(status.loss) else 0.9 * status.loss + 0.1 * loss
             stepped = await self.optimizer.step(samples)
             status.samples += samples

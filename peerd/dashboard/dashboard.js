@@ -153,6 +153,26 @@ function renderRounds(data) {
   }
 }
 
+// A peer that is a machine of several ranks (peerd join --nproc-per-node) lists them; others hide it.
+function renderRanks(status) {
+  const ranks = status.ranks;
+  $("ranks-section").hidden = !ranks;
+  if (!ranks) return;
+  $("ranks-note").textContent =
+    `${ranks.world_size} ranks · ${ranks.backend} on ${ranks.device} · parameters shared ${ranks.parameters_shared} times`;
+  const body = $("ranks").querySelector("tbody");
+  body.replaceChildren();
+  for (const rank of ranks.ranks) {
+    const row = document.createElement("tr");
+    row.dataset.rank = String(rank.rank);
+    cell(row, String(rank.rank));
+    cell(row, fmtNum(rank.samples, 9));
+    cell(row, fmtNum(rank.loss));
+    cell(row, isNum(rank.batch_ms) ? `${fmtNum(rank.batch_ms)} ms` : "–");
+    body.append(row);
+  }
+}
+
 function render(data) {
   const s = data.status, series = data.series;
   $("peer-id").textContent = s.peer_id;
@@ -181,6 +201,7 @@ function render(data) {
   ]);
   renderPeers(data);
   renderRounds(data);
+  renderRanks(s);
 }
 
 function setConnection(state, text) {

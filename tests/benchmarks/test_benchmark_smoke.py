@@ -31,15 +31,21 @@ SMALLEST = {
     "dht": (["--smoke"], "get_ratio"),
     "scale": (["--peers", "8", "--dht-nodes", "32"], "averaged_fraction"),
     "wan": (["--quick", "--only", "allreduce"], "defaults_step_line_rate_fraction"),
+    "gpu_check": (["--quick", "--device", "cpu"], "checks"),  # the GPU machine's checks, run on the CPU
 }
 NEEDS_THE_NAT_LAB = {"nat"}
 NEEDS_THE_LAB = {"wan"}
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=LAB_GROUP) if name in NEEDS_THE_NAT_LAB | NEEDS_THE_LAB else name for name in SMALLEST],
-)
+# Runs the GPU machine's checks on the CPU, which other tests cover one by one: ~25 s, so with --run-slow.
+SLOW = {"gpu_check"}
+
+
+def _marks(name: str) -> list:
+    return [LAB_GROUP] * (name in NEEDS_THE_NAT_LAB | NEEDS_THE_LAB) + [pytest.mark.slow] * (name in SLOW)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_marks(name)) for name in SMALLEST])
 def test_a_benchmark_at_its_smallest_size_ends_with_its_json_line(name):
     flags, headline = SMALLEST[name]
     needs_a_lab = name in NEEDS_THE_NAT_LAB | NEEDS_THE_LAB

@@ -1,0 +1,243 @@
+"""What CPU-only CI cannot run, prepared for a machine with CUDA: run it there as
+
+    python benchmarks/gpu_check.py            # --device cuda when torch sees a GPU
+
+1. ``autocast``: the ``textlm`` and ``hf-lm`` (with transformers) tasks take steps on the device
+   under their bf16 autocast: the loss stays finite and falls.
+2. ``averaging``: two averagers of this process average CUDA tensors with each other: exactly the
+   mean, and the tensors stay on the device.
+3. ``experts``: a ``peerd serve-experts`` process hosts experts on the device and a remote mixture
+   trains through them.
+4. ``machine``: two ranks of a ``torch.distributed`` group (NCCL on two GPUs; gloo with ``--device
+   cpu``) compute a slice of unequal sample counts: every rank's gradient is the machine's exact
+   mean (``peerd/machine.py``). One GPU cannot hold two NCCL ranks: the check says so and skips.
+
+``--device cpu`` runs the same checks on the CPU (autocast off, gloo), which is how the benchmark
+smoke test keeps this script from rotting. Prints a table, then one JSON line: each check's outcome
+(``ok``, ``skipped: why`` or ``failed: why``) and the errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from averaging import Averager  # noqa: E402
+from dht import DHT  # noqa: E402
+from peer import LOCAL_DIFFICULTY  # noqa: E402
+
+
+def check_autocast(device: str, steps: int, hf: bool) -> str:
+    specs = ["textlm"]
+    if hf:
+        try:
+            import transformers  # noqa: F401
+
+            specs.append("hf-lm")
+        except ImportError:
+            pass
+    from peerd.tasks import load_task
+
+    for spec in specs:
+        task = load_task(spec, device=device, model_size="tiny")
+        optimizer = task.make_optimizer(list(task.model.parameters()))
+        batch = next(task.batches)
+        losses = []
+        for _ in range(steps):
+            loss = task.loss_fn(task.model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        if not all(torch.isfinite(torch.tensor(losses))) or losses[-1] >= losses[0]:
+            return f"failed: {spec} losses {losses[0]:.3f} -> {losses[-1]:.3f}"
+        if next(task.model.parameters()).device.type != torch.device(device).type:
+            return f"failed: {spec}'s model left {device}"
+    return "ok"
+
+
+def check_averaging(device: str) -> str:
+    dhts = [DHT(start=True, run_id="gpu-check")]
+    dhts.append(DHT([str(dhts[0].address)], start=True, run_id="gpu-check"))
+    tensors = [torch.full((1 << 16,), float(index + 1), device=device) for index in range(2)]
+    # the exact mean (CenteredClip's first round keeps each peer's own values: no history of its updates yet)
+    options = dict(prefix="gpu-check", target_group_size=2, matchmaking_timeout=10.0, aggregation="mean")
+    averagers = [Averager([tensor], dht, **options) for tensor, dht in zip(tensors, dhts, strict=True)]
+    try:
+        futures = [averager.step(timeout=30, return_future=True) for averager in averagers]
+        for future in futures:
+            future.result(timeout=60)
+        for averager in averagers:
+            with averager.get_tensors() as (averaged,):
+                if averaged.device.type != torch.device(device).type:
+                    return f"failed: the averaged tensor moved to {averaged.device}"
+                error = float((averaged.float() - 1.5).abs().max())
+                if error > 1e-5:
+                    return f"failed: max error {error}"
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    return "ok"
+
+
+def _start_expert_server(device: str) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "peerd.cli", "serve-experts", "--experts", "ffn.[0:1].[0:2]", "--hidden-dim"]
+    command += ["32", "--device", device, "--listen", "127.0.0.1:0", "--node-id-difficulty", str(LOCAL_DIFFICULTY)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        deadline, line = time.monotonic() + 60, b""
+        while not line.endswith(b"\n"):
+            if time.monotonic() > deadline or not selector.select(max(0.0, deadline - time.monotonic())):
+                process.kill()
+                raise RuntimeError("the expert server did not start within 60 s")
+            chunk = os.read(process.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the expert server exited with {process.wait()}")
+            line += chunk
+    return process, line.decode().rsplit(" at ", 1)[-1].strip()
+
+
+def check_experts(device: str, steps: int) -> str:
+    from moe.client import MoEClient
+    from moe.mixture import RemoteMixtureOfExperts
+
+    server, address = _start_expert_server(device)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(128, 8)
+        y = torch.sin(x[:, :4].sum(dim=1, keepdim=True))
+        with MoEClient.start([address]) as client:
+            mixture = RemoteMixtureOfExperts(
+                in_features=32, grid_size=(1, 2), uid_prefix="ffn", client=client, k_best=2
+            )
+            model = torch.nn.Sequential(torch.nn.Linear(8, 32), mixture, torch.nn.Linear(32, 1))
+            optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+            losses = []
+            for _ in range(steps):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        return "ok" if losses[-1] < losses[0] else f"failed: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(15)
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+# The machine check's data: rank 0 holds 8 samples, rank 1 holds 2.
+ROWS = {0: [(0, 3), (3, 8)], 1: [(8, 10)]}
+
+
+def _machine_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def _machine_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(10, 4, generator=generator), torch.randn(10, 3, generator=generator)
+
+
+def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return torch.nn.functional.mse_loss(model(batch[0].to(device)), batch[1].to(device))
+
+
+def machine_rank(device: str, out: Path) -> None:
+    """One rank of the machine check (run with torchrun's variables set)."""
+    from peerd.machine import RankReport, gather_reports, join_rank_group, machine_forward_backward, wrap_model
+    from peerd.ranks import rank_place
+
+    group = join_rank_group(rank_place(), device)
+    model = _machine_model().to(group.device)
+    ddp = wrap_model(group, model)
+    inputs, targets = _machine_data()
+    batches = [(inputs[a:b], targets[a:b]) for a, b in ROWS[group.rank]]
+    reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+    machine_forward_backward(ddp, _mse, batches, sum(report.samples for report in reports), group.world_size)
+    torch.save([param.grad.cpu() for param in model.parameters()], out / f"rank{group.rank}.pt")
+
+
+def check_machine(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return f"skipped: NCCL needs a GPU per rank, this machine has {torch.cuda.device_count()}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        ranks = []
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            command = [sys.executable, __file__, "--device", device, "--machine-rank", folder]
+            ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+        for process in ranks:
+            _, err = process.communicate(timeout=120)
+            if process.returncode != 0:
+                return f"failed: a rank exited {process.returncode}: {err.strip().splitlines()[-1:]}"
+        model = _machine_model()
+        _mse(model, _machine_data()).backward()
+        expected = [param.grad for param in model.parameters()]
+        for rank in (0, 1):
+            got = torch.load(Path(folder) / f"rank{rank}.pt")
+            error = max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
+            if error > 1e-5:
+                return f"failed: rank {rank}'s gradient is off by {error}"
+    return "ok"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, and autocast on textlm alone")
+    parser.add_argument("--machine-rank", metavar="FOLDER", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.machine_rank:
+        machine_rank(args.device, Path(args.machine_rank))
+        return
+    steps = 5 if args.quick else 20
+    checks = {
+        "autocast": lambda: check_autocast(args.device, steps, hf=not args.quick),
+        "averaging": lambda: check_averaging(args.device),
+        "experts": lambda: check_experts(args.device, steps),
+        "machine": lambda: check_machine(args.device),
+    }
+    outcomes, errors = {}, []
+    for name, check in checks.items():
+        started = time.monotonic()
+        try:
+            outcomes[name] = check()
+        except Exception as error:  # a check that breaks is reported, and the others still run
+            outcomes[name] = f"failed: {type(error).__name__}: {error}"
+            errors.append(traceback.format_exc())
+        print(f"{name:<10} {time.monotonic() - started:6.1f} s  {outcomes[name]}", flush=True)
+    errors += [f"{name}: {outcome}" for name, outcome in outcomes.items() if outcome.startswith("failed")]
+    print(json.dumps({"device": args.device, "checks": outcomes, "errors": errors}))
+
+
+if __name__ == "__main__":
+    main()

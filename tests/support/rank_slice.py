@@ -1,0 +1,71 @@
+"""One rank of a two-rank gloo group, for tests/daemon/test_machine_slices.py (run with torchrun's
+variables set): a slice whose ranks hold different sample counts, reduced by
+``machine_forward_backward``, then parameters that rank 0 changed and shares. Writes what this rank
+ended with to ``OUT/rank{R}.pt`` (a file of the test's own)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from peerd.machine import (
+    RankReport,
+    SliceOrders,
+    exchange_orders,
+    gather_reports,
+    join_rank_group,
+    machine_forward_backward,
+    share_parameters,
+    wrap_model,
+)
+from peerd.ranks import rank_place
+
+# rows of the data each rank's batches hold: 8 samples on rank 0, 2 on rank 1
+BATCHES = {0: [(0, 3), (3, 8)], 1: [(8, 10)]}
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(10, 4, generator=generator), torch.randn(10, 3, generator=generator)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(module(batch[0]), batch[1])
+
+
+def main(out: Path) -> None:
+    group = join_rank_group(rank_place(), "cpu")
+    net = model()
+    if group.rank == 1:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.add_(5.0)  # DDP must start it from rank 0's parameters
+    ddp = wrap_model(group, net)
+    inputs, targets = data()
+    batches = [(inputs[a:b], targets[a:b]) for a, b in BATCHES[group.rank]]
+    reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+    machine_forward_backward(ddp, loss_fn, batches, sum(r.samples for r in reports), group.world_size)
+    grads = [param.grad.clone() for param in net.parameters()]
+    if group.rank == 0:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.mul_(-2.0)
+    orders = exchange_orders(group, SliceOrders(batches=3, parameters_changed=True) if group.rank == 0 else None)
+    share_parameters(group, net)
+    params = [param.detach().clone() for param in net.parameters()]
+    samples = [report.samples for report in reports]
+    torch.save(
+        {"grads": grads, "params": params, "orders": orders.batches, "samples": samples}, out / f"rank{group.rank}.pt"
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
