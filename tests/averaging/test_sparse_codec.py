@@ -1,7 +1,7 @@
 """Sparse low-bit codecs (``topk_2bit``, ``topk_4bit``): each chunk keeps exactly its largest values
-within a bin of their true magnitude, the wire is > 100x smaller than float32, hostile payloads are
-refused, error feedback keeps what the average left out, and a real round leaves every peer with
-the same sparse average."""
+(2-bit ones at two magnitudes that keep the chunk's sum, 4-bit ones within a bin), the wire is
+> 100x smaller than float32, hostile payloads are refused, error feedback keeps what the average
+left out, and a real round leaves every peer with the same sparse average."""
 
 from __future__ import annotations
 
@@ -43,9 +43,14 @@ def test_each_chunk_keeps_its_largest_values_within_a_bin(name: str, numel: int)
         assert set(decoded.nonzero().reshape(-1).tolist()) == largest
         kept = torch.tensor(sorted(largest))
         magnitudes = chunk[kept].abs()
-        bin_width = (magnitudes.max() - magnitudes.min()) / (1 << (codec.bits - 1))
         assert torch.equal(decoded[kept].sign(), chunk[kept].sign())
-        assert (decoded[kept] - chunk[kept]).abs().max() <= bin_width / 2 + 1e-6
+        if codec.bits == 2:  # two magnitudes, each the mean of the values it stands for
+            levels = decoded[kept].abs().unique()
+            assert len(levels) <= 2 and magnitudes.min() <= levels.min() and levels.max() <= magnitudes.max()
+            assert torch.isclose(decoded[kept].abs().sum(), magnitudes.sum(), rtol=1e-5)
+        else:  # the middle of one of 8 bins of equal width
+            bin_width = (magnitudes.max() - magnitudes.min()) / (1 << (codec.bits - 1))
+            assert (decoded[kept] - chunk[kept]).abs().max() <= bin_width / 2 + 1e-6
 
 
 @pytest.mark.parametrize(("name", "at_least"), [("topk_2bit", 130), ("topk_4bit", 115)])
@@ -198,3 +203,16 @@ def test_values_near_the_float32_limit_round_trip(name: str) -> None:
     x = torch.full((10,), 0.75 * float(torch.finfo(torch.float32).max))
     y = decode_part({"codec": name}, bytes(get_codec(name).encode(x)[1]), 10)
     assert torch.isfinite(y).all() and y.max() == x.max()
+
+
+def test_two_bit_replies_are_unbiased_where_equal_bins_made_them_twelve_percent_too_large() -> None:
+    """A reducer's reply: the average of 8 sparse contributions, encoded again. Its kept values
+    decode to magnitudes that add up to the average's, and within 10% of them (norm)."""
+    codec = get_codec("topk_2bit")
+    numel = 1 << 16
+    contributions = [codec.decode(*codec.encode(normal(numel, seed=s)), numel) for s in range(8)]
+    average = torch.stack(contributions).mean(dim=0)
+    reply = codec.decode(*codec.encode(average), numel)
+    kept = reply != 0
+    assert torch.isclose(reply[kept].abs().sum(), average[kept].abs().sum(), rtol=1e-5)
+    assert (reply[kept] - average[kept]).norm() / average[kept].norm() < 0.1
