@@ -47,7 +47,11 @@ def rank_place(environ: Mapping[str, str] = os.environ) -> RankPlace | None:
     return RankPlace(rank, world, local)
 
 
-class _Stopped(Exception):
+class _Stopped(BaseException):
+    """A stop signal, raised where the follower happens to be: a BaseException (as
+    KeyboardInterrupt is), so that no `except Exception` on the way, such as logging's own
+    while it writes a line, swallows it and prints a traceback."""
+
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum

@@ -5,8 +5,10 @@ arguments)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from peerd.exit_codes import EXIT_OK
 from peerd.machine_launch import without_nproc_flag
-from peerd.ranks import RankError, RankPlace, rank_place
+from peerd.ranks import RankError, RankPlace, follow_signals, rank_place
 from peerd.task_types import ShardSpec
 from tests.support import rank_slice
 
@@ -119,3 +122,25 @@ async def test_the_dashboard_lists_a_machines_ranks(tmp_path):
     assert [int(rank) for rank in re.findall(r'<tr data-rank="(\d+)"', html)] == [0, 1, 2]
     assert "3 ranks · gloo on cpu · parameters shared 7 times" in html
     assert 'id="ranks-section" hidden' not in html
+
+
+def test_a_stop_signal_while_a_follower_writes_a_log_line_ends_it_quietly(capsys):
+    """The signal lands inside logging's ``emit``, whose ``except Exception`` printed a traceback
+    and went on when the stop was an Exception (seen in the full suite: a follower told to stop
+    while it logged why it stops)."""
+
+    class SignallingFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return super().format(record)
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SignallingFormatter())
+    logger = logging.getLogger("peerd-test-follower")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        assert follow_signals(lambda: logger.warning("rank 1 stops") or 7) == EXIT_OK
+    finally:
+        logger.removeHandler(handler)
+    assert "Traceback" not in capsys.readouterr().err
