@@ -212,9 +212,12 @@ def _follow(args: argparse.Namespace, place: RankPlace) -> int:
     try:
         check_task(args.task, args.model_size)
         group = _join_rank_group(place, args.device)
-    except (ValueError, RankError) as error:  # TaskError is a ValueError
+    except ValueError as error:  # TaskError is one: rank 0 checks the same and says it, for the machine
+        logging.getLogger("peerd").debug("rank %d stops: %s", place.rank, error)
+        return EXIT_BAD_INPUT
+    except RankError as error:  # this rank's own trouble with the group: rank 0 may not know why
         logging.getLogger("peerd").warning("rank %d stops: %s", place.rank, error)
-        return EXIT_RANK_FAILED if isinstance(error, RankError) else EXIT_BAD_INPUT
+        return EXIT_RANK_FAILED
     return run_follower(group, args.task, args.model_size)
 
 

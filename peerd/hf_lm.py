@@ -12,6 +12,7 @@ tests, ``small`` for CPUs, ``gpt2-small`` GPT-2 small's shape (12 layers of 768,
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,13 @@ def _transformers():
     return transformers
 
 
+def _causal_lm_types() -> Collection[str]:
+    """The model types ``AutoModelForCausalLM`` builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
 def hf_config(model_type: str, size: str):
     """The config of ``model_type`` in the preset shape ``size``, with the byte vocabulary."""
     if size not in HF_SIZES:
@@ -70,6 +78,8 @@ def hf_config(model_type: str, size: str):
     except ValueError:
         known = "transformers.CONFIG_MAPPING lists them"
         raise TaskError(f"transformers does not know model type {model_type!r} ({known})") from None
+    if model_type not in _causal_lm_types():  # e.g. t5: a config, but no causal LM to build
+        raise TaskError(f"transformers has no causal language model of type {model_type!r} (hf-lm trains those)")
     options = dict(
         vocab_size=VOCAB,
         hidden_size=shape.hidden,

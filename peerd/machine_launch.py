@@ -63,6 +63,8 @@ def _start_rank(rank: int, nproc: int, port: int, argv: list[str]) -> subprocess
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
     env.update(LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
     env.pop("PEERD_NPROC_PER_NODE", None)
+    # gloo's sockets carry no authentication: inside one machine they belong on its loopback
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # N ranks that each ran a thread per core would oversubscribe the CPU N times (torchrun sets 1)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     parent = os.getpid()

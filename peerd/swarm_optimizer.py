@@ -38,12 +38,37 @@ __all__ = ["SwarmOptimizer"]
 MODES = ("collaborative", "local-updates")
 
 
+def _read_through(name: str) -> property:
+    """An attribute of the wrapped optimizer (``inner``); before it is set (while
+    ``Optimizer.__init__`` runs), the wrapper's own."""
+    own = f"_own_{name}"
+
+    def read(self: Any) -> Any:
+        inner = self.__dict__.get("inner")
+        return getattr(inner, name) if inner is not None else self.__dict__[own]
+
+    def write(self: Any, value: Any) -> None:
+        inner = self.__dict__.get("inner")
+        if inner is not None:
+            setattr(inner, name, value)
+        else:
+            self.__dict__[own] = value
+
+    return property(read, write)
+
+
 class SwarmOptimizer(torch.optim.Optimizer):
     """``optimizer`` trained with the swarm of ``run_id``. Joins through ``initial_peers`` (none:
     this peer starts a swarm; ``address`` says where others reach it) unless given a running
     ``dht``. ``batch_size_per_step``: the samples each ``step()`` counts, or a function that says
     (Lightning's strategy counts the batches since the last step). ``settings``:
     ``AveragingSettings`` fields for the swarm's optimizer."""
+
+    # The wrapped optimizer's own groups and state, read through on every access: schedulers and
+    # checkpoints act on it, also after its ``load_state_dict`` replaced them with new objects (as
+    # accelerate's wrapper and a resumed checkpoint do).
+    param_groups = _read_through("param_groups")
+    state = _read_through("state")
 
     def __init__(
         self,
@@ -64,10 +89,7 @@ class SwarmOptimizer(torch.optim.Optimizer):
         if isinstance(batch_size_per_step, int) and batch_size_per_step < 1:
             raise ValueError(f"batch_size_per_step must be at least 1, not {batch_size_per_step}")
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        # the wrapped optimizer's own groups and state: schedulers and checkpoints act on it
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.inner = optimizer
+        self.inner = optimizer  # from now on ``param_groups`` and ``state`` are the inner one's
         self.batch_size_per_step = batch_size_per_step
         self.params = [param for group in optimizer.param_groups for param in group["params"]]
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

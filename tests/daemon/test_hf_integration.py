@@ -35,6 +35,8 @@ def test_any_model_type_is_built_from_its_config_in_a_preset_shape_and_learns():
     assert (small.n_embd, small.n_layer, small.n_head, small.n_positions, small.vocab_size) == (768, 12, 12, 1024, 256)
     with pytest.raises(TaskError, match="does not know model type 'nope'"):
         check_task("hf-lm/nope", "tiny")
+    with pytest.raises(TaskError, match="no causal language model of type 't5'"):  # a config, no causal LM
+        check_task("hf-lm/t5", "tiny")
     with pytest.raises(TaskError, match="unknown model size 'huge'"):
         check_task("hf-lm", "huge")
 
@@ -64,6 +66,12 @@ def test_a_trainers_optimizer_step_counts_its_batch_for_the_swarm_and_runs_light
     optimizer = hf_swarm_optimizer(model, args, run_id="counting", target_batch_size=1000)
     try:
         assert optimizer.param_groups is optimizer.inner.param_groups  # schedulers move the real one
+        # accelerate's wrapper (and a resumed checkpoint) reload the inner optimizer's state, which
+        # replaces its groups: a scheduler made afterwards must still move the inner optimizer's
+        optimizer.load_state_dict(optimizer.state_dict())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+        scheduler.step()
+        assert optimizer.inner.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] == 0.5 * args.learning_rate
         calls = []
 
         def closure() -> torch.Tensor:
