@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from peer.parent_death import available as parent_death_available
 from peer.parent_death import die_with_parent
 
-from .exit_codes import EXIT_RANK_FAILED
+from .exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
 
 __all__ = ["NPROC_FLAG", "launch_ranks", "without_nproc_flag"]
 
@@ -118,16 +118,20 @@ def launch_ranks(argv: list[str], nproc: int) -> int:
     port = _free_port()
     ranks: list[subprocess.Popen] = []
     signalled: list[int] = []
+    delivered: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         # to rank 0 alone: it stops training, tells the others to stop, and exits as a peer does
         signalled.append(signum)
         if ranks and ranks[0].poll() is None:
             ranks[0].send_signal(signum)
+            delivered.append(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         ranks.extend(_start_rank(rank, nproc, port, argv) for rank in range(nproc))
+        if signalled and not delivered:  # it came while rank 0 was being started: pass it on now
+            ranks[0].send_signal(signalled[-1])
         ended = _first_to_end(ranks)
         leader = ranks[0]
         code: int | None = None
@@ -141,6 +145,8 @@ def launch_ranks(argv: list[str], nproc: int) -> int:
         if signalled:
             _stop(ranks[:1], None)
         _stop(ranks, signal.SIGTERM)
+        if code is None and leader.returncode < 0 and signalled:  # stopped by the signal we passed on
+            code = EXIT_INTERRUPTED if signalled[-1] == signal.SIGINT else EXIT_OK
         if code is None:
             code = leader.returncode if leader.returncode >= 0 else EXIT_RANK_FAILED
         return code

@@ -144,3 +144,24 @@ def test_a_stop_signal_while_a_follower_writes_a_log_line_ends_it_quietly(capsys
     finally:
         logger.removeHandler(handler)
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_stop_signal_while_the_launcher_starts_rank_zero_still_stops_the_machine(tmp_path, monkeypatch):
+    """SIGTERM before rank 0's process exists reached no rank, and the launcher waited for a
+    second one: here rank 0 would otherwise run on until its unreachable swarm gave up."""
+    from peerd import machine_launch
+
+    start = machine_launch._start_rank
+
+    def start_after_a_signal(rank, *args):
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler takes it now
+        return start(rank, *args)
+
+    monkeypatch.setattr(machine_launch, "_start_rank", start_after_a_signal)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    argv = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "id.key"),
+            "--initial-peer", f"127.0.0.1:{dead}", "--task", "digits"]  # fmt: skip
+    assert machine_launch.launch_ranks(argv, 2) == EXIT_OK
