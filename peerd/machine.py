@@ -88,16 +88,29 @@ class RankGroup:
         return self.rank == 0
 
 
+def rank_device(device: str | None, place: RankPlace, cuda_devices: int) -> torch.device:
+    """The device a rank trains on: ``device`` (default: CUDA if the machine has it, else the
+    CPU), CUDA ranks each on ``cuda:LOCAL_RANK``. Every rank refuses the same mistakes, so that
+    rank 0 says them for the machine: no CUDA, fewer CUDA devices than ranks, or one named CUDA
+    device for several ranks (NCCL needs a device per rank)."""
+    wanted = device or ("cuda" if cuda_devices else "cpu")
+    chosen = torch.device(wanted)
+    if chosen.type != "cuda":
+        return chosen
+    if not cuda_devices:
+        raise ValueError(f"--device {wanted}: torch sees no CUDA device on this machine")
+    if chosen.index is not None and place.world_size > 1:
+        raise ValueError(f"--device {wanted} names one GPU for {place.world_size} ranks: give --device cuda")
+    if place.world_size > cuda_devices:
+        raise ValueError(f"{place.world_size} ranks need as many CUDA devices; this machine has {cuda_devices}")
+    return chosen if chosen.index is not None else torch.device("cuda", place.local_rank)
+
+
 def join_rank_group(place: RankPlace, device: str | None = None) -> RankGroup:
     """Form the machine's process group from torchrun's variables (``MASTER_ADDR``,
     ``MASTER_PORT``): NCCL when training runs on CUDA (each rank on ``cuda:LOCAL_RANK`` unless
     ``device`` names one), gloo otherwise."""
-    wanted = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    chosen = torch.device(wanted)
-    if chosen.type == "cuda" and chosen.index is None:
-        chosen = torch.device("cuda", place.local_rank)
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {wanted}: torch sees no CUDA device on this machine")
+    chosen = rank_device(device, place, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     backend = "nccl" if chosen.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
     try:

@@ -165,3 +165,20 @@ def test_a_stop_signal_while_the_launcher_starts_rank_zero_still_stops_the_machi
     argv = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "id.key"),
             "--initial-peer", f"127.0.0.1:{dead}", "--task", "digits"]  # fmt: skip
     assert machine_launch.launch_ranks(argv, 2) == EXIT_OK
+
+
+def test_every_rank_refuses_the_same_device_mistakes():
+    from peerd.machine import rank_device
+
+    second = RankPlace(1, 2, 1)
+    assert rank_device(None, second, 0) == torch.device("cpu")
+    assert rank_device(None, second, 2) == torch.device("cuda", 1)
+    assert rank_device("cpu", second, 2) == torch.device("cpu")
+    for device, devices, said in [
+        ("cuda", 0, "no CUDA device"),
+        ("cuda", 1, "2 ranks need as many CUDA devices; this machine has 1"),
+        ("cuda:1", 2, "names one GPU for 2 ranks"),
+    ]:
+        for place in (RankPlace(0, 2, 0), second):  # rank 0 says it for the machine
+            with pytest.raises(ValueError, match=said):
+                rank_device(device, place, devices)
