@@ -16,10 +16,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from .task_types import ShardSpec, Task, TaskError
-from .textlm import EVAL_WINDOWS, SEPARATOR, endless_text_windows, split_corpus, text_windows
+from .textlm import SEPARATOR, byte_lm_objectives, endless_text_windows, split_corpus
 
 __all__ = ["HF_SIZES", "HF_TASK", "HfShape", "hf_config", "hf_lm_task", "hf_model_type"]
 
@@ -112,30 +111,9 @@ def hf_lm_task(
         raise TaskError(f"this shard holds too little text for {shape.context}-byte windows")
     torch.manual_seed(0)  # every peer starts from the same initial model
     model = _transformers().AutoModelForCausalLM.from_config(config).to(device)
-    eval_starts = torch.randint(
-        0, len(held_out) - shape.context - 1, (EVAL_WINDOWS,), generator=torch.Generator().manual_seed(4321)
+    loss_fn, evaluate = byte_lm_objectives(
+        held_out, shape.context, device, lambda model, tokens: model(input_ids=tokens).logits
     )
-    eval_windows = text_windows(held_out, eval_starts, shape.context).to(device)
-    autocast = device.type == "cuda"
-
-    def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            return model(input_ids=tokens).logits.float()
-
-    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = (part.to(device) for part in batch)
-        return F.cross_entropy(logits_of(model, inputs).reshape(-1, VOCAB), targets.reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(model: torch.nn.Module) -> dict[str, float]:
-        logits = logits_of(model, eval_windows[:, :-1]).reshape(-1, VOCAB)
-        targets = eval_windows[:, 1:].reshape(-1)
-        loss = F.cross_entropy(logits, targets).item()
-        return {
-            "loss": loss,
-            "bits_per_byte": loss / torch.log(torch.tensor(2.0)).item(),
-            "accuracy": (logits.argmax(dim=1) == targets).float().mean().item(),
-        }
 
     return Task(
         name=f"hf-lm-{model_type}-{model_size}",  # peers of another architecture or size never meet

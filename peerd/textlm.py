@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ __all__ = [
     "MODEL_SIZES",
     "ModelShape",
     "ByteTransformer",
+    "byte_lm_objectives",
     "corpus_files",
     "endless_text_windows",
     "split_corpus",
@@ -156,6 +157,43 @@ def endless_text_windows(data: torch.Tensor, batch_size: int, length: int, seed:
         yield windows[:, :-1], windows[:, 1:]
 
 
+def byte_lm_objectives(
+    held_out: torch.Tensor,
+    context: int,
+    device: torch.device,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+) -> tuple[Callable, Callable]:
+    """The training loss and the held-out evaluation of a byte-level language model whose
+    ``forward(model, tokens)`` gives its logits: the same held-out windows for every peer, bf16
+    autocast on CUDA; shared by ``textlm`` and ``hf-lm``, so their figures compare."""
+    eval_starts = torch.randint(
+        0, len(held_out) - context - 1, (EVAL_WINDOWS,), generator=torch.Generator().manual_seed(4321)
+    )
+    eval_windows = text_windows(held_out, eval_starts, context).to(device)
+    autocast = device.type == "cuda"
+
+    def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return forward(model, tokens).float()
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = (part.to(device) for part in batch)
+        return F.cross_entropy(logits_of(model, inputs).reshape(-1, 256), targets.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        logits = logits_of(model, eval_windows[:, :-1]).reshape(-1, 256)
+        targets = eval_windows[:, 1:].reshape(-1)
+        loss = F.cross_entropy(logits, targets).item()
+        return {
+            "loss": loss,
+            "bits_per_byte": loss / torch.log(torch.tensor(2.0)).item(),
+            "accuracy": (logits.argmax(dim=1) == targets).float().mean().item(),
+        }
+
+    return loss_fn, evaluate
+
+
 def textlm_task(
     shard: ShardSpec | None = None,
     device: torch.device | str = "cpu",
@@ -174,30 +212,7 @@ def textlm_task(
         raise TaskError(f"this shard holds too little text for {shape.context}-byte windows")
     torch.manual_seed(0)  # every peer starts from the same initial model
     model = ByteTransformer(shape).to(device)
-    eval_starts = torch.randint(
-        0, len(held_out) - shape.context - 1, (EVAL_WINDOWS,), generator=torch.Generator().manual_seed(4321)
-    )
-    eval_windows = text_windows(held_out, eval_starts, shape.context).to(device)
-    autocast = device.type == "cuda"
-
-    def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            return model(tokens).float()
-
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = (part.to(device) for part in batch)
-        return F.cross_entropy(logits_of(model, inputs).reshape(-1, 256), targets.reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        logits = logits_of(model, eval_windows[:, :-1]).reshape(-1, 256)
-        targets = eval_windows[:, 1:].reshape(-1)
-        loss = F.cross_entropy(logits, targets).item()
-        return {
-            "loss": loss,
-            "bits_per_byte": loss / torch.log(torch.tensor(2.0)).item(),
-            "accuracy": (logits.argmax(dim=1) == targets).float().mean().item(),
-        }
+    loss_fn, evaluate = byte_lm_objectives(held_out, shape.context, device, lambda model, tokens: model(tokens))
 
     return Task(
         name=f"textlm-{model_size}",  # the size is part of the name: peers of other sizes never meet
