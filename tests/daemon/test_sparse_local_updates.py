@@ -16,9 +16,7 @@ from averaging.local_updates import SPARSE_START_FRAGMENTS, LocalUpdatesOptimize
 from averaging.optimizer import CollaborativeOptimizer
 from averaging.outer_step import OuterStep
 from peerd.exit_codes import EXIT_BAD_INPUT
-from peerd.tasks import ShardSpec, digits_task
-from peerd.training import Trainer
-from tests.daemon.test_training import open_swarm, train_to_target
+from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
 from tests.support.processes import PEERD
 
 
@@ -79,24 +77,6 @@ def test_a_sparse_codec_needs_outer_lr_one_without_momentum():
         )
 
 
-def make_sparse_trainer(node, index, count, rounds=None):
-    task = digits_task(shard=ShardSpec(index, count))
-    optimizer = LocalUpdatesOptimizer(
-        task.make_optimizer(list(task.model.parameters())),
-        node,
-        prefix="digits-sparse",
-        local_steps=20,
-        codec="topk_2bit",
-        target_group_size=count,
-        settle_time=0.1,
-        matchmaking_timeout=3.0,
-        averaging_timeout=6.0,
-        aggregation="mean",
-        rounds=rounds,
-    )
-    return Trainer(task, optimizer)
-
-
 @pytest.mark.parametrize("overlapped", [False, True])
 async def test_three_peers_reach_the_digits_target_with_sparse_outer_rounds(overlapped):
     async with trio.open_nursery() as nursery:
@@ -104,7 +84,10 @@ async def test_three_peers_reach_the_digits_target_with_sparse_outer_rounds(over
         async with trio.open_nursery() as background:
 
             def make(node, index, count):
-                return make_sparse_trainer(node, index, count, OverlappedRounds(background) if overlapped else None)
+                rounds = OverlappedRounds(background) if overlapped else None
+                return make_local_updates_trainer(
+                    node, index, count, rounds, prefix="digits-sparse", codec="topk_2bit", aggregation="mean"
+                )
 
             with trio.fail_after(90):
                 trainers, statuses = await train_to_target(nodes, make, max_epochs=30)

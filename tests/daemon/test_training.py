@@ -188,21 +188,22 @@ async def train_to_target(nodes, make, target: float | None = 0.9, max_epochs=80
     return trainers, statuses
 
 
-def make_local_updates_trainer(node, index, count, rounds=None):
+def make_local_updates_trainer(node, index, count, rounds=None, **options):
     from averaging.local_updates import LocalUpdatesOptimizer
 
     task = digits_task(shard=ShardSpec(index, count))
+    settings = {
+        "prefix": "digits-local",
+        "local_steps": 20,
+        "codec": "uint8",
+        "target_group_size": count,
+        "settle_time": 0.1,
+        "matchmaking_timeout": 3.0,
+        "averaging_timeout": 6.0,
+        "rounds": rounds,
+    }
     optimizer = LocalUpdatesOptimizer(
-        task.make_optimizer(list(task.model.parameters())),
-        node,
-        prefix="digits-local",
-        local_steps=20,
-        codec="uint8",
-        target_group_size=count,
-        settle_time=0.1,
-        matchmaking_timeout=3.0,
-        averaging_timeout=6.0,
-        rounds=rounds,
+        task.make_optimizer(list(task.model.parameters())), node, **{**settings, **options}
     )
     return Trainer(task, optimizer)
 
