@@ -109,14 +109,15 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         # With a sparse codec each peer keeps what the swarm has not applied yet in its parameters
         # (``ErrorFeedback.move_into``), which is only its own unsent progress at outer learning
         # rate 1 without outer momentum: momentum would apply that progress again every round.
-        self._owed_in_params = get_codec(codec).sparse and error_feedback
+        sparse = get_codec(codec).sparse
+        self._owed_in_params = sparse and error_feedback
         outer_lr, outer_momentum = _outer_settings(self._owed_in_params, outer_lr, outer_momentum)
         self._outer_step = OuterStep(self.params, lr=outer_lr, momentum=outer_momentum)
         averaging = settings.averager_options()
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
-        if get_codec(codec).sparse and self.delta_averager.settings.rounds.aggregation is not Aggregation.MEAN:
+        if sparse and self.delta_averager.settings.rounds.aggregation is not Aggregation.MEAN:
             # The reducer checks cannot yet tell a lying reducer's sparse reply from an honest one,
             # and a robust round too small to outvote a liar moves values densely: a public swarm's
             # robust rounds keep dense codecs for now.

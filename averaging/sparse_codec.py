@@ -184,24 +184,18 @@ def as_sent(codec: Codec, shard: torch.Tensor, parts: list[tuple[int, int]], off
 
 def _two_means(rows: torch.Tensor, rounds: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: two magnitudes and which values take the larger, by Lloyd's iteration from the
-    split at the median (each magnitude the mean of its values, the split midway between them)."""
-    ordered = torch.sort(rows, dim=1).values
-    threshold = ordered[:, rows.shape[1] // 2 : rows.shape[1] // 2 + 1]
+    split at the median (each magnitude the mean of its values, the next split midway between
+    them); what it returns belongs to one split, so each magnitude is its values' mean."""
+    rows = rows.double()  # sums of values near the float32 limit stay finite
+    threshold = torch.sort(rows, dim=1).values[:, rows.shape[1] // 2 :][:, :1]
     for _ in range(rounds):
-        above = rows >= threshold
+        above = rows >= threshold  # the median is in the upper half: never empty
         count_above = above.sum(dim=1)
-        high = (rows * above).sum(dim=1) / count_above.clamp(min=1)
-        below = (rows * ~above).sum(dim=1)
         count_below = rows.shape[1] - count_above
-        low = torch.where(count_below > 0, below / count_below.clamp(min=1), high)
+        high = (rows * above).sum(dim=1) / count_above.clamp(min=1)
+        low = torch.where(count_below > 0, (rows * ~above).sum(dim=1) / count_below.clamp(min=1), high)
         threshold = ((low + high) / 2).unsqueeze(1)
-    above = rows >= threshold
-    count_above = above.sum(dim=1)
-    high = (rows * above).sum(dim=1) / count_above.clamp(min=1)
-    count_below = rows.shape[1] - count_above
-    low = torch.where(count_below > 0, (rows * ~above).sum(dim=1) / count_below.clamp(min=1), high)
-    high = torch.where(count_above > 0, high, low)
-    return low, high, above
+    return low.float(), high.float(), above
 
 
 def _chunk_counts(numel: int) -> tuple[torch.Tensor, torch.Tensor]:

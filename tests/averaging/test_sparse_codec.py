@@ -216,3 +216,10 @@ def test_two_bit_replies_are_unbiased_where_equal_bins_made_them_twelve_percent_
     kept = reply != 0
     assert torch.isclose(reply[kept].abs().sum(), average[kept].abs().sum(), rtol=1e-5)
     assert (reply[kept] - average[kept]).norm() / average[kept].norm() < 0.1
+
+
+def test_a_full_chunk_of_values_near_the_float32_limit_round_trips() -> None:
+    x = torch.full((CHUNK,), 0.75 * float(torch.finfo(torch.float32).max))
+    for name in CODECS:
+        y = decode_part({"codec": name}, bytes(get_codec(name).encode(x)[1]), CHUNK)
+        assert torch.isfinite(y).all() and (y != 0).sum() == KEEP
