@@ -39,6 +39,7 @@ __all__ = [
     "NoCompression",
     "ScaledFloat16Codec",
     "Uniform8BitCodec",
+    "codec_names",
     "codec_of",
     "decode_part",
     "get_codec",
@@ -137,6 +138,11 @@ def get_codec(name_or_codec: str | Codec) -> Codec:
     if not isinstance(name_or_codec, str) or name_or_codec not in _REGISTRY:
         raise ValueError(f"unknown codec {name_or_codec!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name_or_codec]()
+
+
+def codec_names() -> list[str]:
+    """The names of every registered codec, sorted."""
+    return sorted(_REGISTRY)
 
 
 def codec_of(meta: Any) -> Codec:

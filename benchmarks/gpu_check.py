@@ -10,7 +10,13 @@
    trains through them.
 4. ``machine``: two ranks of a ``torch.distributed`` group (NCCL on two GPUs; gloo with ``--device
    cpu``) compute a slice of unequal sample counts: every rank's gradient is the machine's exact
-   mean (``peerd/machine.py``). One GPU cannot hold two NCCL ranks: the check says so and skips.
+   mean (``peerd/machine.py``). One GPU cannot hold two NCCL ranks: there one NCCL rank holds all
+   the samples (NCCL, DDP on CUDA and the gloo control group still run).
+5. ``codecs``: every codec of the averaging wire encodes a CUDA tensor and decodes it back within
+   its own error bound (the sparse ones too).
+6. ``swarm``: real ``peerd join`` processes on the device: a lone peer and a machine peer (NCCL,
+   ``--nproc-per-node`` as many GPUs as there are, up to 2) train digits to 0.9 together, then two
+   peers in local-updates mode with the sparse ``topk_2bit`` codec do.
 
 ``--device cpu`` runs the same checks on the CPU (autocast off, gloo), which is how the benchmark
 smoke test keeps this script from rotting. Prints a table, then one JSON line: each check's outcome
@@ -97,10 +103,15 @@ def check_averaging(device: str) -> str:
     return "ok"
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever PYTHONPATH held (packages carried to a bare machine)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def _start_expert_server(device: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "peerd.cli", "serve-experts", "--experts", "ffn.[0:1].[0:2]", "--hidden-dim"]
     command += ["32", "--device", device, "--listen", "127.0.0.1:0", "--node-id-difficulty", str(LOCAL_DIFFICULTY)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
@@ -148,7 +159,7 @@ def check_experts(device: str, steps: int) -> str:
             server.wait()
 
 
-# The machine check's data: rank 0 holds 8 samples, rank 1 holds 2.
+# The machine check's data: rank 0 holds 8 samples, rank 1 holds 2 (a lone rank holds all 10).
 ROWS = {0: [(0, 3), (3, 8)], 1: [(8, 10)]}
 
 
@@ -170,28 +181,30 @@ def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
 def machine_rank(device: str, out: Path) -> None:
     """One rank of the machine check (run with torchrun's variables set)."""
     from peerd.machine import RankReport, gather_reports, join_rank_group, machine_forward_backward, wrap_model
-    from peerd.ranks import rank_place
+    from peerd.ranks import RankPlace, rank_place
 
-    group = join_rank_group(rank_place(), device)
+    group = join_rank_group(rank_place() or RankPlace(0, 1, 0), device)  # (a job of one is no machine to peerd)
     model = _machine_model().to(group.device)
     ddp = wrap_model(group, model)
     inputs, targets = _machine_data()
-    batches = [(inputs[a:b], targets[a:b]) for a, b in ROWS[group.rank]]
+    rows = ROWS[group.rank] if group.world_size == 2 else ROWS[0] + ROWS[1]  # one rank: all of them
+    batches = [(inputs[a:b], targets[a:b]) for a, b in rows]
     reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
     machine_forward_backward(ddp, _mse, batches, sum(report.samples for report in reports), group.world_size)
     torch.save([param.grad.cpu() for param in model.parameters()], out / f"rank{group.rank}.pt")
 
 
 def check_machine(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.device_count() < 2:
-        return f"skipped: NCCL needs a GPU per rank, this machine has {torch.cuda.device_count()}"
+    world = 1 if device.startswith("cuda") and torch.cuda.device_count() < 2 else 2
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         ranks = []
-        for rank in (0, 1):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+        for rank in range(world):
+            env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), PYTHONPATH=_pythonpath()
+            )
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             command = [sys.executable, __file__, "--device", device, "--machine-rank", folder]
             ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
@@ -202,12 +215,76 @@ def check_machine(device: str) -> str:
         model = _machine_model()
         _mse(model, _machine_data()).backward()
         expected = [param.grad for param in model.parameters()]
-        for rank in (0, 1):
+        for rank in range(world):
             got = torch.load(Path(folder) / f"rank{rank}.pt")
             error = max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
             if error > 1e-5:
                 return f"failed: rank {rank}'s gradient is off by {error}"
-    return "ok"
+    return "ok" if world == 2 else "ok (one NCCL rank: this machine has one GPU)"
+
+
+def check_codecs(device: str) -> str:
+    from averaging.compression import codec_names, get_codec
+
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randn(3 * 4096 + 17, generator=generator).to(device)
+    for name in codec_names():
+        codec = get_codec(name)
+        decoded = codec.decode(*codec.encode(values), values.numel()).to(device)
+        if not torch.isfinite(decoded).all():
+            return f"failed: {name} decoded a non-finite value"
+        kept = decoded != 0 if codec.sparse else torch.ones_like(values, dtype=torch.bool)
+        error = float((decoded - values)[kept].norm() / values[kept].norm())
+        if error > 0.35:  # the 2-bit levels are the coarsest: ~0.2 of the kept values' norm
+            return f"failed: {name}'s relative error {error:.3f}"
+    return f"ok ({len(codec_names())} codecs)"
+
+
+def _start_peer(folder: Path, name: str, shard: str, initial: str | None, extra: list[str]):
+    from tests.support.processes import PeerdProcess
+
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(folder / f"{name}.key"), "--run-id", name[:-1]]
+    args += ["--task", "digits", "--data-shard", shard, "--status-port", "0", *extra]
+    args += ["--initial-peer", initial] if initial else []
+    process = PeerdProcess(args, folder / f"{name}.log")
+    process.read_line(timeout=90)  # listening
+    return process, int(process.read_line(timeout=90).rsplit(":", 1)[1].split("/")[0])
+
+
+def _train_pair(folder: Path, name: str, first: list[str], second: list[str]) -> dict:
+    """Two peers of one swarm train digits until both hold 0.9 held-out accuracy: the second's /status."""
+    from tests.support.processes import status_of, wait_until
+
+    peers = []
+    try:
+        peers.append(_start_peer(folder, f"{name}0", "0/2", None, first))
+        address = status_of(peers[0][1])["address"]
+        peers.append(_start_peer(folder, f"{name}1", "1/2", address, second))
+        ports = [port for _, port in peers]
+        wait_until(lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in ports) >= 0.9, 180, "0.9")
+        wait_until(lambda: ((status_of(ports[1]) or {}).get("last_averaging") or {}).get("group") == 2, 60, "a round")
+        return status_of(ports[1])
+    except (AssertionError, TimeoutError, EOFError) as error:
+        logs = "\n".join(process.log()[-2000:] for process, _ in peers)
+        raise RuntimeError(f"{str(error).splitlines()[0]}; logs:\n{logs}") from None
+    finally:
+        for process, _ in peers:
+            process.stop()
+
+
+def check_swarm(device: str) -> str:
+    """On one GPU, ``--nproc-per-node 1`` is a lone peer (a job of one rank is no machine)."""
+    ranks = min(2, torch.cuda.device_count()) if device.startswith("cuda") else 2
+    with tempfile.TemporaryDirectory() as folder:
+        lone = ["--device", device]
+        status = _train_pair(Path(folder), "machine", lone, lone + ["--nproc-per-node", str(ranks)])
+        backend = (status.get("ranks") or {}).get("backend")
+        if ranks > 1 and backend != ("nccl" if device.startswith("cuda") else "gloo"):
+            return f"failed: the machine's ranks use {backend}"
+        sparse = lone + ["--mode", "local-updates", "--compression", "topk_2bit", "--aggregation", "mean"]
+        status = _train_pair(Path(folder), "sparse", sparse, sparse)
+    machine = f"{ranks} {backend} ranks" if ranks > 1 else "one GPU: two lone peers"
+    return f"ok ({machine}; sparse rounds at epoch {status['epoch']})"
 
 
 def main() -> None:
@@ -225,6 +302,8 @@ def main() -> None:
         "averaging": lambda: check_averaging(args.device),
         "experts": lambda: check_experts(args.device, steps),
         "machine": lambda: check_machine(args.device),
+        "codecs": lambda: check_codecs(args.device),
+        "swarm": lambda: check_swarm(args.device),
     }
     outcomes, errors = {}, []
     for name, check in checks.items():
