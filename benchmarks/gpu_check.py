@@ -11,7 +11,8 @@
 4. ``machine``: two ranks of a ``torch.distributed`` group (NCCL on two GPUs; gloo with ``--device
    cpu``) compute a slice of unequal sample counts: every rank's gradient is the machine's exact
    mean (``peerd/machine.py``). One GPU cannot hold two NCCL ranks: there one NCCL rank holds all
-   the samples (NCCL, DDP on CUDA and the gloo control group still run).
+   the samples (NCCL, DDP on CUDA and the gloo control group still run). ``sharded``: the same
+   under FSDP (``--shard-model``), the gradient delivered whole to rank 0's model on the host.
 5. ``codecs``: every codec of the averaging wire encodes a CUDA tensor and decodes it back within
    its own error bound (the sparse ones too).
 6. ``swarm``: real ``peerd join`` processes on the device: a lone peer and a machine peer (NCCL,
@@ -159,13 +160,21 @@ def check_experts(device: str, steps: int) -> str:
             server.wait()
 
 
-# The machine check's data: rank 0 holds 8 samples, rank 1 holds 2 (a lone rank holds all 10).
-ROWS = {0: [(0, 3), (3, 8)], 1: [(8, 10)]}
+# The machine check's data: rank 0 holds 8 samples, rank 1 holds 2, in as many batches (a lone
+# rank holds all 10).
+ROWS = {0: [(0, 3), (3, 8)], 1: [(8, 9), (9, 10)]}
 
 
-def _machine_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+class _Stack(torch.nn.Module):
+    """Two blocks in an ``nn.ModuleList``: FSDP shards each on its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
 
 
 def _machine_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,23 +187,28 @@ def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
     return torch.nn.functional.mse_loss(model(batch[0].to(device)), batch[1].to(device))
 
 
-def machine_rank(device: str, out: Path) -> None:
-    """One rank of the machine check (run with torchrun's variables set)."""
-    from peerd.machine import RankReport, gather_reports, join_rank_group, machine_forward_backward, wrap_model
+def machine_rank(device: str, out: Path, sharded: bool) -> None:
+    """One rank of the machine check (run with torchrun's variables set), through the ranks'
+    own compute (``peerd/machine_sharded.py``): DDP, or FSDP with ``sharded``."""
+    from peerd.machine import RankReport, gather_reports, join_rank_group
+    from peerd.machine_sharded import machine_compute
     from peerd.ranks import RankPlace, rank_place
 
-    group = join_rank_group(rank_place() or RankPlace(0, 1, 0), device)  # (a job of one is no machine to peerd)
-    model = _machine_model().to(group.device)
-    ddp = wrap_model(group, model)
+    place = rank_place() or RankPlace(0, 1, 0)  # (a job of one is no machine to peerd)
+    group = join_rank_group(place, device, sharded)
+    model = _Stack().to(group.task_device)
+    compute = machine_compute(group, model)
     inputs, targets = _machine_data()
     rows = ROWS[group.rank] if group.world_size == 2 else ROWS[0] + ROWS[1]  # one rank: all of them
     batches = [(inputs[a:b], targets[a:b]) for a, b in rows]
     reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
-    machine_forward_backward(ddp, _mse, batches, sum(report.samples for report in reports), group.world_size)
-    torch.save([param.grad.cpu() for param in model.parameters()], out / f"rank{group.rank}.pt")
+    compute.forward_backward(_mse, batches, sum(report.samples for report in reports))
+    compute.deliver_gradients()
+    if group.leads or not sharded:  # a follower's sharded model keeps no gradients
+        torch.save([param.grad.cpu() for param in model.parameters()], out / f"rank{group.rank}.pt")
 
 
-def check_machine(device: str) -> str:
+def check_machine(device: str, sharded: bool = False) -> str:
     world = 1 if device.startswith("cuda") and torch.cuda.device_count() < 2 else 2
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -207,15 +221,16 @@ def check_machine(device: str) -> str:
             )
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             command = [sys.executable, __file__, "--device", device, "--machine-rank", folder]
+            command += ["--sharded"] if sharded else []
             ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
         for process in ranks:
             _, err = process.communicate(timeout=120)
             if process.returncode != 0:
                 return f"failed: a rank exited {process.returncode}: {err.strip().splitlines()[-1:]}"
-        model = _machine_model()
+        model = _Stack()
         _mse(model, _machine_data()).backward()
         expected = [param.grad for param in model.parameters()]
-        for rank in range(world):
+        for rank in range(1 if sharded else world):
             got = torch.load(Path(folder) / f"rank{rank}.pt")
             error = max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
             if error > 1e-5:
@@ -292,9 +307,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer steps, and autocast on textlm alone")
     parser.add_argument("--machine-rank", metavar="FOLDER", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.machine_rank:
-        machine_rank(args.device, Path(args.machine_rank))
+        machine_rank(args.device, Path(args.machine_rank), args.sharded)
         return
     steps = 5 if args.quick else 20
     checks = {
@@ -302,6 +318,7 @@ def main() -> None:
         "averaging": lambda: check_averaging(args.device),
         "experts": lambda: check_experts(args.device, steps),
         "machine": lambda: check_machine(args.device),
+        "sharded": lambda: check_machine(args.device, sharded=True),
         "codecs": lambda: check_codecs(args.device),
         "swarm": lambda: check_swarm(args.device),
     }

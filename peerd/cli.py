@@ -145,6 +145,8 @@ def _experts(args: argparse.Namespace):
 
 def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
     place = rank_place()  # set by torchrun, or by our own launcher below
+    if args.shard_model and place is None and args.nproc_per_node == 1:
+        raise ValueError("--shard-model shards the model over a machine's ranks: give --nproc-per-node N (N > 1)")
     if place is not None or args.nproc_per_node > 1:
         if args.task is None:
             raise ValueError("a peer of several ranks trains: give --task (or run a single process)")
@@ -187,7 +189,7 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
         DaemonConfig,
         args,
         identity=identity,
-        ranks=None if place is None else _join_rank_group(place, args.device),
+        ranks=None if place is None else _join_rank_group(place, args),
         experts=_experts(args),
         network=from_args(NetworkConfig, args, initial_peers=initial_peers, node_id=node_id, access=access),
         training=from_args(TrainingConfig, args, data_shard=shard),
@@ -197,10 +199,10 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
     return run_joining(_join_main, config)
 
 
-def _join_rank_group(place: RankPlace, device: str | None):
+def _join_rank_group(place: RankPlace, args: argparse.Namespace):
     from .machine import join_rank_group  # torch loads only in peers that train
 
-    return join_rank_group(place, device)
+    return join_rank_group(place, args.device, args.shard_model)
 
 
 def _follow(args: argparse.Namespace, place: RankPlace) -> int:
@@ -211,7 +213,7 @@ def _follow(args: argparse.Namespace, place: RankPlace) -> int:
 
     try:
         check_task(args.task, args.model_size)
-        group = _join_rank_group(place, args.device)
+        group = _join_rank_group(place, args)
     except ValueError as error:  # TaskError is one: rank 0 checks the same and says it, for the machine
         logging.getLogger("peerd").debug("rank %d stops: %s", place.rank, error)
         return EXIT_BAD_INPUT

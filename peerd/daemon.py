@@ -198,7 +198,7 @@ class Daemon:
 
         training, averaging, run_id = self.config.training, self.config.averaging, self.config.network.run_id
         ranks = self.config.ranks
-        device = ranks.device if ranks else self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = ranks.task_device if ranks else self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shard, task = await self._load_task(dht, device)
         inner = task.make_optimizer(list(task.model.parameters()))
         prefix = f"{run_id}.{task.name}"
@@ -243,12 +243,14 @@ class Daemon:
         ranks = self.config.ranks
         if ranks is None:
             return Trainer(task, optimizer)
-        from .machine import wrap_model  # torch loads only in peers that train
+        from .machine_sharded import machine_compute  # torch loads only in peers that train
         from .machine_training import MachineTrainer
 
-        model = await run_blocking(wrap_model, ranks, task.model)
-        log.info("training as rank 0 of %d ranks (%s on %s)", ranks.world_size, ranks.backend, ranks.device)
-        return MachineTrainer(task, optimizer, ranks, model)
+        compute = await run_blocking(machine_compute, ranks, task.model)
+        log.info(
+            "training as rank 0 of %d ranks (%s on %s, %s)", ranks.world_size, ranks.backend, ranks.device, compute.kind
+        )
+        return MachineTrainer(task, optimizer, ranks, compute)
 
 
 def _reachable_host() -> str:

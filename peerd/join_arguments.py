@@ -158,6 +158,14 @@ NPROC_PER_NODE = Setting(
     "the swarm by rank 0, and the swarm counts the samples of every rank (launched as torchrun would; under "
     "`torchrun` itself, leave it out)",
 )  # fmt: skip
+SHARD_MODEL = SwitchSetting(
+    name="shard_model", flag="--shard-model", variable="SHARD_MODEL",
+    help="with several ranks: FSDP, each rank's device holding 1/N of the model; rank 0's whole model and its "
+    "optimizer on the host",
+    doc="with several ranks: shard the model over them (FSDP: each device holds 1/N of the parameters and "
+    "gradients, and one block gathered at a time) for a model that does not fit one device; rank 0 keeps the "
+    "whole model and its optimizer in host memory and steps there (the ZeRO-Offload trade)",
+)  # fmt: skip
 DEVICE = Setting(
     name="device", flag="--device", variable="DEVICE", metavar="DEVICE", default_text="CUDA if available",
     help="cpu, cuda, cuda:1 ...", doc="`cpu`, `cuda`, `cuda:1` ...: where training (and experts) run",
@@ -237,8 +245,9 @@ LOG_LEVEL = Setting(
 # In the order of ``peerd join --help`` and of the README's table.
 JOIN_SETTINGS: tuple[Setting, ...] = (
     LISTEN, IDENTITY, INITIAL_PEERS, RUN_ID, BOOTSTRAP_TIMEOUT, TASK, MODEL_SIZE, MODE, DELAY_UPDATES, COMPRESSION,
-    AGGREGATION, DATA_SHARD, NPROC_PER_NODE, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS, CLIENT_MODE, RELAY,
-    RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS, SWARM_KEY,
+    AGGREGATION, DATA_SHARD, NPROC_PER_NODE, SHARD_MODEL, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS,
+    CLIENT_MODE, RELAY, RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS,
+    SWARM_KEY,
 )  # fmt: skip
 
 # What a config file may hold: every other command's settings are among these.

@@ -81,11 +81,18 @@ class RankGroup:
     backend: str
     device: torch.device
     control: Any
+    sharded: bool = False  # FSDP (``machine_sharded.py``): each rank's device holds 1/N of the model
 
     @property
     def leads(self) -> bool:
         """Rank 0: the one that is the swarm's peer."""
         return self.rank == 0
+
+    @property
+    def task_device(self) -> torch.device:
+        """Where this rank loads its task: its device, or the host when the model is sharded (rank
+        0's whole model lives there, and each rank's shard moves to its device as it is cut)."""
+        return torch.device("cpu") if self.sharded else self.device
 
 
 def rank_device(device: str | None, place: RankPlace, cuda_devices: int) -> torch.device:
@@ -106,10 +113,10 @@ def rank_device(device: str | None, place: RankPlace, cuda_devices: int) -> torc
     return chosen if chosen.index is not None else torch.device("cuda", place.local_rank)
 
 
-def join_rank_group(place: RankPlace, device: str | None = None) -> RankGroup:
+def join_rank_group(place: RankPlace, device: str | None = None, sharded: bool = False) -> RankGroup:
     """Form the machine's process group from torchrun's variables (``MASTER_ADDR``,
     ``MASTER_PORT``): NCCL when training runs on CUDA (each rank on ``cuda:LOCAL_RANK`` unless
-    ``device`` names one), gloo otherwise."""
+    ``device`` names one), gloo otherwise; ``sharded``: the ranks will hold the model under FSDP."""
     chosen = rank_device(device, place, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     backend = "nccl" if chosen.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
@@ -120,7 +127,7 @@ def join_rank_group(place: RankPlace, device: str | None = None) -> RankGroup:
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     except (RuntimeError, ValueError) as error:
         raise RankError(f"rank {place.rank} could not join the machine's process group: {_first_line(error)}") from None
-    return RankGroup(place.rank, place.world_size, backend, chosen, control)
+    return RankGroup(place.rank, place.world_size, backend, chosen, control, sharded)
 
 
 def _first_line(error: BaseException) -> str:

@@ -27,13 +27,11 @@ from .machine import (
     SliceOrders,
     exchange_orders,
     gather_reports,
-    machine_forward_backward,
     parameters_version,
     rank_shard,
-    share_parameters,
     share_shard,
-    wrap_model,
 )
+from .machine_sharded import ReplicatedCompute, ShardedCompute, machine_compute
 from .ranks import RankError
 from .tasks import Task, load_task
 from .training import Trainer, TrainingStatus
@@ -49,13 +47,16 @@ RELEASE_TIMEOUT_S = 5.0
 
 class MachineTrainer(Trainer):
     """Rank 0's trainer: leads each slice on every rank of ``group``; the swarm sees one peer
-    whose samples are the whole machine's. ``model`` is ``task.model`` under DDP (``wrap_model``)."""
+    whose samples are the whole machine's. ``compute`` holds ``task.model`` for the slices
+    (``machine_compute``: under DDP, or sharded under FSDP)."""
 
-    def __init__(self, task: Task, optimizer: Any, group: RankGroup, model: Any, **options: Any):
+    def __init__(
+        self, task: Task, optimizer: Any, group: RankGroup, compute: ReplicatedCompute | ShardedCompute, **options: Any
+    ):
         super().__init__(task, optimizer, **options)
         self.group = group
-        self.model = model
-        self._shared_version = parameters_version(task.model)  # DDP started every rank from these
+        self.compute = compute
+        self._shared_version = parameters_version(task.model)  # every rank started from these
         self._last = RankReport(0)
         self._samples = [0] * group.world_size
         self._shares = 0  # slices that began with rank 0's parameters (they had changed)
@@ -64,12 +65,13 @@ class MachineTrainer(Trainer):
     def _lead_slice(self, orders: SliceOrders, batches: list) -> tuple[float, list[RankReport]]:
         exchange_orders(self.group, orders)
         if orders.parameters_changed:
-            share_parameters(self.group, self.task.model)
+            self.compute.receive_parameters()
         mine = RankReport(sum(len(batch[0]) for batch in batches), self._last.loss, self._last.batch_s)
         reports = gather_reports(self.group, mine)
         started = self.clock()
         machine = sum(report.samples for report in reports)
-        loss = machine_forward_backward(self.model, self.task.loss_fn, batches, machine, self.group.world_size)
+        loss = self.compute.forward_backward(self.task.loss_fn, batches, machine)
+        self.compute.deliver_gradients()
         self._batch_s = (self.clock() - started) / len(batches)
         self._last = RankReport(mine.samples, loss, self._batch_s)
         return loss, reports
@@ -108,6 +110,7 @@ class MachineTrainer(Trainer):
             "world_size": group.world_size,
             "backend": group.backend,
             "device": str(group.device),
+            "model": self.compute.kind,  # ddp: whole on every rank; fsdp: sharded over them
             "parameters_shared": self._shares,
             "ranks": rows,
         }
@@ -140,23 +143,22 @@ def follow_rank_zero(group: RankGroup, task_spec: str, model_size: str | None) -
     """A follower's life: learn the machine's shard, load this rank's part of it, then compute
     each slice rank 0 orders until it says stop. Raises RankError when the group breaks."""
     shard = rank_shard(share_shard(group), group)
-    task = load_task(task_spec, shard=shard, device=group.device, model_size=model_size)
-    model = wrap_model(group, task.model)
+    task = load_task(task_spec, shard=shard, device=group.task_device, model_size=model_size)
+    compute = machine_compute(group, task.model)
     last = RankReport(0)
     while True:
         orders = exchange_orders(group)
         if orders.stop:
             return
         if orders.parameters_changed:
-            share_parameters(group, task.model)
+            compute.receive_parameters()
         batches = [next(task.batches) for _ in range(orders.batches)]
         mine = RankReport(sum(len(batch[0]) for batch in batches), last.loss, last.batch_s)
         reports = gather_reports(group, mine)
         started = time.perf_counter()
-        for param in task.model.parameters():
-            param.grad = None  # followers keep no optimizer: each slice's gradients are new
         machine = sum(report.samples for report in reports)
-        loss = machine_forward_backward(model, task.loss_fn, batches, machine, group.world_size)
+        loss = compute.forward_backward(task.loss_fn, batches, machine)
+        compute.deliver_gradients()
         last = RankReport(mine.samples, loss, (time.perf_counter() - started) / len(batches))
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Task", "ShardSpec", "TaskError"]
+__all__ = ["Task", "ShardSpec", "TaskError", "model_device"]
 
 
 class TaskError(ValueError):
@@ -27,6 +27,13 @@ class ShardSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:
             raise TaskError(f"shard index {self.index} must be in [0, {self.count})")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: the built-in tasks' losses and evaluations move their batches
+    there at each call rather than to the device they were loaded for, so the same task serves
+    the whole model on the host and its sharded copy on a GPU (``machine_sharded.py``)."""
+    return next(model.parameters()).device
 
 
 @dataclass

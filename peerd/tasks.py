@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .hf_lm import DEFAULT_HF_SIZE, hf_config, hf_lm_task, hf_model_type
-from .task_types import ShardSpec, Task, TaskError
+from .task_types import ShardSpec, Task, TaskError, model_device
 from .textlm import DEFAULT_SIZE, MODEL_SIZES, textlm_task
 
 WHOLE_DATA = ShardSpec()  # the default shard: all of a task's training data
@@ -79,15 +79,16 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
     test_x, test_y = inputs[held_out].to(device), targets[held_out].to(device)
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        x, y = (part.to(model_device(model)) for part in batch)
+        return nn.functional.cross_entropy(model(x), y)
 
     @torch.no_grad()
     def evaluate(model: nn.Module) -> dict[str, float]:
-        logits = model(test_x)
+        where = model_device(model)
+        logits, labels = model(test_x.to(where)), test_y.to(where)
         return {
-            "accuracy": (logits.argmax(dim=1) == test_y).float().mean().item(),
-            "loss": nn.functional.cross_entropy(logits, test_y).item(),
+            "accuracy": (logits.argmax(dim=1) == labels).float().mean().item(),
+            "loss": nn.functional.cross_entropy(logits, labels).item(),
         }
 
     return Task(

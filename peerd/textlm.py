@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .task_types import ShardSpec, Task, TaskError
+from .task_types import ShardSpec, Task, TaskError, model_device
 
 __all__ = [
     "MODEL_SIZES",
@@ -170,20 +170,20 @@ def byte_lm_objectives(
         0, len(held_out) - context - 1, (EVAL_WINDOWS,), generator=torch.Generator().manual_seed(4321)
     )
     eval_windows = text_windows(held_out, eval_starts, context).to(device)
-    autocast = device.type == "cuda"
 
     def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tokens.device.type == "cuda"):
             return forward(model, tokens).float()
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = (part.to(device) for part in batch)
+        inputs, targets = (part.to(model_device(model)) for part in batch)
         return F.cross_entropy(logits_of(model, inputs).reshape(-1, 256), targets.reshape(-1))
 
     @torch.no_grad()
     def evaluate(model: nn.Module) -> dict[str, float]:
-        logits = logits_of(model, eval_windows[:, :-1]).reshape(-1, 256)
-        targets = eval_windows[:, 1:].reshape(-1)
+        windows = eval_windows.to(model_device(model))
+        logits = logits_of(model, windows[:, :-1]).reshape(-1, 256)
+        targets = windows[:, 1:].reshape(-1)
         loss = F.cross_entropy(logits, targets).item()
         return {
             "loss": loss,

@@ -100,6 +100,37 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
         lone.stop()
 
 
+def test_a_sharded_two_rank_peer_trains_in_local_updates_with_a_lone_peer(tmp_path):
+    """FSDP over the ranks, rank 0's whole model and optimizer on the host: inner steps change
+    its parameters every slice, so every slice begins by sharding them out again."""
+    mode = ("--mode", "local-updates", "--local-steps", "10")
+    lone, lone_port = start_peer(tmp_path, "lone", "0/2", None, *mode)
+    machine = None
+    try:
+        address = status_of(lone_port)["address"]
+        machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2", "--shard-model", *mode)
+        wait_until(
+            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
+            90,
+            "both peers at 0.9 held-out accuracy",
+        )
+        status = status_of(port)
+        ranks = status["ranks"]
+        assert (ranks["world_size"], ranks["model"]) == (2, "fsdp")
+        rank_samples = [row["samples"] for row in ranks["ranks"]]
+        assert min(rank_samples) > 0 and abs(status["samples"] - sum(rank_samples)) <= 2 * 64 * 32
+        assert ranks["parameters_shared"] >= status["epoch"]  # after every slice's inner step
+        wait_until(
+            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
+            60,
+            "an outer round of the machine and the lone peer",
+        )
+    finally:
+        if machine is not None:
+            machine.stop()
+        lone.stop()
+
+
 def test_a_machine_stops_as_one_peer_on_ctrl_c_and_sigterm_and_refuses_without_a_task(tmp_path):
     stops = {signal.SIGINT: 130, signal.SIGTERM: 0}
     machines = {

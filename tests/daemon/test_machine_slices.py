@@ -32,18 +32,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_slice_is_the_gradient_of_the_machines_samples_and_rank_0_leads(tmp_path):
+def run_rank_slice(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+    """``tests/support/rank_slice.py`` on two ranks: what each ended with."""
     port = free_port()
     ranks = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-        command = [sys.executable, "-m", "tests.support.rank_slice", str(tmp_path)]
+        command = [sys.executable, "-m", "tests.support.rank_slice", str(tmp_path), *extra]
         ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
     for process in ranks:
         _, err = process.communicate(timeout=60)
         assert process.returncode == 0, err
     zero, one = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    return zero, one
+
+
+def test_a_slice_is_the_gradient_of_the_machines_samples_and_rank_0_leads(tmp_path):
+    zero, one = run_rank_slice(tmp_path)
     net = rank_slice.model()
     inputs, targets = rank_slice.data()
     rank_slice.loss_fn(net, (inputs, targets)).backward()  # the mean over all 10 samples at once
@@ -54,6 +60,20 @@ def test_a_slice_is_the_gradient_of_the_machines_samples_and_rank_0_leads(tmp_pa
     assert one["orders"] == 3
     for ours, theirs, start in zip(zero["params"], one["params"], net.parameters(), strict=True):
         torch.testing.assert_close(theirs, ours)
+        torch.testing.assert_close(ours, start.detach() * -2.0)
+
+
+def test_a_sharded_slice_delivers_the_machines_gradient_to_rank_0s_whole_model(tmp_path):
+    zero, one = run_rank_slice(tmp_path, "sharded")
+    assert zero["kind"] == one["kind"] == "fsdp"
+    net = rank_slice.Stack()
+    inputs, targets = rank_slice.data()
+    (2 * rank_slice.loss_fn(net, (inputs, targets))).backward()  # two slices of the mean over all 10
+    for expected, got in zip([p.grad for p in net.parameters()], zero["grads"], strict=True):
+        torch.testing.assert_close(got, expected)
+    assert one["grads"] == [None] * len(one["grads"])  # a follower's model is only its shards
+    for ours, theirs, start in zip(zero["params"], one["params"], net.parameters(), strict=True):
+        torch.testing.assert_close(theirs, ours)  # each rank's shards make up rank 0's parameters
         torch.testing.assert_close(ours, start.detach() * -2.0)
 
 

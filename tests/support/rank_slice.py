@@ -1,7 +1,8 @@
 """One rank of a two-rank gloo group, for tests/daemon/test_machine_slices.py (run with torchrun's
 variables set): a slice whose ranks hold different sample counts, reduced by
 ``machine_forward_backward``, then parameters that rank 0 changed and shares. Writes what this rank
-ended with to ``OUT/rank{R}.pt`` (a file of the test's own)."""
+ended with to ``OUT/rank{R}.pt`` (a file of the test's own). With ``sharded`` after OUT, the same
+slice under FSDP (``ShardedCompute``): its gradients delivered to rank 0's whole model."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ from peerd.machine import (
     share_parameters,
     wrap_model,
 )
+from peerd.machine_sharded import machine_compute
 from peerd.ranks import rank_place
 
 # rows of the data each rank's batches hold: 8 samples on rank 0, 2 on rank 1
 BATCHES = {0: [(0, 3), (3, 8)], 1: [(8, 10)]}
+# under FSDP every rank runs as many backward passes (a slice's orders say how many batches)
+SHARDED_BATCHES = {0: [(0, 3), (3, 8)], 1: [(8, 9), (9, 10)]}
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +39,18 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 def model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+class Stack(nn.Module):
+    """``model()`` as a list of blocks (FSDP shards each on its own), with the same parameters."""
+
+    def __init__(self):
+        super().__init__()
+        first, _, last = model()
+        self.blocks = nn.ModuleList([first, last])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
 
 
 def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -67,5 +83,29 @@ def main(out: Path) -> None:
     )
 
 
+def main_sharded(out: Path) -> None:
+    group = join_rank_group(rank_place(), "cpu", sharded=True)
+    net = Stack()
+    if group.rank == 1:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.add_(5.0)  # the machine must start from rank 0's parameters
+    compute = machine_compute(group, net)
+    inputs, targets = data()
+    batches = [(inputs[a:b], targets[a:b]) for a, b in SHARDED_BATCHES[group.rank]]
+    reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+    for _ in range(2):  # two slices: rank 0's gradients add up, as backward passes' do
+        compute.forward_backward(loss_fn, batches, sum(r.samples for r in reports))
+        compute.deliver_gradients()
+    grads = [None if param.grad is None else param.grad.clone() for param in net.parameters()]
+    if group.rank == 0:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.mul_(-2.0)
+    compute.receive_parameters()
+    params = [param.full_tensor().detach().clone() for param in compute.model.parameters()]
+    torch.save({"grads": grads, "params": params, "kind": compute.kind}, out / f"rank{group.rank}.pt")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    (main_sharded if sys.argv[2:] == ["sharded"] else main)(Path(sys.argv[1]))
