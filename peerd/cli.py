@@ -257,9 +257,11 @@ def reachability_line(reachability: dict) -> str:
 
 
 def ranks_line(ranks: dict) -> str:
-    """``2 ranks (gloo on cpu): rank 0 4864 samples, rank 1 4864 samples`` for humans."""
+    """``2 ranks (gloo on cpu): rank 0 4864 samples, rank 1 4864 samples`` for humans (``gloo on
+    cpu, sharded`` when the ranks hold the model under FSDP)."""
     rows = ", ".join(f"rank {row.get('rank')} {row.get('samples')} samples" for row in ranks.get("ranks") or [])
-    return f"{ranks.get('world_size')} ranks ({ranks.get('backend')} on {ranks.get('device')}): {rows}"
+    sharded = ", sharded" if ranks.get("model") == "fsdp" else ""
+    return f"{ranks.get('world_size')} ranks ({ranks.get('backend')} on {ranks.get('device')}{sharded}): {rows}"
 
 
 def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:

@@ -116,6 +116,8 @@ def test_peerd_status_shows_the_ranks_on_one_line():
         "ranks": [{"rank": 0, "samples": 64}, {"rank": 1, "samples": 64}],
     }
     assert ranks_line(ranks) == "2 ranks (gloo on cpu): rank 0 64 samples, rank 1 64 samples"
+    ranks["model"] = "fsdp"
+    assert ranks_line(ranks) == "2 ranks (gloo on cpu, sharded): rank 0 64 samples, rank 1 64 samples"
 
 
 async def test_the_dashboard_lists_a_machines_ranks(tmp_path):
