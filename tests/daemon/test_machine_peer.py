@@ -151,6 +151,39 @@ def test_a_machine_stops_as_one_peer_on_ctrl_c_and_sigterm_and_refuses_without_a
             machine.stop()
 
 
+def test_torchrun_runs_peerd_join_as_one_machine_peer(tmp_path):
+    """``torchrun --nproc-per-node 2 -m peerd join``: the ranks find their places from torchrun's
+    variables, rank 0 alone is a peer, and torchrun's SIGTERM stops every rank quietly (torchrun
+    itself then prints its own SignalException: ``peerd join --nproc-per-node`` does not)."""
+    import shutil
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    torchrun = [shutil.which("torchrun"), "--nproc-per-node", "2", "--master-port", str(master_port), "-m", "peerd"]
+    args = ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "machine.key"), "--run-id", "torchrun"]
+    args += ["--task", "digits", "--status-port", "0"]
+    machine = PeerdProcess(args, tmp_path / "machine.log", launcher=torchrun)
+    try:
+        machine.read_line(timeout=60)  # listening
+        port = int(machine.read_line(timeout=60).rsplit(":", 1)[1].split("/")[0])
+
+        def ranks_training() -> bool:
+            rows = ((status_of(port) or {}).get("ranks") or {}).get("ranks") or [{}]
+            return min(row.get("samples") or 0 for row in rows) > 0
+
+        wait_until(ranks_training, 60, "both ranks training")
+        assert status_of(port)["ranks"]["world_size"] == 2
+        machine.process.send_signal(signal.SIGTERM)
+        machine.process.wait(RELEASE_TIMEOUT_S + 5)
+        log = machine.log()
+        assert "received SIGTERM" in log and "/peerd/" not in log, log  # no frame of ours in any traceback
+        assert not [line for line in log.splitlines() if line.startswith("peerd:")], log
+    finally:
+        machine.stop()
+
+
 def test_a_machine_that_cannot_start_says_why_once(tmp_path):
     base = ["join", "--nproc-per-node", "2", "--listen", "127.0.0.1:0"]
     train = [*base, "--task", "digits", "--bootstrap-timeout", "2"]

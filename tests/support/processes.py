@@ -50,14 +50,15 @@ def _as_from_a_terminal() -> None:
 
 
 class PeerdProcess:
-    """A ``peerd`` subprocess whose stdout is read line by line and stderr goes to a file."""
+    """A ``peerd`` subprocess whose stdout is read line by line and stderr goes to a file
+    (``launcher``: the command before ``args``, ``torchrun ... -m peerd`` say)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, launcher: list[str] = PEERD):
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
-            PEERD + args,
+            launcher + args,
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
