@@ -51,7 +51,7 @@ from .compression import Codec, get_codec
 from .flat_parts import flat_view, flatten, write_back
 from .group import GroupInfo
 from .link_speed import DeadlineRules
-from .own_radius import MIN_OUTVOTING, bound_move
+from .own_radius import MIN_OUTVOTING, bound_move, bound_sparse_move
 from .part_buffers import BufferLease, PartBuffers, PartSink
 from .partition import DEFAULT_PART_SIZE, AllReducePlan
 from .reducer_checks import ReducerChecks, RoundStrategy
@@ -267,15 +267,7 @@ class AllReduceService:
             if flat is not None:
                 averages = round_.averages()
                 if own_radius is not None and round_.senders_in() < MIN_OUTVOTING:
-                    averages, moved = await in_thread(bound_move, flat, averages, own_radius)
-                    if moved > own_radius:
-                        bounded = (moved, own_radius)
-                        log.info(
-                            "round %s: too few senders to outvote a liar; our values moved %.3g, not %.3g",
-                            group.group_id.hex()[:8],
-                            own_radius,
-                            moved,
-                        )
+                    averages, bounded = await _within_own_radius(flat, averages, own_radius, codec, group.group_id)
                 await in_thread(write_back, tensors, averages)
         link_rate = links.link_rate()  # (reads the round's last bytes first)
         upload = UploadFigures(links.uplink.rate(), settings.uplink if pacing else None)
@@ -322,7 +314,8 @@ class AllReduceService:
         aggregation: Aggregation,
         strategy: RoundStrategy,
     ) -> ReducerRole | None:
-        """Our reducer role in the round, or None if we reduce no shard."""
+        """Our reducer role in the round, or None if we reduce no shard; it replies in the codec
+        the round's strategy gives for ``codec``, the senders' (``RoundStrategy.reply_codec``)."""
         if round_.my_shard is None:
             return None
         part_sizes = [end - start for start, end in round_.plan.parts(round_.my_shard)]
@@ -333,7 +326,22 @@ class AllReduceService:
             workspace = lease.take(len(senders) * max(part_sizes))
         signing = strategy.shard_signing(round_.group, self.host.peer_id)
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace, signing)
-        return ReducerRole(shard, lease, round_.plan.total, codec, links)
+        return ReducerRole(shard, lease, round_.plan.total, strategy.reply_codec(codec), links)
+
+
+async def _within_own_radius(
+    flat: torch.Tensor, averages: list[tuple[int, torch.Tensor]], radius: float, codec: Codec, group_id: bytes
+) -> tuple[list[tuple[int, torch.Tensor]], tuple[float, float] | None]:
+    """A round too small to outvote a liar: its averages bounded to ``radius`` of our values
+    (``own_radius.py``; a sparse codec's at the values it kept, so that they stay sparse), and
+    (how far they would have moved us, the radius) if that bound was needed."""
+    bound = bound_sparse_move if codec.sparse else bound_move
+    averages, moved = await in_thread(bound, flat, averages, radius)
+    if moved <= radius:
+        return averages, None
+    what = "round %s: too few senders to outvote a liar; our values moved %.3g, not %.3g"
+    log.info(what, group_id.hex()[:8], radius, moved)
+    return averages, (moved, radius)
 
 
 def _tighter(cap: float | None, timeout: float | None) -> float | None:

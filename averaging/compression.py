@@ -94,6 +94,11 @@ class Codec(ABC):
     # leaves out reached no one, and error feedback keeps it.
     sparse: ClassVar[bool] = False
 
+    def reply_codec(self, checked: bool) -> Codec:
+        """The codec a reducer replies with when the senders send with this one: the same,
+        except where a checked round needs replies its checks can bound (``sparse_codec.py``)."""
+        return self
+
     def encode_finite(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes | memoryview]:
         """``encode`` for a contiguous 1-D float32 CPU part the caller has already checked finite
         (e.g. as part of a larger tensor): codecs that can skip their own finiteness pass do."""

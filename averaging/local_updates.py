@@ -61,7 +61,6 @@ from .local_rounds import RoundSchedule, SequentialRounds
 from .outer_step import OuterStep
 from .progress import SwarmProgress
 from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state
-from .robust import Aggregation
 from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
@@ -117,11 +116,6 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.delta_averager = GroupAverager(
             self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
         )
-        if sparse and self.delta_averager.settings.rounds.aggregation is not Aggregation.MEAN:
-            # The reducer checks cannot yet tell a lying reducer's sparse reply from an honest one,
-            # and a robust round too small to outvote a liar moves values densely: a public swarm's
-            # robust rounds keep dense codecs for now.
-            raise ValueError(f"{codec} is sparse: it needs the mean (a private swarm, or aggregation 'mean')")
         self.error_feedback = ErrorFeedback(self.deltas, codec, dht.host.peer_id) if error_feedback else None
         # Newcomers download the start and the outer momentum; the start alone is averaged now and
         # then (a copy of it, by ``start_averager``) to pull replicas together, and only the start is

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HISTORY_ROUNDS", "MIN_OUTVOTING", "RADIUS_FACTOR", "SAMPLE", "OwnRadius", "bound_move"]
+__all__ = ["HISTORY_ROUNDS", "MIN_OUTVOTING", "RADIUS_FACTOR", "SAMPLE", "OwnRadius", "bound_move", "bound_sparse_move"]
 
 # One liar among three senders is outvoted: CenteredClip's radius from an honest start is the
 # distance to the nearer other sender, an honest one, and the median weight is an honest one's.
@@ -111,4 +111,28 @@ def bound_move(
             bounded.append((start, own.clone()))
         else:
             bounded.append((start, (own.double() + (values.double() - own.double()) * keep).to(own.dtype)))
+    return bounded, moved
+
+
+def bound_sparse_move(
+    flat: torch.Tensor, parts: list[tuple[int, torch.Tensor]], radius: float
+) -> tuple[list[tuple[int, torch.Tensor]], float]:
+    """``bound_move`` for a sparse codec's averages (``sparse_codec.py``), which hold only the
+    values each chunk kept and zeros for the rest, which the round did not average: the move is
+    measured and scaled at the kept values alone, and the rest stay zero (error feedback keeps our
+    contribution to them), so that bounding it never turns a sparse average dense."""
+    kept = [(start, values != 0) for start, values in parts]
+    squares = math.fsum(
+        float(torch.linalg.vector_norm((values.double() - flat[start : start + values.numel()].double())[mask])) ** 2
+        for (start, values), (_, mask) in zip(parts, kept, strict=True)
+    )
+    moved = math.sqrt(squares)
+    if moved <= radius:
+        return parts, moved
+    keep = radius / moved if math.isfinite(moved) else 0.0
+    bounded = []
+    for (start, values), (_, mask) in zip(parts, kept, strict=True):
+        own = flat[start : start + values.numel()].double()
+        toward = own + (values.double() - own) * keep if keep else own
+        bounded.append((start, torch.where(mask, toward, 0.0).to(values.dtype)))
     return bounded, moved

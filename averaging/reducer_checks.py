@@ -124,6 +124,7 @@ class ReducerChecks:
         self.kept = kept if kept is not None else KeptInputs()
         self.banned = BanList(clock=trio.current_time)
         self.caught = 0  # reducers this peer has caught lying
+        self.passed = 0  # checks whose answer held
         self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
         router.add_unary(CHECK_METHOD, self._handle_check)
 
@@ -138,7 +139,8 @@ class ReducerChecks:
     ) -> tuple[Commitment, dict[tuple[PeerID, int], tuple[Any, Any]]]:
         """Encode every part we send in a checked round and commit to them all (``commitments.py``;
         tensor work): returns the commitment and the encoded parts, by (reducer, part index). Our
-        own shard is committed to as float32, as our checks' answers state it."""
+        own shard is committed to as float32, as our checks' answers state it (with a sparse codec,
+        as the other senders' parts arrive: ``sparse_codec.as_sent``)."""
         me, plain = self.host.peer_id, get_codec("none")
         encoded: dict[tuple[PeerID, int], tuple[Any, Any]] = {}
         shards = []
@@ -148,7 +150,8 @@ class ReducerChecks:
             own = member.peer_id == me
             digests = []
             for part, (start, end) in enumerate(plan.parts(index)):
-                meta, payload = (plain if own else codec).encode_finite(flat[start:end])
+                values = _as_sent(codec, flat[start:end]) if own and codec.sparse else flat[start:end]
+                meta, payload = (plain if own else codec).encode_finite(values)
                 if not own:
                     encoded[(member.peer_id, part)] = (meta, payload)
                 digests.append(part_digest(meta, payload))
@@ -195,11 +198,12 @@ class ReducerChecks:
         received: list[tuple[int, torch.Tensor]],
         part_contributors: dict[int, list[list[PeerID]]],
         codec: Codec,
+        reply_codec: Codec,
     ) -> list[tuple[int, PendingCheck]]:
         """Choose, in private, one part of each other reducer's shard that we received (each
         reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
-        need (call before the averages are written back into ``flat``). Returns (shard, check)
-        pairs."""
+        need (call before the averages are written back into ``flat``): we sent with ``codec``,
+        the reducers reply with ``reply_codec``. Returns (shard, check) pairs."""
         me = self.host.peer_id
         by_start = dict((start, values) for start, values in received)
         shards: list[list[tuple[int, int, int, int]]] = []
@@ -232,10 +236,11 @@ class ReducerChecks:
                 float(weight),
                 list(part_contributors[index][part]),
                 by_start[start].clone(),
-                _requantizer(codec),
+                None if reply_codec.sparse else _requantizer(reply_codec),
                 group.group_id,
                 part,
                 self.verified,
+                reply_codec.sparse,
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
@@ -278,6 +283,7 @@ class ReducerChecks:
                 except Exception as error:  # noqa: BLE001 (any failure of its answer is the reducer's)
                     verdict = f"its check answer failed: {type(error).__name__}: {error}"
         if verdict is None:
+            self.passed += 1
             return None
         if answered and not waiting.cancelled_caught:  # (a check we could not finish judging proves nothing)
             self.caught += reducer.peer_id not in self.banned
@@ -318,6 +324,10 @@ class RoundStrategy(Protocol):
 
     async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None: ...
 
+    def reply_codec(self, codec: Codec) -> Codec:
+        """What our reducer replies with when the senders send with ``codec``."""
+        ...
+
 
 class PlainRound:
     """A round nobody checks: nothing is committed to, kept, or checked."""
@@ -333,6 +343,9 @@ class PlainRound:
 
     async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None:
         pass
+
+    def reply_codec(self, codec: Codec) -> Codec:
+        return codec.reply_codec(checked=False)
 
 
 class CheckedRound:
@@ -354,12 +367,17 @@ class CheckedRound:
     def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None:
         self.checks.keep(group, shard, prepared.commitment)
 
+    def reply_codec(self, codec: Codec) -> Codec:
+        return codec.reply_codec(checked=True)
+
     async def review(self, round_: AllReduceRound, flat, weight: float, codec: Codec) -> None:
         """Check the other reducers whose averages we received (before they are written back into
         ``flat``), and tell the round each verdict."""
         if flat is None:
             return
         received, contributors = round_.received(), round_.part_contributors()
-        pending = self.checks.pick(round_.group, round_.plan, flat, weight, received, contributors, codec)
+        pending = self.checks.pick(
+            round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec)
+        )
         for index, (reducer, verdict) in (await self.checks.run_all(pending)).items():
             round_.checked(index, reducer, verdict)

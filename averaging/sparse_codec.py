@@ -32,9 +32,9 @@ import torch
 from peer.buffers import byte_view
 from peer.tensors import all_finite
 
-from .compression import Codec, _check_meta, _empty, _prepare, register_codec
+from .compression import Codec, _check_meta, _empty, _prepare, get_codec, register_codec
 
-__all__ = ["CHUNK", "KEEP", "TopK2BitCodec", "TopK4BitCodec", "as_sent", "kept_per_chunk"]
+__all__ = ["CHUNK", "KEEP", "TopK2BitCodec", "TopK4BitCodec", "TopK8BitCodec", "as_sent", "kept_per_chunk"]
 
 # SparseLoCo's chunk and density: 64 of 4,096 (1.56%). A chunk index needs 12 bits.
 CHUNK = 4096
@@ -57,6 +57,12 @@ class _TopKCodec(Codec):
     @property
     def levels(self) -> int:
         return 1 << (self.bits - 1)
+
+    def reply_codec(self, checked: bool) -> Codec:
+        """In a checked round the reducer replies in 8 bits (``TopK8BitCodec``): a sender that
+        checks it can then bound every kept value's rounding to 1/256 of its chunk's range, where
+        2 bits would leave a liar a quarter of the reply's norm to move it by."""
+        return get_codec(TopK8BitCodec.name) if checked else self
 
     def payload_size(self, numel: int) -> int:
         chunks, kept = _layout(numel)
@@ -168,6 +174,15 @@ class TopK4BitCodec(_TopKCodec):
 
     name = "topk_4bit"
     bits = 4
+
+
+@register_codec
+class TopK8BitCodec(_TopKCodec):
+    """64 of every 4,096 values, each as a sign and one of 128 magnitude levels: ~95x less than
+    float32. The replies of checked rounds (``_TopKCodec.reply_codec``)."""
+
+    name = "topk_8bit"
+    bits = 8
 
 
 def as_sent(codec: Codec, shard: torch.Tensor, parts: list[tuple[int, int]], offset: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ and the clip radius it used. The reducer keeps them from the moment each part is
    quiet attacker's contribution hands the attackers its shard);
 3. recomputes CenteredClip over the inputs from that start with that radius, and compares it
    with the reply it got for that part, within ``CHECK_TOLERANCE * tau`` (plus what a lossy codec
-   rounds).
+   rounds; a sparse reply, which keeps each chunk's largest values, is bounded in which values it
+   kept as well: ``sparse_reply_verdict``).
 
 Any failure, no answer within ``CHECK_TIMEOUT``, or an answer that does not parse, leaves that
 reducer's shard with the sender's own values and puts the reducer on this peer's ban list:
@@ -289,6 +290,7 @@ class PartCheck:
     group_id: bytes = b""  # the round
     part: int = 0  # the part's index in the reducer's shard
     verified: VerifiedSignatures | None = None  # commitments this peer verified lately
+    sparse_reply: bool = False  # the reply keeps a chunked top-k in 8 bits (``sparse_reply_verdict``)
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
@@ -341,12 +343,17 @@ class PartCheck:
         weights = clip_weights(inputs.weights)
         centered_clip(parts, weights, recomputed, center=start, tau=inputs.tau, choose_start=False)
         allowed = CHECK_TOLERANCE * inputs.tau + 1e-5 * float(recomputed.norm()) + 1e-6
-        if self.requantize is not None:
-            rounded = self.requantize(recomputed)
-            allowed += 2 * float((rounded - recomputed).norm())
-        off = float((recomputed - self.reply).norm())
-        if not off <= allowed:
-            return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
+        if self.sparse_reply:
+            why = sparse_reply_verdict(recomputed, self.reply, allowed)
+            if why is not None:
+                return why
+        else:
+            if self.requantize is not None:
+                rounded = self.requantize(recomputed)
+                allowed += 2 * float((rounded - recomputed).norm())
+            off = float((recomputed - self.reply).norm())
+            if not off <= allowed:
+                return f"its reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
         if inputs.start is not None:  # (the median needs no bound)
             if between is not None:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
@@ -356,6 +363,52 @@ class PartCheck:
             if radius > START_MARGIN * START_SLACK * smallest:
                 return f"it started far from the others (radius {radius:.4g}, smallest {smallest:.4g})"
         return None
+
+
+def sparse_reply_verdict(recomputed: torch.Tensor, reply: torch.Tensor, epsilon: float) -> str | None:
+    """Why a sparse reply (``sparse_codec``: the aggregate's largest values of each chunk, in 8
+    bits in a checked round) is not the one an honest reducer makes from the aggregate we
+    recomputed, or None. ``epsilon`` is how far the reducer's own aggregate may be from ours (L2).
+
+    The reducer chooses which values to keep, so the check bounds its choice as well as its values:
+
+    1. at most as many values per chunk as the codec keeps;
+    2. the kept values carry the aggregate's weight: an honest reducer keeps each chunk's largest
+       of its own aggregate, which is within ``epsilon`` of ours, so the L2 norm of ours at the kept
+       positions is at least that of ours at our own largest minus ``2 * epsilon``;
+    3. each kept value within its rounding of ours: 8 bits leave at most half of 1/128 of its
+       chunk's range of kept magnitudes, which ``epsilon`` widens by at most ``2 * epsilon``.
+
+    A reducer that keeps small values, drops large ones, flips or scales kept ones fails 2 or 3."""
+    from .sparse_codec import CHUNK, kept_per_chunk
+
+    numel = recomputed.numel()
+    kept = reply != 0
+    if not numel:
+        return None
+    ours_kept, ours_best, rounding = 0.0, 0.0, 0.0
+    for start in range(0, numel, CHUNK):
+        end = min(start + CHUNK, numel)
+        mask, ours = kept[start:end], recomputed[start:end].double()
+        count = int(mask.sum())
+        if count > kept_per_chunk(end - start):
+            return f"its reply keeps {count} values of a chunk of {end - start}"
+        magnitudes = ours.abs()
+        ours_kept += float((magnitudes[mask] ** 2).sum())
+        ours_best += float((torch.topk(magnitudes, kept_per_chunk(end - start)).values ** 2).sum())
+        if count:
+            span = float(magnitudes[mask].max() - magnitudes[mask].min()) + 2 * epsilon
+            rounding += count * (span / 256) ** 2
+    if math.sqrt(ours_kept) < math.sqrt(ours_best) - 2 * epsilon:
+        return (
+            f"its reply keeps values of norm {math.sqrt(ours_kept):.4g} of the aggregate, not its largest "
+            f"({math.sqrt(ours_best):.4g})"
+        )
+    off = float((reply.double() - torch.where(kept, recomputed.double(), 0.0)).norm())
+    allowed = epsilon + math.sqrt(rounding) * (1 + 1e-5)
+    if not off <= allowed:
+        return f"its sparse reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
+    return None
 
 
 def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:

@@ -43,10 +43,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from averaging.compression import get_codec  # noqa: E402
+from averaging.compression import Codec, get_codec  # noqa: E402
 from averaging.error_feedback import ErrorFeedback  # noqa: E402
 from averaging.local_updates import SPARSE_START_FRAGMENTS  # noqa: E402
 from averaging.outer_step import OuterStep  # noqa: E402
+from averaging.robust import centered_clip  # noqa: E402
 from averaging.settings import LOCAL_UPDATES  # noqa: E402
 from peerd.tasks import ShardSpec, Task, load_task  # noqa: E402
 
@@ -73,6 +74,7 @@ class Config:
     warmup_rounds: int = 0  # the first rounds take warmup_steps local steps each
     warmup_steps: int = 5
     inner_lr_scale: float = 1.0
+    aggregation: str = "mean"  # or "centered-clip": each reducer's shard as a public swarm's (checked) rounds
 
     def round_lengths(self, steps: int) -> list[int]:
         """Local steps of each round, adding up to ``steps``."""
@@ -97,6 +99,8 @@ CONFIGS = [
     SEQ,
     replace(SPARSE, name="sequential topk_2bit+EF owed in params", overlapped=False),
     replace(SPARSE, name="overlapped topk_4bit+EF owed in params", codec="topk_4bit"),
+    replace(SPARSE, name="overlapped topk_2bit+EF centered-clip", aggregation="centered-clip"),
+    replace(BENCH, name="overlapped int8+EF centered-clip", aggregation="centered-clip"),
     replace(SPARSE, name="overlapped topk_2bit+EF owed in buffer", owed_in_params=False),
     replace(BENCH, name="overlapped topk_2bit+EF lr0.7 m0.9", codec="topk_2bit"),
     replace(SEQ, name="sequential float32", codec="none", error_feedback=False),
@@ -158,9 +162,15 @@ def run_sync(task: Task, shard_batches: list[list], steps: int, every: int, lr_s
     return {samples * PEERS: value for samples, value in curve.items()}  # run_solo counted one peer's batch
 
 
-def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFeedback] | None) -> None:
-    """All-reduce the replicas' deltas in place, as peerd's butterfly all-reduce computes it."""
+def _average(
+    replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFeedback] | None, aggregation: str = "mean"
+) -> None:
+    """All-reduce the replicas' deltas in place, as peerd's butterfly all-reduce computes it: each
+    shard's mean, or its CenteredClip from the reducer's own part, replied in the codec a checked
+    round replies in (``Codec.reply_codec``)."""
     codec = get_codec(codec_name)
+    robust = aggregation == "centered-clip"
+    reply = codec.reply_codec(checked=robust)
     lossy = codec_name != "none"
     if feedbacks is not None:
         for feedback, outer in zip(feedbacks, replicas, strict=True):
@@ -169,15 +179,20 @@ def _average(replicas: list[OuterStep], codec_name: str, feedbacks: list[ErrorFe
     total = flats[0].numel()
     bounds = [(total * j // PEERS, total * (j + 1) // PEERS) for j in range(PEERS)]
 
-    def sent(values: torch.Tensor) -> torch.Tensor:
-        return codec.decode(*codec.encode(values.contiguous()), values.numel()) if lossy else values
+    def sent(values: torch.Tensor, by: Codec = codec) -> torch.Tensor:
+        return by.decode(*by.encode(values.contiguous()), values.numel()) if lossy else values
 
     averaged = torch.empty(total)
     for reducer, (start, end) in enumerate(bounds):
         # the reducer's own part exact, as peerd adds it; a sparse codec's as sent (``as_sent``)
         own = codec.sparse
         parts = [flat[start:end] if i == reducer and not own else sent(flat[start:end]) for i, flat in enumerate(flats)]
-        averaged[start:end] = sent(torch.stack(parts).mean(dim=0))
+        if robust:
+            aggregate = torch.empty(end - start)
+            centered_clip(parts, [1.0] * PEERS, aggregate, center=parts[reducer])
+        else:
+            aggregate = torch.stack(parts).mean(dim=0)
+        averaged[start:end] = sent(aggregate, reply)
     for outer in replicas:
         offset = 0
         for delta in outer.deltas:
@@ -217,7 +232,9 @@ def run_swarm(
         else None
     )
     numel = sum(d.numel() for d in outers[0].deltas)
-    round_bytes = 2 * (PEERS - 1) * get_codec(config.codec).payload_size(numel // PEERS)  # out and back
+    codec = get_codec(config.codec)
+    reply = codec.reply_codec(checked=config.aggregation == "centered-clip")
+    round_bytes = (PEERS - 1) * (codec.payload_size(numel // PEERS) + reply.payload_size(numel // PEERS))
     anchors: list[list[torch.Tensor]] | None = None  # overlapped: where the deltas in flight were taken
     curve: dict[int, float] = {}
     sent_bytes, done, worst = 0, 0, float("nan")
@@ -232,11 +249,11 @@ def run_swarm(
                     outer.apply_delayed(anchor)
                 _keep_owed(config, outers, feedbacks)
             anchors = [outer.compute_deltas_and_anchor() for outer in outers]
-            _average(outers, config.codec, feedbacks)  # in flight until the next round ends
+            _average(outers, config.codec, feedbacks, config.aggregation)  # in flight until the next round ends
         else:
             for outer in outers:
                 outer.compute_deltas()
-            _average(outers, config.codec, feedbacks)
+            _average(outers, config.codec, feedbacks, config.aggregation)
             for outer in outers:
                 outer.apply()
             _keep_owed(config, outers, feedbacks)

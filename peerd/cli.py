@@ -172,12 +172,6 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
         if get_codec(args.compression).sparse and args.mode != "local-updates":
             raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
     access = access_from_args(args)
-    if args.compression is not None and get_codec(args.compression).sparse:
-        robust = args.aggregation == "centered-clip" or (args.aggregation == "auto" and not access.private)
-        if robust:  # the reducer checks of robust rounds cannot verify a sparse reply yet
-            raise ValueError(
-                f"--compression {args.compression} is sparse: it needs --aggregation mean or a private swarm"
-            )
     # the ports are bound only after the node-ID puzzle: a taken one must fail before it
     check_port_free("listen", *args.listen, "--listen HOST:PORT")
     if args.status_port is not None:

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
 from averaging.matchmaking import MatchmakingError
+from averaging.sparse_codec import CHUNK, kept_per_chunk
 from averaging.verification import (
     UNANSWERED_BAN_SECONDS,
     KeptInputs,
@@ -130,6 +131,56 @@ async def test_a_lying_reducer_is_caught_before_its_answer_is_used_and_honest_on
         nursery.cancel_scope.cancel()
 
 
+class HalvingShard(LyingShard):
+    """A quiet liar: half the aggregate (each kept value at its place, only smaller)."""
+
+    def lie(self, averaged: torch.Tensor) -> torch.Tensor:
+        return averaged * 0.5
+
+
+class RunnerUpShard(LyingShard):
+    """Keeps the aggregate's values, but each chunk's runners-up instead of its largest."""
+
+    def lie(self, averaged: torch.Tensor) -> torch.Tensor:
+        lie = averaged.clone()
+        for start in range(0, lie.numel(), CHUNK):
+            chunk = lie[start : start + CHUNK]
+            chunk[torch.topk(chunk.abs(), kept_per_chunk(chunk.numel())).indices] = 0.0
+        return lie
+
+
+class NudgingShard(LyingShard):
+    """Each of the aggregate's largest values moved by a fifth of itself, up or down at random."""
+
+    def lie(self, averaged: torch.Tensor) -> torch.Tensor:
+        signs = torch.randint(0, 2, averaged.shape, generator=torch.Generator().manual_seed(5)) * 2 - 1
+        return averaged * (1 + 0.2 * signs)
+
+
+SPARSE_LIES = {"flipped": LyingShard, "halved": HalvingShard, "runners-up": RunnerUpShard, "nudged": NudgingShard}
+
+
+@pytest.mark.parametrize("lie", list(SPARSE_LIES))
+async def test_a_sparse_reply_is_checked_for_the_values_it_keeps_and_for_their_choice(lie):
+    """With a sparse codec a reducer replies with the largest of each chunk of its aggregate, in 8
+    bits: a checking sender bounds which values it kept as well as their rounding. Quiet lies are
+    caught, honest sparse replies (the three other reducers') pass."""
+    numel = 3 * CHUNK + 700
+    async with trio.open_nursery() as nursery:
+        make_liar = lambda host: AllReduceService(host, shard_type=SPARSE_LIES[lie])  # noqa: E731
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_liar)
+        liar, group, results = peers[3].host.peer_id, make_group(peers), {}
+        generator = torch.Generator().manual_seed(3)
+        tensors = [[torch.randn(numel, generator=generator)] for _ in range(4)]
+        options = dict(aggregation="centered-clip", codec="topk_2bit", part_size=2 * CHUNK)
+        await run_round(peers, group, tensors, [1.0] * 4, results, sender_timeout=10.0, reducer_timeout=20.0, **options)
+        for i in range(3):
+            verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
+            assert all((verdict is not None) == (reducer == liar) for reducer, verdict in verdicts.items()), verdicts
+            assert "unanswered" not in verdicts[liar], verdicts[liar]
+        nursery.cancel_scope.cancel()
+
+
 class ForgetfulInputs(KeptInputs):
     """An honest reducer that lost its inputs (restarted, or cut off): it refuses every check."""
 
@@ -198,7 +249,7 @@ async def test_a_caught_reducer_is_left_out_of_the_groups_that_caught_it():
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("codec", ["float16", "uint8", "blockwise_8bit"])
+@pytest.mark.parametrize("codec", ["float16", "uint8", "blockwise_8bit", "topk_2bit", "topk_4bit"])
 async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
     async with trio.open_nursery() as nursery:
         peers = await start_with_liar(nursery, 4, liar=-1)

@@ -9,7 +9,7 @@ import torch
 import trio
 
 from averaging.averager import GroupAverager
-from averaging.own_radius import RADIUS_FACTOR, OwnRadius
+from averaging.own_radius import RADIUS_FACTOR, OwnRadius, bound_move, bound_sparse_move
 from tests.averaging.test_matchmaking import open_swarm
 
 DIM = 1024
@@ -92,3 +92,20 @@ def test_the_radius_follows_our_own_updates_and_nothing_a_round_wrote() -> None:
         radius = history.before_round([fresh])
         assert abs(radius - RADIUS_FACTOR * max(updates)) <= 0.05 * radius, radius  # not the liar's move
         sent = fresh
+
+
+def test_a_sparse_average_is_bounded_at_the_values_it_kept_and_stays_sparse() -> None:
+    """A sparse codec's average holds zeros where the round averaged nothing: bounding the move
+    as a dense one would count our whole contribution there as moved and write it back scaled,
+    turning the average dense; the sparse bound measures and scales the kept values alone."""
+    ours = torch.arange(1.0, 9.0)
+    averaged = torch.tensor([0.0, 0.0, 30.0, 0.0, 0.0, 6.0 + 40.0, 0.0, 0.0])  # a liar pulled 2 values
+    [(start, bounded)], moved = bound_sparse_move(ours, [(0, averaged)], radius=5.0)
+    assert start == 0 and abs(moved - (27.0**2 + 40.0**2) ** 0.5) < 1e-9
+    assert torch.equal(bounded != 0, averaged != 0)  # still sparse, at the same values
+    move = bounded[[2, 5]] - ours[[2, 5]]
+    assert abs(float(move.norm()) - 5.0) < 1e-5 and abs(float(move[0] / move[1]) - 27.0 / 40.0) < 1e-6
+    near = torch.where(averaged != 0, ours + 0.1, 0.0)
+    assert bound_sparse_move(ours, [(0, near)], radius=5.0)[0][0][1] is near  # within the radius: as it is
+    dense = bound_move(ours, [(0, averaged)], radius=5.0)[0][0][1]
+    assert bool((dense != 0).all())  # (what the dense bound would have written back)

@@ -240,3 +240,31 @@ def test_a_check_answer_fits_its_record_for_a_large_model_in_a_large_group():
     assert len(packb(body)) < MAX_RECORD_PLAINTEXT // 4
     parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=len(peers))
     assert checker(peers[3], peers[0], values[3].clone(), 1.0, list(peers), reply).verdict(parsed) is None
+
+
+def test_a_sparse_reply_of_an_aggregate_near_ours_passes_and_a_moved_one_does_not():
+    """``sparse_reply_verdict``: a reducer whose own aggregate is within epsilon of ours (another
+    start, other rounding) and which encodes it honestly in 8 bits always passes; replies that
+    keep the wrong values, or move the right ones by more than their rounding, do not."""
+    from averaging.compression import get_codec
+    from averaging.sparse_codec import CHUNK
+    from averaging.verification import sparse_reply_verdict
+
+    codec, generator = get_codec("topk_8bit"), torch.Generator().manual_seed(11)
+    numel = 2 * CHUNK + 333
+    for draw in range(20):
+        ours = torch.randn(numel, generator=generator) * (1 + draw)
+        epsilon = 0.01 * float(ours.norm())
+        nudge = torch.randn(numel, generator=generator)
+        theirs = ours + nudge * (epsilon / float(nudge.norm()))  # the reducer's aggregate
+        reply = codec.decode(*codec.encode(theirs), numel)
+        assert sparse_reply_verdict(ours, reply, epsilon) is None
+        kept = reply != 0
+        assert "away from" in sparse_reply_verdict(ours, reply * 0.9, epsilon)
+        assert "away from" in sparse_reply_verdict(
+            ours, torch.where(kept, reply + 3 * epsilon / kept.sum() ** 0.5, 0), epsilon
+        )
+        dropped = codec.decode(*codec.encode(torch.where(kept, 0.0, theirs)), numel)  # the runners-up
+        assert "not its largest" in sparse_reply_verdict(ours, dropped, epsilon)
+    dense = ours.clone()
+    assert "keeps 4096 values" in sparse_reply_verdict(ours, dense, epsilon)
