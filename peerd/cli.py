@@ -145,8 +145,8 @@ def _experts(args: argparse.Namespace):
 
 def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
     place = rank_place()  # set by torchrun, or by our own launcher below
-    if args.shard_model and place is None and args.nproc_per_node == 1:
-        raise ValueError("--shard-model shards the model over a machine's ranks: give --nproc-per-node N (N > 1)")
+    if args.shard_model:
+        _check_sharding(place, args.nproc_per_node)
     if place is not None or args.nproc_per_node > 1:
         if args.task is None:
             raise ValueError("a peer of several ranks trains: give --task (or run a single process)")
@@ -191,6 +191,18 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
         status=from_args(StatusConfig, args),
     )
     return run_joining(_join_main, config)
+
+
+def _check_sharding(place: RankPlace | None, nproc_per_node: int) -> None:
+    """``--shard-model`` needs several ranks, and FSDP2 (``fully_shard``, public from torch 2.6)."""
+    if place is None and nproc_per_node == 1:
+        raise ValueError("--shard-model shards the model over a machine's ranks: run several (--nproc-per-node N)")
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        import torch
+
+        raise ValueError(f"--shard-model needs torch 2.6 or later (FSDP2); this is torch {torch.__version__}") from None
 
 
 def _join_rank_group(place: RankPlace, args: argparse.Namespace):

@@ -232,7 +232,7 @@ class Daemon:
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = await self._trainer(task, optimizer)
             self.trainer.round_observers.append(self.pages.observe_round)
-            log.info("training task %s on %s (%s mode)", task.name, device, training.mode)
+            log.info("training task %s on %s (%s mode)", task.name, ranks.device if ranks else device, training.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()
 

@@ -21,9 +21,11 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .machine import RankGroup, collectives, machine_forward_backward, share_parameters, wrap_model
+from .ranks import RankError
 
 __all__ = ["ReplicatedCompute", "ShardedCompute", "machine_compute"]
 
@@ -68,21 +70,36 @@ class ShardedCompute:
             raise ValueError("rank 0, and only rank 0, holds the whole model")
         self.group = group
         self.host = host
-        with collectives("sharding the model"):
-            mesh = init_device_mesh(group.device.type, (group.world_size,))
-            for block in _blocks(model):
-                fully_shard(block, mesh=mesh)
-            self.model = fully_shard(model, mesh=mesh)
+        try:
+            with collectives("sharding the model"):
+                mesh = init_device_mesh(group.device.type, (group.world_size,))
+                for block in _blocks(model):
+                    fully_shard(block, mesh=mesh)
+                self.model = fully_shard(model, mesh=mesh)
+        except (ValueError, TypeError, NotImplementedError, AssertionError) as error:  # what FSDP refuses
+            raise RankError(f"rank {group.rank} could not shard the model (--shard-model): {error}") from None
         self.receive_parameters()  # the followers loaded their own initial parameters
 
     def receive_parameters(self) -> None:
-        """Rank 0's parameters and buffers broadcast one tensor at a time, each rank keeping its shard."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Rank 0's parameters, one at a time, scattered from its whole copy so that each rank
+        keeps its shard (raw tensors, never pickled), and its buffers broadcast whole (FSDP keeps
+        buffers whole on every rank)."""
+        from torch.distributed.tensor import distribute_tensor
 
-        whole = self.host.state_dict() if self.host is not None else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        with collectives("sharing rank 0's parameters"):
-            set_model_state_dict(self.model, whole, options=options)
+        device = self.group.device
+        host = self.host
+        with torch.no_grad(), collectives("sharing rank 0's parameters"):
+            for name, param in self.model.named_parameters():
+                if host is not None:
+                    whole = host.get_parameter(name).detach().to(device, param.dtype)
+                else:  # only its shape counts: rank 0's values are scattered into it
+                    whole = torch.empty(param.shape, dtype=param.dtype, device=device)
+                shard = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=0)
+                param.to_local().copy_(shard.to_local())
+            for name, buffer in self.model.named_buffers():
+                if host is not None:
+                    buffer.copy_(host.get_buffer(name))
+                dist.broadcast(buffer, 0)
 
     def forward_backward(self, loss_fn: Any, batches: list, machine_samples: int) -> float:
         """As ``machine_forward_backward``, except that each batch's gradients are reduce-scattered
@@ -99,18 +116,24 @@ class ShardedCompute:
         return mean
 
     def deliver_gradients(self) -> None:
-        """Each parameter's gradient gathered whole, added to rank 0's ``.grad`` on the host (as a
-        backward pass would accumulate it); every rank's shards are then cleared for the next slice."""
-        params = list(self.model.parameters())
-        targets = list(self.host.parameters()) if self.host is not None else [None] * len(params)
+        """Each trained parameter's gradient gathered whole, added to rank 0's ``.grad`` on the host
+        (as a backward pass would accumulate it), and rank 0's buffers (running statistics) copied
+        there; every rank's gradient shards are then cleared for the next slice."""
+        host = self.host
         with torch.no_grad(), collectives("gathering gradients on rank 0"):
-            for param, target in zip(params, targets, strict=True):
+            for name, param in self.model.named_parameters():
+                if not param.requires_grad:  # frozen: no gradient, as on a lone peer
+                    continue
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)  # unused this slice
                 whole = grad.full_tensor()
                 param.grad = None
-                if target is not None:
+                if host is not None:
+                    target = host.get_parameter(name)
                     whole = whole.to(target.device, target.dtype)
                     target.grad = whole if target.grad is None else target.grad.add_(whole)
+            if host is not None:  # running statistics: rank 0's, as DDP broadcasts them
+                for name, buffer in self.model.named_buffers():
+                    host.get_buffer(name).copy_(buffer)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

@@ -5,7 +5,10 @@ Built in: ``digits`` (the handwritten digits data that ships inside scikit-learn
 ``textlm`` (a byte-level transformer on Python's standard library; ``peerd.textlm``) and ``hf-lm``
 (any ``transformers`` causal LM built from its config, on the same corpus; ``peerd.hf_lm``).
 Users give their own with ``--task package.module:factory``; the factory is called as
-``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``.
+``factory(shard=ShardSpec, device=torch.device)`` and returns a ``Task``. Its loss and evaluation
+should move batches to the model's device (``task_types.model_device``), as the built-in ones do:
+with ``--shard-model`` the task is loaded on the host and its loss computed by a sharded copy of
+the model on the GPUs.
 """
 
 from __future__ import annotations

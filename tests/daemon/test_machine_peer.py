@@ -190,7 +190,12 @@ def test_a_machine_that_cannot_start_says_why_once(tmp_path):
     cases = {  # what a user got wrong: (arguments, exit code, what the one line says)
         "notask": (base, 1, "give --task"),
         "unreachable": ([*train, "--initial-peer", "127.0.0.1:1"], 2, "could not reach any initial DHT peer"),
-        "lonesharded": ([*train[:1], *train[3:], "--shard-model"], 1, "give --nproc-per-node N"),
+        "lonesharded": ([*train[:1], *train[3:], "--shard-model"], 1, "run several (--nproc-per-node N)"),
+        "unshardable": (
+            [*base, "--task", "tests.support.rank_slice:unshardable_digits", "--shard-model"],
+            5,
+            "could not shard the model (--shard-model): fully_shard doesn't support scalar parameters",
+        ),
     }
     if not torch.cuda.is_available():  # (a machine with a GPU has nothing wrong to say here)
         cases["nocuda"] = ([*train, "--device", "cuda"], 1, "torch sees no CUDA device")

@@ -42,15 +42,19 @@ def model() -> nn.Module:
 
 
 class Stack(nn.Module):
-    """``model()`` as a list of blocks (FSDP shards each on its own), with the same parameters."""
+    """``model()`` as a list of blocks (FSDP shards each on its own), with the same parameters,
+    a frozen one, and a buffer that counts forward passes (as running statistics change)."""
 
     def __init__(self):
         super().__init__()
         first, _, last = model()
         self.blocks = nn.ModuleList([first, last])
+        self.scale = nn.Parameter(torch.full((3,), 0.5), requires_grad=False)
+        self.register_buffer("passes", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+        self.passes += 1
+        return self.blocks[1](torch.tanh(self.blocks[0](x))) * self.scale
 
 
 def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -102,10 +106,24 @@ def main_sharded(out: Path) -> None:
         with torch.no_grad():
             for param in net.parameters():
                 param.mul_(-2.0)
+    passes = float(net.passes)  # rank 0's: its host model's, as the slices left it
+    if group.rank == 1:
+        compute.model.passes.fill_(77.0)  # rank 0's buffers must replace it
     compute.receive_parameters()
     params = [param.full_tensor().detach().clone() for param in compute.model.parameters()]
-    torch.save({"grads": grads, "params": params, "kind": compute.kind}, out / f"rank{group.rank}.pt")
+    kept = {"grads": grads, "params": params, "kind": compute.kind, "passes": passes}
+    torch.save({**kept, "received_passes": float(compute.model.passes)}, out / f"rank{group.rank}.pt")
 
 
 if __name__ == "__main__":
     (main_sharded if sys.argv[2:] == ["sharded"] else main)(Path(sys.argv[1]))
+
+
+def unshardable_digits(shard, device):
+    """``--task tests.support.rank_slice:unshardable_digits``: digits with a scalar parameter,
+    which FSDP refuses to shard."""
+    from peerd.tasks import digits_task
+
+    task = digits_task(shard=shard, device=device)
+    task.model.register_parameter("scalar", nn.Parameter(torch.tensor(1.0)))
+    return task
