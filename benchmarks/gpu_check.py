@@ -308,6 +308,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps, and autocast on textlm alone")
     parser.add_argument("--machine-rank", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--sharded", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--only", default="", help="comma-separated checks to run (default: all)")
     args = parser.parse_args()
     if args.machine_rank:
         machine_rank(args.device, Path(args.machine_rank), args.sharded)
@@ -322,6 +323,8 @@ def main() -> None:
         "codecs": lambda: check_codecs(args.device),
         "swarm": lambda: check_swarm(args.device),
     }
+    if args.only:
+        checks = {name: check for name, check in checks.items() if name in args.only.split(",")}
     outcomes, errors = {}, []
     for name, check in checks.items():
         started = time.monotonic()
