@@ -267,7 +267,7 @@ class AllReduceService:
             if flat is not None:
                 averages = round_.averages()
                 if own_radius is not None and round_.senders_in() < MIN_OUTVOTING:
-                    averages, bounded = await _within_own_radius(flat, averages, own_radius, codec, group.group_id)
+                    averages, bounded = await _within_own_radius(flat, averages, own_radius, codec, round_)
                 await in_thread(write_back, tensors, averages)
         link_rate = links.link_rate()  # (reads the round's last bytes first)
         upload = UploadFigures(links.uplink.rate(), settings.uplink if pacing else None)
@@ -330,17 +330,23 @@ class AllReduceService:
 
 
 async def _within_own_radius(
-    flat: torch.Tensor, averages: list[tuple[int, torch.Tensor]], radius: float, codec: Codec, group_id: bytes
+    flat: torch.Tensor, averages: list[tuple[int, torch.Tensor]], radius: float, codec: Codec, round_: AllReduceRound
 ) -> tuple[list[tuple[int, torch.Tensor]], tuple[float, float] | None]:
     """A round too small to outvote a liar: its averages bounded to ``radius`` of our values
-    (``own_radius.py``; a sparse codec's at the values it kept, so that they stay sparse), and
-    (how far they would have moved us, the radius) if that bound was needed."""
-    bound = bound_sparse_move if codec.sparse else bound_move
-    averages, moved = await in_thread(bound, flat, averages, radius)
+    (``own_radius.py``), and (how far they would have moved us, the radius) if that bound was
+    needed. A sparse codec's are bounded at the values they kept, toward our contribution as we
+    sent it (``sparse_codec.as_sent``): what we did not send stays owed (error feedback), and is
+    not applied here as well."""
+    if codec.sparse:
+        parts = [part for shard in range(round_.plan.num_shards) for part in round_.plan.parts(shard)]
+        sent = await in_thread(as_sent, codec, flat, parts, 0)
+        averages, moved = await in_thread(bound_sparse_move, sent, averages, radius)
+    else:
+        averages, moved = await in_thread(bound_move, flat, averages, radius)
     if moved <= radius:
         return averages, None
     what = "round %s: too few senders to outvote a liar; our values moved %.3g, not %.3g"
-    log.info(what, group_id.hex()[:8], radius, moved)
+    log.info(what, round_.group.group_id.hex()[:8], radius, moved)
     return averages, (moved, radius)
 
 

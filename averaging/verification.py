@@ -117,6 +117,11 @@ START_MARGIN = 1.25
 # fixed point (``robust.py``); a reducer may be off by this share of tau before it counts as a lie,
 # far less than a single contribution may move the aggregate by (tau * its weight share).
 CHECK_TOLERANCE = 0.01
+# A sparse reply is held to this share of tau instead: the reducer's CenteredClip runs from the
+# start and radius it states, as ours does, so the two differ by float noise and at most one more
+# iteration (a step under ``robust.TOLERANCE * tau``); the values it keeps can be chosen among
+# near-ties only this close, and a liar must stay this close to drop or swap any.
+SPARSE_CHECK_TOLERANCE = 2e-4
 # An encoded input is at most float32 (and a few bytes of header) per value.
 MAX_ENCODED_BYTES_PER_VALUE = 5
 # Bans are kept per peer we were grouped with: this bounds them against Sybils.
@@ -342,9 +347,10 @@ class PartCheck:
         recomputed = torch.empty_like(self.reply)
         weights = clip_weights(inputs.weights)
         centered_clip(parts, weights, recomputed, center=start, tau=inputs.tau, choose_start=False)
-        allowed = CHECK_TOLERANCE * inputs.tau + 1e-5 * float(recomputed.norm()) + 1e-6
+        scale = 1e-5 * float(recomputed.double().norm()) + 1e-6  # (float64: float32 overflows near 1e19)
+        allowed = CHECK_TOLERANCE * inputs.tau + scale
         if self.sparse_reply:
-            why = sparse_reply_verdict(recomputed, self.reply, allowed)
+            why = sparse_reply_verdict(recomputed, self.reply, SPARSE_CHECK_TOLERANCE * inputs.tau + scale)
             if why is not None:
                 return why
         else:
@@ -368,43 +374,40 @@ class PartCheck:
 def sparse_reply_verdict(recomputed: torch.Tensor, reply: torch.Tensor, epsilon: float) -> str | None:
     """Why a sparse reply (``sparse_codec``: the aggregate's largest values of each chunk, in 8
     bits in a checked round) is not the one an honest reducer makes from the aggregate we
-    recomputed, or None. ``epsilon`` is how far the reducer's own aggregate may be from ours (L2).
+    recomputed, or None. ``epsilon`` bounds how far the reducer's own aggregate is from ours (L2,
+    so also any one value's difference).
 
-    The reducer chooses which values to keep, so the check bounds its choice as well as its values:
+    The reducer chooses which values to keep, so the check bounds its choice, chunk by chunk, as
+    well as its values. An honest reducer keeps each chunk's ``k`` largest of its own aggregate;
+    with ``t`` our chunk's ``k``-th largest magnitude, that means:
 
-    1. at most as many values per chunk as the codec keeps;
-    2. the kept values carry the aggregate's weight: an honest reducer keeps each chunk's largest
-       of its own aggregate, which is within ``epsilon`` of ours, so the L2 norm of ours at the kept
-       positions is at least that of ours at our own largest minus ``2 * epsilon``;
-    3. each kept value within its rounding of ours: 8 bits leave at most half of 1/128 of its
-       chunk's range of kept magnitudes, which ``epsilon`` widens by at most ``2 * epsilon``.
+    1. at most ``k`` values of the chunk kept;
+    2. every kept value at least ``t - 2 * epsilon`` in ours (it was among the reducer's largest);
+    3. every value above ``t + 2 * epsilon`` in ours kept (it was among them too);
+    4. each kept value within its rounding of ours: 8 bits leave half of 1/128 of its chunk's
+       range of kept magnitudes, which ``epsilon`` widens by ``2 * epsilon``, plus ``epsilon``.
 
-    A reducer that keeps small values, drops large ones, flips or scales kept ones fails 2 or 3."""
+    So a liar may choose only among near-ties, and move each kept value only by its rounding."""
     from .sparse_codec import CHUNK, kept_per_chunk
 
     numel = recomputed.numel()
-    kept = reply != 0
-    if not numel:
-        return None
-    ours_kept, ours_best, rounding = 0.0, 0.0, 0.0
+    kept, ours = reply != 0, recomputed.double()
+    rounding, margin = 0.0, 2 * epsilon
     for start in range(0, numel, CHUNK):
         end = min(start + CHUNK, numel)
-        mask, ours = kept[start:end], recomputed[start:end].double()
-        count = int(mask.sum())
-        if count > kept_per_chunk(end - start):
+        mask, magnitudes = kept[start:end], ours[start:end].abs()
+        count, keep = int(mask.sum()), kept_per_chunk(end - start)
+        if count > keep:
             return f"its reply keeps {count} values of a chunk of {end - start}"
-        magnitudes = ours.abs()
-        ours_kept += float((magnitudes[mask] ** 2).sum())
-        ours_best += float((torch.topk(magnitudes, kept_per_chunk(end - start)).values ** 2).sum())
+        threshold = float(torch.topk(magnitudes, keep).values[-1])
+        if count and float(magnitudes[mask].min()) < threshold - margin:
+            return f"its reply keeps a value of the chunk at {start} below the chunk's largest {keep}"
+        if bool((magnitudes[~mask] > threshold + margin).any()):
+            return f"its reply leaves out a value among the largest {keep} of the chunk at {start}"
         if count:
-            span = float(magnitudes[mask].max() - magnitudes[mask].min()) + 2 * epsilon
+            span = float(magnitudes[mask].max() - magnitudes[mask].min()) + margin
             rounding += count * (span / 256) ** 2
-    if math.sqrt(ours_kept) < math.sqrt(ours_best) - 2 * epsilon:
-        return (
-            f"its reply keeps values of norm {math.sqrt(ours_kept):.4g} of the aggregate, not its largest "
-            f"({math.sqrt(ours_best):.4g})"
-        )
-    off = float((reply.double() - torch.where(kept, recomputed.double(), 0.0)).norm())
+    off = float((reply.double() - torch.where(kept, ours, 0.0)).norm())
     allowed = epsilon + math.sqrt(rounding) * (1 + 1e-5)
     if not off <= allowed:
         return f"its sparse reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"

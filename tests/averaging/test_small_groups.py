@@ -9,6 +9,7 @@ import torch
 import trio
 
 from averaging.averager import GroupAverager
+from averaging.compression import get_codec
 from averaging.own_radius import RADIUS_FACTOR, OwnRadius, bound_move, bound_sparse_move
 from tests.averaging.test_matchmaking import open_swarm
 
@@ -109,3 +110,37 @@ def test_a_sparse_average_is_bounded_at_the_values_it_kept_and_stays_sparse() ->
     assert bound_sparse_move(ours, [(0, near)], radius=5.0)[0][0][1] is near  # within the radius: as it is
     dense = bound_move(ours, [(0, averaged)], radius=5.0)[0][0][1]
     assert bool((dense != 0).all())  # (what the dense bound would have written back)
+
+
+async def test_a_sparse_round_too_small_to_outvote_a_liar_keeps_what_we_sent_and_owes_the_rest() -> None:
+    """With no history our radius is 0: a sparse round of two keeps, at the values its average
+    kept, our contribution as we sent it (2-bit), not our exact values (the rest of them stays owed
+    in error feedback: applying it here would count it twice), and zero elsewhere: where the liar
+    alone sent values, nothing is applied."""
+    from averaging.sparse_codec import as_sent
+
+    async with trio.open_nursery() as nodes_nursery:
+        nodes = await open_swarm(nodes_nursery, 2)
+        generator = torch.Generator().manual_seed(1)
+        ours = torch.randn(3 * DIM, generator=generator)
+        theirs = ours.clone()
+        theirs[::97] = 1e30  # as we are, but for a few huge values
+        options = {"prefix": "sparse-pair", "target_group_size": 2, "matchmaking_timeout": 2.0, "settle_time": 0.1}
+        honest = GroupAverager([ours], nodes[0], codec="topk_2bit", **options)
+        attacker = GroupAverager([theirs], nodes[1], codec="topk_2bit", **options)
+        before, rounds = ours.clone(), []
+
+        async def honest_step() -> None:
+            rounds.append(await honest.step())
+
+        async with trio.open_nursery() as peers:
+            peers.start_soon(honest_step)
+            peers.start_soon(attacker.step)
+        assert rounds[0].result.bounded[1] == 0.0  # our radius: no history yet
+        kept = ours != 0
+        assert 0 < int(kept.sum()) < ours.numel() // 8 and float(ours.abs().max()) < 10  # sparse, no liar's value
+        plan = rounds[0].result.plan
+        parts = [part for shard in range(plan.num_shards) for part in plan.parts(shard)]
+        sent = as_sent(get_codec("topk_2bit"), before, parts, 0)
+        assert torch.equal(ours[kept], sent[kept]) and not torch.equal(ours[kept], before[kept])
+        nodes_nursery.cancel_scope.cancel()
