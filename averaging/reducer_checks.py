@@ -139,8 +139,10 @@ class ReducerChecks:
     ) -> tuple[Commitment, dict[tuple[PeerID, int], tuple[Any, Any]]]:
         """Encode every part we send in a checked round and commit to them all (``commitments.py``;
         tensor work): returns the commitment and the encoded parts, by (reducer, part index). Our
-        own shard is committed to as float32, as our checks' answers state it (with a sparse codec,
-        as the other senders' parts arrive: ``sparse_codec.as_sent``)."""
+        own shard is committed to as float32, as our checks' answers state it; with a sparse codec,
+        encoded as the other senders' parts are (what we add is ``sparse_codec.as_sent``), and those
+        encodings are returned too, so that our answers state our row in its few bytes, not as
+        float32 of mostly zeros."""
         me, plain = self.host.peer_id, get_codec("none")
         encoded: dict[tuple[PeerID, int], tuple[Any, Any]] = {}
         shards = []
@@ -150,9 +152,8 @@ class ReducerChecks:
             own = member.peer_id == me
             digests = []
             for part, (start, end) in enumerate(plan.parts(index)):
-                values = _as_sent(codec, flat[start:end]) if own and codec.sparse else flat[start:end]
-                meta, payload = (plain if own else codec).encode_finite(values)
-                if not own:
+                meta, payload = (plain if own and not codec.sparse else codec).encode_finite(flat[start:end])
+                if not own or codec.sparse:
                     encoded[(member.peer_id, part)] = (meta, payload)
                 digests.append(part_digest(meta, payload))
             shards.append((member.peer_id, digests))
@@ -167,13 +168,14 @@ class ReducerChecks:
             raise ValueError(f"reducer checks recompute CenteredClip: a round of {aggregation.value} cannot be checked")
         return CheckedRound(self) if robust and check is not False else PlainRound()
 
-    def keep(self, group: GroupInfo, shard: ReducerShard, commitment: Commitment | None = None) -> None:
+    def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared | None = None) -> None:
         """Keep what ``shard`` aggregates, part by part, for the senders' checks (call as the
-        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then); ``commitment``:
-        ours, to our own contribution."""
+        round starts, and again as it ends to keep them ``KEEP_SECONDS`` from then); ``prepared``:
+        our commitment to our own contribution (and, with a sparse codec, its parts as encoded)."""
 
         identity = self.host.identity
         plain = get_codec("none")
+        commitment, parts = (prepared.commitment, prepared.parts) if prepared is not None else (None, None)
 
         def inputs(index: int) -> PartInputs | None:
             kept = shard.inputs_of(index)
@@ -182,7 +184,9 @@ class ReducerChecks:
             signed = list(kept.signed)
             for row, sender in enumerate(kept.senders):
                 if signed[row] is None and sender == identity.peer_id and commitment is not None:
-                    signed[row] = SignedPart(commitment, plain.encode_finite(kept.values[row])[0], None)  # as float32
+                    sparse = (parts or {}).get((identity.peer_id, index))  # our part as a sparse codec encoded it
+                    meta, payload = sparse if sparse is not None else (plain.encode_finite(kept.values[row])[0], None)
+                    signed[row] = SignedPart(commitment, meta, payload)  # (payload None: float32 as kept)
             senders = list(kept.senders)
             return PartInputs(senders, kept.weights, kept.values, kept.tau, kept.aggregation, kept.start, signed)
 
@@ -365,7 +369,7 @@ class CheckedRound:
         return ShardSigning(group.group_id, me, self.checks.verified)
 
     def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None:
-        self.checks.keep(group, shard, prepared.commitment)
+        self.checks.keep(group, shard, prepared)
 
     def reply_codec(self, codec: Codec) -> Codec:
         return codec.reply_codec(checked=True)
