@@ -249,10 +249,15 @@ class AverageInbox:
     The values count only once the whole shard is in. The first broken rule is final: every later
     call raises the same error."""
 
-    def __init__(self, parts: list[tuple[int, int]], sink: PartSink, senders: list[PeerID]):
+    def __init__(
+        self, parts: list[tuple[int, int]], sink: PartSink, senders: list[PeerID], sparse_reply: Codec | None = None
+    ):
         self.ranges = parts  # absolute (start, end) of every part of the shard
         self.sink = sink
         self.senders = senders  # who may be named as a contributor
+        # the sparse codec replies must come in: error feedback keeps what they leave out, and the
+        # checks bound only that codec's rounding (a dense reply would be a silent 95x in bytes)
+        self.sparse_reply = sparse_reply
         self.part_contributors: list[list[PeerID]] = []  # of every accepted part
         self.all_in = False  # the reducer says every contribution has arrived
         self.error: Exception | None = None
@@ -279,6 +284,8 @@ class AverageInbox:
                 raise AllReduceError("reducer sent a part before naming its contributors")
             sizes = [end - start for start, end in self.ranges]
             incoming = _read_part(body, payload, sizes, self.sink)
+            if self.sparse_reply is not None and incoming.codec.name != self.sparse_reply.name:
+                raise AllReduceError(f"reducer replied in {incoming.codec.name}, not {self.sparse_reply.name}")
         except (AllReduceError, ValueError) as error:
             self.error = error
             raise

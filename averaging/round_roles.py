@@ -349,6 +349,10 @@ class SenderRole:
         self.flat = flat
         self.header = header
         self.codec = codec
+        # What the reducers answer in: parts prepared (committed to) are a checked round's
+        # (``RoundStrategy.reply_codec``); a sparse one is required of every reply.
+        reply_codec = codec.reply_codec(checked=prepared is not None)
+        self.sparse_reply = reply_codec if reply_codec.sparse else None
         self.links = links
         self.shards = shards
         self.prepared = prepared
@@ -381,7 +385,12 @@ class SenderRole:
 
                 watch = self.links.watch(reducer.peer_id, progress, expired, incoming=False)
                 try:
-                    inbox = await self._exchange(index, reducer, AverageInbox(parts, sink, senders), progress)
+                    inbox = await self._exchange(
+                        index,
+                        reducer,
+                        AverageInbox(parts, sink, senders, self.sparse_reply),
+                        progress,
+                    )
                 finally:
                     self.links.unwatch(watch)
                     self.pacer.leave(index)

@@ -15,6 +15,7 @@ from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
+from averaging.reducer_shard import ReducerShard
 from averaging.sparse_codec import CHUNK, kept_per_chunk
 from averaging.verification import (
     UNANSWERED_BAN_SECONDS,
@@ -156,6 +157,27 @@ class NudgingShard(LyingShard):
     def lie(self, averaged: torch.Tensor) -> torch.Tensor:
         signs = torch.randint(0, 2, averaged.shape, generator=torch.Generator().manual_seed(5)) * 2 - 1
         return averaged * (1 + 0.2 * signs)
+
+
+class DenseReplyShard(ReducerShard):
+    """Replies with its true aggregate, but whole, in float32 (95x the bytes of a sparse reply)."""
+
+    def reply_next(self, codec) -> None:
+        super().reply_next(get_codec("none"))
+
+
+async def test_a_sparse_rounds_reply_in_another_codec_is_refused_on_arrival():
+    numel = CHUNK + 300
+    async with trio.open_nursery() as nursery:
+        make_odd_one = lambda host: AllReduceService(host, shard_type=DenseReplyShard)  # noqa: E731
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=make_odd_one)
+        group, results = make_group(peers), {}
+        tensors = [[torch.randn(numel, generator=torch.Generator().manual_seed(i))] for i in range(4)]
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", codec="topk_2bit")
+        shard = [m.peer_id for m in group.reducers].index(peers[3].host.peer_id)
+        for i in range(3):
+            assert "replied in none, not topk_8bit" in results[i].local_shards[shard], results[i].local_shards
+        nursery.cancel_scope.cancel()
 
 
 SPARSE_LIES = {"flipped": LyingShard, "halved": HalvingShard, "runners-up": RunnerUpShard, "nudged": NudgingShard}
