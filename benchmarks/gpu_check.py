@@ -17,7 +17,7 @@
    its own error bound (the sparse ones too).
 6. ``swarm``: real ``peerd join`` processes on the device: a lone peer and a machine peer (NCCL,
    ``--nproc-per-node`` as many GPUs as there are, up to 2) train digits to 0.9 together, then two
-   peers in local-updates mode with the sparse ``topk_2bit`` codec do.
+   peers in local-updates mode with the sparse ``topk_2bit`` codec do, in checked (centered-clip) rounds.
 
 ``--device cpu`` runs the same checks on the CPU (autocast off, gloo), which is how the benchmark
 smoke test keeps this script from rotting. Prints a table, then one JSON line: each check's outcome
@@ -296,7 +296,7 @@ def check_swarm(device: str) -> str:
         backend = (status.get("ranks") or {}).get("backend")
         if ranks > 1 and backend != ("nccl" if device.startswith("cuda") else "gloo"):
             return f"failed: the machine's ranks use {backend}"
-        sparse = lone + ["--mode", "local-updates", "--compression", "topk_2bit", "--aggregation", "mean"]
+        sparse = lone + ["--mode", "local-updates", "--compression", "topk_2bit"]  # a public swarm: checked rounds
         status = _train_pair(Path(folder), "sparse", sparse, sparse)
     machine = f"{ranks} {backend} ranks" if ranks > 1 else "one GPU: two lone peers"
     return f"ok ({machine}; sparse rounds at epoch {status['epoch']})"
