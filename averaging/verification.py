@@ -82,6 +82,7 @@ from .robust import (
     row_distances,
     start_radii,
 )
+from .sparse_codec import CHUNK, kept_per_chunk
 
 __all__ = [
     "BAN_SECONDS",
@@ -388,8 +389,6 @@ def sparse_reply_verdict(recomputed: torch.Tensor, reply: torch.Tensor, epsilon:
        range of kept magnitudes, which ``epsilon`` widens by ``2 * epsilon``, plus ``epsilon``.
 
     So a liar may choose only among near-ties, and move each kept value only by its rounding."""
-    from .sparse_codec import CHUNK, kept_per_chunk
-
     numel = recomputed.numel()
     kept, ours = reply != 0, recomputed.double()
     rounding, margin = 0.0, 2 * epsilon
