@@ -265,7 +265,7 @@ class AllReduceService:
             await strategy.review(round_, flat, weight, codec)  # before the averages land
             bounded = None
             if flat is not None:
-                averages = round_.averages()
+                averages = _written(round_, codec)
                 if own_radius is not None and round_.senders_in() < MIN_OUTVOTING:
                     averages, bounded = await _within_own_radius(flat, averages, own_radius, codec, round_)
                 await in_thread(write_back, tensors, averages)
@@ -327,6 +327,18 @@ class AllReduceService:
         signing = strategy.shard_signing(round_.group, self.host.peer_id)
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace, signing)
         return ReducerRole(shard, lease, round_.plan.total, strategy.reply_codec(codec), links)
+
+
+def _written(round_: AllReduceRound, codec: Codec) -> list[tuple[int, torch.Tensor]]:
+    """What the round writes into our values: every believed average; with a sparse codec also
+    zeros where no average is believed. A sparse average is zero where it averaged nothing and
+    error feedback keeps our contribution there owed: a failed reducer's shard is all such values
+    (left as they are, every peer would apply its whole unsent progress there, and the peers'
+    shared starts would drift apart)."""
+    averages = round_.averages()
+    if codec.sparse:
+        averages += [(start, torch.zeros(end - start)) for start, end in round_.unaveraged()]
+    return averages
 
 
 async def _within_own_radius(

@@ -96,7 +96,10 @@ class ErrorFeedback:
         plan = result.plan
         for index in range(plan.num_shards):
             if index in result.local_shards:
-                continue  # a failed reducer's shard: our local values were applied as they are
+                if kept is not None:  # a sparse round wrote zeros there: all of our contribution stays owed
+                    start, end = plan.shard_bounds(index)
+                    self.residual[start:end] = sent[start:end]
+                continue  # a dense round's: our local values were applied as they are
             parts = plan.parts(index)
             if index == result.my_shard and kept is None:
                 continue  # our own reduction, of our exact values (a sparse codec's go in as sent)

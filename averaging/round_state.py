@@ -175,6 +175,13 @@ class AllReduceRound:
         believed = (ShardState.AVERAGED, ShardState.CHECKED)
         return [part for e in self.shards.values() if e.state in believed for part in e.parts]
 
+    def unaveraged(self) -> list[tuple[int, int]]:
+        """(start, end) of every shard with no average we believe (its reducer failed, was banned
+        or failed its check): where our values are left as they are."""
+        believed = (ShardState.AVERAGED, ShardState.CHECKED)
+        bounds = [self.plan.shard_bounds(index) for index, e in self.shards.items() if e.state not in believed]
+        return [(start, end) for start, end in bounds if end > start]
+
     # ------------------------------------------------------------------ events
     def shard_averaged(
         self, index: int, part_contributors: list[list[PeerID]], parts: list[tuple[int, torch.Tensor]]

@@ -197,10 +197,15 @@ async def test_a_sparse_reply_is_checked_for_the_values_it_keeps_and_for_their_c
         tensors = [[torch.randn(numel, generator=generator)] for _ in range(4)]
         options = dict(aggregation="centered-clip", codec="topk_2bit", part_size=2 * CHUNK)
         await run_round(peers, group, tensors, [1.0] * 4, results, sender_timeout=10.0, reducer_timeout=20.0, **options)
+        shard = [m.peer_id for m in group.reducers].index(liar)
         for i in range(3):
             verdicts = {reducer: verdict for reducer, verdict in results[i].reducer_checks.values()}
             assert all((verdict is not None) == (reducer == liar) for reducer, verdict in verdicts.items()), verdicts
             assert "unanswered" not in verdicts[liar], verdicts[liar]
+            # the caught shard applies nothing (error feedback keeps our contribution owed), not our
+            # whole contribution, as a dense round's local values are
+            start, end = results[i].plan.shard_bounds(shard)
+            assert not tensors[i][0][start:end].any()
         nursery.cancel_scope.cancel()
 
 

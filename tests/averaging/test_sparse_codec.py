@@ -131,6 +131,25 @@ def test_feedback_keeps_what_the_returned_average_left_out_of_every_shard_ours_i
     assert (feedback.residual[ours] == sent[ours]).sum() == CHUNK - KEEP + 5
 
 
+def test_a_failed_reducers_shard_leaves_all_of_our_contribution_owed() -> None:
+    """A sparse round writes zeros where no average is believed (``allreduce._written``): nothing
+    of ours arrived there, and all of it stays owed, where a dense round's local values applied it."""
+    codec = get_codec("topk_2bit")
+    numel = 2 * CHUNK
+    plan = AllReducePlan.build(numel, [1.0, 1.0], part_size=CHUNK)
+    delta = [normal(numel, seed=2)]
+    feedback = ErrorFeedback(delta, codec)
+    feedback.add_residual(delta)
+    sent, averaged = delta[0].clone(), torch.zeros(numel)
+    ours = slice(*plan.shard_bounds(1))
+    averaged[ours] = codec.decode(*codec.encode(sent[ours]), CHUNK)
+    result = round_result(plan, my_shard=1)
+    result.local_shards[0] = "reducer failed its check"
+    feedback.settle(result, [averaged])
+    failed = slice(*plan.shard_bounds(0))
+    assert torch.equal(feedback.residual[failed], sent[failed])
+
+
 def test_feedback_needs_the_averaged_tensors_for_a_sparse_codec() -> None:
     plan = AllReducePlan.build(CHUNK, [1.0, 1.0], part_size=CHUNK)
     feedback = ErrorFeedback([torch.ones(CHUNK)], "topk_2bit")
