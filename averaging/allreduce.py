@@ -348,10 +348,14 @@ async def _within_own_radius(
     (``own_radius.py``), and (how far they would have moved us, the radius) if that bound was
     needed. A sparse codec's are bounded at the values they kept, toward our contribution as we
     sent it (``sparse_codec.as_sent``): what we did not send stays owed (error feedback), and is
-    not applied here as well."""
+    not applied here as well; and the radius, which our whole updates set, shrinks to the share of
+    our values' norm that we sent (the few values a sparse round carries move us by as much less,
+    and a liar should not have the rest to move us by)."""
     if codec.sparse:
         parts = [part for shard in range(round_.plan.num_shards) for part in round_.plan.parts(shard)]
         sent = await in_thread(as_sent, codec, flat, parts, 0)
+        whole = float(flat.double().norm())
+        radius = radius * float(sent.double().norm()) / whole if whole > 0 else 0.0
         averages, moved = await in_thread(bound_sparse_move, sent, averages, radius)
     else:
         averages, moved = await in_thread(bound_move, flat, averages, radius)

@@ -144,3 +144,53 @@ async def test_a_sparse_round_too_small_to_outvote_a_liar_keeps_what_we_sent_and
         sent = as_sent(get_codec("topk_2bit"), before, parts, 0)
         assert torch.equal(ours[kept], sent[kept]) and not torch.equal(ours[kept], before[kept])
         nodes_nursery.cancel_scope.cancel()
+
+
+async def test_a_liar_moves_a_sparse_round_by_no_more_than_the_share_of_our_updates_it_carries() -> None:
+    """Our radius comes from our whole updates, but a sparse round carries only our few largest
+    values: at those it is scaled by the share of our values' norm that we sent, so a liar in a
+    group of two gets no more room than an honest partner's sparse average needs."""
+    from averaging.sparse_codec import as_sent
+
+    async with trio.open_nursery() as nodes_nursery:
+        nodes = await open_swarm(nodes_nursery, 2)
+        generator = torch.Generator().manual_seed(4)
+        center = torch.randn(3 * DIM, generator=generator) * 10  # what we send is new each round, near it
+        ours, theirs = center.clone(), center.clone()
+        options = {"prefix": "sparse-radius", "target_group_size": 2, "matchmaking_timeout": 2.0, "settle_time": 0.1}
+        honest = GroupAverager([ours], nodes[0], codec="topk_2bit", **options)
+        partner = GroupAverager([theirs], nodes[1], codec="topk_2bit", **options)
+        updates: list[float] = []
+        sent_last: list[torch.Tensor] = []
+
+        async def one_round(huge: bool):
+            fresh = center + torch.randn(3 * DIM, generator=generator) * STEP  # (as a new pseudo-gradient)
+            if sent_last:  # our own update as OwnRadius reads it: the nearer of what the round left and we sent
+                updates.append(min(float((fresh - ours).norm()), float((fresh - sent_last[-1]).norm())))
+            sent_last.append(fresh.clone())
+            ours.copy_(fresh)
+            theirs.copy_(ours + torch.randn(3 * DIM, generator=generator) * STEP)
+            if huge:
+                theirs.mul_(1e6)
+            before, rounds = ours.clone(), []
+
+            async def honest_step() -> None:
+                rounds.append(await honest.step())
+
+            async with trio.open_nursery() as peers:
+                peers.start_soon(honest_step)
+                peers.start_soon(partner.step)
+            return before, rounds[0].result
+
+        for _ in range(3):  # our history: no attack yet
+            await one_round(huge=False)
+        before, result = await one_round(huge=True)
+        plan = result.plan
+        sent = as_sent(get_codec("topk_2bit"), before, [p for i in range(plan.num_shards) for p in plan.parts(i)], 0)
+        share = float(sent.norm() / before.norm())
+        moved, radius = result.bounded
+        assert moved > radius and share < 0.5
+        assert radius <= RADIUS_FACTOR * max(updates) * share * 1.01
+        kept = ours != 0
+        assert float((ours[kept] - sent[kept]).norm()) <= radius * 1.001
+        nodes_nursery.cancel_scope.cancel()
