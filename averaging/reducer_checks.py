@@ -175,7 +175,11 @@ class ReducerChecks:
 
         identity = self.host.identity
         plain = get_codec("none")
-        commitment, parts = (prepared.commitment, prepared.parts) if prepared is not None else (None, None)
+        commitment = prepared.commitment if prepared is not None else None
+        # our own parts alone (a sparse codec's encodings of them): the closure below is kept for
+        # KEEP_SECONDS, and the other reducers' parts would stay alive with it
+        me = identity.peer_id
+        own = {index: part for (peer, index), part in (prepared.parts or {}).items() if peer == me} if prepared else {}
 
         def inputs(index: int) -> PartInputs | None:
             kept = shard.inputs_of(index)
@@ -184,7 +188,7 @@ class ReducerChecks:
             signed = list(kept.signed)
             for row, sender in enumerate(kept.senders):
                 if signed[row] is None and sender == identity.peer_id and commitment is not None:
-                    sparse = (parts or {}).get((identity.peer_id, index))  # our part as a sparse codec encoded it
+                    sparse = own.get(index)  # our part as a sparse codec encoded it
                     meta, payload = sparse if sparse is not None else (plain.encode_finite(kept.values[row])[0], None)
                     signed[row] = SignedPart(commitment, meta, payload)  # (payload None: float32 as kept)
             senders = list(kept.senders)

@@ -177,7 +177,8 @@ class AllReduceRound:
 
     def unaveraged(self) -> list[tuple[int, int]]:
         """(start, end) of every shard with no average we believe (its reducer failed, was banned
-        or failed its check): where our values are left as they are."""
+        or failed its check): where a dense round leaves our values as they are, and a sparse one
+        writes zeros (``allreduce._written``)."""
         believed = (ShardState.AVERAGED, ShardState.CHECKED)
         bounds = [self.plan.shard_bounds(index) for index, e in self.shards.items() if e.state not in believed]
         return [(start, end) for start, end in bounds if end > start]

@@ -351,3 +351,38 @@ async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatc
         # each of 4 peers, the 3 others' commitments (its own it never verifies)
         assert len(calls) == 4 * 3
         nursery.cancel_scope.cancel()
+
+
+async def test_what_a_reducer_keeps_for_checks_holds_none_of_the_parts_it_sent_to_others():
+    """The inputs kept for ``KEEP_SECONDS`` reach our own parts' encodings (a sparse codec's), never
+    the encodings of everything we sent the other reducers: one more copy of the vector per round."""
+    import gc
+
+    from peer import PeerID as Peer
+
+    def reachable(root, depth: int = 6):
+        seen, frontier = set(), [root]
+        for _ in range(depth):
+            found = []
+            for obj in frontier:
+                for child in gc.get_referents(obj):
+                    if id(child) not in seen and not isinstance(child, (type, type(gc))):
+                        seen.add(id(child))
+                        found.append(child)
+            frontier = found
+            yield from found
+
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        await run_round(peers, group, tensors, [1.0] * 4, {}, aggregation="centered-clip", codec="topk_2bit")
+        me = peers[0].host.peer_id
+        sent_elsewhere = [
+            obj
+            for obj in reachable(peers[0].service.checks.kept)
+            if isinstance(obj, dict)
+            and any(isinstance(key, tuple) and key and isinstance(key[0], Peer) and key[0] != me for key in obj)
+        ]
+        assert sent_elsewhere == []
+        nursery.cancel_scope.cancel()
