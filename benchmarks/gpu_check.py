@@ -27,10 +27,8 @@ smoke test keeps this script from rotting. Prints a table, then one JSON line: e
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -109,31 +107,17 @@ def _pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def _start_expert_server(device: str) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "peerd.cli", "serve-experts", "--experts", "ffn.[0:1].[0:2]", "--hidden-dim"]
-    command += ["32", "--device", device, "--listen", "127.0.0.1:0", "--node-id-difficulty", str(LOCAL_DIFFICULTY)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        deadline, line = time.monotonic() + 60, b""
-        while not line.endswith(b"\n"):
-            if time.monotonic() > deadline or not selector.select(max(0.0, deadline - time.monotonic())):
-                process.kill()
-                raise RuntimeError("the expert server did not start within 60 s")
-            chunk = os.read(process.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"the expert server exited with {process.wait()}")
-            line += chunk
-    return process, line.decode().rsplit(" at ", 1)[-1].strip()
-
-
 def check_experts(device: str, steps: int) -> str:
     from moe.client import MoEClient
     from moe.mixture import RemoteMixtureOfExperts
+    from tests.support.processes import PeerdProcess
 
-    server, address = _start_expert_server(device)
+    args = ["serve-experts", "--experts", "ffn.[0:1].[0:2]", "--hidden-dim", "32", "--device", device]
+    args += ["--listen", "127.0.0.1:0", "--node-id-difficulty", str(LOCAL_DIFFICULTY)]
+    folder = tempfile.TemporaryDirectory()
+    server = PeerdProcess(args, Path(folder.name) / "experts.log", env={"PYTHONPATH": _pythonpath()})
     try:
+        address = server.read_line(timeout=60).rsplit(" at ", 1)[-1].strip()
         torch.manual_seed(0)
         x = torch.randn(128, 8)
         y = torch.sin(x[:, :4].sum(dim=1, keepdim=True))
@@ -152,12 +136,8 @@ def check_experts(device: str, steps: int) -> str:
                 losses.append(loss.item())
         return "ok" if losses[-1] < losses[0] else f"failed: losses {losses[0]:.3f} -> {losses[-1]:.3f}"
     finally:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(15)
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        server.stop(timeout=15)
+        folder.cleanup()
 
 
 # The machine check's data: rank 0 holds 8 samples, rank 1 holds 2, in as many batches (a lone
@@ -261,7 +241,7 @@ def _start_peer(folder: Path, name: str, shard: str, initial: str | None, extra:
     args = ["join", "--listen", "127.0.0.1:0", "--identity", str(folder / f"{name}.key"), "--run-id", name[:-1]]
     args += ["--task", "digits", "--data-shard", shard, "--status-port", "0", *extra]
     args += ["--initial-peer", initial] if initial else []
-    process = PeerdProcess(args, folder / f"{name}.log")
+    process = PeerdProcess(args, folder / f"{name}.log", env={"PYTHONPATH": _pythonpath()})
     process.read_line(timeout=90)  # listening
     return process, int(process.read_line(timeout=90).rsplit(":", 1)[1].split("/")[0])
 
