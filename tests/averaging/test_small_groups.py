@@ -112,6 +112,19 @@ def test_a_sparse_average_is_bounded_at_the_values_it_kept_and_stays_sparse() ->
     assert bool((dense != 0).all())  # (what the dense bound would have written back)
 
 
+async def step_both(ours: GroupAverager, theirs: GroupAverager):
+    """One round of the two averagers together; what ours was."""
+    rounds = []
+
+    async def our_step() -> None:
+        rounds.append(await ours.step())
+
+    async with trio.open_nursery() as peers:
+        peers.start_soon(our_step)
+        peers.start_soon(theirs.step)
+    return rounds[0]
+
+
 async def test_a_sparse_round_too_small_to_outvote_a_liar_keeps_what_we_sent_and_owes_the_rest() -> None:
     """With no history our radius is 0: a sparse round of two keeps, at the values its average
     kept, our contribution as we sent it (2-bit), not our exact values (the rest of them stays owed
@@ -128,14 +141,8 @@ async def test_a_sparse_round_too_small_to_outvote_a_liar_keeps_what_we_sent_and
         options = {"prefix": "sparse-pair", "target_group_size": 2, "matchmaking_timeout": 2.0, "settle_time": 0.1}
         honest = GroupAverager([ours], nodes[0], codec="topk_2bit", **options)
         attacker = GroupAverager([theirs], nodes[1], codec="topk_2bit", **options)
-        before, rounds = ours.clone(), []
-
-        async def honest_step() -> None:
-            rounds.append(await honest.step())
-
-        async with trio.open_nursery() as peers:
-            peers.start_soon(honest_step)
-            peers.start_soon(attacker.step)
+        before = ours.clone()
+        rounds = [await step_both(honest, attacker)]
         assert rounds[0].result.bounded[1] == 0.0  # our radius: no history yet
         kept = ours != 0
         assert 0 < int(kept.sum()) < ours.numel() // 8 and float(ours.abs().max()) < 10  # sparse, no liar's value
@@ -172,15 +179,8 @@ async def test_a_liar_moves_a_sparse_round_by_no_more_than_the_share_of_our_upda
             theirs.copy_(ours + torch.randn(3 * DIM, generator=generator) * STEP)
             if huge:
                 theirs.mul_(1e6)
-            before, rounds = ours.clone(), []
-
-            async def honest_step() -> None:
-                rounds.append(await honest.step())
-
-            async with trio.open_nursery() as peers:
-                peers.start_soon(honest_step)
-                peers.start_soon(partner.step)
-            return before, rounds[0].result
+            before = ours.clone()
+            return before, (await step_both(honest, partner)).result
 
         for _ in range(3):  # our history: no attack yet
             await one_round(huge=False)

@@ -61,23 +61,33 @@ def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return nn.functional.mse_loss(module(batch[0]), batch[1])
 
 
+def _differ_on_rank_1(rank: int, net: nn.Module) -> None:
+    """Rank 1's parameters start elsewhere than rank 0's."""
+    if rank == 1:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.add_(5.0)
+
+
+def _step_on_rank_0(rank: int, net: nn.Module) -> None:
+    """Rank 0 changes its parameters, as its optimizer would (to -2x)."""
+    if rank == 0:
+        with torch.no_grad():
+            for param in net.parameters():
+                param.mul_(-2.0)
+
+
 def main(out: Path) -> None:
     group = join_rank_group(rank_place(), "cpu")
     net = model()
-    if group.rank == 1:
-        with torch.no_grad():
-            for param in net.parameters():
-                param.add_(5.0)  # DDP must start it from rank 0's parameters
+    _differ_on_rank_1(group.rank, net)  # DDP must start it from rank 0's parameters
     ddp = wrap_model(group, net)
     inputs, targets = data()
     batches = [(inputs[a:b], targets[a:b]) for a, b in BATCHES[group.rank]]
     reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
     machine_forward_backward(ddp, loss_fn, batches, sum(r.samples for r in reports), group.world_size)
     grads = [param.grad.clone() for param in net.parameters()]
-    if group.rank == 0:
-        with torch.no_grad():
-            for param in net.parameters():
-                param.mul_(-2.0)
+    _step_on_rank_0(group.rank, net)
     orders = exchange_orders(group, SliceOrders(batches=3, parameters_changed=True) if group.rank == 0 else None)
     share_parameters(group, net)
     params = [param.detach().clone() for param in net.parameters()]
@@ -90,10 +100,7 @@ def main(out: Path) -> None:
 def main_sharded(out: Path) -> None:
     group = join_rank_group(rank_place(), "cpu", sharded=True)
     net = Stack()
-    if group.rank == 1:
-        with torch.no_grad():
-            for param in net.parameters():
-                param.add_(5.0)  # the machine must start from rank 0's parameters
+    _differ_on_rank_1(group.rank, net)  # the machine must start from rank 0's parameters
     compute = machine_compute(group, net)
     inputs, targets = data()
     batches = [(inputs[a:b], targets[a:b]) for a, b in SHARDED_BATCHES[group.rank]]
@@ -102,10 +109,7 @@ def main_sharded(out: Path) -> None:
         compute.forward_backward(loss_fn, batches, sum(r.samples for r in reports))
         compute.deliver_gradients()
     grads = [None if param.grad is None else param.grad.clone() for param in net.parameters()]
-    if group.rank == 0:
-        with torch.no_grad():
-            for param in net.parameters():
-                param.mul_(-2.0)
+    _step_on_rank_0(group.rank, net)
     passes = float(net.passes)  # rank 0's: its host model's, as the slices left it
     if group.rank == 1:
         compute.model.passes.fill_(77.0)  # rank 0's buffers must replace it
