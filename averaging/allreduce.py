@@ -246,9 +246,9 @@ class AllReduceService:
                 local = None
                 if reducer is not None and flat is not None:
                     bounds = plan.shard_bounds(round_.my_shard)
-                    local = flat[slice(*bounds)]
+                    local, ours = flat[slice(*bounds)], prepared.mine(me)  # (ours: as committed, if we did)
                     if codec.sparse:  # our own contribution as the others' arrive (``sparse_codec.as_sent``)
-                        local = await in_thread(as_sent, codec, local, plan.parts(round_.my_shard), bounds[0])
+                        local = await in_thread(as_sent, codec, local, plan.parts(round_.my_shard), bounds[0], ours)
                 async with links.watching(), trio.open_nursery() as roles:
                     if reducer is not None:
                         roles.start_soon(reducer.reduce, me, local, weight, settings.sender_rules)

@@ -178,8 +178,7 @@ class ReducerChecks:
         commitment = prepared.commitment if prepared is not None else None
         # our own parts alone (a sparse codec's encodings of them): the closure below is kept for
         # KEEP_SECONDS, and the other reducers' parts would stay alive with it
-        me = identity.peer_id
-        own = {index: part for (peer, index), part in (prepared.parts or {}).items() if peer == me} if prepared else {}
+        own = prepared.mine(identity.peer_id) if prepared is not None else {}
 
         def inputs(index: int) -> PartInputs | None:
             kept = shard.inputs_of(index)
@@ -311,6 +310,10 @@ class Prepared:
 
     commitment: Commitment | None = None
     parts: dict[tuple[PeerID, int], tuple[Any, Any]] | None = None
+
+    def mine(self, me: PeerID) -> dict[int, tuple[Any, Any]]:
+        """Our own parts' encodings (a sparse codec's, in a checked round), by part index."""
+        return {index: part for (peer, index), part in (self.parts or {}).items() if peer == me}
 
     @property
     def wire_commitment(self) -> Any:

@@ -185,15 +185,25 @@ class TopK8BitCodec(_TopKCodec):
     bits = 8
 
 
-def as_sent(codec: Codec, shard: torch.Tensor, parts: list[tuple[int, int]], offset: int) -> torch.Tensor:
+def as_sent(
+    codec: Codec,
+    shard: torch.Tensor,
+    parts: list[tuple[int, int]],
+    offset: int,
+    encoded: dict[int, tuple[Any, Any]] | None = None,
+) -> torch.Tensor:
     """A reducer's own contribution to its shard (``shard``, at flat ``offset``) as the other
     senders' arrive: each part encoded and decoded. Added dense among top-k rows, it would be the
     outlier CenteredClip steers away from, and its unsent values would compete for the shard's
-    slots with what the others sent."""
+    slots with what the others sent. ``encoded``: part index -> its encoding, where one was made
+    already (a checked round commits to them): decoded, not made again, so what we add is exactly
+    what we committed to."""
     out = torch.empty_like(shard)
-    for start, end in parts:
-        piece = shard[start - offset : end - offset].contiguous()
-        out[start - offset : end - offset] = codec.decode(*codec.encode_finite(piece), end - start)
+    for index, (start, end) in enumerate(parts):
+        made = (encoded or {}).get(index)
+        if made is None:
+            made = codec.encode_finite(shard[start - offset : end - offset].contiguous())
+        out[start - offset : end - offset] = codec.decode(*made, end - start)
     return out
 
 
