@@ -56,6 +56,7 @@ __all__ = [
     "exchange_orders",
     "gather_reports",
     "join_rank_group",
+    "leave_rank_group",
     "machine_forward_backward",
     "parameters_version",
     "rank_shard",
@@ -128,6 +129,14 @@ def join_rank_group(place: RankPlace, device: str | None = None, sharded: bool =
     except (RuntimeError, ValueError) as error:
         raise RankError(f"rank {place.rank} could not join the machine's process group: {_first_line(error)}") from None
     return RankGroup(place.rank, place.world_size, backend, chosen, control, sharded)
+
+
+def leave_rank_group() -> None:
+    """Destroy this process's group once its last collective is done. Left to the interpreter's
+    exit, gloo's worker threads can still hold tensors while Python finalizes, and the process
+    dies of SIGABRT ("terminate called without an active exception") after a clean stop."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _first_line(error: BaseException) -> str:

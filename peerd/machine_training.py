@@ -27,6 +27,7 @@ from .machine import (
     SliceOrders,
     exchange_orders,
     gather_reports,
+    leave_rank_group,
     parameters_version,
     rank_shard,
     share_shard,
@@ -137,6 +138,8 @@ class MachineTrainer(Trainer):
             exchange_orders(self.group, SliceOrders(stop=True))
         except RankError as error:
             log.warning("could not tell the other ranks to stop: %s", error)
+            return
+        leave_rank_group()  # the machine's last collective
 
 
 def follow_rank_zero(group: RankGroup, task_spec: str, model_size: str | None) -> None:
@@ -149,6 +152,7 @@ def follow_rank_zero(group: RankGroup, task_spec: str, model_size: str | None) -
     while True:
         orders = exchange_orders(group)
         if orders.stop:
+            leave_rank_group()  # rank 0 leaves too, after this order
             return
         if orders.parameters_changed:
             compute.receive_parameters()

@@ -18,6 +18,7 @@ from peerd.machine import (
     exchange_orders,
     gather_reports,
     join_rank_group,
+    leave_rank_group,
     machine_forward_backward,
     share_parameters,
     wrap_model,
@@ -95,6 +96,7 @@ def main(out: Path) -> None:
     torch.save(
         {"grads": grads, "params": params, "orders": orders.batches, "samples": samples}, out / f"rank{group.rank}.pt"
     )
+    leave_rank_group()
 
 
 def main_sharded(out: Path) -> None:
@@ -117,6 +119,7 @@ def main_sharded(out: Path) -> None:
     params = [param.full_tensor().detach().clone() for param in compute.model.parameters()]
     kept = {"grads": grads, "params": params, "kind": compute.kind, "passes": passes}
     torch.save({**kept, "received_passes": float(compute.model.passes)}, out / f"rank{group.rank}.pt")
+    leave_rank_group()
 
 
 if __name__ == "__main__":
