@@ -18,10 +18,22 @@ import trio
 from peer.worker_threads import run_blocking
 
 from .later import Later
-from .outer_step import OuterStep
 from .replica import AveragingRecord, Replica
 
-__all__ = ["LocalRound", "RoundSchedule", "SequentialRounds", "OverlappedRounds"]
+__all__ = ["LocalRound", "OuterMoves", "RoundSchedule", "SequentialRounds", "OverlappedRounds"]
+
+
+class OuterMoves(Protocol):
+    """The outer step of what a round averages (the whole model, or a fragment of it:
+    ``outer_fragments.RoundFragment``)."""
+
+    def compute_deltas(self) -> None: ...
+
+    def compute_deltas_and_anchor(self) -> list[torch.Tensor]: ...
+
+    def apply(self) -> None: ...
+
+    def apply_delayed(self, anchor: list[torch.Tensor]) -> None: ...
 
 
 class LocalRound(Protocol):
@@ -31,10 +43,13 @@ class LocalRound(Protocol):
     def epoch(self) -> int: ...
 
     @property
-    def outer_step(self) -> OuterStep: ...
+    def outer_step(self) -> OuterMoves:
+        """What the current round (``epoch``) averages and steps."""
+        ...
 
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
-        """Average ``outer_step.deltas`` with the swarm (on failure they stay this peer's own)."""
+        """Average the deltas of the round of ``epoch`` with the swarm (on failure they stay this
+        peer's own)."""
         ...
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
@@ -107,6 +122,7 @@ class OverlappedRounds:
         self.background = background
         self._record: Later[AveragingRecord] | None = None  # the averaging in flight
         self._anchor: list[torch.Tensor] = []  # our parameters when the delta in flight was taken
+        self._moves: OuterMoves | None = None  # what the round in flight steps (a fragment may be the next one's)
         self._run: LocalRound | None = None
 
     async def end_round(self, run: LocalRound, weight: float) -> bool:
@@ -116,19 +132,20 @@ class OverlappedRounds:
         stepped = False
         if self._record is not None:
             record = await self._record.wait()  # bounded by the averager's own deadlines
-            anchor = self._anchor
-            await run.advance(lambda: run.outer_step.apply_delayed(anchor), record)
+            moves, anchor = self._moves, self._anchor
+            await run.advance(lambda: moves.apply_delayed(anchor), record)
             await run.finish_round()
             stepped = True
         else:
             run.restart_round()
-        self._anchor = await run_blocking(run.outer_step.compute_deltas_and_anchor)
+        self._moves = run.outer_step
+        self._anchor = await run_blocking(self._moves.compute_deltas_and_anchor)
         self._record = Later(self.background, functools.partial(run.average_deltas, run.epoch, weight))
         return stepped
 
     async def abandon(self) -> None:
         """Cancel the averaging in flight and forget its round: its outer step never lands."""
-        record, self._record, self._anchor = self._record, None, []
+        record, self._record, self._anchor, self._moves = self._record, None, [], None
         if record is not None:
             record.cancel()
             await record.wait()

@@ -58,9 +58,9 @@ from .averager import GroupAverager
 from .compression import get_codec
 from .error_feedback import ErrorFeedback
 from .local_rounds import RoundSchedule, SequentialRounds
-from .outer_step import OuterStep
+from .outer_fragments import OuterFragments, RoundFragment
 from .progress import SwarmProgress
-from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state
+from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_state
 from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
@@ -83,7 +83,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     ``rounds`` says how a round ends: ``SequentialRounds()`` (the default) or
     ``OverlappedRounds(nursery)``, as ``peerd join --mode local-updates`` runs it. ``settings``:
     how it averages (default ``settings.LOCAL_UPDATES``: blockwise 8-bit deltas, longer deadlines),
-    with any of its fields given as keyword arguments instead (``codec="none"``)."""
+    with any of its fields given as keyword arguments instead (``codec="none"``). ``fragments``: the
+    model is averaged in that many fragments taking turns, one per round of ``local_steps /
+    fragments`` inner steps, so each fragment still averages every ``local_steps``
+    (``outer_fragments.py``); an epoch is then one such round."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         *,
         prefix: str,
         local_steps: int = 20,
+        fragments: int = 1,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         error_feedback: bool = True,
@@ -103,6 +107,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.rounds: RoundSchedule = rounds if rounds is not None else SequentialRounds()
         self.inner = inner_optimizer
         self.local_steps = local_steps
+        self.round_steps = max(1, round(local_steps / fragments))  # inner steps per round (per fragment)
         self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
         codec = settings.codec
         # With a sparse codec each peer keeps what the swarm has not applied yet in its parameters
@@ -111,12 +116,21 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         sparse = get_codec(codec).sparse
         self._owed_in_params = sparse and error_feedback
         outer_lr, outer_momentum = _outer_settings(self._owed_in_params, outer_lr, outer_momentum)
-        self._outer_step = OuterStep(self.params, lr=outer_lr, momentum=outer_momentum)
+        self._outer = OuterFragments(self.params, fragments, lr=outer_lr, momentum=outer_momentum)
         averaging = settings.averager_options()
-        self.delta_averager = GroupAverager(
-            self.deltas, dht, prefix=f"{prefix}.outer", codec=codec, allow_state_sharing=False, **averaging
-        )
-        self.error_feedback = ErrorFeedback(self.deltas, codec, dht.host.peer_id) if error_feedback else None
+        self.fragments = [
+            RoundFragment(
+                step,
+                # each fragment its own key: a group's members always average the same fragment
+                GroupAverager(
+                    step.deltas, dht, prefix=f"{prefix}.outer" + (f".{index}of{fragments}" if fragments > 1 else ""),
+                    codec=codec, allow_state_sharing=False, **averaging,
+                ),
+                ErrorFeedback(step.deltas, codec, dht.host.peer_id) if error_feedback else None,
+                self._owed_in_params,
+            )
+            for index, step in enumerate(self._outer.steps)
+        ]  # fmt: skip
         # Newcomers download the start and the outer momentum; the start alone is averaged now and
         # then (a copy of it, by ``start_averager``) to pull replicas together, and only the start is
         # what witnesses compare: each peer's momentum is its own (worker momentum).
@@ -128,15 +142,15 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             progress_interval=settings.progress_interval,
             replicated=len(self.snapshot),
         )
-        # With a sparse codec the start is averaged a fragment at a time, each time the next one:
+        # With a sparse codec the start is averaged a piece at a time, each time the next one:
         # its float32 would otherwise carry 27x the bytes of the sparse rounds in between.
-        fragments = SPARSE_START_FRAGMENTS if self._owed_in_params else 1
+        pieces = SPARSE_START_FRAGMENTS if self._owed_in_params else 1
         self.start_averagers = [
             GroupAverager(
-                piece, dht, prefix=f"{prefix}.start" + (f".{index}" if fragments > 1 else ""),
+                piece, dht, prefix=f"{prefix}.start" + (f".{index}" if pieces > 1 else ""),
                 allow_state_sharing=False, **averaging,
             )
-            for index, piece in enumerate(self._outer_step.start_fragments(fragments))
+            for index, piece in enumerate(self._outer.start_fragments(pieces))
         ]  # fmt: skip
         self.inner_steps = 0
         self.local_samples = 0
@@ -145,31 +159,42 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     @property
     def start_averager(self) -> GroupAverager:
         """The averager of the start (with a sparse codec: of the fragment averaged next)."""
-        period = max(self.settings.average_state_every, 1)
+        period = max(self._state_every, 1)
         return self.start_averagers[(self.replica.epoch // period) % len(self.start_averagers)]
 
-    @property
-    def outer_step(self) -> OuterStep:
-        return self._outer_step
+    def fragment(self, epoch: int) -> RoundFragment:
+        """What the round of ``epoch`` averages and steps (with one fragment: the whole model)."""
+        return self.fragments[epoch % len(self.fragments)]
 
     @property
-    def outer(self) -> torch.optim.Optimizer:
-        """The outer SGD optimizer (the momentum is folded in before averaging: ``outer_step.py``)."""
-        return self._outer_step.optimizer
+    def _state_every(self) -> int:
+        """Rounds between averagings of the start: ``average_state_every`` per fragment's turn."""
+        return self.settings.average_state_every * len(self.fragments)
+
+    @property
+    def outer_step(self) -> RoundFragment:
+        """The current round's fragment, as a round schedule moves it (``local_rounds.py``)."""
+        return self.fragment(self.epoch)
+
+    @property
+    def delta_averager(self) -> GroupAverager:
+        """The averager of the current round's fragment."""
+        return self.outer_step.averager
+
+    @property
+    def error_feedback(self) -> ErrorFeedback | None:
+        """The error feedback of the current round's fragment (None: none)."""
+        return self.outer_step.feedback
 
     @property
     def snapshot(self) -> list[torch.Tensor]:
-        """The shared start of the current round."""
-        return self._outer_step.start
-
-    @property
-    def deltas(self) -> list[torch.Tensor]:
-        return self._outer_step.deltas
+        """The shared start (each fragment's as of its last round), in fragment order."""
+        return self._outer.start
 
     @property
     def outer_state(self) -> list[torch.Tensor]:
         """The outer momentum buffer(s): this peer's own (worker momentum, ``outer_step.py``)."""
-        return self._outer_step.momentum
+        return self._outer.momentum
 
     @property
     def state(self) -> EpochStateAverager:
@@ -192,7 +217,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             # swarm left rounds ago, and no group of our round will form again.
             await self._catch_up(view.epoch)
             return False
-        if not round_over(view, replica.epoch, self.inner_steps, self.local_samples, self.local_steps):
+        if not round_over(view, replica.epoch, self.inner_steps, self.local_samples, self.round_steps):
             return False
         elapsed = max(trio.current_time() - self._round_started, 1e-9)
         replica.samples_per_s = self.local_samples / elapsed
@@ -212,8 +237,9 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         send it, move to the swarm's round with our own parameters (the start averaging pulls them
         toward the swarm's), rather than asking again at every step."""
         await self.rounds.abandon()
-        if self.error_feedback is not None:
-            self.error_feedback.reset()
+        for fragment in self.fragments:
+            if fragment.feedback is not None:
+                fragment.feedback.reset()
         if not await self.load_state_from_peers():
             await self.replica.move_to_epoch(swarm_epoch)
         self.restart_round()
@@ -230,31 +256,21 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         except StateUnavailable as error:
             log.warning("could not load state from peers: %s", error)
             return False
-        self._outer_step.reset_params_to_start()
+        self._outer.reset_params_to_start()
         log.info("joined the swarm at outer round %d with its parameters", self.replica.epoch)
         return True
 
     # What a round schedule (local_rounds.LocalRound) drives:
 
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
-        feedback = self.error_feedback
-        if feedback is not None:
-            await run_blocking(feedback.add_residual, self.deltas)
-        record = await average_once(
-            self.delta_averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
-        )
-        if feedback is not None:
-            await run_blocking(feedback.settle, record.result, self.deltas)
-        return record
+        return await self.fragment(epoch).average(epoch, weight)
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
         """Apply an outer step and count the round ``record`` averaged (the group's epoch, which a
         peer that loaded state while its donor's step was in flight is one behind), as one change
         for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
-            await run_blocking(apply)
-            if self._owed_in_params and self.error_feedback is not None:
-                await run_blocking(self.error_feedback.move_into, self.params)
+            await run_blocking(apply)  # a fragment's: it leaves a sparse codec's unsent progress in the params
             self.replica.count_round(record)
 
     def restart_round(self) -> None:
@@ -265,7 +281,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def finish_round(self) -> None:
         replica = self.replica
         self.restart_round()
-        every = self.settings.average_state_every
+        every = self._state_every
         if every and replica.epoch % every == 0:
             await self._average_start()
         await self.rounds.after_round(replica, lambda: self.local_samples)
@@ -274,10 +290,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         """Average the shared start with a group; parameters move by the same correction, keeping
         whatever local progress they carry. A copy is averaged, so newcomers can still download
         our state meanwhile."""
-        await run_blocking(self._outer_step.copy_start_for_averaging)
+        await run_blocking(self._outer.copy_start_for_averaging)
         if await average_state(self.start_averager, self.replica.epoch):
             async with self.replica.state.locked_tensors():
-                await run_blocking(self._outer_step.move_to_averaged_start)
+                await run_blocking(self._outer.move_to_averaged_start)
 
 
 def _outer_settings(owed_in_params: bool, lr: float | None, momentum: float | None) -> tuple[float, float]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OuterStep"]
+__all__ = ["OuterStep", "cut_into_views"]
 
 
 class OuterStep:
@@ -91,21 +91,8 @@ class OuterStep:
                 param.add_(extra.to(param.device, param.dtype))
 
     def start_fragments(self, count: int) -> list[list[torch.Tensor]]:
-        """The averaged copy of the start cut into ``count`` fragments of about equal size, each a
-        list of 1-D views into it (averaging a fragment in place averages that part of the copy)."""
-        flat = [tensor.view(-1) for tensor in self.start_average]
-        total = sum(view.numel() for view in flat)
-        bounds = [total * index // count for index in range(count + 1)]
-        fragments: list[list[torch.Tensor]] = []
-        for begin, end in zip(bounds, bounds[1:], strict=False):
-            pieces, offset = [], 0
-            for view in flat:
-                low, high = max(begin, offset), min(end, offset + view.numel())
-                if low < high:
-                    pieces.append(view[low - offset : high - offset])
-                offset += view.numel()
-            fragments.append(pieces)
-        return fragments
+        """The averaged copy of the start cut into ``count`` fragments (``cut_into_views``)."""
+        return cut_into_views(self.start_average, count)
 
     def copy_start_for_averaging(self) -> None:
         with torch.no_grad():
@@ -124,3 +111,21 @@ class OuterStep:
         with torch.no_grad():
             for param, start in zip(self.params, self.start, strict=True):
                 param.copy_(start)
+
+
+def cut_into_views(tensors: list[torch.Tensor], count: int) -> list[list[torch.Tensor]]:
+    """``tensors`` (contiguous) cut into ``count`` fragments of about equal size, each a list of
+    1-D views into them (averaging a fragment in place averages that part of the tensors)."""
+    flat = [tensor.view(-1) for tensor in tensors]
+    total = sum(view.numel() for view in flat)
+    bounds = [total * index // count for index in range(count + 1)]
+    fragments: list[list[torch.Tensor]] = []
+    for begin, end in zip(bounds, bounds[1:], strict=False):
+        pieces, offset = [], 0
+        for view in flat:
+            low, high = max(begin, offset), min(end, offset + view.numel())
+            if low < high:
+                pieces.append(view[low - offset : high - offset])
+            offset += view.numel()
+        fragments.append(pieces)
+    return fragments

@@ -216,6 +216,7 @@ class Daemon:
                     dht,
                     prefix=prefix,
                     local_steps=training.local_steps,
+                    fragments=_fragments(training.fragments, task.model),
                     rounds=OverlappedRounds(background),
                     settings=settings,
                 )
@@ -251,6 +252,14 @@ class Daemon:
             "training as rank 0 of %d ranks (%s on %s, %s)", ranks.world_size, ranks.backend, ranks.device, compute.kind
         )
         return MachineTrainer(task, optimizer, ranks, compute)
+
+
+def _fragments(wanted: int, model) -> int:
+    """``--fragments``, or as many as the model has parameter tensors (a fragment holds whole ones)."""
+    tensors = sum(1 for _ in model.parameters())
+    if wanted > tensors:
+        log.warning("--fragments %d: the model has %d parameter tensors, so %d fragments", wanted, tensors, tensors)
+    return min(wanted, tensors)
 
 
 def _reachable_host() -> str:

@@ -22,6 +22,7 @@ from .join_arguments import (
     COMPRESSION,
     DELAY_UPDATES,
     DEVICE,
+    FRAGMENTS,
     INITIAL_PEERS,
     LISTEN,
     LOCAL_STEPS,
@@ -70,6 +71,7 @@ class TrainingConfig:
     data_shard: Any = None  # peerd.tasks.ShardSpec, "auto" (data_shards.py) or None: the whole data set
     target_batch_size: int | None = setting_field(TARGET_BATCH_SIZE)  # None: the task's
     local_steps: int = setting_field(LOCAL_STEPS)
+    fragments: int = setting_field(FRAGMENTS)  # local updates: the model's fragments, averaged in turn
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,13 @@ LOCAL_STEPS = Setting(
     doc="inner steps per round in `local-updates` mode, per peer on average: a round ends when the swarm has taken "
     "that many batches per peer taking part, so faster peers take more",
 )  # fmt: skip
+FRAGMENTS = Setting(
+    name="fragments", flag="--fragments", variable="FRAGMENTS", parse=int, default=1, metavar="N",
+    help="local-updates mode: average the model in N fragments taking turns, one every STEPS/N inner steps",
+    doc="`local-updates` mode: the model is averaged in N fragments that take turns (streaming DiLoCo), one round of "
+    "`--local-steps`/N inner steps each, so every fragment is still averaged once per `--local-steps` and no more "
+    "than 1/N of the model is ever in flight; every peer of a run gives the same N",
+)  # fmt: skip
 TARGET_BATCH_SIZE = Setting(
     name="target_batch_size", flag="--target-batch-size", variable="TARGET_BATCH_SIZE", parse=int,
     metavar="SAMPLES", default_text="the task's", help="swarm-wide samples per epoch in collaborative mode",
@@ -246,8 +253,8 @@ LOG_LEVEL = Setting(
 JOIN_SETTINGS: tuple[Setting, ...] = (
     LISTEN, IDENTITY, INITIAL_PEERS, RUN_ID, BOOTSTRAP_TIMEOUT, TASK, MODEL_SIZE, MODE, DELAY_UPDATES, COMPRESSION,
     AGGREGATION, DATA_SHARD, NPROC_PER_NODE, SHARD_MODEL, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS,
-    CLIENT_MODE, RELAY, RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY, ALLOW_PEERS,
-    SWARM_KEY,
+    CLIENT_MODE, RELAY, RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, FRAGMENTS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY,
+    ALLOW_PEERS, SWARM_KEY,
 )  # fmt: skip
 
 # What a config file may hold: every other command's settings are among these.

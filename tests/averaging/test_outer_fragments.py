@@ -1,0 +1,142 @@
+"""Streamed fragments (``averaging/outer_fragments.py``): how a model is dealt into fragments, and
+in-process peers whose rounds take turns averaging them, with either schedule."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+
+import pytest
+import torch
+import trio
+
+from averaging.local_rounds import OverlappedRounds, SequentialRounds
+from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.outer_fragments import deal_fragments
+from peerd.exit_codes import EXIT_BAD_INPUT
+from peerd.join_arguments import FRAGMENTS
+from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
+from tests.support.processes import PEERD
+
+
+def test_fragments_hold_every_tensor_once_in_even_sizes_and_stride_a_stack_of_blocks():
+    sizes = [30, 100, 10, 100, 10, 100, 10, 100, 10, 100, 10, 100, 10]  # an embedding, then six blocks
+    fragments = deal_fragments(sizes, 3)
+    assert sorted(i for fragment in fragments for i in fragment) == list(range(len(sizes)))
+    assert all(fragment == sorted(fragment) for fragment in fragments)  # each in the model's order
+    assert [sum(sizes[i] for i in fragment) for fragment in fragments] == [230, 230, 230]
+    assert [[i for i in fragment if sizes[i] == 100] for fragment in fragments] == [[1, 7], [3, 9], [5, 11]]
+    assert deal_fragments(sizes, 3) == fragments  # every peer deals the same model the same way
+    assert deal_fragments(sizes, 1) == [list(range(len(sizes)))]
+
+
+@pytest.mark.parametrize("count", [0, 9])
+def test_a_fragment_count_the_model_cannot_fill_is_refused(count):
+    with pytest.raises(ValueError, match="give 1 to 8"):
+        deal_fragments([1] * 8, count)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
+async def test_rounds_take_turns_averaging_the_fragments(schedule):
+    """Two peers, a model of two tensors dealt into two fragments, two inner steps per fragment's
+    turn (``local_steps=4``): each round averages one fragment, the other's start stays as its last
+    round left it, and every fragment is averaged every other round."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        async with trio.open_nursery() as background:
+            models = [[torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))] for _ in nodes]
+            optimizers = [
+                LocalUpdatesOptimizer(
+                    torch.optim.SGD(params, lr=0.1),
+                    node,
+                    prefix="fragments",
+                    local_steps=4,
+                    fragments=2,
+                    codec="none",
+                    aggregation="mean",
+                    target_group_size=2,
+                    settle_time=0.1,
+                    matchmaking_timeout=2.0,
+                    averaging_timeout=6.0,
+                    average_state_every=0,
+                    rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+                )
+                for params, node in zip(models, nodes, strict=True)
+            ]
+            assert [optimizers[0].round_steps, len(optimizers[0].fragments)] == [2, 2]
+            starts: dict[int, list[list[torch.Tensor]]] = {0: [], 1: []}  # per peer, after each epoch
+
+            async def train(i: int) -> None:
+                optimizer = optimizers[i]
+                while optimizer.epoch < 4:
+                    for param in models[i]:
+                        param.grad = torch.full_like(param, float(i + 1))  # the peers' updates differ
+                    if await optimizer.step(1):
+                        starts[i].append([tensor.clone() for tensor in optimizer.snapshot])
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as peers:
+                    for i in range(2):
+                        peers.start_soon(train, i)
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    for epoch in range(4):
+        averaged = epoch % 2  # the round that ended at this epoch averaged this fragment
+        mine, theirs = starts[0][epoch], starts[1][epoch]
+        torch.testing.assert_close(mine[averaged], theirs[averaged])  # the shared start, shared
+        assert mine[averaged].abs().sum() > 0  # and moved
+        before = starts[0][epoch - 1][1 - averaged] if epoch else torch.zeros(4 if averaged else 3)
+        assert torch.equal(mine[1 - averaged], before)  # the other fragment's waits for its turn
+
+
+async def test_three_peers_reach_the_digits_target_averaging_in_fragments():
+    """As ``peerd join --mode local-updates --fragments 2`` trains: overlapped rounds of 10 inner
+    steps, each averaging half of the model (the digits model's two linear layers' tensors)."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 3)
+        async with trio.open_nursery() as background:
+            averaged = {0: 0, 1: 0}  # rounds each fragment averaged with a group, over all peers
+
+            def counted(index: int, step):
+                async def counted_step(*args, **kwargs):
+                    result = await step(*args, **kwargs)
+                    averaged[index] += 1
+                    return result
+
+                return counted_step
+
+            def make(node, index, count):
+                rounds = OverlappedRounds(background)
+                trainer = make_local_updates_trainer(node, index, count, rounds, prefix="digits-fragments", fragments=2)
+                for number, fragment in enumerate(trainer.optimizer.fragments):
+                    fragment.averager.step = counted(number, fragment.averager.step)
+                return trainer
+
+            with trio.fail_after(120):
+                trainers, statuses = await train_to_target(nodes, make, max_epochs=60)
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    assert max(s.accuracy for s in statuses.values()) >= 0.9
+    assert averaged[0] > 0 and averaged[1] > 0, averaged  # both fragments' averagers met their groups
+    assert len({fragment.averager.prefix for fragment in trainers[0].optimizer.fragments}) == 2
+
+
+def test_peerd_join_refuses_fragments_outside_local_updates_in_one_line(tmp_path):
+    for extra, line in [
+        (["--fragments", "2"], "peerd: --fragments 2: give 1, or N > 1 with --mode local-updates"),
+        (
+            ["--fragments", "0", "--mode", "local-updates"],
+            "peerd: --fragments 0: give 1, or N > 1 with --mode local-updates",
+        ),
+    ]:
+        identity = str(tmp_path / "id.key")
+        result = subprocess.run(
+            PEERD + ["join", "--listen", "127.0.0.1:0", "--identity", identity, "--task", "digits", *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert result.stderr.strip().splitlines() == [line]
+
+
+def test_the_fragments_default_is_the_optimizers():
+    assert FRAGMENTS.default == inspect.signature(LocalUpdatesOptimizer).parameters["fragments"].default == 1
