@@ -14,11 +14,10 @@ all-reduce, the codec and error feedback). What is modelled:
 - compute: a round is 100 s of compute (a hundred 1-second steps of a 1B model on one GPU; with
   ``--quick``, ten optimizer steps of 10 simulated seconds each); the gradients are random, since
   only the schedule and the traffic are measured here;
-- payload size: the model has ``MODEL / SCALE`` real values and every link runs ``SCALE`` times
-  slower than the uplink it models (100/1000 Mbit/s), so a round's real bytes take as long as the
-  1B model's would. The DHT's and matchmaking's small messages are slowed by the same factor, which
-  overstates their cost (they take tens of simulated seconds per round instead of milliseconds):
-  the waiting measured is an upper bound.
+- payload size: the model has ``MODEL / SCALE`` real values, and every bulk write (a tensor
+  payload: ``peer/simnet/model.py``, ``bulk_scale``) stands for ``SCALE`` times its bytes on links
+  of the modelled speed (100/1000 Mbit/s), so a round's averaging takes as long as the 1B model's
+  would, while the DHT's and matchmaking's small messages take their own time.
 
 A trainer waits when a round ends before the previous round's averaging has finished (overlapped
 rounds hide the averaging behind the next round's compute). ``wait_fraction`` is 1 - compute time
@@ -26,10 +25,14 @@ rounds hide the averaging behind the next round's compute). ``wait_fraction`` is
 the shared start is left out (float32 every 5 rounds, in line: with int8 deltas the whole start,
 ~7.5 GB per peer for this model, with a sparse codec a 64th of it: ``local_updates.py``).
 
-The last line is one JSON object: ``wait_fraction_int8``, ``wait_fraction_sparse``, and the bytes
-each peer sends per round for the modelled model (``round_bytes_int8``, ``round_bytes_sparse``, from
-the codec's payload size and the group's size) with their ratio. The table also shows all the
-bytes a peer's host sent per round, times ``SCALE`` (DHT and matchmaking included, so overstated).
+Streamed fragments (``_streamed``: ``fragments=4``, ``outer_fragments.py``) take four rounds of a
+quarter of the steps for one of the whole model, each averaging a quarter of it.
+
+The last line is one JSON object: ``wait_fraction_*`` per scheme, the bytes each peer sends per
+round of the whole model for the modelled model (``round_bytes_int8``, ``round_bytes_sparse``, from
+the codec's payload size and the group's size) with their ratio, and the most one round has in
+flight (``peak_round_bytes_*``). The table also shows all the bytes the swarm put on its links per
+peer and round of the whole model, as modelled (DHT and matchmaking included).
 """
 
 from __future__ import annotations
@@ -62,7 +65,14 @@ SCALE = 100  # real values = MODEL / SCALE; links SCALE times slower
 UPLINK_MBIT, DOWNLINK_MBIT = 100.0, 1000.0
 STEP_S = 1.0  # simulated seconds of compute per inner step (a 1B model's step on one GPU)
 LOCAL_STEPS = 100  # inner steps per outer round: 100 s of compute
-CODECS = ("blockwise_8bit", "topk_2bit")
+# (name, codec, fragments): today's int8 deltas, sparse rounds, and both streamed in four fragments
+# that take turns (``outer_fragments.py``: a round of a quarter of the steps averages a quarter)
+VARIANTS = (
+    ("int8", "blockwise_8bit", 1),
+    ("sparse", "topk_2bit", 1),
+    ("int8_streamed", "blockwise_8bit", 4),
+    ("sparse_streamed", "topk_2bit", 4),
+)
 
 
 @dataclass(frozen=True)
@@ -81,43 +91,44 @@ class Plan:
 QUICK = Plan(step_s=10 * STEP_S, rounds=3, peers=8, local_steps=LOCAL_STEPS // 10)
 
 
-async def train(node: DHTNode, index: int, codec: str, plan: Plan, background: trio.Nursery) -> dict:
-    """One peer: ``rounds`` outer rounds landed; its compute and elapsed simulated seconds after
-    the first round landed, and the bytes its host sent meanwhile."""
+async def train(node: DHTNode, index: int, codec: str, fragments: int, plan: Plan, background: trio.Nursery) -> dict:
+    """One peer: ``rounds`` outer rounds landed (of every fragment); its compute and elapsed
+    simulated seconds after the first round landed, and the bytes its host sent meanwhile."""
     generator = torch.Generator().manual_seed(index)
-    weight = torch.nn.Parameter(torch.zeros(plan.model // SCALE))
-    gradient = torch.randn(weight.numel(), generator=generator) * 1e-3
+    # four tensors, so that the model deals into up to four fragments
+    weights = [torch.nn.Parameter(torch.zeros(plan.model // SCALE // 4)) for _ in range(4)]
+    gradients = [torch.randn(weight.numel(), generator=generator) * 1e-3 for weight in weights]
     optimizer = LocalUpdatesOptimizer(
-        torch.optim.SGD([weight], lr=0.1),
+        torch.optim.SGD(weights, lr=0.1),
         node,
         prefix="billion",
         local_steps=plan.local_steps,
+        fragments=fragments,
         codec=codec,
         rounds=OverlappedRounds(background),
         target_group_size=plan.peers,
         aggregation="mean",
         matchmaking_timeout=60.0,
         averaging_timeout=1200.0,
-        progress_interval=20.0,  # a fifth of a round
+        progress_interval=plan.local_steps * plan.step_s / fragments / 5,  # a fifth of a round
         average_state_every=0,
     )
     landed, steps, first = 0, 0, None
-    while landed < plan.rounds:
-        weight.grad = gradient.clone()
+    while landed < plan.rounds * fragments:
+        for weight, gradient in zip(weights, gradients, strict=True):
+            weight.grad = gradient.clone()
         await trio.sleep(plan.step_s)  # the modelled compute of one inner step
         steps += 1
         if await optimizer.step(1):
             landed += 1
             if landed == 1:
-                first = (trio.current_time(), steps, node.host.traffic.bytes_sent)
+                first = (trio.current_time(), steps)
     assert first is not None
-    began, steps_before, bytes_before = first
+    began, steps_before = first
     last = optimizer.last_averaging or {}
     return {
         "compute_s": (steps - steps_before) * plan.step_s,
         "elapsed_s": trio.current_time() - began,
-        "bytes": node.host.traffic.bytes_sent - bytes_before,
-        "rounds": plan.rounds - 1,
         "averaged": bool(last.get("averaged")),
         "group": int(last.get("group") or 1),
     }
@@ -129,21 +140,21 @@ def modelled_round_bytes(codec: str, model: int, group: int) -> int:
     return 2 * (group - 1) * get_codec(codec).payload_size(model // group)
 
 
-async def run(codec: str, plan: Plan, seed: int) -> list[dict]:
-    mix = ((UPLINK_MBIT / SCALE, DOWNLINK_MBIT / SCALE),)
-    network = SimNetwork(seed=seed, mixes=mix)
+async def run(codec: str, fragments: int, plan: Plan, seed: int) -> tuple[list[dict], int]:
+    """Each peer's figures (``train``), and every byte the swarm put on its links, as modelled."""
+    network = SimNetwork(seed=seed, mixes=((UPLINK_MBIT, DOWNLINK_MBIT),), bulk_scale=SCALE)
     results: list[dict] = [{}] * plan.peers
     async with open_sim_swarm(network, plan.peers, config=DHTConfig()) as swarm:
         async with trio.open_nursery() as background:
 
             async def one(index: int) -> None:
-                results[index] = await train(swarm.nodes[index], index, codec, plan, background)
+                results[index] = await train(swarm.nodes[index], index, codec, fragments, plan, background)
 
             async with trio.open_nursery() as trainers:
                 for index in range(plan.peers):
                     trainers.start_soon(one, index)
             background.cancel_scope.cancel()
-    return results
+    return results, network.model.bytes_sent_total
 
 
 def main(args: argparse.Namespace) -> None:
@@ -153,22 +164,23 @@ def main(args: argparse.Namespace) -> None:
     figures: dict[str, float] = {}
     print(f"{plan.peers} peers, {plan.model / 1e9:g}B parameters modelled, {UPLINK_MBIT:.0f} Mbit/s uplinks, "
           f"{plan.local_steps} steps of {plan.step_s:g} s per round, {plan.rounds} rounds")  # fmt: skip
-    print(
-        f"{'codec':<16} {'wait fraction':>13} {'GB/peer/round':>13} {'(all traffic)':>13} {'averaged':>9} {'CPU s':>6}"
-    )
-    for codec in CODECS:
+    columns = ("wait fraction", "GB/peer/round", "GB in flight", "(all traffic)", "averaged", "CPU s")
+    print(f"{'scheme':<16} " + " ".join(f"{c:>13}" for c in columns[:4]) + f" {columns[4]:>9} {columns[5]:>6}")
+    for key, codec, fragments in VARIANTS:
         begun = time.process_time()
-        results = trio.run(run, codec, plan, args.seed, clock=trio.testing.MockClock(autojump_threshold=0))
-        wait = statistics.mean(1 - r["compute_s"] / r["elapsed_s"] for r in results)
-        traffic = statistics.mean(r["bytes"] / r["rounds"] for r in results) * SCALE
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        results, swarm_bytes = trio.run(run, codec, fragments, plan, args.seed, clock=clock)
+        wait = max(0.0, statistics.mean(1 - r["compute_s"] / r["elapsed_s"] for r in results))  # (-1e-16: none)
+        traffic = swarm_bytes / plan.peers / plan.rounds
         per_round = modelled_round_bytes(codec, plan.model, max(r["group"] for r in results))
         averaged = sum(r["averaged"] for r in results)
         cpu = time.process_time() - begun
-        gigabytes = f"{per_round / 1e9:13.3f} {traffic / 1e9:13.3f}"
-        print(f"{codec:<16} {wait:13.3f} {gigabytes} {averaged:>6}/{plan.peers} {cpu:6.0f}", flush=True)
-        key = "sparse" if codec == "topk_2bit" else "int8"
+        gigabytes = f"{per_round / 1e9:13.3f} {per_round / fragments / 1e9:13.3f} {traffic / 1e9:13.3f}"
+        print(f"{key:<16} {wait:13.3f} {gigabytes} {averaged:>6}/{plan.peers} {cpu:6.0f}", flush=True)
         figures[f"wait_fraction_{key}"] = round(wait, 4)
-        figures[f"round_bytes_{key}"] = round(per_round)
+        if fragments == 1:
+            figures[f"round_bytes_{key}"] = round(per_round)
+        figures[f"peak_round_bytes_{key}"] = round(per_round / fragments)  # in flight at once
     figures["round_bytes_int8_vs_sparse"] = round(figures["round_bytes_int8"] / figures["round_bytes_sparse"], 1)
     print(json.dumps({"peers": plan.peers, "model_params": plan.model, "uplink_mbit": UPLINK_MBIT, **figures}))
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from averaging.compression import Codec, get_codec  # noqa: E402
 from averaging.error_feedback import ErrorFeedback  # noqa: E402
 from averaging.local_updates import SPARSE_START_FRAGMENTS  # noqa: E402
+from averaging.outer_fragments import OuterFragments  # noqa: E402
 from averaging.outer_step import OuterStep  # noqa: E402
 from averaging.robust import centered_clip  # noqa: E402
 from averaging.settings import LOCAL_UPDATES  # noqa: E402
@@ -79,12 +80,13 @@ class Config:
     warmup_steps: int = 5
     inner_lr_scale: float = 1.0
     aggregation: str = "mean"  # or "centered-clip": each reducer's shard as a public swarm's (checked) rounds
+    fragments: int = 1  # streamed: rounds of local_steps / fragments steps take turns averaging a fragment
 
     def round_lengths(self, steps: int) -> list[int]:
         """Local steps of each round, adding up to ``steps``."""
         lengths: list[int] = []
         while sum(lengths) < steps:
-            size = self.warmup_steps if len(lengths) < self.warmup_rounds else self.local_steps
+            size = self.warmup_steps if len(lengths) < self.warmup_rounds else self.local_steps // self.fragments
             lengths.append(min(size, steps - sum(lengths)))
         return lengths
 
@@ -100,9 +102,14 @@ SPARSE = replace(
 # As a public swarm runs them: each shard by CenteredClip, replies in what a checked round sends.
 SPARSE_ROBUST = replace(SPARSE, name="overlapped topk_2bit+EF centered-clip", aggregation="centered-clip")
 BENCH_ROBUST = replace(BENCH, name="overlapped int8+EF centered-clip", aggregation="centered-clip")
+# Streamed fragments (``outer_fragments.py``): four fragments taking turns, one per 5 inner steps.
+STREAMED = replace(BENCH, name="overlapped int8+EF 4 fragments", fragments=4)
+STREAMED_SPARSE = replace(SPARSE, name="overlapped topk_2bit+EF 4 fragments", fragments=4)
 CONFIGS = [
     BENCH,
     SPARSE,
+    STREAMED,
+    STREAMED_SPARSE,
     SEQ,
     replace(SPARSE, name="sequential topk_2bit+EF owed in params", overlapped=False),
     replace(SPARSE, name="overlapped topk_4bit+EF owed in params", codec="topk_4bit"),
@@ -212,7 +219,7 @@ def _average(
             feedback.settle(result, replicas[me].deltas)
 
 
-def _keep_owed(config: Config, outers: list[OuterStep], feedbacks: list[ErrorFeedback] | None) -> None:
+def _keep_owed(config: Config, outers, feedbacks: list[ErrorFeedback] | None) -> None:
     """After an outer step, as LocalUpdatesOptimizer.advance: what each peer still owes moves from
     its residual into its parameters (``ErrorFeedback.move_into``)."""
     if config.owed_in_params and feedbacks is not None:
@@ -220,8 +227,11 @@ def _keep_owed(config: Config, outers: list[OuterStep], feedbacks: list[ErrorFee
             feedback.move_into(outer.params)
 
 
-def _outer_step(model: torch.nn.Module, config: Config) -> OuterStep:
-    return OuterStep(list(model.parameters()), lr=config.outer_lr, momentum=config.momentum, nesterov=config.nesterov)
+def _outer_steps(model: torch.nn.Module, config: Config) -> list[OuterStep]:
+    """One replica's outer step per fragment (one: the whole model)."""
+    params = list(model.parameters())
+    options = {"lr": config.outer_lr, "momentum": config.momentum, "nesterov": config.nesterov}
+    return OuterFragments(params, config.fragments, **options).steps
 
 
 def run_swarm(
@@ -232,39 +242,45 @@ def run_swarm(
     final bpb (replicas differ where each keeps its unsent progress)."""
     models = [copy.deepcopy(tasks[0].model) for _ in range(PEERS)]
     optimizers = [_optimizer(tasks[0], model, config.inner_lr_scale) for model in models]
-    outers = [_outer_step(model, config) for model in models]
-    feedbacks = (
-        [ErrorFeedback(outer.deltas, config.codec) for outer in outers]
-        if config.error_feedback and config.codec != "none"
-        else None
-    )
-    numel = sum(d.numel() for d in outers[0].deltas)
+    # by fragment, then replica: what the round of fragment f averages is fragments[f]
+    fragments = list(zip(*(_outer_steps(model, config) for model in models), strict=True))
+    lossy = config.error_feedback and config.codec != "none"
+    feedbacks = [
+        [ErrorFeedback(outer.deltas, config.codec) for outer in outers] if lossy else None for outers in fragments
+    ]
     codec = get_codec(config.codec)
     reply = codec.reply_codec(checked=config.aggregation == "centered-clip")
-    round_bytes = (PEERS - 1) * (codec.payload_size(numel // PEERS) + reply.payload_size(numel // PEERS))
-    anchors: list[list[torch.Tensor]] | None = None  # overlapped: where the deltas in flight were taken
+
+    def round_bytes(outers: tuple[OuterStep, ...]) -> int:
+        shard = sum(d.numel() for d in outers[0].deltas) // PEERS
+        return (PEERS - 1) * (codec.payload_size(shard) + reply.payload_size(shard))
+
+    in_flight: tuple[int, list[list[torch.Tensor]]] | None = None  # overlapped: a fragment and its anchors
     curve: dict[int, float] = {}
     sent_bytes, done, worst = 0, 0, float("nan")
-    for length in config.round_lengths(steps):
+    for number, length in enumerate(config.round_lengths(steps)):
         for index in range(length):
             for peer in range(PEERS):
                 _train(tasks[peer], models[peer], optimizers[peer], shard_batches[peer][done + index])
         done += length
+        turn = number % config.fragments
+        outers, feedback = fragments[turn], feedbacks[turn]
         if config.overlapped:
-            if anchors is not None:  # the previous round's average lands now
-                for outer, anchor in zip(outers, anchors, strict=True):
+            if in_flight is not None:  # the previous round's average lands now
+                landing, anchors = in_flight
+                for outer, anchor in zip(fragments[landing], anchors, strict=True):
                     outer.apply_delayed(anchor)
-                _keep_owed(config, outers, feedbacks)
-            anchors = [outer.compute_deltas_and_anchor() for outer in outers]
-            _average(outers, config.codec, feedbacks, config.aggregation)  # in flight until the next round ends
+                _keep_owed(config, fragments[landing], feedbacks[landing])
+            in_flight = (turn, [outer.compute_deltas_and_anchor() for outer in outers])
+            _average(list(outers), config.codec, feedback, config.aggregation)  # in flight until the next round ends
         else:
             for outer in outers:
                 outer.compute_deltas()
-            _average(outers, config.codec, feedbacks, config.aggregation)
+            _average(list(outers), config.codec, feedback, config.aggregation)
             for outer in outers:
                 outer.apply()
-            _keep_owed(config, outers, feedbacks)
-        sent_bytes += round_bytes
+            _keep_owed(config, outers, feedback)
+        sent_bytes += round_bytes(outers)
         if done % every == 0:
             figures = [_evaluate(tasks[0], model) for model in models]
             curve[done * PEERS * tasks[0].batch_size] = min(figures)
@@ -279,7 +295,7 @@ def main(args: argparse.Namespace) -> None:
     steps = rounds * (5 if args.quick else 20)  # each replica's steps: the benchmark's rounds of 20
     configs = CONFIGS
     if args.quick:
-        configs = [replace(c, local_steps=5) for c in (BENCH, SPARSE)]
+        configs = [replace(c, local_steps=5) for c in (BENCH, SPARSE, STREAMED, STREAMED_SPARSE)]
     elif args.only:
         wanted = args.only.split(",")
         configs = [c for c in CONFIGS if any(w in c.name for w in wanted)]
@@ -358,6 +374,12 @@ def _sparse_figures(summary: dict[str, dict], worst: dict[str, float], numel: in
         figures["loss_vs_int8_worst_replica"] = round(worst[SPARSE.name] / int8, 4)
     if sparse and sync:
         figures["loss_vs_sync_dp"] = round(sparse / sync, 4)
+    for config in (STREAMED, STREAMED_SPARSE):  # streamed fragments against the same scheme whole
+        streamed, whole = (summary.get(name, {}).get("bpb") for name in (config.name, BENCH.name))
+        key = "loss_streamed_sparse_vs_int8" if config.owed_in_params else "loss_streamed_int8_vs_int8"
+        if streamed and whole:
+            figures[key] = round(streamed / whole, 4)
+    figures["streamed_peak_in_flight_vs_whole"] = round(1 / STREAMED.fragments, 3)
     robust, robust_int8 = (summary.get(name, {}).get("bpb") for name in (SPARSE_ROBUST.name, BENCH_ROBUST.name))
     if robust and robust_int8:  # both under centered-clip, as a public swarm's rounds are
         figures["loss_vs_int8_robust"] = round(robust / robust_int8, 4)
@@ -366,7 +388,7 @@ def _sparse_figures(summary: dict[str, dict], worst: dict[str, float], numel: in
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds of 5 steps, 3 rows")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 rounds of 5 steps, 4 rows")
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of 20 local steps per replica")
     parser.add_argument("--every", type=int, default=20, help="evaluate every this many steps per replica")

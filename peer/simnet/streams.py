@@ -104,7 +104,8 @@ class SimStream(trio.abc.HalfCloseableStream):
             await self._wait_for_link_and_room(len(piece))
             self._check_can_send()
             flow = self._outgoing
-            segment = self.model.send(flow.source, flow.destination, trio.current_time(), len(piece))
+            size = self.model.modelled_size(len(view), len(piece))  # a bulk write may stand for more
+            segment = self.model.send(flow.source, flow.destination, trio.current_time(), size)
             flow.segments.append((segment.arrives_at, piece))
             flow.unread += len(piece)
             flow.arriving(segment.arrives_at)

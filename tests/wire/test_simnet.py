@@ -137,6 +137,21 @@ async def test_a_dial_takes_one_rtt_and_bytes_arrive_shaped_by_both_ends(autojum
     assert took == pytest.approx(network.model.one_way_delay(b.address, a.address) + size / (10 * MBIT))  # b's uplink
 
 
+async def test_a_bulk_write_stands_for_bulk_scale_times_its_bytes_and_a_small_one_for_itself(autojump_clock):
+    """As a simulated 1B-parameter model's averaging runs: tensors 100x smaller than modelled, their
+    writes 100x as costly on the links; the small messages around them at their own size."""
+    network = SimNetwork(seed=11, mixes=[(10.0, 50.0)], bulk_scale=100.0)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    delay = network.model.one_way_delay(b.address, a.address)
+    for size, stands_for in [(200_000, 20_000_000), (1_500, 150_000), (1_024, 1_024), (300, 300)]:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, bytes(size))
+            await receive_exactly(server, size)
+        assert trio.current_time() - start == pytest.approx(delay + stands_for / (10 * MBIT)), size
+
+
 async def test_bytes_arrive_whole_and_in_order(autojump_clock):
     network = SimNetwork(seed=12)
     a, b = network.add_host(), network.add_host()
