@@ -37,6 +37,10 @@ in-process simulation (``benchmarks/diloco_sim.py``, ``textlm`` small) this trai
 deltas; falling back to the start, or momentum 0.9, did not train. The start is then averaged a
 fragment at a time (``SPARSE_START_FRAGMENTS``), so that its float32 does not outweigh the rounds.
 
+With ``fragments=P`` the model is averaged in P fragments that take turns (streaming DiLoCo,
+``outer_fragments.py``): a round of ``local_steps / P`` inner steps averages and steps one of
+them, so each is still averaged every ``local_steps`` and at most 1/P of the model is in flight.
+
 With overlapped rounds, progress records and donor announcements go out in the background nursery
 between rounds. The start's averaging stays in line: besides pulling replicas together, its
 matchmaking holds a peer whose rounds run ahead until the others arrive (up to the matchmaking
@@ -45,6 +49,7 @@ deadline), which keeps the swarm's round boundaries close enough for the deltas'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -86,7 +91,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     with any of its fields given as keyword arguments instead (``codec="none"``). ``fragments``: the
     model is averaged in that many fragments taking turns, one per round of ``local_steps /
     fragments`` inner steps, so each fragment still averages every ``local_steps``
-    (``outer_fragments.py``); an epoch is then one such round."""
+    (``outer_fragments.py``); an epoch is then one such round, so every peer of a ``prefix`` must
+    use the same count (their rounds' keys differ, and others' epochs would run P times slower)."""
 
     def __init__(
         self,
@@ -107,7 +113,9 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.rounds: RoundSchedule = rounds if rounds is not None else SequentialRounds()
         self.inner = inner_optimizer
         self.local_steps = local_steps
-        self.round_steps = max(1, round(local_steps / fragments))  # inner steps per round (per fragment)
+        if fragments < 1 or local_steps % fragments:
+            raise ValueError(f"{fragments} fragments must divide local_steps ({local_steps}) into equal rounds")
+        self.round_steps = local_steps // fragments  # inner steps per round (per fragment)
         self.params = [p for group in inner_optimizer.param_groups for p in group["params"]]
         codec = settings.codec
         # With a sparse codec each peer keeps what the swarm has not applied yet in its parameters
@@ -263,7 +271,13 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     # What a round schedule (local_rounds.LocalRound) drives:
 
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
-        return await self.fragment(epoch).average(epoch, weight)
+        record = await self.fragment(epoch).average(epoch, weight)
+        turns = len(self.fragments)
+        if record.epoch % turns != epoch % turns:
+            # A group on this fragment's key declared another fragment's turn: only a member's
+            # word, and taking it (``Replica.count_round``) would skip that fragment's round.
+            record = dataclasses.replace(record, epoch=epoch)
+        return record
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
         """Apply an outer step and count the round ``record`` averaged (the group's epoch, which a

@@ -55,7 +55,7 @@ def deal_fragments(sizes: list[int], count: int) -> list[list[int]]:
 
 class OuterFragments:
     """One ``OuterStep`` per fragment, and the whole model's start, momentum and start averaging
-    across them (in fragment order, the same on every peer), as newcomers download them."""
+    across them, in the model's order (what newcomers download is the same whatever the fragments)."""
 
     def __init__(self, params: list[torch.Tensor], count: int, *, lr: float, momentum: float, nesterov: bool = True):
         self.groups = deal_fragments([p.numel() for p in params], count)
@@ -64,7 +64,13 @@ class OuterFragments:
         ]
 
     def _joined(self, name: str) -> list[torch.Tensor]:
-        return [tensor for step in self.steps for tensor in getattr(step, name)]
+        """The steps' ``name`` tensors (one per parameter, or none), in the parameters' order."""
+        placed = [
+            (index, tensor)
+            for group, step in zip(self.groups, self.steps, strict=True)
+            for index, tensor in zip(group, getattr(step, name), strict=False)
+        ]
+        return [tensor for _, tensor in sorted(placed, key=lambda pair: pair[0])]
 
     @property
     def params(self) -> list[torch.Tensor]:

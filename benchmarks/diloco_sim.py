@@ -27,6 +27,10 @@ Sparse rounds (2026-12, small model, 6 rounds): ``topk_2bit`` with each peer's u
 its parameters 1.141 (int8 defaults 1.219); the same under CenteredClip with 8-bit replies, as a
 public swarm's checked rounds run, 1.145 (int8 under CenteredClip 1.218).
 
+Streamed fragments (2026-12, small model, 6 rounds, one run; ``outer_fragments.py``: four
+fragments taking turns, a round of 5 steps each, the same bytes per 20 steps): int8 1.173 (whole
+1.219 in the same run), ``topk_2bit`` 1.149 (whole 1.141).
+
 Run: ``python benchmarks/diloco_sim.py`` (the full sweep, ~45 min at one thread), ``--only NAME,...``
 for chosen rows (and no sync baseline), ``--quick`` (tiny model, a few rows, < 50 s). Prints a table and, last, one JSON
 object with the ratios.

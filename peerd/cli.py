@@ -173,6 +173,8 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
     if args.fragments < 1 or (args.fragments > 1 and args.mode != "local-updates"):
         raise ValueError(f"--fragments {args.fragments}: give 1, or N > 1 with --mode local-updates")
+    if args.local_steps % args.fragments:
+        raise ValueError(f"--fragments {args.fragments} must divide --local-steps {args.local_steps} into equal rounds")
     access = access_from_args(args)
     # the ports are bound only after the node-ID puzzle: a taken one must fail before it
     check_port_free("listen", *args.listen, "--listen HOST:PORT")

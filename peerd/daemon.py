@@ -154,6 +154,13 @@ class Daemon:
             address = PeerAddress(_reachable_host(), address.port, address.peer_id)
         await host_experts(self.host, dht, hosting, experts=experts, announce_address=address)
 
+    def _swarm_prefix(self, task_name: str) -> str:
+        """The DHT keys' prefix of the swarm that trains ``task_name`` in this run: peers that
+        average in fragments (``--fragments``) are a swarm of their own, as their rounds are."""
+        training = self.config.training
+        fragments = training.fragments if training.mode == "local-updates" else 1
+        return f"{self.config.network.run_id}.{task_name}" + (f".{fragments}fragments" if fragments > 1 else "")
+
     async def _load_task(self, dht, device: str):
         """This peer's data shard (chosen with the swarm for ``auto``) and its task, loaded on it.
         A machine of several ranks is one peer on that shard: each rank loads its own part of it
@@ -168,7 +175,7 @@ class Daemon:
             from averaging.progress import ProgressTracker  # torch loads only in peers that train
 
             name = await trio.to_thread.run_sync(task_name, training.task, training.model_size)
-            claim = ProgressTracker(dht, f"{self.config.network.run_id}.{name}")
+            claim = ProgressTracker(dht, self._swarm_prefix(name))
             shard = ShardSpec(*await claim_shard(claim))
         self.data_shard = f"{shard.index}/{shard.count}"
         async with trio.open_nursery() as loading:
@@ -196,12 +203,12 @@ class Daemon:
         from averaging.settings import COLLABORATIVE, LOCAL_UPDATES
         from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 
-        training, averaging, run_id = self.config.training, self.config.averaging, self.config.network.run_id
+        training, averaging = self.config.training, self.config.averaging
         ranks = self.config.ranks
         device = ranks.task_device if ranks else self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shard, task = await self._load_task(dht, device)
         inner = task.make_optimizer(list(task.model.parameters()))
-        prefix = f"{run_id}.{task.name}"
+        prefix = self._swarm_prefix(task.name)
         async with trio.open_nursery() as background:
             local_updates = training.mode == "local-updates"
             settings = (LOCAL_UPDATES if local_updates else COLLABORATIVE).replace(
@@ -255,7 +262,8 @@ class Daemon:
 
 
 def _fragments(wanted: int, model) -> int:
-    """``--fragments``, or as many as the model has parameter tensors (a fragment holds whole ones)."""
+    """``--fragments``, or as many as the model has parameter tensors (a fragment holds whole
+    ones): every peer of the swarm (``_swarm_prefix``: same task, same count asked) gets the same."""
     tensors = sum(1 for _ in model.parameters())
     if wanted > tensors:
         log.warning("--fragments %d: the model has %d parameter tensors, so %d fragments", wanted, tensors, tensors)

@@ -156,9 +156,9 @@ class NetworkModel:
         self._side_of = None
 
     # ------------------------------------------------------------------ bytes
-    def modelled_size(self, write: int, size: int) -> int:
-        """The bytes that ``size`` bytes of a write of ``write`` bytes stand for on the links."""
-        return round(size * self.bulk_scale) if write > self.bulk_size else size
+    def write_scale(self, write: int) -> float:
+        """How many bytes on the links each byte of a write of ``write`` bytes stands for."""
+        return self.bulk_scale if write > self.bulk_size else 1.0
 
     def send(self, source: str, destination: str, now: float, size: int) -> Segment:
         """Put ``size`` bytes on the path at ``now``: when they have left the sender's uplink (its

@@ -55,8 +55,9 @@ class Flow:
 
     def __init__(self, source: str, destination: str):
         self.source, self.destination = source, destination
-        self.segments: deque[tuple[float, bytes]] = deque()  # (arrives at, bytes), in order
-        self.unread = 0  # bytes in ``segments``: sent and not yet taken by the reader
+        # (arrives at, bytes, how many bytes on the links each stands for: ``bulk_scale``), in order
+        self.segments: deque[tuple[float, bytes, float]] = deque()
+        self.unread = 0.0  # bytes on the links that ``segments`` stand for: sent, not yet taken
         self.ends_at: float | None = None  # when the end of the stream arrives, once the sender closed
         self.receiver_closed = False
         self.changed = trio.lowlevel.ParkingLot()
@@ -99,15 +100,19 @@ class SimStream(trio.abc.HalfCloseableStream):
         if not view:
             await trio.lowlevel.checkpoint()
             self._check_can_send()
-        for start in range(0, len(view), SEGMENT_BYTES):
-            piece = bytes(view[start : start + SEGMENT_BYTES])  # a copy: callers reuse their buffers
-            await self._wait_for_link_and_room(len(piece))
+        # A bulk write stands for ``scale`` times its bytes: it goes in pieces that stand for a
+        # segment each, so that other connections' segments take turns with it on the uplink.
+        scale = self.model.write_scale(len(view))
+        step = max(1, int(SEGMENT_BYTES / scale))
+        for start in range(0, len(view), step):
+            piece = bytes(view[start : start + step])  # a copy: callers reuse their buffers
+            size = len(piece) * scale
+            await self._wait_for_link_and_room(size)
             self._check_can_send()
             flow = self._outgoing
-            size = self.model.modelled_size(len(view), len(piece))  # a bulk write may stand for more
-            segment = self.model.send(flow.source, flow.destination, trio.current_time(), size)
-            flow.segments.append((segment.arrives_at, piece))
-            flow.unread += len(piece)
+            segment = self.model.send(flow.source, flow.destination, trio.current_time(), round(size))
+            flow.segments.append((segment.arrives_at, piece, scale))
+            flow.unread += size
             flow.arriving(segment.arrives_at)
             room_at = segment.sent_at - SEND_BUFFER_BYTES / self.model.hosts[flow.source].uplink
             if room_at > trio.current_time():
@@ -159,7 +164,7 @@ class SimStream(trio.abc.HalfCloseableStream):
                 return ready[1][:1] if ready else b""
             await self._wait_for_arrival()
 
-    def _ready(self) -> tuple[float, bytes] | tuple[()] | None:
+    def _ready(self) -> tuple[float, bytes, float] | tuple[()] | None:
         """The head segment if it has arrived, () at an arrived end of stream, None otherwise."""
         if self._closed:
             raise trio.ClosedResourceError("this end of the stream is closed")
@@ -175,15 +180,15 @@ class SimStream(trio.abc.HalfCloseableStream):
             return ()
         return None
 
-    def _take(self, head: tuple[float, bytes], max_bytes: int | None) -> bytes:
+    def _take(self, head: tuple[float, bytes, float], max_bytes: int | None) -> bytes:
         flow = self._incoming
-        arrived, data = head
+        arrived, data, scale = head
         if max_bytes is not None and max_bytes < len(data):
-            flow.segments[0] = (arrived, data[max_bytes:])
+            flow.segments[0] = (arrived, data[max_bytes:], scale)
             data = data[:max_bytes]
         else:
             flow.segments.popleft()
-        flow.unread -= len(data)
+        flow.unread = max(0.0, flow.unread - len(data) * scale)
         flow.notify()  # a sender waiting for room in the window goes on
         return data
 
@@ -203,7 +208,7 @@ class SimStream(trio.abc.HalfCloseableStream):
             finally:
                 flow.waiting = None
 
-    async def _wait_for_link_and_room(self, size: int) -> None:
+    async def _wait_for_link_and_room(self, size: float) -> None:
         flow = self._outgoing
         while not self.model.linked(flow.source, flow.destination) or (flow.unread + size > RECEIVE_WINDOW_BYTES):
             self._check_can_send()
@@ -230,6 +235,6 @@ class SimStream(trio.abc.HalfCloseableStream):
         incoming = self._incoming
         incoming.receiver_closed = True
         incoming.segments.clear()
-        incoming.unread = 0
+        incoming.unread = 0.0
         incoming.notify()
         self._outgoing.notify()  # a send of ours stalled on a dead link or a full window gives up

@@ -12,7 +12,8 @@ import trio
 
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import LocalUpdatesOptimizer
-from averaging.outer_fragments import deal_fragments
+from averaging.outer_fragments import OuterFragments, deal_fragments
+from averaging.replica import AveragingRecord
 from peerd.exit_codes import EXIT_BAD_INPUT
 from peerd.join_arguments import FRAGMENTS
 from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
@@ -34,6 +35,101 @@ def test_fragments_hold_every_tensor_once_in_even_sizes_and_stride_a_stack_of_bl
 def test_a_fragment_count_the_model_cannot_fill_is_refused(count):
     with pytest.raises(ValueError, match="give 1 to 8"):
         deal_fragments([1] * 8, count)
+
+
+def test_the_start_and_momentum_are_in_the_models_order_whatever_the_fragments():
+    """What newcomers download and the start averaging averages: four tensors of one shape (a
+    layer's q, k, v, o) dealt into two fragments must not come back as q, v, k, o."""
+    params = [torch.nn.Parameter(torch.full((8, 8), float(i))) for i in range(4)]
+    for count in (1, 2, 4):
+        outer = OuterFragments(params, count, lr=0.7, momentum=0.9)
+        assert [float(tensor[0, 0]) for tensor in outer.start] == [0.0, 1.0, 2.0, 3.0]
+        assert [tensor.shape for tensor in outer.momentum] == [(8, 8)] * 4
+        assert [p is q for p, q in zip(outer.params, params, strict=True)] == [True] * 4
+        flat = torch.cat([piece for pieces in outer.start_fragments(3) for piece in pieces])
+        assert torch.equal(flat, torch.cat([torch.full((64,), float(i)) for i in range(4)]))
+
+
+class _Fragment:
+    """One fragment's round whose group declared ``declared`` (a member may claim any round)."""
+
+    def __init__(self, declared: int):
+        self.declared = declared
+
+    async def average(self, epoch, weight):
+        return AveragingRecord(self.declared, averaged=True)
+
+
+async def test_a_group_that_declares_another_fragments_turn_does_not_move_the_epoch():
+    """On fragment 0's key every honest peer declares an even round; a member declaring round 1
+    there would have its group count round 1 as done, and fragment 1 would miss its turn."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+        optimizer = LocalUpdatesOptimizer(
+            torch.optim.SGD(params, lr=0.1), node, prefix="turns", local_steps=2, fragments=2
+        )
+        optimizer.fragments[0] = _Fragment(declared=1)
+        assert (await optimizer.average_deltas(0, 1.0)).epoch == 0
+        optimizer.fragments[0] = _Fragment(declared=2)  # a peer a whole turn ahead: as one fragment's rounds are
+        assert (await optimizer.average_deltas(0, 1.0)).epoch == 2
+        nursery.cancel_scope.cancel()
+
+
+def test_rounds_of_fragments_must_split_the_local_steps_evenly():
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    with pytest.raises(ValueError, match="3 fragments must divide local_steps"):
+        LocalUpdatesOptimizer(torch.optim.SGD(params, lr=0.1), object(), prefix="x", local_steps=20, fragments=3)
+
+
+class _MovingRound:
+    """A LocalRound whose epoch moves while a round is in flight (a group's declared round, a
+    state load), so that ``outer_step`` names another fragment by the time the round lands."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.landed: list[str] = []
+        self.averaged = trio.Event()
+
+    @property
+    def outer_step(self):
+        round_ = self
+
+        class Moves:
+            name = f"fragment {round_.epoch % 2}"
+
+            def compute_deltas_and_anchor(self):
+                return []
+
+            def apply_delayed(self, anchor):
+                round_.landed.append(self.name)
+
+        return Moves()
+
+    async def average_deltas(self, epoch, weight):
+        self.averaged.set()
+        return AveragingRecord(epoch, averaged=True)
+
+    async def advance(self, apply, record):
+        apply()
+
+    async def finish_round(self):
+        pass
+
+    def restart_round(self):
+        pass
+
+
+async def test_an_overlapped_round_lands_on_the_fragment_whose_delta_it_took():
+    run = _MovingRound()
+    async with trio.open_nursery() as background:
+        rounds = OverlappedRounds(background)
+        assert await rounds.end_round(run, 1.0) is False  # fragment 0's delta goes out
+        await run.averaged.wait()
+        run.epoch = 1  # meanwhile the epoch moved: the current round is fragment 1's
+        assert await rounds.end_round(run, 1.0) is True
+        assert run.landed == ["fragment 0"]
+        background.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
@@ -124,6 +220,10 @@ async def test_three_peers_reach_the_digits_target_averaging_in_fragments():
 def test_peerd_join_refuses_fragments_outside_local_updates_in_one_line(tmp_path):
     for extra, line in [
         (["--fragments", "2"], "peerd: --fragments 2: give 1, or N > 1 with --mode local-updates"),
+        (
+            ["--fragments", "3", "--mode", "local-updates"],
+            "peerd: --fragments 3 must divide --local-steps 20 into equal rounds",
+        ),
         (
             ["--fragments", "0", "--mode", "local-updates"],
             "peerd: --fragments 0: give 1, or N > 1 with --mode local-updates",

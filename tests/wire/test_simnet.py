@@ -152,6 +152,43 @@ async def test_a_bulk_write_stands_for_bulk_scale_times_its_bytes_and_a_small_on
         assert trio.current_time() - start == pytest.approx(delay + stands_for / (10 * MBIT)), size
 
 
+async def test_a_small_message_waits_behind_bulk_writes_as_long_as_behind_the_bytes_they_stand_for(autojump_clock):
+    """Four connections on one 100 Mbit/s uplink send 64 KiB (scaled 100x: 6.4 MB each) while a
+    300-byte message goes out on a fifth: it takes its turn among their segments, as among real
+    6.4 MB transfers, instead of waiting behind a whole 6.4 MB segment of each."""
+    waits = {}
+    for scale in (1.0, 100.0):
+        network = SimNetwork(seed=21, mixes=[(100.0, 1000.0)], bulk_scale=scale)
+        sender = network.add_host()
+        pairs = [await connected(network, network.add_host(), sender) for _ in range(5)]
+        size = round(6_400_000 / scale)
+        async with trio.open_nursery() as nursery:
+            for client, server, _ in pairs[:4]:
+                nursery.start_soon(client.send_all, bytes(size))
+                nursery.start_soon(receive_exactly, server, size)
+            await trio.sleep(0.05)
+            client, server, _ = pairs[4]
+            start = trio.current_time()
+            await client.send_all(bytes(300))
+            await receive_exactly(server, 300)
+            waits[scale] = trio.current_time() - start
+    assert waits[100.0] == pytest.approx(waits[1.0], abs=0.01), waits
+
+
+async def test_a_bulk_writers_window_holds_the_bytes_it_stands_for(autojump_clock):
+    """A reader that never reads stops a bulk writer once the bytes its writes stand for fill the
+    receive window, as it would stop the real transfer: 1/100 of the window in real bytes."""
+    network = SimNetwork(seed=17, bulk_scale=100.0)
+    client, server, _ = await connected(network, network.add_host(), network.add_host())
+    sent = 0
+    with trio.move_on_after(3600) as stalled:
+        while True:
+            await client.send_all(bytes(8192))
+            sent += 8192
+    assert stalled.cancelled_caught
+    assert RECEIVE_WINDOW_BYTES / 100 - 8192 <= sent <= RECEIVE_WINDOW_BYTES / 100
+
+
 async def test_bytes_arrive_whole_and_in_order(autojump_clock):
     network = SimNetwork(seed=12)
     a, b = network.add_host(), network.add_host()
