@@ -25,7 +25,7 @@ SMALLEST = {
     "moe": (["--quick", "--hidden", "64", "--batch", "32"], "ratio"),
     "training": (["--quick", "--solo-s", "0.5", "--collab-s", "1.5", "--target-batch-sizes", "256"], "overhead_ratio"),
     "diloco_sim": (["--quick"], "loss_vs_int8"),
-    "billion_sim": (["--quick", "--peers", "3"], "wait_fraction_sparse"),
+    "billion_sim": (["--quick", "--peers", "3", "--only", "sparse,sparse_streamed"], "wait_fraction_sparse_streamed"),
     "scale_tcp": (["--quick"], "averaged_fraction"),
     "nat": (["--quick", "--tries", "3", "--megabytes", "2"], "punch_success"),
     "dht": (["--smoke"], "get_ratio"),
