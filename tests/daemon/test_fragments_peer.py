@@ -1,0 +1,34 @@
+"""``peerd join --mode local-updates --fragments 2`` as users run it: two processes train digits,
+averaging the model's two halves in turn, and a newcomer choosing its data shard counts the peers
+of its own swarm (peers averaging in fragments keep their records under keys that name the count)."""
+
+from __future__ import annotations
+
+from tests.daemon.test_machine_peer import start_peer
+from tests.support.processes import status_of, wait_until
+
+MODE = ("--mode", "local-updates", "--local-steps", "10", "--fragments", "2")
+
+
+def test_two_peers_averaging_in_fragments_train_digits_and_a_newcomer_takes_the_free_shard(tmp_path):
+    first, first_port = start_peer(tmp_path, "first", "0/2", None, *MODE)
+    second = None
+    try:
+        address = status_of(first_port)["address"]
+        second, second_port = start_peer(tmp_path, "second", "auto", address, *MODE)
+        wait_until(lambda: (status_of(second_port) or {}).get("data_shard") is not None, 60, "a shard chosen")
+        assert status_of(second_port)["data_shard"] == "1/2"  # it counted the first peer's claim
+        wait_until(
+            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (first_port, second_port)) >= 0.9,
+            90,
+            "both peers at 0.9 held-out accuracy",
+        )
+        wait_until(
+            lambda: ((status_of(second_port) or {}).get("last_averaging") or {}).get("group") == 2,
+            60,
+            "a fragment's round of both peers",
+        )
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
