@@ -73,6 +73,20 @@ class ErrorFeedback:
         self.residual.zero_()
         self._sent = None
 
+    def owe_all(self, tensors: Sequence[torch.Tensor]) -> None:
+        """After a round that averaged nothing, with a sparse codec: it applies nothing either
+        (``tensors`` zeroed) and all of this round's contribution stays owed. Applying our whole
+        delta instead, as a dense round's fallback does, would move this peer's shared start by
+        all of its unsent progress, away from every other peer's."""
+        sent, self._sent = self._sent, None
+        with torch.no_grad():
+            if sent is None:
+                self.residual.zero_()
+            else:
+                self.residual.copy_(sent)
+            for tensor in tensors:
+                tensor.zero_()
+
     def settle(self, result: AllReduceResult | None, averaged: Sequence[torch.Tensor] | None = None) -> None:
         """After the round: the new residual is what the round's encoding dropped from our
         contribution (``result`` None: the round failed and our values were used as they are).

@@ -136,9 +136,15 @@ class RoundFragment:
         feedback, deltas = self.feedback, self.step.deltas
         if feedback is not None:
             await run_blocking(feedback.add_residual, deltas)
-        record = await average_once(
-            self.averager, epoch=epoch, weight=weight, fallback="applying the local delta alone"
-        )
-        if feedback is not None:
+        sparse = feedback is not None and feedback.codec.sparse
+        fallback = "keeping the local delta owed" if sparse else "applying the local delta alone"
+        record = await average_once(self.averager, epoch=epoch, weight=weight, fallback=fallback)
+        if feedback is None:
+            return record
+        if sparse and not record.averaged and not record.alone:
+            # Others train on: our start must stay where theirs is. (Alone, our start is the
+            # swarm's: it takes our whole delta, and a newcomer downloads our progress with it.)
+            await run_blocking(feedback.owe_all, deltas)
+        else:
             await run_blocking(feedback.settle, record.result, deltas)
         return record

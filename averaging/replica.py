@@ -71,6 +71,7 @@ class AveragingRecord:
     # (a small share next to a round's tensors)
     bytes: int = 0
     failure: str | None = None
+    alone: bool = False  # no other peer declared the round: this peer is the swarm, for now
     # what the all-reduce did (None: no round finished): error feedback reads where parts fell
     result: AllReduceResult | None = field(default=None, repr=False, compare=False)
 
@@ -130,6 +131,7 @@ async def average_once(
             seconds=trio.current_time() - started,
             bytes=traffic.bytes_sent + traffic.bytes_received - bytes_before,
             failure=reason,
+            alone=isinstance(error, NoOtherPeers),
         )
     _alone.discard(averager)
     result = averaged.result

@@ -6,14 +6,18 @@ way, in both schedules; robust rounds refuse sparse codecs until their checks ca
 from __future__ import annotations
 
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
 import trio
 
+from averaging.error_feedback import ErrorFeedback
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import SPARSE_START_FRAGMENTS, LocalUpdatesOptimizer
+from averaging.matchmaking_errors import MatchmakingError, NoOtherPeers
 from averaging.optimizer import CollaborativeOptimizer
+from averaging.outer_fragments import RoundFragment
 from averaging.outer_step import OuterStep
 from peerd.exit_codes import EXIT_BAD_INPUT
 from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
@@ -66,6 +70,38 @@ async def test_a_sparse_round_applies_a_few_values_and_each_peer_keeps_the_rest_
         trained = -(grads[0] + grads[1])  # one SGD step each from zero
         assert torch.allclose(weights[0].detach() + weights[1].detach(), trained, atol=1e-5)
         nursery.cancel_scope.cancel()
+
+
+class _FailingAverager:
+    """An averager whose every round fails with ``error`` (no group formed)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.host = SimpleNamespace(traffic=SimpleNamespace(bytes_sent=0, bytes_received=0))
+
+    async def step(self, **kwargs):
+        raise self.error
+
+
+@pytest.mark.parametrize("alone", [False, True])
+async def test_a_sparse_round_that_averages_nothing_moves_the_start_only_for_a_peer_alone(alone):
+    """Others train on without us (our group never formed): our start must stay where theirs is
+    and our parameters where our training took them, all of the round's delta owed. Applying the
+    whole delta, as a dense round's fallback does, moved our start by all our unsent progress.
+    Alone, our start is the swarm's: it moves with our progress, which newcomers then download."""
+    weight = torch.nn.Parameter(torch.zeros(128))
+    step = OuterStep([weight], lr=1.0, momentum=0.0)
+    error = NoOtherPeers("nobody declared") if alone else MatchmakingError("no averaging group formed")
+    fragment = RoundFragment(step, _FailingAverager(error), ErrorFeedback(step.deltas, "topk_2bit"), True)
+    with torch.no_grad():
+        weight.add_(torch.randn(128, generator=torch.Generator().manual_seed(5)))
+    trained = weight.detach().clone()
+    fragment.compute_deltas()
+    record = await fragment.average(0, 1.0)
+    fragment.apply()
+    assert not record.averaged and record.alone is alone
+    torch.testing.assert_close(weight.detach(), trained)  # all of its own progress, kept
+    torch.testing.assert_close(step.start[0], trained if alone else torch.zeros(128))
 
 
 def test_a_sparse_codec_needs_outer_lr_one_without_momentum():
