@@ -78,6 +78,10 @@ __all__ = ["LocalUpdatesOptimizer", "SPARSE_START_FRAGMENTS"]
 # deltas and whole-start averaging. The price: the whole start is averaged every 320 rounds.
 SPARSE_START_FRAGMENTS = 64
 
+# With a sparse codec, a round that averaged nothing while others train on applies nothing (all of
+# it stays owed), this many times in a row at most (``_others_train_on``).
+MAX_OWED_ROUNDS = 3
+
 log = logging.getLogger("peerd.training")
 
 
@@ -163,6 +167,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started: float | None = None
+        self._unaveraged = 0  # rounds in a row that averaged nothing
 
     @property
     def start_averager(self) -> GroupAverager:
@@ -271,13 +276,28 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     # What a round schedule (local_rounds.LocalRound) drives:
 
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
-        record = await self.fragment(epoch).average(epoch, weight)
+        fragment = self.fragment(epoch)
+        record = await fragment.average(epoch, weight)
+        self._unaveraged = 0 if record.averaged else self._unaveraged + 1
+        await fragment.settle(record, keep_owed=self._owed_in_params and self._others_train_on(record))
         turns = len(self.fragments)
         if record.epoch % turns != epoch % turns:
             # A group on this fragment's key declared another fragment's turn: only a member's
             # word, and taking it (``Replica.count_round``) would skip that fragment's round.
             record = dataclasses.replace(record, epoch=epoch)
         return record
+
+    def _others_train_on(self, record: AveragingRecord) -> bool:
+        """Whether a round that averaged nothing should leave our start where the swarm's is (a
+        sparse codec's rounds then apply nothing: ``RoundFragment.settle``): while other peers'
+        progress records are live, whatever matchmaking saw (their declarations may have missed
+        ours), and for ``MAX_OWED_ROUNDS`` rounds in a row at most. Past that we are on our own
+        (cut off, or a saboteur spoils our rounds), and a start that never moved would be what
+        newcomers download: our start takes our whole delta, as a peer alone's does."""
+        if record.averaged or self._unaveraged > MAX_OWED_ROUNDS:
+            return False
+        view = self.replica.view(self.local_samples)
+        return not record.alone or any(peer != view.me for peer in view.peers)
 
     async def advance(self, apply: Callable[[], None], record: AveragingRecord | None) -> None:
         """Apply an outer step and count the round ``record`` averaged (the group's epoch, which a

@@ -132,19 +132,23 @@ class RoundFragment:
 
     async def average(self, epoch: int, weight: float) -> AveragingRecord:
         """Average the fragment's deltas with a group (on failure they stay this peer's own), the
-        error feedback's residual added before and settled after."""
+        error feedback's residual added first; ``settle`` after."""
         feedback, deltas = self.feedback, self.step.deltas
         if feedback is not None:
             await run_blocking(feedback.add_residual, deltas)
-        sparse = feedback is not None and feedback.codec.sparse
-        fallback = "keeping the local delta owed" if sparse else "applying the local delta alone"
-        record = await average_once(self.averager, epoch=epoch, weight=weight, fallback=fallback)
+        fallback = "applying the local delta alone"
+        if feedback is not None and feedback.codec.sparse:
+            fallback = "keeping this peer's progress"  # in its start or its parameters: ``settle``
+        return await average_once(self.averager, epoch=epoch, weight=weight, fallback=fallback)
+
+    async def settle(self, record: AveragingRecord, keep_owed: bool) -> None:
+        """What the error feedback keeps of the round ``record`` says: what its encoding dropped,
+        or, ``keep_owed`` (a sparse round that averaged nothing while others train on), all of it:
+        the round then applies nothing, and the start stays where the others' is."""
+        feedback = self.feedback
         if feedback is None:
-            return record
-        if sparse and not record.averaged and not record.alone:
-            # Others train on: our start must stay where theirs is. (Alone, our start is the
-            # swarm's: it takes our whole delta, and a newcomer downloads our progress with it.)
-            await run_blocking(feedback.owe_all, deltas)
+            return
+        if keep_owed and not record.averaged:
+            await run_blocking(feedback.owe_all, self.step.deltas)
         else:
-            await run_blocking(feedback.settle, record.result, deltas)
-        return record
+            await run_blocking(feedback.settle, record.result, self.step.deltas)

@@ -223,7 +223,7 @@ class Daemon:
                     dht,
                     prefix=prefix,
                     local_steps=training.local_steps,
-                    fragments=_fragments(training.fragments, task.model),
+                    fragments=fragments_for(training.fragments, training.local_steps, task.model),
                     rounds=OverlappedRounds(background),
                     settings=settings,
                 )
@@ -261,13 +261,16 @@ class Daemon:
         return MachineTrainer(task, optimizer, ranks, compute)
 
 
-def _fragments(wanted: int, model) -> int:
-    """``--fragments``, or as many as the model has parameter tensors (a fragment holds whole
-    ones): every peer of the swarm (``_swarm_prefix``: same task, same count asked) gets the same."""
+def fragments_for(wanted: int, local_steps: int, model) -> int:
+    """``--fragments``, or, past the model's parameter tensors (a fragment holds whole ones), the
+    most of them that split ``local_steps`` evenly: every peer of the swarm (``_swarm_prefix``:
+    the same task, the same count asked) gets the same."""
     tensors = sum(1 for _ in model.parameters())
-    if wanted > tensors:
-        log.warning("--fragments %d: the model has %d parameter tensors, so %d fragments", wanted, tensors, tensors)
-    return min(wanted, tensors)
+    if wanted <= tensors:
+        return wanted
+    count = max(count for count in range(1, tensors + 1) if local_steps % count == 0)
+    log.warning("--fragments %d: the model has %d parameter tensors, so %d fragments", wanted, tensors, count)
+    return count
 
 
 def _reachable_host() -> str:

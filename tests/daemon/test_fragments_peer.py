@@ -4,6 +4,9 @@ of its own swarm (peers averaging in fragments keep their records under keys tha
 
 from __future__ import annotations
 
+import torch
+
+from peerd.daemon import fragments_for
 from tests.daemon.test_machine_peer import start_peer
 from tests.support.processes import status_of, wait_until
 
@@ -32,3 +35,9 @@ def test_two_peers_averaging_in_fragments_train_digits_and_a_newcomer_takes_the_
         if second is not None:
             second.stop()
         first.stop()
+
+
+def test_more_fragments_than_the_model_has_tensors_is_the_most_that_split_the_steps():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # 4 tensors
+    assert [fragments_for(wanted, 10, model) for wanted in (1, 2, 4, 5, 8)] == [1, 2, 4, 2, 2]
+    assert fragments_for(8, 12, model) == 4

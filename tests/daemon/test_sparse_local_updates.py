@@ -5,6 +5,7 @@ way, in both schedules; robust rounds refuse sparse codecs until their checks ca
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from types import SimpleNamespace
 
@@ -12,13 +13,12 @@ import pytest
 import torch
 import trio
 
-from averaging.error_feedback import ErrorFeedback
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
 from averaging.local_updates import SPARSE_START_FRAGMENTS, LocalUpdatesOptimizer
 from averaging.matchmaking_errors import MatchmakingError, NoOtherPeers
 from averaging.optimizer import CollaborativeOptimizer
-from averaging.outer_fragments import RoundFragment
 from averaging.outer_step import OuterStep
+from averaging.progress import PeerProgress, SwarmProgress
 from peerd.exit_codes import EXIT_BAD_INPUT
 from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
 from tests.support.processes import PEERD
@@ -83,25 +83,42 @@ class _FailingAverager:
         raise self.error
 
 
-@pytest.mark.parametrize("alone", [False, True])
-async def test_a_sparse_round_that_averages_nothing_moves_the_start_only_for_a_peer_alone(alone):
-    """Others train on without us (our group never formed): our start must stay where theirs is
-    and our parameters where our training took them, all of the round's delta owed. Applying the
-    whole delta, as a dense round's fallback does, moved our start by all our unsent progress.
-    Alone, our start is the swarm's: it moves with our progress, which newcomers then download."""
-    weight = torch.nn.Parameter(torch.zeros(128))
-    step = OuterStep([weight], lr=1.0, momentum=0.0)
-    error = NoOtherPeers("nobody declared") if alone else MatchmakingError("no averaging group formed")
-    fragment = RoundFragment(step, _FailingAverager(error), ErrorFeedback(step.deltas, "topk_2bit"), True)
-    with torch.no_grad():
-        weight.add_(torch.randn(128, generator=torch.Generator().manual_seed(5)))
-    trained = weight.detach().clone()
-    fragment.compute_deltas()
-    record = await fragment.average(0, 1.0)
-    fragment.apply()
-    assert not record.averaged and record.alone is alone
-    torch.testing.assert_close(weight.detach(), trained)  # all of its own progress, kept
-    torch.testing.assert_close(step.start[0], trained if alone else torch.zeros(128))
+async def test_a_sparse_round_that_averages_nothing_moves_the_start_only_for_a_peer_on_its_own():
+    """Others train on without us (no group formed; or matchmaking saw nobody, while their progress
+    records are live): our start must stay where theirs is and our parameters where our training
+    took them, all of the round's delta owed. Applying the whole delta, as a dense round's fallback
+    does, moved our start by all our unsent progress. On our own (no one else's progress, or more
+    than MAX_OWED_ROUNDS such rounds in a row), our start is the swarm's: it takes our progress,
+    and newcomers download it."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        weight = torch.nn.Parameter(torch.zeros(128))
+        optimizer = sparse_local_updates(node, weight)
+        generator = torch.Generator().manual_seed(5)
+
+        async def failed_round(error: Exception, others: bool) -> bool:
+            """One round whose averaging fails with ``error``: whether the start moved."""
+            optimizer.fragments[0] = dataclasses.replace(optimizer.fragments[0], averager=_FailingAverager(error))
+            optimizer.replica.swarm = SwarmProgress({"another peer": PeerProgress(0, 10, 1.0)} if others else {})
+            with torch.no_grad():
+                weight.add_(torch.randn(128, generator=generator))
+            trained, start = weight.detach().clone(), optimizer.snapshot[0].clone()
+            moves = optimizer.outer_step
+            moves.compute_deltas()
+            record = await optimizer.average_deltas(optimizer.epoch, 1.0)
+            await optimizer.advance(moves.apply, record)
+            assert not record.averaged
+            torch.testing.assert_close(weight.detach(), trained)  # all of its own progress, kept
+            moved = not torch.equal(optimizer.snapshot[0], start)
+            assert not moved or torch.allclose(optimizer.snapshot[0], trained)  # nothing, or all of it
+            return moved
+
+        no_group, nobody = MatchmakingError("no averaging group formed"), NoOtherPeers("nobody declared")
+        assert await failed_round(nobody, others=False) is True
+        assert await failed_round(nobody, others=True) is False  # declarations missed each other
+        assert await failed_round(no_group, others=True) is False
+        assert await failed_round(no_group, others=True) is True  # the 4th in a row: on its own
+        nursery.cancel_scope.cancel()
 
 
 def test_a_sparse_codec_needs_outer_lr_one_without_momentum():
