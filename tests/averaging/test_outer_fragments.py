@@ -59,6 +59,9 @@ class _Fragment:
     async def average(self, epoch, weight):
         return AveragingRecord(self.declared, averaged=True)
 
+    async def settle(self, record, keep_owed):
+        pass
+
 
 async def test_a_group_that_declares_another_fragments_turn_does_not_move_the_epoch():
     """On fragment 0's key every honest peer declares an even round; a member declaring round 1
