@@ -1,6 +1,7 @@
 """``peerd join --mode local-updates --fragments 2`` as users run it: two processes train digits,
 averaging the model's two halves in turn, and a newcomer choosing its data shard counts the peers
-of its own swarm (peers averaging in fragments keep their records under keys that name the count)."""
+of its own swarm, and only those (peers averaging in fragments keep their records under keys that
+name the count)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def test_two_peers_averaging_in_fragments_train_digits_and_a_newcomer_takes_the_
         second, second_port = start_peer(tmp_path, "second", "auto", address, *MODE)
         wait_until(lambda: (status_of(second_port) or {}).get("data_shard") is not None, 60, "a shard chosen")
         assert status_of(second_port)["data_shard"] == "1/2"  # it counted the first peer's claim
+        plain, plain_port = start_peer(tmp_path, "plain", "auto", address, "--mode", "local-updates")
+        try:  # a peer that averages the whole model is not of their swarm: it counts no one else
+            wait_until(lambda: (status_of(plain_port) or {}).get("data_shard") is not None, 60, "a shard chosen")
+            assert status_of(plain_port)["data_shard"] == "0/1"
+        finally:
+            plain.stop()
         wait_until(
             lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (first_port, second_port)) >= 0.9,
             90,
