@@ -171,8 +171,8 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
         # an unknown codec is a ValueError: one line, exit 1
         if get_codec(args.compression).sparse and args.mode != "local-updates":
             raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
-    if args.fragments < 1 or (args.fragments > 1 and args.mode != "local-updates"):
-        raise ValueError(f"--fragments {args.fragments}: give 1, or N > 1 with --mode local-updates")
+    if args.fragments > 1 and args.mode != "local-updates":
+        raise ValueError(f"--fragments {args.fragments} averages local updates in turns: give --mode local-updates")
     if args.local_steps % args.fragments:
         raise ValueError(f"--fragments {args.fragments} must divide --local-steps {args.local_steps} into equal rounds")
     access = access_from_args(args)

@@ -225,7 +225,7 @@ LOCAL_STEPS = Setting(
     "that many batches per peer taking part, so faster peers take more",
 )  # fmt: skip
 FRAGMENTS = Setting(
-    name="fragments", flag="--fragments", variable="FRAGMENTS", parse=int, default=1, metavar="N",
+    name="fragments", flag="--fragments", variable="FRAGMENTS", parse=positive_int, default=1, metavar="N",
     help="local-updates mode: average the model in N fragments taking turns, one every STEPS/N inner steps",
     doc="`local-updates` mode: the model is averaged in N fragments that take turns (streaming DiLoCo), one round of "
     "`--local-steps`/N inner steps each, so every fragment is still averaged once per `--local-steps` and no more "
