@@ -9,7 +9,7 @@ import torch
 
 from peerd.daemon import fragments_for
 from tests.daemon.test_machine_peer import start_peer
-from tests.support.processes import status_of, wait_until
+from tests.support.processes import status_of, wait_until, wait_until_accurate, wait_until_averaged_in
 
 MODE = ("--mode", "local-updates", "--local-steps", "10", "--fragments", "2")
 
@@ -28,16 +28,8 @@ def test_two_peers_averaging_in_fragments_train_digits_and_a_newcomer_takes_the_
             assert status_of(plain_port)["data_shard"] == "0/1"
         finally:
             plain.stop()
-        wait_until(
-            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (first_port, second_port)) >= 0.9,
-            90,
-            "both peers at 0.9 held-out accuracy",
-        )
-        wait_until(
-            lambda: ((status_of(second_port) or {}).get("last_averaging") or {}).get("group") == 2,
-            60,
-            "a fragment's round of both peers",
-        )
+        wait_until_accurate((first_port, second_port), 90)
+        wait_until_averaged_in(second_port, 2, 60, "a fragment's round of both peers")
     finally:
         if second is not None:
             second.stop()

@@ -14,7 +14,7 @@ import torch
 
 import peerd
 from peerd.machine_training import RELEASE_TIMEOUT_S
-from tests.support.processes import PeerdProcess, status_of, wait_until
+from tests.support.processes import PeerdProcess, status_of, wait_until, wait_until_accurate, wait_until_averaged_in
 
 BOOTSTRAP_TIMEOUT = 15.0  # peerd join's default: a killed rank ends its peer within it
 
@@ -59,11 +59,7 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
     try:
         address = status_of(lone_port)["address"]
         machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2")
-        wait_until(
-            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
-            90,
-            "both peers at 0.9 held-out accuracy",
-        )
+        wait_until_accurate((port, lone_port), 90)
         status = status_of(port)
         assert status_of(lone_port)["peers_known"] == 2  # the swarm sees the machine as one peer
         ranks = status["ranks"]
@@ -75,11 +71,7 @@ def test_a_two_rank_peer_trains_with_a_lone_peer_and_ends_when_a_rank_dies(tmp_p
         assert ranks["parameters_shared"] < sum(rank_samples) / 2 / 32
         # the swarm counts the machine's samples: both ranks', as one peer's (at most a slice apart)
         assert abs(status["samples"] - sum(rank_samples)) <= 2 * 64 * 32
-        wait_until(
-            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
-            60,
-            "a round of the machine and the lone peer",
-        )
+        wait_until_averaged_in(port, 2, 60, "a round of the machine and the lone peer")
         # one peer to the swarm: a round moves the bytes a lone peer's does (a group of 2, same model)
         ratio = round_bytes(port) / round_bytes(lone_port)
         assert 0.7 <= ratio <= 1.4, ratio
@@ -110,22 +102,14 @@ def test_a_sharded_two_rank_peer_trains_in_local_updates_with_a_lone_peer(tmp_pa
     try:
         address = status_of(lone_port)["address"]
         machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2", "--shard-model", *mode)
-        wait_until(
-            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
-            90,
-            "both peers at 0.9 held-out accuracy",
-        )
+        wait_until_accurate((port, lone_port), 90)
         status = status_of(port)
         ranks = status["ranks"]
         assert (ranks["world_size"], ranks["model"]) == (2, "fsdp")
         rank_samples = [row["samples"] for row in ranks["ranks"]]
         assert min(rank_samples) > 0 and abs(status["samples"] - sum(rank_samples)) <= 2 * 64 * 32
         assert ranks["parameters_shared"] >= status["epoch"]  # after every slice's inner step
-        wait_until(
-            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
-            60,
-            "an outer round of the machine and the lone peer",
-        )
+        wait_until_averaged_in(port, 2, 60, "an outer round of the machine and the lone peer")
     finally:
         if machine is not None:
             machine.stop()
@@ -220,16 +204,8 @@ def test_a_two_rank_peer_trains_local_updates_with_a_lone_peer(tmp_path):
     try:
         address = status_of(lone_port)["address"]
         machine, port = start_peer(tmp_path, "machine", "1/2", address, "--nproc-per-node", "2", *mode)
-        wait_until(
-            lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in (port, lone_port)) >= 0.9,
-            120,
-            "both peers at 0.9 held-out accuracy",
-        )
-        wait_until(
-            lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == 2,
-            60,
-            "an outer round of the machine and the lone peer",
-        )
+        wait_until_accurate((port, lone_port), 120)
+        wait_until_averaged_in(port, 2, 60, "an outer round of the machine and the lone peer")
         ranks = status_of(port)["ranks"]
         assert ranks["ranks"][1]["samples"] > 0
     finally:

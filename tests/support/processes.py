@@ -40,6 +40,17 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
+def wait_until_accurate(ports, timeout: float, accuracy: float = 0.9) -> None:
+    """Until every peer on ``ports`` reports ``accuracy`` on its held-out data."""
+    what = f"peers on {list(ports)} at {accuracy} held-out accuracy"
+    wait_until(lambda: min((status_of(p) or {}).get("accuracy") or 0 for p in ports) >= accuracy, timeout, what)
+
+
+def wait_until_averaged_in(port: int, group: int, timeout: float, what: str) -> None:
+    """Until the peer on ``port`` last averaged in a group of ``group`` (``what`` that round is)."""
+    wait_until(lambda: ((status_of(port) or {}).get("last_averaging") or {}).get("group") == group, timeout, what)
+
+
 def _as_from_a_terminal() -> None:
     """In the child, before ``peerd`` starts: Ctrl-C and SIGTERM as a terminal's foreground job gets
     them. A test runner started in the background by a non-interactive shell (``./.ci/run &``)

@@ -78,14 +78,19 @@ def _step_on_rank_0(rank: int, net: nn.Module) -> None:
                 param.mul_(-2.0)
 
 
+def _rank_batches(group, rows: dict[int, list[tuple[int, int]]]) -> tuple[list, list[RankReport]]:
+    """This rank's batches (``rows`` of the data, by rank), and every rank's sample count."""
+    inputs, targets = data()
+    batches = [(inputs[a:b], targets[a:b]) for a, b in rows[group.rank]]
+    return batches, gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+
+
 def main(out: Path) -> None:
     group = join_rank_group(rank_place(), "cpu")
     net = model()
     _differ_on_rank_1(group.rank, net)  # DDP must start it from rank 0's parameters
     ddp = wrap_model(group, net)
-    inputs, targets = data()
-    batches = [(inputs[a:b], targets[a:b]) for a, b in BATCHES[group.rank]]
-    reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+    batches, reports = _rank_batches(group, BATCHES)
     machine_forward_backward(ddp, loss_fn, batches, sum(r.samples for r in reports), group.world_size)
     grads = [param.grad.clone() for param in net.parameters()]
     _step_on_rank_0(group.rank, net)
@@ -104,9 +109,7 @@ def main_sharded(out: Path) -> None:
     net = Stack()
     _differ_on_rank_1(group.rank, net)  # the machine must start from rank 0's parameters
     compute = machine_compute(group, net)
-    inputs, targets = data()
-    batches = [(inputs[a:b], targets[a:b]) for a, b in SHARDED_BATCHES[group.rank]]
-    reports = gather_reports(group, RankReport(sum(len(batch[0]) for batch in batches)))
+    batches, reports = _rank_batches(group, SHARDED_BATCHES)
     for _ in range(2):  # two slices: rank 0's gradients add up, as backward passes' do
         compute.forward_backward(loss_fn, batches, sum(r.samples for r in reports))
         compute.deliver_gradients()
