@@ -201,7 +201,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
 
     @property
     def snapshot(self) -> list[torch.Tensor]:
-        """The shared start (each fragment's as of its last round), in fragment order."""
+        """The shared start (each fragment's as of its last round), in the parameters' order."""
         return self._outer.start
 
     @property
