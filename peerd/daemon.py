@@ -165,18 +165,22 @@ class Daemon:
         """This peer's data shard (chosen with the swarm for ``auto``) and its task, loaded on it.
         A machine of several ranks is one peer on that shard: each rank loads its own part of it
         (``machine.rank_shard``), which rank 0 tells the others here."""
-        from .data_shards import claim_shard, hold_claim  # torch loads only in peers that train
-        from .tasks import ShardSpec, load_task, task_name
+        from averaging.progress import ProgressTracker  # torch loads only in peers that train
+
+        from .data_shards import claim_shard, hold_claim, publish_claim
+        from .tasks import ShardSpec, known_task_name, load_task, task_name
 
         training, ranks = self.config.training, self.config.ranks
         shard = training.data_shard or ShardSpec()
         claim = None
         if shard == "auto":
-            from averaging.progress import ProgressTracker  # torch loads only in peers that train
-
             name = await trio.to_thread.run_sync(task_name, training.task, training.model_size)
             claim = ProgressTracker(dht, self._swarm_prefix(name))
             shard = ShardSpec(*await claim_shard(claim))
+        elif (name := known_task_name(training.task, training.model_size)) is not None:
+            # a given shard is claimed too, while the data loads (a factory's name would need it built)
+            claim = ProgressTracker(dht, self._swarm_prefix(name))
+            await publish_claim(claim, (shard.index, shard.count))
         self.data_shard = f"{shard.index}/{shard.count}"
         async with trio.open_nursery() as loading:
             if claim is not None:  # newcomers must count our shard while the data loads

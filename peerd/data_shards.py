@@ -46,7 +46,7 @@ import trio
 from averaging.progress import PROGRESS_TTL, PeerProgress, ProgressTracker
 from peer import PeerID
 
-__all__ = ["ShardChoice", "choose_shard", "overlap", "claim_shard", "hold_claim", "MAX_AUTO_SHARDS"]
+__all__ = ["ShardChoice", "choose_shard", "overlap", "claim_shard", "hold_claim", "publish_claim", "MAX_AUTO_SHARDS"]
 
 log = logging.getLogger("peerd.shards")
 
@@ -136,10 +136,17 @@ async def claim_shard(
             break
         await tracker.publish(PeerProgress(0, 0, 0.0, shard, choosing=True))
         await trio.sleep(settle)
-    tracker.data_shard = shard
-    await tracker.publish(PeerProgress(0, 0, 0.0, shard))
+    await publish_claim(tracker, shard)
     log.info("training data shard %d/%d (the least covered of %d, after %d rounds)", *shard, shard[1], choice.rounds)
     return shard
+
+
+async def publish_claim(tracker: ProgressTracker, shard: tuple[int, int]) -> None:
+    """Store this peer's final claim of ``shard`` (chosen, or given with ``--data-shard I/N``), and
+    name it in every record the tracker publishes from then on. A given shard is claimed at once
+    too: newcomers choosing while its data loads would otherwise not count it."""
+    tracker.data_shard = shard
+    await tracker.publish(PeerProgress(0, 0, 0.0, shard))
 
 
 async def hold_claim(tracker: ProgressTracker, shard: tuple[int, int], period: float = HOLD_PERIOD) -> None:

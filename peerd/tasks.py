@@ -128,6 +128,12 @@ def check_task(spec: str, model_size: str | None = None) -> None:
 def task_name(spec: str, model_size: str | None = None) -> str:
     """The name a task's peers meet under (the prefix of its DHT keys), known before its data loads
     for built-in tasks; a factory's task is built once to learn it."""
+    return known_task_name(spec, model_size) or load_task(spec, model_size=model_size).name
+
+
+def known_task_name(spec: str, model_size: str | None = None) -> str | None:
+    """``task_name`` of a built-in or ``transformers`` task, which needs nothing built; None for a
+    factory's."""
     if spec == "digits":
         return "digits"
     if spec == "textlm":
@@ -135,7 +141,7 @@ def task_name(spec: str, model_size: str | None = None) -> str:
     model_type = hf_model_type(spec)
     if model_type is not None:
         return f"hf-lm-{model_type}-{model_size or DEFAULT_HF_SIZE}"
-    return load_task(spec, model_size=model_size).name
+    return None
 
 
 def load_task(

@@ -132,6 +132,28 @@ async def test_three_peers_started_together_pick_different_shards():
         nursery.cancel_scope.cancel()
 
 
+async def test_newcomers_count_a_given_shard_claimed_before_its_data_loads():
+    """``peerd swarm``'s bootstrap trains ``--data-shard 0/3``; two peers choosing while its data
+    still loaded (before its trainer's first progress record) took the halves, one overlapping it."""
+    from peerd.data_shards import publish_claim
+
+    async with trio.open_nursery() as nursery:
+        bootstrap = await nursery.start(run_node, [])
+        nodes = [await nursery.start(run_node, [bootstrap.address]) for _ in range(2)]
+        await publish_claim(ProgressTracker(bootstrap, "run.digits"), (0, 3))
+        shards: dict[int, tuple[int, int]] = {}
+
+        async def choose(index: int) -> None:
+            shards[index] = await claim_shard(ProgressTracker(nodes[index], "run.digits"), settle=0.2)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as choosers:
+                for index in range(2):
+                    choosers.start_soon(choose, index)
+        assert sorted(shards.values()) == [(1, 3), (2, 3)], shards
+        nursery.cancel_scope.cancel()
+
+
 def test_a_shard_setting_with_digits_int_cannot_read_is_refused_not_a_crash():
     """``str.isdigit`` accepts superscripts that ``int`` refuses: the setting's value must still get
     the named error (``SettingsError``), not a traceback out of ``join``."""
