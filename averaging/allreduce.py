@@ -322,7 +322,7 @@ class AllReduceService:
         sum_buffer = lease.take(sum(part_sizes)) if sum(part_sizes) else None
         senders = [m.peer_id for m in round_.group.senders]
         workspace = None
-        if aggregation is Aggregation.CENTERED_CLIP and part_sizes:  # one part per sender, reused
+        if aggregation.robust and part_sizes:  # one part per sender, reused
             workspace = lease.take(len(senders) * max(part_sizes))
         signing = strategy.shard_signing(round_.group, self.host.peer_id)
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace, signing)

@@ -119,14 +119,17 @@ class GroupAverager:
         allow_state_sharing: bool = True,
         settle_time: float | None = None,
         aggregation: Aggregation | str = "auto",
+        public_aggregation: Aggregation | str = Aggregation.CENTERED_CLIP,
         uplink: float | None = None,
         replicated: int | None = None,
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
-        ``centered-clip`` (robust to a hostile minority, ``robust.py``), or ``auto``:
-        centered-clip in a public swarm, the mean in a private one (``peer/access.py``). With
-        centered-clip, a round too small to outvote a liar (fewer than three senders) moves our
-        tensors only as far as their own recent updates allow (``own_radius.py``).
+        ``centered-clip`` (robust to a hostile minority, ``robust.py``), ``centered-clip-mixed``
+        (the same over nearest-neighbour mixes, for peers whose data differ: ``mixing.py``), or
+        ``auto``: ``public_aggregation`` in a public swarm, the mean in a private one
+        (``peer/access.py``). With a robust rule, a round too small to outvote a liar (fewer than
+        three senders) moves our tensors only as far as their own recent updates allow
+        (``own_radius.py``).
         ``uplink``: this peer's uplink in bytes/s, if the operator knows it: each round's
         connections are paced to share it (``uplink.py``); None: the rounds measure it and pace
         to share what they measured (``uplink.UplinkEstimate``).
@@ -150,14 +153,14 @@ class GroupAverager:
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
             part_size=part_size,
-            aggregation=resolve_aggregation(aggregation, self.host.access.private),
+            aggregation=resolve_aggregation(aggregation, self.host.access.private, Aggregation(public_aggregation)),
             uplink=uplink,
         )
         self.settings = AveragerSettings(target_group_size, min_group_size, matchmaking_timeout, settle_time, rounds)
         self.allow_state_sharing = allow_state_sharing
         # Robust rounds too small to outvote a liar move our values only as far as our own history
         # allows (``own_radius.py``); the plain mean trusts every member anyway.
-        self._own_radius = OwnRadius() if rounds.aggregation is Aggregation.CENTERED_CLIP else None
+        self._own_radius = OwnRadius() if rounds.aggregation.robust else None
         self.schema = tensor_schema(self.tensors)
         self.round = 0  # the next round this averager declares; only its own steps move it
         self._service = all_reduce_service(self.host)

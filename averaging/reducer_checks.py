@@ -163,7 +163,7 @@ class ReducerChecks:
         """How a round with ``aggregation`` is checked: with CenteredClip by default (which the
         checks recompute), never with the mean. Like the aggregation this is the swarm's setting:
         a reducer that keeps no inputs fails a checking peer's checks."""
-        robust = aggregation is Aggregation.CENTERED_CLIP
+        robust = aggregation.robust
         if check and not robust:
             raise ValueError(f"reducer checks recompute CenteredClip: a round of {aggregation.value} cannot be checked")
         return CheckedRound(self) if robust and check is not False else PlainRound()
@@ -191,7 +191,9 @@ class ReducerChecks:
                     meta, payload = sparse if sparse is not None else (plain.encode_finite(kept.values[row])[0], None)
                     signed[row] = SignedPart(commitment, meta, payload)  # (payload None: float32 as kept)
             senders = list(kept.senders)
-            return PartInputs(senders, kept.weights, kept.values, kept.tau, kept.aggregation, kept.start, signed)
+            return PartInputs(
+                senders, kept.weights, kept.values, kept.tau, kept.aggregation, kept.start, signed, kept.neighbours
+            )
 
         senders = [m.peer_id for m in group.senders]
         self.kept.keep(group.group_id, senders, inputs, trio.current_time(), shard.kept_values)

@@ -35,6 +35,7 @@ class KeptPart:
     values: torch.Tensor
     start: int | None
     signed: list[Any]
+    neighbours: list[list[int]] | None  # the rows each row was mixed with (``mixing.py``), if mixed
     tau: float
     aggregation: Aggregation
 

@@ -29,9 +29,14 @@ import torch
 
 from peer.tensors import all_finite
 
+from .mixing import mix, mixed_count, nearest_sets
 from .robust import Aggregation, centered_clip, clip_weights
 
-__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT"]
+__all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "AggregatedInputs"]
+
+# One aggregated part's kept inputs: senders, claimed weights, values (a row each), start row,
+# parts as sent, neighbour sets (``ShardReduction.kept_inputs``)
+AggregatedInputs = tuple[list[Hashable], list[float], torch.Tensor, "int | None", list[Any], "list[list[int]] | None"]
 
 # Weights are sample counts or similar; anything beyond 2^40 is a bug or an attack, and would
 # swamp every honest contribution.
@@ -94,11 +99,10 @@ class ShardReduction:
         self.part_taus: list[float] = []  # per averaged part, CenteredClip's radius (0 for the mean)
         # With ``keep_inputs``, per aggregated part: the senders with positive weight, their
         # claimed weights, a copy of their values (one row each), the row CenteredClip started
-        # from (None: the coordinate-wise median), and per sender its part as sent with its
-        # commitment (None for our own contribution). None: nothing is kept.
-        self.kept_inputs: list[tuple[list[Hashable], list[float], torch.Tensor, int | None, list[Any]]] | None = (
-            [] if keep_inputs else None
-        )
+        # from (None: the coordinate-wise median), per sender its part as sent with its
+        # commitment (None for our own contribution), and the rows each row was mixed with (None:
+        # not mixed, ``mixing.py``). None: nothing is kept.
+        self.kept_inputs: list[AggregatedInputs] | None = [] if keep_inputs else None
 
     @property
     def shard_size(self) -> int:
@@ -219,7 +223,7 @@ class ShardReduction:
         contributors = [s for s in self.expected if s in staged]
         positive = [s for s in contributors if self._weights[s] > 0]
         weights = [self._weights[s] for s in positive]
-        if self.aggregation is Aggregation.CENTERED_CLIP:
+        if self.aggregation.robust:
             weights = clip_weights(weights)
         total = sum(weights)
         tau = 0.0
@@ -228,15 +232,14 @@ class ShardReduction:
                 self._sum = torch.empty(self.shard_size, dtype=torch.float32)
             offset = self.part_offsets[index]
             out = self._sum[offset : offset + self.part_sizes[index]]
-            if self.aggregation is Aggregation.CENTERED_CLIP:
-                center = staged[self.own][0] if self.own in positive else None
+            if self.aggregation.robust:
+                own = positive.index(self.own) if self.own in positive else None
                 parts = [staged[s][0] for s in positive]
-                tau, moved_to = centered_clip(parts, weights, out, center=center, workspace=self.workspace)
+                tau, start, kept, sets = self._aggregate_robustly(parts, weights, out, own)
                 if self.kept_inputs is not None:
-                    start = moved_to if moved_to is not None or center is None else positive.index(self.own)
                     raw = [self._weights[s] for s in positive]
                     signed = [staged[s][1] for s in positive]
-                    self.kept_inputs.append((positive, raw, torch.stack(parts), start, signed))
+                    self.kept_inputs.append((positive, raw, kept, start, signed, sets))
             else:
                 scaled, divisor = weights, total
                 if max(weights) < TINY_WEIGHT:  # claims that float32 products would round to 0 (0 / 0)
@@ -249,12 +252,31 @@ class ShardReduction:
                     out.add_(values, alpha=w)
                 out.div_(divisor)
         if self.kept_inputs is not None and not positive:
-            self.kept_inputs.append((positive, [], torch.empty(0), None, []))
+            self.kept_inputs.append((positive, [], torch.empty(0), None, [], None))
         self.part_taus.append(tau)
         staged.clear()
         self.part_contributors.append(contributors)
         self.part_weights.append(total)
         return index
+
+    def _aggregate_robustly(
+        self, parts: list[torch.Tensor], weights: list[float], out: torch.Tensor, own: int | None
+    ) -> tuple[float, int | None, torch.Tensor | None, list[list[int]] | None]:
+        """CenteredClip of ``parts`` into ``out`` (over their nearest-neighbour mixes, if this
+        reduction mixes and there are three or more: ``mixing.py``), from our own (row ``own``)
+        or a closer-knit one; returns the radius, the row it started from, the parts stacked if
+        they are kept for checks, and the neighbour sets mixed (None: not mixed)."""
+        mixing = self.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(len(parts)) < len(parts)
+        sets, rows = None, parts
+        stacked = torch.stack(parts) if mixing or self.kept_inputs is not None else None
+        if mixing:
+            assert stacked is not None
+            sets = nearest_sets(stacked)
+            rows = list(mix(stacked, sets).unbind(0))
+        center = rows[own] if own is not None else None
+        tau, moved_to = centered_clip(rows, weights, out, center=center, workspace=self.workspace)
+        start = moved_to if moved_to is not None or own is None else own
+        return tau, start, stacked, sets
 
     def part_average(self, index: int) -> torch.Tensor | None:
         """Part ``index``'s average (a view of the sum buffer), or None if no contribution of

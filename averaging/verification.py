@@ -71,6 +71,7 @@ from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
+from .mixing import mix, mixed_count, sets_hold
 from .robust import (
     GRAM_LIMIT,
     RADIUS_SHARE,
@@ -149,6 +150,7 @@ class PartInputs:
     aggregation: Aggregation
     start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
     signed: list[SignedPart] = field(default_factory=list)  # one per sender (the answer's only values)
+    neighbours: list[list[int]] | None = None  # the rows each row was mixed with (``mixing.py``)
 
     def row_payload(self, row: int) -> Any:
         """Input ``row`` as its sender sent it (a float32 one is its kept values)."""
@@ -170,6 +172,7 @@ class PartInputs:
             "tau": self.tau,
             "aggregation": self.aggregation.value,
             "start": self.start,
+            "neighbours": self.neighbours,
             "metas": [s.meta for s in self.signed],
             "sizes": [len(p) for p in payloads],
             "commit_sizes": [len(c) for c in commits],
@@ -200,6 +203,16 @@ class PartInputs:
         start = body.get("start")
         if not (start is None or (type(start) is int and 0 <= start < len(senders))):
             raise ValueError("malformed start")
+        neighbours = body.get("neighbours")  # (whether they are nearest sets: ``PartCheck.verdict``)
+        if not (
+            neighbours is None
+            or (
+                isinstance(neighbours, list)
+                and len(neighbours) == len(senders)
+                and all(isinstance(s, list) and len(s) <= len(senders) for s in neighbours)
+            )
+        ):
+            raise ValueError("malformed neighbour sets")
         metas, sizes, commit_sizes = (body.get(name) for name in ("metas", "sizes", "commit_sizes"))
         if not all(isinstance(f, list) and len(f) == len(senders) for f in (metas, sizes, commit_sizes)):
             raise ValueError("a check answer gives every input's meta, size and commitment size")
@@ -229,7 +242,7 @@ class PartInputs:
             signed.append(SignedPart(commitment, meta, encoded))
         if not all_finite(values):
             raise ValueError("non-finite inputs (a reducer refuses those)")
-        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed)
+        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed, neighbours)
 
 
 class KeptInputs:
@@ -300,8 +313,8 @@ class PartCheck:
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
-        if inputs.aggregation is not Aggregation.CENTERED_CLIP:
-            return f"it aggregates with {inputs.aggregation.value}, not centered-clip"
+        if not inputs.aggregation.robust:
+            return f"it aggregates with {inputs.aggregation.value}, not a robust rule"
         if not set(inputs.senders) <= set(self.contributors):
             return "its inputs name senders its reply left out"
         if len(inputs.signed) != len(inputs.senders):
@@ -326,19 +339,26 @@ class PartCheck:
                 return f"it states an input of {sender} that {sender} did not commit to"
             if not signed.commitment.verify(self.group_id, sender, weight, self.verified):
                 return f"it states an input of {sender} under a commitment {sender} did not sign"
-        parts = list(inputs.values.unbind(0))
+        values, n = inputs.values, len(inputs.senders)
+        if inputs.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(n) < n:
+            why = sets_hold(values, inputs.neighbours)  # nearest sets, up to near-ties
+            if why is not None:
+                return why
+            values = mix(values, inputs.neighbours)
+        elif inputs.neighbours is not None:
+            return "it states neighbour sets for inputs it did not mix"
+        parts = list(values.unbind(0))
         # The reducer starts from the contribution it names (its own, or one closer-knit; the
         # coordinate-wise median if it sent none), and its radius follows from that start:
         # recompute it exactly as the reducer must have.
-        n = len(parts)
         trusted = inputs.senders.index(self.me) if self.me in inputs.senders else inputs.start
         between = None  # small parts: every distance between inputs at once (their radii too)
         if inputs.start is not None and n * parts[0].numel() <= GRAM_LIMIT:
             assert trusted is not None
-            between = pairwise_distances(inputs.values, trusted)
+            between = pairwise_distances(values, trusted)
             start, radius = parts[inputs.start], float(np.sort(between[inputs.start])[n // 2])
         elif inputs.start is not None:
-            start, radius = parts[inputs.start], radius_from(inputs.values, inputs.start)
+            start, radius = parts[inputs.start], radius_from(values, inputs.start)
         if inputs.start is not None:
             expected = RADIUS_SHARE * radius  # (the start's radius, as ``robust.py`` scales it)
         else:
@@ -365,7 +385,7 @@ class PartCheck:
             if between is not None:
                 radii = np.sort(between, axis=1)[:, n // 2].tolist()
             else:
-                radii = start_radii(inputs.values, inputs.values[trusted], exact=True)
+                radii = start_radii(values, values[trusted], exact=True)
             smallest = min(radii)
             if radius > START_MARGIN * START_SLACK * smallest:
                 return f"it started far from the others (radius {radius:.4g}, smallest {smallest:.4g})"

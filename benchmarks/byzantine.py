@@ -24,7 +24,8 @@ every honest update of the round before they send. Cases: f = 1 and 2 of ``--pee
 as many; ``iid`` shards and ``non-iid`` ones (Dirichlet(0.5) over labels, ``byzantine_cases/
 shards.py``); ``gradient`` mode and ``local`` mode (local updates: 5 Adam steps, then the peers
 average pseudo-gradients and take peerd's outer step; half as many rounds as gradient mode has
-epochs). All with the defaults: centered-clip and reducer checks.
+epochs). All with a public swarm's defaults: reducer checks, and centered-clip (gradients) or
+centered-clip-mixed (local updates' pseudo-gradients, ``averaging/mixing.py``).
 
 Figures, after the same number of epochs:
 
@@ -170,13 +171,13 @@ def main() -> None:
     results: dict[str, RunResult] = {}
     started = time.perf_counter()
     print(f"{args.peers} peers, digits, {args.epochs} epochs per run; {os.cpu_count()} cores")
-    print(f"{'run':<36} {'aggregation':>13} {'accuracy':>9} {'caught':>7} {'cpu/round':>10}")
+    print(f"{'run':<36} {'aggregation':>19} {'accuracy':>9} {'caught':>7} {'cpu/round':>10}")
     for name, case in runs.items():
         epochs = args.epochs if case.mode == "gradient" else max(1, args.epochs // 2)
         result = trio.run(run_swarm, case, epochs)
         results[name] = result
         print(
-            f"{name:<36} {case.aggregation:>13} {result.accuracy:>9.3f} "
+            f"{name:<36} {case.rule.value:>19} {result.accuracy:>9.3f} "
             f"{result.caught:>3}/{result.liars:<3} {statistics.median(result.round_cpu) * 1e3:>8.1f}ms",
             flush=True,
         )

@@ -25,7 +25,9 @@ import trio
 
 from averaging.allreduce import AllReduceService, RoundSettings
 from averaging.group import AveragingMode, GroupInfo, GroupMember
+from averaging.local_updates import OUTER_AGGREGATION
 from averaging.outer_step import OuterStep
+from averaging.robust import Aggregation
 from peer import Identity, open_peer_host
 from peerd.tasks import Task
 from tests.support.hostile_reducers import LyingShard
@@ -52,10 +54,18 @@ class Case:
     peers: int
     attackers: int
     attack: str | None
-    aggregation: str = "centered-clip"
+    aggregation: str = "auto"  # as in a public swarm: ``rule``
     checks: bool = True
     sharding: str = "iid"
     mode: str = "gradient"
+
+    @property
+    def rule(self) -> Aggregation:
+        """The reducers' rule: ``auto`` is a public swarm's, centered-clip for gradients and local
+        updates' own (``OUTER_AGGREGATION``) for pseudo-gradients."""
+        if self.aggregation != "auto":
+            return Aggregation(self.aggregation)
+        return OUTER_AGGREGATION if self.mode == "local" else Aggregation.CENTERED_CLIP
 
     def attack_of(self, index: int) -> Attack | None:
         first = self.peers - self.attackers
@@ -152,8 +162,8 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
     an honest member has caught (``averaging/verification.py``)."""
     torch.manual_seed(1)
     settings = RoundSettings(
-        aggregation=case.aggregation,
-        check_reducers=case.checks and case.aggregation == "centered-clip",
+        aggregation=case.rule,
+        check_reducers=case.checks and case.rule.robust,
         sender_timeout=SENDER_TIMEOUT,
         reducer_timeout=REDUCER_TIMEOUT,
     )
