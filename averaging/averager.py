@@ -136,6 +136,8 @@ class GroupAverager:
         ``replicated``: how many of the leading tensors honest replicas hold alike (a newcomer's
         witnesses compare only those; the rest, such as worker momentum, are each peer's own);
         None: all of them."""
+        if not Aggregation(public_aggregation).robust:
+            raise ValueError(f"a public swarm's rule must be robust, not {Aggregation(public_aggregation).value}")
         if uplink is not None and not (0 < uplink < math.inf):
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)

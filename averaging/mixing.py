@@ -18,10 +18,14 @@ order near-ties differently. So a reducer states the sets it mixed (``PartInputs
 checker accepts any sets that are nearest up to ``TIE_TOLERANCE`` (``sets_hold``), then recomputes
 with them: a lying reducer can only pick among near-ties, each as near as the one it left out.
 
-Cost: the distances are one pass over every pair's differences in float32 (``torch.pdist``: exact
-differences, so rows close to each other and far from the origin lose nothing to cancellation;
-within 2e-5 of float64 on parts of 2**19 values), and the mix one n x n matrix product: 8 rows of
-2**19 values take ~4 ms, against ~12 ms for CenteredClip itself.
+Both sides must get the same numbers from the same inputs, on any machine: the distances are
+every pair's differences in float64 (``torch.pdist``: no cancellation, no overflow of hostile
+float32 values), and each mixed row a float64 sum of its set's rows in the set's order, divided
+and rounded to float32 once (elementwise IEEE operations in a fixed order, no BLAS: identical
+sets give bit-identical rows on any machine). On mixed rows a clip radius from the start's
+``floor(n / 2)``-th distance can be 0 (half the group sharing one set mixes to one row, which
+would then drop every other contribution), so the radius is at least the raw rows' spread over
+sqrt(k) (``tau_floor``), the spread of a mean of k of them.
 """
 
 from __future__ import annotations
@@ -31,60 +35,73 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["TIE_TOLERANCE", "mix", "mixed_count", "nearest_sets", "sets_hold"]
+from .robust import RADIUS_SHARE
 
-# Distances within this share of a row's k-th nearest count as tied with it: 50x what float32
-# distances of the same rows differ by between machines (2e-5 at most, measured), and far below
-# what separates contributions.
+__all__ = ["TIE_TOLERANCE", "distances", "mix", "mixed_count", "nearest_sets", "sets_hold", "tau_floor"]
+
+# Distances within this share of a row's k-th nearest count as tied with it: far above float64
+# rounding, far below what separates contributions.
 TIE_TOLERANCE = 1e-3
 
 
 def mixed_count(n: int) -> int:
-    """``k``: how many contributions each mixed row averages, itself included."""
+    """``k``: how many contributions each mixed row averages, itself included (mixing is for
+    three or more: ``k < n``)."""
     return n - (math.ceil(n / 2) - 1)
 
 
-def _distances(values: torch.Tensor) -> np.ndarray:
-    """Every distance between the rows of ``values``, n x n."""
+def distances(values: torch.Tensor) -> np.ndarray:
+    """Every distance between the rows of ``values`` (n x m), n x n, float64."""
     n = values.shape[0]
     square = np.zeros((n, n))
-    upper = np.triu_indices(n, 1)
-    square[upper] = torch.pdist(values).double().numpy()
+    square[np.triu_indices(n, 1)] = torch.pdist(values.double()).numpy()
     return square + square.T
 
 
-def nearest_sets(values: torch.Tensor) -> list[list[int]]:
-    """For each row of ``values`` (n x m), its ``mixed_count(n)`` nearest rows, itself first, the
-    rest in order of distance (ties by index)."""
-    n = values.shape[0]
+def nearest_sets(between: np.ndarray) -> list[list[int]]:
+    """For each row (``between``: ``distances`` of the rows), its ``mixed_count(n)`` nearest
+    rows, itself first, the rest in order of distance (ties by index)."""
+    n = between.shape[0]
     k = mixed_count(n)
-    distances = _distances(values)
     sets = []
     for row in range(n):
-        others = sorted((float(distances[row, j]), j) for j in range(n) if j != row)
+        others = sorted((float(between[row, j]), j) for j in range(n) if j != row)
         sets.append([row, *(j for _, j in others[: k - 1])])
     return sets
 
 
 def mix(values: torch.Tensor, sets: list[list[int]]) -> torch.Tensor:
-    """Each row replaced by the mean of the rows its set names (float32, n x m): one product with
-    the n x n mixing matrix."""
-    n = values.shape[0]
-    weights = torch.zeros(n, n, dtype=values.dtype)
+    """Each row replaced by the mean of the rows its set names (float32, n x m), summed in
+    float64 in the set's order: the same bits on every machine."""
+    mixed = torch.empty_like(values)
+    total = torch.empty(values.shape[1], dtype=torch.float64)
     for row, chosen in enumerate(sets):
-        weights[row, chosen] = 1.0 / len(chosen)
-    return weights @ values
+        total.copy_(values[chosen[0]])
+        for j in chosen[1:]:
+            total.add_(values[j])
+        torch.div(total, len(chosen), out=total)
+        mixed[row].copy_(total)
+    return mixed
 
 
-def sets_hold(values: torch.Tensor, sets: object) -> str | None:
-    """Why ``sets`` (a reducer's statement, untrusted) are not nearest sets of ``values``, or None:
-    each must be ``mixed_count(n)`` distinct rows, its own first, none farther than the row's k-th
-    nearest distance and every row left out no nearer, both up to ``TIE_TOLERANCE``."""
-    n = values.shape[0]
+def tau_floor(between: np.ndarray) -> float:
+    """The least clip radius for mixed rows: ``RADIUS_SHARE`` times the median over rows of each
+    row's ``floor(n / 2)``-th distance (the radius CenteredClip would take on the raw rows from a
+    typical start), over sqrt(k)."""
+    n = between.shape[0]
+    radii = np.sort(between, axis=1)[:, n // 2]
+    return RADIUS_SHARE * float(np.median(radii)) / math.sqrt(mixed_count(n))
+
+
+def sets_hold(between: np.ndarray, sets: object) -> str | None:
+    """Why ``sets`` (a reducer's statement, untrusted) are not nearest sets of the rows whose
+    ``distances`` are ``between``, or None: each must be ``mixed_count(n)`` distinct rows, its
+    own first, none farther than the row's k-th nearest distance and every row left out no
+    nearer, both up to ``TIE_TOLERANCE``."""
+    n = between.shape[0]
     k = mixed_count(n)
     if not isinstance(sets, list) or len(sets) != n:
         return f"it states {len(sets) if isinstance(sets, list) else 'no'} neighbour sets for {n} inputs"
-    distances = None
     for row, chosen in enumerate(sets):
         if not (
             isinstance(chosen, list)
@@ -94,13 +111,10 @@ def sets_hold(values: torch.Tensor, sets: object) -> str | None:
             and chosen[0] == row
         ):
             return f"its neighbour set of input {row} is not {k} distinct inputs starting with {row}"
-        if distances is None:
-            distances = _distances(values)
-        ordered = np.sort(distances[row])
-        bound = float(ordered[k - 1])  # the k-th nearest (the row itself, at 0, is the first)
+        bound = float(np.sort(between[row])[k - 1])  # the k-th nearest (the row itself, at 0, is the first)
         slack = TIE_TOLERANCE * bound
-        farthest_in = max(float(distances[row, j]) for j in chosen)
-        left_out = [float(distances[row, j]) for j in range(n) if j not in chosen]
+        farthest_in = max(float(between[row, j]) for j in chosen)
+        left_out = [float(between[row, j]) for j in range(n) if j not in chosen]
         if farthest_in > bound + slack or (left_out and min(left_out) < bound - slack):
             return f"its neighbour set of input {row} is not among the {k} nearest"
     return None

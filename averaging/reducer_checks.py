@@ -166,7 +166,7 @@ class ReducerChecks:
         robust = aggregation.robust
         if check and not robust:
             raise ValueError(f"reducer checks recompute CenteredClip: a round of {aggregation.value} cannot be checked")
-        return CheckedRound(self) if robust and check is not False else PlainRound()
+        return CheckedRound(self, aggregation) if robust and check is not False else PlainRound()
 
     def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared | None = None) -> None:
         """Keep what ``shard`` aggregates, part by part, for the senders' checks (call as the
@@ -208,6 +208,7 @@ class ReducerChecks:
         part_contributors: dict[int, list[list[PeerID]]],
         codec: Codec,
         reply_codec: Codec,
+        aggregation: Aggregation = Aggregation.CENTERED_CLIP,
     ) -> list[tuple[int, PendingCheck]]:
         """Choose, in private, one part of each other reducer's shard that we received (each
         reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
@@ -250,6 +251,7 @@ class ReducerChecks:
                 part,
                 self.verified,
                 reply_codec.sparse,
+                aggregation,
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
@@ -366,8 +368,9 @@ class CheckedRound:
     to, our reducer takes only committed parts and keeps its inputs, and before we use the other
     reducers' averages we check some of them, and believe only those that hold."""
 
-    def __init__(self, checks: ReducerChecks):
+    def __init__(self, checks: ReducerChecks, aggregation: Aggregation):
         self.checks = checks
+        self.aggregation = aggregation  # the round's rule: a reducer that answers by another is lying
 
     async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared:
         if flat is None:  # we send nothing: nothing to commit to
@@ -390,7 +393,8 @@ class CheckedRound:
             return
         received, contributors = round_.received(), round_.part_contributors()
         pending = self.checks.pick(
-            round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec)
-        )
+            round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec),
+            self.aggregation,
+        )  # fmt: skip
         for index, (reducer, verdict) in (await self.checks.run_all(pending)).items():
             round_.checked(index, reducer, verdict)

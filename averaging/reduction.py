@@ -29,7 +29,7 @@ import torch
 
 from peer.tensors import all_finite
 
-from .mixing import mix, mixed_count, nearest_sets
+from .mixing import distances, mix, mixed_count, nearest_sets, tau_floor
 from .robust import Aggregation, centered_clip, clip_weights
 
 __all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "AggregatedInputs"]
@@ -267,14 +267,15 @@ class ShardReduction:
         or a closer-knit one; returns the radius, the row it started from, the parts stacked if
         they are kept for checks, and the neighbour sets mixed (None: not mixed)."""
         mixing = self.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(len(parts)) < len(parts)
-        sets, rows = None, parts
+        sets, rows, floor = None, parts, 0.0
         stacked = torch.stack(parts) if mixing or self.kept_inputs is not None else None
         if mixing:
             assert stacked is not None
-            sets = nearest_sets(stacked)
+            between = distances(stacked)
+            sets, floor = nearest_sets(between), tau_floor(between)
             rows = list(mix(stacked, sets).unbind(0))
         center = rows[own] if own is not None else None
-        tau, moved_to = centered_clip(rows, weights, out, center=center, workspace=self.workspace)
+        tau, moved_to = centered_clip(rows, weights, out, center=center, workspace=self.workspace, min_tau=floor)
         start = moved_to if moved_to is not None or own is None else own
         return tau, start, stacked, sets
 

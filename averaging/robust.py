@@ -149,6 +149,7 @@ def centered_clip(
     tau: float | None = None,
     workspace: torch.Tensor | None = None,
     choose_start: bool = True,
+    min_tau: float = 0.0,
 ) -> tuple[float, int | None]:
     """Write the CenteredClip aggregate of ``parts`` (1-d float32, all finite, weights positive
     and already clipped) into ``out``; returns the clipping radius tau (0 for a single part), and
@@ -160,7 +161,8 @@ def centered_clip(
     parameters). Without one it starts from the coordinate-wise median (a sort: several times
     the cost). ``tau``: the radius to use instead of choosing one, and ``choose_start=False`` to
     start at ``center`` whatever it is (to recompute another peer's aggregate). ``workspace``: at
-    least ``len(parts) * numel`` float32 values to work in (else allocated)."""
+    least ``len(parts) * numel`` float32 values to work in (else allocated). ``min_tau``: the
+    least radius it chooses (for mixed rows, which can coincide: ``mixing.tau_floor``)."""
     n = len(parts)
     if n == 0:
         raise ValueError("nothing to aggregate")
@@ -169,7 +171,7 @@ def centered_clip(
         return 0.0, None
     numel = parts[0].numel()
     if n * numel <= GRAM_LIMIT:
-        return _centered_clip_gram(parts, weights, out, center, tau, choose_start)
+        return _centered_clip_gram(parts, weights, out, center, tau, choose_start, min_tau)
     if workspace is not None and workspace.numel() >= n * numel:
         rows = workspace[: n * numel].view(n, numel)
     else:
@@ -177,8 +179,9 @@ def centered_clip(
     moved_to = _start_instead(parts, center) if center is not None and choose_start and n > 2 else None
     if moved_to is not None:  # our own contribution is no start: start from the closest-knit one
         tau, _ = centered_clip(
-            parts, weights, out, center=parts[moved_to], tau=tau, workspace=workspace, choose_start=False
-        )
+            parts, weights, out, center=parts[moved_to], tau=tau, workspace=workspace, choose_start=False,
+            min_tau=min_tau,
+        )  # fmt: skip
         return tau, moved_to
     if center is None:
         center = torch.stack(parts, out=rows).median(dim=0).values
@@ -193,7 +196,7 @@ def centered_clip(
     dist = [float(d) for d in norms.double().tolist()]
     squares = [d * d for d in dist]
     if tau is None:
-        tau = RADIUS_SHARE * sorted(dist)[n // 2]
+        tau = max(RADIUS_SHARE * sorted(dist)[n // 2], min_tau)
     total = math.fsum(weights)
     w = [weight / total for weight in weights]
     # v, relative to the start, lives in ``out`` (float32) unless the rows had to be float64
@@ -250,6 +253,7 @@ def _centered_clip_gram(
     center: torch.Tensor | None,
     tau: float | None,
     choose_start: bool,
+    min_tau: float = 0.0,
 ) -> tuple[float, int | None]:
     """``centered_clip`` for small parts, where a step over the rows costs less than the calls
     that make it: ``v`` stays a combination ``c @ rows`` of the contributions relative to the start
@@ -271,10 +275,10 @@ def _centered_clip_gram(
         radii = np.sort(between, axis=1)[:, n // 2]
         if float(np.sort(dist)[n // 2]) > START_SLACK * float(radii.min()):  # a closer-knit start
             moved_to = int(np.argmin(radii))
-            tau, _ = _centered_clip_gram(parts, weights, out, parts[moved_to], tau, False)
+            tau, _ = _centered_clip_gram(parts, weights, out, parts[moved_to], tau, False, min_tau)
             return tau, moved_to
     if tau is None:
-        tau = RADIUS_SHARE * float(np.sort(dist)[n // 2])
+        tau = max(RADIUS_SHARE * float(np.sort(dist)[n // 2]), min_tau)
     w = np.asarray(weights, dtype=np.float64)
     w = w / math.fsum(weights)
     c = np.zeros(n)

@@ -71,7 +71,7 @@ from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .mixing import mix, mixed_count, sets_hold
+from .mixing import distances, mix, mixed_count, sets_hold, tau_floor
 from .robust import (
     GRAM_LIMIT,
     RADIUS_SHARE,
@@ -310,11 +310,12 @@ class PartCheck:
     part: int = 0  # the part's index in the reducer's shard
     verified: VerifiedSignatures | None = None  # commitments this peer verified lately
     sparse_reply: bool = False  # the reply keeps a chunked top-k in 8 bits (``sparse_reply_verdict``)
+    aggregation: Aggregation = Aggregation.CENTERED_CLIP  # the round's rule, which every reducer must use
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""
-        if not inputs.aggregation.robust:
-            return f"it aggregates with {inputs.aggregation.value}, not a robust rule"
+        if inputs.aggregation is not self.aggregation:
+            return f"it aggregates with {inputs.aggregation.value}, not the round's {self.aggregation.value}"
         if not set(inputs.senders) <= set(self.contributors):
             return "its inputs name senders its reply left out"
         if len(inputs.signed) != len(inputs.senders):
@@ -339,12 +340,13 @@ class PartCheck:
                 return f"it states an input of {sender} that {sender} did not commit to"
             if not signed.commitment.verify(self.group_id, sender, weight, self.verified):
                 return f"it states an input of {sender} under a commitment {sender} did not sign"
-        values, n = inputs.values, len(inputs.senders)
+        values, n, floor = inputs.values, len(inputs.senders), 0.0
         if inputs.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(n) < n:
-            why = sets_hold(values, inputs.neighbours)  # nearest sets, up to near-ties
+            between = distances(values)
+            why = sets_hold(between, inputs.neighbours)  # nearest sets, up to near-ties
             if why is not None:
                 return why
-            values = mix(values, inputs.neighbours)
+            values, floor = mix(values, inputs.neighbours), tau_floor(between)
         elif inputs.neighbours is not None:
             return "it states neighbour sets for inputs it did not mix"
         parts = list(values.unbind(0))
@@ -360,9 +362,9 @@ class PartCheck:
         elif inputs.start is not None:
             start, radius = parts[inputs.start], radius_from(values, inputs.start)
         if inputs.start is not None:
-            expected = RADIUS_SHARE * radius  # (the start's radius, as ``robust.py`` scales it)
+            expected = max(RADIUS_SHARE * radius, floor)  # (the start's radius, as ``robust.py`` scales it)
         else:
-            start, expected = None, clip_radius(parts, None)
+            start, expected = None, max(clip_radius(parts, None), floor)
         if abs(inputs.tau - expected) > 1e-4 * expected + 1e-30:
             return f"its clip radius {inputs.tau:.6g} is not the one its inputs give ({expected:.6g})"
         recomputed = torch.empty_like(self.reply)

@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--aggregation",
-        choices=["auto", "mean", "centered-clip"],
+        choices=["auto", "mean", "centered-clip", "centered-clip-mixed"],
         default="mean",
         help="the tuned all-reduce's aggregation (mean, the default: the exact mean, as Hivemind averages; "
         "auto: what a public swarm uses, centered-clip with reducer checks). The defaults' is always auto",

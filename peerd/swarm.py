@@ -82,7 +82,7 @@ def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
         "--aggregation",
         choices=AGGREGATION.choices,
         default=AGGREGATION.default,
-        help="how reducers aggregate (see peerd join); auto: centered-clip, as the swarm is public",
+        help="how reducers aggregate (see peerd join); auto: the public swarm's robust rules",
     )
     swarm.add_argument("--max-epochs", type=int, default=200, help="stop when every peer has passed this epoch")
     swarm.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="stop after this long")
