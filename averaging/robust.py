@@ -178,10 +178,8 @@ def centered_clip(
         rows = torch.empty(n, numel, dtype=torch.float32)
     moved_to = _start_instead(parts, center) if center is not None and choose_start and n > 2 else None
     if moved_to is not None:  # our own contribution is no start: start from the closest-knit one
-        tau, _ = centered_clip(
-            parts, weights, out, center=parts[moved_to], tau=tau, workspace=workspace, choose_start=False,
-            min_tau=min_tau,
-        )  # fmt: skip
+        again = dict(tau=tau, workspace=workspace, choose_start=False, min_tau=min_tau)
+        tau, _ = centered_clip(parts, weights, out, center=parts[moved_to], **again)
         return tau, moved_to
     if center is None:
         center = torch.stack(parts, out=rows).median(dim=0).values
