@@ -29,7 +29,7 @@ import torch
 
 from peer.tensors import all_finite
 
-from .mixing import distances, mix, mixed_count, nearest_sets, tau_floor
+from .mixing import distances, mix, mixed_count, nearest_sets, start_of_mixed, tau_floor
 from .robust import Aggregation, centered_clip, clip_weights
 
 __all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "AggregatedInputs"]
@@ -273,7 +273,14 @@ class ShardReduction:
             assert stacked is not None
             between = distances(stacked)
             sets, floor = nearest_sets(between), tau_floor(between)
-            rows = list(mix(stacked, sets).unbind(0))
+            mixed = mix(stacked, sets)
+            rows = list(mixed.unbind(0))
+            if own is not None:  # the start from exact radii, as checkers bound it (``start_of_mixed``)
+                start = start_of_mixed(mixed, own)
+                tau, _ = centered_clip(
+                    rows, weights, out, center=rows[start], workspace=self.workspace, choose_start=False, min_tau=floor
+                )
+                return tau, start, stacked, sets
         center = rows[own] if own is not None else None
         tau, moved_to = centered_clip(rows, weights, out, center=center, workspace=self.workspace, min_tau=floor)
         start = moved_to if moved_to is not None or own is None else own

@@ -155,6 +155,21 @@ def test_in_small_groups_mixed_rows_that_coincide_do_not_shut_out_the_other_cont
     assert check(peers, values, 1, reply).verdict(inputs) is None
 
 
+def test_a_sender_equal_to_the_reducers_own_on_a_sample_cannot_get_it_accused() -> None:
+    """Checkers bound the start by exact radii; a start chosen from a sample of coordinates (as
+    plain CenteredClip chooses on large parts) kept the reducer's own, at radius 0 on the sample,
+    while the pair it is not in mixes to one row of exact radius 0: the check failed it."""
+    generator = torch.Generator().manual_seed(0)
+    size = 1 << 17  # past the Gram path's limit, and sampled for radii
+    peers = ids(3)
+    own, honest = torch.randn(size, generator=generator), torch.randn(size, generator=generator)
+    framer = own.clone()
+    framer[1::2] = own[1::2] + 1.5 * (honest[1::2] - own[1::2])  # ours on the even coordinates only
+    values = torch.stack([own, honest, framer])
+    inputs, reply = answer(peers, values, reducer_contributes=True)
+    assert check(peers, values, 1, reply).verdict(inputs) is None
+
+
 def test_a_group_of_two_is_not_mixed_into_one_mean() -> None:
     """Mixing both rows of two would make them one: they are aggregated as plain CenteredClip does
     (a group too small to outvote a liar is bounded by the members' own history: ``own_radius.py``)."""
