@@ -58,6 +58,7 @@ class Case:
     checks: bool = True
     sharding: str = "iid"
     mode: str = "gradient"
+    seed: int = 0  # 0: the task's own initial model; another: every peer's model drawn from it
 
     @property
     def rule(self) -> Aggregation:
@@ -160,7 +161,7 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
     """Train ``epochs`` epochs (gradient mode) or rounds (local mode) under ``case``'s attack;
     groups are formed as matchmaking forms them once peers ban each other: without any peer that
     an honest member has caught (``averaging/verification.py``)."""
-    torch.manual_seed(1)
+    torch.manual_seed(1 + case.seed)
     settings = RoundSettings(
         aggregation=case.rule,
         check_reducers=case.checks and case.rule.robust,
@@ -176,6 +177,11 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
                 lying = attack is not None and attack.loud
                 service = AllReduceService(host, shard_type=LyingShard) if lying else AllReduceService(host)
                 task = peer_task(index, case.peers, case.sharding)
+                if case.seed:  # the same draw for every peer: they still start from one model
+                    torch.manual_seed(case.seed)
+                    for module in task.model.modules():
+                        if hasattr(module, "reset_parameters"):
+                            module.reset_parameters()
                 params = list(task.model.parameters())
                 outer = OuterStep(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM) if case.mode == "local" else None
                 task_status.started(SwarmPeer(index, host, service, task, task.make_optimizer(params), outer, attack))
