@@ -119,14 +119,13 @@ class GroupAverager:
         allow_state_sharing: bool = True,
         settle_time: float | None = None,
         aggregation: Aggregation | str = "auto",
-        public_aggregation: Aggregation | str = Aggregation.CENTERED_CLIP,
         uplink: float | None = None,
         replicated: int | None = None,
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
         ``centered-clip`` (robust to a hostile minority, ``robust.py``), ``centered-clip-mixed``
         (the same over nearest-neighbour mixes, for peers whose data differ: ``mixing.py``), or
-        ``auto``: ``public_aggregation`` in a public swarm, the mean in a private one
+        ``auto``: centered-clip in a public swarm, the mean in a private one
         (``peer/access.py``). With a robust rule, a round too small to outvote a liar (fewer than
         three senders) moves our tensors only as far as their own recent updates allow
         (``own_radius.py``).
@@ -136,8 +135,6 @@ class GroupAverager:
         ``replicated``: how many of the leading tensors honest replicas hold alike (a newcomer's
         witnesses compare only those; the rest, such as worker momentum, are each peer's own);
         None: all of them."""
-        if not Aggregation(public_aggregation).robust:
-            raise ValueError(f"a public swarm's rule must be robust, not {Aggregation(public_aggregation).value}")
         if uplink is not None and not (0 < uplink < math.inf):
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
@@ -155,7 +152,7 @@ class GroupAverager:
             sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout,
             part_size=part_size,
-            aggregation=resolve_aggregation(aggregation, self.host.access.private, Aggregation(public_aggregation)),
+            aggregation=resolve_aggregation(aggregation, self.host.access.private),
             uplink=uplink,
         )
         self.settings = AveragerSettings(target_group_size, min_group_size, matchmaking_timeout, settle_time, rounds)

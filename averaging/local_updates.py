@@ -66,7 +66,6 @@ from .local_rounds import RoundSchedule, SequentialRounds
 from .outer_fragments import OuterFragments, RoundFragment
 from .progress import SwarmProgress
 from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_state
-from .robust import Aggregation
 from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
@@ -83,11 +82,6 @@ SPARSE_START_FRAGMENTS = 64
 # it stays owed), this many times in a row at most (``_others_train_on``).
 MAX_OWED_ROUNDS = 3
 
-# A public swarm's rule for the pseudo-gradients: peers' data differ, and after a round of local
-# steps on its own data each peer's delta leans its own way; mixing nearest neighbours before
-# CenteredClip narrows that honest spread, which a quiet attacker hides in (``mixing.py``). The
-# start's averaging keeps plain CenteredClip (replicas of one start hardly differ).
-OUTER_AGGREGATION = Aggregation.CENTERED_CLIP_MIXED
 
 log = logging.getLogger("peerd.training")
 
@@ -143,7 +137,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
                 # each fragment its own key: a group's members always average the same fragment
                 GroupAverager(
                     step.deltas, dht, prefix=f"{prefix}.outer" + (f".{index}of{fragments}" if fragments > 1 else ""),
-                    codec=codec, allow_state_sharing=False, public_aggregation=OUTER_AGGREGATION, **averaging,
+                    codec=codec, allow_state_sharing=False, **averaging,
                 ),
                 ErrorFeedback(step.deltas, codec, dht.host.peer_id) if error_feedback else None,
                 self._owed_in_params,

@@ -100,8 +100,7 @@ RADIUS_SHARE = 1 / math.sqrt(2)
 class Aggregation(str, enum.Enum):
     MEAN = "mean"  # the weighted mean: exact, and at any one sender's mercy
     CENTERED_CLIP = "centered-clip"  # CenteredClip, weights clipped to the median's ratio
-    # CenteredClip over nearest-neighbour mixes of the contributions (``mixing.py``): for updates
-    # of peers whose data differ, local updates' pseudo-gradients
+    # CenteredClip over nearest-neighbour mixes of the contributions (``mixing.py``), on request
     CENTERED_CLIP_MIXED = "centered-clip-mixed"
 
     @property
@@ -110,13 +109,11 @@ class Aggregation(str, enum.Enum):
         return self is not Aggregation.MEAN
 
 
-def resolve_aggregation(
-    aggregation: Aggregation | str, private: bool, public: Aggregation = Aggregation.CENTERED_CLIP
-) -> Aggregation:
-    """``auto``: the robust rule ``public`` in public swarms (anyone may join), the exact mean in
-    private ones (every member is known)."""
+def resolve_aggregation(aggregation: Aggregation | str, private: bool) -> Aggregation:
+    """``auto``: centered-clip in public swarms (anyone may join), the exact mean in private ones
+    (every member is known)."""
     if aggregation == "auto":
-        return Aggregation.MEAN if private else public
+        return Aggregation.MEAN if private else Aggregation.CENTERED_CLIP
     return Aggregation(aggregation)
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/byzantine.py [--quick] [--peers 8] [--epochs E]
         [--attacks NAME,...] [--fs 1,2,3] [--shardings iid,non-iid] [--modes gradient,local] [--seeds K]
+        [--rule centered-clip|centered-clip-mixed]
 
 Every peer is a real host with its own all-reduce service on 127.0.0.1 (Noise-encrypted streams,
 the real reducers, the real reducer checks), in one process (``byzantine_cases/swarm.py``). An
@@ -24,8 +25,8 @@ every honest update of the round before they send. Cases: f = 1 and 2 of ``--pee
 as many; ``iid`` shards and ``non-iid`` ones (Dirichlet(0.5) over labels, ``byzantine_cases/
 shards.py``); ``gradient`` mode and ``local`` mode (local updates: 5 Adam steps, then the peers
 average pseudo-gradients and take peerd's outer step; half as many rounds as gradient mode has
-epochs). All with a public swarm's defaults: reducer checks, and centered-clip (gradients) or
-centered-clip-mixed (local updates' pseudo-gradients, ``averaging/mixing.py``).
+epochs). All with a public swarm's defaults: centered-clip and reducer checks (``--rule
+centered-clip-mixed``: the quiet cases with nearest-neighbour mixing, ``averaging/mixing.py``).
 
 Figures, after the same number of epochs:
 
@@ -102,9 +103,10 @@ def quiet_runs(args: argparse.Namespace) -> dict[str, Case]:
             for f in args.fs:
                 n = sizes[f]
                 clean = f"clean/{n}/{sharding}/{mode}"
-                runs.setdefault(clean, Case(n, 0, None, sharding=sharding, mode=mode))
+                runs.setdefault(clean, Case(n, 0, None, args.rule, sharding=sharding, mode=mode))
                 for attack in args.attacks:
-                    runs[f"{attack}/f{f}of{n}/{sharding}/{mode}"] = Case(n, f, attack, sharding=sharding, mode=mode)
+                    case = Case(n, f, attack, args.rule, sharding=sharding, mode=mode)
+                    runs[f"{attack}/f{f}of{n}/{sharding}/{mode}"] = case
     return runs
 
 
@@ -164,6 +166,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shardings", help=f"of {','.join(SHARDINGS)}")
     parser.add_argument("--modes", help=f"of {','.join(MODES)}")
     parser.add_argument(
+        "--rule",
+        default="centered-clip",
+        choices=["centered-clip", "centered-clip-mixed"],
+        help="the reducers' rule in the quiet cases",
+    )
+    parser.add_argument(
         "--seeds", type=int, default=1, help="seeds per quiet case and its clean run, their accuracies averaged"
     )
     args = parser.parse_args()
@@ -190,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     loud, quiet = loud_runs(args.peers, args.quick), quiet_runs(args)
     runs = {**loud, **quiet}
-    if args.seeds == 1:
+    if args.seeds == 1 and args.rule == "centered-clip":
         runs.pop(f"clean/{args.peers}/iid/gradient", None)  # the loud runs' clean is that run
     results: dict[str, RunResult] = {}
     started = time.perf_counter()
@@ -218,6 +226,7 @@ def main() -> None:
         "peers": args.peers,
         "epochs": args.epochs,
         "seeds": args.seeds,
+        "quiet_rule": args.rule,
         "accuracy_clean": round(clean.accuracy, 4),
         "accuracy_clean_mean": round(plain.accuracy, 4),
         **{f"accuracy_f{f}": round(results[f"f{f}"].accuracy, 4) for f in (1, 2, 3)},

@@ -137,13 +137,12 @@ AGGREGATION = Setting(
     choices=("auto", "mean", "centered-clip", "centered-clip-mixed"),
     default="auto",
     help="how a reducer aggregates its shard: the weighted mean, centered-clip (robust to a hostile minority), or "
-    "centered-clip-mixed (the same over nearest-neighbour mixes); auto: robust in a public swarm (mixed for "
-    "local updates' pseudo-gradients), mean in a private one",
+    "centered-clip-mixed (the same over nearest-neighbour mixes); auto: centered-clip in a public swarm, mean in "
+    "a private one",
     doc="how a reducer aggregates its shard: `mean`, `centered-clip` (CenteredClip, claimed weights capped at 2x the "
     "group's median: a hostile minority moves the result by a bounded amount, `averaging/robust.py`), "
-    "`centered-clip-mixed` (each contribution first replaced by the mean of its nearest ones, which narrows the "
-    "spread of peers whose data differ, `averaging/mixing.py`), or `auto` (in a public swarm `centered-clip`, and "
-    "`centered-clip-mixed` for local updates' pseudo-gradients; `mean` in a private one)",
+    "`centered-clip-mixed` (each contribution first replaced by the mean of its nearest ones, `averaging/mixing.py`; "
+    "every peer of the swarm must choose it), or `auto` (`centered-clip` in a public swarm, `mean` in a private one)",
 )  # fmt: skip
 DATA_SHARD = JoinOnlySetting(
     name="data_shard", flag="--data-shard", variable="DATA_SHARD", parse=data_shard, default=AUTO,

@@ -25,7 +25,6 @@ import trio
 
 from averaging.allreduce import AllReduceService, RoundSettings
 from averaging.group import AveragingMode, GroupInfo, GroupMember
-from averaging.local_updates import OUTER_AGGREGATION
 from averaging.outer_step import OuterStep
 from averaging.robust import Aggregation
 from peer import Identity, open_peer_host
@@ -54,7 +53,7 @@ class Case:
     peers: int
     attackers: int
     attack: str | None
-    aggregation: str = "auto"  # as in a public swarm: ``rule``
+    aggregation: str = "centered-clip"  # a public swarm's rule (or centered-clip-mixed, mean)
     checks: bool = True
     sharding: str = "iid"
     mode: str = "gradient"
@@ -62,11 +61,7 @@ class Case:
 
     @property
     def rule(self) -> Aggregation:
-        """The reducers' rule: ``auto`` is a public swarm's, centered-clip for gradients and local
-        updates' own (``OUTER_AGGREGATION``) for pseudo-gradients."""
-        if self.aggregation != "auto":
-            return Aggregation(self.aggregation)
-        return OUTER_AGGREGATION if self.mode == "local" else Aggregation.CENTERED_CLIP
+        return Aggregation(self.aggregation)
 
     def attack_of(self, index: int) -> Attack | None:
         first = self.peers - self.attackers
