@@ -92,9 +92,12 @@ def all_reduce_service(host: PeerHost) -> AllReduceService:
     return host.service(AllReduceService)
 
 
-def tensor_schema(tensors: Sequence[torch.Tensor]) -> str:
-    """A short hash of shapes and dtypes: peers whose tensors differ must never be grouped."""
+def tensor_schema(tensors: Sequence[torch.Tensor], aggregation: Aggregation | None = None) -> str:
+    """A short hash of shapes and dtypes, and of the reducers' rule: peers whose tensors differ
+    must never be grouped, nor peers whose checks would each take the other's rule for a lie."""
     description = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+    if aggregation is not None:
+        description += f"|{Aggregation(aggregation).value}"
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 
@@ -160,7 +163,7 @@ class GroupAverager:
         # Robust rounds too small to outvote a liar move our values only as far as our own history
         # allows (``own_radius.py``); the plain mean trusts every member anyway.
         self._own_radius = OwnRadius() if rounds.aggregation.robust else None
-        self.schema = tensor_schema(self.tensors)
+        self.schema = tensor_schema(self.tensors, rounds.aggregation)
         self.round = 0  # the next round this averager declares; only its own steps move it
         self._service = all_reduce_service(self.host)
         self._matchmaker = Matchmaker(self.host, dht, prefix, excluded=self._service.checks.banned.__contains__)

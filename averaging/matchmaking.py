@@ -32,7 +32,8 @@
    that named it expires (``matchmaking_rules.PassedOver``): trying it again every round would
    cost each of them half its time.
 
-Peers whose tensor schemas differ never meet: the schema hash is part of what is matched. Peers
+Peers whose tensor schemas differ never meet: the schema hash (shapes, dtypes and the reducers'
+rule, ``averager.tensor_schema``) is part of what is matched. Peers
 this one ``excluded`` (reducers caught lying, ``verification.py``) are left out of its candidates,
 refused as joiners, and a leader's group that holds one is passed over.
 """

@@ -77,8 +77,8 @@ __all__ = [
 # in the new envelope. 3: a stream's OPEN says the largest message its caller accepts. 4: a DHT find
 # may name the dictionary entries its asker holds; all-reduce parts may be split finer over slow
 # links. 5: a side that finds a connection idle says GOAWAY (rpc_protocol.py) and both retire it.
-# 6: reducers of local updates' pseudo-gradients mix nearest neighbours (centered-clip-mixed) and a
-# check's answer names the sets. A peer of another version is told the versions differ instead of
+# 6: a check's answer names the neighbour sets a centered-clip-mixed reducer mixed, and the
+# matchmaking schema hash covers the reducers' rule. A peer of another version is told the versions differ instead of
 # failing obscurely.
 PROTOCOL_VERSION = 6
 NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"

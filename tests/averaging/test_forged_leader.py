@@ -14,6 +14,7 @@ from averaging.averager import GroupAverager, tensor_schema
 from averaging.group import AveragingMode
 from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
 from averaging.matchmaking_rules import PassedOver
+from averaging.robust import resolve_aggregation
 from dht.node import DHTNode
 from peer import Identity, PeerAddress, Router
 
@@ -21,6 +22,11 @@ PREFIX = "forged-leader"
 # The exact mean of two scalars that never change: with centered-clip, a peer in a group of two
 # moves only as far as its own updates allow (tests/averaging/test_small_groups.py), and these have none.
 AVERAGING = {"prefix": PREFIX, "settle_time": 0.2, "aggregation": "mean"}
+
+
+def honest_schema(node, tensors) -> str:
+    """The schema honest averagers of ``node``'s swarm declare (their tensors and their rule)."""
+    return tensor_schema(tensors, resolve_aggregation("auto", node.host.access.private))
 
 
 def first_ranked_identity(below: bytes) -> Identity:
@@ -56,7 +62,7 @@ async def test_followers_pass_over_a_leader_that_never_answers_or_answers_garbag
         attacker.host.router.add_unary(f"avg.join.{PREFIX}", join)
         tensors = [torch.tensor([1.0])]
         declaration = Declaration(
-            identity.peer_id, attacker.address, 1e9, AveragingMode.NODE, tensor_schema(tensors), 0
+            identity.peer_id, attacker.address, 1e9, AveragingMode.NODE, honest_schema(attacker, tensors), 0
         )
         await Matchmaker(attacker.host, attacker, PREFIX, router=Router()).declare(declaration, timeout=60)
 
@@ -109,7 +115,9 @@ async def test_a_fake_leader_costs_at_most_one_round_while_its_declaration_lives
         # its open connection to us)
         address = PeerAddress("127.0.0.1", 9, identity.peer_id) if client else attacker.address
         tensors = [torch.tensor([1.0])]
-        declaration = Declaration(identity.peer_id, address, 1e9, AveragingMode.NODE, tensor_schema(tensors), 0)
+        declaration = Declaration(
+            identity.peer_id, address, 1e9, AveragingMode.NODE, honest_schema(attacker, tensors), 0
+        )
         await Matchmaker(attacker.host, attacker, PREFIX, router=Router()).declare(declaration, timeout=60)
 
         averagers = [

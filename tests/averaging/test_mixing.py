@@ -9,6 +9,7 @@ import pytest
 import torch
 import trio
 
+from averaging.averager import GroupAverager
 from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.mixing import TIE_TOLERANCE, distances, mix, mixed_count, nearest_sets, sets_hold, tau_floor
 from averaging.reduction import ShardReduction
@@ -196,4 +197,19 @@ async def test_local_updates_mix_only_when_asked() -> None:
             torch.optim.SGD(params, lr=0.1), node, prefix="mixed", local_steps=2, settings=settings
         )
         assert [f.averager.settings.rounds.aggregation for f in mixed.fragments] == [MIXED]
+        nursery.cancel_scope.cancel()
+
+
+async def test_peers_that_chose_different_rules_declare_different_schemas() -> None:
+    """Each peer checks by its own rule, so peers of different rules would take each other's
+    reducers for liars: matchmaking never groups them (the schema is part of what it matches)."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        tensors = [torch.zeros(3)]
+        schemas = {
+            rule: GroupAverager(tensors, node, prefix=f"rules-{index}", aggregation=rule).schema
+            for index, rule in enumerate(["auto", "centered-clip", "centered-clip-mixed", "mean"])
+        }
+        assert schemas["auto"] == schemas["centered-clip"]  # (a public swarm)
+        assert len({schemas["centered-clip"], schemas["centered-clip-mixed"], schemas["mean"]}) == 3
         nursery.cancel_scope.cancel()
