@@ -78,8 +78,8 @@ __all__ = [
 # may name the dictionary entries its asker holds; all-reduce parts may be split finer over slow
 # links. 5: a side that finds a connection idle says GOAWAY (rpc_protocol.py) and both retire it.
 # 6: a check's answer names the neighbour sets a centered-clip-mixed reducer mixed, and the
-# matchmaking schema hash covers the reducers' rule. A peer of another version is told the versions differ instead of
-# failing obscurely.
+# matchmaking schema hash covers the reducers' rule. A peer of another version is told the
+# versions differ instead of failing obscurely.
 PROTOCOL_VERSION = 6
 NOISE_PROTOCOL = b"Noise_XX_25519_AESGCM_SHA256"
 PROLOGUE = b"peerd-noise-v1"
