@@ -47,13 +47,14 @@ import math
 import numpy as np
 import torch
 
-from .robust import RADIUS_SHARE, START_SLACK
+from .robust import RADIUS_SHARE, START_SLACK, Aggregation, start_radii
 
 __all__ = [
     "TIE_TOLERANCE",
     "distances",
     "mix",
     "mixed_count",
+    "mixes",
     "nearest_sets",
     "sets_hold",
     "start_of_mixed",
@@ -66,9 +67,14 @@ TIE_TOLERANCE = 1e-3
 
 
 def mixed_count(n: int) -> int:
-    """``k``: how many contributions each mixed row averages, itself included (mixing is for
-    three or more: ``k < n``)."""
+    """``k``: how many contributions each mixed row averages, itself included."""
     return n - (math.ceil(n / 2) - 1)
+
+
+def mixes(aggregation: Aggregation, n: int) -> bool:
+    """Whether a part of ``n`` contributions is mixed under ``aggregation``: with the mixed rule,
+    from three on (two would mix into one row, ``k = n``)."""
+    return aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(n) < n
 
 
 def distances(values: torch.Tensor) -> np.ndarray:
@@ -123,9 +129,9 @@ def start_of_mixed(mixed: torch.Tensor, own: int) -> int:
     ``floor(n / 2)``-th distance) is smaller by more than ``START_SLACK``, then the smallest's.
     From exact radii: mixed rows often coincide (smallest radius 0), and a start chosen from a
     sample of coordinates could be framed by a sender equal to ours on the sample only."""
-    n = mixed.shape[0]
-    radii = np.sort(distances(mixed), axis=1)[:, n // 2]
-    return own if radii[own] <= START_SLACK * float(radii.min()) else int(np.argmin(radii))
+    radii = start_radii(mixed, mixed[own], exact=True)  # (what checkers bound the start by)
+    smallest = min(radii)
+    return own if radii[own] <= START_SLACK * smallest else radii.index(smallest)
 
 
 def sets_hold(between: np.ndarray, sets: object) -> str | None:

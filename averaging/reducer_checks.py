@@ -208,12 +208,13 @@ class ReducerChecks:
         part_contributors: dict[int, list[list[PeerID]]],
         codec: Codec,
         reply_codec: Codec,
-        aggregation: Aggregation = Aggregation.CENTERED_CLIP,
+        aggregation: Aggregation,
     ) -> list[tuple[int, PendingCheck]]:
         """Choose, in private, one part of each other reducer's shard that we received (each
         reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
         need (call before the averages are written back into ``flat``): we sent with ``codec``,
-        the reducers reply with ``reply_codec``. Returns (shard, check) pairs."""
+        the reducers reply with ``reply_codec``, and must aggregate by ``aggregation``, the round's
+        rule. Returns (shard, check) pairs."""
         me = self.host.peer_id
         by_start = dict((start, values) for start, values in received)
         shards: list[list[tuple[int, int, int, int]]] = []

@@ -29,7 +29,7 @@ import torch
 
 from peer.tensors import all_finite
 
-from .mixing import distances, mix, mixed_count, nearest_sets, start_of_mixed, tau_floor
+from .mixing import distances, mix, mixes, nearest_sets, start_of_mixed, tau_floor
 from .robust import Aggregation, centered_clip, clip_weights
 
 __all__ = ["ShardReduction", "ContributionRejected", "ReductionOutcome", "MAX_WEIGHT", "AggregatedInputs"]
@@ -266,8 +266,8 @@ class ShardReduction:
         reduction mixes and there are three or more: ``mixing.py``), from our own (row ``own``)
         or a closer-knit one; returns the radius, the row it started from, the parts stacked if
         they are kept for checks, and the neighbour sets mixed (None: not mixed)."""
-        mixing = self.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(len(parts)) < len(parts)
-        sets, rows, floor = None, parts, 0.0
+        mixing = mixes(self.aggregation, len(parts))
+        sets, rows, floor, start, choose = None, parts, 0.0, own, True
         stacked = torch.stack(parts) if mixing or self.kept_inputs is not None else None
         if mixing:
             assert stacked is not None
@@ -275,16 +275,13 @@ class ShardReduction:
             sets, floor = nearest_sets(between), tau_floor(between)
             mixed = mix(stacked, sets)
             rows = list(mixed.unbind(0))
-            if own is not None:  # the start from exact radii, as checkers bound it (``start_of_mixed``)
-                start = start_of_mixed(mixed, own)
-                tau, _ = centered_clip(
-                    rows, weights, out, center=rows[start], workspace=self.workspace, choose_start=False, min_tau=floor
-                )
-                return tau, start, stacked, sets
-        center = rows[own] if own is not None else None
-        tau, moved_to = centered_clip(rows, weights, out, center=center, workspace=self.workspace, min_tau=floor)
-        start = moved_to if moved_to is not None or own is None else own
-        return tau, start, stacked, sets
+            if own is not None:  # the start from exact radii, as checkers bound it
+                start, choose = start_of_mixed(mixed, own), False
+        center = rows[start] if start is not None else None
+        tau, moved_to = centered_clip(
+            rows, weights, out, center=center, workspace=self.workspace, choose_start=choose, min_tau=floor
+        )
+        return tau, moved_to if moved_to is not None else start, stacked, sets
 
     def part_average(self, index: int) -> torch.Tensor | None:
         """Part ``index``'s average (a view of the sum buffer), or None if no contribution of

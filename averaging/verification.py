@@ -71,7 +71,7 @@ from peer.tensors import all_finite, tensor_bytes
 
 from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
 from .compression import codec_of
-from .mixing import distances, mix, mixed_count, sets_hold, tau_floor
+from .mixing import distances, mix, mixes, sets_hold, tau_floor
 from .robust import (
     GRAM_LIMIT,
     RADIUS_SHARE,
@@ -341,7 +341,7 @@ class PartCheck:
             if not signed.commitment.verify(self.group_id, sender, weight, self.verified):
                 return f"it states an input of {sender} under a commitment {sender} did not sign"
         values, n, floor = inputs.values, len(inputs.senders), 0.0
-        if inputs.aggregation is Aggregation.CENTERED_CLIP_MIXED and mixed_count(n) < n:
+        if mixes(inputs.aggregation, n):
             between = distances(values)
             why = sets_hold(between, inputs.neighbours)  # nearest sets, up to near-ties
             if why is not None:
