@@ -23,6 +23,15 @@ the honest contacts of a real partition forgotten. A contact is given up GIVE_UP
 (about 65 pings in all): the address in its entry is the one its hello announced, which nobody
 checked, and a peer that announced someone else's address and left must not have every node that
 met it dial that address for good. The initial peers, which the operator chose, are never given up.
+
+The probes of all lost contacts together are held to a budget (a token bucket: PROBE_BURST at once,
+then PROBE_RATE a second), the due ones taking turns, the most overdue first. Each departure of a
+churning swarm is a lost contact nobody will hear from again, and without the budget a node pinged
+~60 dead addresses a minute for one departure a minute from its table, ~250 a minute at 6 and ~840
+at 30 (an averaging peer's rounds ask ~130 requests a minute of the DHT): a cost growing with the
+churn and the table. With it a due contact waits at most MAX_LOST / PROBE_RATE seconds for its
+turn, so an outage is still probed within a minute of its healing, and sooner whenever fewer
+contacts are due than the budget allows (one answer heals it: see above).
 """
 
 from __future__ import annotations
@@ -31,7 +40,16 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["GIVE_UP_AFTER", "LostContacts", "MAX_LOST", "MAX_LOST_PER_HOST", "PROBE_MAX", "PROBE_MIN"]
+__all__ = [
+    "GIVE_UP_AFTER",
+    "LostContacts",
+    "MAX_LOST",
+    "MAX_LOST_PER_HOST",
+    "PROBE_BURST",
+    "PROBE_MAX",
+    "PROBE_MIN",
+    "PROBE_RATE",
+]
 
 MAX_LOST = 64
 # A few peers per machine is usual (one per GPU); more is one operator's Sybils.
@@ -42,6 +60,9 @@ AGE_FRACTION = 1 / 8  # a retry every eighth of the outage so far: ~4 s after a 
 # Longer than any partition worth healing this way (a longer one heals as peers rejoin through
 # their initial peers): ~43 pings while the interval grows to PROBE_MAX, then one a minute.
 GIVE_UP_AFTER = 1800.0
+# All lost contacts' probes together: a burst of 16 (an outage's first seconds), then one a second.
+PROBE_BURST = 16
+PROBE_RATE = 1.0
 
 T = TypeVar("T")
 
@@ -63,6 +84,8 @@ class LostContacts(Generic[T]):
         self.per_host = per_host
         self.give_up_after = give_up_after
         self._lost: dict[Hashable, _Lost[T]] = {}
+        self._tokens = float(PROBE_BURST)  # probes the budget allows now
+        self._filled_at: float | None = None  # when the tokens were last counted
 
     def __len__(self) -> int:
         return len(self._lost)
@@ -90,17 +113,26 @@ class LostContacts(Generic[T]):
         self._lost.pop(key, None)
 
     def due(self, now: float) -> list[T]:
-        """The targets to ping now; each is scheduled for its next try as it is handed out."""
+        """The targets to ping now, as many as the budget allows; each is scheduled for its next
+        try as it is handed out, and a due one left out stays due for the next call."""
         for key in [k for k, entry in self._lost.items() if now - entry.lost_at >= self.give_up_after]:
             del self._lost[key]
-        due = []
-        for entry in self._lost.values():
-            if entry.next_probe <= now:
-                due.append(entry.target)
-                wait = min(PROBE_MAX, max(PROBE_MIN, (now - entry.lost_at) * AGE_FRACTION))
-                entry.next_probe = now + wait
-        return due
+        self._refill(now)
+        waiting = sorted((e for e in self._lost.values() if e.next_probe <= now), key=lambda e: e.next_probe)
+        chosen = waiting[: int(self._tokens)]
+        self._tokens -= len(chosen)
+        for entry in chosen:
+            entry.next_probe = now + min(PROBE_MAX, max(PROBE_MIN, (now - entry.lost_at) * AGE_FRACTION))
+        return [entry.target for entry in chosen]
 
     def next_due(self) -> float | None:
-        """When the next target is due (None: nothing is lost)."""
-        return min((entry.next_probe for entry in self._lost.values()), default=None)
+        """When the next target is due and the budget allows its probe (None: nothing is lost)."""
+        earliest = min((entry.next_probe for entry in self._lost.values()), default=None)
+        if earliest is None or self._tokens >= 1 or self._filled_at is None:
+            return earliest
+        return max(earliest, self._filled_at + (1 - self._tokens) / PROBE_RATE)
+
+    def _refill(self, now: float) -> None:
+        if self._filled_at is not None:
+            self._tokens = min(float(PROBE_BURST), self._tokens + max(0.0, now - self._filled_at) * PROBE_RATE)
+        self._filled_at = now

@@ -12,7 +12,15 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from dht.reconnect import GIVE_UP_AFTER, PROBE_MAX, PROBE_MIN, LostContacts
+from dht.reconnect import (
+    GIVE_UP_AFTER,
+    MAX_LOST,
+    PROBE_BURST,
+    PROBE_MAX,
+    PROBE_MIN,
+    PROBE_RATE,
+    LostContacts,
+)
 from dht.testing import Swarm
 from peer import CallTimeoutError, Identity, Router, open_peer_host
 from peer.link_silence import LinkSilence
@@ -212,9 +220,32 @@ def test_the_per_host_cap_on_lost_contacts_counts_an_ipv6_prefix_as_one_host():
     for c in [honest, *local, *sybils]:
         table.add_contact(c)
         contacts.failed(c)
-    due = contacts.lost.due(contacts.health.clock() + 2.0)
-    assert honest in due and all(c in due for c in local)
-    assert [c for c in due if c in sybils] == sybils[-4:]
+    remembered = [c for c in [honest, *local, *sybils] if contacts.lost.get(c.peer_id) is not None]
+    assert remembered == [honest, *local, *sybils[-4:]]
+
+
+def test_the_probes_of_a_churning_swarm_s_departures_keep_to_a_budget_and_take_turns():
+    # A departure every 2 s from our table (a churning swarm): each is a contact nobody will hear
+    # from again. Its probes together cost what the budget allows (840 a minute before), and every
+    # due contact gets its turn within MAX_LOST / PROBE_RATE seconds.
+    lost: LostContacts[int] = LostContacts()
+    late_pings, longest_wait = 0, 0.0
+    due_at: dict[int, float] = {}  # by the schedule: an eighth of the loss's age after each probe
+    for second in range(1800):
+        if second % 2 == 0:
+            lost.lost(second, second, float(second), host=second)
+            due_at[second] = second + PROBE_MIN
+        for target in lost.due(float(second)):
+            late_pings += second >= 1200
+            longest_wait = max(longest_wait, second - due_at[target])
+            due_at[target] = second + min(PROBE_MAX, max(PROBE_MIN, (second - target) / 8))
+    assert late_pings <= 600 * PROBE_RATE + PROBE_BURST  # the budget over the last 10 minutes
+    assert longest_wait <= MAX_LOST / PROBE_RATE + PROBE_MIN
+    # an outage that heals now: its contacts are probed within a turn, among the churn's backlog
+    for index in range(32):
+        lost.lost(("outage", index), ("outage", index), 1800.0, host=("outage", index))
+    first = next(t for t in range(1800, 2000) if any(isinstance(x, tuple) for x in lost.due(float(t))))
+    assert first - 1800 <= MAX_LOST / PROBE_RATE + PROBE_MIN
 
 
 def test_a_lost_contact_is_given_up_after_a_bounded_number_of_pings():
