@@ -77,8 +77,8 @@ class Replicas:
                     nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
 
             nearest = self.holders.holders(target, looked_up_at)
-            if nearest is not None and self.holders.outdated(target, self.contacts.nearest(target, k)):
-                nearest = None  # our table has met a peer that belongs among the holders
+            if nearest is not None:  # with the peers our table has met since that belong among them
+                nearest = self.holders.admit(target, self.contacts.nearest(target, k), k)
             if nearest is None:
                 # A peer later pushed out of the k nearest keeps an extra copy, as a path cache would.
                 result = await self.lookups.run(

@@ -1,6 +1,7 @@
 """A key's holders, remembered for a minute (``dht/holders.py``): a repeated store goes straight to
 them, a holder that stops answering is dropped from them, and once a quarter of them are gone the
-next store goes back to a full lookup."""
+next store goes back to a full lookup; a newcomer or two that belong among them are admitted, a
+start-up wave sends the store back to a lookup."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import trio
 
 from dht import DHTConfig
-from dht.holders import HOLDERS_TTL, REFRESH_BELOW, HolderCache
+from dht.holders import ADMIT_AT_MOST, HOLDERS_TTL, REFRESH_BELOW, HolderCache
 from dht.records import key_id, pack
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
@@ -71,6 +72,45 @@ def test_remembered_holders_are_out_of_date_once_the_table_knows_a_nearer_peer_t
     # the lookup found fewer than k (the swarm was smaller than k): any peer it lacks belongs among them
     cache.remember(target, holders, now=0.0, k=20)
     assert cache.outdated(target, [placed(9)])
+
+
+def test_a_few_newcomers_are_admitted_among_the_holders_and_many_send_the_store_to_a_lookup():
+    target, cache = 0, HolderCache()
+    holders = [placed(distance) for distance in (1, 2, 4, 8)]
+    cache.remember(target, holders, now=0.0, k=4)
+    assert cache.admit(target, [*holders[:2], placed(16)], k=4) == holders  # nobody new within reach
+    admitted = cache.admit(target, [placed(3)], k=4)
+    assert [c.long_id for c in admitted] == [1, 2, 3, 4]  # the farthest gives way, as a lookup's k nearest
+    assert cache.holders(target, now=1.0) == admitted
+    assert not cache.outdated(target, [placed(3), placed(8)])  # admitted; and 8 is now beyond reach
+    cache.remember(target, [placed(distance) for distance in (100, 200, 400, 800)], now=0.0, k=4)
+    wave = [placed(distance) for distance in range(101, 102 + ADMIT_AT_MOST)]
+    assert cache.admit(target, wave, k=4) is None  # more than a few: the key is looked up again
+    assert cache.holders(target, now=1.0) is None
+    assert cache.admit(7, [placed(3)], k=4) is None  # a key not remembered
+
+
+async def test_a_newcomer_among_a_key_s_holders_gets_the_next_store_without_a_walk(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=13), 40, config=DHTConfig()) as swarm:
+        writer, clock, k = swarm.nodes[0], swarm.clock, DHTConfig().k
+        keys = [f"declarations-{n}" for n in range(16)]
+        for key in keys:
+            assert await writer.store(key, "first", clock.time() + 600, subkey="me")
+        newcomer = await swarm.add([writer.address])  # our table meets it as it joins through us
+        await trio.sleep(5)  # its joining traffic is over
+
+        def rank(key: str) -> int:  # the newcomer's place among the key's nearest live nodes
+            target = key_id(pack(key))
+            order = sorted((swarm.nodes[i] for i in swarm.alive()[1:]), key=lambda node: node.node_id ^ target)
+            return order.index(newcomer)
+
+        key = min(keys, key=rank)
+        assert rank(key) < k // 2  # (one of 16 keys has it well among its k nearest)
+        before = served(swarm)
+        assert await writer.store(key, "second", clock.time() + 600, subkey="me")
+        assert served(swarm) - before <= k + ADMIT_AT_MOST  # the stores alone: no walk to the holders
+        found = newcomer.records.found(pack(key))
+        assert found is not None and newcomer.records.decode(pack(key), found).value["me"].value == "second"
 
 
 def test_holders_that_stop_answering_are_dropped_until_too_few_are_left():
