@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from peer import ConnectError, Connection, Message, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
+from peer import ConnectError, Connection, Message, NodeIDProof, PeerAddress, PeerHost, PeerID, RemoteError, RPCError
 from peer.admission import address_group
 
 from . import wire
@@ -92,12 +92,12 @@ class Contacts:
             self._pinging.add(head.id)
             self._background.start_soon(self._ping_head, head)
 
-    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
+    def called_by(self, peer: PeerID, address: PeerAddress | None, node_id: NodeIDProof) -> None:
         """``peer`` just called us over an authenticated connection, announcing ``address`` (None:
-        a client, which stays out of the table); its place is the proof from that handshake."""
-        connection = self.host.connection_to(peer)
-        if address is not None and connection is not None:
-            self.alive(wire.contact_for(self.host.remote_node_id(connection), address))
+        a client, which stays out of the table); its place is ``node_id``, the proof from that
+        connection's handshake."""
+        if address is not None:
+            self.alive(wire.contact_for(node_id, address))
 
     def failed(self, contact: Contact) -> None:
         if self.health.failed(_claim(contact)):

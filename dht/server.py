@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from peer import Message, PeerAddress, PeerID, Request, Router
+from peer import Message, NodeIDProof, PeerAddress, PeerID, Request, Router
 
 from . import wire
 from .records import DHTRecord
@@ -35,8 +35,9 @@ class ServedRecords(Protocol):
 
 
 class ServedContacts(Protocol):
-    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
-        """``peer`` just called us over an authenticated connection, announcing ``address``."""
+    def called_by(self, peer: PeerID, address: PeerAddress | None, node_id: NodeIDProof) -> None:
+        """``peer`` just called us over an authenticated connection, announcing ``address``, where
+        its handshake showed ``node_id``."""
 
     def nearest(self, target: int, k: int, *, excluding: PeerID | None = None) -> list[Contact]:
         """The k known contacts nearest to ``target``, without the peer ``excluding``."""
@@ -69,7 +70,8 @@ class DHTServer:
             raise DHTServiceStopped("this peer's DHT node has stopped")
 
     def _note_caller(self, request: Request) -> None:
-        self.contacts.called_by(request.peer, request.listen_address)
+        if request.connection is not None:  # (the connection the call came on, even if it is retiring)
+            self.contacts.called_by(request.peer, request.listen_address, request.connection.remote_node_id)
 
     async def ping(self, request: Request) -> None:
         self._begin()

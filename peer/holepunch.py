@@ -186,7 +186,7 @@ class HolePuncher:
 
     # ------------------------------------------------------------------ the reached peer's side (B)
     def _relayed_caller(self, request: Request) -> Connection:
-        connection = self.host.connection_to(request.peer)
+        connection = request.connection
         if connection is None or connection.relayed_via is None:
             raise BadRequest("hole punching is for relayed connections")
         return connection

@@ -72,7 +72,7 @@ class NatTraversal:
 
     async def _addresses(self, request: Request) -> Any:
         """The caller's new announced addresses replace those of its hello on this connection."""
-        connection = self.host.connection_to(request.peer)
+        connection = request.connection
         listen = request.body
         if (
             connection is None

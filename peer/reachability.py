@@ -63,7 +63,7 @@ class ReachabilityService:
         host.router.add_unary(DIALBACK, self._dialback)
 
     async def _dialback(self, request: Request) -> Any:
-        connection = self.host.connection_to(request.peer)
+        connection = request.connection
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("a dial-back needs a direct connection")
         try:

@@ -91,7 +91,7 @@ class Relay:
         return self._waiting_ends
 
     async def _reserve(self, request: Request) -> Any:
-        connection = self.host.connection_to(request.peer)
+        connection = request.connection
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("reserve over a direct connection to the relay")
         if not self._accepting:
@@ -122,7 +122,7 @@ class Relay:
         connection = self.host.connection_to(target)
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
-        source_group = _address_group_of(self.host.connection_to(request.peer))
+        source_group = _address_group_of(request.connection)
         try:
             circuit = self.book.open_circuit(request.peer, target, trio.current_time(), source_group)
         except RelayRefused as error:

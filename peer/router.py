@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .address import PeerAddress
 from .identity import PeerID
@@ -12,20 +12,28 @@ from .message import Message
 from .rpc_protocol import MAX_STREAM_MESSAGE
 from .rpc_streams import ServerStream
 
+if TYPE_CHECKING:  # (the connection imports this module to build requests)
+    from .rpc import Connection
+
 __all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
 
 
 @dataclass(frozen=True)
 class Request:
-    """What a unary handler receives: who called, what it sent, and where the caller accepts
+    """What a unary handler receives: who called, what it sent, where the caller accepts
     connections (``listen_address``, as it announced it at the handshake; None for a client-mode
-    peer). Not the connection itself: a handler answers by returning, and calls back through the
-    host's pool like any other call."""
+    peer) and the connection the call came on, for what its handshake established (the caller's
+    node-ID proof, whether it came through a relay, its socket's remote address). That connection,
+    not whichever the host's pool holds for the caller now: a call that crossed the connection's
+    GOAWAY is served on a connection the pool no longer hands out. A handler answers by returning,
+    and calls back through the pool like any other call. (``connection`` is None only for requests
+    a test builds by hand.)"""
 
     peer: PeerID
     body: Any
     payload: bytes | bytearray
     listen_address: PeerAddress | None
+    connection: Connection | None = None
 
 
 UnaryHandler = Callable[[Request], Awaitable[Any]]

@@ -460,7 +460,7 @@ class Connection:
         try:
             with scope:
                 if event.unary:
-                    request = Request(self.remote_peer_id, event.body, event.payload, self.remote_listen_address)
+                    request = Request(self.remote_peer_id, event.body, event.payload, self.remote_listen_address, self)
                     result = await handler(request)
                     if not isinstance(result, Message):
                         result = Message(result)

@@ -17,7 +17,17 @@ from dht.server import DHTServer, ServedContacts
 from dht.testing import placed_contact
 from dht.validation import SignatureValidator
 from dht.wire import encode_record, entry_digest, parse_contacts, parse_found
-from peer import BadRequestError, Identity, PeerAddress, PeerHost, PeerID, RemoteError, Router, open_peer_host
+from peer import (
+    BadRequestError,
+    Identity,
+    NodeIDProof,
+    PeerAddress,
+    PeerHost,
+    PeerID,
+    RemoteError,
+    Router,
+    open_peer_host,
+)
 
 
 class RecordingContacts:
@@ -28,7 +38,7 @@ class RecordingContacts:
         self.seen: list[PeerID] = []
         self.asked: list[tuple[int, int, PeerID | None]] = []
 
-    def called_by(self, peer: PeerID, address: PeerAddress | None) -> None:
+    def called_by(self, peer: PeerID, address: PeerAddress | None, node_id: NodeIDProof) -> None:
         if address is not None:
             self.seen.append(peer)
 

@@ -83,3 +83,20 @@ async def test_a_swarm_finds_its_keys_across_a_healed_partition_and_departures(a
         simulated, real = trio.current_time() - sim_start, time.perf_counter() - real_start
         took = f"scenario {simulated:.1f} simulated s, {real:.1f} real s"
         print(f"\n{size} DHT nodes: joined in {joined - sim_start:.1f} simulated s, {took}")
+
+
+async def test_a_caller_whose_request_crossed_our_goaway_still_enters_our_table(autojump_clock):
+    # The connection is retiring (we said GOAWAY; the pool no longer hands it out) when the call
+    # arrives: it is served in full, and what its handshake proved places the caller as any call does.
+    async with open_sim_swarm(SimNetwork(seed=31), 2, config=DHTConfig()) as swarm:
+        first, second = swarm.nodes
+        first.routing_table.remove_contact(first.routing_table.get(second.peer_id))
+        assert second.peer_id not in first.routing_table
+        ours = second.host.connection_to(first.peer_id)
+        theirs = first.host.connection_to(second.peer_id)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ours.call, "dht.ping", None)
+            await trio.testing.wait_all_tasks_blocked()  # the request is on its way...
+            theirs.retire()  # ...when the first node says GOAWAY
+        assert first.host.connection_to(second.peer_id) is None  # (the pool no longer hands it out)
+        assert second.peer_id in first.routing_table
