@@ -30,7 +30,7 @@ churning swarm is a lost contact nobody will hear from again, and without the bu
 ~60 dead addresses a minute for one departure a minute from its table, ~250 a minute at 6 and ~840
 at 30 (an averaging peer's rounds ask ~130 requests a minute of the DHT): a cost growing with the
 churn and the table. With it a due contact waits at most MAX_LOST / PROBE_RATE seconds for its
-turn, so an outage is still probed within a minute of its healing, and sooner whenever fewer
+turn, so an outage is still probed within ~64 s of its healing, and sooner whenever fewer
 contacts are due than the budget allows (one answer heals it: see above).
 """
 
@@ -119,8 +119,9 @@ class LostContacts(Generic[T]):
             del self._lost[key]
         self._refill(now)
         waiting = sorted((e for e in self._lost.values() if e.next_probe <= now), key=lambda e: e.next_probe)
-        chosen = waiting[: int(self._tokens)]
-        self._tokens -= len(chosen)
+        # (a hair of slack: next_due()'s instant may refill to a hair under 1 by rounding)
+        chosen = waiting[: int(self._tokens + 1e-6)]
+        self._tokens = max(0.0, self._tokens - len(chosen))
         for entry in chosen:
             entry.next_probe = now + min(PROBE_MAX, max(PROBE_MIN, (now - entry.lost_at) * AGE_FRACTION))
         return [entry.target for entry in chosen]

@@ -87,6 +87,11 @@ class NatTraversal:
             except ValueError as error:
                 raise BadRequest(str(error)) from None
         connection.remote_moved(tuple(listen))
+        # and on the connection our pool hands out for the caller, if another: what we read of the
+        # caller (its DHT contact, our dial-back servers) comes from that one
+        pooled = self.host.connection_to(request.peer)
+        if pooled is not None and pooled is not connection:
+            pooled.remote_moved(tuple(listen))
         return None
 
     def servers(self) -> list[PeerAddress]:

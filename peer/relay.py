@@ -66,6 +66,7 @@ class Relay:
         # the connection each reservation was made (or last renewed) on: its reservation goes
         # when it closes, since circuits reach the target over it
         self._reserved_on: dict[PeerID, Connection] = {}
+        self._watched: set[Connection] = set()  # the connections a _drop_when_closed task watches
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
         host.router.add_unary(RESERVE, self._reserve)
@@ -100,8 +101,9 @@ class Relay:
             self.book.reserve(request.peer, trio.current_time(), group=_address_group_of(connection))
         except RelayRefused as error:
             raise Busy(str(error)) from None
-        if self._reserved_on.get(request.peer) is not connection:
-            self._reserved_on[request.peer] = connection
+        self._reserved_on[request.peer] = connection
+        if connection not in self._watched:  # one task per connection, however often a peer
+            self._watched.add(connection)  # moves its reservation between its connections
             self.host.start_soon(self._drop_when_closed, request.peer, connection)
         return {"ttl": self.book.limits.reservation_ttl}
 
@@ -109,7 +111,10 @@ class Relay:
         """A reservation lives as long as the connection it was made on: a peer that went away
         (or restarted under a new identity, as a NAT'd host does) does not hold its slot, and its
         address group's share, until the reservation's TTL runs out."""
-        await connection.closed.wait()
+        try:
+            await connection.closed.wait()
+        finally:
+            self._watched.discard(connection)
         if self._reserved_on.get(peer) is connection:
             del self._reserved_on[peer]
             self.book.drop_reservation(peer)
@@ -119,7 +124,10 @@ class Relay:
         if not isinstance(body, dict) or not isinstance(body.get("target"), bytes):
             raise BadRequest("expected {target: peer ID bytes}")
         target = PeerID(body["target"])
-        connection = self.host.connection_to(target)
+        # the connection its reservation was made on (which may not be the one our pool hands out)
+        connection = self._reserved_on.get(target)
+        if connection is None or not connection.takes_calls:
+            connection = self.host.connection_to(target)
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
         source_group = _address_group_of(request.connection)

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .address import PeerAddress
 from .identity import PeerID
 from .message import Message
 from .rpc_protocol import MAX_STREAM_MESSAGE
 from .rpc_streams import ServerStream
-
-if TYPE_CHECKING:  # (the connection imports this module to build requests)
-    from .rpc import Connection
 
 __all__ = ["Message", "Request", "Router", "UnaryHandler", "StreamHandler", "StreamPrepare"]
 
@@ -33,7 +30,7 @@ class Request:
     body: Any
     payload: bytes | bytearray
     listen_address: PeerAddress | None
-    connection: Connection | None = None
+    connection: Any = None  # a ``peer.rpc.Connection`` (which builds requests: this module sits below it)
 
 
 UnaryHandler = Callable[[Request], Awaitable[Any]]

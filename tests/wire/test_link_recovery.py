@@ -283,3 +283,21 @@ async def test_a_contact_evicted_while_away_is_found_again_when_it_comes_back():
             while back.peer_id not in node.routing_table or node.peer_id not in back.routing_table:
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
+
+
+def test_a_caller_that_waits_for_next_due_is_handed_a_probe_every_time():
+    # next_due() says when the budget allows a probe: a caller sleeping until then and calling
+    # due() must get one, or under a clock that does not move while it runs (trio's autojump
+    # clock) it asks again at the same instant for ever. Times as a monotonic clock gives them.
+    lost: LostContacts[int] = LostContacts()
+    base = 16354.161700447034
+    for index in range(40):
+        lost.lost(index, index, base, host=index)
+    now = base + 1.0
+    lost.due(now)  # the burst
+    for step in (0.26933982156191344, 0.15440198055036697, 0.05219243816865793):
+        now += step
+        lost.due(now)  # the budget refills by fractions of a probe
+    for _ in range(60):
+        when = lost.next_due()
+        assert lost.due(when), f"nothing handed out at next_due() = {when!r}"

@@ -11,13 +11,14 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from peer import BusyError, ConnectError, Identity, PeerAddress, Router, open_peer_host
 from peer.holepunch import HolePuncher
-from peer.nat import NatTraversal, relay_limits
+from peer.nat import ADDRESSES, NatTraversal, relay_limits
 from peer.nat_state import DialBackLimiter, RelayBook, RelayLimits, RelayRefused, TokenBucket, reachability_verdict
 from peer.reachability import NAT, PUBLIC, UNKNOWN, Reachability, ReachabilityService, check_reachability
-from peer.relay import Relay, RelayClient, dial_through_relay
+from peer.relay import RESERVE, Relay, RelayClient, dial_through_relay
 
 SECRET = b"plaintext-the-relay-must-never-see" * 4
 
@@ -504,3 +505,68 @@ def test_forgetting_every_reservation_forgets_where_each_came_from():
     book.drop_reservations()
     book.reserve("b", 1.0, group="203.0.113.7")  # the address's one slot is free again
     assert list(book.reservations) == ["b"]
+
+
+async def second_connection(host, address: PeerAddress):
+    """Another connection from ``host`` to ``address`` beside the one its pool holds (as two dials
+    that raced leave)."""
+    return await host.secure_outgoing(await host.open_stream(address), address)
+
+
+def task_count(task: trio.lowlevel.Task) -> int:
+    return 1 + sum(task_count(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+
+
+async def test_a_reservation_the_relay_takes_carries_circuits_whichever_connection_it_came_on(relayed):
+    # Two direct connections between the NAT'd peer and the relay; the relay pools one. A
+    # reservation renewed over the other is tied to it, so circuits must reach the peer over it: a
+    # renewal that succeeds while circuits are refused leaves the peer announcing a dead address.
+    relay_host, relay, behind, dialer = relayed
+    relay_address = relay_host.listen_address
+    first = behind.connection_to(relay_host.peer_id)
+    second = await second_connection(behind, relay_address)
+    assert relay_host.connection_to(behind.peer_id) is not None and second is not first
+    first.close()  # the relay's pooled connection to the peer goes (say, retired as idle there)
+    with trio.fail_after(5):
+        await until(lambda: relay_host.connection_to(behind.peer_id) is None)
+    await second.call(RESERVE, None, timeout=5)  # the renewal, on the connection left
+    address = PeerAddress(relay_address.host, relay_address.port, behind.peer_id, relay_host.peer_id)
+    reply = await dialer.call(address, "echo", "through the reserved connection", timeout=10)
+    assert reply.body["echo"] == "through the reserved connection"
+
+
+async def test_new_addresses_told_over_either_of_two_connections_reach_what_the_peer_reads():
+    # Two connections between the two peers; each side pools one. The addresses a peer tells over
+    # either must be what the other side reads of it (its DHT contact, its dial-back servers),
+    # which comes from the connection that side pools.
+    async with (
+        open_peer_host(Identity.generate()) as told,
+        open_peer_host(Identity.generate()) as teller,
+    ):
+        NatTraversal(told)
+        pooled = await teller.connect(told.listen_address)
+        second = await second_connection(teller, told.listen_address)
+        assert second is not pooled
+        moved = PeerAddress("127.0.0.1", 4321, None, told.peer_id)  # (a relayed address)
+        await second.call(ADDRESSES, [str(moved)], timeout=5)
+        seen = told.connection_to(teller.peer_id).remote_listen_address
+        assert seen is not None and seen.relay == told.peer_id
+
+
+async def test_renewals_alternating_between_two_connections_cost_the_relay_no_more_tasks(relayed):
+    # A peer may hold several connections to the relay (MAX_CONNECTIONS_PER_IDENTITY): renewing
+    # over each in turn must not leave the relay one more task per renewal, each living as long
+    # as its connection.
+    relay_host, relay, behind, dialer = relayed
+    first = behind.connection_to(relay_host.peer_id)
+    second = await second_connection(behind, relay_host.listen_address)
+    await first.call(RESERVE, None, timeout=5)
+    await second.call(RESERVE, None, timeout=5)
+    await trio.testing.wait_all_tasks_blocked()
+    root = trio.lowlevel.current_root_task()
+    before = task_count(root)
+    for _ in range(100):
+        await first.call(RESERVE, None, timeout=5)
+        await second.call(RESERVE, None, timeout=5)
+    await trio.testing.wait_all_tasks_blocked()
+    assert task_count(root) - before <= 2
