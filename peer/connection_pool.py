@@ -14,7 +14,7 @@ import trio
 
 from .address import PeerAddress
 from .identity import PeerID
-from .idle_connections import IDLE_RETIRE_S, IdleConnections
+from .idle_connections import IDLE_RETIRE_S, IdleConnections, RecurringPeers
 from .rpc import Connection
 
 __all__ = ["ConnectError", "ConnectionPool", "MAX_KNOWN_ENDPOINTS"]
@@ -55,6 +55,7 @@ class ConnectionPool:
     def __init__(self, retire_idle_after: float | None = IDLE_RETIRE_S) -> None:
         """``retire_idle_after``: seconds a connection may stay idle (None: for ever)."""
         self._idle = IdleConnections(retire_idle_after) if retire_idle_after is not None else None
+        self._recurring = RecurringPeers(retire_idle_after) if retire_idle_after is not None else None
         self._connections: dict[PeerID, Connection] = {}
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
         self._dialing: dict[_DialKey, _Dial] = {}
@@ -76,11 +77,13 @@ class ConnectionPool:
         activity = ((c, (c.link_progress(), c.protocol.active_calls)) for c in live)
         return self._idle.look(activity, now)
 
-    def add(self, connection: Connection) -> Connection | None:
+    def add(self, connection: Connection, now: float) -> Connection | None:
         """Pool ``connection`` if its peer has no live one, or only a relayed one while this one is
         direct (hole punched, or the peer became reachable); return the relayed connection it
         replaces (the caller gives its calls a grace period), else None."""
         peer = connection.remote_peer_id
+        if self._idle is not None:  # a peer called again soon after we retired its connection
+            self._idle.allow(connection, self._recurring.connected(peer, now))
         existing = self._connections.get(peer)
         if existing is None or not existing.takes_calls:
             self._connections[peer] = connection
@@ -89,11 +92,13 @@ class ConnectionPool:
             return existing
         return None
 
-    def remove(self, connection: Connection) -> None:
+    def remove(self, connection: Connection, now: float) -> None:
         """``connection`` is down: it leaves the pool, if it is the one pooled for its peer."""
         peer = connection.remote_peer_id
         if self._connections.get(peer) is connection:
             del self._connections[peer]
+        if connection.retired and self._idle is not None:  # idle, by our look or by the peer's
+            self._recurring.retired(peer, now, self._idle.allowance(connection))
 
     async def connect(self, address: PeerAddress, dial: Callable[[PeerAddress], Awaitable[Connection]]) -> Connection:
         """A live connection to ``address``: the pooled one, the outcome of a dial in flight for the

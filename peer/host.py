@@ -264,7 +264,7 @@ class PeerHost:
     async def _run_connection(
         self, connection: Connection, incoming: bool, *, task_status=trio.TASK_STATUS_IGNORED
     ) -> None:
-        replaced = self._pool.add(connection)
+        replaced = self._pool.add(connection, trio.current_time())
         if replaced is not None:
             # a direct path (hole punched, or the peer became reachable) took over from the relay;
             # calls already on the relayed connection get a grace period to finish
@@ -275,7 +275,7 @@ class PeerHost:
         try:
             await connection.run()
         finally:
-            self._pool.remove(connection)
+            self._pool.remove(connection, trio.current_time())
             log.debug("connection to %s closed", connection.remote_peer_id)
 
     async def retire_idle_connections(self) -> None:

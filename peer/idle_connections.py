@@ -11,19 +11,34 @@ that long; a relay's reservation is renewed every ~40 s, so its connection stays
 
 The host looks every ``IDLE_CHECK_S``; a connection counts as idle from the first look that finds
 it with no call open and no byte moved since the look before, so it is retired between
-``IDLE_RETIRE_S`` and ``IDLE_RETIRE_S + IDLE_CHECK_S`` after its last activity.
+``IDLE_RETIRE_S`` and ``IDLE_RETIRE_S`` + ``IDLE_CHECK_S`` after its last activity.
+
+Rounds further apart than that would cut the working set every round: in the simulated swarm of
+128 peers (rounds ~2 minutes apart) each peer dialled ~70 connections a round, a Noise handshake
+each, most of them to the peers it had called the round before (64 peers, rounds closer: ~12). So
+a peer whose connection was retired and who is called again within ``IDLE_RETIRE_MAX`` showed that
+its quiet was a rhythm, not the end (``RecurringPeers``): its connections may stay idle for
+``RECUR_MARGIN`` times the quiet it came back from, up to ``IDLE_RETIRE_MAX``. Peers met once
+(a lookup's path) still go after ``IDLE_RETIRE_S``, so a node's connections stay its working set.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-__all__ = ["IDLE_CHECK_S", "IDLE_RETIRE_S", "IdleConnections"]
+__all__ = ["IDLE_CHECK_S", "IDLE_RETIRE_MAX", "IDLE_RETIRE_S", "IdleConnections", "RecurringPeers"]
 
 # Longer than a volunteer swarm's rounds are apart (the same group's peers call each other within a
 # round, every few seconds), as long as HTTP servers keep idle keep-alive connections (60-90 s).
 IDLE_RETIRE_S = 90.0
 IDLE_CHECK_S = 15.0
+# A peer called again after its connection was retired may stay idle this much longer than the
+# quiet it came back from, up to ten minutes (an outer round of local updates, a slow collaborative
+# step); RecurringPeers remembers at most MAX_RECURRING such peers (the least recently met go).
+RECUR_MARGIN = 1.5
+IDLE_RETIRE_MAX = 600.0
+MAX_RECURRING = 1024
 
 # What a look sees of a connection: (bytes delivered, bytes arrived) and how many calls are open.
 Activity = tuple[tuple[int, int], int]
@@ -37,9 +52,18 @@ class IdleConnections:
             raise ValueError("connections retire after a positive idle time")
         self.retire_after = retire_after
         self._seen: dict[Hashable, tuple[Activity, float]] = {}
+        self._allowed: dict[Hashable, float] = {}  # connections that may stay idle longer
+
+    def allow(self, key: Hashable, seconds: float) -> None:
+        """Connection ``key`` retires after ``seconds`` idle (at least ``retire_after``)."""
+        if seconds > self.retire_after:
+            self._allowed[key] = seconds
+
+    def allowance(self, key: Hashable) -> float:
+        return self._allowed.get(key, self.retire_after)
 
     def look(self, connections: Iterable[tuple[Hashable, Activity]], now: float) -> list[Hashable]:
-        """The connections (of those given: the live ones) idle for ``retire_after`` by now.
+        """The connections (of those given: the live ones) idle for their allowance by now.
         Connections not given are forgotten."""
         seen, idle = {}, []
         for key, activity in connections:
@@ -48,7 +72,42 @@ class IdleConnections:
                 seen[key] = (activity, now)  # busy, new, or moved: idle from now at the earliest
                 continue
             seen[key] = before
-            if now - before[1] >= self.retire_after:
+            if now - before[1] >= self.allowance(key):
                 idle.append(key)
         self._seen = seen
+        self._allowed = {key: seconds for key, seconds in self._allowed.items() if key in seen}
         return idle
+
+
+class RecurringPeers:
+    """Peers whose connection we retired and who came back: how long their connections may idle.
+
+    Sans I/O: the pool says when it retires a peer's connection (after what idle allowance) and
+    when a peer connects again; it asks what idle allowance the new connection gets."""
+
+    def __init__(self, base: float = IDLE_RETIRE_S, maximum: float = IDLE_RETIRE_MAX, remembered: int = MAX_RECURRING):
+        self.base, self.maximum, self.remembered = base, maximum, remembered
+        self._retired: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # -> (when, after idle)
+        self._allowance: OrderedDict[Hashable, float] = OrderedDict()
+
+    def retired(self, peer: Hashable, now: float, idle_for: float) -> None:
+        """We retired ``peer``'s connection at ``now``, after it had been idle ``idle_for`` seconds."""
+        self._retired[peer] = (now, idle_for)
+        self._retired.move_to_end(peer)
+        self._trim(self._retired)
+
+    def connected(self, peer: Hashable, now: float) -> float:
+        """``peer`` has a new connection at ``now``: the idle allowance it gets."""
+        retired = self._retired.pop(peer, None)
+        if retired is not None and now - retired[0] <= self.maximum:
+            quiet = now - retired[0] + retired[1]
+            self._allowance[peer] = min(self.maximum, max(self.base, RECUR_MARGIN * quiet))
+        allowance = self._allowance.get(peer, self.base)
+        if peer in self._allowance:
+            self._allowance.move_to_end(peer)
+            self._trim(self._allowance)
+        return allowance
+
+    def _trim(self, entries: OrderedDict) -> None:
+        while len(entries) > self.remembered:
+            entries.popitem(last=False)

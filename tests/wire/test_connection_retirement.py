@@ -11,7 +11,14 @@ import trio
 
 from peer import LOCAL_DIFFICULTY, ConnectionLost, Identity, Message, NodeIDProof, Router, open_peer_host
 from peer.framing import ProtocolError
-from peer.idle_connections import IDLE_CHECK_S, IDLE_RETIRE_S, IdleConnections
+from peer.idle_connections import (
+    IDLE_CHECK_S,
+    IDLE_RETIRE_MAX,
+    IDLE_RETIRE_S,
+    RECUR_MARGIN,
+    IdleConnections,
+    RecurringPeers,
+)
 from peer.packing import packb, unpackb
 from peer.rpc import RETIRE_GRACE
 from peer.rpc_events import CallOpened, CallResult, PeerLeaving
@@ -35,6 +42,38 @@ def test_a_connection_is_idle_once_nothing_moved_and_no_call_was_open_for_the_wh
     assert idle.look([(busy, ((5, 5), 0)), (quiet, ((10, 10), 0))], now=240) == [busy]  # quiet: forgotten, new again
     with pytest.raises(ValueError):
         IdleConnections(retire_after=0)
+
+
+def test_a_connection_allowed_longer_stays_until_its_own_allowance():
+    idle = IdleConnections(retire_after=90)
+    idle.allow("long", 300)
+    idle.allow("short", 30)  # never below the base
+    connections = [("long", ((1, 1), 0)), ("short", ((1, 1), 0)), ("plain", ((1, 1), 0))]
+    assert idle.look(connections, now=0) == []
+    assert sorted(idle.look(connections, now=90)) == ["plain", "short"]
+    assert idle.look([("long", ((1, 1), 0))], now=299) == []
+    assert idle.look([("long", ((1, 1), 0))], now=300) == ["long"]
+    idle.look([], now=301)  # gone: its allowance is forgotten with it
+    assert idle.allowance("long") == 90
+
+
+def test_a_peer_called_again_after_its_connection_was_retired_may_stay_idle_as_long_as_its_quiet():
+    recurring = RecurringPeers(base=90, maximum=IDLE_RETIRE_MAX, remembered=2)
+    assert recurring.connected("once", now=0) == 90  # a peer met for the first time
+    # rounds two minutes apart: retired 90 s after the last call, called again 30 s later
+    recurring.retired("round", now=100, idle_for=90)
+    assert recurring.connected("round", now=130) == RECUR_MARGIN * 120
+    assert recurring.connected("round", now=400) == RECUR_MARGIN * 120  # it keeps its allowance
+    # a longer rhythm is learnt from a retirement under the longer allowance; capped
+    recurring.retired("round", now=1000, idle_for=RECUR_MARGIN * 120)
+    assert recurring.connected("round", now=1500) == IDLE_RETIRE_MAX
+    recurring.retired("gone", now=0, idle_for=90)
+    assert recurring.connected("gone", now=IDLE_RETIRE_MAX + 1) == 90  # came back too late to be a rhythm
+    # bounded: the least recently met peers are forgotten
+    for peer in ("a", "b", "c"):
+        recurring.retired(peer, now=2000, idle_for=90)
+        recurring.connected(peer, now=2010)
+    assert recurring.connected("round", now=2020) == 90
 
 
 # ---------------------------------------------------------------------- GOAWAY, sans I/O
@@ -140,6 +179,26 @@ async def test_an_idle_connection_is_retired_on_both_sides_and_the_next_call_dia
                 await first.call("echo", "on the old one")
             again = await client.connect(server.listen_address)
             assert again is not first and (await again.call("echo", "again")).body == "again"
+
+
+async def test_a_peer_called_every_two_minutes_keeps_its_connection_once_it_came_back(autojump_clock):
+    # Rounds further apart than the idle limit: the first quiet retires the connection, the call
+    # after it shows a rhythm, and from then on the same connection carries every round.
+    network = SimNetwork(seed=24)
+    async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as server:
+        async with open_peer_host(network.identity(), router=echo_router(), transport=network.add_host()) as client:
+            first = await client.connect(server.listen_address)
+            await first.call("echo", "round 1")
+            await trio.sleep(120)
+            assert first.closed.is_set() and first.retired
+            again = await client.connect(server.listen_address)
+            await again.call("echo", "round 2")
+            for number in range(3, 7):
+                await trio.sleep(120)
+                assert client.connection_to(server.peer_id) is again, f"round {number} dialled again"
+                assert (await again.call("echo", number)).body == number
+            await trio.sleep(IDLE_RETIRE_MAX + 2 * IDLE_CHECK_S)  # the rhythm ends: it still goes
+            assert again.closed.is_set() and again.retired
 
 
 async def test_a_connection_with_an_open_call_is_not_retired_however_quiet(autojump_clock):

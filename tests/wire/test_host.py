@@ -132,24 +132,24 @@ async def test_the_tasks_a_host_runs_end_with_it():
 
 
 def pooled(peer: str, *, relayed_via=None):
-    return SimpleNamespace(remote_peer_id=peer, relayed_via=relayed_via, takes_calls=True)
+    return SimpleNamespace(remote_peer_id=peer, relayed_via=relayed_via, takes_calls=True, retired=False)
 
 
 def test_the_pool_keeps_one_connection_per_peer_and_a_direct_one_replaces_a_relayed_one():
     pool = ConnectionPool()
     relayed = pooled("b", relayed_via="r")
-    assert pool.add(relayed) is None and pool.get("b") is relayed
-    assert pool.add(pooled("b", relayed_via="r")) is None and pool.get("b") is relayed  # the first stays
+    assert pool.add(relayed, 0.0) is None and pool.get("b") is relayed
+    assert pool.add(pooled("b", relayed_via="r"), 0.0) is None and pool.get("b") is relayed  # the first stays
     direct = pooled("b")
-    assert pool.add(direct) is relayed  # handed back, for its calls' grace period
-    assert pool.get("b") is direct and pool.add(pooled("b")) is None and pool.get("b") is direct
-    pool.remove(relayed)  # not the pooled one: nothing changes
+    assert pool.add(direct, 0.0) is relayed  # handed back, for its calls' grace period
+    assert pool.get("b") is direct and pool.add(pooled("b"), 0.0) is None and pool.get("b") is direct
+    pool.remove(relayed, 0.0)  # not the pooled one: nothing changes
     assert pool.peers == ["b"]
     direct.takes_calls = False  # closed, closing or retiring: no new call goes on it
     assert pool.get("b") is None and pool.peers == []
-    pool.remove(direct)
+    pool.remove(direct, 0.0)
     fresh = pooled("b")
-    assert pool.add(fresh) is None and pool.get("b") is fresh
+    assert pool.add(fresh, 0.0) is None and pool.get("b") is fresh
 
 
 async def test_concurrent_connects_share_one_dial_and_its_failure():
@@ -182,5 +182,5 @@ async def test_concurrent_connects_share_one_dial_and_its_failure():
     assert len(dials) == 1 and len(errors) == 3 and all(error.refused for error in errors)
     connection = await pool.connect(address, dial)  # dials again, and remembers who is there
     assert len(dials) == 2 and connection.remote_peer_id == peer
-    pool.add(connection)  # as the host does once the connection runs
+    pool.add(connection, 0.0)  # as the host does once the connection runs
     assert await pool.connect(address, dial) is connection and len(dials) == 2
