@@ -11,8 +11,10 @@ import pytest
 import trio
 
 from dht import DHTConfig, DHTNode
+from dht.records import key_id, pack
 from peer import ConnectError, Router, RPCError, open_peer_host
 from peer.clock import SIMULATED_EPOCH, TrioClock
+from peer.idle_connections import IDLE_CHECK_S, IDLE_RETIRE_S
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -100,3 +102,34 @@ async def test_a_caller_whose_request_crossed_our_goaway_still_enters_our_table(
             theirs.retire()  # ...when the first node says GOAWAY
         assert first.host.connection_to(second.peer_id) is None  # (the pool no longer hands it out)
         assert second.peer_id in first.routing_table
+
+
+async def test_a_departed_contact_that_lookups_meet_is_evicted_though_they_finish_before_its_dial_times_out(
+    autojump_clock,
+):
+    # A machine switched off answers no dial: each times out only after DIAL_RPCS request deadlines,
+    # and a get that asked the departed contact first is done (another holder answered) well before
+    # that. The dial still learns its outcome, or the contact stays in the table, named to every
+    # peer that asks and dialled again by every lookup that meets it.
+    async with open_sim_swarm(SimNetwork(seed=32), 24, config=DHTConfig()) as swarm:
+        k, clock = DHTConfig().k, swarm.clock
+        departed = swarm.nodes[5]
+
+        def by_distance(key: str) -> list:
+            return sorted(swarm.nodes, key=lambda node: node.node_id ^ key_id(pack(key)))
+
+        key = next(key for key in (f"near-{n}" for n in range(1000)) if by_distance(key)[0] is departed)
+        assert await swarm.nodes[1].store(key, "value", clock.time() + 600)
+        reader = next(  # a node that holds no copy, so its get asks the others, the departed one first
+            node
+            for node in by_distance(key)[k:]
+            if node.records.found(pack(key)) is None and departed.peer_id in node.routing_table
+        )
+        await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)  # its connection to the departed node retired
+        assert reader.host.connection_to(departed.peer_id) is None
+        swarm.leave(5)
+        for _ in range(4):
+            got = await reader.get(key)  # asks the departed node first: the nearest it knows
+            assert got is not None and got.value == "value"
+            await trio.sleep(10)
+        assert departed.peer_id not in reader.routing_table
