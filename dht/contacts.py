@@ -234,6 +234,11 @@ class Contacts:
                 self.endpoints.failed(endpoint, error.answered_by)
             if dial.abandoned:
                 self.failed(dial.contact)
+        except Exception as error:  # not a ConnectError: it must cost this dial, not the node's nursery
+            log.warning("dialling %s failed unexpectedly: %r", address, error)
+            dial.error = ConnectError(f"{address}: {error!r}")
+            if dial.abandoned:
+                self.failed(dial.contact)
         finally:
             if self._dialing.get(endpoint) is dial.done:
                 del self._dialing[endpoint]

@@ -82,8 +82,11 @@ class ConnectionPool:
         direct (hole punched, or the peer became reachable); return the relayed connection it
         replaces (the caller gives its calls a grace period), else None."""
         peer = connection.remote_peer_id
-        if self._idle is not None:  # a peer called again soon after we retired its connection
-            self._idle.allow(connection, self._recurring.connected(peer, now))
+        if self._idle is not None:
+            # a peer called again soon after a retirement keeps its connections longer; not through a
+            # relay, whose circuits per peer and in all are few
+            direct = connection.relayed_via is None
+            self._idle.allow(connection, self._recurring.connected(peer, now) if direct else self._idle.retire_after)
         existing = self._connections.get(peer)
         if existing is None or not existing.takes_calls:
             self._connections[peer] = connection
@@ -97,8 +100,10 @@ class ConnectionPool:
         peer = connection.remote_peer_id
         if self._connections.get(peer) is connection:
             del self._connections[peer]
-        if connection.retired and self._idle is not None:  # idle, by our look or by the peer's
-            self._recurring.retired(peer, now, self._idle.allowance(connection))
+        if self._idle is not None:
+            quiet_since = self._idle.forget(connection)
+            if connection.retired and connection.relayed_via is None:  # idle, by our look or the peer's
+                self._recurring.retired(peer, now, now - quiet_since if quiet_since is not None else 0.0)
 
     async def connect(self, address: PeerAddress, dial: Callable[[PeerAddress], Awaitable[Connection]]) -> Connection:
         """A live connection to ``address``: the pooled one, the outcome of a dial in flight for the

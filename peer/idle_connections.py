@@ -52,19 +52,28 @@ class IdleConnections:
             raise ValueError("connections retire after a positive idle time")
         self.retire_after = retire_after
         self._seen: dict[Hashable, tuple[Activity, float]] = {}
-        self._allowed: dict[Hashable, float] = {}  # connections that may stay idle longer
+        # Connections given an allowance, until ``forget``: it and since when the looks have found
+        # each quiet, kept after the looks stop seeing it (retiring), for what its close teaches.
+        self._allowed: dict[Hashable, float] = {}
+        self._quiet_since: dict[Hashable, float] = {}
 
     def allow(self, key: Hashable, seconds: float) -> None:
-        """Connection ``key`` retires after ``seconds`` idle (at least ``retire_after``)."""
-        if seconds > self.retire_after:
-            self._allowed[key] = seconds
+        """Connection ``key`` retires after ``seconds`` idle (at least ``retire_after``); it is
+        remembered until ``forget(key)``."""
+        self._allowed[key] = max(seconds, self.retire_after)
 
     def allowance(self, key: Hashable) -> float:
         return self._allowed.get(key, self.retire_after)
 
+    def forget(self, key: Hashable) -> float | None:
+        """Connection ``key`` is gone: forget it; since when the looks had found it quiet (None if
+        none had)."""
+        self._allowed.pop(key, None)
+        return self._quiet_since.pop(key, None)
+
     def look(self, connections: Iterable[tuple[Hashable, Activity]], now: float) -> list[Hashable]:
         """The connections (of those given: the live ones) idle for their allowance by now.
-        Connections not given are forgotten."""
+        What they looked like is forgotten for connections not given (their allowances are not)."""
         seen, idle = {}, []
         for key, activity in connections:
             before = self._seen.get(key)
@@ -72,10 +81,11 @@ class IdleConnections:
                 seen[key] = (activity, now)  # busy, new, or moved: idle from now at the earliest
                 continue
             seen[key] = before
+            if key in self._allowed:
+                self._quiet_since[key] = before[1]
             if now - before[1] >= self.allowance(key):
                 idle.append(key)
         self._seen = seen
-        self._allowed = {key: seconds for key, seconds in self._allowed.items() if key in seen}
         return idle
 
 
@@ -102,6 +112,8 @@ class RecurringPeers:
         if retired is not None and now - retired[0] <= self.maximum:
             quiet = now - retired[0] + retired[1]
             self._allowance[peer] = min(self.maximum, max(self.base, RECUR_MARGIN * quiet))
+        elif retired is not None:  # back too late to be a rhythm: met once again
+            self._allowance.pop(peer, None)
         allowance = self._allowance.get(peer, self.base)
         if peer in self._allowance:
             self._allowance.move_to_end(peer)

@@ -133,3 +133,21 @@ async def test_a_departed_contact_that_lookups_meet_is_evicted_though_they_finis
             assert got is not None and got.value == "value"
             await trio.sleep(10)
         assert departed.peer_id not in reader.routing_table
+
+
+async def test_a_dial_that_fails_unexpectedly_costs_its_lookup_a_contact_not_the_node(autojump_clock, monkeypatch):
+    # Dials run on the node's side: whatever one raises must end that dial, not the node's tasks.
+    async with open_sim_swarm(SimNetwork(seed=41), 3, config=DHTConfig()) as swarm:
+        node = swarm.nodes[0]
+
+        async def connect(address):
+            await trio.sleep(0.1)
+            raise RuntimeError("a failure no dial expects")
+
+        monkeypatch.setattr(node.host, "connection_to", lambda peer: None)  # as if every one retired
+        monkeypatch.setattr(node.host, "connect", connect)
+        await node.find_nearest(random.Random(41).getrandbits(160))
+        await trio.sleep(10)
+        assert not node.stopped
+        monkeypatch.undo()
+        assert await node.find_nearest(random.Random(42).getrandbits(160))  # it still looks things up

@@ -5,11 +5,13 @@ that do not keep the rules)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import trio
 
 from peer import LOCAL_DIFFICULTY, ConnectionLost, Identity, Message, NodeIDProof, Router, open_peer_host
+from peer.connection_pool import ConnectionPool
 from peer.framing import ProtocolError
 from peer.idle_connections import (
     IDLE_CHECK_S,
@@ -53,7 +55,9 @@ def test_a_connection_allowed_longer_stays_until_its_own_allowance():
     assert sorted(idle.look(connections, now=90)) == ["plain", "short"]
     assert idle.look([("long", ((1, 1), 0))], now=299) == []
     assert idle.look([("long", ((1, 1), 0))], now=300) == ["long"]
-    idle.look([], now=301)  # gone: its allowance is forgotten with it
+    idle.look([], now=301)  # retiring: the looks no longer see it, but its allowance stays...
+    assert idle.allowance("long") == 300
+    idle.forget("long")  # ...until it is gone
     assert idle.allowance("long") == 90
 
 
@@ -74,6 +78,76 @@ def test_a_peer_called_again_after_its_connection_was_retired_may_stay_idle_as_l
         recurring.retired(peer, now=2000, idle_for=90)
         recurring.connected(peer, now=2010)
     assert recurring.connected("round", now=2020) == 90
+
+
+def test_a_peer_that_comes_back_too_late_for_a_rhythm_loses_its_long_allowance():
+    recurring = RecurringPeers(base=90, maximum=600)
+    recurring.retired("p", now=100, idle_for=90)
+    assert recurring.connected("p", now=130) == 180  # a rhythm: 1.5 x 120 s
+    recurring.retired("p", now=1000, idle_for=180)
+    assert recurring.connected("p", now=1000 + 3600) == 90  # an hour later: a peer met once again
+
+
+class QuietConnection:
+    """What the pool reads of a connection that carries nothing."""
+
+    def __init__(self, peer: str = "p", relayed_via: str | None = None):
+        self.remote_peer_id, self.relayed_via = peer, relayed_via
+        self.takes_calls, self.retired = True, False
+        self.protocol = SimpleNamespace(active_calls=0)
+
+    def link_progress(self) -> tuple[int, int]:
+        return (1, 1)
+
+    def goaway(self) -> None:  # one side said GOAWAY and the other answered
+        self.takes_calls, self.retired = False, True
+
+
+def first_retirement(pool: ConnectionPool, connection, since: float, until: float = 5000.0) -> float:
+    """When the pool's looks (every IDLE_CHECK_S from ``since``) first find ``connection`` idle."""
+    now = since
+    while now <= until:
+        if connection in pool.idle(now):
+            return now
+        now += IDLE_CHECK_S
+    raise AssertionError(f"not retired by {until}")
+
+
+def test_what_a_retirement_teaches_is_the_quiet_the_looks_saw_whoever_ended_it():
+    pool = ConnectionPool(retire_idle_after=90)
+    first = QuietConnection()
+    pool.add(first, 0.0)
+    assert first_retirement(pool, first, 0.0) == 90
+    first.goaway()
+    pool.remove(first, 91.0)
+    second = QuietConnection()
+    pool.add(second, 121.0)  # back 30 s later: 1.5 x (30 + 91) s
+    retired_at = first_retirement(pool, second, 135.0)
+    assert retired_at - 135.0 >= 1.5 * 120
+    second.goaway()
+    pool.idle(retired_at + IDLE_CHECK_S)  # a look while it drains (a call crossed the GOAWAY)
+    pool.remove(second, retired_at + IDLE_CHECK_S + 1)
+    third = QuietConnection()
+    back = retired_at + IDLE_CHECK_S + 61
+    pool.add(third, back)  # it came back from its whole quiet and 60 s, not from 90 s and 60 s
+    assert first_retirement(pool, third, back + IDLE_CHECK_S) - (back + IDLE_CHECK_S) >= 1.5 * (180 + 60)
+    # the peer retires it after its own 90 s: we learn those 90 s, not our longer allowance
+    third.goaway()
+    pool.remove(third, back + IDLE_CHECK_S + 91)
+    fourth = QuietConnection()
+    again = back + IDLE_CHECK_S + 91 + 30
+    pool.add(fourth, again)
+    assert first_retirement(pool, fourth, again) - again <= 1.5 * (91 + 30 + IDLE_CHECK_S) + IDLE_CHECK_S
+
+
+def test_a_relayed_connection_goes_after_the_base_allowance_however_its_peer_recurs():
+    pool = ConnectionPool(retire_idle_after=90)
+    for start in (0.0, 120.0, 240.0):  # a relayed peer called every two minutes
+        relayed = QuietConnection(relayed_via="relay")
+        pool.add(relayed, start)
+        assert first_retirement(pool, relayed, start) == start + 90
+        relayed.goaway()
+        pool.remove(relayed, start + 91)
 
 
 # ---------------------------------------------------------------------- GOAWAY, sans I/O

@@ -131,8 +131,12 @@ async def test_the_tasks_a_host_runs_end_with_it():
         host.start_soon(forever)
 
 
+class _Pooled(SimpleNamespace):  # a connection is keyed by identity, as the pool's idle looks do
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+
 def pooled(peer: str, *, relayed_via=None):
-    return SimpleNamespace(remote_peer_id=peer, relayed_via=relayed_via, takes_calls=True, retired=False)
+    return _Pooled(remote_peer_id=peer, relayed_via=relayed_via, takes_calls=True, retired=False)
 
 
 def test_the_pool_keeps_one_connection_per_peer_and_a_direct_one_replaces_a_relayed_one():
