@@ -160,7 +160,28 @@ class Contacts:
 
     # ------------------------------------------------------------------ asking
     async def call(self, contact: Contact, method: str, body: Any) -> Message | None:
-        """One request with the RPC deadline; None (and a failure counted) if the peer did not answer."""
+        """One request with the RPC deadline; None (and a failure counted) if the peer did not answer.
+
+        The request (and the dial before it) runs on the side, to its own deadlines: a caller that
+        stops waiting (a lookup done while a departed peer's request was still unanswered) leaves it
+        to count its outcome. Cut short, it learnt nothing, and a departed contact stayed in the
+        table of every node whose lookups met it, named to every peer that asked and asked again by
+        every lookup (in the simulated churning swarm of 128 peers, 46 dials per peer-round were cut
+        short so; a departed peer with a connection open was never evicted at all)."""
+        if not self._background.running:  # (the node is stopping: nobody would hear the outcome)
+            return await self._ask(contact, method, body)
+        request = _Request()
+        self._background.start_soon(self._ask_into, request, contact, method, body)
+        await request.done.wait()
+        return request.reply
+
+    async def _ask_into(self, request: _Request, contact: Contact, method: str, body: Any) -> None:
+        try:
+            request.reply = await self._ask(contact, method, body)
+        finally:
+            request.done.set()
+
+    async def _ask(self, contact: Contact, method: str, body: Any) -> Message | None:
         try:
             connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
             if connection is None:  # its endpoint is known not to answer as this peer: not dialled
@@ -173,6 +194,10 @@ class Contacts:
             return None
         except (OSError, RPCError) as error:
             log.debug("%s to %s failed: %s", method, contact.peer_id, error)
+            self.failed(contact)
+            return None
+        except Exception as error:  # nothing else is expected: it costs this request, not the node
+            log.warning("%s to %s failed unexpectedly: %r", method, contact.peer_id, error)
             self.failed(contact)
             return None
         self.alive(contact)
@@ -200,67 +225,35 @@ class Contacts:
                     return connection
         if self.endpoints.blocks(endpoint, expected) and not self._first_hand(contact):
             return None
-        dial = _Dial(contact)
+        done = trio.Event()
         if address.relay is None:
-            self._dialing[endpoint] = dial.done
-        if not self._background.running:  # (the node is stopping: nobody would hear the outcome)
-            await self._connect(dial)
-            return dial.outcome()
-        self._background.start_soon(self._connect, dial)
-        try:
-            await dial.done.wait()
-        except BaseException:
-            dial.abandoned = True  # it finishes on its own deadline, and counts a failure itself
-            raise
-        return dial.outcome()
-
-    async def _connect(self, dial: _Dial) -> None:
-        """The dial itself, within its own deadline. It runs on the side, so that a lookup done
-        before a departed peer's dial timed out does not cancel it: a dial cut short learns nothing,
-        and a departed contact stayed in every table that named it, dialled by every lookup that
-        met it (46 cut-short dials per peer-round in the simulated churning swarm of 128 peers)."""
-        address = dial.contact.address
-        endpoint = (address.host, address.port)
+            self._dialing[endpoint] = done
         try:
             with trio.move_on_after(DIAL_RPCS * self._rpc_timeout) as deadline:
-                dial.connection = await self.host.connect(address)
+                connection = await self.host.connect(address)
             if deadline.cancelled_caught:
                 raise ConnectError(f"{address}: no hello within {DIAL_RPCS * self._rpc_timeout:g} s")
-            self.endpoints.answered(endpoint)
         except ConnectError as error:
-            dial.error = error
             # A relayed dial that reached its relay failed further on: the relay's endpoint answered.
             if address.relay is None or self.host.connection_to(address.relay) is None:
                 self.endpoints.failed(endpoint, error.answered_by)
-            if dial.abandoned:
-                self.failed(dial.contact)
-        except Exception as error:  # not a ConnectError: it must cost this dial, not the node's nursery
-            log.warning("dialling %s failed unexpectedly: %r", address, error)
-            dial.error = ConnectError(f"{address}: {error!r}")
-            if dial.abandoned:
-                self.failed(dial.contact)
+            raise
         finally:
-            if self._dialing.get(endpoint) is dial.done:
+            if self._dialing.get(endpoint) is done:
                 del self._dialing[endpoint]
-            dial.done.set()
+            done.set()
+        self.endpoints.answered(endpoint)
+        return connection
 
 
-class _Dial:
-    """One dial of ``contact`` and its outcome: a connection, or the error."""
+class _Request:
+    """One request on the side and its reply (None: no answer); ``done`` once it is known."""
 
-    __slots__ = ("contact", "done", "connection", "error", "abandoned")
+    __slots__ = ("done", "reply")
 
-    def __init__(self, contact: Contact):
-        self.contact = contact
+    def __init__(self) -> None:
         self.done = trio.Event()
-        self.connection: Connection | None = None
-        self.error: ConnectError | None = None
-        self.abandoned = False  # whoever asked for it was cancelled meanwhile
-
-    def outcome(self) -> Connection:
-        if self.connection is None:
-            raise self.error or ConnectError(f"{self.contact.address}: the dial did not finish")
-        return self.connection
+        self.reply: Message | None = None
 
 
 def _claim(contact: Contact) -> tuple[PeerID, str, int]:
