@@ -59,6 +59,10 @@ class Contacts:
         self._background = background
         self._rpc_timeout = rpc_timeout
         self._pinging: set[bytes] = set()
+        # Per claim with requests in flight: [requests in flight, outcomes recorded meanwhile]. A
+        # request that fails after another outcome of its claim was recorded overlapped it (one
+        # stall caught several requests): it counts no second strike.
+        self._asking: dict[tuple[PeerID, str, int], list[int]] = {}
         # Endpoints that did not answer as the peer named there, and the direct dials in flight
         # (one per endpoint: see ``_dial``).
         self.endpoints = UnansweredEndpoints(clock=self.health.clock)
@@ -70,6 +74,7 @@ class Contacts:
     # ------------------------------------------------------------------ what we learn
     def alive(self, contact: Contact) -> None:
         """An authenticated exchange with ``contact`` succeeded: (re)add it to the routing table."""
+        self._judged(_claim(contact))
         self.health.succeeded(_claim(contact))
         self.lost.found(contact.peer_id)
         connection = self.host.connection_to(contact.peer_id)
@@ -99,7 +104,13 @@ class Contacts:
         if address is not None:
             self.alive(wire.contact_for(node_id, address))
 
+    def _judged(self, claim: tuple[PeerID, str, int]) -> None:
+        asking = self._asking.get(claim)
+        if asking is not None:
+            asking[1] += 1
+
     def failed(self, contact: Contact) -> None:
+        self._judged(_claim(contact))
         if self.health.failed(_claim(contact)):
             held = self.table.get(contact.peer_id)
             if held is not None and held.address == contact.address:
@@ -182,26 +193,41 @@ class Contacts:
             request.done.set()
 
     async def _ask(self, contact: Contact, method: str, body: Any) -> Message | None:
+        claim = _claim(contact)
+        asking = self._asking.setdefault(claim, [0, 0])
+        asking[0] += 1
+        judged_before = asking[1]
         try:
-            connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
-            if connection is None:  # its endpoint is known not to answer as this peer: not dialled
-                self.failed(contact)
+            try:
+                connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
+                if connection is None:  # its endpoint is known not to answer as this peer: not dialled
+                    self._failed_unless_judged(contact, asking, judged_before)
+                    return None
+                reply = await connection.call(method, body, timeout=self._rpc_timeout)
+            except RemoteError as error:  # it answered, but refused: alive, yet no use to this request
+                log.debug("%s refused %s: %s", contact.peer_id, method, error)
+                self.alive(contact)
                 return None
-            reply = await connection.call(method, body, timeout=self._rpc_timeout)
-        except RemoteError as error:  # it answered, but refused: alive, yet no use to this request
-            log.debug("%s refused %s: %s", contact.peer_id, method, error)
-            self.alive(contact)
-            return None
-        except (OSError, RPCError) as error:
-            log.debug("%s to %s failed: %s", method, contact.peer_id, error)
-            self.failed(contact)
-            return None
-        except Exception as error:  # nothing else is expected: it costs this request, not the node
-            log.warning("%s to %s failed unexpectedly: %r", method, contact.peer_id, error)
-            self.failed(contact)
-            return None
+            except (OSError, RPCError) as error:
+                log.debug("%s to %s failed: %s", method, contact.peer_id, error)
+                self._failed_unless_judged(contact, asking, judged_before)
+                return None
+            except Exception as error:  # nothing else is expected: ours, not the peer's; it costs this request
+                log.warning("%s to %s failed unexpectedly: %r", method, contact.peer_id, error)
+                return None
+        finally:
+            asking[0] -= 1
+            if asking[0] == 0 and self._asking.get(claim) is asking:
+                del self._asking[claim]
         self.alive(contact)
         return reply
+
+    def _failed_unless_judged(self, contact: Contact, asking: list[int], judged_before: int) -> None:
+        """A failure counts unless another outcome of the claim was recorded while this request was
+        in flight: requests that one stall (or one departure) caught together are one strike, and a
+        failure older than an answer does not undo it."""
+        if asking[1] == judged_before:
+            self.failed(contact)
 
     def _first_hand(self, contact: Contact) -> bool:
         """Whether we reached ``contact`` ourselves before, at this address: it is in our table, or
