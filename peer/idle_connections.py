@@ -14,8 +14,8 @@ it with no call open and no byte moved since the look before, so it is retired b
 ``IDLE_RETIRE_S`` and ``IDLE_RETIRE_S`` + ``IDLE_CHECK_S`` after its last activity.
 
 Rounds further apart than that would cut the working set every round: in the simulated swarm of
-128 peers (rounds ~2 minutes apart) each peer dialled ~70 connections a round, a Noise handshake
-each, most of them to the peers it had called the round before (64 peers, rounds closer: ~12). So
+128 peers (rounds ~2 minutes apart) each peer retired ~24 connections a round and dialled them
+again the next, a Noise handshake each (12 once recurring peers kept theirs). So
 a peer whose connection was retired and who is called again within ``IDLE_RETIRE_MAX`` showed that
 its quiet was a rhythm, not the end (``RecurringPeers``): its connections may stay idle for
 ``RECUR_MARGIN`` times the quiet it came back from, up to ``IDLE_RETIRE_MAX``. Peers met once
