@@ -42,7 +42,7 @@ __all__ = ["ADMIT_AT_MOST", "HOLDERS_TTL", "MAX_TARGETS", "REFRESH_BELOW", "Hold
 HOLDERS_TTL = 60.0  # seconds a lookup's nearest peers are trusted to still be a key's holders
 MAX_TARGETS = 256  # keys remembered (least recently used go first): 256 x 20 contacts
 REFRESH_BELOW = 0.75  # fewer than this share of a lookup's holders still answering: look up again
-ADMIT_AT_MOST = 4  # newcomers among the holders that our table knows: admitted up to this, else look up again
+ADMIT_AT_MOST = 4  # newcomers among a lookup's holders that our table met: admitted up to this in all
 
 
 @dataclass
@@ -52,6 +52,7 @@ class _Holders:
     found: frozenset[bytes]  # the IDs of all the lookup found (a dropped one stays found)
     reach: int | None  # XOR distance of the farthest the lookup found, if it found k (None: fewer)
     floor: int  # fewer holders left than this: forgotten
+    admitted: int = 0  # newcomers admitted since the lookup (at most ADMIT_AT_MOST in all)
 
 
 class HolderCache:
@@ -108,15 +109,17 @@ class HolderCache:
     def admit(self, target: int, known: list[Contact], k: int) -> list[Contact] | None:
         """The remembered holders of ``target`` with the newcomers ``known`` names (see
         ``outdated``) among them, the k nearest kept; None (and the entry goes) when more than
-        ``ADMIT_AT_MOST`` are new: then the key is looked up again."""
+        ``ADMIT_AT_MOST`` would be new since the lookup, at once or over the entry's minute: then
+        the key is looked up again."""
         entry = self._entries.get(target)
         if entry is None:
             return None
         newcomers = self._newcomers(target, known)
-        if len(newcomers) > ADMIT_AT_MOST:
+        if entry.admitted + len(newcomers) > ADMIT_AT_MOST:
             del self._entries[target]
             return None
         if newcomers:
+            entry.admitted += len(newcomers)
             nearest = sorted([*entry.contacts, *newcomers], key=lambda contact: contact.long_id ^ target)[:k]
             entry.contacts = nearest
             entry.found = entry.found | {contact.id for contact in newcomers}

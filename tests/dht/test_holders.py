@@ -88,6 +88,11 @@ def test_a_few_newcomers_are_admitted_among_the_holders_and_many_send_the_store_
     assert cache.admit(target, wave, k=4) is None  # more than a few: the key is looked up again
     assert cache.holders(target, now=1.0) is None
     assert cache.admit(7, [placed(3)], k=4) is None  # a key not remembered
+    # a wave that arrives one newcomer at a time is a wave too: at most ADMIT_AT_MOST in the minute
+    cache.remember(target, [placed(distance) for distance in (1000, 2000, 4000, 8000)], now=0.0, k=4)
+    for distance in range(999, 999 - ADMIT_AT_MOST, -1):  # each nearer the key than every holder
+        assert cache.admit(target, [placed(distance)], k=4) is not None
+    assert cache.admit(target, [placed(999 - ADMIT_AT_MOST)], k=4) is None
 
 
 async def test_a_newcomer_among_a_key_s_holders_gets_the_next_store_without_a_walk(autojump_clock):
