@@ -59,10 +59,10 @@ class Contacts:
         self._background = background
         self._rpc_timeout = rpc_timeout
         self._pinging: set[bytes] = set()
-        # Per claim with requests in flight: [requests in flight, outcomes recorded meanwhile]. A
-        # request that fails after another outcome of its claim was recorded overlapped it (one
-        # stall caught several requests): it counts no second strike.
-        self._asking: dict[tuple[PeerID, str, int], list[int]] = {}
+        # Claims with requests in flight (see ``_InFlight``): a request that fails after another
+        # outcome of its claim was recorded overlapped it (one stall caught several requests), so it
+        # counts no second strike.
+        self._asking: dict[tuple[PeerID, str, int], _InFlight] = {}
         # Endpoints that did not answer as the peer named there, and the direct dials in flight
         # (one per endpoint: see ``_dial``).
         self.endpoints = UnansweredEndpoints(clock=self.health.clock)
@@ -107,7 +107,7 @@ class Contacts:
     def _judged(self, claim: tuple[PeerID, str, int]) -> None:
         asking = self._asking.get(claim)
         if asking is not None:
-            asking[1] += 1
+            asking.outcomes += 1
 
     def failed(self, contact: Contact) -> None:
         self._judged(_claim(contact))
@@ -194,9 +194,9 @@ class Contacts:
 
     async def _ask(self, contact: Contact, method: str, body: Any) -> Message | None:
         claim = _claim(contact)
-        asking = self._asking.setdefault(claim, [0, 0])
-        asking[0] += 1
-        judged_before = asking[1]
+        asking = self._asking.setdefault(claim, _InFlight())
+        asking.requests += 1
+        judged_before = asking.outcomes
         try:
             try:
                 connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
@@ -216,17 +216,17 @@ class Contacts:
                 log.warning("%s to %s failed unexpectedly: %r", method, contact.peer_id, error)
                 return None
         finally:
-            asking[0] -= 1
-            if asking[0] == 0 and self._asking.get(claim) is asking:
+            asking.requests -= 1
+            if asking.requests == 0 and self._asking.get(claim) is asking:
                 del self._asking[claim]
         self.alive(contact)
         return reply
 
-    def _failed_unless_judged(self, contact: Contact, asking: list[int], judged_before: int) -> None:
+    def _failed_unless_judged(self, contact: Contact, asking: _InFlight, judged_before: int) -> None:
         """A failure counts unless another outcome of the claim was recorded while this request was
         in flight: requests that one stall (or one departure) caught together are one strike, and a
         failure older than an answer does not undo it."""
-        if asking[1] == judged_before:
+        if asking.outcomes == judged_before:
             self.failed(contact)
 
     def _first_hand(self, contact: Contact) -> bool:
@@ -270,6 +270,16 @@ class Contacts:
             done.set()
         self.endpoints.answered(endpoint)
         return connection
+
+
+class _InFlight:
+    """A claim's requests in flight, and the outcomes (answers or failures) recorded meanwhile."""
+
+    __slots__ = ("requests", "outcomes")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.outcomes = 0
 
 
 class _Request:

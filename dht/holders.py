@@ -15,7 +15,7 @@ a lookup found it; once fewer than ``REFRESH_BELOW`` of the looked-up holders ar
 forgotten and the next store looks it up again.
 
 Peers join too: our routing table may know a peer that belongs among the holders and is missing
-(``outdated``: nearer the key than the farthest the lookup found, or any if the lookup found fewer
+(a newcomer: nearer the key than the farthest the lookup found, or any if the lookup found fewer
 than k). A few such newcomers (at most ``ADMIT_AT_MOST``, a churning swarm's arrivals) are admitted
 (``admit``): the store goes to them too, and the farthest holders beyond k are left, as a lookup
 would have found; the table knows them from an authenticated exchange, as it knows a lookup's first
@@ -100,15 +100,10 @@ class HolderCache:
         if len(entry.contacts) < entry.floor:
             del self._entries[target]
 
-    def outdated(self, target: int, known: list[Contact]) -> bool:
-        """Whether ``known`` (the nearest contacts our table holds) names a peer that belongs among
-        ``target``'s holders and was not among those the lookup found (nor dropped since): nearer
-        than the farthest it found, or any if it found fewer than k."""
-        return bool(self._newcomers(target, known))
-
     def admit(self, target: int, known: list[Contact], k: int) -> list[Contact] | None:
-        """The remembered holders of ``target`` with the newcomers ``known`` names (see
-        ``outdated``) among them, the k nearest kept; None (and the entry goes) when more than
+        """The remembered holders of ``target`` with the newcomers ``known`` names (peers nearer
+        than the farthest the lookup found, or any if it found fewer than k, that it did not find)
+        among them, the k nearest kept; None (and the entry goes) when more than
         ``ADMIT_AT_MOST`` would be new since the lookup, at once or over the entry's minute: then
         the key is looked up again."""
         entry = self._entries.get(target)
@@ -128,6 +123,8 @@ class HolderCache:
         return list(entry.contacts)
 
     def _newcomers(self, target: int, known: list[Contact]) -> list[Contact]:
+        """Those of ``known`` (the nearest contacts our table holds) that belong among
+        ``target``'s holders and were not among those found (nor dropped since)."""
         entry = self._entries.get(target)
         if entry is None:
             return []

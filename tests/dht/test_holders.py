@@ -59,19 +59,19 @@ def test_bad_settings_are_refused():
         HolderCache(ttl=-1)
 
 
-def test_remembered_holders_are_out_of_date_once_the_table_knows_a_nearer_peer_they_lack():
+def test_a_newcomer_is_a_peer_nearer_than_the_farthest_holder_that_the_lookup_did_not_find():
     target, cache = 0, HolderCache()
-    holders = [placed(distance) for distance in (1, 2, 4)]
-    cache.remember(target, holders, now=0.0, k=3)
-    assert not cache.outdated(target, holders[:2])  # the table knows only holders
-    assert not cache.outdated(target, [*holders, placed(9)])  # a farther one: not a holder
-    assert cache.outdated(target, [placed(3)])  # nearer than the farthest holder
-    cache.lost(target, [holders[2]])
-    assert not cache.outdated(target, holders)  # a dropped holder the table still names: no newcomer
-    assert not cache.outdated(target, [placed(9)])  # nor one beyond the lookup's reach
+    holders = [placed(distance) for distance in (1, 2, 4, 8)]
+    cache.remember(target, holders, now=0.0, k=4)
+    assert cache.admit(target, holders[:2], k=4) == holders  # the table knows only holders
+    assert cache.admit(target, [*holders, placed(16)], k=4) == holders  # a farther one: not a holder
+    cache.lost(target, [holders[3]])
+    assert cache.admit(target, holders, k=4) == holders[:3]  # a dropped holder the table still names
+    assert cache.admit(target, [placed(9)], k=4) == holders[:3]  # nor one beyond the lookup's reach
+    assert [c.long_id for c in cache.admit(target, [placed(3)], k=4)] == [1, 2, 3, 4]  # nearer: admitted
     # the lookup found fewer than k (the swarm was smaller than k): any peer it lacks belongs among them
     cache.remember(target, holders, now=0.0, k=20)
-    assert cache.outdated(target, [placed(9)])
+    assert [c.long_id for c in cache.admit(target, [placed(9)], k=20)] == [1, 2, 4, 8, 9]
 
 
 def test_a_few_newcomers_are_admitted_among_the_holders_and_many_send_the_store_to_a_lookup():
@@ -82,7 +82,7 @@ def test_a_few_newcomers_are_admitted_among_the_holders_and_many_send_the_store_
     admitted = cache.admit(target, [placed(3)], k=4)
     assert [c.long_id for c in admitted] == [1, 2, 3, 4]  # the farthest gives way, as a lookup's k nearest
     assert cache.holders(target, now=1.0) == admitted
-    assert not cache.outdated(target, [placed(3), placed(8)])  # admitted; and 8 is now beyond reach
+    assert cache.admit(target, [placed(3), placed(8)], k=4) == admitted  # admitted; and 8 is now beyond reach
     cache.remember(target, [placed(distance) for distance in (100, 200, 400, 800)], now=0.0, k=4)
     wave = [placed(distance) for distance in range(101, 102 + ADMIT_AT_MOST)]
     assert cache.admit(target, wave, k=4) is None  # more than a few: the key is looked up again
