@@ -169,6 +169,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.local_samples = 0
         self._round_started: float | None = None
         self._unaveraged = 0  # rounds in a row that averaged nothing
+        self._turn_kept = False  # the last round's epoch stays ours: ``_keeps_turn``
 
     @property
     def start_averager(self) -> GroupAverager:
@@ -306,7 +307,27 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
             await run_blocking(apply)  # a fragment's: it leaves a sparse codec's unsent progress in the params
-            self.replica.count_round(record)
+            self._turn_kept = self._keeps_turn(record)
+            if self._turn_kept:
+                self.replica.last_round = record
+            else:
+                self.replica.count_round(record)
+
+    def _keeps_turn(self, record: AveragingRecord | None) -> bool:
+        """Whether a round of fragments that averaged nothing stays this epoch's, so that the next
+        round averages the same fragment again: while another peer's record claims this epoch or
+        the one before, and none claims a later one. Such a peer is a round behind (it loaded state
+        while its donor's round was in flight, say) and looks for this epoch's fragment, or will
+        next; were our failed round counted, we would move on to the next fragment's key as it
+        comes to ours, and where rounds are clocked by the matchmaking deadline the two of us
+        would stay a round apart, never meeting again. (With one fragment every round shares one
+        key and ``Replica.count_round`` closes the gap.) Records are claims: a false one holds
+        back only a peer whose round failed anyway, by one fragment's turn at a time."""
+        if len(self.fragments) == 1 or record is None or record.averaged:
+            return False
+        view, epoch = self.replica.view(self.local_samples), self.replica.epoch
+        others = [progress.epoch for peer, progress in view.peers.items() if peer != view.me]
+        return any(epoch - 1 <= claim <= epoch for claim in others) and all(claim <= epoch for claim in others)
 
     def restart_round(self) -> None:
         self.inner_steps = 0
@@ -317,7 +338,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         replica = self.replica
         self.restart_round()
         every = self._state_every
-        if every and replica.epoch % every == 0:
+        if every and replica.epoch % every == 0 and not self._turn_kept:
             await self._average_start()
         await self.rounds.after_round(replica, lambda: self.local_samples)
 

@@ -250,3 +250,53 @@ def test_peerd_join_refuses_fragments_it_cannot_take_in_one_line(tmp_path):
 
 def test_the_fragments_default_is_the_optimizers():
     assert FRAGMENTS.default == inspect.signature(LocalUpdatesOptimizer).parameters["fragments"].default == 1
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
+async def test_peers_a_round_apart_meet_on_one_fragments_turn(schedule):
+    """A peer one round behind the other (it loaded state while its donor's round was in flight,
+    say) averages another fragment under another key: were failed rounds counted as rounds, both
+    would move on in step, a fragment apart, and never meet again (each round clocked by the
+    matchmaking deadline, as in ``peerd join`` with quick inner steps). The one ahead keeps the
+    round it failed while the other is still on it or the one before, and they meet."""
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        async with trio.open_nursery() as background:
+            models = [[torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))] for _ in nodes]
+            optimizers = [
+                LocalUpdatesOptimizer(
+                    torch.optim.SGD(params, lr=0.1),
+                    node,
+                    prefix="fragments-apart",
+                    local_steps=4,
+                    fragments=2,
+                    codec="none",
+                    aggregation="mean",
+                    target_group_size=2,
+                    settle_time=0.1,
+                    matchmaking_timeout=1.5,
+                    averaging_timeout=6.0,
+                    average_state_every=0,
+                    rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+                )
+                for params, node in zip(models, nodes, strict=True)
+            ]
+            optimizers[0].replica.epoch = 1  # a round ahead
+            records: dict[int, list[AveragingRecord]] = {0: [], 1: []}
+
+            async def train(i: int) -> None:
+                optimizer = optimizers[i]
+                while len(records[i]) < 6:
+                    for param in models[i]:
+                        param.grad = torch.full_like(param, float(i + 1))
+                    if await optimizer.step(1):
+                        records[i].append(optimizer.replica.last_round)
+
+            with trio.fail_after(90):
+                async with trio.open_nursery() as peers:
+                    for i in range(2):
+                        peers.start_soon(train, i)
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    for i in range(2):
+        assert any(record.averaged and record.group == 2 for record in records[i][2:]), records[i]
