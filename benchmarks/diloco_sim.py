@@ -117,6 +117,7 @@ CONFIGS = [
     SEQ,
     replace(SPARSE, name="sequential topk_2bit+EF owed in params", overlapped=False),
     replace(SPARSE, name="overlapped topk_4bit+EF owed in params", codec="topk_4bit"),
+    replace(SPARSE, name="overlapped topk_2bit+EF owed in params, rounds of 10", local_steps=10),
     SPARSE_ROBUST,
     BENCH_ROBUST,
     replace(SPARSE, name="overlapped topk_2bit+EF owed in buffer", owed_in_params=False),
@@ -305,6 +306,8 @@ def main(args: argparse.Namespace) -> None:
         configs = [c for c in CONFIGS if any(w in c.name for w in wanted)]
     tasks = [load_task("textlm", shard=ShardSpec(i, PEERS), model_size=size) for i in range(PEERS)]
     whole = load_task("textlm", shard=ShardSpec(0, 1), model_size=size)
+    if args.seed:
+        _draw_initial_model([whole, *tasks], args.seed)
     shard_batches = [_batches(task, steps) for task in tasks]
     batch = tasks[0].batch_size
     started = time.process_time()
@@ -343,8 +346,17 @@ def main(args: argparse.Namespace) -> None:
         summary[name] = {"bpb": round(final, 4) if final else None, "loss_ratio": round(ratio, 4) if ratio else None}
         if per_sample is not None and bench_bytes:
             summary[name]["bytes_per_sample_vs_bench"] = round(per_sample / bench_bytes, 3)
-    figures = {"model_size": size, "steps_per_replica": steps, "samples": points[-1]}
+    figures = {"model_size": size, "seed": args.seed, "steps_per_replica": steps, "samples": points[-1]}
     print(json.dumps({**figures, **_sparse_figures(summary, worst, numel_of(tasks[0])), "rows": summary}))
+
+
+def _draw_initial_model(tasks: list[Task], seed: int) -> None:
+    """Every task's model replaced by one other initial model, drawn from ``seed`` (the task's
+    own is seed 0), so that a figure can be judged over several initial models, not one."""
+    torch.manual_seed(seed)
+    drawn = type(tasks[0].model)(tasks[0].model.shape)
+    for task in tasks:
+        task.model.load_state_dict(drawn.state_dict())
 
 
 def numel_of(task: Task) -> int:
@@ -397,4 +409,5 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=6, help="rounds of 20 local steps per replica")
     parser.add_argument("--every", type=int, default=20, help="evaluate every this many steps per replica")
     parser.add_argument("--only", default="", help="comma-separated parts of row names to run")
+    parser.add_argument("--seed", type=int, default=0, help="the initial model: 0 the task's own, another a draw")
     main(parser.parse_args())

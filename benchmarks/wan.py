@@ -96,6 +96,7 @@ from peer import LOCAL_DIFFICULTY, Identity  # noqa: E402
 os.environ.setdefault("PEERD_NODE_ID_DIFFICULTY", str(LOCAL_DIFFICULTY))  # as tests/conftest.py
 
 from benchmarks.wan_cases import hivemind_baseline  # noqa: E402
+from peerd.textlm import MODEL_SIZES, ByteTransformer  # noqa: E402
 from tests.lab.test_lab_group_faults import read_line  # noqa: E402
 from tests.support.netlab import Lab, lab_unavailable, remove_leftovers  # noqa: E402
 
@@ -360,7 +361,8 @@ def swarm(
         extra += ["--delay-updates", "--target-batch-size", str(COLLABORATIVE_BATCH)]
     peers = lab.start_swarm(hosts, run_id=f"wan-{mode}", extra=extra)
     # warm-up: every peer has taken a step (a round, in local-updates mode) with the others
-    lab.wait_for(lambda: all((s.get("epoch") or 0) >= 1 for s in _status_all(peers)), 120, "a first epoch")
+    deadline = first_round_deadline(model_size)
+    lab.wait_for(lambda: all((s.get("epoch") or 0) >= 1 for s in _status_all(peers)), deadline, "a first epoch")
     cpu_before, before, t0 = [cpu_seconds(p.process.pid) for p in peers], _status_all(peers), time.monotonic()
     time.sleep(window)
     after, t1, cpu_after = _status_all(peers), time.monotonic(), [cpu_seconds(p.process.pid) for p in peers]
@@ -380,6 +382,16 @@ def swarm(
     for peer in peers:
         peer.stop()
     return result
+
+
+def first_round_deadline(model_size: str) -> float:
+    """Seconds the swarm parts wait for every peer's first round: 120 for the small model (four
+    peers loading it and taking a round's steps on 2 cores), in proportion for a larger model,
+    whose steps take about that much longer."""
+    small, chosen = (
+        sum(p.numel() for p in ByteTransformer(MODEL_SIZES[size]).parameters()) for size in ("small", model_size)
+    )
+    return 120.0 * max(1.0, chosen / small)
 
 
 def single(lab: Lab, workdir: Path, rate: float, samples: int, model_size: str = MODEL_SIZE) -> dict[str, Any]:
