@@ -20,8 +20,9 @@ stalling it. The arithmetic is in ``outer_step.py``.
 Averaging deltas keeps replicas together only while every peer applies the same average from the
 same start. Groups smaller than the swarm and failed rounds break that, and nothing in delta
 averaging pulls replicas back: their differences add up round after round. So every
-``average_state_every`` rounds the peers also average the shared start itself (in float32, one
-more model-sized message per that many rounds) and move their parameters by the same correction.
+``average_state_every`` rounds the peers also average a piece of the shared start itself (in
+float32, the next piece each time: ``start_pieces``) and move their parameters by the same
+correction.
 The outer momentum is each peer's own (worker momentum: folded into the delta before it is
 averaged, which with the mean is the same step and under robust aggregation narrows the honest
 spread that an attacker may pull by; ``outer_step.py``). Newcomers load both the start and a
@@ -35,7 +36,7 @@ in its parameters what the swarm has not applied yet (``params = start - residua
 only at outer learning rate 1 without outer momentum, which a sparse codec therefore takes. In the
 in-process simulation (``benchmarks/diloco_sim.py``, ``textlm`` small) this trains as well as int8
 deltas; falling back to the start, or momentum 0.9, did not train. The start is then averaged a
-fragment at a time (``SPARSE_START_FRAGMENTS``), so that its float32 does not outweigh the rounds.
+fragment at a time (``start_pieces``), so that its float32 does not outweigh the rounds.
 
 With ``fragments=P`` the model is averaged in P fragments that take turns (streaming DiLoCo,
 ``outer_fragments.py``): a round of ``local_steps / P`` inner steps averages and steps one of
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,13 +72,29 @@ from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
 
-__all__ = ["LocalUpdatesOptimizer", "SPARSE_START_FRAGMENTS"]
+__all__ = ["LocalUpdatesOptimizer", "MAX_START_PIECES", "start_pieces"]
 
-# With a sparse codec the start is averaged in this many fragments, one per ``average_state_every``
-# rounds: float32 of a 64th of the model every 5 rounds is about the bytes of one sparse round
-# (~136x less than float32) spread over them, so a round costs ~114x less than with float32
-# deltas and whole-start averaging. The price: the whole start is averaged every 320 rounds.
-SPARSE_START_FRAGMENTS = 64
+# The start is averaged in float32 and in line (the trainer waits for it), a piece at a time:
+# ``start_pieces``, at most this many. With a sparse codec (~136x less than float32) a 64th of the
+# start every 5 rounds is about the bytes of one sparse round spread over them, so a round costs
+# ~114x less than with float32 deltas and whole-start averaging; the whole start is then averaged
+# every 320 rounds.
+MAX_START_PIECES = 64
+
+
+def start_pieces(codec: str) -> int:
+    """How many pieces the start is averaged in, one per ``average_state_every`` rounds: the
+    power of two nearest above twice the codec's compression (at most ``MAX_START_PIECES``), so
+    that a piece carries at most about half the bytes of a round's deltas. Whole, the start held
+    every peer's training for as long as its float32 took to cross the uplink: at 10 Mbit/s with
+    int8 deltas (``textlm`` small, 4 peers in the lab) 12-18 s of every ~70 s, where each round's
+    deltas, overlapped, cost the trainer nothing. Int8 deltas: 8 pieces (the whole start every 40
+    rounds); float32 deltas: 2; sparse: 64. Every peer of a swarm uses the same codec, so the same
+    pieces, which the start averagers' keys name."""
+    chosen = get_codec(codec)
+    values = 1 << 20
+    ratio = get_codec("none").payload_size(values) / chosen.payload_size(values)
+    return min(MAX_START_PIECES, 1 << math.ceil(math.log2(2 * ratio)))
 
 # With a sparse codec, a round that averaged nothing while others train on applies nothing (all of
 # it stays owed), this many times in a row at most (``_others_train_on``).
@@ -155,9 +173,9 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
             progress_interval=settings.progress_interval,
             replicated=len(self.snapshot),
         )
-        # With a sparse codec the start is averaged a piece at a time, each time the next one:
-        # its float32 would otherwise carry 27x the bytes of the sparse rounds in between.
-        pieces = SPARSE_START_FRAGMENTS if self._owed_in_params else 1
+        # The start is averaged a piece at a time, each time the next one: whole, its float32
+        # would carry 27x the bytes of the sparse rounds in between, and hold training meanwhile.
+        pieces = min(start_pieces(codec), sum(param.numel() for param in self.params))  # none empty
         self.start_averagers = [
             GroupAverager(
                 piece, dht, prefix=f"{prefix}.start" + (f".{index}" if pieces > 1 else ""),

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from averaging.compression import Codec, get_codec  # noqa: E402
 from averaging.error_feedback import ErrorFeedback  # noqa: E402
-from averaging.local_updates import SPARSE_START_FRAGMENTS  # noqa: E402
+from averaging.local_updates import start_pieces  # noqa: E402
 from averaging.outer_fragments import OuterFragments  # noqa: E402
 from averaging.outer_step import OuterStep  # noqa: E402
 from averaging.robust import centered_clip  # noqa: E402
@@ -371,7 +371,7 @@ def _sparse_figures(summary: dict[str, dict], worst: dict[str, float], numel: in
     sparse_bytes = get_codec(SPARSE.codec).payload_size(shard)
     dense_bytes = get_codec("none").payload_size(shard)
     start_bytes = dense_bytes / AVERAGE_STATE_EVERY  # the start's float32 averaging, per round
-    sparse_start_bytes = start_bytes / SPARSE_START_FRAGMENTS  # a fragment at a time
+    sparse_start_bytes = start_bytes / start_pieces(SPARSE.codec)  # a piece at a time
     figures = {
         "sparse_codec": SPARSE.codec,
         "bytes_vs_float32": round(dense_bytes / sparse_bytes, 1),

@@ -60,14 +60,14 @@ async def test_a_peer_a_round_behind_counts_the_round_it_shares_and_state_averag
             starts: dict[int, list] = {i: [] for i in range(3)}  # what each start averager's steps returned
 
             def record_starts(i: int) -> None:
-                averager = optimizers[i].start_averager
-                step = averager.step
+                for averager in optimizers[i].start_averagers:  # (the start's pieces take turns)
+                    step = averager.step
 
-                async def recorded_step(*args, **kwargs):
-                    starts[i].append(await step(*args, **kwargs))
-                    return starts[i][-1]
+                    async def recorded_step(*args, step=step, **kwargs):
+                        starts[i].append(await step(*args, **kwargs))
+                        return starts[i][-1]
 
-                averager.step = recorded_step
+                    averager.step = recorded_step
 
             async def train(i: int) -> None:
                 optimizer, seen = optimizers[i], 0

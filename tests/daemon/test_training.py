@@ -306,7 +306,8 @@ async def test_sequential_rounds_step_at_once_and_the_overlapped_schedule_can_be
 
 async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_the_momentum():
     """Averaging deltas alone never brings apart replicas back together; averaging the shared start
-    every few rounds does. Exact arithmetic with one inner step per round."""
+    every few rounds does, a piece at a time (two with float32 deltas: ``start_pieces``). Exact
+    arithmetic with one inner step per round."""
 
     def make(node, start):
         weight = torch.nn.Parameter(torch.tensor(start))
@@ -329,21 +330,35 @@ async def test_local_updates_pull_diverged_replicas_together_and_hand_newcomers_
                 rounds.start_soon(one_round, weight_a, a, [1.0, 0.0, 0.0])
                 rounds.start_soon(one_round, weight_b, b, [0.0, 1.0, 0.0])
         assert a.last_averaging["averaged"] and b.last_averaging["averaged"]
-        # averaged delta (0.5, 0.5, 0); first Nesterov step 1.9 x that at lr 0.5 from each start;
-        # then the starts are averaged: ((0, 0, 0) + (2, 2, 2)) / 2 - (0.475, 0.475, 0)
-        expected = torch.tensor([0.525, 0.525, 1.0])
-        assert torch.allclose(weight_a.detach(), expected) and torch.allclose(weight_b.detach(), expected)
+        # averaged delta (0.5, 0.5, 0); first Nesterov step 1.9 x that at lr 0.5 from each start:
+        # (-0.475, -0.475, 0) and (1.525, 1.525, 2); then epoch 1's piece of the starts (values 1
+        # and 2 of the two pieces [0:1], [1:3]) is averaged: ((0, 0) + (2, 2)) / 2 - (0.475, 0)
+        assert len(a.start_averagers) == 2
+        assert torch.allclose(weight_a.detach(), torch.tensor([-0.475, 0.525, 1.0]))
+        assert torch.allclose(weight_b.detach(), torch.tensor([1.525, 0.525, 1.0]))
         # each peer's momentum is its own delta's (worker momentum: the average of the two is
         # the averaged delta's)
         assert torch.allclose(a.outer_state[0], torch.tensor([1.0, 0.0, 0.0]))
         assert torch.allclose(b.outer_state[0], torch.tensor([0.0, 1.0, 0.0]))
 
+        # the next round averages the other piece: the replicas are one again
+        async def next_round(weight, optimizer):
+            while optimizer.epoch < 2:
+                weight.grad = torch.zeros(3)
+                await optimizer.step(1)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as rounds:
+                rounds.start_soon(next_round, weight_a, a)
+                rounds.start_soon(next_round, weight_b, b)
+        assert torch.allclose(a.snapshot[0], b.snapshot[0]) and torch.allclose(weight_a.detach(), weight_b.detach())
+
         weight_c, c = make(nodes[2], [9.0, 9.0, 9.0])
         with trio.fail_after(30):
             await c.load_state_from_peers()
-        assert torch.allclose(weight_c.detach(), expected)
+        assert torch.allclose(weight_c.detach(), a.snapshot[0])
         assert any(torch.allclose(c.outer_state[0], donor.outer_state[0]) for donor in (a, b))
-        assert c.epoch == 1
+        assert c.epoch == 1  # the donors' 2 is a claim, taken up to one past what c has seen (nothing yet)
         nursery.cancel_scope.cancel()
 
 
