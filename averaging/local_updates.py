@@ -96,6 +96,7 @@ def start_pieces(codec: str) -> int:
     ratio = get_codec("none").payload_size(values) / chosen.payload_size(values)
     return min(MAX_START_PIECES, 1 << math.ceil(math.log2(2 * ratio)))
 
+
 # With a sparse codec, a round that averaged nothing while others train on applies nothing (all of
 # it stays owed), this many times in a row at most (``_others_train_on``).
 MAX_OWED_ROUNDS = 3
