@@ -53,7 +53,7 @@ from .group import GroupInfo
 from .link_speed import DeadlineRules
 from .own_radius import MIN_OUTVOTING, bound_move, bound_sparse_move
 from .part_buffers import BufferLease, PartBuffers, PartSink
-from .partition import DEFAULT_PART_SIZE, AllReducePlan
+from .partition import DEFAULT_PART_SIZE, AllReducePlan, bytes_per_value
 from .reducer_checks import ReducerChecks, RoundStrategy
 from .reducer_shard import ReducerShard
 from .robust import Aggregation
@@ -225,7 +225,10 @@ class AllReduceService:
         codec, aggregation = get_codec(settings.codec), Aggregation(settings.aggregation)
         strategy = self.checks.strategy(aggregation, settings.check_reducers)
         plan = AllReducePlan.build(
-            sum(t.numel() for t in tensors), [m.bandwidth for m in group.reducers], settings.part_size
+            sum(t.numel() for t in tensors),
+            [m.bandwidth for m in group.reducers],
+            settings.part_size,
+            bytes_per_value(codec.payload_size),
         )
         if group.group_id in self._rounds:  # refused before it costs anything (checked again at the announcement)
             raise AllReduceError(DUPLICATE_GROUP_ID)

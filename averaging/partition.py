@@ -12,6 +12,7 @@ plan from the same group description, so no coordination beyond the group announ
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .link_speed import UNMEASURED_BANDWIDTH
@@ -20,13 +21,14 @@ __all__ = [
     "AllReducePlan",
     "DEFAULT_PART_SIZE",
     "MAX_SHARE_RATIO",
-    "MIN_PART_SIZE",
+    "MIN_PART_BYTES",
     "MIN_PARTS_PER_SHARD",
-    "MIN_SLOW_PART_SIZE",
+    "MIN_SLOW_PART_BYTES",
     "PART_SECONDS",
     "SLOW_PARTS_PER_SHARD",
     "lower_median_claim",
     "part_for_links",
+    "bytes_per_value",
     "slow_parts_per_shard",
     "bounded_claims",
     "split_by_bandwidth",
@@ -38,13 +40,13 @@ DEFAULT_PART_SIZE = 1 << 19
 # A reducer answers a part once every sender delivered it, so the all-gather can only overlap the
 # reduce-scatter part by part: with 2 parts per shard (16 MiB among 4 peers at the default size)
 # half of every shard's answers wait for the slowest sender's last bytes. Parts are made smaller,
-# down to MIN_PART_SIZE (256 KiB, where per-message costs still vanish), until the largest shard
+# down to MIN_PART_BYTES (256 KiB, where per-message costs still vanish), until the largest shard
 # has this many (the 100 Mbit/s lab, 16 MiB, 4 peers, 8 interleaved runs each: 0.81 of the
 # line-rate bound against 0.78 with 2 parts per shard; 16 parts measured no better; the loopback
 # benchmark's 64 MiB shards keep their 8 parts of the full size).
 MIN_PARTS_PER_SHARD = 8
-MIN_PART_SIZE = 1 << 16
-# Over slow links parts are made smaller still, down to MIN_SLOW_PART_SIZE (64 KiB), until the
+MIN_PART_BYTES = 1 << 18
+# Over slow links parts are made smaller still, down to MIN_SLOW_PART_BYTES (64 KiB), until the
 # largest shard has SLOW_PARTS_PER_SHARD of them (fewer in groups of more than four reducers:
 # ``slow_parts_per_shard``), as long as a part takes at least PART_SECONDS at
 # the group's (lower median) claimed bandwidth: there a message's own costs (~0.1 ms of CPU) are
@@ -59,8 +61,14 @@ MIN_PART_SIZE = 1 << 16
 # 128 parts 0.86-0.87; the exact mean 0.93-0.94 in all of them. Claims no higher than the floor
 # rate a newcomer declares say nothing of the link (unmeasured): such a group keeps the parts above.
 SLOW_PARTS_PER_SHARD = 64
-MIN_SLOW_PART_SIZE = 1 << 14
+MIN_SLOW_PART_BYTES = 1 << 16
 PART_SECONDS = 0.005
+# The byte floors above are what a part weighs on the wire, in the round's codec: a message's own
+# costs are per part whatever it holds, and a part of sparse or 8-bit values is 136x or 4x lighter
+# than float32. Counted in float32 values, a 10 Mbit/s lab round of textlm small's int8 deltas went
+# in 29 parts per shard, its sparse deltas too, and cost each peer 0.23 and 0.50 CPU-s a round
+# against 0.11 and 0.15 in parts of 64K values (in process, checked rounds of 4 peers), a few
+# percent of the training it runs beside.
 # A declared bandwidth is a claim, and a reducer decides what its shard's average is: no member's
 # claim counts for more than this many times the group's (lower) median claim. With 2, a liar
 # claiming 1e12 in a group of n equal peers reduces 2/(n+1) of the vector instead of 1/n (40% in
@@ -87,14 +95,15 @@ def lower_median_claim(bandwidths: list[float]) -> float | None:
     return positive[(len(positive) - 1) // 2] if positive else None
 
 
-def part_for_links(bandwidths: list[float]) -> float:
-    """The fewest values a part may hold so that it takes PART_SECONDS at the lower median of the
-    positive claims in ``bandwidths`` (bytes/s), which a minority of liars cannot move far; no
-    bound (infinity) where that median is no measurement (the floor rate newcomers declare)."""
+def part_for_links(bandwidths: list[float], value_bytes: float = 4.0) -> float:
+    """The fewest values (of ``value_bytes`` each on the wire) a part may hold so that it takes
+    PART_SECONDS at the lower median of the positive claims in ``bandwidths`` (bytes/s), which a
+    minority of liars cannot move far; no bound (infinity) where that median is no measurement
+    (the floor rate newcomers declare)."""
     median = lower_median_claim(bandwidths)
     if median is None or median <= UNMEASURED_BANDWIDTH:
         return math.inf
-    return math.ceil(median * PART_SECONDS / 4)  # float32 values
+    return math.ceil(median * PART_SECONDS / value_bytes)
 
 
 def slow_parts_per_shard(reducers: int) -> int:
@@ -133,18 +142,24 @@ class AllReducePlan:
     part_size: int = DEFAULT_PART_SIZE
 
     @classmethod
-    def build(cls, total: int, bandwidths: list[float], part_size: int = DEFAULT_PART_SIZE) -> AllReducePlan:
+    def build(
+        cls, total: int, bandwidths: list[float], part_size: int = DEFAULT_PART_SIZE, value_bytes: float = 4.0
+    ) -> AllReducePlan:
         """Shards in proportion to the reducers' claimed ``bandwidths``, each claim bounded
         (``bounded_claims``); parts of ``part_size`` elements, or smaller (not below
-        MIN_PART_SIZE) so that the largest shard has MIN_PARTS_PER_SHARD of them, and over slow
-        links smaller still (``part_for_links``)."""
+        MIN_PART_BYTES) so that the largest shard has MIN_PARTS_PER_SHARD of them, and over slow
+        links smaller still (``part_for_links``, not below MIN_SLOW_PART_BYTES); ``value_bytes``:
+        what a value weighs in the round's codec (``bytes_per_value``)."""
         if part_size <= 0:
             raise ValueError("part_size must be positive")
+        if not value_bytes > 0:
+            raise ValueError("value_bytes must be positive")
         shards = tuple(split_by_bandwidth(total, bounded_claims(bandwidths)))
         largest = max(shards, default=0)
-        enough = max(MIN_PART_SIZE, -(-largest // MIN_PARTS_PER_SHARD))
+        enough = max(math.ceil(MIN_PART_BYTES / value_bytes), -(-largest // MIN_PARTS_PER_SHARD))
         reducers = sum(1 for size in shards if size)
-        slow = max(MIN_SLOW_PART_SIZE, -(-largest // slow_parts_per_shard(reducers)), part_for_links(bandwidths))
+        floor = math.ceil(MIN_SLOW_PART_BYTES / value_bytes)
+        slow = max(floor, -(-largest // slow_parts_per_shard(reducers)), part_for_links(bandwidths, value_bytes))
         return cls(total, shards, min(part_size, enough, slow))
 
     @property
@@ -171,3 +186,10 @@ class AllReducePlan:
 
     def num_parts(self, index: int) -> int:
         return -(-self.shard_sizes[index] // self.part_size)
+
+
+def bytes_per_value(payload_size: Callable[[int], int]) -> float:
+    """What a value weighs on the wire in a codec (its ``payload_size``), over a part of the
+    smallest size a plan cuts: what ``AllReducePlan.build`` counts its parts' bytes with."""
+    values = MIN_SLOW_PART_BYTES // 4
+    return payload_size(values) / values

@@ -57,9 +57,11 @@ log = logging.getLogger("peerd.averaging")
 # upload made a 16M-value round on loopback cost 2x the mean's CPU; a quarter is the trade made
 # here between that cost and how many rounds a liar's answers are used before it is caught.)
 CHECK_SHARE = 0.25
-# Vectors this small: every sender checks every reducer (a round costs more in fixed costs than
-# the whole vector's bytes), so a lie is caught in its first round and used by nobody.
-CHECK_ALL_BELOW = 1 << 16
+# Vectors this light on the wire, in the round's codec: every sender checks every reducer (a round
+# costs more in fixed costs than the whole vector's bytes), so a lie is caught in its first round
+# and used by nobody. (256 KiB: 64K float32 values, or textlm small's 1.9 M values in a sparse
+# codec, whose shards now go in one part each: ``partition.MIN_PART_BYTES``.)
+CHECK_ALL_BELOW = 1 << 18
 
 
 @dataclass
@@ -231,7 +233,7 @@ class ReducerChecks:
         if not shards:
             return []
         senders = len(group.senders)
-        if plan.total > CHECK_ALL_BELOW:
+        if codec.payload_size(plan.total) > CHECK_ALL_BELOW:
             shards = [
                 shard
                 for shard in shards
