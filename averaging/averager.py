@@ -21,6 +21,7 @@ import trio
 from peer import PeerHost
 
 from .allreduce import AllReduceResult, AllReduceService, RoundSettings
+from .compression import get_codec
 from .group import MAX_BANDWIDTH, AveragingMode, GroupInfo, is_counter
 from .link_speed import BandwidthEstimate
 from .matchmaking import Declaration, Matchmaker, MatchmakingError, OutOfReach
@@ -92,12 +93,18 @@ def all_reduce_service(host: PeerHost) -> AllReduceService:
     return host.service(AllReduceService)
 
 
-def tensor_schema(tensors: Sequence[torch.Tensor], aggregation: Aggregation | None = None) -> str:
-    """A short hash of shapes and dtypes, and of the reducers' rule: peers whose tensors differ
-    must never be grouped, nor peers whose checks would each take the other's rule for a lie."""
+def tensor_schema(
+    tensors: Sequence[torch.Tensor], aggregation: Aggregation | None = None, codec: str | None = None
+) -> str:
+    """A short hash of shapes and dtypes, of the reducers' rule and of the codec the tensors are
+    sent in: peers whose tensors differ must never be grouped, nor peers whose checks would each
+    take the other's rule for a lie, nor peers whose plans would cut the round into other parts
+    (a part's size counts its bytes in the codec: ``partition.bytes_per_value``)."""
     description = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
     if aggregation is not None:
         description += f"|{Aggregation(aggregation).value}"
+    if codec is not None:
+        description += f"|{codec}"
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 
@@ -163,7 +170,7 @@ class GroupAverager:
         # Robust rounds too small to outvote a liar move our values only as far as our own history
         # allows (``own_radius.py``); the plain mean trusts every member anyway.
         self._own_radius = OwnRadius() if rounds.aggregation.robust else None
-        self.schema = tensor_schema(self.tensors, rounds.aggregation)
+        self.schema = tensor_schema(self.tensors, rounds.aggregation, get_codec(rounds.codec).name)
         self.round = 0  # the next round this averager declares; only its own steps move it
         self._service = all_reduce_service(self.host)
         self._matchmaker = Matchmaker(self.host, dht, prefix, excluded=self._service.checks.banned.__contains__)

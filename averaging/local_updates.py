@@ -100,6 +100,9 @@ def start_pieces(codec: str) -> int:
 # With a sparse codec, a round that averaged nothing while others train on applies nothing (all of
 # it stays owed), this many times in a row at most (``_others_train_on``).
 MAX_OWED_ROUNDS = 3
+# With fragments, a round that formed no group while a peer is a round behind keeps its epoch this
+# many times in a row at most (``_keeps_turn``).
+MAX_KEPT_TURNS = 2
 
 
 log = logging.getLogger("peerd.training")
@@ -179,7 +182,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         pieces = min(start_pieces(codec), sum(param.numel() for param in self.params))  # none empty
         self.start_averagers = [
             GroupAverager(
-                piece, dht, prefix=f"{prefix}.start" + (f".{index}" if pieces > 1 else ""),
+                # the key names the count: peers cutting the start otherwise never look for each other
+                piece, dht, prefix=f"{prefix}.start" + (f".{index}of{pieces}" if pieces > 1 else ""),
                 allow_state_sharing=False, **averaging,
             )
             for index, piece in enumerate(self._outer.start_fragments(pieces))
@@ -188,7 +192,8 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.local_samples = 0
         self._round_started: float | None = None
         self._unaveraged = 0  # rounds in a row that averaged nothing
-        self._turn_kept = False  # the last round's epoch stays ours: ``_keeps_turn``
+        self._kept_turns = 0  # rounds in a row whose epoch stayed ours: ``_keeps_turn``
+        self._start_averaged_at: int | None = None  # the epoch of the last start averaging that met a group
 
     @property
     def start_averager(self) -> GroupAverager:
@@ -326,27 +331,32 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         for anyone downloading our state (start, momentum and epoch must belong together)."""
         async with self.replica.state.locked_tensors():
             await run_blocking(apply)  # a fragment's: it leaves a sparse codec's unsent progress in the params
-            self._turn_kept = self._keeps_turn(record)
-            if self._turn_kept:
+            if self._keeps_turn(record):
+                self._kept_turns += 1
                 self.replica.last_round = record
             else:
+                self._kept_turns = 0
                 self.replica.count_round(record)
 
     def _keeps_turn(self, record: AveragingRecord | None) -> bool:
-        """Whether a round of fragments that averaged nothing stays this epoch's, so that the next
-        round averages the same fragment again: while another peer's record claims this epoch or
-        the one before, and none claims a later one. Such a peer is a round behind (it loaded state
-        while its donor's round was in flight, say) and looks for this epoch's fragment, or will
-        next; were our failed round counted, we would move on to the next fragment's key as it
-        comes to ours, and where rounds are clocked by the matchmaking deadline the two of us
-        would stay a round apart, never meeting again. (With one fragment every round shares one
-        key and ``Replica.count_round`` closes the gap.) Records are claims: a false one holds
-        back only a peer whose round failed anyway, by one fragment's turn at a time."""
-        if len(self.fragments) == 1 or record is None or record.averaged:
+        """Whether a round of fragments that formed no group stays this epoch's, so that the next
+        round averages the same fragment again: while another peer's record claims the epoch
+        before ours and none a later one, ``MAX_KEPT_TURNS`` times in a row at most. Such a peer
+        is a round behind (it loaded state while its donor's round was in flight, say) and will
+        look for this epoch's fragment next; were our failed round counted, we would move on to the
+        next fragment's key as it comes to ours, and where rounds are clocked by the matchmaking
+        deadline the two of us would stay a round apart, never meeting again. (With one fragment
+        every round shares one key and ``Replica.count_round`` closes the gap.) A claim of our own
+        epoch says nothing of this (the peers we failed to meet may have averaged it without us,
+        and move on). Records are claims: a false one holds back only a peer whose round failed
+        anyway, by a turn or two, and the start's averaging, on its own key, still runs."""
+        if len(self.fragments) == 1 or record is None or record.averaged or record.matchmaking_s is not None:
+            return False
+        if self._kept_turns >= MAX_KEPT_TURNS:
             return False
         view, epoch = self.replica.view(self.local_samples), self.replica.epoch
         others = [progress.epoch for peer, progress in view.peers.items() if peer != view.me]
-        return any(epoch - 1 <= claim <= epoch for claim in others) and all(claim <= epoch for claim in others)
+        return epoch - 1 in others and all(claim <= epoch for claim in others)
 
     def restart_round(self) -> None:
         self.inner_steps = 0
@@ -357,7 +367,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         replica = self.replica
         self.restart_round()
         every = self._state_every
-        if every and replica.epoch % every == 0 and not self._turn_kept:
+        if every and replica.epoch % every == 0 and self._start_averaged_at != replica.epoch:
             await self._average_start()
         await self.rounds.after_round(replica, lambda: self.local_samples)
 
@@ -367,6 +377,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         our state meanwhile."""
         await run_blocking(self._outer.copy_start_for_averaging)
         if await average_state(self.start_averager, self.replica.epoch):
+            self._start_averaged_at = self.replica.epoch
             async with self.replica.state.locked_tensors():
                 await run_blocking(self._outer.move_to_averaged_start)
 

@@ -25,8 +25,8 @@ AVERAGING = {"prefix": PREFIX, "settle_time": 0.2, "aggregation": "mean"}
 
 
 def honest_schema(node, tensors) -> str:
-    """The schema honest averagers of ``node``'s swarm declare (their tensors and their rule)."""
-    return tensor_schema(tensors, resolve_aggregation("auto", node.host.access.private))
+    """The schema honest averagers of ``node``'s swarm declare (their tensors, rule and codec)."""
+    return tensor_schema(tensors, resolve_aggregation("auto", node.host.access.private), "none")
 
 
 def first_ranked_identity(below: bytes) -> Identity:

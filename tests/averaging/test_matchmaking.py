@@ -421,3 +421,19 @@ def test_one_liar_declaring_a_far_round_strands_no_one():
     # left behind by the whole swarm: stranded, at the swarm's (lower median) round
     error = no_group("no group", 1, [5, 5, 6], [5, 5, 6], alone=False)
     assert isinstance(error, OutOfReach) and error.swarm_round == 5
+
+
+async def test_peers_that_send_in_different_codecs_declare_different_schemas():
+    """A plan's parts count their bytes in the round's codec, so members sending in different
+    codecs would cut the round differently and refuse each other's parts: they never meet."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        codecs = ["none", "float16", "blockwise_8bit", "uint8", "topk_2bit"]
+        schemas = {
+            codec: GroupAverager([torch.zeros(3)], node, prefix=f"codecs-{index}", codec=codec).schema
+            for index, codec in enumerate(codecs)
+        }
+        assert len(set(schemas.values())) == len(codecs)
+        again = GroupAverager([torch.zeros(3)], node, prefix="codecs-again", codec="uint8").schema
+        assert again == schemas["uint8"]
+        nursery.cancel_scope.cancel()

@@ -11,9 +11,11 @@ import torch
 import trio
 
 from averaging.local_rounds import OverlappedRounds, SequentialRounds
-from averaging.local_updates import LocalUpdatesOptimizer
+from averaging.local_updates import MAX_KEPT_TURNS, LocalUpdatesOptimizer
 from averaging.outer_fragments import OuterFragments, deal_fragments
+from averaging.progress import PeerProgress, SwarmProgress
 from averaging.replica import AveragingRecord
+from peer import PeerID
 from peerd.exit_codes import EXIT_BAD_INPUT, EXIT_USAGE
 from peerd.join_arguments import FRAGMENTS
 from tests.daemon.test_training import make_local_updates_trainer, open_swarm, train_to_target
@@ -300,3 +302,38 @@ async def test_peers_a_round_apart_meet_on_one_fragments_turn(schedule):
         nursery.cancel_scope.cancel()
     for i in range(2):
         assert any(record.averaged and record.group == 2 for record in records[i][2:]), records[i]
+
+
+async def test_a_failed_round_keeps_its_turn_only_for_a_peer_a_round_behind_and_not_for_long():
+    """What ``_keeps_turn`` reads: peers at our own epoch say nothing of a peer behind (they may
+    have averaged it without us, and move on: keeping would leave us a fragment behind them for
+    good); a round whose group formed and failed later is not a missed meeting; and a record
+    claiming the epoch before ours, kept fresh by a saboteur or left by a peer that stopped,
+    holds us back ``MAX_KEPT_TURNS`` rounds in a row at most."""
+    async with trio.open_nursery() as nursery:
+        [node] = await open_swarm(nursery, 1)
+        params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
+        optimizer = LocalUpdatesOptimizer(
+            torch.optim.SGD(params, lr=0.1), node, prefix="kept", local_steps=4, fragments=2, codec="none"
+        )
+        replica = optimizer.replica
+        replica.epoch = 5
+        missed = AveragingRecord(epoch=5, failure="no_group")
+        formed = AveragingRecord(epoch=5, failure="allreduce", matchmaking_s=0.2)
+
+        def claims(*epochs: int) -> None:
+            others = {PeerID(bytes([i]) * 20): PeerProgress(epoch, 10, 1.0) for i, epoch in enumerate(epochs, 1)}
+            replica.swarm = SwarmProgress(others, None, replica.tracker.me)
+
+        claims(5, 5)
+        assert not optimizer._keeps_turn(missed)
+        claims(4, 6)
+        assert not optimizer._keeps_turn(missed)
+        claims(4, 5)
+        assert optimizer._keeps_turn(missed) and not optimizer._keeps_turn(formed)
+        for _ in range(MAX_KEPT_TURNS):
+            await optimizer.advance(lambda: None, missed)
+        assert replica.epoch == 5
+        await optimizer.advance(lambda: None, missed)
+        assert replica.epoch == 6  # counted at last
+        nursery.cancel_scope.cancel()

@@ -202,6 +202,7 @@ async def test_the_start_is_averaged_a_piece_at_a_time(codec, pieces):
             for node, weight in zip(nodes, weights, strict=True)
         ]
         assert len(optimizers[0].start_averagers) == pieces
+        assert optimizers[0].start_averagers[1].prefix == f"sparse.start.1of{pieces}"  # the count in the key
 
         async def one_round(i: int) -> None:
             weights[i].grad = torch.zeros(size)
