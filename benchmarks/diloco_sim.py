@@ -31,6 +31,10 @@ Streamed fragments (2026-12, small model, 6 rounds, one run; ``outer_fragments.p
 fragments taking turns, a round of 5 steps each, the same bytes per 20 steps): int8 1.173 (whole
 1.219 in the same run), ``topk_2bit`` 1.149 (whole 1.141).
 
+Over initial models (2026-12, ``--seed``, small model, 6 rounds): sparse rounds against sync DP
+1.049, 1.078, 1.064 at seeds 0, 1, 2 (mean 1.064), against int8 0.936 and 0.933 at seeds 1 and 2;
+sparse rounds of 10 steps no better (1.052 at seed 0). One seed's figure moves by ~0.03.
+
 Run: ``python benchmarks/diloco_sim.py`` (the full sweep, ~45 min at one thread), ``--only NAME,...``
 for chosen rows (and no sync baseline), ``--quick`` (tiny model, a few rows, < 50 s). Prints a table and, last, one JSON
 object with the ratios.
