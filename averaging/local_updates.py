@@ -108,6 +108,15 @@ MAX_KEPT_TURNS = 2
 log = logging.getLogger("peerd.training")
 
 
+@dataclasses.dataclass
+class RoundStreaks:
+    """What the rounds so far say about settling a round that failed."""
+
+    unaveraged: int = 0  # rounds in a row that averaged nothing
+    kept_turns: int = 0  # rounds in a row whose epoch stayed ours: ``_keeps_turn``
+    start_averaged_at: int | None = None  # the epoch of the last start averaging that met a group
+
+
 class LocalUpdatesOptimizer(ReplicaOptimizer):
     """Same calling convention as CollaborativeOptimizer: ``await opt.step(batch_size)`` after
     ``loss.backward()``; True when an outer round completed.
@@ -191,9 +200,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         self.inner_steps = 0
         self.local_samples = 0
         self._round_started: float | None = None
-        self._unaveraged = 0  # rounds in a row that averaged nothing
-        self._kept_turns = 0  # rounds in a row whose epoch stayed ours: ``_keeps_turn``
-        self._start_averaged_at: int | None = None  # the epoch of the last start averaging that met a group
+        self._streaks = RoundStreaks()
 
     @property
     def start_averager(self) -> GroupAverager:
@@ -304,7 +311,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     async def average_deltas(self, epoch: int, weight: float) -> AveragingRecord:
         fragment = self.fragment(epoch)
         record = await fragment.average(epoch, weight)
-        self._unaveraged = 0 if record.averaged else self._unaveraged + 1
+        self._streaks.unaveraged = 0 if record.averaged else self._streaks.unaveraged + 1
         await fragment.settle(record, keep_owed=self._owed_in_params and self._others_train_on(record))
         turns = len(self.fragments)
         if record.epoch % turns != epoch % turns:
@@ -320,7 +327,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         ours), and for ``MAX_OWED_ROUNDS`` rounds in a row at most. Past that we are on our own
         (cut off, or a saboteur spoils our rounds), and a start that never moved would be what
         newcomers download: our start takes our whole delta, as a peer alone's does."""
-        if record.averaged or self._unaveraged > MAX_OWED_ROUNDS:
+        if record.averaged or self._streaks.unaveraged > MAX_OWED_ROUNDS:
             return False
         view = self.replica.view(self.local_samples)
         return not record.alone or any(peer != view.me for peer in view.peers)
@@ -332,10 +339,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         async with self.replica.state.locked_tensors():
             await run_blocking(apply)  # a fragment's: it leaves a sparse codec's unsent progress in the params
             if self._keeps_turn(record):
-                self._kept_turns += 1
+                self._streaks.kept_turns += 1
                 self.replica.last_round = record
             else:
-                self._kept_turns = 0
+                self._streaks.kept_turns = 0
                 self.replica.count_round(record)
 
     def _keeps_turn(self, record: AveragingRecord | None) -> bool:
@@ -352,7 +359,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         anyway, by a turn or two, and the start's averaging, on its own key, still runs."""
         if len(self.fragments) == 1 or record is None or record.averaged or record.matchmaking_s is not None:
             return False
-        if self._kept_turns >= MAX_KEPT_TURNS:
+        if self._streaks.kept_turns >= MAX_KEPT_TURNS:
             return False
         view, epoch = self.replica.view(self.local_samples), self.replica.epoch
         others = [progress.epoch for peer, progress in view.peers.items() if peer != view.me]
@@ -367,7 +374,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         replica = self.replica
         self.restart_round()
         every = self._state_every
-        if every and replica.epoch % every == 0 and self._start_averaged_at != replica.epoch:
+        if every and replica.epoch % every == 0 and self._streaks.start_averaged_at != replica.epoch:
             await self._average_start()
         await self.rounds.after_round(replica, lambda: self.local_samples)
 
@@ -377,7 +384,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         our state meanwhile."""
         await run_blocking(self._outer.copy_start_for_averaging)
         if await average_state(self.start_averager, self.replica.epoch):
-            self._start_averaged_at = self.replica.epoch
+            self._streaks.start_averaged_at = self.replica.epoch
             async with self.replica.state.locked_tensors():
                 await run_blocking(self._outer.move_to_averaged_start)
 
