@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import trio
 
-from averaging.averager import GroupAverager, tensor_schema
+from averaging.averager import GroupAverager
 from averaging.group import AveragingMode
 from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
 from averaging.own_radius import RADIUS_FACTOR, SAMPLE
@@ -123,9 +123,6 @@ async def _rounds_under_fake_leader(boot: PeerAddress, behaviour: str, rounds: i
             attacker.host.router.add_unary(f"avg.join.{prefix}", never_answers)
         # a client-mode peer has no address: one that pins its peer ID reaches its connection to us
         address = PeerAddress("127.0.0.1", 9, identity.peer_id) if client else attacker.address
-        schema = tensor_schema([torch.tensor([1.0])])
-        declaration = Declaration(identity.peer_id, address, 1e9, AveragingMode.NODE, schema, 0)
-        await Matchmaker(attacker.host, attacker, prefix, router=Router()).declare(declaration, DECLARATION_S)
         averagers = [
             GroupAverager(
                 [torch.tensor([float(i)])],
@@ -137,6 +134,10 @@ async def _rounds_under_fake_leader(boot: PeerAddress, behaviour: str, rounds: i
             )
             for i, node in enumerate(honest)
         ]
+        # the schema the honest averagers declare (tensors, rule and codec): any other is never matched
+        schema = averagers[0].schema
+        declaration = Declaration(identity.peer_id, address, 1e9, AveragingMode.NODE, schema, 0)
+        await Matchmaker(attacker.host, attacker, prefix, router=Router()).declare(declaration, DECLARATION_S)
         honest_ids = {node.peer_id for node in honest}
         failed_rounds, durations, honest_groups = 0, [], 0
 
