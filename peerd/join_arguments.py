@@ -130,7 +130,8 @@ COMPRESSION = Setting(
     doc="codec of averaged gradients / pseudo-gradients: `none`, `float16`, `scaled_float16`, `uint8`, "
     "`blockwise_8bit` (with error feedback), `adaptive`; in local-updates mode also the sparse `topk_2bit` and "
     "`topk_4bit` (64 of every 4,096 values, ~136x / 120x less than float32, with error feedback; outer lr 1 "
-    "without momentum; in robust rounds the reducers reply in 8 bits, which their checks can bound)",
+    "without momentum; in robust rounds the reducers reply in 8 bits, which their checks can bound). The codec is "
+    "part of what matchmaking matches: peers of other codecs never group",
 )  # fmt: skip
 AGGREGATION = Setting(
     name="aggregation", flag="--aggregation", variable="AGGREGATION",
