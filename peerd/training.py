@@ -93,7 +93,15 @@ class Trainer:
         return self._batch_s
 
     def forward_backward(self, batches: list) -> float:
-        """Gradients of the mean loss over ``batches`` (summed into ``.grad``); returns that loss."""
+        """Gradients of the mean loss over ``batches`` (summed into ``.grad``); returns that loss.
+
+        Values below float32's normal range (~1.2e-38) compute as zeros in this thread: on x86
+        each operation on such a subnormal value takes ~100x longer, and local updates' outer
+        steps drive textlm's activations and gradients among them. In process, 4 peers' forward
+        and backward passes of an int8 local-updates round took 1.7x longer by their 10th round
+        (sparse rounds, or the same with subnormals flushed: no slower). The flag is the calling
+        thread's own, and a worker thread may run this."""
+        torch.set_flush_denormal(True)
         started = self.clock()
         self.task.model.train()
         sizes = [len(batch[0]) for batch in batches]
