@@ -137,6 +137,31 @@ async def test_an_overlapped_round_lands_on_the_fragment_whose_delta_it_took():
         background.cancel_scope.cancel()
 
 
+def two_peers_in_fragments(nodes, prefix: str, schedule: str, background, matchmaking_timeout: float):
+    """Two peers' models of two tensors (4 and 3 values), averaged in two fragments taking turns,
+    two inner SGD steps each (``local_steps=4``), by the exact mean; their optimizers."""
+    models = [[torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))] for _ in nodes]
+    optimizers = [
+        LocalUpdatesOptimizer(
+            torch.optim.SGD(params, lr=0.1),
+            node,
+            prefix=prefix,
+            local_steps=4,
+            fragments=2,
+            codec="none",
+            aggregation="mean",
+            target_group_size=2,
+            settle_time=0.1,
+            matchmaking_timeout=matchmaking_timeout,
+            averaging_timeout=6.0,
+            average_state_every=0,
+            rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
+        )
+        for params, node in zip(models, nodes, strict=True)
+    ]
+    return models, optimizers
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "overlapped"])
 async def test_rounds_take_turns_averaging_the_fragments(schedule):
     """Two peers, a model of two tensors dealt into two fragments, two inner steps per fragment's
@@ -145,25 +170,7 @@ async def test_rounds_take_turns_averaging_the_fragments(schedule):
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 2)
         async with trio.open_nursery() as background:
-            models = [[torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))] for _ in nodes]
-            optimizers = [
-                LocalUpdatesOptimizer(
-                    torch.optim.SGD(params, lr=0.1),
-                    node,
-                    prefix="fragments",
-                    local_steps=4,
-                    fragments=2,
-                    codec="none",
-                    aggregation="mean",
-                    target_group_size=2,
-                    settle_time=0.1,
-                    matchmaking_timeout=2.0,
-                    averaging_timeout=6.0,
-                    average_state_every=0,
-                    rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
-                )
-                for params, node in zip(models, nodes, strict=True)
-            ]
+            models, optimizers = two_peers_in_fragments(nodes, "fragments", schedule, background, 2.0)
             assert [optimizers[0].round_steps, len(optimizers[0].fragments)] == [2, 2]
             starts: dict[int, list[list[torch.Tensor]]] = {0: [], 1: []}  # per peer, after each epoch
 
@@ -260,29 +267,11 @@ async def test_peers_a_round_apart_meet_on_one_fragments_turn(schedule):
     say) averages another fragment under another key: were failed rounds counted as rounds, both
     would move on in step, a fragment apart, and never meet again (each round clocked by the
     matchmaking deadline, as in ``peerd join`` with quick inner steps). The one ahead keeps the
-    round it failed while the other is still on it or the one before, and they meet."""
+    round it failed while the other claims the one before, and they meet."""
     async with trio.open_nursery() as nursery:
         nodes = await open_swarm(nursery, 2)
         async with trio.open_nursery() as background:
-            models = [[torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))] for _ in nodes]
-            optimizers = [
-                LocalUpdatesOptimizer(
-                    torch.optim.SGD(params, lr=0.1),
-                    node,
-                    prefix="fragments-apart",
-                    local_steps=4,
-                    fragments=2,
-                    codec="none",
-                    aggregation="mean",
-                    target_group_size=2,
-                    settle_time=0.1,
-                    matchmaking_timeout=1.5,
-                    averaging_timeout=6.0,
-                    average_state_every=0,
-                    rounds=SequentialRounds() if schedule == "sequential" else OverlappedRounds(background),
-                )
-                for params, node in zip(models, nodes, strict=True)
-            ]
+            models, optimizers = two_peers_in_fragments(nodes, "fragments-apart", schedule, background, 1.5)
             optimizers[0].replica.epoch = 1  # a round ahead
             records: dict[int, list[AveragingRecord]] = {0: [], 1: []}
 
