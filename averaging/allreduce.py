@@ -48,6 +48,7 @@ from peer.tensors import all_finite
 
 from .allreduce_protocol import MAX_PART_MESSAGE, REDUCE_METHOD, AllReduceError, ReduceHeader
 from .compression import Codec, get_codec
+from .contribution_scores import ContributionScores, ShardAlignment
 from .flat_parts import flat_view, flatten, write_back
 from .group import GroupInfo
 from .link_speed import DeadlineRules
@@ -62,7 +63,7 @@ from .round_roles import INLINE_WORK_LIMIT, ReducerRole, SenderRole, in_thread, 
 from .round_state import AllReduceResult, AllReduceRound
 from .sparse_codec import as_sent
 from .uplink import UploadFigures, uplink_shares
-from .verification import KeptInputs
+from .verification import BAN_SECONDS, KeptInputs
 
 __all__ = [
     "AllReduceService",
@@ -145,6 +146,8 @@ class AllReduceService:
         self.shard_type = shard_type
         # reducers checked after robust rounds, and those caught (``banned``: left out of groups)
         self.checks = ReducerChecks(host, router or host.router, kept)
+        # senders' contributions scored against our held-out loss, in rounds given a reference
+        self.scores = ContributionScores()
         self._buffers = PartBuffers()
         self._caps = ConnectionCaps()  # uplink caps that this host's rounds hold on connections
         # group ID -> our reducer role in that round (None: we reduce nothing in it)
@@ -211,13 +214,17 @@ class AllReduceService:
         weight: float = 1.0,
         settings: RoundSettings = DEFAULTS,
         own_radius: float | None = None,
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> AllReduceResult:
         """Average ``tensors`` in place with the other members of ``group`` (``RoundSettings``
         says how). The tensors are read while the round runs (a single contiguous float32 CPU
         tensor is sent straight from its memory, without a copy) and written only when it is
         over, so they must not change in between; a cancelled round leaves them as they were.
         ``own_radius``: if the round ends with fewer than ``MIN_OUTVOTING`` senders in it, how
-        far (L2) its averages may move our values (``own_radius.py``); None: any distance."""
+        far (L2) its averages may move our values (``own_radius.py``); None: any distance.
+        ``reference``: the gradient of our held-out loss at the point ``tensors`` start from, shaped
+        as they are: each sender's contribution to our shard is scored against it, and a sender
+        whose contributions keep raising that loss is banned (``contribution_scores.py``)."""
         me, started, tensors = self.host.peer_id, trio.current_time(), list(tensors)
         member = group.member(me)
         if member is None:
@@ -232,6 +239,9 @@ class AllReduceService:
         )
         if group.group_id in self._rounds:  # refused before it costs anything (checked again at the announcement)
             raise AllReduceError(DUPLICATE_GROUP_ID)
+        scored = None if reference is None else await in_thread(flatten, list(reference))
+        if scored is not None and scored.numel() != plan.total:
+            raise ValueError(f"the reference holds {scored.numel()} values, the tensors {plan.total}")
         self._buffers.start_round()
         with self._buffers.lease() as received, self._buffers.lease() as lease:
             with self._taking_part(group.group_id) as announce:
@@ -243,6 +253,8 @@ class AllReduceService:
                 others = [m.peer_id for m in group.members if m.peer_id != me]
                 links = RoundLinks(self.host, others, pacing, self._caps, crossing)
                 reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy)
+                if reducer is not None and scored is not None:
+                    reducer.shard.score_against(scored[slice(*plan.shard_bounds(round_.my_shard))], me)
                 announce(reducer)  # (no await since the last: see ``_taking_part``)
                 if reducer is not None:  # its inputs, for the checks, as they come
                     strategy.keep(group, reducer.shard, prepared)
@@ -260,9 +272,11 @@ class AllReduceService:
                         sender = SenderRole(self.host, flat, header, codec, links, round_.exchanges(), prepared.parts)
                         for index in sender.shards:
                             roles.start_soon(sender.exchange, index, round_, received, settings.reducer_rules)
+            alignment = {}
             if reducer is not None:
                 await reducer.report(round_)
                 strategy.keep(group, reducer.shard, prepared)  # kept from now on
+                alignment = self._judge(reducer.shard.scoring)
             round_.exchanges_over()
             round_.screen(self.checks.banned, lambda peer: self.checks.banned.reasons.get(peer, ""))
             await strategy.review(round_, flat, weight, codec)  # before the averages land
@@ -275,9 +289,22 @@ class AllReduceService:
         link_rate = links.link_rate()  # (reads the round's last bytes first)
         upload = UploadFigures(links.uplink.rate(), settings.uplink if pacing else None)
         result = round_.finish(link_rate, trio.current_time() - started, bounded, upload)
+        result.alignment = alignment
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         return result
+
+    def _judge(self, scoring: ShardAlignment | None) -> dict:
+        """Score this round's senders by their cosines (``ShardAlignment``); ban those whose
+        contributions keep raising our held-out loss. Returns the cosines."""
+        if scoring is None:
+            return {}
+        alignment = scoring.cosines()
+        for peer, mean in self.scores.observe(alignment, scoring.own_cosine()):
+            reason = f"its contributions raised our held-out loss (mean cosine {mean:.2f} with its gradient)"
+            self.checks.banned.ban(peer, reason, BAN_SECONDS)
+            log.warning("peer %s banned: %s", peer, reason)
+        return alignment
 
     @contextlib.contextmanager
     def _taking_part(self, group_id: bytes) -> Iterator[Callable[[ReducerRole | None], None]]:

@@ -19,6 +19,7 @@ import torch
 import trio
 
 from peer import PeerHost
+from peer.worker_threads import run_blocking
 
 from .allreduce import AllReduceResult, AllReduceService, RoundSettings
 from .compression import get_codec
@@ -131,6 +132,7 @@ class GroupAverager:
         aggregation: Aggregation | str = "auto",
         uplink: float | None = None,
         replicated: int | None = None,
+        reference: Callable[[], Sequence[torch.Tensor] | None] | None = None,
     ):
         """``aggregation``: how this peer aggregates the shard it reduces: ``mean``,
         ``centered-clip`` (robust to a hostile minority, ``robust.py``), ``centered-clip-mixed``
@@ -144,7 +146,11 @@ class GroupAverager:
         to share what they measured (``uplink.UplinkEstimate``).
         ``replicated``: how many of the leading tensors honest replicas hold alike (a newcomer's
         witnesses compare only those; the rest, such as worker momentum, are each peer's own);
-        None: all of them."""
+        None: all of them.
+        ``reference``: called in a worker thread before each round: the gradient of this peer's
+        held-out loss at the point the tensors start from, shaped as they are (None: none this
+        round). Each sender's contribution to the shard we reduce is scored against it, and a
+        sender whose contributions keep raising that loss is banned (``contribution_scores.py``)."""
         if uplink is not None and not (0 < uplink < math.inf):
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
@@ -167,6 +173,7 @@ class GroupAverager:
         )
         self.settings = AveragerSettings(target_group_size, min_group_size, matchmaking_timeout, settle_time, rounds)
         self.allow_state_sharing = allow_state_sharing
+        self.reference = reference
         # Robust rounds too small to outvote a liar move our values only as far as our own history
         # allows (``own_radius.py``); the plain mean trusts every member anyway.
         self._own_radius = OwnRadius() if rounds.aggregation.robust else None
@@ -257,6 +264,7 @@ class GroupAverager:
         """
         async with self._lock:
             started = trio.current_time()
+            reference = None if self.reference is None else await run_blocking(self.reference)
             if group is None:
                 try:
                     group = await self.find_group(round_number, timeout)
@@ -268,7 +276,7 @@ class GroupAverager:
             if on_group is not None:
                 on_group(group)
             formed = max(started, group.formed_at)
-            result = await self._average(group.group, weight)
+            result = await self._average(group.group, weight, reference)
             if result.failed_peers:
                 log.info("round done; failed peers: %s", ", ".join(str(p) for p in result.failed_peers))
             else:
@@ -280,13 +288,17 @@ class GroupAverager:
             await self.state_sharing.announce(self.round)
         return AveragingRound(group.group, group.round, timing, result)
 
-    async def _average(self, group: GroupInfo, weight: float) -> AllReduceResult:
+    async def _average(
+        self, group: GroupInfo, weight: float, reference: Sequence[torch.Tensor] | None = None
+    ) -> AllReduceResult:
         """One all-reduce of our tensors with ``group``, bounded by our own history if it is robust."""
         history = self._own_radius
         radius = history.before_round(self.tensors) if history is not None else None
         settings = dataclasses.replace(self.settings.rounds, uplink=self.uplink_estimate.for_next_round())
         try:
-            return await self._service.run(group, self.tensors, weight=weight, settings=settings, own_radius=radius)
+            return await self._service.run(
+                group, self.tensors, weight=weight, settings=settings, own_radius=radius, reference=reference
+            )
         finally:
             if history is not None:  # (a failed or cancelled round left our values as they were)
                 history.after_round(self.tensors)

@@ -19,6 +19,7 @@ from peer import PeerID
 from .allreduce_protocol import CommittedSender, ContributionInbox, ReduceHeader
 from .commitments import DIGEST_BYTES, Commitment, VerifiedSignatures
 from .compression import Codec, codec_of
+from .contribution_scores import ShardAlignment
 from .part_buffers import PartSink
 from .reduction import ContributionRejected, ReductionOutcome, ShardReduction
 from .robust import Aggregation
@@ -112,6 +113,16 @@ class ReducerShard:
 
     def outcome(self) -> ReductionOutcome:
         return self.reduction.outcome()
+
+    def score_against(self, reference: torch.Tensor, me: PeerID) -> None:
+        """Score the senders' contributions against ``reference`` (our shard's slice of the held-out
+        loss's gradient) as their parts are aggregated (``contribution_scores.py``)."""
+        self.reduction.scoring = ShardAlignment(reference, self.reduction.part_offsets, own=me)
+
+    @property
+    def scoring(self) -> ShardAlignment | None:
+        """How the senders' contributions aligned with the reference (None: not scored)."""
+        return self.reduction.scoring
 
     def inputs_of(self, index: int) -> KeptPart | None:
         """Part ``index``'s kept inputs once it is aggregated (a checked round), else None."""

@@ -29,6 +29,7 @@ import torch
 
 from peer.tensors import all_finite
 
+from .contribution_scores import ShardAlignment
 from .mixing import distances, mix, mixes, nearest_sets, start_of_mixed, tau_floor
 from .robust import Aggregation, centered_clip, clip_weights
 
@@ -103,6 +104,9 @@ class ShardReduction:
         # commitment (None for our own contribution), and the rows each row was mixed with (None:
         # not mixed, ``mixing.py``). None: nothing is kept.
         self.kept_inputs: list[AggregatedInputs] | None = [] if keep_inputs else None
+        # each part's contributions scored against our held-out loss's gradient, if we have one
+        # (``contribution_scores.py``); set before the first part is aggregated
+        self.scoring: ShardAlignment | None = None
 
     @property
     def shard_size(self) -> int:
@@ -253,6 +257,8 @@ class ShardReduction:
                 out.div_(divisor)
         if self.kept_inputs is not None and not positive:
             self.kept_inputs.append((positive, [], torch.empty(0), None, [], None))
+        if self.scoring is not None:
+            self.scoring.add_part(index, {s: staged[s][0] for s in positive})
         self.part_taus.append(tau)
         staged.clear()
         self.part_contributors.append(contributors)

@@ -103,6 +103,9 @@ class AllReduceResult:
     bounded: tuple[float, float] | None = None
     # what the round showed of our uplink (``uplink.UplinkEstimate`` learns it from this)
     upload: UploadFigures | None = None
+    # senders whose contribution to our shard was scored against our reference: the cosine of
+    # each with the gradient of our held-out loss (``contribution_scores.py``)
+    alignment: dict[PeerID, float] = field(default_factory=dict)
 
     @property
     def succeeded(self) -> bool:

@@ -87,11 +87,16 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-async def run_round(peers, group, tensors, weights, results, skip=(), **options):
+async def run_round(peers, group, tensors, weights, results, skip=(), reference_of=None, **options):
+    """``reference_of``: peer index -> the reference it scores contributions against."""
     options = {"sender_timeout": SENDER_TIMEOUT, "reducer_timeout": REDUCER_TIMEOUT, "part_size": PART_SIZE, **options}
+    references = reference_of or {}
 
     async def one(i: int) -> None:
-        results[i] = await peers[i].service.run(group, tensors[i], weight=weights[i], settings=RoundSettings(**options))
+        settings = RoundSettings(**options)
+        results[i] = await peers[i].service.run(
+            group, tensors[i], weight=weights[i], settings=settings, reference=references.get(i)
+        )
 
     async with trio.open_nursery() as nursery:
         for i in range(len(peers)):

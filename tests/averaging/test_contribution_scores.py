@@ -1,0 +1,150 @@
+"""Contributions scored against a held-out loss (``averaging/contribution_scores.py``): the sans-I/O
+arithmetic and verdicts, then real rounds where a reducer given a reference bans a sender whose
+contributions keep pulling against it, and bans nobody in a swarm whose senders help."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+
+from averaging.contribution_scores import BAN_BELOW, MEMORY_ROUNDS, MIN_ROUNDS, ContributionScores, ShardAlignment
+from averaging.robust import Aggregation
+from tests.averaging.test_allreduce import make_group, run_round, start_peers
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_a_shards_cosines_add_up_over_its_parts_and_leave_our_own_out():
+    torch.manual_seed(0)
+    reference = torch.randn(100)
+    senders = {name: torch.randn(100) for name in ("a", "b", "me")}
+    alignment = ShardAlignment(reference, [0, 30, 70], own="me")
+    for index, (start, end) in enumerate([(0, 30), (30, 70), (70, 100)]):
+        alignment.add_part(index, {name: values[start:end] for name, values in senders.items()})
+    found = alignment.cosines()
+    assert set(found) == {"a", "b"}
+    for name in ("a", "b"):
+        assert found[name] == pytest.approx(cosine(reference, senders[name]), abs=1e-5)
+
+
+def test_a_sender_in_some_parts_only_is_scored_on_those():
+    """A sender dropped midway is in the parts before: its cosine is over those, against the same
+    parts of the reference, not diluted by parts it never sent."""
+    reference = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    alignment = ShardAlignment(reference, [0, 2])
+    alignment.add_part(0, {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0, 0.0])})
+    alignment.add_part(1, {"b": torch.tensor([0.0, -1.0])})
+    found = alignment.cosines()
+    assert found["b"] == pytest.approx(0.0, abs=1e-6)  # +1 in one part, -1 in the other
+    assert found["a"] > 0
+
+
+def test_our_own_contribution_is_scored_apart_from_the_senders():
+    reference = torch.tensor([1.0, 1.0])
+    alignment = ShardAlignment(reference, [0], own="me")
+    alignment.add_part(0, {"a": torch.tensor([1.0, 0.0]), "me": torch.tensor([-1.0, -1.0])})
+    assert set(alignment.cosines()) == {"a"}
+    assert alignment.own_cosine() == pytest.approx(-1.0)
+    assert ShardAlignment(reference, [0]).own_cosine() is None  # we sent nothing
+
+
+def test_rounds_in_which_our_own_contribution_did_not_lower_the_loss_are_not_counted():
+    """Near a minimum of the swarm's loss honest senders of skewed data pull every way around it,
+    and so do we: such rounds say nothing about anyone."""
+    scores = ContributionScores()
+    for _ in range(5 * MIN_ROUNDS):
+        assert scores.observe({"skewed": -0.6}, own=-0.05) == []
+        assert scores.observe({"skewed": -0.6}, own=None) == []
+    assert scores.score("skewed") is None
+    assert scores.observe({"skewed": -0.6}, own=0.3) == []
+    assert scores.score("skewed") == (pytest.approx(-0.6), 1)
+
+
+def test_a_zero_reference_or_contribution_scores_nobody():
+    alignment = ShardAlignment(torch.zeros(4), [0])
+    alignment.add_part(0, {"a": torch.ones(4)})
+    assert alignment.cosines() == {}
+    alignment = ShardAlignment(torch.ones(4), [0])
+    alignment.add_part(0, {"a": torch.zeros(4)})
+    assert alignment.cosines() == {}
+
+
+def test_a_sender_that_keeps_raising_the_loss_is_judged_after_min_rounds_and_forgotten():
+    scores = ContributionScores()
+    for _ in range(MIN_ROUNDS - 1):
+        assert scores.observe({"liar": -0.6, "honest": 0.2}) == []
+    [(judged, mean)] = scores.observe({"liar": -0.6, "honest": 0.2})
+    assert judged == "liar" and mean == pytest.approx(-0.6)
+    assert scores.score("liar") is None  # the ban takes over
+    assert scores.score("honest") == (pytest.approx(0.2), MIN_ROUNDS)
+
+
+def test_noisy_honest_cosines_are_never_judged():
+    """Honest cosines on skewed data are noisy and sometimes negative for a while; their mean is
+    what counts, and it stays far above the line."""
+    rng = random.Random(1)
+    scores = ContributionScores()
+    for _ in range(500):
+        assert scores.observe({peer: rng.gauss(0.05, 0.35) for peer in range(8)}) == []
+
+
+def test_a_sender_that_turns_is_judged_within_memory():
+    """Good behaviour does not buy a long run of bad: the mean weighs recent rounds (a mean over
+    all of them would take ~800 rounds of -0.9 to fall below the line after 1,000 of 0.5)."""
+    scores = ContributionScores()
+    for _ in range(1000):
+        assert scores.observe({"turncoat": 0.5}) == []
+    rounds = next(n for n in range(1, 100) if scores.observe({"turncoat": -0.9}))
+    assert rounds <= 2 * MEMORY_ROUNDS
+
+
+def test_tracked_senders_are_bounded():
+    scores = ContributionScores(max_tracked=10)
+    for peer in range(100):
+        scores.observe({peer: 0.1})
+    assert len(scores) == 10
+    assert scores.score(99) is not None and scores.score(0) is None
+
+
+@pytest.mark.parametrize("aggregation", [Aggregation.MEAN, Aggregation.CENTERED_CLIP])
+async def test_a_reducer_with_a_reference_bans_a_sender_that_pulls_against_it(aggregation):
+    """Four peers average vectors near the reference's direction, but one sends minus the honest
+    mean (inner-product manipulation): every honest reducer that scores it sees a negative cosine
+    each round, and after ``MIN_ROUNDS`` rounds has banned it; nobody else is banned."""
+    torch.manual_seed(0)
+    size, attacker = 4, 3
+    reference = torch.randn(4000)
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, size)
+        for _ in range(MIN_ROUNDS):
+            group = make_group(peers)  # a new group ID each round
+            honest = [reference + 2.0 * torch.randn(4000) for _ in range(size - 1)]
+            tensors = [[h.clone()] for h in honest] + [[-4.0 * torch.stack(honest).mean(0)]]
+            results = {}
+            references = {i: [reference] for i in range(size) if i != attacker}
+            await run_round(
+                peers, group, tensors, [1.0] * size, results, aggregation=aggregation, reference_of=references
+            )
+        for i in range(size - 1):
+            cosines = results[i].alignment
+            assert cosines[peers[attacker].host.peer_id] < BAN_BELOW
+            assert all(cosines[peers[j].host.peer_id] > 0 for j in range(size - 1) if j != i)
+            banned = peers[i].service.checks.banned
+            assert peers[attacker].host.peer_id in banned
+            assert not any(peers[j].host.peer_id in banned for j in range(size - 1))
+        assert not results[attacker].alignment  # given no reference, it scores nobody
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reference_of_the_wrong_size_is_refused():
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2)
+        group = make_group(peers)
+        with pytest.raises(ValueError, match="reference holds 3 values"):
+            await peers[0].service.run(group, [torch.zeros(10)], reference=[torch.zeros(3)])
+        nursery.cancel_scope.cancel()
