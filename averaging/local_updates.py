@@ -51,6 +51,7 @@ deadline), which keeps the swarm's round boundaries close enough for the deltas'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -63,9 +64,10 @@ from peer.worker_threads import run_blocking
 
 from .averager import GroupAverager
 from .compression import get_codec
+from .contribution_scores import HeldOutGradient
 from .error_feedback import ErrorFeedback
 from .local_rounds import RoundSchedule, SequentialRounds
-from .outer_fragments import OuterFragments, RoundFragment
+from .outer_fragments import OuterFragments, RoundFragment, fragment_reference
 from .progress import SwarmProgress
 from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_state
 from .round_length import round_over
@@ -128,7 +130,10 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
     model is averaged in that many fragments taking turns, one per round of ``local_steps /
     fragments`` inner steps, so each fragment still averages every ``local_steps``
     (``outer_fragments.py``); an epoch is then one such round, so every peer of a ``prefix`` must
-    use the same count (their rounds' keys differ, and others' epochs would run P times slower)."""
+    use the same count (their rounds' keys differ, and others' epochs would run P times slower).
+    ``held_out``: the gradient of a held-out loss at given parameter values: each round, the
+    shard this peer reduces scores the others' deltas against it at the shared start, and bans a
+    sender whose deltas keep raising that loss (``contribution_scores.py``)."""
 
     def __init__(
         self,
@@ -143,6 +148,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         error_feedback: bool = True,
         rounds: RoundSchedule | None = None,
         settings: AveragingSettings = LOCAL_UPDATES,
+        held_out: HeldOutGradient | None = None,
         **setting_changes: Any,
     ):
         self.settings = settings = settings.replace(**setting_changes)
@@ -169,6 +175,9 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
                 GroupAverager(
                     step.deltas, dht, prefix=f"{prefix}.outer" + (f".{index}of{fragments}" if fragments > 1 else ""),
                     codec=codec, allow_state_sharing=False, **averaging,
+                    reference=None if held_out is None else functools.partial(
+                        fragment_reference, held_out, self._outer, index
+                    ),
                 ),
                 ErrorFeedback(step.deltas, codec, dht.host.peer_id) if error_feedback else None,
                 self._owed_in_params,

@@ -44,6 +44,7 @@ from peer.worker_threads import run_blocking
 
 from .averager import FormedGroup, GroupAverager
 from .compression import get_codec
+from .contribution_scores import HeldOutGradient
 from .match_ahead import GroupSource, MatchAtStep, Matching, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
 from .progress import SwarmProgress
@@ -137,7 +138,10 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     ``updates`` and ``matching``: the schedules above (defaults ``ImmediateUpdates()`` and
     ``MatchAtStep()``); ``settings``: how it averages (default ``settings.COLLABORATIVE``), with
-    any of its fields given as keyword arguments instead (``matchmaking_timeout=2.0``)."""
+    any of its fields given as keyword arguments instead (``matchmaking_timeout=2.0``).
+    ``held_out``: the gradient of a held-out loss at given parameter values: each round, the
+    shard this peer reduces scores the others' gradients against it at our parameters, and bans
+    a sender whose gradients keep raising that loss (``contribution_scores.py``)."""
 
     accumulates_batches = True
 
@@ -153,6 +157,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         updates: UpdateSchedule | None = None,
         matching: Matching | None = None,
         settings: AveragingSettings = COLLABORATIVE,
+        held_out: HeldOutGradient | None = None,
         **setting_changes: Any,
     ):
         settings = settings.replace(**setting_changes)
@@ -182,6 +187,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             prefix=f"{prefix}.grads",
             allow_state_sharing=False,
             codec=settings.codec,
+            reference=None if held_out is None else lambda: held_out(self.params),
             **averaging,
         )
         # Created now (as a fresh optimizer's would be) so that peers list the same tensors from

@@ -31,11 +31,12 @@ import torch
 from peer.worker_threads import run_blocking
 
 from .averager import GroupAverager
+from .contribution_scores import HeldOutGradient
 from .error_feedback import ErrorFeedback
 from .outer_step import OuterStep, cut_into_views
 from .replica import AveragingRecord, average_once
 
-__all__ = ["OuterFragments", "RoundFragment", "deal_fragments"]
+__all__ = ["OuterFragments", "RoundFragment", "deal_fragments", "fragment_reference"]
 
 
 def deal_fragments(sizes: list[int], count: int) -> list[list[int]]:
@@ -99,6 +100,13 @@ class OuterFragments:
     def reset_params_to_start(self) -> None:
         for step in self.steps:
             step.reset_params_to_start()
+
+
+def fragment_reference(held_out: HeldOutGradient, outer: OuterFragments, index: int) -> list[torch.Tensor]:
+    """Fragment ``index``'s part of the held-out gradient at the shared start: what the deltas of
+    its rounds are scored against (``contribution_scores.py``)."""
+    gradient = held_out(outer.start)
+    return [gradient[i] for i in outer.groups[index]]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     python benchmarks/byzantine.py [--quick] [--peers 8] [--epochs E]
         [--attacks NAME,...] [--fs 1,2,3] [--shardings iid,non-iid] [--modes gradient,local] [--seeds K]
-        [--rule centered-clip|centered-clip-mixed]
+        [--rule centered-clip|centered-clip-mixed] [--scored]
 
 Every peer is a real host with its own all-reduce service on 127.0.0.1 (Noise-encrypted streams,
 the real reducers, the real reducer checks), in one process (``byzantine_cases/swarm.py``). An
@@ -27,6 +27,11 @@ shards.py``); ``gradient`` mode and ``local`` mode (local updates: 5 Adam steps,
 average pseudo-gradients and take peerd's outer step; half as many rounds as gradient mode has
 epochs). All with a public swarm's defaults: centered-clip and reducer checks (``--rule
 centered-clip-mixed``: the quiet cases with nearest-neighbour mixing, ``averaging/mixing.py``).
+``--scored``: the quiet cases with every honest peer scoring the contributions it reduces against
+the loss of a validation split that every peer holds (256 training images, never the held-out
+ones accuracy is measured on; ``averaging/contribution_scores.py``, ``peerd join
+--score-contributions``), and banning senders whose contributions keep raising it; groups leave
+out whoever an honest peer banned, honest or not (``honest_banned`` counts the honest ones).
 
 Figures, after the same number of epochs:
 
@@ -103,9 +108,9 @@ def quiet_runs(args: argparse.Namespace) -> dict[str, Case]:
             for f in args.fs:
                 n = sizes[f]
                 clean = f"clean/{n}/{sharding}/{mode}"
-                runs.setdefault(clean, Case(n, 0, None, args.rule, sharding=sharding, mode=mode))
+                runs.setdefault(clean, Case(n, 0, None, args.rule, sharding=sharding, mode=mode, scored=args.scored))
                 for attack in args.attacks:
-                    case = Case(n, f, attack, args.rule, sharding=sharding, mode=mode)
+                    case = Case(n, f, attack, args.rule, sharding=sharding, mode=mode, scored=args.scored)
                     runs[f"{attack}/f{f}of{n}/{sharding}/{mode}"] = case
     return runs
 
@@ -122,6 +127,7 @@ def run_seeds(case: Case, epochs: int, seeds: int) -> RunResult:
         max((run.caught_after for run in runs if run.caught_after is not None), default=None),
         [cpu for run in runs for cpu in run.round_cpu],
         [wall for run in runs for wall in run.round_wall],
+        sum(run.honest_banned for run in runs),
     )
 
 
@@ -170,6 +176,11 @@ def parse_args() -> argparse.Namespace:
         default="centered-clip",
         choices=["centered-clip", "centered-clip-mixed"],
         help="the reducers' rule in the quiet cases",
+    )
+    parser.add_argument(
+        "--scored",
+        action="store_true",
+        help="quiet cases with honest peers scoring contributions against a validation split's loss",
     )
     parser.add_argument(
         "--seeds", type=int, default=1, help="seeds per quiet case and its clean run, their accuracies averaged"
@@ -227,6 +238,8 @@ def main() -> None:
         "epochs": args.epochs,
         "seeds": args.seeds,
         "quiet_rule": args.rule,
+        "quiet_scored": args.scored,
+        "honest_banned": sum(results[name].honest_banned for name in quiet),
         "accuracy_clean": round(clean.accuracy, 4),
         "accuracy_clean_mean": round(plain.accuracy, 4),
         **{f"accuracy_f{f}": round(results[f"f{f}"].accuracy, 4) for f in (1, 2, 3)},

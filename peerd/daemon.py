@@ -161,6 +161,18 @@ class Daemon:
         fragments = training.fragments if training.mode == "local-updates" else 1
         return f"{self.config.network.run_id}.{task_name}" + (f".{fragments}fragments" if fragments > 1 else "")
 
+    def _held_out(self, task):
+        """The held-out gradient this peer scores contributions against (``--score-contributions``),
+        or None; a task without held-out batches scores none, and says so."""
+        from .held_out import held_out_gradient
+
+        if not self.config.averaging.score_contributions:
+            return None
+        gradient = held_out_gradient(task)
+        if gradient is None:
+            log.warning("task %s has no held-out batches: contributions are not scored", task.name)
+        return gradient
+
     async def _load_task(self, dht, device: str):
         """This peer's data shard (chosen with the swarm for ``auto``) and its task, loaded on it.
         A machine of several ranks is one peer on that shard: each rank loads its own part of it
@@ -220,6 +232,7 @@ class Daemon:
                 uplink=averaging.uplink_mbit * 1e6 / 8 if averaging.uplink_mbit else None,
                 **({} if averaging.compression is None else {"codec": averaging.compression}),
             )
+            held_out = self._held_out(task)
             if local_updates:
                 # each round's averaging overlaps the next round's local steps, in `background`
                 optimizer = LocalUpdatesOptimizer(
@@ -230,6 +243,7 @@ class Daemon:
                     fragments=fragments_for(training.fragments, training.local_steps, task.model),
                     rounds=OverlappedRounds(background),
                     settings=settings,
+                    held_out=held_out,
                 )
             else:
                 optimizer = CollaborativeOptimizer(
@@ -240,6 +254,7 @@ class Daemon:
                     updates=DelayedUpdates(background) if averaging.delay_updates else ImmediateUpdates(),
                     matching=MatchAhead(background),  # the next epoch's group forms ahead of the step
                     settings=settings,
+                    held_out=held_out,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
             self.trainer = await self._trainer(task, optimizer)

@@ -31,6 +31,7 @@ from .join_arguments import (
     RELAY,
     RELAY_RATE,
     RUN_ID,
+    SCORE_CONTRIBUTIONS,
     STATUS_HOST,
     STATUS_PORT,
     TARGET_BATCH_SIZE,
@@ -81,6 +82,7 @@ class AveragingConfig:
     delay_updates: bool = setting_field(DELAY_UPDATES)  # collaborative: average while the next epoch accumulates
     compression: str | None = setting_field(COMPRESSION)  # codec name; None: each mode's default
     aggregation: str = setting_field(AGGREGATION)  # a reducer's rule (averaging/robust.py); auto: by the swarm's access
+    score_contributions: bool = setting_field(SCORE_CONTRIBUTIONS)  # against the task's held-out loss
     uplink_mbit: float | None = setting_field(UPLINK_MBIT)  # declared uplink: rounds pace their connections to share it
 
 

@@ -145,6 +145,16 @@ AGGREGATION = Setting(
     "`centered-clip-mixed` (each contribution first replaced by the mean of its nearest ones, `averaging/mixing.py`; "
     "every peer of the swarm must choose it), or `auto` (`centered-clip` in a public swarm, `mean` in a private one)",
 )  # fmt: skip
+SCORE_CONTRIBUTIONS = SwitchSetting(
+    name="score_contributions", flag="--score-contributions", variable="SCORE_CONTRIBUTIONS",
+    help="score the contributions this peer reduces against the task's held-out loss and ban senders whose "
+    "contributions keep raising it",
+    doc="each round, score every contribution to the shard this peer reduces by its cosine with the gradient of "
+    "the task's held-out loss (where the round's updates start from), and ban a sender whose mean stays below "
+    "-0.4 over 10 or more rounds (`averaging/contribution_scores.py`): quiet attackers that pull against the loss "
+    "(inner-product manipulation, sign flipping) are caught within ~10 rounds; costs one forward and backward "
+    "pass on a held-out batch per round and a copy of the model",
+)  # fmt: skip
 DATA_SHARD = JoinOnlySetting(
     name="data_shard", flag="--data-shard", variable="DATA_SHARD", parse=data_shard, default=AUTO,
     metavar="I/N|auto",
@@ -256,9 +266,9 @@ LOG_LEVEL = Setting(
 # In the order of ``peerd join --help`` and of the README's table.
 JOIN_SETTINGS: tuple[Setting, ...] = (
     LISTEN, IDENTITY, INITIAL_PEERS, RUN_ID, BOOTSTRAP_TIMEOUT, TASK, MODEL_SIZE, MODE, DELAY_UPDATES, COMPRESSION,
-    AGGREGATION, DATA_SHARD, NPROC_PER_NODE, SHARD_MODEL, DEVICE, STATUS_PORT, STATUS_HOST, SERVE_EXPERTS,
-    CLIENT_MODE, RELAY, RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, FRAGMENTS, TARGET_BATCH_SIZE, NODE_ID_DIFFICULTY,
-    ALLOW_PEERS, SWARM_KEY,
+    AGGREGATION, SCORE_CONTRIBUTIONS, DATA_SHARD, NPROC_PER_NODE, SHARD_MODEL, DEVICE, STATUS_PORT, STATUS_HOST,
+    SERVE_EXPERTS, CLIENT_MODE, RELAY, RELAY_RATE, UPLINK_MBIT, LOCAL_STEPS, FRAGMENTS, TARGET_BATCH_SIZE,
+    NODE_ID_DIFFICULTY, ALLOW_PEERS, SWARM_KEY,
 )  # fmt: skip
 
 # What a config file may hold: every other command's settings are among these.

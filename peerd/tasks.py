@@ -103,8 +103,11 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
         evaluate=evaluate,
         batch_size=batch_size,
         target_batch_size=256,
+        validation_batches=endless_batches(test_x, test_y, VALIDATION_BATCH, seed=2000 + shard.index),
     )
 
+
+VALIDATION_BATCH = 64  # held-out samples a contribution score's reference gradient is taken on
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "textlm": textlm_task}
 SIZED_TASKS = frozenset({"textlm"})  # built-in tasks that take a model size

@@ -223,4 +223,5 @@ def textlm_task(
         evaluate=evaluate,
         batch_size=batch_size,
         target_batch_size=64,  # small swarm batches: early in training more steps beat bigger ones
+        validation_batches=endless_text_windows(held_out, batch_size, shape.context, seed=2000 + shard.index),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.outer_step import OuterStep
 from averaging.robust import Aggregation
 from peer import Identity, open_peer_host
-from peerd.tasks import Task
+from peerd.tasks import Task, digits_data, endless_batches
 from tests.support.hostile_reducers import LyingShard
 
 from .attacks import LOUD, QUIET, Attack, flip_labels
@@ -43,6 +44,8 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # LocalUpdatesOptimizer's defaults (averagi
 # A round's deadlines: generous for 16 peers sharing 2 cores, only there to catch hangs.
 SENDER_TIMEOUT = 20.0
 REDUCER_TIMEOUT = 40.0
+# Scored cases: the validation split every peer holds, and the batch a reference is taken on.
+VALIDATION, VALIDATION_SEED, VALIDATION_BATCH = 256, 99, 64
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Case:
     sharding: str = "iid"
     mode: str = "gradient"
     seed: int = 0  # 0: the task's own initial model; another: every peer's model drawn from it
+    scored: bool = False  # honest reducers score contributions against a validation split's loss
 
     @property
     def rule(self) -> Aggregation:
@@ -79,6 +83,7 @@ class SwarmPeer:
     optimizer: torch.optim.Optimizer
     outer: OuterStep | None  # local mode's outer step
     attack: Attack | None = None  # None: honest
+    validation: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # scored cases' held-out batches
 
     @property
     def peer_id(self):
@@ -93,6 +98,7 @@ class RunResult:
     caught_after: int | None
     round_cpu: list[float] = field(default_factory=list)
     round_wall: list[float] = field(default_factory=list)
+    honest_banned: int = 0  # honest peers some honest peer banned (false verdicts)
 
 
 def batch(peer: SwarmPeer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +134,33 @@ def apply(peer: SwarmPeer, averaged: torch.Tensor) -> None:
         peer.outer.apply()
 
 
+def reference(peer: SwarmPeer) -> list[torch.Tensor] | None:
+    """The gradient of a validation batch's loss where this round's updates start from: the
+    parameters in gradient mode, the shared start in local mode (what the peer scores the others'
+    contributions against, ``averaging/contribution_scores.py``); None for a peer that does not."""
+    if peer.validation is None or peer.attack is not None:
+        return None
+    model = peer.task.model
+    params = list(model.parameters())
+    now = [p.detach().clone() for p in params] if peer.outer is not None else None
+    with torch.no_grad():
+        for param, start in zip(params, peer.outer.start if peer.outer is not None else (), strict=False):
+            param.copy_(start)
+    grads = torch.autograd.grad(peer.task.loss_fn(model, next(peer.validation)), params)
+    with torch.no_grad():
+        for param, value in zip(params, now or (), strict=False):
+            param.copy_(value)
+    return [g.detach() for g in grads]
+
+
+def validation_batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of a validation split every peer holds: ``VALIDATION`` images of the training
+    split (the swarm's data, never the held-out images that accuracy is measured on)."""
+    inputs, targets, train, _held_out = digits_data()
+    chosen = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(VALIDATION_SEED))[:VALIDATION]]
+    return endless_batches(inputs[chosen], targets[chosen], VALIDATION_BATCH, seed=seed)
+
+
 def updates(members: list[SwarmPeer]) -> dict[int, torch.Tensor]:
     """What each member sends this round: honest peers their own update; attackers their attack's,
     computed from every honest update of the round."""
@@ -137,7 +170,12 @@ def updates(members: list[SwarmPeer]) -> dict[int, torch.Tensor]:
     return {p.index: p.attack.update(own[p.index], honest, n, f) if p.attack else own[p.index] for p in members}
 
 
-async def run_round(members: list[SwarmPeer], vectors: dict[int, torch.Tensor], settings: RoundSettings) -> None:
+async def run_round(
+    members: list[SwarmPeer],
+    vectors: dict[int, torch.Tensor],
+    settings: RoundSettings,
+    references: dict[int, list[torch.Tensor] | None],
+) -> None:
     group = GroupInfo(
         os.urandom(16),
         tuple(GroupMember(p.peer_id, p.host.listen_address, 1.0, AveragingMode.NODE) for p in members),
@@ -145,7 +183,9 @@ async def run_round(members: list[SwarmPeer], vectors: dict[int, torch.Tensor], 
 
     async def one(p: SwarmPeer) -> None:
         weight = HOSTILE_WEIGHT if p.attack and p.attack.loud else 1.0
-        await p.service.run(group, [vectors[p.index]], weight=weight, settings=settings)
+        ours = references.get(p.index)
+        reference = None if ours is None else [torch.cat([g.reshape(-1) for g in ours])]
+        await p.service.run(group, [vectors[p.index]], weight=weight, settings=settings, reference=reference)
 
     async with trio.open_nursery() as nursery:
         for p in members:
@@ -179,7 +219,9 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
                             module.reset_parameters()
                 params = list(task.model.parameters())
                 outer = OuterStep(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM) if case.mode == "local" else None
-                task_status.started(SwarmPeer(index, host, service, task, task.make_optimizer(params), outer, attack))
+                validation = validation_batches(2000 + index) if case.scored else None
+                peer = SwarmPeer(index, host, service, task, task.make_optimizer(params), outer, attack, validation)
+                task_status.started(peer)
                 await trio.sleep_forever()
 
         for index in range(case.peers):
@@ -187,19 +229,23 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
         honest = [p for p in peers if p.attack is None]
         liars = {p.peer_id for p in peers if p.attack is not None}
         result = RunResult(0.0, 0, len(liars), None)
+        everyone = {p.peer_id for p in peers}
         for epoch in range(epochs):
-            banned = {peer for p in honest for peer in liars if peer in p.service.checks.banned}
-            if banned == liars and result.caught_after is None and liars:
+            banned = {peer for p in honest for peer in everyone if peer in p.service.checks.banned}
+            if liars <= banned and result.caught_after is None and liars:
                 result.caught_after = epoch
             members = [p for p in peers if p.peer_id not in banned]
+            references = {p.index: reference(p) for p in members}
             vectors = updates(members)
             cpu, wall = time.process_time(), time.perf_counter()
-            await run_round(members, vectors, settings)
+            await run_round(members, vectors, settings, references)
             result.round_cpu.append(time.process_time() - cpu)
             result.round_wall.append(time.perf_counter() - wall)
             for p in members:
                 apply(p, vectors[p.index])
         result.accuracy = statistics.fmean(p.task.evaluate(p.task.model)["accuracy"] for p in honest)
         result.caught = sum(1 for peer in liars if any(peer in p.service.checks.banned for p in honest))
+        banned = {peer for p in honest for peer in everyone if peer in p.service.checks.banned}
+        result.honest_banned = len(banned - liars)
         nursery.cancel_scope.cancel()
     return result
