@@ -222,9 +222,8 @@ class AllReduceService:
         over, so they must not change in between; a cancelled round leaves them as they were.
         ``own_radius``: if the round ends with fewer than ``MIN_OUTVOTING`` senders in it, how
         far (L2) its averages may move our values (``own_radius.py``); None: any distance.
-        ``reference``: the gradient of our held-out loss at the point ``tensors`` start from, shaped
-        as they are: each sender's contribution to our shard is scored against it, and a sender
-        whose contributions keep raising that loss is banned (``contribution_scores.py``)."""
+        ``reference``: our held-out loss's gradient where ``tensors`` start from, shaped as they are,
+        to score the contributions to our shard against (``contribution_scores.py``)."""
         me, started, tensors = self.host.peer_id, trio.current_time(), list(tensors)
         member = group.member(me)
         if member is None:
@@ -239,9 +238,7 @@ class AllReduceService:
         )
         if group.group_id in self._rounds:  # refused before it costs anything (checked again at the announcement)
             raise AllReduceError(DUPLICATE_GROUP_ID)
-        scored = None if reference is None else await in_thread(flatten, list(reference))
-        if scored is not None and scored.numel() != plan.total:
-            raise ValueError(f"the reference holds {scored.numel()} values, the tensors {plan.total}")
+        scored = None if reference is None else await in_thread(flat_reference, list(reference), plan.total)
         self._buffers.start_round()
         with self._buffers.lease() as received, self._buffers.lease() as lease:
             with self._taking_part(group.group_id) as announce:
@@ -252,9 +249,7 @@ class AllReduceService:
                 pacing = uplink_shares(plan, group, me, settings.uplink) if settings.uplink and crossing else None
                 others = [m.peer_id for m in group.members if m.peer_id != me]
                 links = RoundLinks(self.host, others, pacing, self._caps, crossing)
-                reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy)
-                if reducer is not None and scored is not None:
-                    reducer.shard.score_against(scored[slice(*plan.shard_bounds(round_.my_shard))], me)
+                reducer = self._reducer_role(round_, codec, lease, links, aggregation, strategy, scored)
                 announce(reducer)  # (no await since the last: see ``_taking_part``)
                 if reducer is not None:  # its inputs, for the checks, as they come
                     strategy.keep(group, reducer.shard, prepared)
@@ -272,11 +267,9 @@ class AllReduceService:
                         sender = SenderRole(self.host, flat, header, codec, links, round_.exchanges(), prepared.parts)
                         for index in sender.shards:
                             roles.start_soon(sender.exchange, index, round_, received, settings.reducer_rules)
-            alignment = {}
             if reducer is not None:
                 await reducer.report(round_)
                 strategy.keep(group, reducer.shard, prepared)  # kept from now on
-                alignment = self._judge(reducer.shard.scoring)
             round_.exchanges_over()
             round_.screen(self.checks.banned, lambda peer: self.checks.banned.reasons.get(peer, ""))
             await strategy.review(round_, flat, weight, codec)  # before the averages land
@@ -289,7 +282,7 @@ class AllReduceService:
         link_rate = links.link_rate()  # (reads the round's last bytes first)
         upload = UploadFigures(links.uplink.rate(), settings.uplink if pacing else None)
         result = round_.finish(link_rate, trio.current_time() - started, bounded, upload)
-        result.alignment = alignment
+        result.alignment = self._judge(reducer.shard.scoring if reducer is not None else None)
         for peer in result.failed_peers:
             log.info("peer %s dropped from round %s", peer, group.group_id.hex()[:8])
         return result
@@ -343,9 +336,11 @@ class AllReduceService:
         links: RoundLinks,
         aggregation: Aggregation,
         strategy: RoundStrategy,
+        reference: torch.Tensor | None = None,
     ) -> ReducerRole | None:
         """Our reducer role in the round, or None if we reduce no shard; it replies in the codec
-        the round's strategy gives for ``codec``, the senders' (``RoundStrategy.reply_codec``)."""
+        the round's strategy gives for ``codec``, the senders' (``RoundStrategy.reply_codec``),
+        and scores the senders against ``reference`` (flat, the whole vector's) if given."""
         if round_.my_shard is None:
             return None
         part_sizes = [end - start for start, end in round_.plan.parts(round_.my_shard)]
@@ -356,6 +351,8 @@ class AllReduceService:
             workspace = lease.take(len(senders) * max(part_sizes))
         signing = strategy.shard_signing(round_.group, self.host.peer_id)
         shard = self.shard_type(part_sizes, senders, sum_buffer, aggregation, workspace, signing)
+        if reference is not None:
+            shard.score_against(reference[slice(*round_.plan.shard_bounds(round_.my_shard))], self.host.peer_id)
         return ReducerRole(shard, lease, round_.plan.total, strategy.reply_codec(codec), links)
 
 
@@ -398,6 +395,14 @@ async def _within_own_radius(
 
 def _tighter(cap: float | None, timeout: float | None) -> float | None:
     return cap if timeout is None else timeout if cap is None else min(cap, timeout)
+
+
+def flat_reference(reference: list[torch.Tensor], total: int) -> torch.Tensor:
+    """A round's reference as one flat float32 vector of ``total`` values (ValueError if not)."""
+    flat = flatten(reference)
+    if flat.numel() != total:
+        raise ValueError(f"the reference holds {flat.numel()} values, the tensors {total}")
+    return flat
 
 
 def checked_flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -155,7 +155,6 @@ class GroupAverager:
             raise ValueError(f"uplink must be a positive number of bytes/s, got {uplink}")
         self.tensors = list(tensors)
         self.dht = dht
-        self.prefix = prefix
         self.mode = AveragingMode(mode)
         if self.host.client_mode and self.mode is not AveragingMode.CLIENT:
             self.mode = AveragingMode.CLIENT  # a peer that accepts no connections cannot reduce
@@ -264,7 +263,7 @@ class GroupAverager:
         """
         async with self._lock:
             started = trio.current_time()
-            reference = None if self.reference is None else await run_blocking(self.reference)
+            reference = await self._reference_for_round()
             if group is None:
                 try:
                     group = await self.find_group(round_number, timeout)
@@ -287,6 +286,18 @@ class GroupAverager:
         if self.allow_state_sharing:
             await self.state_sharing.announce(self.round)
         return AveragingRound(group.group, group.round, timing, result)
+
+    async def _reference_for_round(self) -> Sequence[torch.Tensor] | None:
+        """The reference this round's contributions are scored against, if we score them: only a
+        peer that both sends and reduces can (a round counts only when our own contribution lowered
+        the held-out loss). A reference that fails costs the scoring of one round, not the round."""
+        if self.reference is None or self.mode is not AveragingMode.NODE:
+            return None
+        try:
+            return await run_blocking(self.reference)
+        except Exception as error:  # (a task's own code: out of memory, a frozen parameter ...)
+            log.warning("no held-out gradient this round, contributions not scored: %r", error)
+            return None
 
     async def _average(
         self, group: GroupInfo, weight: float, reference: Sequence[torch.Tensor] | None = None

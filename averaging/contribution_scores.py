@@ -45,6 +45,7 @@ __all__ = [
     "ContributionScores",
     "HeldOutGradient",
     "ShardAlignment",
+    "part_cosine",
 ]
 
 MIN_ROUNDS = 10  # a sender is judged only after this many scored rounds
@@ -59,16 +60,23 @@ HeldOutGradient = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
 class ShardAlignment:
-    """One round's alignment of each sender's contribution to our shard with the reference, part
-    by part as the shard is aggregated: sums of ``<reference, x>`` and ``|x|^2`` per sender."""
+    """One round's alignment of each sender's contribution to our shard with the reference, part by
+    part as the shard is aggregated.
+
+    A part's cosine compares the values a sender sent (its nonzero ones: a sparse codec's kept
+    values) with the reference's at the same places, so a sparse contribution that points
+    against the loss scores as a dense one would. A sender's cosine is the mean over the parts it
+    contributed to, each weighted by the reference's squared norm there (where the loss is
+    steepest counts most). Per part, not over the whole shard: one huge value (finite values
+    pass) would otherwise swamp a sender's norm and bring its cosine to ~0, hiding the pull of
+    every other part, while CenteredClip clips parts apart and the value costs its sender only the
+    pull of its own part."""
 
     def __init__(self, reference: torch.Tensor, part_offsets: Sequence[int], own: Hashable | None = None):
         self.reference = reference.detach().reshape(-1).to(torch.float32)
         self.part_offsets = list(part_offsets)
         self.own = own  # our own contribution: not scored, but it says whether the round can be
-        self._reference_squares = 0.0
-        self._dots: dict[Hashable, float] = {}
-        self._squares: dict[Hashable, float] = {}
+        self._sums: dict[Hashable, tuple[float, float]] = {}  # sender -> (weighted cosines, weights)
 
     def add_part(self, index: int, contributions: Mapping[Hashable, torch.Tensor]) -> None:
         """Part ``index``'s contributions (sender -> values), as aggregated, ours among them."""
@@ -77,31 +85,41 @@ class ShardAlignment:
         start = self.part_offsets[index]
         size = next(iter(contributions.values())).numel()
         reference = self.reference[start : start + size]
-        self._reference_squares += float(reference @ reference)
         for sender, values in contributions.items():
-            self._add(sender, reference, values)
-
-    def _add(self, sender: Hashable, reference: torch.Tensor, values: torch.Tensor) -> None:
-        flat = values.reshape(-1).to(torch.float32)
-        self._dots[sender] = self._dots.get(sender, 0.0) + float(reference @ flat)
-        self._squares[sender] = self._squares.get(sender, 0.0) + float(flat @ flat)
+            found = part_cosine(reference, values.reshape(-1))
+            if found is not None:
+                cosine, weight = found
+                total, weights = self._sums.get(sender, (0.0, 0.0))
+                self._sums[sender] = (total + cosine * weight, weights + weight)
 
     def _cosine(self, sender: Hashable) -> float | None:
-        dot = self._dots.get(sender)
-        norms = math.sqrt(self._squares.get(sender, 0.0) * self._reference_squares)
-        if dot is None or not (norms > 0 and math.isfinite(norms) and math.isfinite(dot)):
-            return None
-        return max(-1.0, min(1.0, dot / norms))
+        total, weights = self._sums.get(sender, (0.0, 0.0))
+        return max(-1.0, min(1.0, total / weights)) if weights > 0 else None
 
     def cosines(self) -> dict[Hashable, float]:
         """Each scored sender's cosine over the parts it contributed to (senders with no values, or
-        a zero reference, have none)."""
-        found = {sender: self._cosine(sender) for sender in self._dots if sender != self.own}
+        a zero reference where they sent, have none)."""
+        found = {sender: self._cosine(sender) for sender in self._sums if sender != self.own}
         return {sender: cosine for sender, cosine in found.items() if cosine is not None}
 
     def own_cosine(self) -> float | None:
         """The cosine of our own contribution with the reference (None: we sent none)."""
         return None if self.own is None else self._cosine(self.own)
+
+
+def part_cosine(reference: torch.Tensor, values: torch.Tensor) -> tuple[float, float] | None:
+    """(cosine, weight) of one part's ``values`` with ``reference`` over the values sent (nonzero),
+    the weight being the reference's squared norm there; None if either is zero there. Sums that
+    overflow float32 (values near 1e20) are taken again in float64."""
+    sent = (values != 0).to(reference.dtype)
+    figures = [float(reference @ values), float(values @ values), float(reference.square() @ sent)]
+    if not all(math.isfinite(figure) for figure in figures):
+        wide, widest = reference.double(), values.double()
+        figures = [float(wide @ widest), float(widest @ widest), float(wide.square() @ sent.double())]
+    dot, squares, weight = figures
+    if not (squares > 0 and weight > 0 and all(math.isfinite(figure) for figure in figures)):
+        return None
+    return max(-1.0, min(1.0, dot / math.sqrt(squares * weight))), weight
 
 
 class ContributionScores:

@@ -20,6 +20,7 @@ per ``ShardReduction`` (the trio driver serialises them).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -78,7 +79,6 @@ class ShardReduction:
         ``keep_inputs``: keep each part's inputs after it is aggregated (``kept_inputs``), for the
         senders' checks (``verification.py``)."""
         self.part_sizes = list(part_sizes)
-        self.part_offsets = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
         self.expected = list(senders)
         if sum_buffer is not None and (sum_buffer.dtype != torch.float32 or sum_buffer.numel() != self.shard_size):
             raise ValueError(f"the sum buffer must hold {self.shard_size} float32 values")
@@ -107,6 +107,11 @@ class ShardReduction:
         # each part's contributions scored against our held-out loss's gradient, if we have one
         # (``contribution_scores.py``); set before the first part is aggregated
         self.scoring: ShardAlignment | None = None
+
+    @functools.cached_property
+    def part_offsets(self) -> list[int]:
+        """Where each part starts in the shard."""
+        return [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
 
     @property
     def shard_size(self) -> int:

@@ -164,7 +164,7 @@ class Daemon:
     def _held_out(self, task):
         """The held-out gradient this peer scores contributions against (``--score-contributions``),
         or None; a task without held-out batches scores none, and says so."""
-        from .held_out import held_out_gradient
+        from .held_out import held_out_gradient  # torch loads only in peers that train
 
         if not self.config.averaging.score_contributions:
             return None

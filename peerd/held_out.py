@@ -24,11 +24,14 @@ __all__ = ["held_out_gradient"]
 
 
 def held_out_gradient(task: Task) -> HeldOutGradient | None:
-    """The task's held-out gradient function, or None if it has no held-out batches."""
+    """The task's held-out gradient function, or None if it has no held-out batches. It takes the
+    values of the model's parameters in ``model.parameters()`` order (the order ``peerd join``
+    gives the optimizer) and runs the copy in eval mode (no dropout noise), with the live
+    model's buffers (batch-norm statistics) as they are when it is called."""
     batches = task.validation_batches
     if batches is None:
         return None
-    scratch = copy.deepcopy(task.model)
+    scratch = copy.deepcopy(task.model).eval()
     params = list(scratch.parameters())
     lock = threading.Lock()
 
@@ -39,6 +42,8 @@ def held_out_gradient(task: Task) -> HeldOutGradient | None:
             with torch.no_grad():
                 for param, value in zip(params, values, strict=True):
                     param.copy_(value)
+                for mine, live in zip(scratch.buffers(), task.model.buffers(), strict=True):
+                    mine.copy_(live)
             loss = task.loss_fn(scratch, next(batches))
             found = torch.autograd.grad(loss, params, allow_unused=True)
             return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, found, strict=True)]

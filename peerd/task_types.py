@@ -46,6 +46,6 @@ class Task:
     evaluate: Callable[[nn.Module], dict[str, float]]  # at least {"accuracy": ..., "loss": ...}
     batch_size: int
     target_batch_size: int  # samples the whole swarm accumulates per optimizer step
-    # endless batches of held-out data, the same for every peer: what this peer scores the others'
-    # contributions against (``averaging/contribution_scores.py``); None: it scores none
+    # endless batches of data every peer holds alike, never the evaluation's: what this peer scores
+    # the others' contributions against (``averaging/contribution_scores.py``); None: it scores none
     validation_batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -80,6 +80,9 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
     torch.manual_seed(0)  # every peer starts from the same initial model
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     test_x, test_y = inputs[held_out].to(device), targets[held_out].to(device)
+    # what peers score contributions against: training images every peer holds, never the ones
+    # accuracy is reported on
+    validation = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(99))[:VALIDATION]]
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = (part.to(model_device(model)) for part in batch)
@@ -103,11 +106,14 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
         evaluate=evaluate,
         batch_size=batch_size,
         target_batch_size=256,
-        validation_batches=endless_batches(test_x, test_y, VALIDATION_BATCH, seed=2000 + shard.index),
+        validation_batches=endless_batches(
+            inputs[validation].to(device), targets[validation].to(device), VALIDATION_BATCH, seed=2000 + shard.index
+        ),
     )
 
 
-VALIDATION_BATCH = 64  # held-out samples a contribution score's reference gradient is taken on
+VALIDATION = 256  # digits: training images set apart as every peer's scoring data
+VALIDATION_BATCH = 64  # samples a contribution score's reference gradient is taken on
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits_task, "textlm": textlm_task}
 SIZED_TASKS = frozenset({"textlm"})  # built-in tasks that take a model size

@@ -10,26 +10,32 @@ import pytest
 import torch
 import trio
 
+from averaging.averager import GroupAverager
 from averaging.contribution_scores import BAN_BELOW, MEMORY_ROUNDS, MIN_ROUNDS, ContributionScores, ShardAlignment
 from averaging.robust import Aggregation
 from tests.averaging.test_allreduce import make_group, run_round, start_peers
+from tests.averaging.test_matchmaking import open_swarm, step_all
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
-def test_a_shards_cosines_add_up_over_its_parts_and_leave_our_own_out():
+def test_a_shards_cosine_is_its_parts_weighted_by_the_reference_and_leaves_our_own_out():
     torch.manual_seed(0)
     reference = torch.randn(100)
     senders = {name: torch.randn(100) for name in ("a", "b", "me")}
+    bounds = [(0, 30), (30, 70), (70, 100)]
     alignment = ShardAlignment(reference, [0, 30, 70], own="me")
-    for index, (start, end) in enumerate([(0, 30), (30, 70), (70, 100)]):
+    for index, (start, end) in enumerate(bounds):
         alignment.add_part(index, {name: values[start:end] for name, values in senders.items()})
     found = alignment.cosines()
     assert set(found) == {"a", "b"}
     for name in ("a", "b"):
-        assert found[name] == pytest.approx(cosine(reference, senders[name]), abs=1e-5)
+        weights = [float(reference[a:b].square().sum()) for a, b in bounds]
+        parts = [cosine(reference[a:b], senders[name][a:b]) for a, b in bounds]
+        expected = sum(w * c for w, c in zip(weights, parts, strict=True)) / sum(weights)
+        assert found[name] == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_sender_in_some_parts_only_is_scored_on_those():
@@ -41,7 +47,33 @@ def test_a_sender_in_some_parts_only_is_scored_on_those():
     alignment.add_part(1, {"b": torch.tensor([0.0, -1.0])})
     found = alignment.cosines()
     assert found["b"] == pytest.approx(0.0, abs=1e-6)  # +1 in one part, -1 in the other
-    assert found["a"] > 0
+    assert found["a"] == pytest.approx(1.0)
+
+
+def test_one_huge_value_hides_nothing_of_the_other_parts():
+    """An attacker pulling against the loss in every part, with one value near float32's limit
+    in one of them: that part's cosine goes to ~0, the others keep theirs, nothing overflows."""
+    torch.manual_seed(0)
+    reference = torch.randn(4000)
+    attack = -reference.clone()
+    attack[5] = 1e20  # finite: contributions pass, CenteredClip clips its part alone
+    alignment = ShardAlignment(reference, [0, 1000, 2000, 3000])
+    for index in range(4):
+        alignment.add_part(index, {"liar": attack[index * 1000 : (index + 1) * 1000]})
+    assert alignment.cosines()["liar"] < -0.7
+
+
+def test_a_sparse_contribution_is_compared_on_the_values_it_sent():
+    """Top-k of every 64: a sparse contribution pointing straight against the loss scores -1, as a
+    dense one would (over the whole part its cosine could never go below -0.13)."""
+    torch.manual_seed(0)
+    reference = torch.randn(4096)
+    kept = torch.zeros(4096)
+    chosen = reference.abs().topk(64).indices
+    kept[chosen] = -reference[chosen]
+    alignment = ShardAlignment(reference, [0])
+    alignment.add_part(0, {"sparse": kept})
+    assert alignment.cosines()["sparse"] == pytest.approx(-1.0, abs=1e-5)
 
 
 def test_our_own_contribution_is_scored_apart_from_the_senders():
@@ -147,4 +179,26 @@ async def test_a_reference_of_the_wrong_size_is_refused():
         group = make_group(peers)
         with pytest.raises(ValueError, match="reference holds 3 values"):
             await peers[0].service.run(group, [torch.zeros(10)], reference=[torch.zeros(3)])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reference_that_fails_costs_the_scoring_not_the_round(caplog):
+    """The held-out gradient is the task's code (out of memory, a frozen parameter ...): when it
+    raises, that round scores nobody and averages as ever."""
+
+    def broken():
+        raise RuntimeError("CUDA out of memory")
+
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 2)
+        tensors = [[torch.full((8,), float(i))] for i in range(2)]
+        averagers = [
+            GroupAverager(t, node, prefix="scored", target_group_size=2, aggregation="mean", reference=broken)
+            for t, node in zip(tensors, nodes, strict=True)
+        ]
+        results = await step_all(averagers, timeout=10.0)
+        assert all(result.result.succeeded for result in results.values())
+        assert all(torch.allclose(t[0], torch.full((8,), 0.5)) for t in tensors)
+        assert all(not result.result.alignment for result in results.values())
+        assert "contributions not scored" in caplog.text
         nursery.cancel_scope.cancel()
