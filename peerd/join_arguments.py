@@ -147,13 +147,13 @@ AGGREGATION = Setting(
 )  # fmt: skip
 SCORE_CONTRIBUTIONS = SwitchSetting(
     name="score_contributions", flag="--score-contributions", variable="SCORE_CONTRIBUTIONS",
-    help="score the contributions this peer reduces against the task's held-out loss and ban senders whose "
-    "contributions keep raising it",
+    help="score the contributions this peer reduces against the task's loss on data every peer holds, and ban "
+    "senders whose contributions keep raising it",
     doc="each round, score every contribution to the shard this peer reduces by its cosine with the gradient of "
-    "the task's held-out loss (where the round's updates start from), and ban a sender whose mean stays below "
-    "-0.4 over 10 or more rounds (`averaging/contribution_scores.py`): quiet attackers that pull against the loss "
-    "(inner-product manipulation, sign flipping) are caught within ~10 rounds; costs one forward and backward "
-    "pass on a held-out batch per round and a copy of the model",
+    "the task's loss on data every peer holds (where the round's updates start from), and ban a sender whose mean "
+    "stays below -0.4 over 10 or more rounds (`averaging/contribution_scores.py`): quiet attackers that pull "
+    "against the loss (inner-product manipulation, sign flipping) are caught within 10-30 rounds; costs one "
+    "forward and backward pass per round and a copy of the model",
 )  # fmt: skip
 DATA_SHARD = JoinOnlySetting(
     name="data_shard", flag="--data-shard", variable="DATA_SHARD", parse=data_shard, default=AUTO,
