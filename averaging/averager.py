@@ -193,6 +193,11 @@ class GroupAverager:
         return self.dht.host
 
     @property
+    def prefix(self) -> str:
+        """The DHT keys' prefix of this averager's swarm (its matchmaking and donors')."""
+        return self.state_sharing.prefix
+
+    @property
     def all_reduce(self) -> AllReduceService:
         """The host's all-reduce service this averager runs its rounds in (shared by every
         averager on the peer, with the reducer checks and the bans they made)."""
