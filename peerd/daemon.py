@@ -171,6 +171,8 @@ class Daemon:
         gradient = held_out_gradient(task)
         if gradient is None:
             log.warning("task %s has no held-out batches: contributions are not scored", task.name)
+        else:
+            log.info("scoring contributions against task %s's held-out batches", task.name)
         return gradient
 
     async def _load_task(self, dht, device: str):

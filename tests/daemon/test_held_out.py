@@ -5,6 +5,8 @@ fragment; the parameters' for collaborative training)."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 import trio
@@ -13,7 +15,9 @@ from averaging.local_updates import LocalUpdatesOptimizer
 from averaging.optimizer import CollaborativeOptimizer
 from peerd.held_out import held_out_gradient
 from peerd.tasks import digits_task, textlm_task
+from tests.daemon.test_machine_peer import start_peer
 from tests.daemon.test_training import open_swarm
+from tests.support.processes import status_of, wait_until
 
 
 def test_the_gradient_is_taken_at_the_values_given_on_a_copy_of_the_model():
@@ -91,3 +95,23 @@ async def test_collaborative_training_scores_at_the_parameters():
         [reference] = optimizer.grad_averager.reference()
         assert torch.equal(reference, 2 * torch.arange(3.0))
         nursery.cancel_scope.cancel()
+
+
+def test_two_peers_that_score_contributions_average_and_ban_nobody(tmp_path):
+    """``peerd join --score-contributions`` as a user runs it: two honest digits peers score each
+    other's gradients in their rounds, keep averaging, and neither bans the other."""
+    first, port = start_peer(tmp_path, "a", "0/2", None, "--score-contributions")
+    second = None
+    try:
+        second, _ = start_peer(tmp_path, "b", "1/2", status_of(port)["address"], "--score-contributions")
+        for peer in (first, second):
+            peer.wait_for_log("scoring contributions against task digits's held-out batches", timeout=30)
+        # rounds in which each scored the other's contribution to the shard it reduced
+        rounds = [lambda peer=peer: peer.log().count("round done with 2 peers") >= 3 for peer in (first, second)]
+        wait_until(lambda: all(done() for done in rounds), timeout=90, what="three rounds of two peers each")
+        assert "banned" not in first.log() + second.log()
+        assert "not scored" not in first.log() + second.log()
+    finally:
+        for peer in (second, first):
+            if peer is not None:
+                peer.stop(signal.SIGTERM)
