@@ -29,7 +29,8 @@ own skewed data separates nothing (honest senders down to -0.49, IPM up to +0.04
 data must be the swarm's objective, not one peer's slice of it. Accuracy drop from the clean run
 (mean of 3), without / with scores: IPM in gradient mode 0.110 / 0.006, label flipping 0.070 /
 0.036; in local updates sign flipping 0.069 / 0.027, IPM 0.043 / 0.024, label flipping 0.034 /
-0.034; clean runs unchanged, no honest peer banned.
+0.034; clean runs unchanged, no honest peer banned. ALIE, min-max and min-sum stay near the honest
+mean, point with it, and are not caught (local updates: 0.029, 0.068, 0.060 either way).
 
 Memory: one score per sender, at most ``MAX_TRACKED`` (the least recently seen go first), so new
 identities cannot grow it; a banned sender's score goes.
