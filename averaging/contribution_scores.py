@@ -93,8 +93,9 @@ class ShardAlignment:
         start = self.part_offsets[index]
         size = next(iter(contributions.values())).numel()
         reference = self.reference[start : start + size]
+        squares = reference.square()
         for sender, values in contributions.items():
-            found = part_cosine(reference, values.reshape(-1))
+            found = part_cosine(reference, values.reshape(-1), squares)
             if found is not None:
                 cosine, weight = found
                 total, weights = self._sums.get(sender, (0.0, 0.0))
@@ -115,12 +116,16 @@ class ShardAlignment:
         return None if self.own is None else self._cosine(self.own)
 
 
-def part_cosine(reference: torch.Tensor, values: torch.Tensor) -> tuple[float, float] | None:
+def part_cosine(
+    reference: torch.Tensor, values: torch.Tensor, squares: torch.Tensor | None = None
+) -> tuple[float, float] | None:
     """(cosine, weight) of one part's ``values`` with ``reference`` over the values sent (nonzero),
-    the weight being the reference's squared norm there; None if either is zero there. Sums that
-    overflow float32 (values near 1e20) are taken again in float64."""
+    the weight being the reference's squared norm there (``squares``: the reference's squares, if
+    already taken); None if either is zero there. Sums that overflow float32 (values near 1e20)
+    are taken again in float64."""
+    squares = reference.square() if squares is None else squares
     sent = (values != 0).to(reference.dtype)
-    figures = [float(reference @ values), float(values @ values), float(reference.square() @ sent)]
+    figures = [float(reference @ values), float(values @ values), float(squares @ sent)]
     if not all(math.isfinite(figure) for figure in figures):
         wide, widest = reference.double(), values.double()
         figures = [float(wide @ widest), float(widest @ widest), float(wide.square() @ sent.double())]
