@@ -202,3 +202,10 @@ async def test_a_reference_that_fails_costs_the_scoring_not_the_round(caplog):
         assert all(not result.result.alignment for result in results.values())
         assert "contributions not scored" in caplog.text
         nursery.cancel_scope.cancel()
+
+
+def test_a_reference_that_is_not_finite_scores_nobody():
+    """A task whose held-out loss diverged gives a NaN gradient: no sender is scored on it."""
+    alignment = ShardAlignment(torch.tensor([float("nan"), 1.0]), [0], own="me")
+    alignment.add_part(0, {"a": torch.tensor([1.0, 1.0]), "me": torch.tensor([1.0, 1.0])})
+    assert alignment.cosines() == {} and alignment.own_cosine() is None
