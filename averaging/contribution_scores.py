@@ -3,7 +3,7 @@
 Robust aggregation bounds how far a contribution can pull a part, but a quiet attacker stays
 inside the honest spread and pulls every round. On label-skewed data the honest spread is wide,
 and there CenteredClip lets inner-product manipulation (every attacker sends -eps times the
-honest mean, Xie et al. 2020) and label flipping cost 0.08-0.11 of held-out accuracy on digits.
+honest mean, Xie et al. 2020) and label flipping cost 0.07-0.11 of held-out accuracy on digits.
 What such an attacker cannot hide is the direction it pulls in: against the loss.
 
 So a reducer that knows the gradient of a held-out loss at the point the round's contributions
