@@ -116,23 +116,19 @@ class ShardAlignment:
         return None if self.own is None else self._cosine(self.own)
 
 
-def part_cosine(
-    reference: torch.Tensor, values: torch.Tensor, squares: torch.Tensor | None = None
-) -> tuple[float, float] | None:
-    """(cosine, weight) of one part's ``values`` with ``reference`` over the values sent (nonzero),
-    the weight being the reference's squared norm there (``squares``: the reference's squares, if
-    already taken); None if either is zero there. Sums that overflow float32 (values near 1e20)
-    are taken again in float64."""
-    squares = reference.square() if squares is None else squares
+def part_cosine(reference: torch.Tensor, values: torch.Tensor, squares: torch.Tensor) -> tuple[float, float] | None:
+    """(cosine, weight) of one part's ``values`` with ``reference`` (``squares``: its squares) over
+    the values sent (nonzero), the weight being the reference's squared norm there; None if either
+    is zero there. Sums that overflow float32 (values near 1e20) are taken again in float64."""
     sent = (values != 0).to(reference.dtype)
     figures = [float(reference @ values), float(values @ values), float(squares @ sent)]
     if not all(math.isfinite(figure) for figure in figures):
         wide, widest = reference.double(), values.double()
         figures = [float(wide @ widest), float(widest @ widest), float(wide.square() @ sent.double())]
-    dot, squares, weight = figures
-    if not (squares > 0 and weight > 0 and all(math.isfinite(figure) for figure in figures)):
+    dot, norm_squared, weight = figures
+    if not (norm_squared > 0 and weight > 0 and all(math.isfinite(figure) for figure in figures)):
         return None
-    return max(-1.0, min(1.0, dot / math.sqrt(squares * weight))), weight
+    return max(-1.0, min(1.0, dot / math.sqrt(norm_squared * weight))), weight
 
 
 class ContributionScores:

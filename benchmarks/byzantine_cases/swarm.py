@@ -29,7 +29,7 @@ from averaging.group import AveragingMode, GroupInfo, GroupMember
 from averaging.outer_step import OuterStep
 from averaging.robust import Aggregation
 from peer import Identity, open_peer_host
-from peerd.tasks import Task, digits_data, endless_batches
+from peerd.tasks import Task
 from tests.support.hostile_reducers import LyingShard
 
 from .attacks import LOUD, QUIET, Attack, flip_labels
@@ -44,8 +44,6 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # LocalUpdatesOptimizer's defaults (averagi
 # A round's deadlines: generous for 16 peers sharing 2 cores, only there to catch hangs.
 SENDER_TIMEOUT = 20.0
 REDUCER_TIMEOUT = 40.0
-# Scored cases: the validation split every peer holds, and the batch a reference is taken on.
-VALIDATION, VALIDATION_SEED, VALIDATION_BATCH = 256, 99, 64
 
 
 @dataclass(frozen=True)
@@ -135,30 +133,15 @@ def apply(peer: SwarmPeer, averaged: torch.Tensor) -> None:
 
 
 def reference(peer: SwarmPeer) -> list[torch.Tensor] | None:
-    """The gradient of a validation batch's loss where this round's updates start from: the
-    parameters in gradient mode, the shared start in local mode (what the peer scores the others'
-    contributions against, ``averaging/contribution_scores.py``); None for a peer that does not."""
+    """The gradient of a validation batch's loss (the task's ``validation_batches``) where this
+    round's updates start from: taken before the round's steps, the parameters are that point in
+    both modes (in local mode, the shared start). What the peer scores the others' contributions
+    against (``averaging/contribution_scores.py``); None for a peer that does not."""
     if peer.validation is None or peer.attack is not None:
         return None
-    model = peer.task.model
-    params = list(model.parameters())
-    now = [p.detach().clone() for p in params] if peer.outer is not None else None
-    with torch.no_grad():
-        for param, start in zip(params, peer.outer.start if peer.outer is not None else (), strict=False):
-            param.copy_(start)
-    grads = torch.autograd.grad(peer.task.loss_fn(model, next(peer.validation)), params)
-    with torch.no_grad():
-        for param, value in zip(params, now or (), strict=False):
-            param.copy_(value)
-    return [g.detach() for g in grads]
-
-
-def validation_batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of a validation split every peer holds: ``VALIDATION`` images of the training
-    split (the swarm's data, never the held-out images that accuracy is measured on)."""
-    inputs, targets, train, _held_out = digits_data()
-    chosen = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(VALIDATION_SEED))[:VALIDATION]]
-    return endless_batches(inputs[chosen], targets[chosen], VALIDATION_BATCH, seed=seed)
+    params = list(peer.task.model.parameters())
+    loss = peer.task.loss_fn(peer.task.model, next(peer.validation))
+    return [g.detach() for g in torch.autograd.grad(loss, params)]
 
 
 def updates(members: list[SwarmPeer]) -> dict[int, torch.Tensor]:
@@ -183,8 +166,7 @@ async def run_round(
 
     async def one(p: SwarmPeer) -> None:
         weight = HOSTILE_WEIGHT if p.attack and p.attack.loud else 1.0
-        ours = references.get(p.index)
-        reference = None if ours is None else [torch.cat([g.reshape(-1) for g in ours])]
+        reference = references.get(p.index)  # (flattened by the service, in the vector's order)
         await p.service.run(group, [vectors[p.index]], weight=weight, settings=settings, reference=reference)
 
     async with trio.open_nursery() as nursery:
@@ -219,7 +201,7 @@ async def run_swarm(case: Case, epochs: int) -> RunResult:
                             module.reset_parameters()
                 params = list(task.model.parameters())
                 outer = OuterStep(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM) if case.mode == "local" else None
-                validation = validation_batches(2000 + index) if case.scored else None
+                validation = task.validation_batches if case.scored else None
                 peer = SwarmPeer(index, host, service, task, task.make_optimizer(params), outer, attack, validation)
                 task_status.started(peer)
                 await trio.sleep_forever()
