@@ -147,7 +147,9 @@ def test_tracked_senders_are_bounded():
 async def test_a_reducer_with_a_reference_bans_a_sender_that_pulls_against_it(aggregation):
     """Four peers average vectors near the reference's direction, but one sends minus the honest
     mean (inner-product manipulation): every honest reducer that scores it sees a negative cosine
-    each round, and after ``MIN_ROUNDS`` rounds has banned it; nobody else is banned."""
+    each round, and after ``MIN_ROUNDS`` rounds has banned it for that; nobody else is banned for
+    their contributions. (Generous deadlines: four peers on a loaded 2-core machine can miss the
+    default ones, and a sender dropped for lateness is a matter for the reducer checks.)"""
     torch.manual_seed(0)
     size, attacker = 4, 3
     reference = torch.randn(4000)
@@ -159,16 +161,15 @@ async def test_a_reducer_with_a_reference_bans_a_sender_that_pulls_against_it(ag
             tensors = [[h.clone()] for h in honest] + [[-4.0 * torch.stack(honest).mean(0)]]
             results = {}
             references = {i: [reference] for i in range(size) if i != attacker}
-            await run_round(
-                peers, group, tensors, [1.0] * size, results, aggregation=aggregation, reference_of=references
-            )
+            options = {"aggregation": aggregation, "sender_timeout": 10.0, "reducer_timeout": 20.0}
+            await run_round(peers, group, tensors, [1.0] * size, results, reference_of=references, **options)
         for i in range(size - 1):
             cosines = results[i].alignment
             assert cosines[peers[attacker].host.peer_id] < BAN_BELOW
             assert all(cosines[peers[j].host.peer_id] > 0 for j in range(size - 1) if j != i)
-            banned = peers[i].service.checks.banned
-            assert peers[attacker].host.peer_id in banned
-            assert not any(peers[j].host.peer_id in banned for j in range(size - 1))
+            reasons = peers[i].service.checks.banned.reasons
+            assert "held-out loss" in reasons.get(peers[attacker].host.peer_id, "")
+            assert not any("held-out loss" in reasons.get(peers[j].host.peer_id, "") for j in range(size - 1))
         assert not results[attacker].alignment  # given no reference, it scores nobody
         nursery.cancel_scope.cancel()
 
