@@ -12,7 +12,11 @@ and the clip radius it used. The reducer keeps them from the moment each part is
 ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds, and older ones within
 ``KEPT_VALUES``). The sender then
 
-1. finds its own contribution and weight among the inputs, exactly as it sent them; requires
+1. finds its own contribution and weight among the inputs, exactly as it sent them (unless the
+   reply named the part's contributors without us: a reducer drops a sender that falls silent
+   for a stall interval and says so openly, and the sender's values for that part then stay in
+   its own error feedback; that is the round's fault handling, not a lie, and the rest of the
+   check judges the aggregate of the inputs the reducer did take); requires
    every other input to be the one its sender committed to, for this round, this reducer, this
    part and the weight stated with it (its digest in a commitment the sender signed), and decodes
    the inputs itself;
@@ -321,7 +325,7 @@ class PartCheck:
         if len(inputs.signed) != len(inputs.senders):
             return "its inputs are not signed"
         ours = None
-        if self.weight > 0:
+        if self.weight > 0 and self.me in self.contributors:  # (a reply that names us must hold us)
             if self.me not in inputs.senders:
                 return "it left our contribution out of its inputs"
             ours = inputs.senders.index(self.me)

@@ -208,3 +208,45 @@ async def test_averaged_parts_flow_back_while_a_slow_sender_still_holds_back_its
     for i in range(3):
         assert results[i].succeeded, results[i]
         assert torch_close(flat(tensors[i]), expected)
+
+
+class HoldsItsPartsBack(Fault):
+    """Sends each stream's header, then holds its parts back for longer than a stall interval
+    (a reducer drops it), then sends them: a sender whose process was not scheduled for a while."""
+
+    def __init__(self, pause: float):
+        self.pause = pause
+
+    async def send(self, stream, body, payload):
+        if stream.outgoing and isinstance(body, dict) and body.get("part") == 0:
+            await trio.sleep(self.pause)
+        await super().send(stream, body, payload)
+
+
+async def test_a_sender_dropped_for_lateness_bans_no_honest_reducer():
+    """A reducer that drops a late sender says so in the contributors it names: the late sender's
+    checks must take that as the open outcome it is, not as a lie. (They banned both honest
+    reducers for ten minutes, "it left our contribution out", and split the swarm.) The late peer
+    itself waits patiently for the reducers' replies, so that it does check both."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 3, faults={2: HoldsItsPartsBack(3 * STALL)})
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(3)]
+        results: dict = {}
+
+        async def one(i: int, rules: DeadlineRules) -> None:
+            settings = RoundSettings(part_size=PART_SIZE, deadlines=rules, aggregation="centered-clip")
+            results[i] = await peers[i].service.run(group, tensors[i], settings=settings)
+
+        async with trio.open_nursery() as round_:
+            for i in range(3):
+                round_.start_soon(one, i, RULES if i < 2 else DeadlineRules(stall=10 * STALL, slack=20.0))
+        nursery.cancel_scope.cancel()
+    late, ids = peers[2].host.peer_id, [peer.host.peer_id for peer in peers]
+    for i in (0, 1):
+        assert late in results[i].failed_peers
+        assert all(late not in part for part in results[i].part_contributors[i])  # dropped before its first part
+    checks = peers[2].service.checks
+    assert not results[2].local_shards, results[2].local_shards  # it took both reducers' averages...
+    assert checks.passed == 2 and checks.caught == 0  # ... after checking both
+    assert not any(peer in checks.banned for peer in ids), dict(checks.banned.until)

@@ -79,7 +79,9 @@ def test_an_honest_answer_holds_and_every_lie_is_named(distances, monkeypatch):
         "our weight": checker(me, peers[0], inputs.values[2].clone(), 3.0, list(peers), reply),
         "left out": checker(peers[0], peers[0], inputs.values[0].clone(), 1.0, list(peers), reply),
     }
-    lies["left out"].me = ids(1)[0]
+    stranger = ids(1)[0]
+    lies["left out"].me = stranger
+    lies["left out"].contributors.append(stranger)  # the reply named us; its inputs do not hold us
     for name, lie in lies.items():
         assert lie.verdict(inputs) is not None, name
     for tau in (inputs.tau * 10, inputs.tau / 10):  # loosened to the mean, or tightened to its start
@@ -130,6 +132,16 @@ def test_an_honest_answer_holds_and_every_lie_is_named(distances, monkeypatch):
     assert "not signed" in (check.verdict(PartInputs(peers, *astuple(stated)[1:6], forged[:-1])) or "")
     mean = PartInputs(peers, inputs.weights, inputs.values, inputs.tau, Aggregation.MEAN, 0)
     assert "mean" in (check.verdict(mean) or "")
+
+
+def test_a_reply_that_left_us_out_openly_is_judged_on_the_inputs_it_took():
+    """A reducer drops a sender that falls silent and names the part's contributors without it:
+    the dropped sender's check holds an honest aggregate of the others, and still catches a lie."""
+    peers = ids(5)
+    inputs, reply = honest_inputs(peers)
+    late = ids(1)[0]  # sent (weight 1), was dropped, and is named nowhere
+    assert checker(late, peers[0], torch.randn(DIM), 1.0, list(peers), reply).verdict(inputs) is None
+    assert "away from" in (checker(late, peers[0], torch.randn(DIM), 1.0, list(peers), reply + 1).verdict(inputs) or "")
 
 
 def test_kept_inputs_answer_only_the_round_senders_and_expire():
