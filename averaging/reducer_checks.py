@@ -26,10 +26,11 @@ from .partition import AllReducePlan
 from .reducer_shard import ReducerShard, ShardSigning
 from .robust import Aggregation
 from .round_roles import in_thread
-from .round_state import AllReduceRound
+from .round_state import AllReduceRound, ShardState
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
+    MAX_BANNED,
     UNANSWERED_BAN_SECONDS,
     BanList,
     KeptInputs,
@@ -46,6 +47,7 @@ __all__ = [
     "RoundStrategy",
     "CHECK_SHARE",
     "CHECK_ALL_BELOW",
+    "LEFT_OUT_ROUNDS",
 ]
 
 log = logging.getLogger("peerd.averaging")
@@ -62,6 +64,11 @@ CHECK_SHARE = 0.25
 # and used by nobody. (256 KiB: 64K float32 values, or textlm small's 1.9 M values in a sparse
 # codec, whose shards now go in one part each: ``partition.MIN_PART_BYTES``.)
 CHECK_ALL_BELOW = 1 << 18
+# A reducer that leaves our contribution out of its average this many checked rounds in a row is
+# left out of our groups for UNANSWERED_BAN_SECONDS: an honest one does so only while our link or
+# machine cannot keep up with it (one late round is no reason to part), and one that leaves us
+# out on purpose stops being given the chance.
+LEFT_OUT_ROUNDS = 3
 
 
 @dataclass
@@ -128,6 +135,7 @@ class ReducerChecks:
         self.caught = 0  # reducers this peer has caught lying
         self.passed = 0  # checks whose answer held
         self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
+        self.left_out_streaks: dict[PeerID, int] = {}  # checked rounds in a row a reducer left us out
         router.add_unary(CHECK_METHOD, self._handle_check)
 
     async def _handle_check(self, request: Request) -> Message:
@@ -135,6 +143,22 @@ class ReducerChecks:
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
         answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
         return Message(answer, payload)
+
+    def note_left_out(self, left_us_out: list[PeerID], took_us: list[PeerID]) -> None:
+        """Count the reducers that left us out of a round's averages (``took_us``: those whose
+        averages held us), and leave out of our groups one that did ``LEFT_OUT_ROUNDS`` in a row."""
+        for reducer in took_us:
+            self.left_out_streaks.pop(reducer, None)
+        for reducer in left_us_out:
+            streak = self.left_out_streaks.pop(reducer, 0) + 1
+            if streak < LEFT_OUT_ROUNDS:
+                if len(self.left_out_streaks) >= MAX_BANNED:  # bounded against Sybils: forget the oldest
+                    del self.left_out_streaks[next(iter(self.left_out_streaks))]
+                self.left_out_streaks[reducer] = streak
+                continue
+            reason = f"it left our contribution out of {streak} rounds in a row"
+            self.banned.ban(reducer, reason, UNANSWERED_BAN_SECONDS)
+            log.warning("reducer %s left out of our groups for %g s: %s", reducer, UNANSWERED_BAN_SECONDS, reason)
 
     def commit(
         self, group: GroupInfo, plan: AllReducePlan, flat: torch.Tensor, weight: float, codec: Codec
@@ -394,6 +418,9 @@ class CheckedRound:
         ``flat``), and tell the round each verdict."""
         if flat is None:
             return
+        left_us_out = round_.left_out()
+        took_us = [round_.shards[index].reducer for index in round_.in_state(ShardState.AVERAGED)]
+        self.checks.note_left_out(left_us_out, took_us)
         received, contributors = round_.received(), round_.part_contributors()
         pending = self.checks.pick(
             round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec),

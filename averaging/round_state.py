@@ -9,6 +9,7 @@ one state of a table, and moves only along it (in the manner of h11's ``_state.p
     PENDING -> LOCAL      it keeps this peer's own values: the reason says why
     AVERAGED -> CHECKED   its reducer passed this peer's check (``verification.py``)
     AVERAGED -> BANNED    its reducer is on our ban list or failed its check: local values
+    AVERAGED -> LEFT_OUT  a checked round's reducer left us out of its average: local values
 
 Every sender of the group is ``IN`` until some reducer leaves it out of its average
 (``DROPPED``, with the reason). A sender dropped midway is still in the parts averaged before
@@ -47,6 +48,7 @@ class ShardState(enum.Enum):
     LOCAL = "local"
     CHECKED = "checked"
     BANNED = "banned"
+    LEFT_OUT = "left out"
 
 
 class SenderState(enum.Enum):
@@ -62,15 +64,16 @@ class RoundPhase(enum.Enum):
 
 SHARD_TRANSITIONS: dict[ShardState, frozenset[ShardState]] = {
     ShardState.PENDING: frozenset({ShardState.AVERAGED, ShardState.LOCAL}),
-    ShardState.AVERAGED: frozenset({ShardState.CHECKED, ShardState.BANNED}),
+    ShardState.AVERAGED: frozenset({ShardState.CHECKED, ShardState.BANNED, ShardState.LEFT_OUT}),
     ShardState.LOCAL: frozenset(),
     ShardState.CHECKED: frozenset(),
     ShardState.BANNED: frozenset(),
+    ShardState.LEFT_OUT: frozenset(),
 }
 # Which events each phase takes.
 PHASE_EVENTS: dict[RoundPhase, frozenset[str]] = {
     RoundPhase.EXCHANGING: frozenset({"shard_averaged", "shard_failed", "own_shard_reduced", "exchanges_over"}),
-    RoundPhase.REVIEWING: frozenset({"screen", "checked", "finish"}),
+    RoundPhase.REVIEWING: frozenset({"screen", "left_out", "checked", "finish"}),
     RoundPhase.DONE: frozenset(),
 }
 
@@ -244,6 +247,20 @@ class AllReduceRound:
             reducer = self.shards[index].reducer
             if reducer != self.me and reducer in banned:
                 self._move(index, ShardState.BANNED, reason="reducer banned: " + reason_of(reducer))
+
+    def left_out(self) -> list[PeerID]:
+        """Averages that leave our contribution out of some part keep our own values instead:
+        a reducer drops a sender that fell silent and says so, and in a robust round a reducer
+        must not choose whose contributions make our average (one that left the honest senders
+        out would hand its shard to the others). Returns the reducers that left us out."""
+        self._event("left_out")
+        reducers = []
+        for index in self.in_state(ShardState.AVERAGED) if self.sends else []:
+            entry = self.shards[index]
+            if entry.reducer != self.me and any(self.me not in part for part in entry.part_contributors or []):
+                self._move(index, ShardState.LEFT_OUT, reason="its reducer left our contribution out")
+                reducers.append(entry.reducer)
+        return reducers
 
     def checked(self, index: int, reducer: PeerID, verdict: str | None) -> None:
         """Our check of shard ``index``'s reducer: None, it held; else why it was caught."""

@@ -94,6 +94,7 @@ __all__ = [
     "UNANSWERED_BAN_SECONDS",
     "CHECK_METHOD",
     "CHECK_TIMEOUT",
+    "MAX_BANNED",
     "BanList",
     "KeptInputs",
     "PartInputs",

@@ -223,15 +223,17 @@ class HoldsItsPartsBack(Fault):
         await super().send(stream, body, payload)
 
 
-async def test_a_sender_dropped_for_lateness_bans_no_honest_reducer():
-    """A reducer that drops a late sender says so in the contributors it names: the late sender's
-    checks must take that as the open outcome it is, not as a lie. (They banned both honest
-    reducers for ten minutes, "it left our contribution out", and split the swarm.) The late peer
-    itself waits patiently for the reducers' replies, so that it does check both."""
+async def test_a_sender_dropped_for_lateness_keeps_its_own_values_and_bans_no_honest_reducer():
+    """A reducer that drops a late sender says so in the contributors it names. In a checked round
+    the late sender keeps its own values for those shards (a reducer must not choose whose
+    contributions make its average) and bans nobody: it banned both honest reducers for ten
+    minutes ("it left our contribution out") and split the swarm. The late peer itself waits
+    patiently for the reducers' replies, so that it does receive both."""
     async with trio.open_nursery() as nursery:
         peers = await start_peers(nursery, 3, faults={2: HoldsItsPartsBack(3 * STALL)})
         group = make_group(peers)
         tensors = [random_tensors(i) for i in range(3)]
+        before = flat(tensors[2]).clone()
         results: dict = {}
 
         async def one(i: int, rules: DeadlineRules) -> None:
@@ -246,7 +248,11 @@ async def test_a_sender_dropped_for_lateness_bans_no_honest_reducer():
     for i in (0, 1):
         assert late in results[i].failed_peers
         assert all(late not in part for part in results[i].part_contributors[i])  # dropped before its first part
+    assert sorted(results[2].local_shards) == [0, 1], results[2].local_shards
+    assert all("left our contribution out" in why for why in results[2].local_shards.values())
+    assert torch.equal(
+        flat(tensors[2])[: results[2].plan.shard_bounds(1)[1]], before[: results[2].plan.shard_bounds(1)[1]]
+    )
     checks = peers[2].service.checks
-    assert not results[2].local_shards, results[2].local_shards  # it took both reducers' averages...
-    assert checks.passed == 2 and checks.caught == 0  # ... after checking both
-    assert not any(peer in checks.banned for peer in ids), dict(checks.banned.until)
+    assert checks.caught == 0 and not any(peer in checks.banned for peer in ids), dict(checks.banned.until)
+    assert checks.left_out_streaks == {ids[0]: 1, ids[1]: 1}  # one late round is no reason to part

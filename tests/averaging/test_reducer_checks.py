@@ -15,13 +15,14 @@ from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
+from averaging.reducer_checks import LEFT_OUT_ROUNDS
 from averaging.reducer_shard import ReducerShard
 from averaging.sparse_codec import CHUNK, kept_per_chunk
 from averaging.verification import (
     UNANSWERED_BAN_SECONDS,
     KeptInputs,
 )
-from peer import Identity, PeerID
+from peer import Identity, PeerID, open_peer_host
 from tests.averaging.test_allreduce import flat, make_group, random_tensors, run_round
 from tests.averaging.test_matchmaking import open_swarm, step_all
 from tests.support.hostile_reducers import LyingShard, fabricating_service, lying_service
@@ -386,3 +387,22 @@ async def test_what_a_reducer_keeps_for_checks_holds_none_of_the_parts_it_sent_t
         ]
         assert sent_elsewhere == []
         nursery.cancel_scope.cancel()
+
+
+async def test_a_reducer_that_leaves_us_out_round_after_round_is_left_out_of_our_groups_briefly():
+    """One late round costs nothing (an honest reducer drops a sender that fell silent), nor do
+    rounds apart; LEFT_OUT_ROUNDS in a row put the reducer out of our groups for the short spell an
+    unanswered check earns (one that censors us stops being given our contribution)."""
+    async with open_peer_host(Identity.generate()) as host:
+        checks = AllReduceService(host).checks
+        honest, censor = (Identity.generate().peer_id for _ in range(2))
+        for _ in range(LEFT_OUT_ROUNDS + 2):  # left out every other round: never in a row
+            checks.note_left_out([honest], [censor])
+            checks.note_left_out([], [honest, censor])
+        for _ in range(LEFT_OUT_ROUNDS - 1):
+            checks.note_left_out([censor], [honest])
+        assert censor not in checks.banned and honest not in checks.banned
+        checks.note_left_out([censor], [honest])
+        assert censor in checks.banned and honest not in checks.banned
+        left = checks.banned.until[censor] - checks.banned.clock()
+        assert 0 < left <= UNANSWERED_BAN_SECONDS and "in a row" in checks.banned.reasons[censor]

@@ -1,5 +1,5 @@
 """The round's state table (``averaging/round_state.py``), driven by events alone: no sockets, no
-trio. Each shard goes pending -> averaged | local, an averaged one -> checked | banned; senders go
+trio. Each shard goes pending -> averaged | local, an averaged one -> checked | banned | left out; senders go
 in -> dropped; the result is written once, from the table."""
 
 from __future__ import annotations
@@ -184,3 +184,22 @@ def test_a_check_of_the_wrong_reducer_is_refused():
     finish_exchanges(round_, plan)
     with pytest.raises(RoundStateError, match="not reduced by"):
         round_.checked(1, C, None)
+
+
+def test_averages_that_left_us_out_keep_our_own_values_when_the_round_says_so():
+    """C is us: B's reducer left us out after its first part, our own shard and A's took us in.
+    ``left_out`` (a checked round's review) moves B's shard to our own values and names B; our
+    own shard and A's stay averaged."""
+    round_, plan = round_of(group_of(*NODES), me=C)
+    named = [[A, B, C]] + [[A, B]] * (plan.num_parts(1) - 1)
+    round_.shard_averaged(0, [[A, B, C]] * plan.num_parts(0), parts_of(plan, 0, 0.5))
+    round_.shard_averaged(1, named, parts_of(plan, 1, 1.0))
+    round_.own_shard_reduced(outcome_of(plan, 2, [A, B, C]), None, torch.zeros(plan.shard_sizes[2]))
+    round_.exchanges_over()
+    round_.screen(set(), lambda peer: "")
+    assert round_.left_out() == [B]
+    assert round_.in_state(ShardState.AVERAGED) == [0, 2] and round_.in_state(ShardState.LEFT_OUT) == [1]
+    assert (plan.shard_bounds(1)) in round_.unaveraged()
+    result = round_.finish()
+    assert result.local_shards == {1: "its reducer left our contribution out"}
+    assert B in result.failed_peers and C not in result.failed_peers
