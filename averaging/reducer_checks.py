@@ -47,7 +47,8 @@ __all__ = [
     "RoundStrategy",
     "CHECK_SHARE",
     "CHECK_ALL_BELOW",
-    "LEFT_OUT_ROUNDS",
+    "EXCLUSION_POINTS",
+    "FORGIVEN_PER_ROUND",
 ]
 
 log = logging.getLogger("peerd.averaging")
@@ -64,11 +65,14 @@ CHECK_SHARE = 0.25
 # and used by nobody. (256 KiB: 64K float32 values, or textlm small's 1.9 M values in a sparse
 # codec, whose shards now go in one part each: ``partition.MIN_PART_BYTES``.)
 CHECK_ALL_BELOW = 1 << 18
-# A reducer that leaves our contribution out of its average this many checked rounds in a row is
-# left out of our groups for UNANSWERED_BAN_SECONDS: an honest one does so only while our link or
-# machine cannot keep up with it (one late round is no reason to part), and one that leaves us
-# out on purpose stops being given the chance.
-LEFT_OUT_ROUNDS = 3
+# A reducer that leaves our contribution out while the other reducers take it in whole
+# (``AllReduceRound.unjust_exclusions``) earns a point, and each round in which it takes us in
+# takes a quarter of one back; at EXCLUSION_POINTS it is left out of our groups for
+# UNANSWERED_BAN_SECONDS. An honest one does so only while our link to it fails (one bad round is no
+# reason to part, and once our links are healthy it is forgiven), while one that leaves us out on
+# purpose more than one round in five stops being given the chance, in a row or not.
+EXCLUSION_POINTS = 3.0
+FORGIVEN_PER_ROUND = 0.25
 
 
 @dataclass
@@ -135,7 +139,7 @@ class ReducerChecks:
         self.caught = 0  # reducers this peer has caught lying
         self.passed = 0  # checks whose answer held
         self.verified = VerifiedSignatures()  # commitments verified lately, as reducer or checker
-        self.left_out_streaks: dict[PeerID, int] = {}  # checked rounds in a row a reducer left us out
+        self.exclusions: dict[PeerID, float] = {}  # points of reducers that left us out unjustly
         router.add_unary(CHECK_METHOD, self._handle_check)
 
     async def _handle_check(self, request: Request) -> Message:
@@ -144,19 +148,22 @@ class ReducerChecks:
         answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
         return Message(answer, payload)
 
-    def note_left_out(self, left_us_out: list[PeerID], took_us: list[PeerID]) -> None:
-        """Count the reducers that left us out of a round's averages (``took_us``: those whose
-        averages held us), and leave out of our groups one that did ``LEFT_OUT_ROUNDS`` in a row."""
+    def note_exclusions(self, unjust: list[PeerID], took_us: list[PeerID]) -> None:
+        """Count the reducers that left us out of a round's averages unjustly and forgive those
+        whose averages took us in (``EXCLUSION_POINTS``); leave out of our groups one whose points
+        reach the limit."""
         for reducer in took_us:
-            self.left_out_streaks.pop(reducer, None)
-        for reducer in left_us_out:
-            streak = self.left_out_streaks.pop(reducer, 0) + 1
-            if streak < LEFT_OUT_ROUNDS:
-                if len(self.left_out_streaks) >= MAX_BANNED:  # bounded against Sybils: forget the oldest
-                    del self.left_out_streaks[next(iter(self.left_out_streaks))]
-                self.left_out_streaks[reducer] = streak
+            points = self.exclusions.pop(reducer, 0.0) - FORGIVEN_PER_ROUND
+            if points > 0:
+                self.exclusions[reducer] = points
+        for reducer in unjust:
+            points = self.exclusions.pop(reducer, 0.0) + 1.0
+            if points < EXCLUSION_POINTS:
+                if len(self.exclusions) >= MAX_BANNED:  # bounded against Sybils: forget the oldest
+                    del self.exclusions[next(iter(self.exclusions))]
+                self.exclusions[reducer] = points
                 continue
-            reason = f"it left our contribution out of {streak} rounds in a row"
+            reason = "it left our contribution out, which the other reducers took in, round after round"
             self.banned.ban(reducer, reason, UNANSWERED_BAN_SECONDS)
             log.warning("reducer %s left out of our groups for %g s: %s", reducer, UNANSWERED_BAN_SECONDS, reason)
 
@@ -418,9 +425,9 @@ class CheckedRound:
         ``flat``), and tell the round each verdict."""
         if flat is None:
             return
-        left_us_out = round_.left_out()
+        unjust = round_.unjust_exclusions()
         took_us = [round_.shards[index].reducer for index in round_.in_state(ShardState.AVERAGED)]
-        self.checks.note_left_out(left_us_out, took_us)
+        self.checks.note_exclusions(unjust, took_us)
         received, contributors = round_.received(), round_.part_contributors()
         pending = self.checks.pick(
             round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec),

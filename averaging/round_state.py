@@ -9,7 +9,7 @@ one state of a table, and moves only along it (in the manner of h11's ``_state.p
     PENDING -> LOCAL      it keeps this peer's own values: the reason says why
     AVERAGED -> CHECKED   its reducer passed this peer's check (``verification.py``)
     AVERAGED -> BANNED    its reducer is on our ban list or failed its check: local values
-    AVERAGED -> LEFT_OUT  a checked round's reducer left us out of its average: local values
+    AVERAGED -> LEFT_OUT  a checked round's reducer left out a sender the others took in: local values
 
 Every sender of the group is ``IN`` until some reducer leaves it out of its average
 (``DROPPED``, with the reason). A sender dropped midway is still in the parts averaged before
@@ -73,7 +73,7 @@ SHARD_TRANSITIONS: dict[ShardState, frozenset[ShardState]] = {
 # Which events each phase takes.
 PHASE_EVENTS: dict[RoundPhase, frozenset[str]] = {
     RoundPhase.EXCHANGING: frozenset({"shard_averaged", "shard_failed", "own_shard_reduced", "exchanges_over"}),
-    RoundPhase.REVIEWING: frozenset({"screen", "left_out", "checked", "finish"}),
+    RoundPhase.REVIEWING: frozenset({"screen", "unjust_exclusions", "checked", "finish"}),
     RoundPhase.DONE: frozenset(),
 }
 
@@ -248,19 +248,41 @@ class AllReduceRound:
             if reducer != self.me and reducer in banned:
                 self._move(index, ShardState.BANNED, reason="reducer banned: " + reason_of(reducer))
 
-    def left_out(self) -> list[PeerID]:
-        """Averages that leave our contribution out of some part keep our own values instead:
-        a reducer drops a sender that fell silent and says so, and in a robust round a reducer
-        must not choose whose contributions make our average (one that left the honest senders
-        out would hand its shard to the others). Returns the reducers that left us out."""
-        self._event("left_out")
-        reducers = []
+    def unjust_exclusions(self) -> list[PeerID]:
+        """Averages whose reducer left out a sender that most other reducers took in, in every
+        part, keep our own values instead; returns the reducers that left *us* out so.
+
+        A reducer drops a sender that falls silent and says so; in a robust round it must not
+        choose whose contributions make our average (one that left honest senders out would
+        hand its shard to the rest). Who was late shows in the other reducers' averages: a
+        sender that most of them took in whole was not (a reducer's own shard, which always
+        holds its own contribution, says nothing of it). A sender left out by most reducers was
+        late, and the averages without it are used (and checked) as any. Only our own exclusions
+        are held against a reducer (``ReducerChecks.note_exclusions``): a sender that stalls
+        towards one reducer on purpose can make that reducer's average unused, not banned."""
+        self._event("unjust_exclusions")
+        whole = {  # shard -> the senders in every part of its average, where we know them
+            index: set(_in_every(entry.part_contributors))
+            for index, entry in self.shards.items()
+            if entry.part_contributors and (entry.state is ShardState.AVERAGED or index == self.my_shard)
+        }
+        reducer_of = {entry.reducer: index for index, entry in self.shards.items()}
+        unjust_to_us = []
         for index in self.in_state(ShardState.AVERAGED) if self.sends else []:
-            entry = self.shards[index]
-            if entry.reducer != self.me and any(self.me not in part for part in entry.part_contributors or []):
-                self._move(index, ShardState.LEFT_OUT, reason="its reducer left our contribution out")
-                reducers.append(entry.reducer)
-        return reducers
+            if index == self.my_shard or index not in whole:
+                continue
+            unjust = []
+            for sender in [s for s in self.senders if s not in whole[index]]:
+                others = [j for j in whole if j not in (index, reducer_of.get(sender))]
+                if 2 * sum(sender in whole[j] for j in others) > len(others):
+                    unjust.append(sender)
+            if unjust:
+                self._move(
+                    index, ShardState.LEFT_OUT, reason=f"its reducer left out {unjust[0]}, whom the others took in"
+                )
+                if self.me in unjust:
+                    unjust_to_us.append(self.shards[index].reducer)
+        return unjust_to_us
 
     def checked(self, index: int, reducer: PeerID, verdict: str | None) -> None:
         """Our check of shard ``index``'s reducer: None, it held; else why it was caught."""

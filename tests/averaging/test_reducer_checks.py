@@ -15,7 +15,6 @@ from averaging.allreduce import AllReduceService
 from averaging.averager import GroupAverager
 from averaging.compression import get_codec
 from averaging.matchmaking import MatchmakingError
-from averaging.reducer_checks import LEFT_OUT_ROUNDS
 from averaging.reducer_shard import ReducerShard
 from averaging.sparse_codec import CHUNK, kept_per_chunk
 from averaging.verification import (
@@ -389,20 +388,24 @@ async def test_what_a_reducer_keeps_for_checks_holds_none_of_the_parts_it_sent_t
         nursery.cancel_scope.cancel()
 
 
-async def test_a_reducer_that_leaves_us_out_round_after_round_is_left_out_of_our_groups_briefly():
-    """One late round costs nothing (an honest reducer drops a sender that fell silent), nor do
-    rounds apart; LEFT_OUT_ROUNDS in a row put the reducer out of our groups for the short spell an
-    unanswered check earns (one that censors us stops being given our contribution)."""
+async def test_a_reducer_that_keeps_leaving_us_out_unjustly_is_left_out_of_our_groups_briefly():
+    """One unjust exclusion now and then costs nothing (an honest reducer drops a sender whose
+    link to it failed), and rounds that take us in forgive it; a reducer that leaves us out two
+    rounds in three, never three in a row, reaches EXCLUSION_POINTS all the same and is left out
+    of our groups for the short spell an unanswered check earns."""
     async with open_peer_host(Identity.generate()) as host:
         checks = AllReduceService(host).checks
         honest, censor = (Identity.generate().peer_id for _ in range(2))
-        for _ in range(LEFT_OUT_ROUNDS + 2):  # left out every other round: never in a row
-            checks.note_left_out([honest], [censor])
-            checks.note_left_out([], [honest, censor])
-        for _ in range(LEFT_OUT_ROUNDS - 1):
-            checks.note_left_out([censor], [honest])
-        assert censor not in checks.banned and honest not in checks.banned
-        checks.note_left_out([censor], [honest])
-        assert censor in checks.banned and honest not in checks.banned
+        for _ in range(12):  # the honest one: one round in five
+            checks.note_exclusions([honest], [censor])
+            for _ in range(4):
+                checks.note_exclusions([], [honest, censor])
+        assert not checks.exclusions and honest not in checks.banned
+        rounds = 0
+        while censor not in checks.banned:
+            rounds += 1
+            assert rounds <= 9, checks.exclusions
+            checks.note_exclusions([censor] if rounds % 3 else [], [honest] if rounds % 3 else [honest, censor])
+        assert honest not in checks.banned
         left = checks.banned.until[censor] - checks.banned.clock()
-        assert 0 < left <= UNANSWERED_BAN_SECONDS and "in a row" in checks.banned.reasons[censor]
+        assert 0 < left <= UNANSWERED_BAN_SECONDS and "round after round" in checks.banned.reasons[censor]

@@ -186,20 +186,35 @@ def test_a_check_of_the_wrong_reducer_is_refused():
         round_.checked(1, C, None)
 
 
-def test_averages_that_left_us_out_keep_our_own_values_when_the_round_says_so():
-    """C is us: B's reducer left us out after its first part, our own shard and A's took us in.
-    ``left_out`` (a checked round's review) moves B's shard to our own values and names B; our
-    own shard and A's stay averaged."""
+def exclusions_round(named_by_a, named_by_b):
+    """C is us; A's and B's averages name ``named_by_a`` / ``named_by_b`` after their first part
+    (everyone before); our own reduction took everyone in."""
     round_, plan = round_of(group_of(*NODES), me=C)
-    named = [[A, B, C]] + [[A, B]] * (plan.num_parts(1) - 1)
-    round_.shard_averaged(0, [[A, B, C]] * plan.num_parts(0), parts_of(plan, 0, 0.5))
-    round_.shard_averaged(1, named, parts_of(plan, 1, 1.0))
+    for shard, named in ((0, named_by_a), (1, named_by_b)):
+        round_.shard_averaged(shard, [[A, B, C]] + [named] * (plan.num_parts(shard) - 1), parts_of(plan, shard, 1.0))
     round_.own_shard_reduced(outcome_of(plan, 2, [A, B, C]), None, torch.zeros(plan.shard_sizes[2]))
     round_.exchanges_over()
     round_.screen(set(), lambda peer: "")
-    assert round_.left_out() == [B]
+    return round_, plan
+
+
+def test_an_average_that_left_out_a_sender_the_others_took_in_keeps_our_own_values():
+    # B left us out while A took us in whole: B's average is not ours, and B is named
+    round_, plan = exclusions_round([A, B, C], [A, B])
+    assert round_.unjust_exclusions() == [B]
     assert round_.in_state(ShardState.AVERAGED) == [0, 2] and round_.in_state(ShardState.LEFT_OUT) == [1]
-    assert (plan.shard_bounds(1)) in round_.unaveraged()
+    assert plan.shard_bounds(1) in round_.unaveraged()
     result = round_.finish()
-    assert result.local_shards == {1: "its reducer left our contribution out"}
-    assert B in result.failed_peers and C not in result.failed_peers
+    assert "left out" in result.local_shards[1] and B in result.failed_peers and C not in result.failed_peers
+    # B left A out while our own reduction took A in whole (A's own shard says nothing of A):
+    # B's average is not used, and nothing is held against B on our account
+    round_, plan = exclusions_round([A, B, C], [B, C])
+    assert round_.unjust_exclusions() == [] and round_.in_state(ShardState.LEFT_OUT) == [1]
+
+
+def test_averages_that_left_out_a_sender_late_for_everyone_are_used():
+    """We were late: both other reducers left us out (our own reduction holding us says nothing
+    of it). Their averages are used, and checked as any, so we stay with the swarm."""
+    round_, plan = exclusions_round([A, B], [A, B])
+    assert round_.unjust_exclusions() == []
+    assert round_.in_state(ShardState.AVERAGED) == [0, 1, 2]
