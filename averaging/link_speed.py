@@ -94,6 +94,18 @@ class ProgressDeadline:
             self._seen = total
             self._last_progress = now
 
+    @classmethod
+    def for_replies(cls, rules: DeadlineRules, owed_bytes: int, now: float) -> ProgressDeadline:
+        """A sender's deadline for a reducer's answers: a stall interval past the usual cap. The
+        reducer answers once every sender still in the round has delivered, and gives up on a
+        silent one only at its own deadline for it, counted from when it heard of the round
+        (perhaps a round trip or more after us); a sender capped at the same slack gave up on
+        every reducer of a round whose member vanished, and the whole round failed."""
+        deadline = cls(rules, owed_bytes, now)
+        waited = rules.slack + rules.stall + owed_bytes / rules.min_rate
+        deadline.cap_at = now + (waited if rules.cap is None else min(waited, rules.cap))
+        return deadline
+
     def resume(self, now: float) -> None:
         """The quiet spell is over: bytes are owed again from ``now``."""
         self.quiet = False

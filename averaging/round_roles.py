@@ -374,7 +374,7 @@ class SenderRole:
         parts = round_.plan.parts(index)
         senders = [member.peer_id for member in round_.group.senders]
         # owed: the other senders' vectors (what the reducer may wait for) and its answers to all
-        progress = ProgressDeadline(rules, 3 * 4 * round_.plan.total, trio.current_time())
+        progress = ProgressDeadline.for_replies(rules, 3 * 4 * round_.plan.total, trio.current_time())
         gave_up: list[str] = []
         try:
             with trio.CancelScope() as scope, PartSink(received, [end - start for start, end in parts]) as sink:

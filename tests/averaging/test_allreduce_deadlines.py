@@ -4,11 +4,14 @@ that died before sending is dropped at once, and a round measures this peer's li
 
 from __future__ import annotations
 
+import math
+
 import torch
 import trio
 import trio.testing
 
 from averaging.allreduce import RoundSettings
+from averaging.group import AveragingMode
 from averaging.link_speed import DeadlineRules
 from averaging.partition import DEFAULT_PART_SIZE, AllReducePlan
 from tests.averaging.test_allreduce import PART_SIZE, flat, make_group, random_tensors, start_peers
@@ -105,6 +108,49 @@ async def test_a_sender_that_stops_is_dropped_one_stall_interval_after_its_last_
         }
         assert parts[0] == parts[1] == [[0, 1, 2]] + [[0, 1]] * (plan.num_parts(0) - 1)
         assert torch_close(flat(tensors[i]), expected_average(originals, parts, plan, i))
+
+
+class SendsLateThenFallsSilent(Fault):
+    """Its first part goes out ``delay`` seconds late, then nothing more, nothing closed: a
+    machine switched off mid-round, as far as its partners can tell."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    async def send(self, stream, body, payload):
+        if stream.outgoing and isinstance(body, dict) and "part" in body:
+            await trio.sleep(self.delay if body["part"] == 0 else math.inf)
+        await super().send(stream, body, payload)
+
+
+async def test_senders_outwait_a_reducer_that_waits_for_a_silent_sender():
+    """A reducer answers once every sender still in the round has delivered, and gives up on a
+    silent one only at its deadline for that sender, counted from when the reducer itself heard
+    of the round; the senders waiting for its answers must outwait that, whatever their own start.
+    (Their wait was capped at the same slack: on the simulated internet a group member whose
+    machine went off mid-round made the members that heard of the group first give up on every
+    reducer that heard of it later, and their whole round failed.) Peer 3 hears of the round
+    0.2 s after the others; peer 2, a client, sends its first part and falls silent."""
+    rules = DeadlineRules(stall=1.0, slack=1.0)
+    modes = [AveragingMode.NODE, AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.NODE]
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 4, faults={2: SendsLateThenFallsSilent(0.3)}, client_indices=(2,))
+        group = make_group(peers, modes=modes)
+        tensors = [random_tensors(i) for i in range(4)]
+        results: dict = {}
+
+        async def one(i: int) -> None:
+            await trio.sleep(0.2 if i == 3 else 0.0)
+            settings = RoundSettings(part_size=PART_SIZE, deadlines=rules)
+            results[i] = await peers[i].service.run(group, tensors[i], settings=settings)
+
+        async with trio.open_nursery() as round_:
+            for i in range(4):
+                round_.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    for i in (0, 1, 3):
+        assert peers[2].host.peer_id in results[i].failed_peers
+        assert not results[i].local_shards, (i, results[i].local_shards)
 
 
 async def test_a_sender_that_died_before_sending_is_dropped_at_once():

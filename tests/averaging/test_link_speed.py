@@ -74,6 +74,19 @@ def test_a_quiet_spell_waits_for_the_cap_only_and_then_bytes_are_owed_again():
     assert deadline.deadline == 11.0
 
 
+def test_a_senders_wait_for_answers_outlasts_the_reducers_wait_for_a_silent_sender():
+    """The reducer gives up on a silent sender at its own cap, counted from when it heard of the
+    round: a sender waiting quietly for its answers waits a stall interval more (a caller's cap
+    still bounds it)."""
+    reducers_wait = ProgressDeadline(RULES, owed_bytes=100, now=0.5)  # heard of the round later
+    senders_wait = ProgressDeadline.for_replies(RULES, owed_bytes=100, now=0.0)
+    senders_wait.quiet = True
+    assert reducers_wait.cap_at == 0.5 + 3.0 + 0.1  # slack + its bytes at the floor rate
+    assert senders_wait.deadline == 3.0 + 2.0 + 0.1 > reducers_wait.cap_at  # + a stall interval
+    capped = DeadlineRules(stall=2.0, min_rate=1000.0, slack=3.0, cap=4.0)
+    assert ProgressDeadline.for_replies(capped, owed_bytes=100, now=10.0).cap_at == 14.0
+
+
 def test_a_callers_cap_bounds_every_deadline():
     rules = DeadlineRules(stall=2.0, min_rate=1000.0, slack=3.0, cap=4.0)
     deadline = ProgressDeadline(rules, owed_bytes=10**9, now=10.0)
