@@ -26,7 +26,7 @@ from .partition import AllReducePlan
 from .reducer_shard import ReducerShard, ShardSigning
 from .robust import Aggregation
 from .round_roles import in_thread
-from .round_state import AllReduceRound, ShardState
+from .round_state import AllReduceRound
 from .verification import (
     CHECK_METHOD,
     CHECK_TIMEOUT,
@@ -426,8 +426,7 @@ class CheckedRound:
         if flat is None:
             return
         unjust = round_.unjust_exclusions()
-        took_us = [round_.shards[index].reducer for index in round_.in_state(ShardState.AVERAGED)]
-        self.checks.note_exclusions(unjust, took_us)
+        self.checks.note_exclusions(unjust, round_.took_us_in())
         received, contributors = round_.received(), round_.part_contributors()
         pending = self.checks.pick(
             round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec),

@@ -9,7 +9,7 @@ one state of a table, and moves only along it (in the manner of h11's ``_state.p
     PENDING -> LOCAL      it keeps this peer's own values: the reason says why
     AVERAGED -> CHECKED   its reducer passed this peer's check (``verification.py``)
     AVERAGED -> BANNED    its reducer is on our ban list or failed its check: local values
-    AVERAGED -> LEFT_OUT  a checked round's reducer left out a sender the others took in: local values
+    AVERAGED -> LEFT_OUT  a checked round's reducer left out senders the others took in: local values
 
 Every sender of the group is ``IN`` until some reducer leaves it out of its average
 (``DROPPED``, with the reason). A sender dropped midway is still in the parts averaged before
@@ -23,6 +23,7 @@ driver: it raises ``RoundStateError`` and the round stays broken (sticky), as h1
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 
@@ -249,40 +250,62 @@ class AllReduceRound:
                 self._move(index, ShardState.BANNED, reason="reducer banned: " + reason_of(reducer))
 
     def unjust_exclusions(self) -> list[PeerID]:
-        """Averages whose reducer left out a sender that most other reducers took in, in every
-        part, keep our own values instead; returns the reducers that left *us* out so.
+        """Averages that left out a sender the other reducers took in keep our own values
+        instead, where that is us or a quarter of the senders; returns the reducers that left
+        *us* out so.
 
         A reducer drops a sender that falls silent and says so; in a robust round it must not
-        choose whose contributions make our average (one that left honest senders out would
-        hand its shard to the rest). Who was late shows in the other reducers' averages: a
-        sender that most of them took in whole was not (a reducer's own shard, which always
-        holds its own contribution, says nothing of it). A sender left out by most reducers was
-        late, and the averages without it are used (and checked) as any. Only our own exclusions
-        are held against a reducer (``ReducerChecks.note_exclusions``): a sender that stalls
-        towards one reducer on purpose can make that reducer's average unused, not banned."""
+        choose whose contributions make an average (one that left honest senders out would hand
+        its shard to the rest). Who was late shows in the other reducers' averages: only those of
+        reducers that send too (an identity that only reduces costs an attacker less), and never
+        a sender's own shard (it always holds its own contribution). A sender that at least half
+        of them took in whole was not late; one left out by most of them was, and the averages
+        without it are used (and checked) as any. With nothing to compare (a pair) we keep our
+        own values. Another sender's unjust exclusion alone does not discard an average: any
+        sender can get itself dropped by a reducer on purpose (a stream ended early), and would
+        then discard that reducer's average for everyone; only as many as
+        ``max(2, a quarter of the senders)`` do (a censor that leaves out so many honest senders
+        could otherwise hand CenteredClip's majority to the rest). Only our own exclusions are
+        held against a reducer (``ReducerChecks.note_exclusions``)."""
         self._event("unjust_exclusions")
-        whole = {  # shard -> the senders in every part of its average, where we know them
+        whole = {  # sending reducers' shards -> the senders in every part of their averages
             index: set(_in_every(entry.part_contributors))
             for index, entry in self.shards.items()
-            if entry.part_contributors and (entry.state is ShardState.AVERAGED or index == self.my_shard)
+            if entry.part_contributors
+            and entry.reducer in self.senders
+            and (entry.state is ShardState.AVERAGED or index == self.my_shard)
         }
         reducer_of = {entry.reducer: index for index, entry in self.shards.items()}
+        enough = max(2, math.ceil(len(self.senders) / 4))
         unjust_to_us = []
         for index in self.in_state(ShardState.AVERAGED) if self.sends else []:
-            if index == self.my_shard or index not in whole:
+            entry = self.shards[index]
+            if index == self.my_shard or not entry.part_contributors:
                 continue
+            named = set(_in_every(entry.part_contributors))
             unjust = []
-            for sender in [s for s in self.senders if s not in whole[index]]:
+            for sender in [s for s in self.senders if s not in named]:
                 others = [j for j in whole if j not in (index, reducer_of.get(sender))]
-                if 2 * sum(sender in whole[j] for j in others) > len(others):
+                took = sum(sender in whole[j] for j in others)
+                if (2 * took >= len(others) > 0) or (sender == self.me and not others):
                     unjust.append(sender)
-            if unjust:
-                self._move(
-                    index, ShardState.LEFT_OUT, reason=f"its reducer left out {unjust[0]}, whom the others took in"
-                )
+            if self.me in unjust or len(unjust) >= enough:
+                why = "us" if self.me in unjust else f"{len(unjust)} senders"
+                self._move(index, ShardState.LEFT_OUT, reason=f"its reducer left out {why}, whom the others took in")
                 if self.me in unjust:
-                    unjust_to_us.append(self.shards[index].reducer)
+                    unjust_to_us.append(entry.reducer)
         return unjust_to_us
+
+    def took_us_in(self) -> list[PeerID]:
+        """The other reducers whose averages we use and whose every part holds us."""
+        return [
+            entry.reducer
+            for index, entry in self.shards.items()
+            if entry.state is ShardState.AVERAGED
+            and index != self.my_shard
+            and entry.part_contributors
+            and self.me in _in_every(entry.part_contributors)
+        ]
 
     def checked(self, index: int, reducer: PeerID, verdict: str | None) -> None:
         """Our check of shard ``index``'s reducer: None, it held; else why it was caught."""

@@ -15,12 +15,12 @@ from averaging.reduction import ReductionOutcome
 from averaging.round_state import AllReduceRound, RoundPhase, RoundStateError, SenderState, ShardState
 from peer import PeerAddress, PeerID
 
-A, B, C = (PeerID(bytes([i]) * 20) for i in (1, 2, 3))
+A, B, C, D = (PeerID(bytes([i]) * 20) for i in (1, 2, 3, 4))
 ADDRESS = PeerAddress("127.0.0.1", 1)
 
 
 def group_of(*modes: AveragingMode) -> GroupInfo:
-    peers = (A, B, C)[: len(modes)]
+    peers = (A, B, C, D)[: len(modes)]
     members = tuple(
         GroupMember(p, ADDRESS, 0.0 if m is AveragingMode.CLIENT else 1.0, m) for p, m in zip(peers, modes, strict=True)
     )
@@ -186,35 +186,61 @@ def test_a_check_of_the_wrong_reducer_is_refused():
         round_.checked(1, C, None)
 
 
-def exclusions_round(named_by_a, named_by_b):
-    """C is us; A's and B's averages name ``named_by_a`` / ``named_by_b`` after their first part
-    (everyone before); our own reduction took everyone in."""
-    round_, plan = round_of(group_of(*NODES), me=C)
-    for shard, named in ((0, named_by_a), (1, named_by_b)):
-        round_.shard_averaged(shard, [[A, B, C]] + [named] * (plan.num_parts(shard) - 1), parts_of(plan, shard, 1.0))
-    round_.own_shard_reduced(outcome_of(plan, 2, [A, B, C]), None, torch.zeros(plan.shard_sizes[2]))
+def exclusions_round(named_by: dict[int, list[PeerID]], modes=NODES, me: PeerID = C):
+    """Shard ``i``'s average names ``named_by[i]`` after its first part (everyone before); our
+    own reduction took everyone in."""
+    group = group_of(*modes)
+    everyone = [m.peer_id for m in group.senders]
+    round_, plan = round_of(group, me=me)
+    for shard, named in named_by.items():
+        round_.shard_averaged(shard, [everyone] + [named] * (plan.num_parts(shard) - 1), parts_of(plan, shard, 1.0))
+    assert round_.my_shard is not None
+    round_.own_shard_reduced(
+        outcome_of(plan, round_.my_shard, everyone), None, torch.zeros(plan.shard_sizes[round_.my_shard])
+    )
     round_.exchanges_over()
     round_.screen(set(), lambda peer: "")
     return round_, plan
 
 
-def test_an_average_that_left_out_a_sender_the_others_took_in_keeps_our_own_values():
+def test_an_average_that_left_us_out_while_the_others_took_us_in_keeps_our_own_values():
     # B left us out while A took us in whole: B's average is not ours, and B is named
-    round_, plan = exclusions_round([A, B, C], [A, B])
-    assert round_.unjust_exclusions() == [B]
+    round_, plan = exclusions_round({0: [A, B, C], 1: [A, B]})
+    assert round_.unjust_exclusions() == [B] and round_.took_us_in() == [A]
     assert round_.in_state(ShardState.AVERAGED) == [0, 2] and round_.in_state(ShardState.LEFT_OUT) == [1]
     assert plan.shard_bounds(1) in round_.unaveraged()
     result = round_.finish()
-    assert "left out" in result.local_shards[1] and B in result.failed_peers and C not in result.failed_peers
-    # B left A out while our own reduction took A in whole (A's own shard says nothing of A):
-    # B's average is not used, and nothing is held against B on our account
-    round_, plan = exclusions_round([A, B, C], [B, C])
+    assert "left out us" in result.local_shards[1] and B in result.failed_peers and C not in result.failed_peers
+    # a pair: nothing to compare, so an average that left us out is not ours either
+    round_, plan = exclusions_round({0: [A]}, modes=NODES[:2], me=B)
+    assert round_.unjust_exclusions() == [A] and round_.in_state(ShardState.LEFT_OUT) == [0]
+
+
+def test_one_other_sender_left_out_unjustly_does_not_discard_an_average_and_a_quarter_does():
+    """Any sender can get itself dropped by a reducer on purpose (a stream ended early): alone it
+    must not make that reducer's average unused for everyone. Two such, a quarter of a group of 4
+    or more, do: a censor could hand CenteredClip's majority to the rest that way."""
+    round_, plan = exclusions_round({0: [A, B, C], 1: [B, C]})  # B left A out; our shard took A in
+    assert round_.unjust_exclusions() == [] and round_.in_state(ShardState.LEFT_OUT) == []
+    four = (AveragingMode.NODE,) * 4
+    round_, plan = exclusions_round({0: [A, B, C, D], 1: [B, C], 3: [A, B, C, D]}, modes=four)
     assert round_.unjust_exclusions() == [] and round_.in_state(ShardState.LEFT_OUT) == [1]
+    assert "2 senders" in round_.finish().local_shards[1]
 
 
-def test_averages_that_left_out_a_sender_late_for_everyone_are_used():
+def test_averages_that_left_out_a_sender_late_for_most_reducers_are_used():
     """We were late: both other reducers left us out (our own reduction holding us says nothing
-    of it). Their averages are used, and checked as any, so we stay with the swarm."""
-    round_, plan = exclusions_round([A, B], [A, B])
-    assert round_.unjust_exclusions() == []
+    of it). Their averages are used, and checked as any, so we stay with the swarm; rounds that
+    left us out forgive nobody."""
+    round_, plan = exclusions_round({0: [A, B], 1: [A, B]})
+    assert round_.unjust_exclusions() == [] and round_.took_us_in() == []
     assert round_.in_state(ShardState.AVERAGED) == [0, 1, 2]
+
+
+def test_only_reducers_that_send_testify_to_who_was_late():
+    """B reduces but sends nothing (an identity that costs an attacker less): its word that we
+    were late does not count, so A's average that left us out is not ours (nothing else to
+    compare: as in a pair)."""
+    modes = (AveragingMode.NODE, AveragingMode.AUX, AveragingMode.NODE)
+    round_, plan = exclusions_round({0: [A], 1: [A]}, modes=modes)
+    assert round_.unjust_exclusions() == [A] and round_.in_state(ShardState.LEFT_OUT) == [0]
