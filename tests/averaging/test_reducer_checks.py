@@ -5,6 +5,7 @@ honest reducers pass every check. How one answer is judged is in ``test_verifica
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from averaging.verification import (
 from peer import Identity, PeerID, open_peer_host
 from tests.averaging.test_allreduce import flat, make_group, random_tensors, run_round
 from tests.averaging.test_matchmaking import open_swarm, step_all
-from tests.support.hostile_reducers import LyingShard, fabricating_service, lying_service
+from tests.support.hostile_reducers import CensoringShard, LyingShard, fabricating_service, lying_service
 
 
 class MisSigning(Identity):
@@ -409,3 +410,33 @@ async def test_a_reducer_that_keeps_leaving_us_out_unjustly_is_left_out_of_our_g
         assert honest not in checks.banned
         left = checks.banned.until[censor] - checks.banned.clock()
         assert 0 < left <= UNANSWERED_BAN_SECONDS and "round after round" in checks.banned.reasons[censor]
+
+
+async def test_a_reducer_that_leaves_honest_senders_out_as_if_they_stalled_sets_nobodys_average():
+    """The censor (peer 3) leaves peers 0 and 1 out of its shard from the start, though every
+    other reducer takes them in: its average (its own contribution and peer 2's) would be its to
+    set. Every honest peer keeps its own values for that shard (the two it left out see their
+    parts refused; peer 2, whom it took in, sees two senders left out whom the others took in),
+    nobody honest is banned, and the other shards average as ever."""
+    victims: set = set()
+
+    def censor(host):
+        return AllReduceService(host, shard_type=partial(CensoringShard, victims=victims))
+
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=3, make_liar=censor)
+        victims.update(peer.host.peer_id for peer in peers[:2])
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        before = [flat(t).clone() for t in tensors]
+        results: dict = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", reducer_timeout=20.0)
+        nursery.cancel_scope.cancel()
+    censor_id = peers[3].host.peer_id
+    shard = [m.peer_id for m in group.reducers].index(censor_id)
+    start, end = results[0].plan.shard_bounds(shard)
+    for i in range(3):
+        assert list(results[i].local_shards) == [shard], results[i].local_shards
+        assert torch.equal(flat(tensors[i])[start:end], before[i][start:end])
+        assert not any(peer in peers[i].service.checks.banned for peer in [p.host.peer_id for p in peers[:3]])
+    assert "left out 2 senders" in results[2].local_shards[shard]

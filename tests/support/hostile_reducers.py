@@ -1,6 +1,7 @@
 """Reducers that lie about their shard, for tests and ``benchmarks/byzantine.py``: they aggregate
 as honest ones do, then answer with something else. ``LyingShard`` keeps its true inputs for the
-senders' checks; ``fabricating_service`` answers each check with inputs made to fit its lie."""
+senders' checks; ``fabricating_service`` answers each check with inputs made to fit its lie;
+``CensoringShard`` aggregates truly but leaves chosen senders out, as if they had stalled."""
 
 from __future__ import annotations
 
@@ -88,3 +89,13 @@ def fabricating_service(host: Any) -> AllReduceService:
     the other senders' inputs to fit the lie (``FabricatedInputs``)."""
     kept = FabricatedInputs(host)
     return AllReduceService(host, shard_type=partial(LyingShard, lies=kept.lies), kept=kept)
+
+
+class CensoringShard(ReducerShard):
+    """Leaves the senders in ``victims`` out of its average from the start, saying they stalled
+    (an honest reducer's words for a sender that fell silent), and aggregates the rest truly."""
+
+    def __init__(self, *args: Any, victims: set | frozenset = frozenset(), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        for sender in [s for s in self.reduction.expected if s in victims]:
+            self.drop(sender, "no byte for 5 s")
