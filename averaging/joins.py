@@ -122,5 +122,5 @@ class Joins:
                     await self._chosen.wait()
         finally:
             self._waiting.discard(joiner.peer_id)
-        if gives_up_at - trio.current_time() < MIN_PATIENCE_LEFT:
+        if gives_up_at - trio.current_time() <= MIN_PATIENCE_LEFT:  # (the wait above ended there)
             raise ValueError("the join's patience ran out while this peer chose its role")

@@ -58,20 +58,20 @@ async def test_a_join_is_refused_once_we_follow_or_when_its_patience_ran_out_wai
     joins.choosing(me)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outcome, joins, follower, 5.0, outcomes)
-        nursery.start_soon(outcome, joins, impatient, 1.0, outcomes)
+        nursery.start_soon(outcome, joins, impatient, 2.0, outcomes)
         await trio.sleep(0.5)
         joins.choosing(None)  # we follow another leader: the waiting join is told at once
         await trio.testing.wait_all_tasks_blocked()
         assert outcomes[follower.peer_id][:2] == ("refused", "not gathering a group now")
         assert outcomes[follower.peer_id][2] == pytest.approx(0.5)
         joins.choosing(me)  # that attempt failed: choosing again
-        nursery.start_soon(outcome, joins, impatient, 1.0, outcomes)
-        await trio.sleep(1.0 - MIN_PATIENCE_LEFT / 2)
+        nursery.start_soon(outcome, joins, impatient, 2.0, outcomes)
+        await trio.sleep(2.0 - MIN_PATIENCE_LEFT / 2)
         joins.open(Gathering(me, {impatient.peer_id}, target=4))  # too late to form a group for it
         await trio.sleep(0.1)
         nursery.cancel_scope.cancel()  # (an admitted join would wait for the group to form)
     assert outcomes[impatient.peer_id][:2] == ("refused", "the join's patience ran out while this peer chose its role")
-    assert outcomes[impatient.peer_id][2] == pytest.approx(1.5 - MIN_PATIENCE_LEFT)
+    assert outcomes[impatient.peer_id][2] == pytest.approx(2.5 - MIN_PATIENCE_LEFT)
 
 
 async def test_only_joins_we_could_admit_wait_and_no_more_than_a_group_of_them(autojump_clock):

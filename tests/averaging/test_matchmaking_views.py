@@ -307,3 +307,27 @@ async def test_a_bare_averager_left_behind_joins_the_swarms_round_after_one_lost
         assert lost == [averagers[0]]
         assert all(averager.tensors[0].item() == pytest.approx(1.5) for averager in averagers)
         assert {averager.round for averager in averagers} == {7}
+
+
+async def test_a_follower_across_the_world_hears_its_leaders_answer_in_time(autojump_clock):
+    """A leader holding its group open for latecomers answers before its follower's patience runs
+    out, counted from when the join reached it: the answer must still cross back before the
+    follower stops listening. With 150 ms each way (Sydney to London) a margin of one crossing
+    made the follower give up just before the answer came, while the leader formed the group with
+    a member that was gone."""
+    network = SimNetwork(seed=9, side=1e-3, access_delay=(0.075, 0.075))  # every one-way delay: 0.15 s
+    async with open_sim_swarm(network, 2) as swarm:
+        averagers = [
+            GroupAverager([torch.zeros(4)], node, prefix="far", target_group_size=3, min_group_size=2)
+            for node in swarm.nodes
+        ]
+        groups: dict = {}
+        never = trio.Event()  # the leader stays open for latecomers until its follower would give up
+
+        async def match(index: int) -> None:
+            groups[index] = await averagers[index].find_group(timeout=10.0, hold_open=never)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(2):
+                nursery.start_soon(match, index)
+        assert groups[0].group.group_id == groups[1].group.group_id and len(groups[0].group.members) == 2
