@@ -18,8 +18,8 @@ __all__ = ["Declaration", "Match", "Gathering", "joiner_view", "ANSWER_MARGIN", 
 # A leader answers this long before its own deadline or a follower's, the follower's counted from
 # when its join arrived; the follower listens this long past its patience, counted from when it
 # asked. Between them the two margins must hold the join's way there and the answer's way back:
-# a round trip of up to twice this (antipodes: ~0.35 s). At 0.1 s a follower 150 ms away gave up
-# just before the answer came, while the leader formed the group with a member that was gone.
+# a round trip of up to twice this (antipodes: ~0.35 s); with less, a follower far away gives up
+# just before the answer comes, while the leader forms the group with a member that is gone.
 ANSWER_MARGIN = 0.25
 # A leader re-reads the declarations at most this many times a round because joiners named members
 # it does not expect: an honest view that missed a declaration needs one, and a joiner that names

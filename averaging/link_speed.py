@@ -99,8 +99,8 @@ class ProgressDeadline:
         """A sender's deadline for a reducer's answers: a stall interval past the usual cap. The
         reducer answers once every sender still in the round has delivered, and gives up on a
         silent one only at its own deadline for it, counted from when it heard of the round
-        (perhaps a round trip or more after us); a sender capped at the same slack gave up on
-        every reducer of a round whose member vanished, and the whole round failed."""
+        (perhaps a round trip or more after us); capped at the same slack, the members that heard
+        of the round first would give up on every reducer of a round whose member vanished."""
         deadline = cls(rules, owed_bytes, now)
         waited = rules.slack + rules.stall + owed_bytes / rules.min_rate
         deadline.cap_at = now + (waited if rules.cap is None else min(waited, rules.cap))

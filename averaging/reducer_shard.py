@@ -29,8 +29,8 @@ __all__ = ["KeptPart", "ROBUST_WORK", "ReducerShard", "ShardPhase", "ShardSignin
 # CenteredClip passes over a part's contributions about this many times what the mean's one pass
 # costs (stacked in float64, their Gram matrix or a few iterations, the result; 4 x 16K values:
 # 0.34 ms against 0.018): its parts count that much more work, so that the driver takes them off
-# the event loop at that size (in the lab's 4-peer rounds on 2 cores the loop was blocked
-# 0.1-0.6 s per round by parts it ran inline).
+# the event loop at that size (inline, they block each peer's loop 0.1-0.6 s per round in the
+# lab's 4-peer rounds on 2 cores).
 ROBUST_WORK = 16
 
 
