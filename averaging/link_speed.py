@@ -20,7 +20,7 @@ The caller feeds in ``(now, bytes so far)`` observations (trio time, the socket 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "BandwidthEstimate",
@@ -102,8 +102,7 @@ class ProgressDeadline:
         (perhaps a round trip or more after us); capped at the same slack, the members that heard
         of the round first would give up on every reducer of a round whose member vanished."""
         deadline = cls(rules, owed_bytes, now)
-        waited = rules.slack + rules.stall + owed_bytes / rules.min_rate
-        deadline.cap_at = now + (waited if rules.cap is None else min(waited, rules.cap))
+        deadline.cap_at = now + replace(rules, slack=rules.slack + rules.stall).limit(owed_bytes)
         return deadline
 
     def resume(self, now: float) -> None:
