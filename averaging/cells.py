@@ -42,6 +42,8 @@ __all__ = [
     "KEYSPACE",
     "MAX_CELLS",
     "MIN_CELL_SWARM",
+    "PROBE_REACH",
+    "probe_counts",
     "census_target",
     "next_cell_count",
     "sparse_cell",
@@ -68,6 +70,8 @@ CENSUS_HYSTERESIS = 1.5
 # and a census inflated by nodes packed near its target can cost no more than this split.
 MAX_CELLS = 1 << 12
 KEYSPACE = 1 << 160
+# A peer in a sparse cell looks for the swarm's count this many times above and below its own.
+PROBE_REACH = 4
 
 
 def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
@@ -100,6 +104,20 @@ def next_cell_count(current: int, estimate: float, group_size: int) -> int:
     low = cell_count(estimate / CENSUS_HYSTERESIS, group_size)
     high = cell_count(estimate * CENSUS_HYSTERESIS, group_size)
     return current if low <= current <= high else cell_count(estimate, group_size)
+
+
+def probe_counts(count: int) -> set[int]:
+    """The other cell counts that a peer alone in a sparse cell of ``count`` looks at: up to
+    ``PROBE_REACH`` times fewer and more. A newcomer's first census, taken while its routing table
+    still fills, can fall that far below the swarm's: at 128 peers on the simulated internet four
+    newcomers counted 1 cell against the swarm's 4, and looking only at half and twice their count
+    they averaged among themselves for good."""
+    counts = set()
+    factor = 2
+    while factor <= PROBE_REACH:
+        counts |= {max(1, count // factor), min(MAX_CELLS, count * factor)}
+        factor *= 2
+    return counts - {count}
 
 
 def sparse_cell(group_size: int) -> int:

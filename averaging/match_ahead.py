@@ -41,7 +41,7 @@ import trio
 
 from .averager import FormedGroup, GroupAverager
 from .later import Later
-from .matchmaking import MAX_SETTLE
+from .matchmaking import DEFAULT_SETTLE
 from .progress import SwarmProgress
 
 __all__ = [
@@ -165,7 +165,7 @@ class GroupAhead:
         self.averager = averager
         self.nursery = nursery
         settle = averager.settings.settle_time
-        self.lead = (settle if settle is not None else MAX_SETTLE) + refresh_interval + JOIN_ALLOWANCE
+        self.lead = (settle if settle is not None else DEFAULT_SETTLE) + refresh_interval + JOIN_ALLOWANCE
         self.last_wait_s = 0.0
         self._matching: _Matching | None = None
 

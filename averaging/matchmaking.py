@@ -6,31 +6,28 @@
    squat on, another peer's place in a group. A swarm of more than a few groups declares in cells
    instead, one key each (``cells.py``), their number from a census of the DHT that every peer
    takes alike; a peer reads only its own cell, so a read costs the same at any swarm size.
-2. After a short settle time it reads all declarations, keeps those with its schema and round, and
-   applies ``propose_group`` (the Moshpit grid rule): everyone computes the same leader. The settle
-   time ends early once every peer of the view that formed this peer's last group has declared
-   the new round (``view_settled``): a swarm that stays as it was matches at once, while a peer
-   that left or a newcomer costs the whole settle time, as before.
+2. After a settle time (as long as its own store took, at least ``DEFAULT_SETTLE``) it reads all
+   declarations, keeps those with its schema and round, and applies ``propose_group`` (the Moshpit
+   grid rule): everyone computes the same leader. The settle time ends early once every peer of
+   the view that formed this peer's last group has declared the new round (``view_settled``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
    and a fresh group ID. Reads can differ (a store that has not yet reached every holder): a
    follower names the members its view gives, and a leader asked for members it did not expect
    reads again and waits for those that the fresh read puts in its group, instead of closing
-   without them. A follower whose leader refuses re-reads the declarations and tries
-   again until the deadline. A leader that declines because it has matched the round already
-   (a late reader's grid can differ from the one that formed the groups) is passed over for the
-   round, keeping its place in the grid, and the next leader is asked at once, without a read or
-   a pause. One whose leader is unreachable
-   (refused the connection or lost it: dead) passes it over from then on, as every other
-   follower of that leader does, so the group elects the next leader instead of losing the
-   round to a declaration that outlived its peer.
-   A leader that answers garbage, or a group without the follower, serves no matchmaking (a
-   client-mode peer, whose connection to us serves no calls), or does not answer within half of
-   the time left (LEADER_PATIENCE_SHARE) is passed over the same way: anyone can declare itself
-   and, with a peer ID that ranks first, be elected; it must not cost the others the round. Such
-   a leader is remembered and passed over in the rounds that follow too, until the declaration
-   that named it expires (``matchmaking_rules.PassedOver``): trying it again every round would
-   cost each of them half its time.
+   without them. A follower whose leader refuses re-reads the declarations and tries again until
+   the deadline. A leader that declines because it has matched the round already (a late reader's
+   grid can differ from the one that formed the groups) is passed over for the round, keeping its
+   place in the grid, and the next leader is asked at once, without a read or a pause. One whose
+   leader is unreachable (refused the connection or lost it: dead) passes it over from then on,
+   as every other follower of that leader does, so the group elects the next leader instead of
+   losing the round to a declaration that outlived its peer. A leader that answers garbage, or a
+   group without the follower, serves no matchmaking (a client-mode peer, whose connection to us
+   serves no calls), or does not answer within half of the time left (LEADER_PATIENCE_SHARE) is
+   passed over the same way: anyone can declare itself and, with a peer ID that ranks first, be
+   elected; it must not cost the others the round. Such a leader is remembered and passed over in
+   the rounds that follow too, until the declaration that named it expires
+   (``matchmaking_rules.PassedOver``): trying it again every round would cost each half its time.
 
 Peers whose tensor schemas differ never meet: the schema hash (shapes, dtypes and the reducers'
 rule, ``averager.tensor_schema``) is part of what is matched. Peers
@@ -50,7 +47,7 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, Router, RPCError, UnknownMethodError
 
-from .cells import MAX_CELLS, Cells, sparse_cell
+from .cells import Cells, probe_counts, sparse_cell
 from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
@@ -81,9 +78,10 @@ __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Decl
 log = logging.getLogger("peerd.averaging")
 
 JOIN_METHOD = "avg.join"
-# Declarations need a moment to reach the k nearest DHT peers before anyone reads them; a quarter
-# of the deadline (at most 0.5 s) lets stragglers' stores land while leaving most of it for joining.
-MAX_SETTLE = 0.5
+# Declarations need a moment to reach the k nearest DHT peers before anyone reads them: 0.5 s, or as
+# long as our own store took if longer (the others' take about as long; across the internet a
+# lookup takes several round trips), at most a quarter of the deadline, the rest left for joining.
+DEFAULT_SETTLE = 0.5
 # While settling, the declarations are read to see whether the last view is complete: at most
 # SETTLE_READS times (the first at once), at least SETTLE_POLL apart, and only in swarms whose last
 # view had fewer than EARLY_SETTLE_VIEW other peers: there a read is a few small answers, while
@@ -163,8 +161,9 @@ class Matchmaker:
         """Declare, agree on a group and return it with our round in it; raises MatchmakingError
         after ``timeout``.
 
-        ``settle_time`` is how long to let declarations spread before reading them (default: a
-        quarter of the timeout, at most MAX_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty).
+        ``settle_time`` is how long at least to let declarations spread before reading them
+        (default DEFAULT_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty), at most a quarter of the
+        timeout; longer if our own store took longer.
         ``hold_open``: matching ahead of the round, a leader whose expected members all joined
         keeps admitting latecomers (peers that declared after it read the declarations) until the
         group is full or the event is set (the round is due), within its followers' patience."""
@@ -196,8 +195,7 @@ class Matchmaker:
         own_round = me.round
         self._confirms_left = MAX_CONFIRMS
         self.joins.choosing(me)
-        await self.declare(me, timeout)
-        settled = await self._settle(me, settle_time if settle_time is not None else min(MAX_SETTLE, timeout / 4))
+        settled = await self._settle(me, settle_time, timeout, stored_in=await self.declare(me, timeout))
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
@@ -333,9 +331,12 @@ class Matchmaker:
         if not isinstance(error, LeaderHoldsExcluded) and leader.expiration is not None:
             self._passed_over.remember(leader.peer_id.to_bytes(), leader.expiration, self.dht.clock.time())
 
-    async def _settle(self, me: Declaration, settle: float) -> dict[PeerID, Declaration] | None:
-        """Let declarations spread for ``settle`` seconds, or until the view is as complete as the
+    async def _settle(
+        self, me: Declaration, settle_time: float | None, timeout: float, stored_in: float
+    ) -> dict[PeerID, Declaration] | None:
+        """Let declarations spread (``DEFAULT_SETTLE``), or until the view is as complete as the
         last one (``view_settled``); returns that complete view, or None after the full time."""
+        settle = min(max(settle_time if settle_time is not None else DEFAULT_SETTLE, stored_in), timeout / 4)
         if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
             await trio.sleep(settle)
             return None
@@ -348,14 +349,17 @@ class Matchmaker:
             await trio.sleep(settle)  # (the rest of it)
         return None
 
-    async def declare(self, me: Declaration, timeout: float) -> None:
-        """Store our declaration under our own signed subkey, to live as long as the round."""
+    async def declare(self, me: Declaration, timeout: float) -> float:
+        """Store our declaration under our own signed subkey, to live as long as the round;
+        returns how long the store took."""
+        started = trio.current_time()
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key = self.key(me.round)
         if self._declared_key not in (None, key):  # moved cells: the old one must not expect us
             await self.withdraw()
         self._declared_key = key
         await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
+        return trio.current_time() - started
 
     async def withdraw(self) -> None:
         """Take our declaration back (we are leaving): until it expired, others would keep
@@ -369,13 +373,13 @@ class Matchmaker:
         self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float
     ) -> tuple[Declaration, dict[PeerID, Declaration]]:
         """Our cell is sparse: we may count cells differently from the swarm (a census that saw a
-        different k-th node, a newcomer whose census is still running). Read our cell for half and
-        for twice our count (and for the count of a census that has just come in), and move to
+        different k-th node, a newcomer whose census is still running). Read our cell under the
+        counts near ours (``probe_counts``) and the count of a census that has just come in; move to
         whichever holds the most peers; the swarm's majority sees full cells and stays, so its
         count wins."""
         here = self.cells
         best, best_candidates = here, candidates
-        counts = {max(1, here.count // 2), min(MAX_CELLS, here.count * 2)}
+        counts = probe_counts(here.count)
         if self.census.counted is not None:  # this round's census came in: a newcomer's first count
             counts.add(self.census.counted.count)
         for count in sorted(counts - {here.count}):

@@ -34,7 +34,7 @@ from .allreduce import ROUND_WAIT
 from .averager import AveragingRound, FormedGroup, GroupAverager
 from .later import Later, TaskSpawner
 from .match_ahead import JOIN_ALLOWANCE, wait_for_group
-from .matchmaking import MAX_SETTLE
+from .matchmaking import DEFAULT_SETTLE
 
 __all__ = ["StepAhead", "STALE_GROUP_S"]
 
@@ -62,7 +62,7 @@ class StepAhead:
         self.averager = averager
         self.tasks = tasks
         settle = averager.settings.settle_time
-        self.lead = (settle if settle is not None else MAX_SETTLE) + JOIN_ALLOWANCE
+        self.lead = (settle if settle is not None else DEFAULT_SETTLE) + JOIN_ALLOWANCE
         self.period: float | None = None  # between the last two steps' starts
         self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
         self._last_start: float | None = None

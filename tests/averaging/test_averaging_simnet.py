@@ -3,8 +3,8 @@ hosts, DHT nodes and ``GroupAverager``s in Moshpit groups, under trio's virtual 
 peers replaced while rounds run and one round split by a partition.
 
 What a swarm owes its users, asserted: every peer that stays averages in every round outside the
-partition (the issue's >= 99%); the swarm agrees on the mean within ceil(log_G N) + 1 calm rounds
-(Moshpit's bound plus one round for the newcomers' values) after the partition healed; every newcomer averages within
+partition (the issue's >= 99%); the swarm agrees on the mean within ``agreement_bound`` calm rounds
+after the partition healed; every newcomer averages within
 ``NEWCOMER_BOUND_S`` of its join (a DHT bootstrap and its retries past a partition, a state
 download, then at most one round's matchmaking and all-reduce, each under its own deadline). The
 default suite runs 24 peers; ``--run-slow`` runs 64 and 128 (``benchmarks/scale.py`` reports
@@ -13,12 +13,29 @@ the growth table)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from averaging.cells import CELL_GROUPS, CELL_ROUNDS, cell_count
 from tests.support.sim_scale import JOIN_RETRY_S, JOIN_TRIES, Scenario, run_scenario
 
 BOOTSTRAP_S = 15.0  # DHTConfig's bootstrap deadline, for each try
+
+
+def agreement_bound(scenario: Scenario) -> int:
+    """Calm rounds until every peer holds the mean within the scenario's tolerance, plus one
+    round for the newcomers' values. In one key, Moshpit's grid holds the exact mean after
+    ceil(log_G N) rounds. A swarm split into cells (``averaging/cells.py``) reaches each cell's
+    exact mean per period of ``CELL_ROUNDS`` rounds, then draws new cells at random: a random
+    cell of S peers averages values whose spread is s to a mean within about s / sqrt(S) of the
+    swarm's, so each period shrinks the spread by sqrt(S), S being a cell's least width."""
+    cells = cell_count(scenario.peers, scenario.group_size)
+    if cells == 1:
+        return math.ceil(math.log(scenario.peers, scenario.group_size)) + 1
+    least_width = CELL_GROUPS * scenario.group_size
+    periods = math.ceil(math.log(1 / scenario.tolerance) / math.log(math.sqrt(least_width)))
+    return CELL_ROUNDS * periods + 1
 
 
 def newcomer_bound(scenario: Scenario) -> float:
@@ -40,12 +57,13 @@ async def test_a_churning_partitioned_swarm_averages_and_agrees(autojump_clock, 
     scenario = Scenario(
         peers=peers, group_size=group, turbulent_rounds=3, churn_per_minute=0.1, partition_round=1, seed=peers
     )
+    scenario = replace(scenario, calm_rounds=agreement_bound(scenario))
     report = await run_scenario(scenario)
     summary = vars(report)
     assert report.departures >= 1 and report.newcomers == report.departures, summary
     assert report.averaged_fraction >= 0.99, summary
     assert report.rounds_to_agree is not None, summary
-    assert report.rounds_to_agree <= math.ceil(math.log(peers, group)) + 1, summary
+    assert report.rounds_to_agree <= agreement_bound(scenario), summary
     assert report.max_deviation <= scenario.tolerance, summary
     # every newcomer averaged, soon enough
     assert len(report.newcomer_first_average_s) == report.newcomers, summary
