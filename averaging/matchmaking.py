@@ -80,7 +80,7 @@ log = logging.getLogger("peerd.averaging")
 JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them: 0.5 s, or as
 # long as our own store took if longer (the others' take about as long; across the internet a
-# lookup takes several round trips), at most a quarter of the deadline, the rest left for joining.
+# lookup takes several round trips), that at most a quarter of the deadline, the rest for joining.
 DEFAULT_SETTLE = 0.5
 # While settling, the declarations are read to see whether the last view is complete: at most
 # SETTLE_READS times (the first at once), at least SETTLE_POLL apart, and only in swarms whose last
@@ -161,9 +161,8 @@ class Matchmaker:
         """Declare, agree on a group and return it with our round in it; raises MatchmakingError
         after ``timeout``.
 
-        ``settle_time`` is how long at least to let declarations spread before reading them
-        (default DEFAULT_SETTLE; on a LAN or loopback 0.1-0.2 s is plenty), at most a quarter of the
-        timeout; longer if our own store took longer.
+        ``settle_time``: how long at least to let declarations spread before reading them (default:
+        DEFAULT_SETTLE, at most a quarter of the timeout; on a LAN 0.1-0.2 s is plenty).
         ``hold_open``: matching ahead of the round, a leader whose expected members all joined
         keeps admitting latecomers (peers that declared after it read the declarations) until the
         group is full or the event is set (the round is due), within its followers' patience."""
@@ -336,7 +335,8 @@ class Matchmaker:
     ) -> dict[PeerID, Declaration] | None:
         """Let declarations spread (``DEFAULT_SETTLE``), or until the view is as complete as the
         last one (``view_settled``); returns that complete view, or None after the full time."""
-        settle = min(max(settle_time if settle_time is not None else DEFAULT_SETTLE, stored_in), timeout / 4)
+        least = settle_time if settle_time is not None else min(DEFAULT_SETTLE, timeout / 4)
+        settle = max(least, min(stored_in, timeout / 4))
         if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
             await trio.sleep(settle)
             return None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from peer import PeerID
 
-from .group import GroupInfo
+from .group import MAX_GROUP_SIZE, GroupInfo
 
 if TYPE_CHECKING:
     from .matchmaking import Declaration
@@ -82,14 +82,13 @@ def propose_group(
     in ``unreachable`` (which still hold their places in the grid).
 
     Where the round's digit has fewer values than the group size (the top digit of a grid that is
-    not a full power of it: 2 rows of 16 give columns of 2), consecutive grid groups are merged
-    until each holds ``target_group_size`` peers: whole columns, so that every row still weighs
-    the same in each group and the grid still reaches the exact mean, in groups that lose no
-    round when one member is gone (a pair whose other half left averages nothing). Groups smaller
-    than ``min_group_size`` (the grid's ragged edge) are merged into the nearest group of the same
+    not a full power of it: 2 rows of 16 give columns of 2), consecutive grid groups that differ
+    only in the next digit are merged until each holds ``target_group_size`` peers (at most
+    ``MAX_GROUP_SIZE``): whole columns of one block, so that every row still weighs the same in
+    each group and the grid still reaches the exact mean, in groups that lose no round when one
+    member is gone (a pair whose other half left averages nothing). Groups smaller than
+    ``min_group_size`` (the grid's ragged edge) are merged into the nearest group of the same
     round, so nobody is left out just because the swarm size is not a power of the group size.
-    A group that ``unreachable`` leaves smaller than ``min_group_size`` joins its neighbour, whose
-    leader admits whoever asks.
     """
     ranked = sorted({c.peer_id: c for c in candidates}.values(), key=lambda c: c.peer_id)
     if me not in {c.peer_id for c in ranked}:
@@ -103,29 +102,23 @@ def propose_group(
         fixed = tuple(d for i, d in enumerate(digits) if i != varying)
         groups.setdefault(fixed, []).append(candidate)
     merged: list[list[Candidate]] = []
-    for group in (groups[key] for key in sorted(groups)):
-        if merged and (len(group) < min_group_size or len(merged[-1]) < target_group_size):
+    block: tuple[int, ...] | None = None  # the digits a short group shares with those it may join
+    for key in sorted(groups):
+        group = groups[key]
+        ragged = merged and (len(group) < min_group_size or len(merged[-1]) < min_group_size)
+        short = merged and len(merged[-1]) < target_group_size and key[:-1] == block
+        if (ragged or short) and len(merged[-1]) + len(group) <= MAX_GROUP_SIZE:
             merged[-1].extend(group)
         else:
             merged.append(list(group))
-    reachable = [[c for c in group if c.peer_id == me or c.peer_id not in unreachable] for group in merged]
-    index = next(i for i, group in enumerate(merged) if any(c.peer_id == me for c in group))
-    mine = reachable[index]
-    if len(mine) < min_group_size:
-        mine = _with_neighbour(reachable, index) or mine
+            block = key[:-1]
+    mine = [
+        c
+        for c in next(group for group in merged if any(c.peer_id == me for c in group))
+        if c.peer_id == me or c.peer_id not in unreachable
+    ]
     leader = next((c.peer_id for c in mine if c.can_lead), None)
-    return GroupProposal(leader, tuple(c.peer_id for c in sorted(mine, key=lambda c: c.peer_id)))
-
-
-def _with_neighbour(groups: list[list[Candidate]], index: int) -> list[Candidate] | None:
-    """Group ``index`` joined to the nearest other group that has a member who can lead, that
-    member first (it leads): the group before it, else the one after. None: there is none."""
-    for other in [*range(index - 1, -1, -1), *range(index + 1, len(groups))]:
-        leader = next((c for c in groups[other] if c.can_lead), None)
-        if leader is not None:
-            rest = [c for c in groups[other] + groups[index] if c is not leader]
-            return [leader, *sorted(rest, key=lambda c: c.peer_id)]
-    return None
+    return GroupProposal(leader, tuple(c.peer_id for c in mine))
 
 
 # Leaders remembered at most: entries come only from leaders this peer elected and asked, a few
