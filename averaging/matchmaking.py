@@ -47,7 +47,7 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, Router, RPCError, UnknownMethodError
 
-from .cells import Cells, probe_counts, sparse_cell
+from .cells import Cells, more_crowded, probe_counts, sparse_cell
 from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
@@ -375,8 +375,8 @@ class Matchmaker:
         """Our cell is sparse: we may count cells differently from the swarm (a census that saw a
         different k-th node, a newcomer whose census is still running). Read our cell under the
         counts near ours (``probe_counts``) and the count of a census that has just come in; move to
-        whichever holds the most peers; the swarm's majority sees full cells and stays, so its
-        count wins."""
+        the one whose cell shows the largest swarm (``more_crowded``); the swarm's majority sees
+        full cells and stays, so its count wins."""
         here = self.cells
         best, best_candidates = here, candidates
         counts = probe_counts(here.count)
@@ -385,7 +385,7 @@ class Matchmaker:
         for count in sorted(counts - {here.count}):
             probe = Cells(self.prefix, count)
             found = await self.read_candidates(me, probe)
-            if len(found) > len(best_candidates):
+            if more_crowded(len(found) - 1, count, len(best_candidates) - 1, best.count):  # (others: not us)
                 best, best_candidates = probe, found
         if best is not here:
             log.info("matchmaking in %d cell(s), as the peers around us do (not %d)", best.count, here.count)

@@ -17,7 +17,9 @@ from averaging.cells import (
     MIN_CELL_SWARM,
     Cells,
     cell_count,
+    more_crowded,
     next_cell_count,
+    probe_counts,
     swarm_estimate,
 )
 
@@ -94,3 +96,14 @@ def test_a_census_near_a_boundary_does_not_flip_the_count():
     # the swarm clearly grew or shrank: the count follows
     assert next_cell_count(2, 6.1 * width, 16) == cell_count(6.1 * width, 16) == 4
     assert next_cell_count(4, 0.5 * width, 16) == 1
+
+
+def test_a_count_wins_by_the_swarm_its_cells_show_not_by_the_peers_one_cell_holds():
+    # 30 peers in our cell of 4 show ~120; 40 stragglers in the single key show 40: stay
+    assert not more_crowded(40, 1, 30, 4)
+    # a newcomer alone in the single key finds 3 peers in its cell of the swarm's 4: move
+    assert more_crowded(3, 4, 1, 1)
+    # within the margin, a count keeps its peers (a read that came back early is no census)
+    assert not more_crowded(16, 4, 12, 4) and not more_crowded(30, 2, 16, 4)
+    assert probe_counts(1) == {2, 4} and probe_counts(16) == {4, 8, 32, 64}
+    assert probe_counts(MAX_CELLS) == {MAX_CELLS // 4, MAX_CELLS // 2}
