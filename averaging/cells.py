@@ -42,7 +42,6 @@ __all__ = [
     "KEYSPACE",
     "MAX_CELLS",
     "MIN_CELL_SWARM",
-    "CROWD_MARGIN",
     "PROBE_REACH",
     "more_crowded",
     "probe_counts",
@@ -72,10 +71,8 @@ CENSUS_HYSTERESIS = 1.5
 # and a census inflated by nodes packed near its target can cost no more than this split.
 MAX_CELLS = 1 << 12
 KEYSPACE = 1 << 160
-# A peer in a sparse cell looks for the swarm's count this many times above and below its own, and
-# moves to a count whose cells show a swarm more than CROWD_MARGIN times the size its own shows.
+# A peer in a sparse cell looks for the swarm's count this many times above and below its own.
 PROBE_REACH = 4
-CROWD_MARGIN = 2
 
 
 def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
@@ -125,13 +122,14 @@ def probe_counts(count: int) -> set[int]:
 
 
 def more_crowded(found: int, count: int, than: int, than_count: int) -> bool:
-    """Whether ``found`` other peers in our cell of ``count`` cells show a swarm clearly larger
-    than ``than`` others in our cell of ``than_count`` (a margin of ``CROWD_MARGIN``). A cell of ``count``
-    holds about 1/count of the peers who count so: comparing the peers found alone, a peer in a
-    sparse cell of the swarm's 4 would move to the single key as soon as it held more than that
-    cell, though it held a handful of stragglers, and each that moved made it more crowded (seen
-    at 128 peers on the simulated internet: the whole swarm drifted into one key)."""
-    return found * count > CROWD_MARGIN * than * than_count
+    """Whether ``found`` other peers in our cell of ``count`` cells show a larger swarm than
+    ``than`` others in our cell of ``than_count``: more peers in the cell, and more in the swarm
+    they stand for (a cell of ``count`` holds about 1/count of the peers who count so). Comparing
+    the cells alone, a peer in a briefly sparse cell of the swarm's 4 moved to the single key
+    whenever it held more stragglers than that cell, each move made it more crowded, and at 128
+    peers on the simulated internet the whole swarm drifted into one key; comparing the swarms
+    alone, a few declarations in a cell of 4x our count would outweigh a sparse cell of ours."""
+    return found > than and found * count > than * than_count
 
 
 def sparse_cell(group_size: int) -> int:

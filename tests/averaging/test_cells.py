@@ -103,7 +103,9 @@ def test_a_count_wins_by_the_swarm_its_cells_show_not_by_the_peers_one_cell_hold
     assert not more_crowded(40, 1, 30, 4)
     # a newcomer alone in the single key finds 3 peers in its cell of the swarm's 4: move
     assert more_crowded(3, 4, 1, 1)
-    # within the margin, a count keeps its peers (a read that came back early is no census)
-    assert not more_crowded(16, 4, 12, 4) and not more_crowded(30, 2, 16, 4)
+    # a third of a swarm of 1,000 at twice the swarm's count (sparse cells of ~15) rejoins it
+    assert more_crowded(30, 16, 14, 32) and not more_crowded(14, 32, 30, 16)
+    # a few declarations in a cell of 4x our count pull nobody out of a cell of ours with more
+    assert not more_crowded(3, 16, 3, 4)
     assert probe_counts(1) == {2, 4} and probe_counts(16) == {4, 8, 32, 64}
     assert probe_counts(MAX_CELLS) == {MAX_CELLS // 4, MAX_CELLS // 2}

@@ -149,6 +149,37 @@ async def test_a_peer_that_counts_four_times_fewer_cells_than_the_swarm_finds_it
         assert groups == {node: everyone for node in [loner, *crowd]}
 
 
+async def test_a_peer_in_a_sparse_cell_of_the_swarms_count_stays_despite_stragglers_in_the_single_key(autojump_clock):
+    """Its cell of the swarm's four holds two others; three stragglers still declare in the single
+    key (one cell), which its probe reads: more peers than its cell, but a quarter of the swarm's
+    cells shows a larger swarm, so it stays and averages with its cell."""
+    async with open_sim_swarm(SimNetwork(seed=9), 12) as swarm:
+        layout = Cells("crowd", 4)
+        cell_of = {node: layout.cell_of(node.host.peer_id.to_bytes(), 1) for node in swarm.nodes}
+        biggest = max(set(cell_of.values()), key=list(cell_of.values()).count)
+        me, *cell = [node for node in swarm.nodes if cell_of[node] == biggest][:3]
+        stragglers = [node for node in swarm.nodes if cell_of[node] != biggest][:3]
+        for node in stragglers:
+            straggling = Matchmaker(node.host, node, "crowd")
+            await straggling.declare(declaration_of(node), 20.0)  # (in the single key)
+        groups = {}
+
+        async def form(node, settle: float) -> None:
+            matchmaker = Matchmaker(node.host, node, "crowd")
+            matchmaker.cells = layout
+            match = await matchmaker.form_group(
+                declaration_of(node), target_group_size=8, min_group_size=2, timeout=20.0, settle_time=settle
+            )
+            groups[node] = {member.peer_id for member in match.group.members}
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(form, me, 0.5)
+            for node in cell:  # (they read once it has looked around)
+                nursery.start_soon(form, node, 4.0)
+        everyone = {node.host.peer_id for node in [me, *cell]}
+        assert groups == {node: everyone for node in [me, *cell]}
+
+
 async def test_a_peer_whose_group_cannot_form_reads_less_and_less_often(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=7), 4) as swarm:
         gone, survivor = sorted(swarm.nodes[1:3], key=lambda node: node.host.peer_id.to_bytes())
