@@ -110,9 +110,9 @@ def next_cell_count(current: int, estimate: float, group_size: int) -> int:
 def probe_counts(count: int) -> set[int]:
     """The other cell counts that a peer alone in a sparse cell of ``count`` looks at: up to
     ``PROBE_REACH`` times fewer and more. A newcomer's first census, taken while its routing table
-    still fills, can fall that far below the swarm's: at 128 peers on the simulated internet four
-    newcomers counted 1 cell against the swarm's 4, and looking only at half and twice their count
-    they averaged among themselves for good."""
+    still fills, can fall that far below the swarm's (at 128 peers on the simulated internet: 1
+    cell against the swarm's 4), and newcomers that looked only at half and twice their count
+    would average among themselves for good."""
     counts = set()
     factor = 2
     while factor <= PROBE_REACH:
@@ -124,11 +124,11 @@ def probe_counts(count: int) -> set[int]:
 def more_crowded(found: int, count: int, than: int, than_count: int) -> bool:
     """Whether ``found`` other peers in our cell of ``count`` cells show a larger swarm than
     ``than`` others in our cell of ``than_count``: more peers in the cell, and more in the swarm
-    they stand for (a cell of ``count`` holds about 1/count of the peers who count so). Comparing
-    the cells alone, a peer in a briefly sparse cell of the swarm's 4 moved to the single key
-    whenever it held more stragglers than that cell, each move made it more crowded, and at 128
-    peers on the simulated internet the whole swarm drifted into one key; comparing the swarms
-    alone, a few declarations in a cell of 4x our count would outweigh a sparse cell of ours."""
+    they stand for (a cell of ``count`` holds about 1/count of the peers who count so). By the
+    cells alone, a peer in a briefly sparse cell of the swarm's 4 would move to the single key
+    whenever that held more stragglers, each move making it more crowded (at 128 peers on the
+    simulated internet the whole swarm drifts into one key so); by the swarms alone, a few
+    declarations in a cell of 4x our count would outweigh a sparse cell of ours."""
     return found > than and found * count > than * than_count
 
 
