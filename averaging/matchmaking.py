@@ -333,8 +333,8 @@ class Matchmaker:
     async def _settle(
         self, me: Declaration, settle_time: float | None, timeout: float, stored_in: float
     ) -> dict[PeerID, Declaration] | None:
-        """Let declarations spread (``DEFAULT_SETTLE``), or until the view is as complete as the
-        last one (``view_settled``); returns that complete view, or None after the full time."""
+        """Let declarations spread as long as our store took (at least the settle time) or until the
+        view is as complete as the last (``view_settled``): that view, or None after the full time."""
         least = settle_time if settle_time is not None else min(DEFAULT_SETTLE, timeout / 4)
         settle = max(least, min(stored_in, timeout / 4))
         if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
@@ -351,13 +351,13 @@ class Matchmaker:
 
     async def declare(self, me: Declaration, timeout: float) -> float:
         """Store our declaration under our own signed subkey, to live as long as the round;
-        returns how long the store took."""
-        started = trio.current_time()
+        returns how long the store took (a withdrawal from the cell we left aside)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key = self.key(me.round)
         if self._declared_key not in (None, key):  # moved cells: the old one must not expect us
             await self.withdraw()
         self._declared_key = key
+        started = trio.current_time()
         await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
         return trio.current_time() - started
 

@@ -68,6 +68,11 @@ def test_a_short_digit_merges_whole_columns_into_full_groups_that_reach_the_exac
                 average = sum(values[m] for m in group) / len(group)
                 values.update(dict.fromkeys(group, average))
         assert all(abs(v - mean) < 1e-9 for v in values.values()), count
+    # a short digit of a grid of 64s: merged no further than a leader can take
+    candidates = [Candidate(i.to_bytes(2, "big") * 10, True) for i in range(96)]
+    for round_number in range(2):
+        groups = {propose_group(candidates, c.peer_id, round_number, 64, 2).members for c in candidates}
+        assert sum(map(len, groups)) == 96 and max(map(len, groups)) <= MAX_GROUP_SIZE
 
 
 async def open_swarm(nursery, count: int):
