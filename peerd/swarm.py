@@ -33,7 +33,7 @@ from peer import LOCAL_DIFFICULTY
 from .curves_png import write_curves_png
 from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
 from .join_arguments import AGGREGATION, MODE
-from .swarm_processes import SwarmPeer, stop_all, wait_started
+from .swarm_processes import SwarmPeer, stop_all, wait_claimed, wait_started
 from .swarm_table import TableDisplay
 
 __all__ = ["run_swarm", "add_swarm_arguments"]
@@ -284,6 +284,10 @@ def _start_peers(
     peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
     wait_started(peers, STARTUP_TIMEOUT, started, waiting)
     if args.peers > 1:
+        # The others start once the bootstrap's claim is in the DHT: started before, they could
+        # choose their shards without counting it, and one would train the bootstrap's data.
+        display.progress("peer 0 is claiming its data shard...")
+        display.message(f"peer 0 trains data shard {wait_claimed(peers[0], STARTUP_TIMEOUT)}")
         others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
         display.message(f"starting {others}...")
         for index in range(1, args.peers):

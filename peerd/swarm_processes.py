@@ -134,6 +134,22 @@ def wait_started(
                 on_waiting(list(pending.values()))
 
 
+def wait_claimed(peer: SwarmPeer, timeout: float, poll: float = 0.2) -> str:
+    """Wait until ``peer``'s status names its data shard, which it does once its claim is stored
+    in the DHT (``data_shards.publish_claim``); the shard ("I/N"). RuntimeError (with the log's
+    tail) when it exits first or does not claim within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = peer.poll_status()
+        if status is not None and isinstance(status.get("data_shard"), str):
+            return status["data_shard"]
+        if peer.process.poll() is not None:
+            raise RuntimeError(f"peer {peer.index} exited ({peer.process.returncode}):\n{peer.tail()}")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"peer {peer.index} claimed no data shard within {timeout:.0f} s:\n{peer.tail()}")
+        time.sleep(poll)
+
+
 def stop_all(peers: Iterable[SwarmPeer], timeout: float = STOP_TIMEOUT) -> None:
     """SIGTERM every running peer at once, wait for all within one deadline, SIGKILL the rest."""
     peers = list(peers)

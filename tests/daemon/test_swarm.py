@@ -96,6 +96,8 @@ def test_swarm_command_reaches_the_target_and_prints_a_summary(tmp_path):
     assert summary["reached"] is True and summary["accuracy"] >= 0.9
     assert summary["peers_alive"] == 3 and summary["epochs"] > 0 and summary["seconds"] > 0
     assert lines[0].startswith("peerd swarm: 3 peers") and lines[1] == "starting peer 0 (the bootstrap)..."
+    # The others start once the bootstrap's claim is stored, so their choices count it.
+    assert lines.index("peer 0 trains data shard 0/3") < lines.index("starting peers 1-2...")
     assert "samples/s" in result.stdout  # the live table was shown
     assert "dashboard of peer 0: http://127.0.0.1:" in result.stdout
     # Not a terminal: a table when a peer comes or goes, every PLAIN_PERIOD, and the last one.
