@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from peer.tensors import all_finite
+
 __all__ = [
     "BLOCK_TYPES",
     "BlockType",
@@ -184,7 +186,7 @@ class ExpertBackend:
             raise ValueError(f"{what} must have shape [batch, {wanted}], got {list(tensor.shape)}")
         if tensor.shape[0] == 0:
             raise ValueError(f"{what} is an empty batch")
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise ValueError(f"{what} contain NaN or Inf; refused (the expert is shared with other callers)")
 
     # ------------------------------------------------------------------ compute (worker thread)
@@ -255,12 +257,12 @@ class ExpertBackend:
             grad_x = found[0][rows] if found[0] is not None else torch.zeros_like(x[rows])
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, found[1:], strict=True)]
             norm = _norm(grads)
-            if not (math.isfinite(norm) and torch.isfinite(grad_x).all()):
+            if not (math.isfinite(norm) and all_finite(grad_x)):
                 results.append(RefusedGradient("the gradient of this call is not finite; the expert ignored it"))
                 continue
-            scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+            scale = _clip_scale(norm, self.clip_grad_norm)
             if total is None:  # the gradients autograd just made are ours to scale in place
-                total, total_norm = [g.mul_(scale) for g in grads], norm * scale
+                total, total_norm = _scaled(grads, scale), norm * scale
             else:
                 for accumulated, g in zip(total, grads, strict=True):
                     accumulated.add_(g, alpha=scale)
@@ -268,9 +270,9 @@ class ExpertBackend:
             results.append(grad_x.to("cpu"))
         if total is not None:
             norm = total_norm if contributors == 1 else _norm(total)
-            scale = min(1.0, self.clip_grad_norm / (norm + 1e-6))
-            for p, g in zip(params, total, strict=True):
-                p.grad = g.mul_(scale)
+            scale = _clip_scale(norm, self.clip_grad_norm)
+            for p, g in zip(params, _scaled(total, scale), strict=True):
+                p.grad = g
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
@@ -300,6 +302,20 @@ class ExpertBackend:
     def load(self, path: Path) -> None:
         # weights_only: a checkpoint file is still parsed without executing code from it.
         self.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+
+def _clip_scale(norm: float, limit: float) -> float:
+    """What a gradient of L2 norm ``norm`` is multiplied by to be at most ``limit``: 1 within it
+    (and within rounding of it, so that a sum made of one clipped gradient is not scaled again)."""
+    return 1.0 if norm <= limit * (1 + 1e-6) else limit / norm
+
+
+def _scaled(tensors: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """``tensors`` multiplied by ``scale`` in place; a gradient within the clip norm (scale 1) is
+    left untouched rather than rewritten, a pass over every parameter saved."""
+    if scale != 1.0:
+        torch._foreach_mul_(tensors, scale)
+    return tensors
 
 
 def _norm(tensors: Sequence[torch.Tensor]) -> float:

@@ -29,6 +29,7 @@ import torch
 import trio
 
 from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Request, Router
+from peer.tensors import all_finite
 from peer.worker_threads import run_blocking
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
@@ -291,7 +292,7 @@ def compute_batch(
     else:
         out = backend.forward(inputs)
     return [
-        part if torch.isfinite(part).all() else RefusedGradient("the outputs for these inputs are not finite")
+        part if all_finite(part) else RefusedGradient("the outputs for these inputs are not finite")
         for part in out.split([job.size for job in batch])
     ], graph
 
