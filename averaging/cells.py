@@ -44,6 +44,10 @@ __all__ = [
     "MIN_CELL_SWARM",
     "PROBE_REACH",
     "more_crowded",
+    "larger_swarm",
+    "crowd_counts",
+    "crowd_wins",
+    "census_band",
     "probe_counts",
     "census_target",
     "next_cell_count",
@@ -102,9 +106,15 @@ def next_cell_count(current: int, estimate: float, group_size: int) -> int:
     noisy (~1/sqrt(k)) and a swarm near a boundary would otherwise flip its count at every period,
     splitting for a while into peers that count differently; the band keeps a count until the
     swarm has clearly grown or shrunk past it."""
+    return current if current in census_band(estimate, group_size) else cell_count(estimate, group_size)
+
+
+def census_band(estimate: float, group_size: int) -> set[int]:
+    """The counts that a swarm within a factor ``CENSUS_HYSTERESIS`` of ``estimate`` would take:
+    any of them is a count the census allows (up to three: 1, 2 and 4 at ~90 peers in groups of 16)."""
     low = cell_count(estimate / CENSUS_HYSTERESIS, group_size)
     high = cell_count(estimate * CENSUS_HYSTERESIS, group_size)
-    return current if low <= current <= high else cell_count(estimate, group_size)
+    return {1 << bits for bits in range(low.bit_length() - 1, high.bit_length())}
 
 
 def probe_counts(count: int) -> set[int]:
@@ -130,6 +140,32 @@ def more_crowded(found: int, count: int, than: int, than_count: int) -> bool:
     simulated internet the whole swarm drifts into one key so); by the swarms alone, a few
     declarations in a cell of 4x our count would outweigh a sparse cell of ours."""
     return found > than and found * count > than * than_count
+
+
+def larger_swarm(found: int, count: int, than: int, than_count: int, least: int) -> bool:
+    """Whether ``found`` other peers in our cell of ``count`` cells, at least ``least`` of them,
+    stand for a larger swarm than ``than`` others in our cell of ``than_count``. Between counts that
+    the census allows, the swarm's wins however full its cells are: after a census that counted
+    ~90 peers where the swarm of 128 holds 4 cells, newcomers that took 2 held cells of 25 each,
+    no sparse cell to look past, and averaged among themselves beside the swarm's cells of 22."""
+    return found >= least and found * count > than * than_count
+
+
+def crowd_counts(count: int, allowed: set[int], sparse: bool, counted: int | None) -> set[int]:
+    """The other counts a peer in ``count`` cells reads its cell under: after a census, the others
+    it ``allowed``; from a ``sparse`` cell, those near ours (``probe_counts``); and the count of a
+    census that has just come in (``counted``: a newcomer's first)."""
+    counts = set(allowed) | (probe_counts(count) if sparse else set()) | ({counted} - {None})
+    return counts - {count}
+
+
+def crowd_wins(found: int, count: int, than: int, than_count: int, allowed: set[int], least: int) -> bool:
+    """Whether ``found`` others in our cell of ``count`` show a larger swarm than the ``than`` of
+    ``than_count``: ``more_crowded``, or, between counts the census ``allowed``, ``larger_swarm``
+    with at least ``least`` others (a population, not a few stragglers or sybils)."""
+    return more_crowded(found, count, than, than_count) or (
+        count in allowed and larger_swarm(found, count, than, than_count, least)
+    )
 
 
 def sparse_cell(group_size: int) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import trio
 
-from .cells import Cells, census_target, next_cell_count, swarm_estimate
+from .cells import Cells, cell_count, census_band, census_target, next_cell_count, swarm_estimate
 
 __all__ = ["Census", "CENSUS_SHARE", "CENSUS_TIMEOUT"]
 
@@ -31,6 +31,13 @@ class Census:
         self.target: int | None = None  # the target of the census that set the cells
         self.estimate = 0.0
         self.counted: Cells | None = None  # the last census's cells, from the next round on
+        self.band: set[int] = {1}  # the counts the last census allows (``cells.census_band``)
+
+    def could_hold(self, peers: int) -> bool:
+        """Whether the swarm may hold ``peers`` peers: the last census counted as many, or none has
+        come in yet (a newcomer's, or ours while lookups time out under churn). A peer that has not
+        counted the swarm cannot tell a small swarm from a cell the swarm is not in."""
+        return self.target is None or self.estimate >= peers
 
     def next_round(self, cells: Cells) -> Cells:
         """The cells a round that starts now matchmakes in: the last census's, once it came in."""
@@ -52,8 +59,16 @@ class Census:
                 log.debug("census failed: %s", error)
                 return
             estimate, cells = swarm_estimate(target, nearest, dht.config.k), current()
-            count = next_cell_count(cells.count, estimate, group_size)
+            if self.target is None and cells.count == 1:
+                # Our first count, and nothing moved us yet: the single key we start in is no count
+                # to keep. Kept within the margin, it held newcomers to a swarm of 128 (counted at
+                # ~90 once the nearest nodes churned) in one key of their own while the swarm
+                # stayed in its 4 cells, and enough of them there are no sparse cell to look past.
+                count = cell_count(estimate, group_size)
+            else:
+                count = next_cell_count(cells.count, estimate, group_size)
             if count != cells.count:
                 log.info("%s in %d cell(s): the census counts ~%.0f peers", self.counts, count, estimate)
             self.estimate, self.target = estimate, target
+            self.band = census_band(estimate, group_size)
             self.counted = Cells(self.prefix, count)

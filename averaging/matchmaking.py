@@ -47,7 +47,7 @@ import trio
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
 from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, Router, RPCError, UnknownMethodError
 
-from .cells import Cells, more_crowded, probe_counts, sparse_cell
+from .cells import Cells, crowd_counts, crowd_wins, sparse_cell
 from .census import Census
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
@@ -133,6 +133,7 @@ class Matchmaker:
         self._passed_over = PassedOver()  # leaders that did not serve us, until their declarations expire
         self.cells = Cells(prefix)
         self.census = Census(prefix)
+        self._look_around: set[int] = set()  # (this round's) other counts to read once, after a census
         self._declared_key: str | None = None  # where our live declaration is, to withdraw it
         router = router or host.router
         method = f"{JOIN_METHOD}.{prefix}"
@@ -168,8 +169,10 @@ class Matchmaker:
         group is full or the event is set (the round is due), within its followers' patience."""
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
-        self.cells = self.census.next_round(self.cells)
-        failed: Exception | None = None
+        counted = self.census.next_round(self.cells)
+        # A census came in: the swarm around us may keep another count it allows (``larger_swarm``).
+        self._look_around = self.census.band - {counted.count} if counted is not self.cells else set()
+        self.cells, failed = counted, None
         async with trio.open_nursery() as census:  # the census runs alongside, for the next round
             census.start_soon(self.census.take, self.dht, lambda: self.cells, target_group_size, timeout)
             try:
@@ -214,8 +217,8 @@ class Matchmaker:
             far_rounds = [d.round for d in candidates.values() if not in_reach(me.round, d.round)]
             rounds = [d.round for peer, d in candidates.items() if peer != me.peer_id and d.round]
             candidates = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
-            if not probed and len(candidates) < sparse and self.census.estimate >= sparse:
-                me, candidates = await self._join_the_crowd(me, candidates, timeout)
+            if not probed and (self._look_around or len(candidates) < sparse and self.census.could_hold(sparse)):
+                me, candidates = await self._join_the_crowd(me, candidates, timeout, sparse)
                 probed = True
             alone = alone and not far_rounds and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
@@ -370,22 +373,19 @@ class Matchmaker:
         await self.dht.store(key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
 
     async def _join_the_crowd(
-        self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float
+        self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float, sparse: int
     ) -> tuple[Declaration, dict[PeerID, Declaration]]:
-        """Our cell is sparse: we may count cells differently from the swarm (a census that saw a
-        different k-th node, a newcomer whose census is still running). Read our cell under the
-        counts near ours (``probe_counts``) and the count of a census that has just come in; move to
-        the one whose cell shows the largest swarm (``more_crowded``); the swarm's majority sees
-        full cells and stays, so its count wins."""
-        here = self.cells
+        """We may count cells differently from the swarm (a census that saw a different k-th node,
+        a newcomer whose census is still running): read our cell under the counts ``crowd_counts``
+        names and move to the one whose cell shows the largest swarm (``crowd_wins``); the swarm's
+        majority sees full cells and stays, so its count wins."""
+        here, allowed, self._look_around = self.cells, self._look_around, set()
         best, best_candidates = here, candidates
-        counts = probe_counts(here.count)
-        if self.census.counted is not None:  # this round's census came in: a newcomer's first count
-            counts.add(self.census.counted.count)
-        for count in sorted(counts - {here.count}):
+        counted = self.census.counted.count if self.census.counted is not None else None  # (a newcomer's first)
+        for count in sorted(crowd_counts(here.count, allowed, len(candidates) < sparse, counted)):
             probe = Cells(self.prefix, count)
             found = await self.read_candidates(me, probe)
-            if more_crowded(len(found) - 1, count, len(best_candidates) - 1, best.count):  # (others: not us)
+            if crowd_wins(len(found) - 1, count, len(best_candidates) - 1, best.count, allowed, sparse):  # (others)
                 best, best_candidates = probe, found
         if best is not here:
             log.info("matchmaking in %d cell(s), as the peers around us do (not %d)", best.count, here.count)

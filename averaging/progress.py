@@ -36,7 +36,7 @@ import trio
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import NodeIDProof, PeerID
 
-from .cells import CELL_GROUPS, CENSUS_HYSTERESIS, Cells, bucket_of, cell_count
+from .cells import CELL_GROUPS, Cells, bucket_of, census_band
 from .census import Census
 from .epoch_evidence import EpochEvidence
 from .group import is_counter
@@ -245,12 +245,7 @@ class ProgressTracker:
         if now - self._probed_at < PROBE_PERIOD_S:
             return found
         self._probed_at = now
-        estimate = self.census.estimate
-        low, high = (
-            cell_count(estimate / CENSUS_HYSTERESIS, CELL_GROUP),
-            cell_count(estimate * CENSUS_HYSTERESIS, CELL_GROUP),
-        )
-        counts = {1 << bits for bits in range(low.bit_length() - 1, high.bit_length())}
+        counts = census_band(self.census.estimate, CELL_GROUP)
         counts = (counts | {max(1, self.count // 2), self.count * 2}) - {self.count}
         probed: dict[int, dict[PeerID, PeerProgress]] = {}
 
