@@ -17,6 +17,10 @@ from averaging.cells import (
     MIN_CELL_SWARM,
     Cells,
     cell_count,
+    census_band,
+    crowd_counts,
+    crowd_wins,
+    larger_swarm,
     more_crowded,
     next_cell_count,
     probe_counts,
@@ -109,3 +113,17 @@ def test_a_count_wins_by_the_swarm_its_cells_show_not_by_the_peers_one_cell_hold
     assert not more_crowded(3, 16, 3, 4)
     assert probe_counts(1) == {2, 4} and probe_counts(16) == {4, 8, 32, 64}
     assert probe_counts(MAX_CELLS) == {MAX_CELLS // 4, MAX_CELLS // 2}
+
+
+def test_between_counts_the_census_allows_the_larger_swarm_wins_however_full_our_cell():
+    # ~90 peers in groups of 16: 1, 2 and 4 cells are all within the census's margin
+    assert census_band(90, 16) == {1, 2, 4} and census_band(128, 16) == {2, 4} and census_band(10, 16) == {1}
+    # newcomers in a full cell of 2 (24 others) find 21 in their cell of the swarm's 4: move
+    assert crowd_wins(21, 4, 24, 2, {2, 4}, 16) and not more_crowded(21, 4, 24, 2)
+    # and the swarm's peers, reading the newcomers' count, stay
+    assert not crowd_wins(24, 2, 21, 4, {2, 4}, 16)
+    # a count the census does not allow, or a cell of stragglers, is no swarm to move to
+    assert not crowd_wins(21, 4, 24, 2, {1, 2}, 16) and not larger_swarm(15, 8, 24, 2, 16)
+    # what a peer reads: after a census, the other allowed counts; from a sparse cell, those near it
+    assert crowd_counts(2, {2, 4}, False, None) == {4}
+    assert crowd_counts(4, {2, 4}, True, 8) == {1, 2, 8, 16}
