@@ -111,10 +111,14 @@ def next_cell_count(current: int, estimate: float, group_size: int) -> int:
 
 def census_band(estimate: float, group_size: int) -> set[int]:
     """The counts that a swarm within a factor ``CENSUS_HYSTERESIS`` of ``estimate`` would take:
-    any of them is a count the census allows (up to three: 1, 2 and 4 at ~90 peers in groups of 16)."""
+    any of them is a count the census allows (1, 2 and 4 at ~90 peers in groups of 16). Counts
+    that ``cell_count`` never gives are left out: from the single key it splits into at least
+    the count of its least split swarm (8 cells in groups of 4)."""
     low = cell_count(estimate / CENSUS_HYSTERESIS, group_size)
     high = cell_count(estimate * CENSUS_HYSTERESIS, group_size)
-    return {1 << bits for bits in range(low.bit_length() - 1, high.bit_length())}
+    least_split = cell_count(max(2 * CELL_GROUPS * max(2, group_size), MIN_CELL_SWARM), group_size)
+    counts = {1 << bits for bits in range(low.bit_length() - 1, high.bit_length())}
+    return {count for count in counts if count == 1 or count >= least_split}
 
 
 def probe_counts(count: int) -> set[int]:
@@ -143,12 +147,14 @@ def more_crowded(found: int, count: int, than: int, than_count: int) -> bool:
 
 
 def larger_swarm(found: int, count: int, than: int, than_count: int, least: int) -> bool:
-    """Whether ``found`` other peers in our cell of ``count`` cells, at least ``least`` of them,
-    stand for a larger swarm than ``than`` others in our cell of ``than_count``. Between counts that
-    the census allows, the swarm's wins however full its cells are: after a census that counted
-    ~90 peers where the swarm of 128 holds 4 cells, newcomers that took 2 held cells of 25 each,
-    no sparse cell to look past, and averaged among themselves beside the swarm's cells of 22."""
-    return found >= least and found * count > than * than_count
+    """Whether ``found`` other peers in our cell of ``count`` cells stand for a larger swarm than
+    ``than`` others in our cell of ``than_count``, being a population of their own: at least
+    ``least``, and at least half as many as ours. Between counts that the census allows, the
+    larger swarm wins however full our cell is: newcomers whose census counts ~90 where a swarm of
+    128 keeps 4 cells take 2, whose cells of 25 are no sparse cell to look past, and would average
+    among themselves beside the swarm's cells of 22. The half keeps a few declarations in a cell of
+    a count 16x ours (a product of small numbers: noise, or sybils) from pulling a full cell away."""
+    return found >= max(least, than // 2) and found * count > than * than_count
 
 
 def crowd_counts(count: int, allowed: set[int], sparse: bool, counted: int | None) -> set[int]:
@@ -162,7 +168,7 @@ def crowd_counts(count: int, allowed: set[int], sparse: bool, counted: int | Non
 def crowd_wins(found: int, count: int, than: int, than_count: int, allowed: set[int], least: int) -> bool:
     """Whether ``found`` others in our cell of ``count`` show a larger swarm than the ``than`` of
     ``than_count``: ``more_crowded``, or, between counts the census ``allowed``, ``larger_swarm``
-    with at least ``least`` others (a population, not a few stragglers or sybils)."""
+    with at least ``least`` others."""
     return more_crowded(found, count, than, than_count) or (
         count in allowed and larger_swarm(found, count, than, than_count, least)
     )

@@ -61,9 +61,9 @@ class Census:
             estimate, cells = swarm_estimate(target, nearest, dht.config.k), current()
             if self.target is None and cells.count == 1:
                 # Our first count, and nothing moved us yet: the single key we start in is no count
-                # to keep. Kept within the margin, it held newcomers to a swarm of 128 (counted at
-                # ~90 once the nearest nodes churned) in one key of their own while the swarm
-                # stayed in its 4 cells, and enough of them there are no sparse cell to look past.
+                # to keep. Kept within the margin, newcomers to a swarm of 128 whose census counts
+                # ~90 (its nearest nodes churned) would stay in one key of their own beside the
+                # swarm's 4 cells, soon too many there to be a sparse cell that looks around.
                 count = cell_count(estimate, group_size)
             else:
                 count = next_cell_count(cells.count, estimate, group_size)

@@ -170,8 +170,8 @@ class Matchmaker:
         if not 1 <= min_group_size <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size <= {MAX_GROUP_SIZE}")
         counted = self.census.next_round(self.cells)
-        # A census came in: the swarm around us may keep another count it allows (``larger_swarm``).
-        self._look_around = self.census.band - {counted.count} if counted is not self.cells else set()
+        if counted is not self.cells:  # a census came in: the swarm may keep another count it allows
+            self._look_around = self.census.band - {counted.count}  # (read once, in a round that reads)
         self.cells, failed = counted, None
         async with trio.open_nursery() as census:  # the census runs alongside, for the next round
             census.start_soon(self.census.take, self.dht, lambda: self.cells, target_group_size, timeout)

@@ -36,7 +36,7 @@ import trio
 from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import NodeIDProof, PeerID
 
-from .cells import CELL_GROUPS, Cells, bucket_of, census_band
+from .cells import CELL_GROUPS, Cells, bucket_of
 from .census import Census
 from .epoch_evidence import EpochEvidence
 from .group import is_counter
@@ -245,8 +245,7 @@ class ProgressTracker:
         if now - self._probed_at < PROBE_PERIOD_S:
             return found
         self._probed_at = now
-        counts = census_band(self.census.estimate, CELL_GROUP)
-        counts = (counts | {max(1, self.count // 2), self.count * 2}) - {self.count}
+        counts = (self.census.band | {max(1, self.count // 2), self.count * 2}) - {self.count}
         probed: dict[int, dict[PeerID, PeerProgress]] = {}
 
         async def probe(count: int) -> None:

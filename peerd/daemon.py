@@ -195,7 +195,8 @@ class Daemon:
             # a given shard is claimed too, while the data loads (a factory's name would need it built)
             claim = ProgressTracker(dht, self._swarm_prefix(name))
             await publish_claim(claim, (shard.index, shard.count))
-        self.data_shard = f"{shard.index}/{shard.count}"
+        if claim is not None:  # (the status names the shard once it is claimed: peerd swarm waits so)
+            self.data_shard = f"{shard.index}/{shard.count}"
         async with trio.open_nursery() as loading:
             if claim is not None:  # newcomers must count our shard while the data loads
                 loading.start_soon(hold_claim, claim, (shard.index, shard.count))
@@ -209,6 +210,9 @@ class Daemon:
                 lambda: load_task(training.task, shard=mine, device=device, model_size=training.model_size)
             )
             loading.cancel_scope.cancel()
+        if claim is None:  # a factory's task: claimed once built, under the name it has
+            await publish_claim(ProgressTracker(dht, self._swarm_prefix(task.name)), (shard.index, shard.count))
+            self.data_shard = f"{shard.index}/{shard.count}"
         return shard, task
 
     async def _train(self, dht) -> None:

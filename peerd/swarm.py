@@ -287,7 +287,10 @@ def _start_peers(
         # The others start once the bootstrap's claim is in the DHT: started before, they could
         # choose their shards without counting it, and one would train the bootstrap's data.
         display.progress("peer 0 is claiming its data shard...")
-        display.message(f"peer 0 trains data shard {wait_claimed(peers[0], STARTUP_TIMEOUT)}")
+        if (claimed := wait_claimed(peers[0], STARTUP_TIMEOUT)) is not None:
+            display.message(f"peer 0 trains data shard {claimed}")
+        else:  # (a slow machine: the others may then choose without counting its shard)
+            display.message(f"peer 0 claimed no data shard within {STARTUP_TIMEOUT:.0f} s; starting the others anyway")
         others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
         display.message(f"starting {others}...")
         for index in range(1, args.peers):

@@ -80,13 +80,20 @@ async def test_peers_in_full_cells_of_another_count_the_census_allows_move_to_th
     keeps 4 (both within the census's margin), and enough of them share a cell that it is not
     sparse: once their census is in, they read their cell under the swarm's count too and move
     there, instead of averaging among themselves for the rest of the run."""
-    async with open_sim_swarm(SimNetwork(seed=11), 48) as swarm:
-        halves = Cells("split", 2)
-        by_half = collections.defaultdict(list)
+    async with open_sim_swarm(SimNetwork(seed=11), 80) as swarm:
+        quarters = Cells("split", 4)
+        by_quarter = collections.defaultdict(list)
         for node in swarm.nodes:
-            by_half[halves.cell_of(node.host.peer_id.to_bytes(), 1)].append(node)
-        newcomers = by_half[0][:5]  # one full cell of 2: five peers, no sparse cell to look past
-        veterans = [node for node in swarm.nodes if node not in newcomers][:32]
+            by_quarter[quarters.cell_of(node.host.peer_id.to_bytes(), 1)].append(node)
+        # eleven newcomers in one cell of 2 (one cell of 4 within it), where the swarm's 4 cells
+        # hold 8 of its peers (twelve each elsewhere): fewer than the newcomers' own cell, so only
+        # the larger swarm behind those moves them, not a fuller cell
+        theirs = max(by_quarter, key=lambda cell: len(by_quarter[cell]))
+        newcomers = by_quarter[theirs][:11]
+        veterans = [
+            node for cell, nodes in by_quarter.items() for node in (nodes[11:19] if cell == theirs else nodes[:12])
+        ]
+        assert len(by_quarter[theirs]) >= 19
         target = census_target("split", swarm.clock.time())
         matchmakers = {}
         for node in newcomers + veterans:
@@ -97,12 +104,13 @@ async def test_peers_in_full_cells_of_another_count_the_census_allows_move_to_th
                 matchmaker.cells = Cells("split", 2)
                 matchmaker.census.counted, matchmaker.census.band = Cells("split", 2), {2, 4}
         groups = {}
+        settle = {node: 2.0 for node in newcomers + veterans}
 
         async def form(node, round_number: int) -> None:
             me = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", round_number)
             try:
                 match = await matchmakers[node].form_group(
-                    me, target_group_size=4, min_group_size=2, timeout=30.0, settle_time=2.0
+                    me, target_group_size=4, min_group_size=2, timeout=30.0, settle_time=settle[node]
                 )
             except MatchmakingError:  # (a peer that moves may miss the groups formed meanwhile)
                 assert round_number == 1

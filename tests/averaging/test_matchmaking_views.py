@@ -166,8 +166,8 @@ class CensusTimesOut:
 async def test_a_peer_whose_census_has_not_come_in_still_looks_for_its_crowd_from_a_sparse_cell(autojump_clock):
     """Its census never comes in, so it starts in the single key and does not know how large the
     swarm is; alone there, it looks at the counts near its own and averages in the swarm's four.
-    (Waiting for a count first, newcomers in a swarm of 128 gathered in the single key until they
-    were no sparse cell, and averaged among themselves for the rest of the run.)"""
+    (Waiting for a count first, newcomers in a swarm of 128 would gather in the single key until
+    they are no sparse cell, and average among themselves for the rest of the run.)"""
     async with open_sim_swarm(SimNetwork(seed=9), 12) as swarm:
         layout = Cells("crowd", 4)
         cell_of = {node: layout.cell_of(node.host.peer_id.to_bytes(), 1) for node in swarm.nodes}
