@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import trio
 
-from .cells import Cells, cell_count, census_band, census_target, next_cell_count, swarm_estimate
+from .cells import Cells, census_band, census_target, next_cell_count, swarm_estimate
 
 __all__ = ["Census", "CENSUS_SHARE", "CENSUS_TIMEOUT"]
 
@@ -59,14 +59,7 @@ class Census:
                 log.debug("census failed: %s", error)
                 return
             estimate, cells = swarm_estimate(target, nearest, dht.config.k), current()
-            if self.target is None and cells.count == 1:
-                # Our first count, and nothing moved us yet: the single key we start in is no count
-                # to keep. Kept within the margin, newcomers to a swarm of 128 whose census counts
-                # ~90 (its nearest nodes churned) would stay in one key of their own beside the
-                # swarm's 4 cells, soon too many there to be a sparse cell that looks around.
-                count = cell_count(estimate, group_size)
-            else:
-                count = next_cell_count(cells.count, estimate, group_size)
+            count = next_cell_count(cells.count, estimate, group_size)
             if count != cells.count:
                 log.info("%s in %d cell(s): the census counts ~%.0f peers", self.counts, count, estimate)
             self.estimate, self.target = estimate, target

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from averaging.cells import CENSUS_PERIOD_S, Cells, cell_count, census_target, next_cell_count, swarm_estimate
+from averaging.cells import CENSUS_PERIOD_S, Cells, census_target
 from averaging.census import CENSUS_TIMEOUT, Census
 
 
@@ -84,26 +84,3 @@ def test_a_census_takes_at_most_its_share_of_the_round():
         assert trio.current_time() - started == pytest.approx(CENSUS_TIMEOUT)
 
     run(main)
-
-
-def test_a_peers_first_census_counts_the_swarm_and_later_ones_keep_their_count_within_the_margin():
-    """A newcomer starts in the single key, which is no count to keep: kept within the margin, a
-    census counting ~90 peers held newcomers in one key of their own beside a swarm in 4 cells."""
-    dht = CountedDHT(84)
-    target = census_target("avg", dht.wall_time)
-    estimate = swarm_estimate(target, sorted(dht.ids, key=lambda node: node ^ target)[:20], 20)
-    # (an estimate the margin keeps at 1 and at 4, which alone counts 2 cells)
-    assert next_cell_count(1, estimate, 16) == 1 and next_cell_count(4, estimate, 16) == 4
-    assert cell_count(estimate, 16) == 2
-    newcomer, moved, counted_before = Census("avg"), Census("avg"), Census("avg")
-    counted_before.target = census_target("avg", dht.wall_time - CENSUS_PERIOD_S)
-
-    async def main():
-        await newcomer.take(dht, lambda: Cells("avg"), group_size=16, timeout=30.0)
-        await moved.take(dht, lambda: Cells("avg", 4), group_size=16, timeout=30.0)  # (the crowd moved it)
-        await counted_before.take(dht, lambda: Cells("avg"), group_size=16, timeout=30.0)
-
-    run(main)
-    assert newcomer.next_round(Cells("avg")).count == 2
-    assert moved.next_round(Cells("avg", 4)).count == 4
-    assert counted_before.next_round(Cells("avg")).count == 1
