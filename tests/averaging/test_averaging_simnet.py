@@ -65,8 +65,8 @@ async def test_a_churning_partitioned_swarm_averages_and_agrees(autojump_clock, 
     assert report.rounds_to_agree is not None, summary
     assert report.rounds_to_agree <= agreement_bound(scenario), summary
     assert report.max_deviation <= scenario.tolerance, summary
-    # every newcomer averaged, soon enough
-    assert len(report.newcomer_first_average_s) == report.newcomers, summary
+    # every newcomer averaged, soon enough (but those that churn took again before their first round)
+    assert len(report.newcomer_first_average_s) == report.newcomers - report.newcomers_gone_before_averaging, summary
     assert max(report.newcomer_first_average_s) <= newcomer_bound(scenario), summary
     # The partitioned round is not asserted beyond having run: a side cut off from the nodes that
     # hold the matchmaking key cannot match at all (0.29 to 1.0 of the stayers averaged in it,

@@ -69,6 +69,7 @@ class ScaleReport:
     newcomers: int = 0
     join_retries: int = 0
     newcomer_first_average_s: list[float] = field(default_factory=list)  # join -> first averaged round
+    newcomers_gone_before_averaging: int = 0  # (churn took them before their first round ended)
     cpu_s: float = 0.0  # process CPU over the rounds
     peer_rounds: int = 0
     bytes_sent: int = 0
@@ -148,8 +149,11 @@ class ScaleRun:
         while True:
             await trio.sleep(self.picks.expovariate(1.0 / period))
             candidates = [index for index in self.live() if index != 0]
-            self.swarm.leave(self.picks.choice(candidates))
+            leaving = self.picks.choice(candidates)
+            self.swarm.leave(leaving)
             self.report.departures += 1
+            if self.joined_at.pop(leaving, None) is not None:  # a newcomer leaves before it averaged
+                self.report.newcomers_gone_before_averaging += 1
             self.newcomers.start_soon(self.newcomer)
 
     async def newcomer(self) -> None:
