@@ -151,9 +151,10 @@ def larger_swarm(found: int, count: int, than: int, than_count: int, least: int)
     ``than`` others in our cell of ``than_count``, being a population of their own: at least
     ``least``, and at least half as many as ours. Between counts that the census allows, the
     larger swarm wins however full our cell is: newcomers whose census counts ~90 where a swarm of
-    128 keeps 4 cells take 2, whose cells of 25 are no sparse cell to look past, and would average
-    among themselves beside the swarm's cells of 22. The half keeps a few declarations in a cell of
-    a count 16x ours (a product of small numbers: noise, or sybils) from pulling a full cell away."""
+    128 keeps 4 cells keep the single key, where soon enough of them gather to be no sparse cell
+    to look past, and would average among themselves beside the swarm's cells of 22. The half
+    keeps a few declarations in a cell of a count 16x ours (a product of small numbers: noise, or
+    sybils) from pulling a full cell away."""
     return found >= max(least, than // 2) and found * count > than * than_count
 
 

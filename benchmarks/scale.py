@@ -75,6 +75,8 @@ def averaging_row(peers: int, seed: int) -> dict[str, Any]:
         "averaged_fraction": round(report.averaged_fraction, 4),
         "partition_round_averaged": round(report.partition_round_averaged or 0.0, 3),
         "newcomers": report.newcomers,
+        "newcomers_averaged": len(report.newcomer_first_average_s),
+        "newcomers_gone_unaveraged": len(report.newcomers_gone_unaveraged_s),
         "newcomer_first_average_max_s": round(max(report.newcomer_first_average_s, default=0.0), 1),
         "real_s": round(time.perf_counter() - started, 1),
     }

@@ -1,6 +1,7 @@
 """``peerd swarm``: N local peers training one task, with a live table, until a target accuracy.
 
-The first peer is the bootstrap; once it is up the others start together and join through it.
+The first peer is the bootstrap; once it is up and its data shard is claimed, the others start
+together and join through it.
 Each is a separate ``peerd join`` process (so a crash or a kill affects one peer only; see
 ``swarm_processes.py`` for how they never outlive the launcher) with its own data shard (the
 bootstrap ``0/N``, the others ``auto``) and status port; this command polls their ``/status``

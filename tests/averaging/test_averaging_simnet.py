@@ -5,7 +5,7 @@ peers replaced while rounds run and one round split by a partition.
 What a swarm owes its users, asserted: every peer that stays averages in every round outside the
 partition (the issue's >= 99%); the swarm agrees on the mean within ``agreement_bound`` calm rounds
 after the partition healed; every newcomer averages within
-``NEWCOMER_BOUND_S`` of its join (a DHT bootstrap and its retries past a partition, a state
+``newcomer_bound`` of its join, or leaves again sooner (a DHT bootstrap and its retries past a partition, a state
 download, then at most one round's matchmaking and all-reduce, each under its own deadline). The
 default suite runs 24 peers; ``--run-slow`` runs 64 and 128 (``benchmarks/scale.py`` reports
 the growth table)."""
@@ -65,9 +65,10 @@ async def test_a_churning_partitioned_swarm_averages_and_agrees(autojump_clock, 
     assert report.rounds_to_agree is not None, summary
     assert report.rounds_to_agree <= agreement_bound(scenario), summary
     assert report.max_deviation <= scenario.tolerance, summary
-    # every newcomer averaged, soon enough (but those that churn took again before their first round)
-    assert len(report.newcomer_first_average_s) == report.newcomers - report.newcomers_gone_before_averaging, summary
-    assert max(report.newcomer_first_average_s) <= newcomer_bound(scenario), summary
+    # every newcomer averaged, soon enough; one that churn took away again had not had that long
+    gone = report.newcomers_gone_unaveraged_s
+    assert len(report.newcomer_first_average_s) == report.newcomers - len(gone), summary
+    assert max(report.newcomer_first_average_s + gone) <= newcomer_bound(scenario), summary
     # The partitioned round is not asserted beyond having run: a side cut off from the nodes that
     # hold the matchmaking key cannot match at all (0.29 to 1.0 of the stayers averaged in it,
     # by the seed and trio's scheduling); benchmarks/scale.py reports it.

@@ -84,3 +84,13 @@ def test_a_census_takes_at_most_its_share_of_the_round():
         assert trio.current_time() - started == pytest.approx(CENSUS_TIMEOUT)
 
     run(main)
+
+
+def test_a_first_census_within_the_margin_keeps_the_single_key():
+    """A peer starts in the single key and its first census keeps it while the estimate allows
+    one cell: a swarm of 64, counted ~85, stays in one key (two cells of 32 average worse), and a
+    newcomer that counts the swarm low finds its cells by looking around after the census."""
+    dht, census = CountedDHT(84), Census("avg")
+    run(census.take, dht, lambda: Cells("avg"), 16, 30.0)
+    assert 80 < census.estimate < 96 and census.band == {1, 2, 4}
+    assert census.next_round(Cells("avg")).count == 1

@@ -76,10 +76,9 @@ async def test_a_swarm_in_cells_agrees_on_them_reads_only_its_own_and_averages(a
 
 
 async def test_peers_in_full_cells_of_another_count_the_census_allows_move_to_the_larger_swarm(autojump_clock):
-    """Newcomers whose census counted fewer peers than the swarm holds took 2 cells where the swarm
-    keeps 4 (both within the census's margin), and enough of them share a cell that it is not
-    sparse: once their census is in, they read their cell under the swarm's count too and move
-    there, instead of averaging among themselves for the rest of the run."""
+    """Newcomers in 2 cells where the swarm keeps 4 (both within their census's margin), enough of
+    them in one cell that it is not sparse: once their census is in, they read their cell under
+    the swarm's count too and move there, instead of averaging among themselves for good."""
     async with open_sim_swarm(SimNetwork(seed=11), 80) as swarm:
         quarters = Cells("split", 4)
         by_quarter = collections.defaultdict(list)
@@ -104,13 +103,12 @@ async def test_peers_in_full_cells_of_another_count_the_census_allows_move_to_th
                 matchmaker.cells = Cells("split", 2)
                 matchmaker.census.counted, matchmaker.census.band = Cells("split", 2), {2, 4}
         groups = {}
-        settle = {node: 2.0 for node in newcomers + veterans}
 
         async def form(node, round_number: int) -> None:
             me = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", round_number)
             try:
                 match = await matchmakers[node].form_group(
-                    me, target_group_size=4, min_group_size=2, timeout=30.0, settle_time=settle[node]
+                    me, target_group_size=4, min_group_size=2, timeout=30.0, settle_time=2.0
                 )
             except MatchmakingError:  # (a peer that moves may miss the groups formed meanwhile)
                 assert round_number == 1

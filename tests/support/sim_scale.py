@@ -69,7 +69,7 @@ class ScaleReport:
     newcomers: int = 0
     join_retries: int = 0
     newcomer_first_average_s: list[float] = field(default_factory=list)  # join -> first averaged round
-    newcomers_gone_before_averaging: int = 0  # (churn took them before their first round ended)
+    newcomers_gone_unaveraged_s: list[float] = field(default_factory=list)  # join -> left, not averaged
     cpu_s: float = 0.0  # process CPU over the rounds
     peer_rounds: int = 0
     bytes_sent: int = 0
@@ -152,8 +152,9 @@ class ScaleRun:
             leaving = self.picks.choice(candidates)
             self.swarm.leave(leaving)
             self.report.departures += 1
-            if self.joined_at.pop(leaving, None) is not None:  # a newcomer leaves before it averaged
-                self.report.newcomers_gone_before_averaging += 1
+            joined = self.joined_at.pop(leaving, None)
+            if joined is not None:  # a newcomer leaves before it averaged: how long it had
+                self.report.newcomers_gone_unaveraged_s.append(trio.current_time() - joined)
             self.newcomers.start_soon(self.newcomer)
 
     async def newcomer(self) -> None:
