@@ -1,6 +1,6 @@
 """``peerd swarm``: N local peers training one task, with a live table, until a target accuracy.
 
-The first peer is the bootstrap; once it is up and its data shard is claimed, the others start
+The first peer is the bootstrap; once it trains (its data shard claimed), the others start
 together and join through it.
 Each is a separate ``peerd join`` process (so a crash or a kill affects one peer only; see
 ``swarm_processes.py`` for how they never outlive the launcher) with its own data shard (the
@@ -285,13 +285,13 @@ def _start_peers(
     peers.append(SwarmPeer(0, _join_args(0, args.peers, args, work_dir, run_id, None), log_dir / "peer0.log"))
     wait_started(peers, STARTUP_TIMEOUT, started, waiting)
     if args.peers > 1:
-        # The others start once the bootstrap's claim is in the DHT: started before, they could
-        # choose their shards without counting it, and one would train the bootstrap's data.
-        display.progress("peer 0 is claiming its data shard...")
+        # The others start once the bootstrap trains, its claim in the DHT: started before, they
+        # could choose their shards without counting it, and one would train the bootstrap's data.
+        display.progress("peer 0 is loading its data...")
         if (claimed := wait_claimed(peers[0], STARTUP_TIMEOUT)) is not None:
             display.message(f"peer 0 trains data shard {claimed}")
         else:  # (a slow machine: the others may then choose without counting its shard)
-            display.message(f"peer 0 claimed no data shard within {STARTUP_TIMEOUT:.0f} s; starting the others anyway")
+            display.message(f"peer 0 does not train yet after {STARTUP_TIMEOUT:.0f} s; starting the others anyway")
         others = "peer 1" if args.peers == 2 else f"peers 1-{args.peers - 1}"
         display.message(f"starting {others}...")
         for index in range(1, args.peers):

@@ -135,13 +135,15 @@ def wait_started(
 
 
 def wait_claimed(peer: SwarmPeer, timeout: float, poll: float = 0.2) -> str | None:
-    """Wait until ``peer``'s status names its data shard, which it does once its claim is stored
-    in the DHT (``data_shards.publish_claim``); the shard ("I/N"), or None when it has not claimed
-    one within ``timeout``. RuntimeError (with the log's tail) when it exits first."""
+    """Wait until ``peer`` trains, its status naming its data shard (which it does once its claim
+    is stored in the DHT, ``data_shards.publish_claim``) and an epoch: peers that choose their
+    shards while it still loads its data may not hear from it in time, its loop busy, and so not
+    count its shard. The shard ("I/N"), or None when it does not train within ``timeout``.
+    RuntimeError (with the log's tail) when it exits first."""
     deadline = time.monotonic() + timeout
     while True:
         status = peer.poll_status()
-        if status is not None and isinstance(status.get("data_shard"), str):
+        if status is not None and isinstance(status.get("data_shard"), str) and status.get("epoch") is not None:
             return status["data_shard"]
         if peer.process.poll() is not None:
             raise RuntimeError(f"peer {peer.index} exited ({peer.process.returncode}):\n{peer.tail()}")
