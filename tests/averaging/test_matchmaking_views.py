@@ -118,19 +118,42 @@ async def test_a_peer_lets_the_others_declarations_land_as_long_as_its_own_store
         assert groups == {node: {n.host.peer_id for n in swarm.nodes} for node in swarm.nodes}
 
 
-async def test_a_peer_that_counts_four_times_fewer_cells_than_the_swarm_finds_its_crowd(autojump_clock):
-    """Its census says one cell (the single key), the swarm around it four: alone in its key, it
-    looks at the counts near its own, finds its cell of the swarm's four and averages there."""
+class CensusTimesOut:
+    """A DHT node whose lookups of a census's nearest nodes never finish within its deadline, as a
+    newcomer's do when churn has left its routing table full of departed peers."""
+
+    def __init__(self, node):
+        self._node = node
+
+    def __getattr__(self, name):
+        return getattr(self._node, name)
+
+    async def nearest_node_ids(self, target: int, k: int | None = None) -> list[int]:
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("census_comes_in", [True, False])
+async def test_a_peer_that_counts_four_times_fewer_cells_than_the_swarm_finds_its_crowd(
+    autojump_clock, census_comes_in
+):
+    """It matchmakes in one cell (the single key), the swarm around it in four: alone in its key,
+    it looks at the counts near its own, finds its cell of the swarm's four and averages there;
+    also when its census never comes in and it does not know how large the swarm is (waiting for
+    a count first, newcomers in a swarm of 128 would gather in the single key until they are no
+    sparse cell, and average among themselves for the rest of the run)."""
     async with open_sim_swarm(SimNetwork(seed=9), 12) as swarm:
         layout = Cells("crowd", 4)
         cell_of = {node: layout.cell_of(node.host.peer_id.to_bytes(), 1) for node in swarm.nodes}
         biggest = max(set(cell_of.values()), key=list(cell_of.values()).count)
         loner, *crowd = [node for node in swarm.nodes if cell_of[node] == biggest]
         assert len(crowd) >= 2
+        dhts = {node: node for node in swarm.nodes}
+        if not census_comes_in:
+            dhts[loner] = CensusTimesOut(loner)
         groups = {}
 
         async def form(node, cells: Cells, settle: float) -> None:
-            matchmaker = Matchmaker(node.host, node, "crowd")
+            matchmaker = Matchmaker(node.host, dhts[node], "crowd")
             matchmaker.cells = cells
             match = await matchmaker.form_group(
                 declaration_of(node),
@@ -147,52 +170,6 @@ async def test_a_peer_that_counts_four_times_fewer_cells_than_the_swarm_finds_it
                 nursery.start_soon(form, node, layout, 4.0)
         everyone = {node.host.peer_id for node in [loner, *crowd]}
         assert groups == {node: everyone for node in [loner, *crowd]}
-
-
-class CensusTimesOut:
-    """A DHT node whose lookups of a census's nearest nodes never finish within its deadline, as a
-    newcomer's do when churn has left its routing table full of departed peers."""
-
-    def __init__(self, node):
-        self._node = node
-
-    def __getattr__(self, name):
-        return getattr(self._node, name)
-
-    async def nearest_node_ids(self, target: int, k: int | None = None) -> list[int]:
-        await trio.sleep_forever()
-
-
-async def test_a_peer_whose_census_has_not_come_in_still_looks_for_its_crowd_from_a_sparse_cell(autojump_clock):
-    """Its census never comes in, so it starts in the single key and does not know how large the
-    swarm is; alone there, it looks at the counts near its own and averages in the swarm's four.
-    (Waiting for a count first, newcomers in a swarm of 128 would gather in the single key until
-    they are no sparse cell, and average among themselves for the rest of the run.)"""
-    async with open_sim_swarm(SimNetwork(seed=9), 12) as swarm:
-        layout = Cells("crowd", 4)
-        cell_of = {node: layout.cell_of(node.host.peer_id.to_bytes(), 1) for node in swarm.nodes}
-        biggest = max(set(cell_of.values()), key=list(cell_of.values()).count)
-        newcomer, *crowd = [node for node in swarm.nodes if cell_of[node] == biggest]
-        groups = {}
-
-        async def form(node, dht, cells: Cells, settle: float) -> None:
-            matchmaker = Matchmaker(node.host, dht, "crowd")
-            matchmaker.cells = cells
-            match = await matchmaker.form_group(
-                declaration_of(node),
-                target_group_size=len(crowd) + 1,
-                min_group_size=2,
-                timeout=20.0,
-                settle_time=settle,
-            )
-            groups[node] = {member.peer_id for member in match.group.members}
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(form, newcomer, CensusTimesOut(newcomer), Cells("crowd"), 0.5)
-            for node in crowd:  # (they read once the newcomer has looked around)
-                nursery.start_soon(form, node, node, layout, 4.0)
-        everyone = {node.host.peer_id for node in [newcomer, *crowd]}
-        assert groups == {node: everyone for node in [newcomer, *crowd]}
 
 
 async def test_a_peer_in_a_sparse_cell_of_the_swarms_count_stays_despite_stragglers_in_the_single_key(autojump_clock):
