@@ -261,8 +261,10 @@ class GroupAverager:
         ``sender_timeout`` and ``reducer_timeout`` where they are set. ``group``: one that
         ``find_group`` formed ahead of time, to average with at once instead of matching now.
         ``round_number``: the round to declare (default: ``self.round``, one past the last round
-        this averager took part in); ``self.round`` moves one past the round averaged in, or, left
-        more than a round behind every peer that declared (``OutOfReach``), to the swarm's round.
+        this averager took part in); ``self.round`` moves one past the round averaged in, one past the
+        round declared when no group formed (a peer kept a round behind would read its cell of an
+        older period, where nobody else declares, and fail again), or, left more than a round behind
+        every peer that declared (``OutOfReach``), to the swarm's round.
         ``on_group(group)`` runs once the group is known, before its all-reduce (``step_ahead.py``
         starts the next round's matchmaking there).
         """
@@ -275,6 +277,12 @@ class GroupAverager:
                 except OutOfReach as error:
                     if round_number is None:  # our own count, left behind: join where the swarm is
                         self.round = error.swarm_round
+                    raise
+                except MatchmakingError:
+                    # the round went on without us: the swarm's next is ours (a newcomer's round 0
+                    # stays, to join whichever round the swarm declares)
+                    if round_number is None and self.round > 0:
+                        self.round += 1
                     raise
             self.round = group.round + 1
             if on_group is not None:
@@ -342,7 +350,7 @@ class GroupAverager:
 
     def state_metadata(self) -> Any:
         """What a newcomer learns besides the tensors (subclasses add epochs, optimizer state...)."""
-        return {"round": self.round}
+        return {"round": self.round, "cells": self._matchmaker.cells.count}
 
     async def load_state_from_peers(self, timeout: float = 30.0) -> Any:
         """Replace our tensors with a donor's (in place) and adopt its round; returns its metadata."""
@@ -353,6 +361,8 @@ class GroupAverager:
                     ours.copy_(theirs)
             if isinstance(metadata, dict) and is_counter(metadata.get("round")):
                 self.round = max(self.round, metadata["round"])
+            if isinstance(metadata, dict):  # matchmake where the donor does until our census comes in
+                self._matchmaker.census.take_donors(metadata.get("cells"))
             if self._own_radius is not None:  # a donor's values are no update of ours
                 self._own_radius.reset()
         log.info("loaded state from peers (round %d)", self.round)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import trio
 
-from .cells import Cells, census_band, census_target, next_cell_count, swarm_estimate
+from .cells import MAX_CELLS, Cells, census_band, census_target, next_cell_count, swarm_estimate
 
 __all__ = ["Census", "CENSUS_SHARE", "CENSUS_TIMEOUT"]
 
@@ -38,6 +38,16 @@ class Census:
         come in yet (a newcomer's, or ours while lookups time out under churn). A peer that has not
         counted the swarm cannot tell a small swarm from a cell the swarm is not in."""
         return self.target is None or self.estimate >= peers
+
+    def take_donors(self, count: object) -> None:
+        """A newcomer's cells until its own census comes in: those of the peer it loaded its state
+        from (``count``, from the state's metadata). Its first census takes a round's lookup, under
+        churn often more, and newcomers that matchmake in the single key meanwhile gather there and
+        average apart from the swarm. The count is the donor's claim: only a count the cells can
+        have is taken, from the next round on, and the newcomer's own census replaces it."""
+        valid = type(count) is int and 1 <= count <= MAX_CELLS and count & (count - 1) == 0
+        if self.target is None and valid:
+            self.counted = Cells(self.prefix, count)
 
     def next_round(self, cells: Cells) -> Cells:
         """The cells a round that starts now matchmakes in: the last census's, once it came in."""

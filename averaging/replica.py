@@ -89,7 +89,7 @@ class EpochStateAverager(GroupAverager):
         self.epoch_of = epoch_of
 
     def state_metadata(self) -> Any:
-        return {"round": self.round, "epoch": self.epoch_of()}
+        return {**super().state_metadata(), "epoch": self.epoch_of()}
 
 
 async def average_once(
