@@ -72,6 +72,7 @@ from .matchmaking_rules import (
     round_to_join,
     view_settled,
 )
+from .retry_pause import FIRST_RETRY_PAUSE, back_off
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
@@ -93,21 +94,11 @@ EARLY_SETTLE_VIEW = 16
 # then with whoever joined (it forms the group before its most impatient follower gives up), and a
 # leader that did not is passed over with the other half left for the next one to gather a group.
 LEADER_PATIENCE_SHARE = 0.5
-# After a failed attempt a peer waits FIRST_RETRY_PAUSE before reading the declarations again,
-# twice as long after each further failure, at most MAX_RETRY_PAUSE.
-FIRST_RETRY_PAUSE = 0.05
-MAX_RETRY_PAUSE = 1.0
 # Too few peers declared: look again SPARSE_POLL later.
 SPARSE_POLL = 0.2
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
 # expirations) and only has to outlive the reads of the round it cancels.
 WITHDRAWAL_TTL = 5.0
-
-
-async def back_off(pause: float, deadline: float, least: float = 0.0) -> float:
-    """Wait ``pause`` (at least ``least``) within the deadline; returns the next, twice as long."""
-    await trio.sleep(min(max(pause, least), max(0.0, deadline - trio.current_time())))
-    return min(2 * pause, MAX_RETRY_PAUSE)
 
 
 class Matchmaker:
@@ -356,20 +347,21 @@ class Matchmaker:
         """Store our declaration under our own signed subkey, to live as long as the round;
         returns how long the store took (a withdrawal from the cell we left aside)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        key = self.key(me.round)
-        if self._declared_key not in (None, key):  # moved cells: the old one must not expect us
-            await self.withdraw()
-        self._declared_key = key
-        started = trio.current_time()
-        await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
-        return trio.current_time() - started
+        key, left = self.key(me.round), self._declared_key
+        self._declared_key, started = key, trio.current_time()
+        async with trio.open_nursery() as nursery:
+            if left not in (None, key):  # moved cells: the old one must not expect us (at once)
+                nursery.start_soon(self.withdraw, left)
+            await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
+            stored_in = trio.current_time() - started
+        return stored_in
 
-    async def withdraw(self) -> None:
-        """Take our declaration back (we are leaving): until it expired, others would keep
-        proposing us as their leader or wait for us as a member. Readers drop the marker stored in
-        its place as malformed."""
+    async def withdraw(self, key: str | None = None) -> None:
+        """Take our declaration back (we are leaving; ``key``: a cell we left): until it expired,
+        others would keep proposing us as their leader or wait for us as a member. Readers drop the
+        marker stored in its place as malformed."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
-        key = self._declared_key or self.key(0)
+        key = key or self._declared_key or self.key(0)
         await self.dht.store(key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
 
     async def _join_the_crowd(
@@ -382,11 +374,17 @@ class Matchmaker:
         here, allowed, self._look_around = self.cells, self._look_around, set()
         best, best_candidates = here, candidates
         counted = self.census.counted.count if self.census.counted is not None else None  # (a newcomer's first)
-        for count in sorted(crowd_counts(here.count, allowed, len(candidates) < sparse, counted)):
-            probe = Cells(self.prefix, count)
-            found = await self.read_candidates(me, probe)
-            if crowd_wins(len(found) - 1, count, len(best_candidates) - 1, best.count, allowed, sparse):  # (others)
-                best, best_candidates = probe, found
+        reads: dict[int, dict[PeerID, Declaration]] = {}
+
+        async def read(count: int) -> None:
+            reads[count] = await self.read_candidates(me, Cells(self.prefix, count))
+
+        async with trio.open_nursery() as nursery:  # at once: each read may take a lookup's time
+            for count in crowd_counts(here.count, allowed, len(candidates) < sparse, counted):
+                nursery.start_soon(read, count)
+        for count, found in sorted(reads.items()):  # (the counts: of others than us)
+            if crowd_wins(len(found) - 1, count, len(best_candidates) - 1, best.count, allowed, sparse):
+                best, best_candidates = Cells(self.prefix, count), found
         if best is not here:
             log.info("matchmaking in %d cell(s), as the peers around us do (not %d)", best.count, here.count)
             self.cells = best

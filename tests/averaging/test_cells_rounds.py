@@ -14,7 +14,8 @@ import averaging.cells
 import averaging.matchmaking
 from averaging.averager import GroupAverager
 from averaging.cells import Cells
-from averaging.matchmaking import MatchmakingError
+from averaging.group import AveragingMode
+from averaging.matchmaking import Declaration, MatchmakingError
 from peer import PeerID
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import SimSwarm, open_sim_swarm
@@ -116,3 +117,28 @@ async def test_a_peer_whose_round_formed_no_group_matchmakes_with_the_swarm_acro
             await lagging.step(timeout=5.0)  # alone: the others are not matchmaking now
         assert await step_all(others) == set(others)
         assert await step_all(averagers) == set(averagers)
+
+
+async def test_a_peer_that_moves_cells_withdraws_from_the_old_one_while_it_declares_in_the_new(autojump_clock):
+    """Under churn a store takes seconds (dead holders answer nothing until the RPC times out):
+    one after the other, a move after a census cost every peer two of them from its round."""
+    async with open_sim_swarm(SimNetwork(seed=2), 4) as swarm:
+        node, stores = swarm.nodes[0], []
+
+        class SlowStores:
+            def __getattr__(self, name):
+                return getattr(node, name)
+
+            async def store(self, key, value, expiration_time, subkey=None):
+                stores.append(key)
+                await trio.sleep(1.0)
+                return await node.store(key, value, expiration_time, subkey=subkey)
+
+        matchmaker = averaging.matchmaking.Matchmaker(node.host, SlowStores(), "moves")
+        me = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 3)
+        await matchmaker.declare(me, timeout=30.0)
+        matchmaker.cells = Cells("moves", 2)
+        started = trio.current_time()
+        await matchmaker.declare(me, timeout=30.0)
+        assert stores[0] == "moves.matchmaking" and set(stores[1:]) == {stores[0], matchmaker.key(3)}
+        assert trio.current_time() - started < 1.8
