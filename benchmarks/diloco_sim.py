@@ -33,7 +33,11 @@ fragments taking turns, a round of 5 steps each, the same bytes per 20 steps): i
 
 Over initial models (2026-12, ``--seed``, small model, 6 rounds): sparse rounds against sync DP
 1.049, 1.078, 1.064 at seeds 0, 1, 2 (mean 1.064), against int8 0.936 and 0.933 at seeds 1 and 2;
-sparse rounds of 10 steps no better (1.052 at seed 0). One seed's figure moves by ~0.03.
+sparse rounds of 10 steps no better (1.052 at seed 0). One seed's figure moves by ~0.03. Tried
+against sync DP and no better (2026-12, seed 0, then 1): 80 kept values a chunk instead of 64
+1.051; ``topk_4bit`` 1.049; outer lr 1.3 1.049, 1.085 (lr 1: 1.078 at seed 1); inner lr x1.5
+1.063, 1.097; inner lr x0.7 3.754 bits per byte against 3.795, but sync DP gains as much at x0.7
+(3.558 against 3.617; 3.415 against 3.472 at seed 1): 1.055 against it at the same lr.
 
 Run: ``python benchmarks/diloco_sim.py`` (the full sweep, ~45 min at one thread), ``--only NAME,...``
 for chosen rows (and no sync baseline), ``--quick`` (tiny model, a few rows, < 50 s). Prints a table and, last, one JSON
