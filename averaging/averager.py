@@ -359,9 +359,9 @@ class GroupAverager:
             with torch.no_grad():
                 for ours, theirs in zip(self.tensors, tensors, strict=True):
                     ours.copy_(theirs)
-            if isinstance(metadata, dict) and is_counter(metadata.get("round")):
-                self.round = max(self.round, metadata["round"])
-            if isinstance(metadata, dict):  # matchmake where the donor does until our census comes in
+            if isinstance(metadata, dict):  # its round, and its cells until our census comes in
+                if is_counter(metadata.get("round")):
+                    self.round = max(self.round, metadata["round"])
                 self._matchmaker.census.take_donors(metadata.get("cells"))
             if self._own_radius is not None:  # a donor's values are no update of ours
                 self._own_radius.reset()
