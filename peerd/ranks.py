@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .exit_codes import EXIT_INTERRUPTED, EXIT_OK
+from .stop_signals import Stopped, stop_signals_raise
 
 __all__ = ["RankError", "RankPlace", "follow_signals", "rank_place"]
 
@@ -47,29 +48,12 @@ def rank_place(environ: Mapping[str, str] = os.environ) -> RankPlace | None:
     return RankPlace(rank, world, local)
 
 
-class _Stopped(BaseException):
-    """A stop signal, raised where the follower happens to be: a BaseException (as
-    KeyboardInterrupt is), so that no `except Exception` on the way, such as logging's own
-    while it writes a line, swallows it and prints a traceback."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, _frame: object) -> None:
-    raise _Stopped(signum)
-
-
 def follow_signals(follow: Callable[[], int]) -> int:
     """Run a follower rank's ``follow()`` and return its exit code, or, when SIGINT or SIGTERM
     arrives first, 130 or 0 without a word: rank 0 (or the launcher) speaks for the machine, and a
     terminal's Ctrl-C reaches every rank of a torchrun job at once."""
-    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return follow()
-    except _Stopped as stopped:
+        with stop_signals_raise():
+            return follow()
+    except Stopped as stopped:
         return EXIT_INTERRUPTED if stopped.signum == signal.SIGINT else EXIT_OK
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

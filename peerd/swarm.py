@@ -34,6 +34,7 @@ from peer import LOCAL_DIFFICULTY
 from .curves_png import write_curves_png
 from .exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_TARGET_MISSED, EXIT_TERMINATED
 from .join_arguments import AGGREGATION, MODE
+from .stop_signals import STOP_SIGNALS, Stopped, stop_signals_raise
 from .swarm_processes import SwarmPeer, stop_all, wait_claimed, wait_started
 from .swarm_table import TableDisplay
 
@@ -45,18 +46,6 @@ __all__ = ["run_swarm", "add_swarm_arguments"]
 TEXTLM_TARGET_BPB = 3.5
 STARTUP_TIMEOUT = 60.0  # importing torch and building the task can take a while on a busy machine
 POLL_PERIOD = 1.0
-
-
-class _Stopped(Exception):
-    """SIGINT or SIGTERM arrived; raised from the signal handler into the launcher's loop."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    raise _Stopped(signum)
 
 
 def add_swarm_arguments(swarm: argparse.ArgumentParser) -> None:
@@ -216,39 +205,39 @@ def run_swarm(args: argparse.Namespace) -> int:
     target_bpb = args.target_bpb
     if target_bpb is None and args.task == "textlm":
         target_bpb = TEXTLM_TARGET_BPB
-    # From here on Ctrl-C and SIGTERM raise _Stopped: whenever they come, the peers are stopped
+    # From here on Ctrl-C and SIGTERM raise Stopped: whenever they come, the peers are stopped
     # and the summary printed.
-    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stop_signals_raise():
         try:
-            display.message(f"peerd swarm: {args.peers} peers training {args.task} ({args.mode}); loading the task...")
-            from .tasks import check_task  # torch loads only once a swarm is really started
+            try:
+                display.message(
+                    f"peerd swarm: {args.peers} peers training {args.task} ({args.mode}); loading the task..."
+                )
+                from .tasks import check_task  # torch loads only once a swarm is really started
 
-            check_task(args.task, args.model_size)  # a bad task fails here (TaskError: exit 1), before any start
-            log_dir.mkdir(parents=True, exist_ok=True)
-            _start_peers(args, display, peers, work_dir, log_dir)
-            statuses: list[dict[str, Any] | None] = []
-            for progress, statuses in _polls(args, display, peers, curves, target_bpb, start):
-                if _finished(args, progress, statuses, target_bpb):
-                    break
-            if statuses:
-                display.show(statuses, time.monotonic() - start, force=True)  # how it ended
-        except _Stopped as stop:
-            stopped_by = stop.signum
-        except KeyboardInterrupt:  # SIGINT before our handler was installed in this frame's view
-            stopped_by = signal.SIGINT
-        except RuntimeError as failure:  # a peer that did not start
-            error = str(failure)
-    finally:
-        # A second Ctrl-C must not cut the clean-up short: the peers would be left running.
-        for signum in previous:
-            signal.signal(signum, signal.SIG_IGN)
-        stop_all(peers)
-        if not args.keep_files:
-            shutil.rmtree(work_dir, ignore_errors=True)
-        display.close()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+                check_task(args.task, args.model_size)  # a bad task fails here (TaskError: exit 1), before any start
+                log_dir.mkdir(parents=True, exist_ok=True)
+                _start_peers(args, display, peers, work_dir, log_dir)
+                statuses: list[dict[str, Any] | None] = []
+                for progress, statuses in _polls(args, display, peers, curves, target_bpb, start):
+                    if _finished(args, progress, statuses, target_bpb):
+                        break
+                if statuses:
+                    display.show(statuses, time.monotonic() - start, force=True)  # how it ended
+            except Stopped as stop:
+                stopped_by = stop.signum
+            except KeyboardInterrupt:  # SIGINT before our handler was installed in this frame's view
+                stopped_by = signal.SIGINT
+            except RuntimeError as failure:  # a peer that did not start
+                error = str(failure)
+        finally:
+            # A second Ctrl-C must not cut the clean-up short: the peers would be left running.
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
+            stop_all(peers)
+            if not args.keep_files:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            display.close()
     seconds = time.monotonic() - start
     plot = _write_plot(args.plot, curves, target_bpb is not None, seconds) if args.plot else None
     if stopped_by is not None:
