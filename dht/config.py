@@ -34,6 +34,12 @@ class DHTConfig:
     # Stores and node lookups walk one: they already ask up to k peers, and the puzzle on node IDs
     # keeps hostile peers from being the nearest ones to a key.
     disjoint_paths: int = DISJOINT_PATHS
+    # A read of the newest value (a dictionary merged across holders) asks this many of the k
+    # holders, a random draw for each read. Stores reach all k, so a few answers make the entry
+    # set whole (a holder misses an entry only when a store to it failed, or it joined since);
+    # asking all k put every read of a popular key (each of a matchmaking cell's peers reads it
+    # every round) on every one of its holders: k / latest_read_holders times the load of a draw.
+    latest_read_holders: int = 6
 
 
 class DHTError(Exception):

@@ -27,6 +27,7 @@ holds fewer than d * k near any key; one of 1,000 holds them all).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from operator import itemgetter
@@ -35,7 +36,7 @@ from kademlia.node import Node, NodeHeap
 
 from .routing import ALPHA, Contact, K
 
-__all__ = ["CandidateHeap", "IterativeLookup", "DisjointLookup", "DISJOINT_PATHS"]
+__all__ = ["CandidateHeap", "IterativeLookup", "DisjointLookup", "DISJOINT_PATHS", "spread_order"]
 
 # S/Kademlia's simulations: d = 3 disjoint paths of k = 20 keep lookups ~99% successful with a
 # fifth of the nodes hostile, at about d times the messages of one path when the value is missing.
@@ -99,6 +100,14 @@ class CandidateHeap(NodeHeap):
         return self.heap[0][0] if self.heap else 2**160
 
 
+def spread_order(salt: bytes, node_id: bytes) -> bytes:
+    """Where ``node_id`` comes in the order ``salt`` draws (a keyed hash: uniform, and different
+    for every salt). A read that needs only some of a key's holders takes the first in its own
+    order, so that the readers of a popular key spread over its holders instead of all asking
+    the nearest few."""
+    return hashlib.blake2b(node_id, key=salt, digest_size=8).digest()
+
+
 class IterativeLookup:
     """One lookup toward ``target``. Feed it ``on_response``/``on_failure``; ask ``next_queries``."""
 
@@ -112,20 +121,28 @@ class IterativeLookup:
         self_id: int | None = None,
         excluded: Iterable[bytes] = (),
         quorum: int | None = None,
+        window: int | None = None,
+        salt: bytes | None = None,
     ):
         """``excluded``: node IDs never to consider (for a disjoint path, those other paths took);
-        ``quorum``: how many of the nearest live candidates must answer (default k)."""
+        ``quorum``: how many of the nearest live candidates must answer (default k); ``window``
+        and ``salt``: the quorum is drawn from the ``window`` nearest (default: the quorum itself),
+        in an order that ``salt`` fixes for this lookup (see ``spread_order``)."""
         if quorum is not None and not 1 <= quorum <= k:
             raise ValueError(f"need 1 <= quorum <= k, got {quorum}")
         self.target = target
         self.k, self.alpha = k, alpha
         self.quorum = quorum or k
+        self.window = max(self.quorum, min(window or self.quorum, k))
+        self._salt = salt if self.window > self.quorum else None
+        self._ranks: dict[bytes, bytes] = {}
         self._heap = CandidateHeap(Contact.for_id(target), k)
         self._self_id = self_id
         self._hops: dict[bytes, int] = {}
         self._in_flight: set[bytes] = set()
         self._responded: set[bytes] = set()
         self._dropped: set[bytes] = set(excluded)  # failed, or taken by another path of a disjoint lookup
+        self._taken = len(self._dropped)  # (those another path took)
         self._widened = False
         self._narrow = False
         self.rpcs = 0
@@ -153,7 +170,7 @@ class IterativeLookup:
         if limit <= 0:
             return chosen
         in_flight, responded = self._in_flight, self._responded
-        for contact in self._heap:  # the k nearest live candidates, nearest first
+        for contact in self._asking_order():
             if contact.id not in in_flight and contact.id not in responded:
                 chosen.append(contact)
                 in_flight.add(contact.id)
@@ -183,12 +200,20 @@ class IterativeLookup:
         self._dropped.add(contact.id)
         self._heap.remove([contact.id])
 
+    def taken(self, contact: Contact) -> None:
+        """Another path of a disjoint lookup queries ``contact``: never consider it, and draw from
+        one candidate fewer (the k nearest are shared among the paths)."""
+        if contact.id not in self._dropped:
+            self._taken += 1
+        self.drop(contact)
+
     # ------------------------------------------------------------------ state
     @property
     def done(self) -> bool:
-        """Every one of the ``quorum`` nearest live candidates has answered (or there are none)."""
+        """Every one of the ``quorum`` live candidates it needs has answered (or there are none):
+        the nearest, or with a salt the first in its order among the ``window`` nearest."""
         responded = self._responded
-        return all(contact.id in responded for contact in islice(self._heap, self.quorum))
+        return all(contact.id in responded for contact in self._needed())
 
     @property
     def in_flight(self) -> int:
@@ -222,6 +247,26 @@ class IterativeLookup:
         return self._hops.get(closest[0].id, 0) if closest else 0
 
     # ------------------------------------------------------------------ internals
+    def _needed(self) -> list[Contact]:
+        """The candidates whose answers finish the lookup: the ``quorum`` nearest live ones, or
+        with a salt ``quorum`` of the ``window`` nearest: those that answered or are being asked
+        first (an answer counts as long as its node stays among them), then the salt's order."""
+        if self._salt is None:
+            return list(islice(self._heap, self.quorum))
+        ranks, salt, responded, in_flight = self._ranks, self._salt, self._responded, self._in_flight
+        window = list(islice(self._heap, max(self.quorum, self.window - self._taken)))
+        for contact in window:
+            if contact.id not in ranks:
+                ranks[contact.id] = spread_order(salt, contact.id)
+        window.sort(key=lambda c: (c.id not in responded, c.id not in in_flight, ranks[c.id]))
+        return window[: self.quorum]
+
+    def _asking_order(self) -> Iterable[Contact]:
+        """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
+        are, the more they know of the target's neighbourhood); with a salt, only those needed.
+        (A needed one that fails drops out, and the next in the salt's order is needed instead.)"""
+        return self._heap if self._salt is None else self._needed()
+
     def _add(self, contacts: Iterable[Contact], hop: int) -> None:
         dropped, self_id = self._dropped, self._self_id
         fresh = [contact for contact in contacts if contact.id not in dropped and contact.long_id != self_id]
@@ -250,12 +295,20 @@ class DisjointLookup:
         k: int = K,
         alpha: int = ALPHA,
         self_id: int | None = None,
+        quorum: int | None = None,
+        salt: bytes | None = None,
     ):
+        """``quorum`` (default k) and ``salt``: a lookup that needs only ``quorum`` of the k nearest
+        to answer, dealt out among the paths; each path asks its share in the order the salt draws
+        from the k nearest it knows (those the other paths asked aside: see ``spread_order``)."""
         if paths < 1:
             raise ValueError("a lookup needs at least one path")
         self.target = target
         self._k, self._alpha, self._self_id = k, alpha, self_id
-        self._quorum = -(-k // paths)  # the k nearest, dealt out among the paths
+        share = -(-k // paths)  # the k nearest, dealt out among the paths
+        self._quorum = min(share, -(-(quorum or k) // paths))
+        self._window = k if salt is not None else share
+        self._salt = salt
         ordered = [entry[1] for entry in sorted(((c.long_id ^ target, c) for c in initial), key=_distance)]
         # Dealt out nearest first, so every path starts with some of the best candidates.
         self._shares = [ordered[index::paths] for index in range(paths)]
@@ -276,6 +329,8 @@ class DisjointLookup:
                 self_id=self._self_id,
                 excluded=taken,
                 quorum=self._quorum,
+                window=self._window,
+                salt=self._salt,
             )
         return path
 
@@ -315,7 +370,7 @@ class DisjointLookup:
                 self._owner[contact.id] = path
                 for other in self._built():
                     if other is not path:
-                        other.drop(contact)
+                        other.taken(contact)
                 chosen.append(contact)
         return chosen
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,15 +77,20 @@ class LookupDriver:
         stop_on_value: bool = False,
         on_answer: Callable[[Contact, DisjointLookup], None] | None = None,
         paths: int = 1,
+        quorum: int | None = None,
     ) -> LookupResult:
         """Iterative lookup of the k nearest peers to ``target`` (and of ``key``'s records), along
-        ``paths`` disjoint paths (see ``DisjointLookup``).
+        ``paths`` disjoint paths (see ``DisjointLookup``); done when ``quorum`` of the k nearest
+        (default: all) have answered, a random draw of them for each lookup.
 
         ``on_answer(contact, search)`` runs after each answer (stores use it to pipeline)."""
         config, contacts = self.config, self.contacts
         initial = contacts.nearest(target, config.k)
         contacts.touch(target)
-        search = DisjointLookup(target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id)
+        salt = None if quorum is None else random.getrandbits(64).to_bytes(8, "big")
+        search = DisjointLookup(
+            target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id, quorum=quorum, salt=salt
+        )
         target_bytes = target.to_bytes(20, "big")
         found: Found | None = None
         missing: list[Contact] = []

@@ -117,8 +117,8 @@ class Replicas:
 
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged
-        across the k nearest peers, dealt among the disjoint paths, for dictionaries). None if
-        nobody holds a live value."""
+        across ``latest_read_holders`` of the k nearest peers, a random draw for each read, dealt
+        among the disjoint paths, for dictionaries). None if nobody holds a live value."""
         key_bytes = pack(key)
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"keys are limited to {MAX_KEY_BYTES} bytes")
@@ -128,7 +128,13 @@ class Replicas:
         target = key_id(key_bytes)
         # (no holders remembered from here: the k nearest merged over disjoint paths include whatever a
         # poisoned path made up, and stores would then go to those alone)
-        result = await self.lookups.run(target, key_bytes, stop_on_value=not latest, paths=self.config.disjoint_paths)
+        result = await self.lookups.run(
+            target,
+            key_bytes,
+            stop_on_value=not latest,
+            paths=self.config.disjoint_paths,
+            quorum=self.config.latest_read_holders if latest else None,
+        )
         found = merge_found(local, result.found)
         if found is None:
             return None

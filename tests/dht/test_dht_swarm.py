@@ -99,7 +99,7 @@ async def test_a_dictionary_read_moves_each_entry_from_a_few_holders_not_from_al
         return records
 
     monkeypatch.setattr(dht.wire, "parse_found", counting)
-    async with open_swarm(24, seed=6) as swarm:
+    async with open_swarm(24, seed=6, config=DHTConfig(latest_read_holders=20)) as swarm:  # every holder
         expiration = time.time() + 60
         entries = 40
         for index in range(entries):
