@@ -147,6 +147,8 @@ class SecureChannel:
         # send_all and fill); any other trio stream (tests) goes through the stream API.
         # (os.readv/os.write on a socket descriptor are POSIX only; elsewhere trio's API is used)
         self._socket = getattr(stream, "socket", None) if _DIRECT_IO else None
+        # (a simulated connection tells what a socket's kernel would: ``SimStream.link_counts``)
+        self._link_counts = getattr(stream, "link_counts", None)
         self._low_water = 1
         self._written = 0  # bytes handed to the kernel
         self._read = 0  # bytes taken from the kernel
@@ -179,6 +181,9 @@ class SecureChannel:
         caller watching a slow peer's progress would see nothing for that long. Without a real
         socket (tests' in-memory streams) both are what passed through the stream API."""
         if self._socket is None:
+            if self._link_counts is not None:
+                delivered, arrived, _ = self._link_counts()
+                return delivered, arrived
             return self._written, self._read
         try:
             fd = self._descriptor()
@@ -201,14 +206,14 @@ class SecureChannel:
 
     def in_flight(self) -> int:
         """Bytes sent on the wire that the peer's kernel has not acknowledged yet (0 without a
-        real socket, or once it is closed).
+        real socket or a simulated one, or once it is closed).
 
         Not the whole send queue: a peer that stops reading (its process stopped or busy) closes
         its receive window, and what we wrote then waits in our queue unsent while its kernel
         still acknowledges everything that was sent. Only bytes that went out and stay
         unacknowledged say that the path itself is down."""
         if self._socket is None:
-            return 0
+            return self._link_counts()[2] if self._link_counts is not None else 0
         try:
             fd = self._descriptor()
             return max(0, _queued(fd, termios.TIOCOUTQ) - _queued(fd, _SIOCOUTQNSD))

@@ -62,6 +62,18 @@ class Flow:
         self.receiver_closed = False
         self.changed = trio.lowlevel.ParkingLot()
         self.waiting: trio.CancelScope | None = None  # the reader's sleep until the head arrives
+        self.accepted = 0  # bytes the sender handed over (those waiting for the link or room too)
+        self.sent = 0  # bytes of them on the links: in ``segments`` or taken since
+        self.unsent = 0  # bytes of a write waiting for room in the receiver's window, not the link
+
+    def arrived(self, now: float) -> int:
+        """Bytes of those sent that have reached the receiver by ``now`` (taken or not)."""
+        in_transit = 0
+        for arrives_at, piece, _ in reversed(self.segments):  # (the latest sent arrive last)
+            if arrives_at <= now:
+                break
+            in_transit += len(piece)
+        return self.sent - in_transit
 
     def arriving(self, arrives_at: float) -> None:
         """A segment was added: a reader asleep until later wakes at its arrival instead."""
@@ -107,11 +119,17 @@ class SimStream(trio.abc.HalfCloseableStream):
         for start in range(0, len(view), step):
             piece = bytes(view[start : start + step])  # a copy: callers reuse their buffers
             size = len(piece) * scale
-            await self._wait_for_link_and_room(size)
-            self._check_can_send()
             flow = self._outgoing
+            flow.accepted += len(piece)
+            try:
+                await self._wait_for_link_and_room(size, len(piece))
+                self._check_can_send()
+            except BaseException:
+                flow.accepted -= len(piece)  # (a write given up: its bytes never went out)
+                raise
             segment = self.model.send(flow.source, flow.destination, trio.current_time(), round(size))
             flow.segments.append((segment.arrives_at, piece, scale))
+            flow.sent += len(piece)
             flow.unread += size
             flow.arriving(segment.arrives_at)
             room_at = segment.sent_at - SEND_BUFFER_BYTES / self.model.hosts[flow.source].uplink
@@ -119,6 +137,19 @@ class SimStream(trio.abc.HalfCloseableStream):
                 await trio.sleep_until(room_at)
             else:
                 await trio.lowlevel.checkpoint()
+
+    def link_counts(self) -> tuple[int, int, int]:
+        """What a TCP socket's kernel tells of its link: ``(delivered, arrived, in_flight)``, the
+        bytes of ours that reached the far end, the bytes of its that reached us, and the bytes we
+        handed over that have not reached it (``SecureChannel.link_progress`` and ``in_flight``).
+        A write held while the link is down counts as in flight, as a socket's kernel holds it
+        unacknowledged; one held by a full receive window does not, as it waits unsent in a
+        socket's queue. The connection's dead-link check (``peer/link_silence.py``) then sees
+        what it sees on a real socket, and drops a connection whose link stays silent."""
+        now = trio.current_time()
+        delivered = self._outgoing.arrived(now)
+        outgoing = self._outgoing
+        return delivered, self._incoming.arrived(now), outgoing.accepted - outgoing.unsent - delivered
 
     def _check_can_send(self) -> None:
         if self._closed or self._outgoing.ends_at is not None:
@@ -208,11 +239,17 @@ class SimStream(trio.abc.HalfCloseableStream):
             finally:
                 flow.waiting = None
 
-    async def _wait_for_link_and_room(self, size: float) -> None:
+    async def _wait_for_link_and_room(self, size: float, piece: int) -> None:
         flow = self._outgoing
-        while not self.model.linked(flow.source, flow.destination) or (flow.unread + size > RECEIVE_WINDOW_BYTES):
+        while not (linked := self.model.linked(flow.source, flow.destination)) or (
+            flow.unread + size > RECEIVE_WINDOW_BYTES
+        ):
             self._check_can_send()
-            await flow.changed.park()  # woken by link changes, the reader taking, the far end closing
+            flow.unsent = piece if linked else 0  # (a closed window holds it in our own queue)
+            try:
+                await flow.changed.park()  # woken by link changes, the reader taking, the far end closing
+            finally:
+                flow.unsent = 0
 
     def _check_host(self) -> None:
         if self.local[0] not in self.model.hosts:
