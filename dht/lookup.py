@@ -27,6 +27,7 @@ holds fewer than d * k near any key; one of 1,000 holds them all).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import islice
@@ -142,7 +143,9 @@ class IterativeLookup:
         self._in_flight: set[bytes] = set()
         self._responded: set[bytes] = set()
         self._dropped: set[bytes] = set(excluded)  # failed, or taken by another path of a disjoint lookup
-        self._taken = len(self._dropped)  # (those another path took)
+        # (distances of the nodes another path took: they hold this path's share of the k nearest)
+        self._taken = sorted(int.from_bytes(node, "big") ^ target for node in self._dropped)
+        self._spares = 0  # (with a salt: requests beyond those needed, after a slow answer)
         self._widened = False
         self._narrow = False
         self.rpcs = 0
@@ -201,11 +204,17 @@ class IterativeLookup:
         self._heap.remove([contact.id])
 
     def taken(self, contact: Contact) -> None:
-        """Another path of a disjoint lookup queries ``contact``: never consider it, and draw from
-        one candidate fewer (the k nearest are shared among the paths)."""
+        """Another path of a disjoint lookup queries ``contact``: never consider it, and if it is
+        among the nearest, draw from one candidate fewer (the k nearest are shared by the paths)."""
         if contact.id not in self._dropped:
-            self._taken += 1
+            bisect.insort(self._taken, contact.long_id ^ self.target)
         self.drop(contact)
+
+    def spare(self) -> None:
+        """With a salt: the answers are slow (a drawn node may be dead), so ask one more, the next
+        in the salt's order (``alpha`` more at most); the first ``quorum`` answers finish it."""
+        if self._salt is not None:
+            self._spares = min(self._spares + 1, self.alpha)
 
     # ------------------------------------------------------------------ state
     @property
@@ -249,23 +258,33 @@ class IterativeLookup:
     # ------------------------------------------------------------------ internals
     def _needed(self) -> list[Contact]:
         """The candidates whose answers finish the lookup: the ``quorum`` nearest live ones, or
-        with a salt ``quorum`` of the ``window`` nearest: those that answered or are being asked
-        first (an answer counts as long as its node stays among them), then the salt's order."""
+        with a salt the first ``quorum`` of ``_drawn``."""
         if self._salt is None:
             return list(islice(self._heap, self.quorum))
+        return self._drawn()[: self.quorum]
+
+    def _asking_order(self) -> Iterable[Contact]:
+        """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
+        are, the more they know of the target's neighbourhood); with a salt, only those needed
+        and any spares. (A needed one that fails drops out; the next in ``_drawn`` takes its place.)"""
+        return self._heap if self._salt is None else self._drawn()[: self.quorum + self._spares]
+
+    def _drawn(self) -> list[Contact]:
+        """This path's share of the ``window`` nearest it knows of (its candidates among them and
+        the nodes other paths took), those that answered or are being asked first (an answer
+        counts while its node stays among them), then in the salt's order."""
+        taken, window, nearer = self._taken, [], 0
+        for distance, contact in self._heap.nearest_entries():
+            nearer = bisect.bisect_left(taken, distance, nearer)  # taken nodes nearer than this one
+            if len(window) + nearer >= self.window and len(window) >= self.quorum:
+                break
+            window.append(contact)
         ranks, salt, responded, in_flight = self._ranks, self._salt, self._responded, self._in_flight
-        window = list(islice(self._heap, max(self.quorum, self.window - self._taken)))
         for contact in window:
             if contact.id not in ranks:
                 ranks[contact.id] = spread_order(salt, contact.id)
         window.sort(key=lambda c: (c.id not in responded, c.id not in in_flight, ranks[c.id]))
-        return window[: self.quorum]
-
-    def _asking_order(self) -> Iterable[Contact]:
-        """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
-        are, the more they know of the target's neighbourhood); with a salt, only those needed.
-        (A needed one that fails drops out, and the next in the salt's order is needed instead.)"""
-        return self._heap if self._salt is None else self._needed()
+        return window
 
     def _add(self, contacts: Iterable[Contact], hop: int) -> None:
         dropped, self_id = self._dropped, self._self_id
@@ -362,6 +381,11 @@ class DisjointLookup:
             paths[0].hedge()
         else:
             self._hedged = True
+
+    def spare(self) -> None:
+        """Answers are slow: every path that draws its share asks one more (``IterativeLookup.spare``)."""
+        for path in self._built():
+            path.spare()
 
     def next_queries(self) -> list[Contact]:
         chosen: list[Contact] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-import random
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,7 +87,8 @@ class LookupDriver:
         config, contacts = self.config, self.contacts
         initial = contacts.nearest(target, config.k)
         contacts.touch(target)
-        salt = None if quorum is None else random.getrandbits(64).to_bytes(8, "big")
+        # (a secret salt: nobody can tell which holders a read will ask)
+        salt = None if quorum is None else secrets.token_bytes(8)
         search = DisjointLookup(
             target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id, quorum=quorum, salt=salt
         )
@@ -135,6 +136,12 @@ class LookupDriver:
                         if narrow:  # the nearest peer is slow: open up to alpha requests
                             narrow = False
                             search.hedge()
+                            continue
+                    elif salt is not None:  # a drawn holder that is slow (dead?): ask a spare
+                        with trio.move_on_after(self.hedging.delay()) as slow:
+                            contact, parsed = await receive.receive()
+                        if slow.cancelled_caught:
+                            search.spare()
                             continue
                     else:
                         contact, parsed = await receive.receive()

@@ -27,6 +27,11 @@ class Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
+    # A second signal while the first unwinds (in an ``except`` or ``finally`` on its way to the
+    # clean-up) would cut that clean-up short: the stop signals are ignored from the first on,
+    # until the block is left.
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
     raise Stopped(signum)
 
 
@@ -34,8 +39,10 @@ def _raise_stopped(signum: int, _frame: object) -> None:
 def stop_signals_raise() -> Iterator[None]:
     """Within the block SIGINT and SIGTERM raise ``Stopped``; on leaving it the handlers from
     before come back, whatever the block set meanwhile (a clean-up may ignore the signals)."""
-    previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _raise_stopped)
         yield
     finally:
         for signum, handler in previous.items():

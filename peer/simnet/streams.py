@@ -101,6 +101,7 @@ class SimStream(trio.abc.HalfCloseableStream):
         self.local, self.remote = local, remote
         self._outgoing, self._incoming = outgoing, incoming
         self._closed = False
+        self._link_seen = (0, 0)  # (delivered, arrived) when the link was last seen alive
 
     @property
     def flows(self) -> tuple[Flow, Flow]:
@@ -146,10 +147,12 @@ class SimStream(trio.abc.HalfCloseableStream):
         unacknowledged; one held by a full receive window does not, as it waits unsent in a
         socket's queue. The connection's dead-link check (``peer/link_silence.py``) then sees
         what it sees on a real socket, and drops a connection whose link stays silent."""
-        now = trio.current_time()
-        delivered = self._outgoing.arrived(now)
         outgoing = self._outgoing
-        return delivered, self._incoming.arrived(now), outgoing.accepted - outgoing.unsent - delivered
+        if self.model.linked(outgoing.source, outgoing.destination):  # (a dead link delivers nothing)
+            now = trio.current_time()
+            self._link_seen = outgoing.arrived(now), self._incoming.arrived(now)
+        delivered, arrived = self._link_seen
+        return delivered, arrived, outgoing.accepted - outgoing.unsent - delivered
 
     def _check_can_send(self) -> None:
         if self._closed or self._outgoing.ends_at is not None:

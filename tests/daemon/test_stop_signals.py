@@ -33,3 +33,14 @@ def test_the_handlers_from_before_come_back_whatever_the_block_set():
         assert signal.getsignal(signal.SIGINT) not in (before[signal.SIGINT], signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a clean-up that ignores a second Ctrl-C
     assert {signum: signal.getsignal(signum) for signum in before} == before
+
+
+def test_a_second_signal_while_the_first_unwinds_does_not_cut_the_clean_up_short():
+    cleaned = []
+    with stop_signals_raise():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except Stopped:
+            os.kill(os.getpid(), signal.SIGTERM)  # (a second one, during the clean-up: ignored)
+            cleaned.append(True)
+    assert cleaned == [True]

@@ -33,6 +33,20 @@ async def test_link_counts_say_what_arrived_and_what_a_cut_holds_in_flight(autoj
     assert client.link_counts() == (1500, 0, 0)
 
 
+async def test_bytes_on_their_way_when_the_link_is_cut_stay_in_flight_until_it_heals(autojump_clock):
+    network = SimNetwork(seed=24)
+    a, b = network.add_host(), network.add_host()
+    client, server, _ = await connected(network, a, b)
+    assert client.link_counts() == (0, 0, 0)
+    await client.send_all(b"z" * 700)
+    network.cut(a.address, b.address)  # before they arrive
+    await trio.sleep(60)
+    assert client.link_counts() == (0, 0, 700)  # a dead link delivers nothing, whenever they were due
+    network.heal(a.address, b.address)
+    assert await server.receive_some() == b"z" * 700
+    assert client.link_counts() == (700, 0, 0)
+
+
 async def test_a_write_held_by_a_full_window_is_not_in_flight(autojump_clock):
     network = SimNetwork(seed=22)
     a, b = network.add_host(), network.add_host()
