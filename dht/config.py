@@ -39,6 +39,9 @@ class DHTConfig:
     # set whole (a holder misses an entry only when a store to it failed, or it joined since);
     # asking all k put every read of a popular key (each of a matchmaking cell's peers reads it
     # every round) on every one of its holders: k / latest_read_holders times the load of a draw.
+    # The draw is dealt among the disjoint paths (rounded up to a whole number per path); k or
+    # more asks every holder, nearest first. A hostile holder can hide an entry (never forge one)
+    # only from the reads whose whole draw falls on holders hiding it.
     latest_read_holders: int = 6
 
 

@@ -109,6 +109,24 @@ def spread_order(salt: bytes, node_id: bytes) -> bytes:
     return hashlib.blake2b(node_id, key=salt, digest_size=8).digest()
 
 
+class _Draw:
+    """How a lookup that needs only some of the nearest draws them: from its ``window`` nearest
+    (less the nearer nodes other paths took: ``taken``, their distances), in ``salt``'s order,
+    with ``spares`` asked beyond those needed once answers are slow."""
+
+    def __init__(self, salt: bytes, window: int, target: int, taken: Iterable[bytes]):
+        self.salt, self.window = salt, window
+        self.taken = sorted(int.from_bytes(node, "big") ^ target for node in taken)
+        self.spares = 0
+        self._ranks: dict[bytes, bytes] = {}
+
+    def rank(self, node: bytes) -> bytes:
+        rank = self._ranks.get(node)
+        if rank is None:
+            rank = self._ranks[node] = spread_order(self.salt, node)
+        return rank
+
+
 class IterativeLookup:
     """One lookup toward ``target``. Feed it ``on_response``/``on_failure``; ask ``next_queries``."""
 
@@ -134,18 +152,15 @@ class IterativeLookup:
         self.target = target
         self.k, self.alpha = k, alpha
         self.quorum = quorum or k
-        self.window = max(self.quorum, min(window or self.quorum, k))
-        self._salt = salt if self.window > self.quorum else None
-        self._ranks: dict[bytes, bytes] = {}
+        excluded = frozenset(excluded)
+        window = max(self.quorum, min(window or self.quorum, k))
+        self._draw = _Draw(salt, window, target, excluded) if salt is not None and window > self.quorum else None
         self._heap = CandidateHeap(Contact.for_id(target), k)
         self._self_id = self_id
         self._hops: dict[bytes, int] = {}
         self._in_flight: set[bytes] = set()
         self._responded: set[bytes] = set()
         self._dropped: set[bytes] = set(excluded)  # failed, or taken by another path of a disjoint lookup
-        # (distances of the nodes another path took: they hold this path's share of the k nearest)
-        self._taken = sorted(int.from_bytes(node, "big") ^ target for node in self._dropped)
-        self._spares = 0  # (with a salt: requests beyond those needed, after a slow answer)
         self._widened = False
         self._narrow = False
         self.rpcs = 0
@@ -206,15 +221,15 @@ class IterativeLookup:
     def taken(self, contact: Contact) -> None:
         """Another path of a disjoint lookup queries ``contact``: never consider it, and if it is
         among the nearest, draw from one candidate fewer (the k nearest are shared by the paths)."""
-        if contact.id not in self._dropped:
-            bisect.insort(self._taken, contact.long_id ^ self.target)
+        if contact.id not in self._dropped and self._draw is not None:
+            bisect.insort(self._draw.taken, contact.long_id ^ self.target)
         self.drop(contact)
 
     def spare(self) -> None:
         """With a salt: the answers are slow (a drawn node may be dead), so ask one more, the next
         in the salt's order (``alpha`` more at most); the first ``quorum`` answers finish it."""
-        if self._salt is not None:
-            self._spares = min(self._spares + 1, self.alpha)
+        if self._draw is not None:
+            self._draw.spares = min(self._draw.spares + 1, self.alpha)
 
     # ------------------------------------------------------------------ state
     @property
@@ -259,31 +274,29 @@ class IterativeLookup:
     def _needed(self) -> list[Contact]:
         """The candidates whose answers finish the lookup: the ``quorum`` nearest live ones, or
         with a salt the first ``quorum`` of ``_drawn``."""
-        if self._salt is None:
+        if self._draw is None:
             return list(islice(self._heap, self.quorum))
-        return self._drawn()[: self.quorum]
+        return self._drawn(self._draw)[: self.quorum]
 
     def _asking_order(self) -> Iterable[Contact]:
         """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
         are, the more they know of the target's neighbourhood); with a salt, only those needed
         and any spares. (A needed one that fails drops out; the next in ``_drawn`` takes its place.)"""
-        return self._heap if self._salt is None else self._drawn()[: self.quorum + self._spares]
+        draw = self._draw
+        return self._heap if draw is None else self._drawn(draw)[: self.quorum + draw.spares]
 
-    def _drawn(self) -> list[Contact]:
-        """This path's share of the ``window`` nearest it knows of (its candidates among them and
-        the nodes other paths took), those that answered or are being asked first (an answer
-        counts while its node stays among them), then in the salt's order."""
-        taken, window, nearer = self._taken, [], 0
+    def _drawn(self, draw: _Draw) -> list[Contact]:
+        """This path's share of the window nearest it knows of (its candidates among them and the
+        nodes other paths took), those that answered or are being asked first (an answer counts
+        while its node stays among them), then in the salt's order."""
+        taken, window, nearer = draw.taken, [], 0
         for distance, contact in self._heap.nearest_entries():
             nearer = bisect.bisect_left(taken, distance, nearer)  # taken nodes nearer than this one
-            if len(window) + nearer >= self.window and len(window) >= self.quorum:
+            if len(window) + nearer >= draw.window and len(window) >= self.quorum:
                 break
             window.append(contact)
-        ranks, salt, responded, in_flight = self._ranks, self._salt, self._responded, self._in_flight
-        for contact in window:
-            if contact.id not in ranks:
-                ranks[contact.id] = spread_order(salt, contact.id)
-        window.sort(key=lambda c: (c.id not in responded, c.id not in in_flight, ranks[c.id]))
+        responded, in_flight = self._responded, self._in_flight
+        window.sort(key=lambda c: (c.id not in responded, c.id not in in_flight, draw.rank(c.id)))
         return window
 
     def _add(self, contacts: Iterable[Contact], hop: int) -> None:

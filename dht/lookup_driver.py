@@ -13,6 +13,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -85,13 +86,8 @@ class LookupDriver:
 
         ``on_answer(contact, search)`` runs after each answer (stores use it to pipeline)."""
         config, contacts = self.config, self.contacts
-        initial = contacts.nearest(target, config.k)
-        contacts.touch(target)
-        # (a secret salt: nobody can tell which holders a read will ask)
-        salt = None if quorum is None else secrets.token_bytes(8)
-        search = DisjointLookup(
-            target, initial, paths=paths, k=config.k, alpha=config.alpha, self_id=self.node_id, quorum=quorum, salt=salt
-        )
+        search = self._search(target, paths, quorum)
+        spread = quorum is not None and quorum < config.k
         target_bytes = target.to_bytes(20, "big")
         found: Found | None = None
         missing: list[Contact] = []
@@ -129,22 +125,11 @@ class LookupDriver:
                         nursery.start_soon(query, contact)
                     if search.done or search.in_flight == 0:
                         break
-                    if narrow:
-                        with trio.move_on_after(self.hedging.delay()):
-                            contact, parsed = await receive.receive()
-                            narrow = False
-                        if narrow:  # the nearest peer is slow: open up to alpha requests
-                            narrow = False
-                            search.hedge()
-                            continue
-                    elif salt is not None:  # a drawn holder that is slow (dead?): ask a spare
-                        with trio.move_on_after(self.hedging.delay()) as slow:
-                            contact, parsed = await receive.receive()
-                        if slow.cancelled_caught:
-                            search.spare()
-                            continue
-                    else:
-                        contact, parsed = await receive.receive()
+                    answer = await self._answer(search, receive, narrow, spread)
+                    narrow = False
+                    if answer is None:
+                        continue
+                    contact, parsed = answer
                     if parsed is not None and first_answer:
                         first_answer = False
                         self.hedging.observe(trio.current_time() - started)
@@ -160,3 +145,36 @@ class LookupDriver:
                         missing.append(contact)
                 nursery.cancel_scope.cancel()
         return LookupResult(search.closest(), found, search.hops, search.rpcs, scope.cancelled_caught, missing)
+
+    def _search(self, target: int, paths: int, quorum: int | None) -> DisjointLookup:
+        """The bookkeeping of a lookup from the k nearest contacts we know; with a ``quorum`` below
+        k, each lookup draws the holders it asks with a secret salt: nobody can tell which."""
+        config = self.config
+        initial = self.contacts.nearest(target, config.k)
+        self.contacts.touch(target)
+        salt = secrets.token_bytes(8) if quorum is not None and quorum < config.k else None
+        return DisjointLookup(
+            target,
+            initial,
+            paths=paths,
+            k=config.k,
+            alpha=config.alpha,
+            self_id=self.node_id,
+            quorum=quorum if salt is not None else None,
+            salt=salt,
+        )
+
+    async def _answer(
+        self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool, spread: bool
+    ) -> tuple[Contact, Any] | None:
+        """The next answer; None when the hedge delay passed first: a narrow start's one peer is
+        slow (the search opens up: ``hedge``), or a drawn holder is (it asks a spare: ``spare``)."""
+        if not (narrow or spread):
+            return await receive.receive()
+        with trio.move_on_after(self.hedging.delay()):
+            return await receive.receive()
+        if narrow:
+            search.hedge()
+        else:
+            search.spare()
+        return None
