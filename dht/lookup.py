@@ -23,6 +23,13 @@ its ceil(k / d) nearest live candidates have answered, so a lookup hears about k
 target in all, as one path does, instead of k per path. Waiting for k answers on every path cost
 d times the requests at the key's holders, and more the larger the swarm (a swarm of 64 nodes
 holds fewer than d * k near any key; one of 1,000 holds them all).
+
+A lookup that needs only ``quorum`` answers of the k nearest (a read of a popular dictionary:
+``DHTConfig.latest_read_holders``) draws them: each path asks its share in an order a secret salt
+fixes (``spread_order``), from its share of the k nearest it knows, so that many readers of one
+key spread over all its holders instead of all asking the nearest few. Answers in hand count
+first; when answers are slow, the driver has it ask spares (``spare``) rather than wait out a
+dead node's timeout.
 """
 
 from __future__ import annotations
@@ -182,6 +189,8 @@ class IterativeLookup:
         """Contacts to query now (marked in flight); empty while enough requests are pending."""
         if self._narrow:
             limit = 1 - len(self._in_flight)
+        elif self._draw is not None:  # (those drawn, and the spares: see ``_asking_order``)
+            limit = self.quorum + self._draw.spares - len(self._in_flight)
         else:
             limit = (self.quorum if self._widened else self.alpha) - len(self._in_flight)
         chosen: list[Contact] = []

@@ -91,8 +91,11 @@ def test_a_drawn_holder_that_is_slow_gets_a_spare_and_the_first_answers_finish_t
     search.spare()  # the driver's hedge: answers are slow
     (extra,) = search.next_queries()
     assert extra not in first
+    search.spare()  # still slow: another, though two are in flight and the lookup has widened
+    (another,) = search.next_queries()
+    assert another not in [*first, extra]
     search.on_response(extra, HOLDERS)
-    assert search.done  # two answers: the silent one is not waited for
+    assert search.done  # two answers: the silent ones are not waited for
 
 
 def test_a_drawn_holder_that_fails_is_replaced_by_the_next_in_the_draw():
