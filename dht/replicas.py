@@ -115,10 +115,15 @@ class Replicas:
                 unanswered.append(contact)  # a holder that keeps nothing of ours is no holder to remember
             outcomes.append(accepted)
 
+    def _many_holders(self) -> bool:
+        """Whether the swarm is large enough for reads to draw a few of a key's holders."""
+        return len(self.contacts.table) > self.config.draw_reads_above
+
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged
         across ``latest_read_holders`` of the k nearest peers, a random draw for each read, dealt
-        among the disjoint paths, for dictionaries). None if nobody holds a live value."""
+        among the disjoint paths, once the swarm is larger than ``draw_reads_above``; across all k
+        in a smaller one). None if nobody holds a live value."""
         key_bytes = pack(key)
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"keys are limited to {MAX_KEY_BYTES} bytes")
@@ -133,7 +138,7 @@ class Replicas:
             key_bytes,
             stop_on_value=not latest,
             paths=self.config.disjoint_paths,
-            quorum=self.config.latest_read_holders if latest else None,
+            quorum=self.config.latest_read_holders if latest and self._many_holders() else None,
         )
         found = merge_found(local, result.found)
         if found is None:

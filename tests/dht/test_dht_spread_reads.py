@@ -117,7 +117,7 @@ def test_a_drawn_holder_that_fails_is_replaced_by_the_next_in_the_draw():
 
 
 async def test_a_read_of_a_few_holders_finds_every_entry_that_reached_them():
-    async with open_swarm(24, seed=11, config=DHTConfig(latest_read_holders=3)) as swarm:
+    async with open_swarm(24, seed=11, config=DHTConfig(latest_read_holders=3, draw_reads_above=0)) as swarm:
         expiration = time.time() + 60
         for index in range(12):
             assert await swarm.nodes[index].store("crowd", index, expiration, subkey=f"peer{index}")
@@ -130,3 +130,17 @@ async def test_a_read_of_a_few_holders_finds_every_entry_that_reached_them():
         # 12 reads of 3 holders each, one per path (and their lookups' few hops): nobody answers
         # most of them (reading all k, each of the 20 holders answers every one of the 12).
         assert max(served) <= 8, served
+
+
+async def test_a_small_swarm_reads_every_holder():
+    """In a swarm of fewer nodes than ``draw_reads_above`` nearly every node holds every key: a
+    draw spreads nothing there, so reads ask every holder."""
+    async with open_swarm(24, seed=11, config=DHTConfig(latest_read_holders=3)) as swarm:
+        expiration = time.time() + 60
+        for index in range(12):
+            assert await swarm.nodes[index].store("crowd", index, expiration, subkey=f"peer{index}")
+        served_before = [node.requests_served for node in swarm.nodes]
+        for reader in swarm.nodes[12:]:
+            assert len((await reader.get("crowd", latest=True)).value) == 12
+        served = [node.requests_served - before for node, before in zip(swarm.nodes, served_before, strict=True)]
+        assert max(served) >= 12, served  # some holder answered every read
