@@ -206,7 +206,7 @@ class SecureChannel:
 
     def in_flight(self) -> int:
         """Bytes sent on the wire that the peer's kernel has not acknowledged yet (0 without a
-        real socket or a simulated one, or once it is closed).
+        real socket or a simulated connection, or once the socket is closed).
 
         Not the whole send queue: a peer that stops reading (its process stopped or busy) closes
         its receive window, and what we wrote then waits in our queue unsent while its kernel
