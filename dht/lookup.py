@@ -348,8 +348,8 @@ class DisjointLookup:
         self._k, self._alpha, self._self_id = k, alpha, self_id
         share = -(-k // paths)  # the k nearest, dealt out among the paths
         self._quorum = min(share, -(-(quorum or k) // paths))
-        self._window = k if salt is not None else share
-        self._salt = salt
+        self._salt = salt if quorum is not None and quorum < k else None  # (all k: none to draw)
+        self._window = k if self._salt is not None else share
         ordered = [entry[1] for entry in sorted(((c.long_id ^ target, c) for c in initial), key=_distance)]
         # Dealt out nearest first, so every path starts with some of the best candidates.
         self._shares = [ordered[index::paths] for index in range(paths)]
@@ -403,6 +403,12 @@ class DisjointLookup:
             paths[0].hedge()
         else:
             self._hedged = True
+
+    @property
+    def draws(self) -> bool:
+        """Whether it draws the holders it asks (a salt and a quorum below k), rather than asking
+        the nearest."""
+        return self._salt is not None and self._window > self._quorum
 
     def spare(self) -> None:
         """Answers are slow: every path that draws its share asks one more (``IterativeLookup.spare``)."""

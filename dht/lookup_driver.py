@@ -87,7 +87,6 @@ class LookupDriver:
         ``on_answer(contact, search)`` runs after each answer (stores use it to pipeline)."""
         config, contacts = self.config, self.contacts
         search = self._search(target, paths, quorum)
-        spread = quorum is not None and quorum < config.k
         target_bytes = target.to_bytes(20, "big")
         found: Found | None = None
         missing: list[Contact] = []
@@ -125,7 +124,7 @@ class LookupDriver:
                         nursery.start_soon(query, contact)
                     if search.done or search.in_flight == 0:
                         break
-                    answer = await self._answer(search, receive, narrow, spread)
+                    answer = await self._answer(search, receive, narrow)
                     narrow = False
                     if answer is None:
                         continue
@@ -152,7 +151,7 @@ class LookupDriver:
         config = self.config
         initial = self.contacts.nearest(target, config.k)
         self.contacts.touch(target)
-        salt = secrets.token_bytes(8) if quorum is not None and quorum < config.k else None
+        salt = secrets.token_bytes(8) if quorum is not None else None
         return DisjointLookup(
             target,
             initial,
@@ -160,16 +159,16 @@ class LookupDriver:
             k=config.k,
             alpha=config.alpha,
             self_id=self.node_id,
-            quorum=quorum if salt is not None else None,
+            quorum=quorum,
             salt=salt,
         )
 
     async def _answer(
-        self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool, spread: bool
+        self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool
     ) -> tuple[Contact, Any] | None:
         """The next answer; None when the hedge delay passed first: a narrow start's one peer is
         slow (the search opens up: ``hedge``), or a drawn holder is (it asks a spare: ``spare``)."""
-        if not (narrow or spread):
+        if not (narrow or search.draws):
             return await receive.receive()
         with trio.move_on_after(self.hedging.delay()):
             return await receive.receive()

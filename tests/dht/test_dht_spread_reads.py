@@ -53,6 +53,7 @@ def test_reads_that_need_a_few_holders_spread_over_all_of_them():
     for _ in range(count):
         initial = rng.sample(OTHERS, 10) + rng.sample(HOLDERS, 10)
         search = DisjointLookup(TARGET, initial, paths=3, k=K, quorum=6, salt=rng.randbytes(8))
+        assert search.draws  # (the driver asks spares of a lookup that draws, when answers are slow)
         read(search, drawn)
         assert search.done
     at_holders = {name: [asked[h.id] for h in HOLDERS] for name, asked in [("all", everyone), ("drawn", drawn)]}
@@ -62,6 +63,7 @@ def test_reads_that_need_a_few_holders_spread_over_all_of_them():
     assert sum(at_holders["drawn"]) <= 8 * count
     assert max(at_holders["drawn"]) <= 0.5 * count, at_holders["drawn"]
     assert min(at_holders["drawn"]) >= 0.1 * count, at_holders["drawn"]
+    assert not DisjointLookup(TARGET, HOLDERS, paths=3, k=K, quorum=K, salt=b"salt").draws  # (all k)
     # Without a salt the same few (the nearest of each path's share) would answer every read.
     assert max(spread[h.id] for h in HOLDERS) >= 0.9 * count
 
