@@ -34,6 +34,7 @@ import trio
 from averaging.averager import GroupAverager
 from dht import DHTBootstrapError, DHTConfig
 from peer.simnet import SimNetwork
+from tests.support.sim_heap import one_heap_for_many_peers, settle
 from tests.support.sim_swarm import SimSwarm, open_sim_swarm
 
 __all__ = ["Scenario", "ScaleReport", "run_scenario"]
@@ -186,8 +187,13 @@ class ScaleRun:
 
 
 async def run_scenario(scenario: Scenario, network: SimNetwork | None = None) -> ScaleReport:
-    """Run ``scenario`` (under a ``MockClock``) and report what the swarm did."""
-    network = network or SimNetwork(seed=scenario.seed)
+    """Run ``scenario`` (under a ``MockClock``) and report what the swarm did; the N peers'
+    garbage is collected as N processes' would be (``sim_heap.py``)."""
+    with one_heap_for_many_peers():
+        return await _run(scenario, network or SimNetwork(seed=scenario.seed))
+
+
+async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
     report = ScaleReport(scenario.peers)
     async with open_sim_swarm(network, scenario.peers, config=DHTConfig()) as swarm, trio.open_nursery() as newcomers:
         report.join_s = trio.current_time()
@@ -200,6 +206,7 @@ async def run_scenario(scenario: Scenario, network: SimNetwork | None = None) ->
         cpu_before = time.process_time()
         for number in range(scenario.turbulent_rounds):
             split = number == scenario.partition_round
+            settle()
             if split:
                 live = run.live()
                 half = len(live) // 2
@@ -216,6 +223,7 @@ async def run_scenario(scenario: Scenario, network: SimNetwork | None = None) ->
             while newcomers.child_tasks:
                 await trio.sleep(0.5)
         for number in range(scenario.calm_rounds):
+            settle()
             stayed, averaged = await run.step_everyone(churn=False)
             report.peer_rounds += len(stayed)
             report.steps_of_stayers += len(stayed)

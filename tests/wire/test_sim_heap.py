@@ -1,0 +1,36 @@
+"""Many simulated peers in one heap collect garbage as separate processes would (``sim_heap.py``)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from tests.support.sim_heap import YOUNG_THRESHOLD, one_heap_for_many_peers, settle
+
+
+class Node:
+    """A thing that refers to itself: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_settled_objects_are_left_out_of_collections_until_the_block_ends():
+    before = gc.get_threshold()
+    with one_heap_for_many_peers():
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+        old = Node()
+        gone_old = weakref.ref(old)
+        settle()
+        assert gc.get_freeze_count() > 0
+        del old
+        gc.collect()
+        assert gone_old() is not None  # frozen: no collection walks it
+        young = Node()
+        gone_young = weakref.ref(young)
+        del young
+        gc.collect()
+        assert gone_young() is None  # made after the freeze: collected as usual
+    assert gone_old() is None  # the block's end collects what the freeze kept
+    assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
