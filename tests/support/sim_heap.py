@@ -15,10 +15,10 @@ objects) is collected once the block ends.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["one_heap_for_many_peers", "settle"]
+__all__ = ["one_heap_for_many_peers", "settle", "settle_every"]
 
 # Allocations between young collections (Python's default: 700), and the young collections that
 # each older generation waits for (its defaults: 10 and 10).
@@ -43,3 +43,14 @@ def settle() -> None:
     """Collect the garbage made so far and leave what survives out of later collections."""
     gc.collect()
     gc.freeze()
+
+
+def settle_every(count: int) -> Callable[[int], None]:
+    """For ``open_sim_swarm(joined=...)``: settle after every ``count`` nodes joined (a join
+    walks the new node's buckets: a swarm's garbage grows with every one)."""
+
+    def joined(index: int) -> None:
+        if index % count == count - 1:
+            settle()
+
+    return joined

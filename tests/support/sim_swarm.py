@@ -8,7 +8,7 @@ host, reading ``TrioClock`` for record lifetimes; each runs in its own task, so 
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -61,11 +61,16 @@ class SimSwarm:
 
 @asynccontextmanager
 async def open_sim_swarm(
-    network: SimNetwork, size: int, *, config: DHTConfig | None = None, clock: TrioClock | None = None
+    network: SimNetwork,
+    size: int,
+    *,
+    config: DHTConfig | None = None,
+    clock: TrioClock | None = None,
+    joined: Callable[[int], None] | None = None,
 ) -> AsyncIterator[SimSwarm]:
-    """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones.
-    Within the block blocking work runs on the event loop (``peer.worker_threads``), so that CPU
-    time costs no simulated time."""
+    """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones
+    (``joined(index)`` is called after each). Within the block blocking work runs on the event loop
+    (``peer.worker_threads``), so that CPU time costs no simulated time."""
     choices = random.Random(f"peerd-sim-swarm-{network.seed}")  # not the model's own sequence
     with inline_blocking_work():
         async with trio.open_nursery() as nursery:
@@ -73,5 +78,7 @@ async def open_sim_swarm(
             for index in range(size):
                 earlier = [swarm.nodes[i].address for i in choices.sample(range(index), min(index, 2))]
                 await swarm.add(earlier)
+                if joined is not None:
+                    joined(index)
             yield swarm
             nursery.cancel_scope.cancel()
