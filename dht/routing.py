@@ -8,7 +8,12 @@
   trio node decides whether and when to ping it (the newcomer waits in the replacement list).
 - ``find_neighbors``: the package walks buckets outward from the target's bucket and stops at k
   nodes, which is not the k nearest by XOR distance (neighbouring buckets in list order are not the
-  nearest in XOR space). Here: exact, over every contact.
+  nearest in XOR space). Here: exact, walking buckets in the order of their XOR distance from the
+  target. Every bucket is an aligned block of 2**m IDs (the keyspace, halved at each split), and
+  XOR with the target maps an aligned block onto an aligned block of distances: of two buckets,
+  every contact of the one whose block starts nearer is nearer than every contact of the other. So
+  the walk stops at the end of the first buckets that hold k contacts, and a lookup's cost does not
+  grow with the table.
 
 Contacts carry the pinned ``PeerAddress`` that reaches them; only peers we have talked to over an
 authenticated connection are ever added (never addresses that a third party claimed).
@@ -69,6 +74,14 @@ class Contact(Node):
         return f"Contact({self.peer_id}, {self.address.endpoint})"
 
 
+def _block_distance(target: int, bucket: KBucket) -> int:
+    """The XOR distance from ``target`` to the nearest ID ``bucket`` can hold: its range is an
+    aligned block of 2**m IDs, ``[low, low + 2**m - 1]``, so the distances are one aligned block too,
+    starting at ``target ^ low`` with its m low bits cleared."""
+    low, high = bucket.range
+    return (target ^ low) & ~(high - low)
+
+
 class RoutingTable(_PackageRoutingTable):
     """k-buckets around ``node`` (our own position), usable from trio."""
 
@@ -119,9 +132,13 @@ class RoutingTable(_PackageRoutingTable):
         those for which ``exclude(contact)`` is true."""
         k = k or self.ksize
         target = node.long_id
-        candidates = [c for bucket in self.buckets for c in bucket.nodes.values() if c.long_id != target]
-        if exclude is not None:
-            candidates = [contact for contact in candidates if not exclude(contact)]
+        candidates: list[Contact] = []
+        for bucket in sorted(self.buckets, key=functools.partial(_block_distance, target)):
+            for contact in bucket.nodes.values():
+                if contact.long_id != target and (exclude is None or not exclude(contact)):
+                    candidates.append(contact)
+            if len(candidates) >= k:  # every later bucket's contacts are farther (the module)
+                break
         # A list, not a generator: nsmallest then just sorts when the table holds k or fewer.
         return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
 

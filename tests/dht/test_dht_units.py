@@ -59,10 +59,29 @@ def test_find_neighbors_is_exact():
     for c in contacts:
         table.add_contact(c)
     kept = list(table.contacts())
-    for _ in range(50):
-        target = rng.getrandbits(160)
-        truth = sorted(kept, key=lambda c: c.long_id ^ target)[:20]
-        assert table.find_neighbors(Contact.for_id(target), 20) == truth
+    # targets anywhere, and near our own ID, where the table splits its buckets finest
+    targets = [rng.getrandbits(160) for _ in range(50)] + [me ^ rng.getrandbits(bits) for bits in range(0, 160, 4)]
+    for target in targets:
+        for k in (1, 20, 45):
+            truth = sorted(kept, key=lambda c: c.long_id ^ target)[:k]
+            assert table.find_neighbors(Contact.for_id(target), k) == truth
+        odd = [c for c in kept if c.long_id % 2]
+        truth = sorted(odd, key=lambda c: c.long_id ^ target)[:20]
+        assert table.find_neighbors(Contact.for_id(target), 20, exclude=lambda c: c.long_id % 2 == 0) == truth
+
+
+def test_find_neighbors_looks_at_the_nearest_buckets_only():
+    rng = random.Random(8)
+    me = rng.getrandbits(160)
+    table = RoutingTable(Contact.for_id(me), ksize=20)
+    for i in range(2000):
+        table.add_contact(contact(rng.getrandbits(160), 1000 + i))
+    assert len(table) > 100
+    looked: list[Contact] = []
+    for _ in range(20):
+        looked.clear()
+        table.find_neighbors(Contact.for_id(rng.getrandbits(160)), 20, exclude=lambda c: looked.append(c) is not None)
+        assert 20 <= len(looked) <= 60  # the buckets that hold the 20 nearest, not all the table
 
 
 def test_full_bucket_returns_head_to_ping_instead_of_asyncio():
