@@ -69,6 +69,7 @@ class Contacts:
         self._dialing: dict[tuple[str, int], trio.Event] = {}
         # Contacts evicted for silence, pinged again until they answer (``reconnect.py``).
         self.lost: LostContacts[Contact] = LostContacts()
+        self.evicted = trio.Event()  # set when a contact is evicted (a new one once it is seen)
         self.difficulty: int = host.node_id_difficulty  # the run's: every contact is checked against it
 
     # ------------------------------------------------------------------ what we learn
@@ -118,6 +119,7 @@ class Contacts:
                 # one host: an IPv4 address or an IPv6 /64 (a machine's own); loopback, none
                 host = address_group(held.address.host)
                 self.lost.lost(held.peer_id, held, self.health.clock(), host=host)
+                self.evicted.set()
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old

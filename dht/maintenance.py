@@ -128,6 +128,7 @@ class TableMaintenance:
         initial: LostContacts[PeerAddress] = LostContacts(give_up_after=math.inf)
         while True:
             await trio.sleep(PROBE_MIN)
+            await self._until_due(initial, clock)
             now = clock()
             if len(self.table) == 0:
                 for address in self.initial_peers:
@@ -139,6 +140,17 @@ class TableMaintenance:
                 continue
             if await self._reached_any(contacts, addresses):
                 await self.lookups.run(self.node_id)
+
+    async def _until_due(self, initial: LostContacts[PeerAddress], clock) -> None:
+        """Wait until a lost contact or initial peer is due, or a contact is evicted (which may
+        also empty the table): a node that lost nobody does not wake every PROBE_MIN for nothing
+        (a swarm of N nodes in one simulation woke N times a simulated second)."""
+        if len(self.table) == 0:
+            return
+        self.contacts.evicted = trio.Event()
+        due = [at for at in (self.contacts.lost.next_due(), initial.next_due()) if at is not None]
+        with trio.move_on_after(max(0.0, min(due) - clock()) if due else math.inf):
+            await self.contacts.evicted.wait()
 
     async def _reached_any(self, contacts: list[Contact], addresses: list[PeerAddress]) -> bool:
         """Ping them all at once; whether any answered (each answer is back in the table)."""

@@ -153,3 +153,28 @@ async def test_a_dial_that_fails_unexpectedly_costs_its_lookup_a_contact_not_the
         assert not node.stopped
         monkeypatch.undo()
         assert await node.find_nearest(random.Random(42).getrandbits(160))  # it still looks things up
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps trio's tasks take: each wake-up of a sleeping loop is one."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+async def test_a_quiet_swarm_s_nodes_sleep_until_they_have_something_to_do(autojump_clock):
+    """A node that lost no contact waits for a loss (or the next probe due) instead of looking
+    every second: in one simulation of N nodes those looks cost N per simulated second."""
+    nodes, minutes = 8, 10
+    async with open_sim_swarm(SimNetwork(seed=5), nodes, config=DHTConfig()):
+        await trio.sleep(200)  # the joins' connections retire, idle
+        counted = TaskSteps()
+        trio.lowlevel.add_instrument(counted)
+        await trio.sleep(60 * minutes)
+        trio.lowlevel.remove_instrument(counted)
+    # (a check of idle connections every 15 s and of stale buckets every 60 s remain: ~23; 83 when
+    # each node looked for lost contacts every second)
+    assert counted.steps / nodes / minutes < 40
