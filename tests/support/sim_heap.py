@@ -9,12 +9,14 @@ that to full collections; a peer in its own process pays a fixed share). Inside
 and ``settle()``, called between rounds, collects once and freezes what survived
 (``gc.freeze``): later collections walk only what was allocated since, as a lone peer's collector
 walks only its own heap. What was frozen and later becomes cyclic garbage (a departed peer's
-objects) is collected once the block ends.
+objects, a retired connection's) waits for every SWEEP_EVERY-th settle, which unfreezes and walks
+everything once, and for the block's end.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -23,6 +25,11 @@ __all__ = ["one_heap_for_many_peers", "settle", "settle_every"]
 # Allocations between young collections (Python's default: 700), and the young collections that
 # each older generation waits for (its defaults: 10 and 10).
 YOUNG_THRESHOLD = 20_000
+# One settle in this many collects the whole heap, frozen objects too: each walks O(N) objects, so
+# it comes rarely enough that its share per peer stays small, and often enough that memory freed by
+# departures and retired connections is freed.
+SWEEP_EVERY = 4
+_settles = itertools.count(1)
 
 
 @contextmanager
@@ -40,7 +47,10 @@ def one_heap_for_many_peers() -> Iterator[None]:
 
 
 def settle() -> None:
-    """Collect the garbage made so far and leave what survives out of later collections."""
+    """Collect the garbage made so far (every SWEEP_EVERY-th time, the frozen objects' too) and
+    leave what survives out of later collections."""
+    if next(_settles) % SWEEP_EVERY == 0:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
 

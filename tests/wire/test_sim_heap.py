@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from tests.support.sim_heap import YOUNG_THRESHOLD, one_heap_for_many_peers, settle
+from tests.support.sim_heap import SWEEP_EVERY, YOUNG_THRESHOLD, one_heap_for_many_peers, settle
 
 
 class Node:
@@ -34,3 +34,16 @@ def test_settled_objects_are_left_out_of_collections_until_the_block_ends():
     assert gone_old() is None  # the block's end collects what the freeze kept
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
+
+
+def test_every_few_settles_collect_what_died_after_it_was_frozen():
+    """A long run (thousands of joins, connections retired all along) must not keep every
+    retired object until its end."""
+    with one_heap_for_many_peers():
+        old = Node()
+        gone = weakref.ref(old)
+        settle()
+        del old
+        for _ in range(SWEEP_EVERY):
+            settle()
+        assert gone() is None
