@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -141,7 +141,7 @@ class TableMaintenance:
             if await self._reached_any(contacts, addresses):
                 await self.lookups.run(self.node_id)
 
-    async def _until_due(self, initial: LostContacts[PeerAddress], clock) -> None:
+    async def _until_due(self, initial: LostContacts[PeerAddress], clock: Callable[[], float]) -> None:
         """Wait until a lost contact or initial peer is due, or a contact is evicted (which may
         also empty the table): a node that lost nobody does not wake every PROBE_MIN for nothing
         (a swarm of N nodes in one simulation woke N times a simulated second)."""

@@ -16,41 +16,66 @@ everything once, and for the block's end.
 from __future__ import annotations
 
 import gc
-import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["one_heap_for_many_peers", "settle", "settle_every"]
+__all__ = ["one_heap_for_many_peers", "settle", "settle_every", "sweep"]
 
 # Allocations between young collections (Python's default: 700), and the young collections that
 # each older generation waits for (its defaults: 10 and 10).
 YOUNG_THRESHOLD = 20_000
-# One settle in this many collects the whole heap, frozen objects too: each walks O(N) objects, so
-# it comes rarely enough that its share per peer stays small, and often enough that memory freed by
-# departures and retired connections is freed.
+# One settle in this many collects the whole heap, frozen objects too (``sweep``): each walks O(N)
+# objects, so it comes rarely enough that its share per peer stays small, and often enough that
+# memory freed by departures and retired connections is freed.
 SWEEP_EVERY = 4
-_settles = itertools.count(1)
+
+
+class _Blocks:
+    """How deep in ``one_heap_for_many_peers`` we are, and the settles of the outermost block."""
+
+    depth = 0
+    settles = 0
 
 
 @contextmanager
 def one_heap_for_many_peers() -> Iterator[None]:
     """Collect garbage in this block as N separate peer processes would, in proportion to each
-    peer's own heap (see the module)."""
-    before = gc.get_threshold()
+    peer's own heap (see the module). What was frozen before the block (a test session freezes
+    its start-up heap) is frozen again after it."""
+    before, was_frozen = gc.get_threshold(), gc.get_freeze_count() > 0
+    if _Blocks.depth == 0:
+        _Blocks.settles = 0
+    _Blocks.depth += 1
     gc.set_threshold(YOUNG_THRESHOLD, 10, 10)
     try:
         yield
     finally:
-        gc.set_threshold(*before)
-        gc.unfreeze()
-        gc.collect()
+        _Blocks.depth -= 1
+        if _Blocks.depth == 0:
+            gc.set_threshold(*before)
+            gc.unfreeze()
+            gc.collect()
+            if was_frozen:
+                gc.freeze()
 
 
 def settle() -> None:
-    """Collect the garbage made so far (every SWEEP_EVERY-th time, the frozen objects' too) and
-    leave what survives out of later collections."""
-    if next(_settles) % SWEEP_EVERY == 0:
+    """Collect the garbage made so far (every SWEEP_EVERY-th time, the frozen objects' too:
+    ``sweep``) and leave what survives out of later collections."""
+    if _Blocks.depth == 0:
+        raise RuntimeError("settle() outside one_heap_for_many_peers() would keep the heap frozen for good")
+    _Blocks.settles += 1
+    if _Blocks.settles % SWEEP_EVERY == 0:
         gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def sweep() -> None:
+    """Collect all garbage, frozen or not (before a memory reading), and freeze what survives."""
+    if _Blocks.depth == 0:
+        raise RuntimeError("sweep() outside one_heap_for_many_peers() would keep the heap frozen for good")
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
