@@ -143,8 +143,8 @@ class TableMaintenance:
 
     async def _until_due(self, initial: LostContacts[PeerAddress], clock: Callable[[], float]) -> None:
         """Wait until a lost contact or initial peer is due, or a contact is evicted (which may
-        also empty the table): a node that lost nobody does not wake every PROBE_MIN for nothing
-        (a swarm of N nodes in one simulation woke N times a simulated second)."""
+        also empty the table): a node that lost nobody sleeps rather than look every PROBE_MIN for
+        nothing (in one simulation of N nodes, looking costs N wake-ups a simulated second)."""
         if len(self.table) == 0:
             return
         self.contacts.evicted = trio.Event()
