@@ -7,8 +7,9 @@ clock: N real peers (hosts, DHT nodes, ``GroupAverager``s of 256 floats in Moshp
 join, average through rounds with 10% of the swarm replaced per simulated minute and one round
 split by a partition, then through calm rounds until they agree. Per size it prints a row of the
 growth table: per peer per round the CPU seconds, bytes and segments sent; the DHT requests served
-by the busiest and by the median node; memory per peer (resident-set growth over the run ÷ N); the
-calm rounds until the swarm agreed; the fraction of the steps of peers that stayed that averaged.
+by the busiest and by the median node; memory per peer (resident-set growth over the run ÷ N,
+each row in a process of its own); the calm rounds until the swarm agreed; the fraction of the
+steps of peers that stayed that averaged.
 
 Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
 nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
@@ -26,6 +27,7 @@ import argparse
 import json
 import random
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,13 +115,34 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
     }
 
 
+def dht_row(size: int, seed: int) -> dict[str, Any]:
+    with one_heap_for_many_peers():
+        return trio.run(dht_churn, size, seed, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def in_own_process(kind: str, size: int, seed: int) -> dict[str, Any]:
+    """One row, run in a process of its own: a row's memory is the resident-set growth it causes,
+    and memory that an earlier row freed stays resident (the allocator keeps it), so the next row in
+    the same process would grow into it and read as costing nothing."""
+    command = [sys.executable, __file__, "--row", kind, str(size), "--seed", str(seed)]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    if finished.returncode != 0:
+        raise SystemExit(f"the {kind} row of {size} failed: {finished.stderr.strip().splitlines()[-1:]}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--row", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)  # one row (in_own_process)
     parser.add_argument("--quick", action="store_true", help="N = 16, 32 and a DHT of 128 nodes")
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 32,64,128)")
     parser.add_argument("--dht-nodes", default=None, help="comma-separated DHT-only sizes (default 256,1024)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    if args.row:
+        kind, size = args.row
+        print(json.dumps((averaging_row if kind == "averaging" else dht_row)(int(size), args.seed)))
+        return
     peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
     dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]
 
@@ -129,7 +152,7 @@ def main() -> None:
         f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'real s':>7}"
     )
     for size in peers:
-        row = averaging_row(size, args.seed)
+        row = in_own_process("averaging", size, args.seed)
         rows.append(row)
         print(
             f"{size:>6} {row['cpu_per_peer_round_s']:>15.4f} {row['bytes_per_peer_round'] / 1e3:>14.1f} "
@@ -139,8 +162,7 @@ def main() -> None:
         )
     dht_rows = []
     for size in dht_sizes:
-        with one_heap_for_many_peers():
-            row = trio.run(dht_churn, size, args.seed, clock=trio.testing.MockClock(autojump_threshold=0))
+        row = in_own_process("dht", size, args.seed)
         dht_rows.append(row)
         print(
             f"DHT {size:>5} nodes: {row['dht_get_success_after_churn']:.3f} of keys found after "
