@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import errno
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import trio
@@ -96,6 +96,8 @@ class SimNetwork:
         self._identities = random.Random(f"peerd-simnet-identities-{seed}")
         self._listeners: dict[tuple[str, int], SimListener] = {}
         self._streams: set[SimStream] = set()
+        # the open ends at or to each host: a departure wakes only their flows, not the whole network's
+        self._streams_of: dict[str, set[SimStream]] = {}
         self._next_port: dict[tuple[str, int], int] = {}  # per host and range: the next free port
         self._link_lot = trio.lowlevel.ParkingLot()
 
@@ -133,7 +135,7 @@ class SimNetwork:
         ends hear nothing more (they find out by their deadlines), and dials to it go unanswered.
         The peer's tasks are the caller's to cancel (a crashed process, a switched-off machine)."""
         self.model.remove_host(address)
-        for flow in self._flows():
+        for flow in self._flows(self._streams_of.get(address, ())):
             if address in (flow.source, flow.destination):
                 flow.notify()  # (its own ends raise; the far ends look at the dead link)
         self._link_lot.unpark_all()
@@ -152,8 +154,10 @@ class SimNetwork:
                 flow.notify()
         self._link_lot.unpark_all()
 
-    def _flows(self) -> list[Flow]:
-        return list({id(flow): flow for stream in self._streams for flow in stream.flows}.values())
+    def _flows(self, streams: Iterable[SimStream] | None = None) -> list[Flow]:
+        """The flows of ``streams`` (default: every open end), each once."""
+        chosen = self._streams if streams is None else streams
+        return list({id(flow): flow for stream in chosen for flow in stream.flows}.values())
 
     # ------------------------------------------------------------------ listeners and dials
     def bind(self, address: str, port: int) -> SimListener:
@@ -170,6 +174,12 @@ class SimNetwork:
 
     def forget(self, stream: SimStream) -> None:
         self._streams.discard(stream)
+        for host in {stream.local[0], stream.remote[0]}:
+            ends = self._streams_of.get(host)
+            if ends is not None:
+                ends.discard(stream)
+                if not ends:
+                    del self._streams_of[host]
 
     async def dial(self, source: str, host: str, port: int) -> SimStream:
         """A connection from ``source`` to ``host:port`` after one RTT of a live link; waits while
@@ -192,6 +202,8 @@ class SimNetwork:
         client = SimStream(self.model, local, remote, there, back, self.forget)
         server = SimStream(self.model, remote, local, back, there, self.forget)
         self._streams.update((client, server))
+        for end in (self._streams_of.setdefault(source, set()), self._streams_of.setdefault(host, set())):
+            end.update((client, server))
         listener.arrive(server)
         return client
 

@@ -12,6 +12,7 @@ import trio
 from peer import ConnectError, Identity, Message, PeerAddress, Router, open_peer_host
 from peer.simnet import MBIT, RECEIVE_WINDOW_BYTES, SEGMENT_BYTES, NetworkModel, SimNetwork
 from peer.simnet.network import LISTEN_BACKLOG
+from peer.simnet.streams import SimStream
 
 
 # ---------------------------------------------------------------------- the model, sans I/O
@@ -306,6 +307,26 @@ async def test_a_reader_waiting_on_a_host_that_leaves_is_woken_with_the_break(au
             while not outcome:
                 await trio.sleep(0.01)
     assert outcome == ["broken"]
+
+
+async def test_a_departure_looks_only_at_the_connections_of_the_host_that_leaves(autojump_clock, monkeypatch):
+    """A swarm of N hosts holds ~60 N connection ends, and a churning one loses hosts all along."""
+    network = SimNetwork(seed=17)
+    a, b, c = network.add_host(), network.add_host(), network.add_host()
+    others = [await connected(network, b, c) for _ in range(50)]
+    client, server, _ = await connected(network, a, b)  # b dialled a: server is a's end
+    await server.aclose()  # a's own end closed first: b's end still waits on the flows to a
+    looked: list[object] = []
+    flows = SimStream.flows
+    monkeypatch.setattr(SimStream, "flows", property(lambda stream: looked.append(stream) or flows.fget(stream)))
+    network.leave(a.address)
+    assert len(looked) == 1  # b's end of the connection to a, not the 100 ends between b and c
+    with trio.move_on_after(3600) as stalled:
+        await client.receive_some()
+    assert stalled.cancelled_caught  # b hears nothing more from a (its deadline finds out)
+    for b_end, c_end, _ in others:  # the others' connections carry on
+        await b_end.send_all(b"still here")
+        assert await c_end.receive_some() == b"still here"
 
 
 class TaskSteps(trio.abc.Instrument):
