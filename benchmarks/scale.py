@@ -125,9 +125,9 @@ def in_own_process(kind: str, size: int, seed: int) -> dict[str, Any]:
     and memory that an earlier row freed stays resident (the allocator keeps it), so the next row in
     the same process would grow into it and read as costing nothing."""
     command = [sys.executable, __file__, "--row", kind, str(size), "--seed", str(seed)]
-    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # (its log: our stderr)
     if finished.returncode != 0:
-        raise SystemExit(f"the {kind} row of {size} failed: {finished.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"the {kind} row of {size} failed (exit status {finished.returncode}); its traceback is above")
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
@@ -141,7 +141,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.row:
         kind, size = args.row
-        print(json.dumps((averaging_row if kind == "averaging" else dht_row)(int(size), args.seed)))
+        rows = {"averaging": averaging_row, "dht": dht_row}
+        if kind not in rows or not size.isdigit():
+            parser.error(f"--row takes averaging or dht and a size, not {kind} {size}")
+        print(json.dumps(rows[kind](int(size), args.seed)))
         return
     peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
     dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]

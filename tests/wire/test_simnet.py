@@ -324,7 +324,7 @@ async def test_a_departure_looks_only_at_the_connections_of_the_host_that_leaves
     with trio.move_on_after(3600) as stalled:
         await client.receive_some()
     assert stalled.cancelled_caught  # b hears nothing more from a (its deadline finds out)
-    for b_end, c_end, _ in others:  # the others' connections carry on
+    for c_end, b_end, _ in others:  # the others' connections carry on
         await b_end.send_all(b"still here")
         assert await c_end.receive_some() == b"still here"
 
