@@ -69,7 +69,7 @@ class Contacts:
         self._dialing: dict[tuple[str, int], trio.Event] = {}
         # Contacts evicted for silence, pinged again until they answer (``reconnect.py``).
         self.lost: LostContacts[Contact] = LostContacts()
-        self.evicted = trio.Event()  # set when a contact is evicted (a new one once it is seen)
+        self._evicted = trio.Event()  # set at the next eviction (``next_eviction``)
         self.difficulty: int = host.node_id_difficulty  # the run's: every contact is checked against it
 
     # ------------------------------------------------------------------ what we learn
@@ -119,7 +119,12 @@ class Contacts:
                 # one host: an IPv4 address or an IPv6 /64 (a machine's own); loopback, none
                 host = address_group(held.address.host)
                 self.lost.lost(held.peer_id, held, self.health.clock(), host=host)
-                self.evicted.set()
+                self._evicted.set()
+
+    def next_eviction(self) -> trio.Event:
+        """An event set when a contact is next evicted for silence (from now on)."""
+        self._evicted = trio.Event()
+        return self._evicted
 
     async def _ping_head(self, head: Contact) -> None:
         """A full bucket's least-recently-seen contact: keep it if it answers (the paper prefers old

@@ -147,10 +147,10 @@ class TableMaintenance:
         nothing (in one simulation of N nodes, looking costs N wake-ups a simulated second)."""
         if len(self.table) == 0:
             return
-        self.contacts.evicted = trio.Event()
+        evicted = self.contacts.next_eviction()
         due = [at for at in (self.contacts.lost.next_due(), initial.next_due()) if at is not None]
         with trio.move_on_after(max(0.0, min(due) - clock()) if due else math.inf):
-            await self.contacts.evicted.wait()
+            await evicted.wait()
 
     async def _reached_any(self, contacts: list[Contact], addresses: list[PeerAddress]) -> bool:
         """Ping them all at once; whether any answered (each answer is back in the table)."""

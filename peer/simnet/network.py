@@ -135,9 +135,8 @@ class SimNetwork:
         ends hear nothing more (they find out by their deadlines), and dials to it go unanswered.
         The peer's tasks are the caller's to cancel (a crashed process, a switched-off machine)."""
         self.model.remove_host(address)
-        for flow in self._flows(self._streams_of.get(address, ())):
-            if address in (flow.source, flow.destination):
-                flow.notify()  # (its own ends raise; the far ends look at the dead link)
+        for flow in self._flows(self._streams_of.get(address, ())):  # (each runs from or to it)
+            flow.notify()  # (its own ends raise; the far ends look at the dead link)
         self._link_lot.unpark_all()
 
     @contextmanager

@@ -62,20 +62,20 @@ def one_heap_for_many_peers() -> Iterator[None]:
 def settle() -> None:
     """Collect the garbage made so far (every SWEEP_EVERY-th time, the frozen objects' too:
     ``sweep``) and leave what survives out of later collections."""
-    if _Blocks.depth == 0:
-        raise RuntimeError("settle() outside one_heap_for_many_peers() would keep the heap frozen for good")
     _Blocks.settles += 1
-    if _Blocks.settles % SWEEP_EVERY == 0:
-        gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    _freeze_survivors(everything=_Blocks.settles % SWEEP_EVERY == 0)
 
 
 def sweep() -> None:
     """Collect all garbage, frozen or not (before a memory reading), and freeze what survives."""
+    _freeze_survivors(everything=True)
+
+
+def _freeze_survivors(everything: bool) -> None:
     if _Blocks.depth == 0:
-        raise RuntimeError("sweep() outside one_heap_for_many_peers() would keep the heap frozen for good")
-    gc.unfreeze()
+        raise RuntimeError("settling the heap outside one_heap_for_many_peers() would keep it frozen for good")
+    if everything:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
 
