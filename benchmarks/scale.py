@@ -6,10 +6,12 @@ For each swarm size N, the scenario of ``tests/support/sim_scale.py`` runs under
 clock: N real peers (hosts, DHT nodes, ``GroupAverager``s of 256 floats in Moshpit groups of 16)
 join, average through rounds with 10% of the swarm replaced per simulated minute and one round
 split by a partition, then through calm rounds until they agree. Per size it prints a row of the
-growth table: per peer per round the CPU seconds, bytes and segments sent; the DHT requests served
-by the busiest and by the median node; memory per peer (resident-set growth over the run ÷ N,
-each row in a process of its own); the calm rounds until the swarm agreed; the fraction of the
-steps of peers that stayed that averaged.
+growth table: per peer per round the CPU seconds, bytes and segments sent, the DHT requests the
+swarm served and the connections it made (each a handshake: the protocol's own work, which a peer
+pays in a process of its own, while the CPU of N peers in one process also grows with their shared
+heap); the DHT requests served by the busiest and by the median node; memory per peer
+(resident-set growth over the run ÷ N, each row in a process of its own); the calm rounds until
+the swarm agreed; the fraction of the steps of peers that stayed that averaged.
 
 Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
 nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
@@ -73,6 +75,8 @@ def averaging_row(peers: int, seed: int) -> dict[str, Any]:
         "cpu_per_peer_round_s": round(report.cpu_per_peer_round, 4),
         "bytes_per_peer_round": round(report.bytes_sent / rounds),
         "segments_per_peer_round": round(report.segments_sent / rounds, 1),
+        "dht_requests_per_peer_round": round(report.dht_requests_per_peer_round, 1),
+        "connections_per_peer_round": round(report.connections_per_peer_round, 2),
         "busiest_node_requests": served[-1] if served else 0,
         "median_node_requests": served[len(served) // 2] if served else 0,
         "busiest_node_load_ratio": round(report.busiest_node_load_ratio, 2),
@@ -131,6 +135,11 @@ def in_own_process(kind: str, size: int, seed: int) -> dict[str, Any]:
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
+def _growth(rows: list[dict[str, Any]], figure: str) -> float:
+    """``figure`` at the largest N of the run over that at the smallest."""
+    return round(rows[-1][figure] / max(rows[0][figure], 1e-9), 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)  # one row (in_own_process)
@@ -152,7 +161,7 @@ def main() -> None:
     rows = []
     print(
         f"{'peers':>6} {'cpu/peer/round':>15} {'KB/peer/round':>14} {'busiest/median':>15} "
-        f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'real s':>7}"
+        f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'DHT req/peer/round':>19} {'conns/peer/round':>17} {'real s':>7}"
     )
     for size in peers:
         row = in_own_process("averaging", size, args.seed)
@@ -160,7 +169,9 @@ def main() -> None:
         print(
             f"{size:>6} {row['cpu_per_peer_round_s']:>15.4f} {row['bytes_per_peer_round'] / 1e3:>14.1f} "
             f"{row['busiest_node_load_ratio']:>15.2f} {row['memory_per_peer_mb']:>8.2f} "
-            f"{str(row['rounds_to_agree']):>6} {row['averaged_fraction']:>9.4f} {row['real_s']:>7.1f}",
+            f"{str(row['rounds_to_agree']):>6} {row['averaged_fraction']:>9.4f} "
+            f"{row['dht_requests_per_peer_round']:>19.1f} {row['connections_per_peer_round']:>17.2f} "
+            f"{row['real_s']:>7.1f}",
             flush=True,
         )
     dht_rows = []
@@ -177,8 +188,10 @@ def main() -> None:
     result = {
         "peers": largest["peers"],
         "averaged_fraction": min(row["averaged_fraction"] for row in rows),
-        "cpu_per_peer_round_growth": round(largest["cpu_per_peer_round_s"] / smallest["cpu_per_peer_round_s"], 3),
+        "cpu_per_peer_round_growth": _growth(rows, "cpu_per_peer_round_s"),
         "peers_ratio": round(largest["peers"] / smallest["peers"], 3),
+        "dht_requests_per_peer_round_growth": _growth(rows, "dht_requests_per_peer_round"),
+        "connections_per_peer_round_growth": _growth(rows, "connections_per_peer_round"),
         "busiest_node_load_ratio": largest["busiest_node_load_ratio"],
         "memory_per_peer_mb": largest["memory_per_peer_mb"],
         "dht_nodes": dht_rows[-1]["nodes"],

@@ -100,6 +100,7 @@ class SimNetwork:
         self._streams_of: dict[str, set[SimStream]] = {}
         self._next_port: dict[tuple[str, int], int] = {}  # per host and range: the next free port
         self._link_lot = trio.lowlevel.ParkingLot()
+        self.connections_total = 0  # connections ever made, for reports: each costs its peers a handshake
 
     def add_host(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> SimTransport:
         """A new host on the network (the next address, seeded latency and bandwidth) and the
@@ -204,6 +205,7 @@ class SimNetwork:
         for end in (self._streams_of.setdefault(source, set()), self._streams_of.setdefault(host, set())):
             end.update((client, server))
         listener.arrive(server)
+        self.connections_total += 1
         return client
 
     def _port(self, address: str, first: int) -> int:

@@ -76,6 +76,8 @@ class ScaleReport:
     bytes_sent: int = 0
     segments_sent: int = 0
     served: list[int] = field(default_factory=list)  # DHT requests served per live node, over the rounds
+    dht_requests: int = 0  # served by every node over the rounds, departed ones included
+    connections: int = 0  # made over the rounds (each one handshake)
     max_deviation: float = math.inf  # at the end, as a fraction of the initial spread
 
     @property
@@ -85,6 +87,14 @@ class ScaleReport:
     @property
     def cpu_per_peer_round(self) -> float:
         return self.cpu_s / max(self.peer_rounds, 1)
+
+    @property
+    def dht_requests_per_peer_round(self) -> float:
+        return self.dht_requests / max(self.peer_rounds, 1)
+
+    @property
+    def connections_per_peer_round(self) -> float:
+        return self.connections / max(self.peer_rounds, 1)
 
     @property
     def busiest_node_load_ratio(self) -> float:
@@ -203,6 +213,7 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
         spread = float((torch.stack(initial).max(0).values - torch.stack(initial).min(0).values).max())
         served_before = {index: swarm.nodes[index].requests_served for index in range(scenario.peers)}
         sent_before = network.model.bytes_sent_total, network.model.segments_sent_total
+        connections_before = network.connections_total
         cpu_before = time.process_time()
         for number in range(scenario.turbulent_rounds):
             split = number == scenario.partition_round
@@ -236,6 +247,8 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
         report.bytes_sent = network.model.bytes_sent_total - sent_before[0]
         report.segments_sent = network.model.segments_sent_total - sent_before[1]
         report.served = [swarm.nodes[index].requests_served - served_before.get(index, 0) for index in swarm.alive()]
+        report.dht_requests = sum(node.requests_served for node in swarm.nodes) - sum(served_before.values())
+        report.connections = network.connections_total - connections_before
         newcomers.cancel_scope.cancel()
     return report
 

@@ -236,6 +236,10 @@ async def test_dials_are_refused_without_a_listener_and_unanswered_across_a_cut(
     with pytest.raises(ConnectError, match="no answer") as unanswered:
         await a.connect(PeerAddress(host, port))
     assert not unanswered.value.refused and trio.current_time() - start == pytest.approx(a.connect_timeout)
+    assert network.connections_total == 0  # (reports count connections made: each costs a handshake)
+    network.heal_partition()
+    await a.connect(PeerAddress(host, port))
+    assert network.connections_total == 1
 
 
 async def test_dials_beyond_a_full_backlog_get_no_answer_until_one_is_accepted(autojump_clock):
