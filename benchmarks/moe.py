@@ -69,9 +69,7 @@ def start_server(hidden: int, batch: int) -> tuple[subprocess.Popen, str]:
     return process, line.decode().split(" at ")[-1].strip()
 
 
-def throughput(step, batch: int, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        step()
+def throughput(step, batch: int, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -85,7 +83,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
-    steps, warmup, small_calls = (8, 2, 200) if args.quick else (20, 3, 500)
+    steps, pairs, warmup, small_calls = (4, 9, 2, 200) if args.quick else (5, 15, 3, 500)
     batch = args.batch
 
     torch.manual_seed(0)
@@ -110,12 +108,18 @@ def main() -> None:
             inputs = x.clone().requires_grad_(True)
             expert(inputs).backward(grad)
 
-        # Interleave the two measurements so background load on the machine hits both alike.
+        # Short windows in alternation, so that background load on the machine hits both alike;
+        # the ratio is the median over adjacent pairs of windows (the speed of this shared
+        # machine drifts by 2x between runs, and a single slow window must not decide it).
+        for _ in range(warmup):
+            local_step()
+            remote_step()
         local_rates, remote_rates = [], []
-        for _ in range(2):
-            local_rates.append(throughput(local_step, batch, warmup, steps // 2))
-            remote_rates.append(throughput(remote_step, batch, warmup, steps // 2))
-        local_rate, remote_rate = max(local_rates), max(remote_rates)
+        for _ in range(pairs):
+            local_rates.append(throughput(local_step, batch, steps))
+            remote_rates.append(throughput(remote_step, batch, steps))
+        local_rate, remote_rate = statistics.median(local_rates), statistics.median(remote_rates)
+        ratio = statistics.median(r / loc for loc, r in zip(local_rates, remote_rates, strict=True))
 
         latencies = []
         with torch.no_grad():
@@ -151,7 +155,8 @@ def main() -> None:
         "expert": "ffn",
         "remote_samples_per_s": round(remote_rate, 1),
         "local_samples_per_s": round(local_rate, 1),
-        "ratio": round(remote_rate / local_rate, 3),
+        "ratio": round(ratio, 3),
+        "ratio_windows": pairs,
         "small_call_p50_ms": round(p50, 3),
         "small_call_p90_ms": round(p90, 3),
         "small_call_local_p50_ms": round(local_p50, 3),
@@ -162,7 +167,7 @@ def main() -> None:
     print(f"{'measure':<36}{'value':>14}")
     print(f"{'local fwd+bwd samples/s':<36}{local_rate:>14.1f}")
     print(f"{'remote fwd+bwd samples/s':<36}{remote_rate:>14.1f}")
-    print(f"{'ratio remote/local':<36}{remote_rate / local_rate:>14.3f}")
+    print(f"{'ratio remote/local (median pair)':<36}{ratio:>14.3f}")
     print(f"{'single-sample call p50 ms':<36}{p50:>14.3f}")
     print(f"{'single-sample call p90 ms':<36}{p90:>14.3f}")
     print(f"{'single-sample local forward p50 ms':<36}{local_p50:>14.3f}")
