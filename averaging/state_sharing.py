@@ -8,8 +8,8 @@ hand every newcomer every donor's offer: O(N) both, the hottest key of a large s
 reads shards in a random order, a few at a time, until it holds ``DONORS_WANTED`` offers (in a
 small swarm: all of them), orders them newest version first, and tries equals in random order:
 random, so that a wave of newcomers spreads over all donors instead of all hitting the first one.
-A donor re-stores its offer once half its lifetime has passed, not after every round: a round
-costs a peer no DHT store, and the offer is listed without a gap (``DonorAnnouncer``).
+A donor re-stores its offer once a quarter of its lifetime has passed, not after every round: a
+round costs a peer no DHT store, and the offer is listed without a gap (``DonorAnnouncer``).
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -56,10 +56,8 @@ log = logging.getLogger("peerd.averaging")
 # A donor that has not averaged for this long is probably gone; the announcement expires with it.
 DONOR_TTL = 120.0
 # A donor stores its offer again once this much of its lifetime has passed (or when its address
-# changed). Every peer is a donor, and a store costs a lookup and k stores (in the simulated swarm of
-# 128, a fifth of a peer's DHT requests per round went to refreshing offers four times a lifetime):
-# twice a lifetime, a refresh that fails is tried again after the next round, before the offer lapses.
-DONOR_REFRESH = DONOR_TTL / 2
+# changed): three refreshes may fail before the offer lapses.
+DONOR_REFRESH = DONOR_TTL / 4
 # Offers are spread over this many keys. Sixteen shards of a 1,000-peer swarm hold ~60 offers each;
 # a swarm of a few peers leaves most shards empty, and a newcomer then reads them all.
 DONOR_SHARDS = 16

@@ -109,15 +109,17 @@ def main() -> None:
             expert(inputs).backward(grad)
 
         # Short windows in alternation, so that background load on the machine hits both alike;
-        # the ratio is the median over adjacent pairs of windows (the speed of this shared
-        # machine drifts by 2x between runs, and a single slow window must not decide it).
+        # the ratio is the median over adjacent pairs of windows (this shared machine's speed
+        # drifts within a run, and a single slow window must not decide it), each pair's order
+        # swapped from the last so that what one side leaves behind (the server's threads still
+        # busy) weighs on both alike.
         for _ in range(warmup):
             local_step()
             remote_step()
         local_rates, remote_rates = [], []
-        for _ in range(pairs):
-            local_rates.append(throughput(local_step, batch, steps))
-            remote_rates.append(throughput(remote_step, batch, steps))
+        for pair in range(pairs):
+            for step, rates in ((local_step, local_rates), (remote_step, remote_rates))[:: 1 if pair % 2 else -1]:
+                rates.append(throughput(step, batch, steps))
         local_rate, remote_rate = statistics.median(local_rates), statistics.median(remote_rates)
         ratio = statistics.median(r / loc for loc, r in zip(local_rates, remote_rates, strict=True))
 
@@ -156,7 +158,7 @@ def main() -> None:
         "remote_samples_per_s": round(remote_rate, 1),
         "local_samples_per_s": round(local_rate, 1),
         "ratio": round(ratio, 3),
-        "ratio_windows": pairs,
+        "ratio_pairs": pairs,
         "small_call_p50_ms": round(p50, 3),
         "small_call_p90_ms": round(p90, 3),
         "small_call_local_p50_ms": round(local_p50, 3),

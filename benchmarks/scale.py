@@ -76,7 +76,7 @@ def averaging_row(peers: int, seed: int) -> dict[str, Any]:
         "bytes_per_peer_round": round(report.bytes_sent / rounds),
         "segments_per_peer_round": round(report.segments_sent / rounds, 1),
         "dht_requests_per_peer_round": round(report.dht_requests_per_peer_round, 1),
-        "connections_per_peer_round": round(report.connections_per_peer_round, 2),
+        "connections_per_peer_round": round(report.connections_per_peer_round, 3),
         "busiest_node_requests": served[-1] if served else 0,
         "median_node_requests": served[len(served) // 2] if served else 0,
         "busiest_node_load_ratio": round(report.busiest_node_load_ratio, 2),
@@ -135,9 +135,11 @@ def in_own_process(kind: str, size: int, seed: int) -> dict[str, Any]:
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
-def _growth(rows: list[dict[str, Any]], figure: str) -> float:
-    """``figure`` at the largest N of the run over that at the smallest."""
-    return round(rows[-1][figure] / max(rows[0][figure], 1e-9), 3)
+def _growth(rows: list[dict[str, Any]], figure: str) -> float | None:
+    """``figure`` in the last row (the largest N, as ``--peers`` lists them) over the first; None
+    where the first is 0 (no ratio to give)."""
+    first = rows[0][figure]
+    return round(rows[-1][figure] / first, 3) if first else None
 
 
 def main() -> None:

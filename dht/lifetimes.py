@@ -68,7 +68,7 @@ DEFAULT_TTL_CAPS: tuple[TTLCap, ...] = (
     # default); a round that waits longer than five minutes for its group has failed anyway.
     TTLCap(r"\.matchmaking$", 300.0),
     # "{prefix}.state_donors.{shard}": averaging.state_sharing.DONOR_TTL is 120 s, re-announced after
-    # half of it at the first averaging round past that, so 5 minutes covers a slow round.
+    # a quarter of it at the first averaging round past that, so 5 minutes covers a slow round.
     TTLCap(r"\.state_donors\.\d+$", 300.0),
     # Expert grid keys end with the UID delimiter ("ffn.", "ffn.3."): heartbeats live
     # max(moe.announce.HEARTBEAT_TTL = 45 s, 3 x heartbeat period); 10 minutes admits periods up to

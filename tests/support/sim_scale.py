@@ -90,6 +90,8 @@ class ScaleReport:
 
     @property
     def dht_requests_per_peer_round(self) -> float:
+        """The swarm's requests (leavers' and newcomers' included) over the stayers' peer-rounds,
+        as the CPU and bytes are counted."""
         return self.dht_requests / max(self.peer_rounds, 1)
 
     @property
