@@ -8,8 +8,9 @@ hand every newcomer every donor's offer: O(N) both, the hottest key of a large s
 reads shards in a random order, a few at a time, until it holds ``DONORS_WANTED`` offers (in a
 small swarm: all of them), orders them newest version first, and tries equals in random order:
 random, so that a wave of newcomers spreads over all donors instead of all hitting the first one.
-A donor re-stores its offer once a quarter of its lifetime has passed, not after every round: a
-round costs a peer no DHT store, and the offer is listed without a gap (``DonorAnnouncer``).
+A donor re-stores its offer once a third of its lifetime has passed, not after every round, and
+off the round's path (``announce_soon``: in a task of the host's, so that no caller's step waits on
+the DHT): the offer stays listed through a failed refresh (``DonorAnnouncer``).
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -54,10 +55,13 @@ __all__ = [
 log = logging.getLogger("peerd.averaging")
 
 # A donor that has not averaged for this long is probably gone; the announcement expires with it.
-DONOR_TTL = 120.0
+DONOR_TTL = 180.0
 # A donor stores its offer again once this much of its lifetime has passed (or when its address
-# changed): three refreshes may fail before the offer lapses.
-DONOR_REFRESH = DONOR_TTL / 4
+# changed), at the end of its first averaging round past that. Every peer is a donor, and a store
+# costs a lookup and k stores: refreshing every 30 s is up to a fifth of a peer's DHT requests a
+# round in the simulated swarm. A minute apart, an offer outlives a refresh that fails (or a round
+# that fails before it) as long as rounds end within a minute of each other.
+DONOR_REFRESH = DONOR_TTL / 3
 # Offers are spread over this many keys. Sixteen shards of a 1,000-peer swarm hold ~60 offers each;
 # a swarm of a few peers leaves most shards empty, and a newcomer then reads them all.
 DONOR_SHARDS = 16
@@ -167,20 +171,48 @@ class StateSharing:
         self._serving: dict[PeerID, int] = {}
         self._rng = random.Random()
         self._announcer = DonorAnnouncer(donor_refresh)
+        self._announcing = False  # an ``announce_soon`` task is storing our offer
         host.router.add_stream(self.method, self._serve_state)
         host.router.add_stream(self.sample_method, self._serve_sample)
 
     def key(self, shard: int) -> str:
         return f"{self.prefix}.state_donors.{shard}"
 
-    async def announce(self, version: int) -> None:
-        """Offer our state at ``version``, if our offer is due for storing again (``DonorAnnouncer``)."""
+    def announce_soon(self, version: int) -> None:
+        """Offer our state at ``version`` in a task of the host's, if our offer is due and none is
+        being stored. A store is a lookup and k stores: a peer whose offer fell due would return
+        from its round that much later than the others and start its next matchmaking after them
+        (in the simulated swarm, one such peer a run found nobody left to group with)."""
+        if self._announcing or self._offer_due() is None:
+            return
+        self._announcing = True
+        try:
+            self.host.start_soon(self._announce_in_background, version)
+        except RuntimeError:  # the host is closing: no more offers
+            self._announcing = False
+
+    async def _announce_in_background(self, version: int) -> None:
+        try:
+            await self.announce(version)
+        except Exception as error:  # (a store reports failure as False: this would be ours)
+            log.warning("storing our donor offer failed: %r", error)
+        finally:
+            self._announcing = False
+
+    def _offer_due(self) -> tuple[PeerAddress, float] | None:
+        """Our address and the time, if our offer is due for storing again (``DonorAnnouncer``)."""
         address = self.host.public_address
         if address is None:
-            return  # client-mode peers cannot be dialed, so they cannot donate
+            return None  # client-mode peers cannot be dialed, so they cannot donate
         now = self.dht.clock.time()
-        if not self._announcer.due(now, str(address)):
+        return (address, now) if self._announcer.due(now, str(address)) else None
+
+    async def announce(self, version: int) -> None:
+        """Offer our state at ``version``, if our offer is due for storing again (``DonorAnnouncer``)."""
+        due = self._offer_due()
+        if due is None:
             return
+        address, now = due
         value = {"address": str(address), "version": int(version), "nonce": self.host.node_id.nonce}
         subkey = peer_subkey(self.dht.host.identity.public_key)
         if await self.dht.store(

@@ -67,8 +67,8 @@ DEFAULT_TTL_CAPS: tuple[TTLCap, ...] = (
     # "{prefix}.matchmaking": declarations live for the matchmaking timeout plus 1 s (3-5 s by
     # default); a round that waits longer than five minutes for its group has failed anyway.
     TTLCap(r"\.matchmaking$", 300.0),
-    # "{prefix}.state_donors.{shard}": averaging.state_sharing.DONOR_TTL is 120 s, re-announced after
-    # a quarter of it at the first averaging round past that, so 5 minutes covers a slow round.
+    # "{prefix}.state_donors.{shard}": averaging.state_sharing.DONOR_TTL is 180 s; 5 minutes admits
+    # a longer lifetime, not much more (an offer outlives its donor by its lifetime).
     TTLCap(r"\.state_donors\.\d+$", 300.0),
     # Expert grid keys end with the UID delimiter ("ffn.", "ffn.3."): heartbeats live
     # max(moe.announce.HEARTBEAT_TTL = 45 s, 3 x heartbeat period); 10 minutes admits periods up to

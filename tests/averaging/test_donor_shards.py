@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import trio
 
@@ -13,6 +14,7 @@ from averaging.averager import GroupAverager
 from averaging.state_sharing import (
     DONOR_REFRESH,
     DONOR_SHARDS,
+    DONOR_TTL,
     DONORS_WANTED,
     SHARDS_PER_READ,
     DonorAnnouncer,
@@ -20,7 +22,7 @@ from averaging.state_sharing import (
     donor_shard,
 )
 from dht.node import DHTNode
-from dht.peer_dictionary import peer_subkey
+from dht.peer_dictionary import peer_entries, peer_subkey
 from peer import LOCAL_DIFFICULTY, Identity, NodeIDProof
 from peer.clock import SYSTEM_CLOCK, TrioClock
 from peer.node_id import NONCE_BYTES
@@ -130,4 +132,77 @@ async def test_rounds_within_the_refresh_cost_a_donor_no_store(autojump_clock):
         await trio.sleep(DONOR_REFRESH)
         await sharing.announce(6)
         assert counted.stores == [sharing.key(donor_shard(first.host.node_id.node_id))] * 2
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("round_s", [5.0, 55.0])
+async def test_a_donor_stores_once_a_minute_and_stays_listed_through_a_failed_refresh(autojump_clock, round_s):
+    """Every peer of a swarm is a donor, and each store of its offer costs a lookup and k stores:
+    a donor stores at most once a minute, and with rounds up to a minute apart its offer stays
+    listed through a refresh that fails (tried again at the end of the next round)."""
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [], TrioClock())
+        counted = FailingSecondStore(first)
+        sharing = StateSharing(first.host, counted, PREFIX, owner=None)
+        key = sharing.key(donor_shard(first.host.node_id.node_id))
+        start = trio.current_time()
+        for version in range(1, 1 + int(3 * DONOR_TTL / round_s)):  # rounds round_s apart, three lifetimes
+            if version > 1:
+                found = await first.get(key, latest=True)
+                listed = list(peer_entries(found, lambda peer, body: body, now=first.clock.time()))
+                assert len(listed) == 1, f"the offer lapsed by {trio.current_time() - start:.0f} s"
+            await sharing.announce(version)
+            await trio.sleep(round_s)
+        minutes = (trio.current_time() - start) / 60.0
+        assert counted.failed == 1 and len(counted.stores) <= minutes + 2, counted.stores
+        nursery.cancel_scope.cancel()
+
+
+class FailingSecondStore(CountingDHT):
+    """A DHT whose second store fails (nothing stored): the first refresh of an offer."""
+
+    failed = 0
+
+    async def store(self, key, value, expiration_time, subkey=None):
+        self.stores.append(key)
+        if len(self.stores) == 2:
+            self.failed += 1
+            return False
+        return await self.node.store(key, value, expiration_time, subkey=subkey)
+
+
+class HeldStores(CountingDHT):
+    """A DHT whose stores wait until ``release`` is set."""
+
+    def __init__(self, node: DHTNode):
+        super().__init__(node)
+        self.release = trio.Event()
+
+    async def store(self, key, value, expiration_time, subkey=None):
+        self.stores.append(key)
+        await self.release.wait()
+        return await self.node.store(key, value, expiration_time, subkey=subkey)
+
+
+async def test_a_round_does_not_wait_for_its_donor_offer_to_be_stored(autojump_clock):
+    """A store is a lookup and k stores: a peer whose offer fell due would return from its round
+    later than the others and matchmake after them, so the offer is stored in a task of the host's,
+    one at a time."""
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [], TrioClock())
+        held = HeldStores(first)
+        sharing = StateSharing(first.host, held, PREFIX, owner=None)
+        before = trio.current_time()
+        sharing.announce_soon(1)
+        sharing.announce_soon(2)  # the first is still being stored: no second store
+        await trio.sleep(1.0)
+        assert len(held.stores) == 1 and trio.current_time() - before == pytest.approx(1.0)
+        held.release.set()
+        await trio.sleep(1.0)
+        found = await first.get(sharing.key(donor_shard(first.host.node_id.node_id)), latest=True)
+        offers = peer_entries(found, lambda peer, body: body, now=first.clock.time())
+        assert [body["version"] for _, body in offers] == [1]
+        sharing.announce_soon(3)  # stored a second ago: not due
+        await trio.sleep(1.0)
+        assert len(held.stores) == 1
         nursery.cancel_scope.cancel()
