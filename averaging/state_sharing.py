@@ -8,9 +8,10 @@ hand every newcomer every donor's offer: O(N) both, the hottest key of a large s
 reads shards in a random order, a few at a time, until it holds ``DONORS_WANTED`` offers (in a
 small swarm: all of them), orders them newest version first, and tries equals in random order:
 random, so that a wave of newcomers spreads over all donors instead of all hitting the first one.
-A donor re-stores its offer once a third of its lifetime has passed, not after every round, and
-off the round's path (``announce_soon``: in a task of the host's, so that no caller's step waits on
-the DHT): the offer stays listed through a failed refresh (``DonorAnnouncer``).
+A donor stores its offer at the end of its first round, then re-stores it once a third of its
+lifetime has passed, not after every round, and off the round's path (``announce_soon``: in a task
+of the host's, so that no caller's step waits on the DHT): the offer stays listed through a failed
+refresh (``DonorAnnouncer``).
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -144,6 +145,11 @@ class DonorAnnouncer:
     def stored(self, now: float, address: str) -> None:
         self._last = (now, address)
 
+    @property
+    def listed(self) -> bool:
+        """Whether an offer was ever stored (it may have lapsed since)."""
+        return self._last is not None
+
 
 class StateSharing:
     def __init__(
@@ -178,6 +184,15 @@ class StateSharing:
     def key(self, shard: int) -> str:
         return f"{self.prefix}.state_donors.{shard}"
 
+    async def announce_after_round(self, version: int) -> None:
+        """Our offer at the end of a round: stored before the round returns until it is first
+        listed (a newcomer that asks right after our first round finds it), then refreshed off the
+        round's path (``announce_soon``)."""
+        if self._announcer.listed:
+            self.announce_soon(version)
+        else:
+            await self.announce(version)
+
     def announce_soon(self, version: int) -> None:
         """Offer our state at ``version`` in a task of the host's, if our offer is due and none is
         being stored. A store is a lookup and k stores: a peer whose offer fell due would return
@@ -193,9 +208,20 @@ class StateSharing:
 
     async def _announce_in_background(self, version: int) -> None:
         try:
-            await self.announce(version)
+            await self._store_offer(version)
         except Exception as error:  # (a store reports failure as False: this would be ours)
             log.warning("storing our donor offer failed: %r", error)
+        finally:
+            self._announcing = False
+
+    async def announce(self, version: int) -> None:
+        """Offer our state at ``version``, if our offer is due for storing again (``DonorAnnouncer``)
+        and no store of it is on its way."""
+        if self._announcing:
+            return
+        self._announcing = True
+        try:
+            await self._store_offer(version)
         finally:
             self._announcing = False
 
@@ -207,8 +233,7 @@ class StateSharing:
         now = self.dht.clock.time()
         return (address, now) if self._announcer.due(now, str(address)) else None
 
-    async def announce(self, version: int) -> None:
-        """Offer our state at ``version``, if our offer is due for storing again (``DonorAnnouncer``)."""
+    async def _store_offer(self, version: int) -> None:
         due = self._offer_due()
         if due is None:
             return

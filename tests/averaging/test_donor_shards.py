@@ -206,3 +206,29 @@ async def test_a_round_does_not_wait_for_its_donor_offer_to_be_stored(autojump_c
         await trio.sleep(1.0)
         assert len(held.stores) == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_the_first_offer_is_listed_when_the_round_returns_and_refreshes_are_not_waited_for(autojump_clock):
+    """A newcomer that asks right after a donor's first round finds its offer; later refreshes go
+    in a task of the host's, and a direct announce while one is on its way stores nothing more."""
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [], TrioClock())
+        held = HeldStores(first)
+        held.release.set()
+        sharing = StateSharing(first.host, held, PREFIX, owner=None)
+        await sharing.announce_after_round(1)
+        assert len(held.stores) == 1  # stored before it returned
+        held.release = trio.Event()
+        await trio.sleep(DONOR_REFRESH)
+        before = trio.current_time()
+        await sharing.announce_after_round(2)
+        assert trio.current_time() == before  # the refresh is on its way, not waited for
+        await sharing.announce(3)  # (as a replica announces its state): one store at a time
+        await trio.sleep(1.0)
+        assert len(held.stores) == 2
+        held.release.set()
+        await trio.sleep(1.0)
+        found = await first.get(sharing.key(donor_shard(first.host.node_id.node_id)), latest=True)
+        offers = peer_entries(found, lambda peer, body: body, now=first.clock.time())
+        assert [body["version"] for _, body in offers] == [2]
+        nursery.cancel_scope.cancel()
