@@ -297,7 +297,7 @@ class GroupAverager:
             self.uplink_estimate.observe(result.upload)
             timing = RoundTiming(formed - started, trio.current_time() - formed)
         if self.allow_state_sharing:
-            await self.state_sharing.announce_after_round(self.round)
+            self.state_sharing.announce_soon(self.round)
         return AveragingRound(group.group, group.round, timing, result)
 
     async def _reference_for_round(self) -> Sequence[torch.Tensor] | None:

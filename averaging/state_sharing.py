@@ -8,10 +8,11 @@ hand every newcomer every donor's offer: O(N) both, the hottest key of a large s
 reads shards in a random order, a few at a time, until it holds ``DONORS_WANTED`` offers (in a
 small swarm: all of them), orders them newest version first, and tries equals in random order:
 random, so that a wave of newcomers spreads over all donors instead of all hitting the first one.
-A donor stores its offer at the end of its first round, then re-stores it once a third of its
-lifetime has passed, not after every round, and off the round's path (``announce_soon``: in a task
-of the host's, so that no caller's step waits on the DHT): the offer stays listed through a failed
-refresh (``DonorAnnouncer``).
+A donor stores its offer after its first round, then once a third of its lifetime has passed, not
+after every round, and off the round's path (``announce_soon``: in a task of the host's, so that no
+caller's step waits on the DHT): the offer stays listed through a failed refresh
+(``DonorAnnouncer``). A newcomer that finds no offer yet (a swarm's first offers may still be on
+their way) reads again, less often each time, until its deadline.
 
 The transfer is one stream: a header (metadata and the tensors' wire headers), then one message per
 tensor with its raw bytes. The newcomer validates every header against the tensors it expects, so
@@ -71,6 +72,8 @@ DONOR_SHARDS = 16
 # that are busy or gone. A swarm of few donors is read whole in three waves of reads.
 SHARDS_PER_READ = 4
 DONORS_WANTED = 8
+# A newcomer that finds no offer reads the shards again after this long, then twice as long each time.
+DONOR_RETRY_S = 1.0
 MAX_TENSORS = 10_000
 # Each download being served pins a full copy of the state until it is sent. A newcomer needs one
 # download at a time; a few donors' worth in total keeps a popular donor's memory bounded.
@@ -145,11 +148,6 @@ class DonorAnnouncer:
     def stored(self, now: float, address: str) -> None:
         self._last = (now, address)
 
-    @property
-    def listed(self) -> bool:
-        """Whether an offer was ever stored (it may have lapsed since)."""
-        return self._last is not None
-
 
 class StateSharing:
     def __init__(
@@ -183,15 +181,6 @@ class StateSharing:
 
     def key(self, shard: int) -> str:
         return f"{self.prefix}.state_donors.{shard}"
-
-    async def announce_after_round(self, version: int) -> None:
-        """Our offer at the end of a round: stored before the round returns until it is first
-        listed (a newcomer that asks right after our first round finds it), then refreshed off the
-        round's path (``announce_soon``)."""
-        if self._announcer.listed:
-            self.announce_soon(version)
-        else:
-            await self.announce(version)
 
     def announce_soon(self, version: int) -> None:
         """Offer our state at ``version`` in a task of the host's, if our offer is due and none is
@@ -324,7 +313,10 @@ class StateSharing:
         StateUnavailable after ``timeout`` or when every donor failed them."""
         reasons: list[str] = []
         with trio.move_on_after(timeout):
-            donors = await self.donors()
+            donors, pause = await self.donors(), DONOR_RETRY_S
+            while not donors:
+                await trio.sleep(pause)
+                donors, pause = await self.donors(), 2 * pause
             for address in donors:
                 try:
                     metadata, tensors = await self._download_from(address, expected, timeout)

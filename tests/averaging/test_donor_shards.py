@@ -19,6 +19,7 @@ from averaging.state_sharing import (
     SHARDS_PER_READ,
     DonorAnnouncer,
     StateSharing,
+    StateUnavailable,
     donor_shard,
 )
 from dht.node import DHTNode
@@ -208,27 +209,36 @@ async def test_a_round_does_not_wait_for_its_donor_offer_to_be_stored(autojump_c
         nursery.cancel_scope.cancel()
 
 
-async def test_the_first_offer_is_listed_when_the_round_returns_and_refreshes_are_not_waited_for(autojump_clock):
-    """A newcomer that asks right after a donor's first round finds its offer; later refreshes go
-    in a task of the host's, and a direct announce while one is on its way stores nothing more."""
+async def test_a_direct_announce_while_an_offer_is_on_its_way_stores_nothing_more(autojump_clock):
     async with trio.open_nursery() as nursery:
         first = await nursery.start(run_node, [], TrioClock())
         held = HeldStores(first)
-        held.release.set()
         sharing = StateSharing(first.host, held, PREFIX, owner=None)
-        await sharing.announce_after_round(1)
-        assert len(held.stores) == 1  # stored before it returned
-        held.release = trio.Event()
-        await trio.sleep(DONOR_REFRESH)
-        before = trio.current_time()
-        await sharing.announce_after_round(2)
-        assert trio.current_time() == before  # the refresh is on its way, not waited for
-        await sharing.announce(3)  # (as a replica announces its state): one store at a time
+        sharing.announce_soon(1)
         await trio.sleep(1.0)
-        assert len(held.stores) == 2
+        await sharing.announce(2)  # (as a replica announces its state)
+        assert len(held.stores) == 1
         held.release.set()
-        await trio.sleep(1.0)
-        found = await first.get(sharing.key(donor_shard(first.host.node_id.node_id)), latest=True)
-        offers = peer_entries(found, lambda peer, body: body, now=first.clock.time())
-        assert [body["version"] for _, body in offers] == [2]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_newcomer_that_finds_no_offer_yet_reads_again_until_its_deadline(autojump_clock):
+    """A swarm's first offers are stored after its first round returns: a newcomer that asks at
+    once finds none, and finds the first one stored a few seconds later."""
+    async with trio.open_nursery() as nursery:
+        first = await nursery.start(run_node, [], TrioClock())
+        second = await nursery.start(run_node, [first.host.listen_address], TrioClock())
+        donor = StateSharing(first.host, first, PREFIX, owner=None)
+        newcomer = CountingDHT(second)
+        sharing = StateSharing(second.host, newcomer, PREFIX, owner=None)
+
+        async def offer_later() -> None:
+            await trio.sleep(3.0)
+            await donor.announce(1)
+
+        nursery.start_soon(offer_later)
+        with pytest.raises(StateUnavailable) as failed:  # (this donor has no state to serve)
+            await sharing.download([torch.zeros(2)], timeout=20.0)
+        assert "no donor announced itself" not in str(failed.value), failed.value  # it found the offer
+        assert len(newcomer.gets) > DONOR_SHARDS  # by reading again
         nursery.cancel_scope.cancel()
