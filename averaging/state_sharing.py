@@ -175,7 +175,7 @@ class StateSharing:
         self._serving: dict[PeerID, int] = {}
         self._rng = random.Random()
         self._announcer = DonorAnnouncer(donor_refresh)
-        self._announcing = False  # an ``announce_soon`` task is storing our offer
+        self._announcing = False  # a store of our offer is on its way (one at a time)
         host.router.add_stream(self.method, self._serve_state)
         host.router.add_stream(self.sample_method, self._serve_sample)
 
@@ -186,7 +186,7 @@ class StateSharing:
         """Offer our state at ``version`` in a task of the host's, if our offer is due and none is
         being stored. A store is a lookup and k stores: a peer whose offer fell due would return
         from its round that much later than the others and start its next matchmaking after them
-        (in the simulated swarm, one such peer a run found nobody left to group with)."""
+        (in the simulated swarm of 24 such a peer can find nobody left to group with)."""
         if self._announcing or self._offer_due() is None:
             return
         self._announcing = True

@@ -1,9 +1,9 @@
 """Whom a key's records live on, remembered for a minute: a store to a key this node looked up
 moments ago goes straight to the k nearest peers that lookup found, without walking to them again.
 
-A peer of an averaging swarm stores the same few keys over and over (its matchmaking declaration and
-then its withdrawal under the round's key every round, its state-donor entry every minute), and each store's
-lookup asks ~k peers (20 requests, more with log N hops in a large swarm) before the k stores
+A peer of an averaging swarm stores the same few keys over and over (its matchmaking declaration
+and then its withdrawal under the round's key every round, its state-donor entry every minute), and
+each store's lookup asks ~k peers (20 requests, more with log N hops in a large swarm) before the k stores
 themselves: half of a store's requests. The holders of a key change only as peers join and leave,
 so a lookup's answer stays right for a while; ``HOLDERS_TTL`` bounds how stale it may be (a peer
 that joined nearer the key in the meantime misses one store; readers still find every other copy,
