@@ -185,7 +185,7 @@ class HeldStores(CountingDHT):
         return await self.node.store(key, value, expiration_time, subkey=subkey)
 
 
-async def test_a_round_does_not_wait_for_its_donor_offer_to_be_stored(autojump_clock):
+async def test_an_offer_is_stored_in_a_task_of_the_hosts_one_at_a_time(autojump_clock):
     """A store is a lookup and k stores: a peer whose offer fell due would return from its round
     later than the others and matchmake after them, so the offer is stored in a task of the host's,
     one at a time."""
@@ -193,11 +193,10 @@ async def test_a_round_does_not_wait_for_its_donor_offer_to_be_stored(autojump_c
         first = await nursery.start(run_node, [], TrioClock())
         held = HeldStores(first)
         sharing = StateSharing(first.host, held, PREFIX, owner=None)
-        before = trio.current_time()
-        sharing.announce_soon(1)
+        sharing.announce_soon(1)  # (not awaited: the round that calls it returns at once)
         sharing.announce_soon(2)  # the first is still being stored: no second store
         await trio.sleep(1.0)
-        assert len(held.stores) == 1 and trio.current_time() - before == pytest.approx(1.0)
+        assert len(held.stores) == 1
         held.release.set()
         await trio.sleep(1.0)
         found = await first.get(sharing.key(donor_shard(first.host.node_id.node_id)), latest=True)
