@@ -7,7 +7,8 @@ Over the relayed connection, the peer that dialed (A) and the peer it reached (B
    reachability check, at its listen port); B answers with its own. A measures the round trip.
 2. A calls ``nat.sync {delay: rtt / 2}``; B answers at once and dials A ``delay`` seconds later,
    A dials B as soon as the answer arrives: both SYNs leave at about the same moment.
-3. Both dial from their listen port (``peer/reuse_port.py``), so a port-preserving NAT sends
+3. Both dial from their listen port (the transport's ``connect_from``; over TCP
+   ``peer/reuse_port.py``), so a port-preserving NAT sends
    each SYN out from the public port the other side was told, each NAT sees its own peer's SYN
    leave before the other's arrives, and the two dials meet as one TCP connection. B runs the
    Noise handshake as initiator and A as responder (if B's SYN reached A's listener instead, A's
@@ -30,7 +31,7 @@ import errno
 import functools
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -40,7 +41,6 @@ from .admission import address_group
 from .host import ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import TokenBucket
-from .reuse_port import connect_from
 from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
@@ -239,8 +239,10 @@ class HolePuncher:
         if listen is None:
             return False
         local = ("0.0.0.0" if listen.host in ("", "::") else listen.host, listen.port)
+        transport = self.host.transport
         for host, port in addresses:
-            stream = await connect_until(local, (host, port), trio.current_time() + ATTEMPT_TIMEOUT)
+            deadline = trio.current_time() + ATTEMPT_TIMEOUT
+            stream = await connect_until(transport.connect_from, local, (host, port), deadline)
             if stream is TAKEN:
                 # the other side's SYN reached our listener first, which is running the handshake
                 # now: wait for that connection rather than call the attempt failed
@@ -258,7 +260,7 @@ class HolePuncher:
                 # in front of it, or its dial came late): a listener answers as responder, so if
                 # no handshake message comes soon we are the one to start it.
                 with trio.move_on_after(RESPONDER_PATIENCE) as patience:
-                    await trio.lowlevel.wait_readable(stream.socket)
+                    await transport.peek_first_byte(stream)
                 initiator = patience.cancelled_caught
             if initiator:
                 try:
@@ -281,8 +283,14 @@ class HolePuncher:
         return False
 
 
-async def connect_until(local: tuple[str, int], remote: tuple[str, int], deadline: float) -> Any:
-    """Dial ``remote`` from ``local`` until ``deadline``: a stream, None, or TAKEN when a connection
+async def connect_until(
+    dial: Callable[[tuple[str, int], tuple[str, int], float], Awaitable[trio.abc.Stream]],
+    local: tuple[str, int],
+    remote: tuple[str, int],
+    deadline: float,
+) -> Any:
+    """Dial ``remote`` from ``local`` with ``dial`` (a transport's ``connect_from``) until
+    ``deadline``: a stream, None, or TAKEN when a connection
     between the two already exists (the other side's SYN reached our listener). A refusal is tried
     again: a NAT answers a SYN that arrives before its own peer's SYN has opened the mapping with a
     reset, and the other side's SYN opens it a moment later. The pauses double (about 6 dials in
@@ -290,7 +298,7 @@ async def connect_until(local: tuple[str, int], remote: tuple[str, int], deadlin
     pause = REFUSED_RETRY
     while True:
         try:
-            return await connect_from(local, remote, max(0.0, deadline - trio.current_time()))
+            return await dial(local, remote, max(0.0, deadline - trio.current_time()))
         except ConnectionRefusedError:
             if trio.current_time() + pause >= deadline:
                 return None

@@ -237,7 +237,12 @@ class PeerHost:
         """Admit and run an authenticated incoming connection (direct, or through ``relayed_via``);
         ``task_status.started()`` once it is pooled (or refused)."""
         connection = Connection(
-            channel, self.router, serve=not self.client_mode, traffic=self.traffic, relayed_via=relayed_via
+            channel,
+            self.router,
+            serve=not self.client_mode,
+            traffic=self.traffic,
+            relayed_via=relayed_via,
+            seen_from=self.transport.remote_address(channel.stream),
         )
         older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
         if older_connections is None:
@@ -357,7 +362,12 @@ class PeerHost:
                 raise ConnectError(f"{address}: connection lost during the handshake") from None
             raise
         connection = Connection(
-            channel, self.router, serve=not self.client_mode, traffic=self.traffic, relayed_via=address.relay
+            channel,
+            self.router,
+            serve=not self.client_mode,
+            traffic=self.traffic,
+            relayed_via=address.relay,
+            seen_from=self.transport.remote_address(channel.stream),
         )
         try:
             self._nursery.start_soon(self._run_connection, connection, False)

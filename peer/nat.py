@@ -196,10 +196,9 @@ def _via(connection) -> str:
     """``relay RELAYID`` or the remote endpoint of a direct connection."""
     if connection.relayed_via is not None:
         return f"relay {connection.relayed_via}"
-    try:
-        host, port = connection.channel.stream.socket.getpeername()[:2]
-    except (AttributeError, OSError):
+    if connection.seen_from is None:
         return "?"
+    host, port = connection.seen_from
     return f"{host}:{port}"
 
 

@@ -66,10 +66,9 @@ class ReachabilityService:
         connection = request.connection
         if connection is None or connection.relayed_via is not None:
             raise BadRequest("a dial-back needs a direct connection")
-        try:
-            observed_host, observed_port = connection.channel.stream.socket.getpeername()[:2]
-        except (AttributeError, OSError):
-            raise BadRequest("cannot tell this connection's remote address") from None
+        if connection.seen_from is None:
+            raise BadRequest("cannot tell this connection's remote address")
+        observed_host, observed_port = connection.seen_from
         port = request.body.get("port") if isinstance(request.body, dict) else None
         if type(port) is not int or not 0 < port < 65536:
             raise BadRequest("expected {port: 1..65535}")

@@ -362,12 +362,11 @@ class RelayClient:
 
 
 def _address_group_of(connection: Any) -> str | None:
-    """The per-address limit group of a direct connection's remote end (a closed or relayed one
-    counts as its own unknown address)."""
-    try:
-        return address_group(connection.channel.stream.socket.getpeername()[0])
-    except (AttributeError, OSError):
+    """The per-address limit group of a direct connection's remote end (a relayed one, or one
+    whose address the transport could not tell, counts as its own unknown address)."""
+    if connection is None or connection.relayed_via is not None or connection.seen_from is None:
         return "unknown"
+    return address_group(connection.seen_from[0])
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -75,8 +75,11 @@ class Connection:
         serve: bool = True,
         traffic: TrafficCounter | None = None,
         relayed_via: PeerID | None = None,
+        seen_from: tuple[str, int] | None = None,
     ):
-        """``relayed_via``: the relay this connection runs through (None: a direct connection)."""
+        """``relayed_via``: the relay this connection runs through (None: a direct connection);
+        ``seen_from``: the far end's ``(host, port)`` as our transport sees it (for a relayed
+        connection, the relay's)."""
         self.traffic = traffic if traffic is not None else TrafficCounter()
         self.channel = channel
         self.router = router if router is not None else Router()
@@ -84,6 +87,7 @@ class Connection:
         self.protocol = RPCProtocol(channel.initiator, max_message=self.router.max_message)
         self.remote_hello = channel.remote_hello
         self.relayed_via = relayed_via
+        self.seen_from = seen_from
         self.closed = trio.Event()
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
@@ -106,10 +110,7 @@ class Connection:
         return self.remote_hello.listen_address(self.remote_peer_id, self._seen_host)
 
     def _seen_host(self) -> str | None:
-        try:
-            return self.channel.stream.socket.getpeername()[0]
-        except (AttributeError, OSError):
-            return None
+        return None if self.seen_from is None else self.seen_from[0]
 
     def remote_moved(self, listen_addresses: tuple[str, ...]) -> None:
         """The peer told us where it is reached now (``peer/nat.py``): those addresses replace its

@@ -9,9 +9,11 @@ into the decoder, ``TCP_INFO``, pacing) and ``peer/tcp_options.py`` apply as the
 The other transport is ``peer/simnet``'s, for tests and benchmarks that run many real peers in
 one process on a modelled internet. Nothing in the library picks it by itself.
 
-A transport names the far end of a stream it produced (``remote_host``, for the fair limits per
-address group; ``remote_endpoint``, for logs) and can look at an incoming stream's first byte
-without consuming it (``peek_first_byte``: a relayed circuit's end starts with a marker byte).
+A transport names the far end of a stream it produced (``remote_address``: where the peer is seen
+from, which a dial-back answers with; ``remote_host``, for the fair limits per address group;
+``remote_endpoint``, for logs), can look at an incoming stream's first byte without consuming it
+(``peek_first_byte``: a relayed circuit's end starts with a marker byte), and dials from a port it
+listens on (``connect_from``: hole punching's simultaneous open).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import trio
 
 from .address import PeerAddress
 from .connection_pool import ConnectError
-from .reuse_port import open_listeners
+from .reuse_port import connect_from, open_listeners
 
 __all__ = ["Transport", "TcpTransport", "CONNECT_TIMEOUT"]
 
@@ -42,6 +44,18 @@ class Transport(Protocol):
     async def connect(self, address: PeerAddress) -> trio.abc.Stream:
         """A stream to ``address``'s endpoint; ``ConnectError`` (for this address alone) on failure,
         including no answer within the transport's connect deadline."""
+        ...
+
+    async def connect_from(self, local: tuple[str, int], remote: tuple[str, int], timeout: float) -> trio.abc.Stream:
+        """A stream from ``local`` (a port we listen on) to ``remote``, for hole punching: raises
+        ``ConnectionRefusedError`` when refused, ``OSError`` with ``EADDRINUSE`` or
+        ``EADDRNOTAVAIL`` when a connection between the two endpoints exists already, other
+        ``OSError``s, or ``trio.TooSlowError`` when nothing answers within ``timeout``."""
+        ...
+
+    def remote_address(self, stream: trio.abc.Stream) -> tuple[str, int] | None:
+        """``(host, port)`` of the far end of ``stream`` as this machine sees it (None when it
+        cannot tell)."""
         ...
 
     def remote_host(self, stream: trio.abc.Stream) -> str:
@@ -79,18 +93,23 @@ class TcpTransport:
         except ValueError as error:  # a host name that cannot even be encoded (IDNA), from a contact
             raise ConnectError(f"{address}: not a usable host name ({error})") from None
 
+    async def connect_from(self, local: tuple[str, int], remote: tuple[str, int], timeout: float) -> trio.SocketStream:
+        return await connect_from(local, remote, timeout)
+
+    def remote_address(self, stream: trio.SocketStream) -> tuple[str, int] | None:
+        try:  # (a stream that wraps a socket shows none: a relayed circuit's end under a test's tap)
+            host, port = stream.socket.getpeername()[:2]
+        except (AttributeError, OSError):
+            return None
+        return str(host), int(port)
+
     def remote_host(self, stream: trio.SocketStream) -> str:
-        try:
-            return str(stream.socket.getpeername()[0])
-        except OSError:
-            return "?"
+        address = self.remote_address(stream)
+        return "?" if address is None else address[0]
 
     def remote_endpoint(self, stream: trio.SocketStream) -> str:
-        try:
-            host, port = stream.socket.getpeername()[:2]
-            return f"{host}:{port}"
-        except OSError:
-            return "?"
+        address = self.remote_address(stream)
+        return "?" if address is None else f"{address[0]}:{address[1]}"
 
     async def peek_first_byte(self, stream: trio.SocketStream) -> bytes:
         return await stream.socket.recv(1, socket.MSG_PEEK)

@@ -15,6 +15,13 @@ every task waits. A dial takes one RTT (SYN, SYN-ACK); it gets no answer while t
 (the connect deadline ends it) and is refused at once where a live host has no listener. A
 listener holds at most ``LISTEN_BACKLOG`` connections not yet accepted; a dial beyond them gets no
 answer (a full SYN queue drops the SYN) and tries again, an RTT each time, once one is accepted.
+
+Hosts may sit behind NAT (``add_host(behind_nat=True)``, ``nat.py``): their connections are seen
+from their NAT's public address, and a SYN to them gets in only through a mapping their own SYN
+opened; one that is dropped is sent again after ``SYN_RTO`` and then twice as long each time, as
+Linux does. Two dials from bound ports at each other's endpoints that cross become one connection
+(TCP's simultaneous open: hole punching), and a dial from a port to an endpoint it is already
+connected to fails with ``EADDRINUSE``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ..connection_pool import ConnectError
 from ..identity import Identity
 from ..transport import CONNECT_TIMEOUT
 from .model import HostProfile, NetworkModel
+from .nat import SimNats
 from .streams import Flow, SimStream
 
 __all__ = ["SimNetwork", "SimTransport", "SimListener"]
@@ -41,6 +49,9 @@ FIRST_EPHEMERAL_PORT = 50000
 # Connections a listener holds before it accepts them: Linux's cap on a listen backlog
 # (net.core.somaxconn) before 5.4.
 LISTEN_BACKLOG = 128
+# A SYN that got no answer is sent again this long after, then twice as long each time (Linux's
+# initial retransmission timeout).
+SYN_RTO = 1.0
 
 
 class SimListener(trio.abc.Listener[SimStream]):
@@ -100,12 +111,19 @@ class SimNetwork:
         self._streams_of: dict[str, set[SimStream]] = {}
         self._next_port: dict[tuple[str, int], int] = {}  # per host and range: the next free port
         self._link_lot = trio.lowlevel.ParkingLot()
+        self.nats = SimNats()
+        # dials from a bound port, by (host, port, remote host, remote port), while their SYN is out
+        self._crossing: dict[tuple[str, int, str, int], _Crossing] = {}
         self.connections_total = 0  # connections ever made, for reports: each costs its peers a handshake
 
-    def add_host(self, *, connect_timeout: float = CONNECT_TIMEOUT) -> SimTransport:
+    def add_host(self, *, connect_timeout: float = CONNECT_TIMEOUT, behind_nat: bool = False) -> SimTransport:
         """A new host on the network (the next address, seeded latency and bandwidth) and the
-        transport its ``PeerHost`` dials and listens through."""
-        return SimTransport(self, self.model.add_host(), connect_timeout=connect_timeout)
+        transport its ``PeerHost`` dials and listens through; ``behind_nat``: behind a NAT of
+        its own (``nat.py``)."""
+        profile = self.model.add_host()
+        if behind_nat:
+            self.nats.add(profile.address)
+        return SimTransport(self, profile, connect_timeout=connect_timeout)
 
     def identity(self) -> Identity:
         """The next identity of this seed's sequence (same seed, same peers and node IDs)."""
@@ -181,37 +199,98 @@ class SimNetwork:
                 if not ends:
                     del self._streams_of[host]
 
-    async def dial(self, source: str, host: str, port: int) -> SimStream:
-        """A connection from ``source`` to ``host:port`` after one RTT of a live link; waits while
-        the link is dead or the listener's backlog is full; ConnectionRefusedError where nothing
-        listens."""
+    async def dial(self, source: str, host: str, port: int, local_port: int | None = None) -> SimStream:
+        """A connection from ``source`` (from ``local_port``, else an ephemeral one) to
+        ``host:port`` after one RTT of a live link; waits while the link is dead, the SYN is
+        dropped (a NAT, a full backlog) or goes nowhere; ConnectionRefusedError where nothing
+        listens; OSError(EADDRINUSE) from a port already connected to that endpoint."""
+        sport = self._port(source, FIRST_EPHEMERAL_PORT) if local_port is None else local_port
+        seen = (self.nats.seen_as(source), sport)
+        crossing = None
+        if local_port is not None:
+            key = (source, sport, host, port)
+            if key in self._crossing or self._connected(source, sport, (host, port)):
+                raise OSError(errno.EADDRINUSE, "Address already in use")
+            crossing = self._crossing[key] = _Crossing()
+        try:
+            return await self._send_syns(source, (host, port), seen, crossing)
+        finally:
+            if crossing is not None:
+                del self._crossing[(source, sport, host, port)]
+
+    async def _send_syns(
+        self, source: str, remote: tuple[str, int], seen: tuple[str, int], crossing: _Crossing | None
+    ) -> SimStream:
+        host, port = remote
+        target = self.nats.machine(host, source)
+        if target is None:
+            await trio.sleep_forever()  # a private address of another home: the SYN goes nowhere
+        self.nats.opened(source, seen[1], host, trio.current_time())
+        rto = SYN_RTO
         while True:
-            while not self.model.linked(source, host):
+            while not self.model.linked(source, target):
                 await self._link_lot.park()
-            await trio.sleep(self.model.rtt(source, host))
-            if not self.model.linked(source, host):
+            sent_at = trio.current_time()
+            await trio.sleep(self.model.rtt(source, target))
+            if crossing is not None and crossing.end is not None:
+                return crossing.end  # the other side's SYN met ours
+            if not self.model.linked(source, target):
                 continue
-            listener = self._listeners.get((host, port))
+            partner = self._crossing.get((target, port, *seen))
+            if partner is not None and partner.end is None:  # simultaneous open: one connection
+                ours, theirs = self._connect((source, seen[1]), remote, (target, port), seen)
+                partner.end = theirs
+                partner.met.set()
+                return ours
+            if not self.nats.admits(target, port, seen[0], trio.current_time()):
+                with trio.move_on_at(sent_at + rto):  # dropped by the NAT: sent again later
+                    await (crossing.met.wait() if crossing is not None else trio.sleep_forever())
+                rto *= 2
+                if crossing is not None and crossing.end is not None:
+                    return crossing.end
+                continue
+            listener = self._listeners.get((target, port))
             if listener is None:
                 raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
             if listener.has_room():
                 break
             await listener.wait_for_room()  # the SYN was dropped: try again once one is accepted
-        local, remote = (source, self._port(source, FIRST_EPHEMERAL_PORT)), (host, port)
-        there, back = Flow(source, host), Flow(host, source)
-        client = SimStream(self.model, local, remote, there, back, self.forget)
-        server = SimStream(self.model, remote, local, back, there, self.forget)
-        self._streams.update((client, server))
-        for end in (self._streams_of.setdefault(source, set()), self._streams_of.setdefault(host, set())):
-            end.update((client, server))
+        client, server = self._connect((source, seen[1]), remote, (target, port), seen)
         listener.arrive(server)
-        self.connections_total += 1
         return client
+
+    def _connect(
+        self, local: tuple[str, int], remote: tuple[str, int], far: tuple[str, int], seen: tuple[str, int]
+    ) -> tuple[SimStream, SimStream]:
+        """A new connection between ``local`` (which dialed ``remote``) and ``far`` (the host that
+        dial reached, which sees it from ``seen``): the two ends."""
+        source, target = local[0], far[0]
+        there, back = Flow(source, target), Flow(target, source)
+        near_end = SimStream(self.model, local, remote, there, back, self.forget)
+        far_end = SimStream(self.model, far, seen, back, there, self.forget)
+        self._streams.update((near_end, far_end))
+        for end in (self._streams_of.setdefault(source, set()), self._streams_of.setdefault(target, set())):
+            end.update((near_end, far_end))
+        self.connections_total += 1
+        return near_end, far_end
+
+    def _connected(self, host: str, port: int, remote: tuple[str, int]) -> bool:
+        """Whether an open end on ``host``'s ``port`` already runs to ``remote``."""
+        return any(end.local == (host, port) and end.remote == remote for end in self._streams_of.get(host, ()))
 
     def _port(self, address: str, first: int) -> int:
         port = self._next_port.get((address, first), first)
         self._next_port[(address, first)] = port + 1
         return port
+
+
+class _Crossing:
+    """A dial from a bound port while its SYN is out: a SYN of the far end's that crosses it
+    joins the two dials into one connection (``end``: ours, once that happened)."""
+
+    def __init__(self) -> None:
+        self.end: SimStream | None = None
+        self.met = trio.Event()
 
 
 class SimTransport:
@@ -239,6 +318,14 @@ class SimTransport:
             raise ConnectError(f"{address}: no answer within {self.connect_timeout} s") from None
         except ConnectionRefusedError:
             raise ConnectError(f"{address}: connection refused", refused=True) from None
+
+    async def connect_from(self, local: tuple[str, int], remote: tuple[str, int], timeout: float) -> SimStream:
+        """From this host's ``local[1]`` (``local[0]`` is ignored: a simulated host has one address)."""
+        with trio.fail_after(timeout):
+            return await self.network.dial(self.address, remote[0], remote[1], local_port=local[1])
+
+    def remote_address(self, stream: SimStream) -> tuple[str, int]:
+        return stream.remote
 
     def remote_host(self, stream: SimStream) -> str:
         return stream.remote[0]

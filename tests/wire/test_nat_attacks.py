@@ -1,6 +1,6 @@
 """NAT traversal against a hostile remote: claims in hole-punch messages, dial-back answers and
 raw circuit ends cost the attacker, never crash us or buy it more than a bounded share. Punches
-dial from the listening port (``peer/reuse_port.py``'s ``connect_from``)."""
+dial from the listening port (the transport's ``connect_from``: over TCP ``peer/reuse_port.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, connect_until
 from peer.nat_state import DialBackLimiter
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_PENDING_PER_SOURCE, MAX_WAITING_ENDS
+from peer.transport import TcpTransport
 from tests.wire.test_relay import relayed, until  # noqa: F401 (a fixture)
 
 
@@ -29,7 +30,8 @@ async def test_a_punch_naming_a_host_that_cannot_be_encoded_costs_the_caller_onl
         await until(lambda: not puncher.punching)
     assert (await connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
     # and a dial to such a host, however it got there, is one failed dial
-    assert await connect_until(("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
+    dial = TcpTransport().connect_from
+    assert await connect_until(dial, ("127.0.0.1", 0), ("bad..host", 1), trio.current_time() + 1) is None
 
 
 async def test_a_nat_verdict_needs_failures_from_two_distinct_peers():
@@ -89,7 +91,7 @@ async def test_a_peer_that_says_it_dialed_us_back_must_have_done_so(monkeypatch)
         assert result.status == PUBLIC and result.answers == 1, result
 
 
-async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(monkeypatch, autojump_clock):
+async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(autojump_clock):
     """A punch's addresses may name a third party. A refusal is retried (a NAT refuses until its
     own peer's SYN opens the mapping), but with growing pauses: a few dials per address, not one
     every 50 ms for the whole attempt, or each punch would send a victim over a hundred SYNs."""
@@ -100,9 +102,8 @@ async def test_a_punch_at_a_host_that_refuses_sends_it_a_handful_of_syns(monkeyp
         await trio.lowlevel.checkpoint()
         raise ConnectionRefusedError
 
-    monkeypatch.setattr("peer.holepunch.connect_from", refuse)
     start = trio.current_time()
-    assert await connect_until(("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
+    assert await connect_until(refuse, ("127.0.0.1", 0), ("192.0.2.1", 9), start + ATTEMPT_TIMEOUT) is None
     assert 4 <= len(dials) <= 8, dials
     assert dials[1] - dials[0] < 0.2  # the first retry comes soon: the other side's SYN is near
 
@@ -118,7 +119,7 @@ async def test_a_punch_cannot_aim_a_peer_at_its_own_machine(relayed, monkeypatch
         await trio.lowlevel.checkpoint()
         raise ConnectionRefusedError
 
-    monkeypatch.setattr("peer.holepunch.connect_from", record)
+    monkeypatch.setattr(behind.transport, "connect_from", record)
     HolePuncher(behind, lambda: "198.51.100.7")
     listen = relay_host.listen_address
     connection = await dialer.connect(PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id))

@@ -1,0 +1,220 @@
+"""NATs on the simulated internet (``peer/simnet/nat.py``): the bookkeeping alone, sans I/O, then
+dials between hosts behind them under trio's virtual clock: what a far end sees, what a NAT lets
+in, and two dials from bound ports that cross (TCP's simultaneous open, what hole punching uses)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+
+import pytest
+import trio
+
+from peer import PeerAddress, Router, open_peer_host
+from peer.nat import NAT, PUBLIC, NatTraversal
+from peer.simnet import SimNetwork
+from peer.simnet.nat import MAPPING_S, SimNats
+from peer.simnet.network import SYN_RTO
+
+
+# ---------------------------------------------------------------------- the bookkeeping, sans I/O
+def test_a_nat_admits_only_the_remote_host_its_own_syn_went_to_and_only_for_a_while():
+    nats = SimNats()
+    public = nats.add("10.0.0.2")
+    assert nats.seen_as("10.0.0.2") == public != "10.0.0.2"
+    assert nats.seen_as("10.0.0.3") == "10.0.0.3"  # a host with no NAT is seen as itself
+    assert not nats.admits("10.0.0.2", 4000, "10.0.0.3", now=0.0)
+    nats.opened("10.0.0.2", 4000, "10.0.0.3", now=10.0)
+    assert nats.admits("10.0.0.2", 4000, "10.0.0.3", now=11.0)
+    assert not nats.admits("10.0.0.2", 4000, "10.0.0.4", now=11.0)  # another remote host
+    assert not nats.admits("10.0.0.2", 4001, "10.0.0.3", now=11.0)  # another port
+    assert not nats.admits("10.0.0.2", 4000, "10.0.0.3", now=10.0 + MAPPING_S)
+    assert nats.admits("10.0.0.3", 4000, "10.0.0.9", now=0.0)  # no NAT: everything gets in
+
+
+def test_a_syn_to_a_public_address_reaches_the_host_behind_it_and_a_private_one_goes_nowhere():
+    nats = SimNats()
+    public = nats.add("10.0.0.2")
+    assert nats.machine(public, source="10.0.0.3") == "10.0.0.2"
+    assert nats.machine("10.0.0.2", source="10.0.0.3") is None
+    assert nats.machine("10.0.0.2", source="10.0.0.2") == "10.0.0.2"  # (its own machine)
+    assert nats.machine("10.0.0.3", source="10.0.0.2") == "10.0.0.3"
+    assert len({nats.add(f"10.0.1.{i}") for i in range(300)}) == 300  # every home its own address
+
+
+def test_expired_mappings_are_forgotten():
+    nats = SimNats()
+    nats.add("10.0.0.2")
+    for port in range(100):
+        nats.opened("10.0.0.2", port, "10.0.0.3", now=float(port))
+    nats.opened("10.0.0.2", 4000, "10.0.0.3", now=100.0 + MAPPING_S)
+    assert not nats.admits("10.0.0.2", 99, "10.0.0.3", now=100.0 + MAPPING_S)
+    assert nats.mappings("10.0.0.2") == 1  # (the table holds what the last MAPPING_S opened)
+
+
+# ---------------------------------------------------------------------- dials through NATs
+async def listening(network, transport):
+    (_, port), [listener] = await transport.listen(transport.address, 0)
+    return port, listener
+
+
+async def test_a_host_behind_nat_is_seen_from_its_public_address_and_reached_by_nobody(autojump_clock):
+    network = SimNetwork(seed=1)
+    home, public = network.add_host(behind_nat=True), network.add_host()
+    home_port, _ = await listening(network, home)
+    public_port, public_listener = await listening(network, public)
+    accepted = []
+
+    async def accept():
+        accepted.append(await public_listener.accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        outgoing = await network.dial(home.address, public.address, public_port)
+    seen = network.nats.seen_as(home.address)
+    assert seen != home.address
+    assert outgoing.local[0] == home.address  # (its own end knows its private address)
+    assert public.remote_address(accepted[0]) == (seen, outgoing.local[1])  # port preserving
+    for address in (seen, home.address):  # its NAT drops the SYN; its private address goes nowhere
+        with trio.move_on_after(10) as unanswered:
+            await network.dial(public.address, address, home_port)
+        assert unanswered.cancelled_caught
+
+
+async def test_a_syn_a_nat_dropped_is_sent_again_and_gets_in_once_the_mapping_opens(autojump_clock):
+    network = SimNetwork(seed=5)
+    home, peer = network.add_host(behind_nat=True), network.add_host()
+    home_port, home_listener = await listening(network, home)
+    rtt = network.model.rtt(peer.address, home.address)
+    started = trio.current_time()
+
+    async def open_mapping_later():
+        await trio.sleep(rtt + 0.1)  # after the first SYN was dropped
+        network.nats.opened(home.address, home_port, peer.address, trio.current_time())
+        await home_listener.accept()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(open_mapping_later)
+        await network.dial(peer.address, network.nats.seen_as(home.address), home_port)
+    assert trio.current_time() - started == pytest.approx(SYN_RTO + rtt)  # sent again 1 s after the first
+
+
+async def test_a_syn_from_the_port_a_nat_mapped_to_that_host_gets_in(autojump_clock):
+    """A host behind NAT that sent from its listen port to a peer lets that peer's SYN to the port
+    in (the peer's SYN then reaches the host's listener), and no other host's."""
+    network = SimNetwork(seed=2)
+    home, peer, stranger = network.add_host(behind_nat=True), network.add_host(), network.add_host()
+    home_port, home_listener = await listening(network, home)
+    public = network.nats.seen_as(home.address)
+    network.nats.opened(home.address, home_port, peer.address, trio.current_time())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(home_listener.accept)
+        stream = await network.dial(peer.address, public, home_port)
+    assert stream.remote == (public, home_port)
+    with trio.move_on_after(10) as unanswered:
+        await network.dial(stranger.address, public, home_port)
+    assert unanswered.cancelled_caught
+
+
+@pytest.mark.parametrize("first_behind, second_behind", [(True, True), (False, True)])
+async def test_two_dials_from_bound_ports_that_cross_become_one_connection(autojump_clock, first_behind, second_behind):
+    """Hole punching: each side dials the other's public endpoint from its listen port at about
+    the same time; each NAT sees its own side's SYN leave first, and the two dials meet as one
+    connection, whose bytes go both ways."""
+    network = SimNetwork(seed=3)
+    a, b = network.add_host(behind_nat=first_behind), network.add_host(behind_nat=second_behind)
+    a_port, _ = await listening(network, a)
+    b_port, _ = await listening(network, b)
+    a_public, b_public = network.nats.seen_as(a.address), network.nats.seen_as(b.address)
+    ends = {}
+
+    async def punch(transport, port, remote, name, delay):
+        await trio.sleep(delay)
+        ends[name] = await transport.connect_from(("0.0.0.0", port), remote, timeout=3.0)
+
+    before = network.connections_total
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(punch, a, a_port, (b_public, b_port), "a", 0.0)
+        nursery.start_soon(punch, b, b_port, (a_public, a_port), "b", 0.02)
+    assert network.connections_total == before + 1
+    assert ends["a"].remote == (b_public, b_port) and ends["b"].remote == (a_public, a_port)
+    await ends["a"].send_all(b"hello")
+    assert await ends["b"].receive_some() == b"hello"
+    await ends["b"].send_all(b"back")
+    assert await ends["a"].receive_some() == b"back"
+    # a second dial between the same two endpoints finds them connected
+    with pytest.raises(OSError) as taken:
+        await a.connect_from(("0.0.0.0", a_port), (b_public, b_port), timeout=3.0)
+    assert taken.value.errno == errno.EADDRINUSE
+
+
+async def test_a_punch_at_a_nat_that_never_opened_a_mapping_gets_no_answer(autojump_clock):
+    network = SimNetwork(seed=4)
+    a, b = network.add_host(), network.add_host(behind_nat=True)
+    a_port, _ = await listening(network, a)
+    b_port, _ = await listening(network, b)
+    with pytest.raises(trio.TooSlowError):
+        await a.connect_from(("0.0.0.0", a_port), (network.nats.seen_as(b.address), b_port), timeout=3.0)
+
+
+# ---------------------------------------------------------------------- real NAT traversal on it
+async def wait_until(predicate, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.5)
+
+
+async def test_peers_behind_nat_find_out_take_relays_and_punch_direct_connections(autojump_clock):
+    """Real hosts with ``NatTraversal`` on the simulated internet: three public peers, two behind
+    NAT. Those behind NAT learn it (dial-backs that get no answer), reserve on a public peer and
+    announce relayed addresses; a public peer and the other NAT'd peer, neither connected to it
+    yet, reach one of them through its relay, and hole punching replaces both relayed connections
+    with direct ones."""
+    network = SimNetwork(seed=7)
+    transports = [network.add_host() for _ in range(3)] + [network.add_host(behind_nat=True) for _ in range(2)]
+    async with contextlib.AsyncExitStack() as stack:
+        hosts = [
+            await stack.enter_async_context(
+                open_peer_host(network.identity(), router=_echo_router(), transport=transport)
+            )
+            for transport in transports
+        ]
+        relay_host, public, stranger, home, other_home = hosts
+        initial = [relay_host.listen_address, public.listen_address]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        traversals = [
+            NatTraversal(host, initial_peers=[a for a in initial if a.peer_id != host.peer_id]) for host in hosts
+        ]
+        for traversal in traversals:
+            nursery.start_soon(traversal.run)
+        await wait_until(lambda: all(host.presence.announced for host in (home, other_home)), timeout=60)
+        assert [traversal.reachability.status for traversal in traversals] == [PUBLIC, PUBLIC, PUBLIC, NAT, NAT]
+        assert traversals[3].reachability.observed[0] == network.nats.seen_as(transports[3].address)
+        relay = home.presence.announced[0]  # (as announced: the relay's endpoint and ID)
+        relayed_address = PeerAddress(relay.host, relay.port, home.peer_id, relay.relay)
+        assert relay.relay in (relay_host.peer_id, public.peer_id)
+        for dialer in (stranger, other_home):
+            assert dialer.connection_to(home.peer_id) is None
+            connection = await dialer.connect(relayed_address)
+            assert connection.relayed_via is not None
+            await wait_until(lambda dialer=dialer: _direct(dialer, home), timeout=60)
+            direct = dialer.connection_to(home.peer_id)
+            assert (await direct.call("echo", "direct")).body == "direct"
+        assert sum(traversal.puncher.successes for traversal in traversals) >= 2
+        nursery.cancel_scope.cancel()
+
+
+def _echo_router() -> Router:
+    router = Router()
+
+    async def echo(request):
+        await trio.lowlevel.checkpoint()
+        return request.body
+
+    router.add_unary("echo", echo)
+    return router
+
+
+def _direct(dialer, target) -> bool:
+    connection = dialer.connection_to(target.peer_id)
+    return connection is not None and connection.relayed_via is None
