@@ -1,17 +1,19 @@
 """Scale benchmark: how a peer's work grows with the swarm, on the simulated internet.
 
-    python benchmarks/scale.py [--quick] [--peers 32,64,128] [--dht-nodes 256,1024]
+    python benchmarks/scale.py [--quick] [--peers 32,64,128] [--dht-nodes 256,1024] [--nat-fraction 0.3]
 
 For each swarm size N, the scenario of ``tests/support/sim_scale.py`` runs under trio's virtual
-clock: N real peers (hosts, DHT nodes, ``GroupAverager``s of 256 floats in Moshpit groups of 16)
-join, average through rounds with 10% of the swarm replaced per simulated minute and one round
-split by a partition, then through calm rounds until they agree. Per size it prints a row of the
+clock: N real peers (hosts, DHT nodes, ``GroupAverager``s of 256 floats in Moshpit groups of 16),
+``--nat-fraction`` of them behind NAT (relays, hole punching), join, average through rounds with
+10% of the swarm replaced per simulated minute and one round split by a partition, then through
+calm rounds until they agree. Per size it prints a row of the
 growth table: per peer per round the CPU seconds, bytes and segments sent, the DHT requests the
 swarm served and the connections it made (each a handshake: the protocol's own work, which a peer
 pays in a process of its own, while the CPU of N peers in one process also grows with their shared
 heap); the DHT requests served by the busiest and by the median node; memory per peer
 (resident-set growth over the run ÷ N, each row in a process of its own); the calm rounds until
-the swarm agreed; the fraction of the steps of peers that stayed that averaged.
+the swarm agreed; the fraction of the steps of peers that stayed that averaged (and of those
+behind NAT, with the direct connections hole punching made).
 
 Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
 nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
@@ -62,9 +64,15 @@ def resident_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def averaging_row(peers: int, seed: int) -> dict[str, Any]:
+def averaging_row(peers: int, seed: int, nat_fraction: float) -> dict[str, Any]:
     scenario = Scenario(
-        peers=peers, group_size=16, turbulent_rounds=3, churn_per_minute=0.1, partition_round=1, seed=seed
+        peers=peers,
+        group_size=16,
+        turbulent_rounds=3,
+        churn_per_minute=0.1,
+        partition_round=1,
+        nat_fraction=nat_fraction,
+        seed=seed,
     )
     before, started = resident_mb(), time.perf_counter()
     report: ScaleReport = trio.run(run_scenario, scenario, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -83,6 +91,9 @@ def averaging_row(peers: int, seed: int) -> dict[str, Any]:
         "memory_per_peer_mb": round(max(0.0, resident_mb() - before) / peers, 2),
         "rounds_to_agree": report.rounds_to_agree,
         "averaged_fraction": round(report.averaged_fraction, 4),
+        "behind_nat": report.behind_nat,
+        "averaged_fraction_behind_nat": _rounded(report.averaged_fraction_behind_nat, 4),
+        "punched": report.punched,
         "partition_round_averaged": round(report.partition_round_averaged or 0.0, 3),
         "newcomers": report.newcomers,
         "newcomers_averaged": len(report.newcomer_first_average_s),
@@ -119,16 +130,30 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
     }
 
 
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def dht_row(size: int, seed: int) -> dict[str, Any]:
     with one_heap_for_many_peers():
         return trio.run(dht_churn, size, seed, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def in_own_process(kind: str, size: int, seed: int) -> dict[str, Any]:
+def in_own_process(kind: str, size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
     """One row, run in a process of its own: a row's memory is the resident-set growth it causes,
     and memory that an earlier row freed stays resident (the allocator keeps it), so the next row in
     the same process would grow into it and read as costing nothing."""
-    command = [sys.executable, __file__, "--row", kind, str(size), "--seed", str(seed)]
+    command = [
+        sys.executable,
+        __file__,
+        "--row",
+        kind,
+        str(size),
+        "--seed",
+        str(seed),
+        "--nat-fraction",
+        str(nat_fraction),
+    ]
     finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # (its log: our stderr)
     if finished.returncode != 0:
         raise SystemExit(f"the {kind} row of {size} failed (exit status {finished.returncode}); its traceback is above")
@@ -142,6 +167,12 @@ def _growth(rows: list[dict[str, Any]], figure: str) -> float | None:
     return round(rows[-1][figure] / first, 3) if first else None
 
 
+def _least(values: Any) -> float | None:
+    """The least of ``values`` that are not None (None if none is)."""
+    present = [value for value in values if value is not None]
+    return min(present) if present else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", nargs=2, metavar=("KIND", "SIZE"), help=argparse.SUPPRESS)  # one row (in_own_process)
@@ -149,13 +180,21 @@ def main() -> None:
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 32,64,128)")
     parser.add_argument("--dht-nodes", default=None, help="comma-separated DHT-only sizes (default 256,1024)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--nat-fraction", type=float, default=0.3, help="of the averaging peers, behind NAT (default 0.3)"
+    )
     args = parser.parse_args()
+    if not 0.0 <= args.nat_fraction < 1.0:
+        parser.error("--nat-fraction takes a fraction in [0, 1)")
     if args.row:
         kind, size = args.row
-        rows = {"averaging": averaging_row, "dht": dht_row}
+        rows = {
+            "averaging": lambda n: averaging_row(n, args.seed, args.nat_fraction),
+            "dht": lambda n: dht_row(n, args.seed),
+        }
         if kind not in rows or not size.isdigit():
             parser.error(f"--row takes averaging or dht and a size, not {kind} {size}")
-        print(json.dumps(rows[kind](int(size), args.seed)))
+        print(json.dumps(rows[kind](int(size))))
         return
     peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
     dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]
@@ -166,7 +205,7 @@ def main() -> None:
         f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'DHT req/peer/round':>19} {'conns/peer/round':>17} {'real s':>7}"
     )
     for size in peers:
-        row = in_own_process("averaging", size, args.seed)
+        row = in_own_process("averaging", size, args.seed, args.nat_fraction)
         rows.append(row)
         print(
             f"{size:>6} {row['cpu_per_peer_round_s']:>15.4f} {row['bytes_per_peer_round'] / 1e3:>14.1f} "
@@ -178,7 +217,7 @@ def main() -> None:
         )
     dht_rows = []
     for size in dht_sizes:
-        row = in_own_process("dht", size, args.seed)
+        row = in_own_process("dht", size, args.seed, args.nat_fraction)
         dht_rows.append(row)
         print(
             f"DHT {size:>5} nodes: {row['dht_get_success_after_churn']:.3f} of keys found after "
@@ -190,6 +229,9 @@ def main() -> None:
     result = {
         "peers": largest["peers"],
         "averaged_fraction": min(row["averaged_fraction"] for row in rows),
+        "nat_fraction": args.nat_fraction,
+        "averaged_fraction_behind_nat": _least(row["averaged_fraction_behind_nat"] for row in rows),
+        "punched": largest["punched"],
         "cpu_per_peer_round_growth": _growth(rows, "cpu_per_peer_round_s"),
         "peers_ratio": round(largest["peers"] / smallest["peers"], 3),
         "dht_requests_per_peer_round_growth": _growth(rows, "dht_requests_per_peer_round"),

@@ -45,7 +45,7 @@ from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
 
-__all__ = ["HolePuncher", "PUNCH", "SYNC", "TAKEN", "connect_until"]
+__all__ = ["HolePuncher", "PUNCH", "SYNC", "TAKEN", "connect_until", "dialable"]
 
 log = logging.getLogger("peerd.holepunch")
 
@@ -323,7 +323,6 @@ def _parse_addresses(body: Any, ours: str | None) -> list[tuple[str, int]]:
     listed = body.get("addresses") if isinstance(body, dict) else None
     if not isinstance(listed, list):
         raise ValueError("expected {addresses: [HOST:PORT, ...]}")
-    local_ok = ours is not None and (ip := _ip(ours)) is not None and ip.is_loopback
     found = []
     for text in listed[:MAX_ADDRESSES]:
         if isinstance(text, str) and len(text) < 100:
@@ -331,13 +330,19 @@ def _parse_addresses(body: Any, ours: str | None) -> list[tuple[str, int]]:
                 address = PeerAddress.parse(text)
             except ValueError:
                 continue
-            ip = _ip(address.host)
-            if address.relay is not None or ip is None or ip.is_unspecified or ip.is_multicast:
-                continue
-            if ip.is_loopback and not local_ok:
-                continue
-            found.append((address.host, address.port))
+            if address.relay is None and dialable(address.host, ours):
+                found.append((address.host, address.port))
     return found
+
+
+def dialable(host: str, ours: str | None) -> bool:
+    """Whether a host that another peer named may be dialed: an IP literal (never a name, which
+    we would resolve or fail to encode), not unspecified or multicast, and loopback only when
+    ``ours`` (our own public or listen host) is (peers on one machine)."""
+    ip = _ip(host)
+    if ip is None or ip.is_unspecified or ip.is_multicast:
+        return False
+    return not ip.is_loopback or (ours is not None and (own := _ip(ours)) is not None and own.is_loopback)
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

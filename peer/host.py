@@ -317,7 +317,10 @@ class PeerHost:
 
     async def _dial(self, address: PeerAddress) -> Connection:
         if address.relay is not None:
-            stream = await self.presence.dial_relayed(address)
+            reached = await self.presence.dial_relayed(address)
+            if isinstance(reached, Connection):  # the peer dialed us back (``peer/relay_dials.py``)
+                return reached
+            stream = reached
         else:
             stream = await self.open_stream(address)
         connection = await self.secure_outgoing(stream, address)

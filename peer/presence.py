@@ -12,16 +12,20 @@ announced addresses up to date with ``announce``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from .address import PeerAddress
 from .connection_pool import ConnectError
 
+if TYPE_CHECKING:
+    from .rpc import Connection
+
 __all__ = ["CircuitRelay", "Presence", "RelayDialer"]
 
-RelayDialer = Callable[[PeerAddress], Awaitable[trio.abc.Stream]]
+# A stream to run the handshake on, or the connection the peer dialed back (connection reversal).
+RelayDialer = Callable[[PeerAddress], Awaitable["trio.abc.Stream | Connection"]]
 
 
 class CircuitRelay(Protocol):
@@ -72,8 +76,9 @@ class Presence:
             raise ValueError("this host already has a relay dialer")
         self._dialer = dialer
 
-    async def dial_relayed(self, address: PeerAddress) -> trio.abc.Stream:
-        """A stream to the peer of the relayed ``address``, ready for the handshake."""
+    async def dial_relayed(self, address: PeerAddress) -> trio.abc.Stream | Connection:
+        """A stream to the peer of the relayed ``address``, ready for the handshake, or the
+        connection the peer dialed back."""
         if self._dialer is None:
             raise ConnectError(f"{address}: this peer does not dial through relays")
         return await self._dialer(address)

@@ -33,9 +33,11 @@ import trio
 
 from .address import PeerAddress
 from .admission import address_group
+from .holepunch import dialable
 from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import TOKEN_BYTES, Circuit, RelayBook, RelayLimits, RelayRefused, TokenBucket
+from .relay_dials import CALL_TIMEOUT, CONNECT, RelayedDials, dial_through_relay
 from .router import Request
 from .rpc import Connection
 from .rpc_errors import BadRequest, Busy, RPCError
@@ -44,12 +46,16 @@ __all__ = ["Relay", "RelayClient", "RelayLimits", "dial_through_relay", "RESERVE
 
 log = logging.getLogger("peerd.relay")
 
-RESERVE, CONNECT, INCOMING = "relay.reserve", "relay.connect", "relay.incoming"
+RESERVE, INCOMING = "relay.reserve", "relay.incoming"
 MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
-CALL_TIMEOUT = 5.0
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
 MAX_PENDING_PER_SOURCE = 4  # of those, from one source
+# Dials back (connection reversal) a relay may have us make: a few a minute per source peer, two a
+# second for all of them together, so a hostile relay cannot aim us at an address again and again.
+DIALS_BACK_PER_SOURCE_PER_S = 4 / 60
+DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 16.0
+MAX_DIAL_BACK_SOURCES = 1024
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 
 
@@ -130,6 +136,14 @@ class Relay:
             connection = self.host.connection_to(target)
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
+        if body.get("reverse") is True and (back := _listen_address_of(request.connection)) is not None:
+            try:  # connection reversal: the target dials the source; no circuit, no relayed bytes
+                await connection.call(
+                    INCOMING, {"source": request.peer.to_bytes(), "dial": back.endpoint}, timeout=CALL_TIMEOUT
+                )
+            except (RPCError, trio.TooSlowError) as error:
+                raise Busy(f"the target will not dial back: {error}") from None
+            return {"reversed": True}
         source_group = _address_group_of(request.connection)
         try:
             circuit = self.book.open_circuit(request.peer, target, trio.current_time(), source_group)
@@ -204,64 +218,88 @@ class Relay:
             scope.cancel()  # one direction ended: the circuit is over
 
 
-async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.SocketStream:
-    """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake."""
-    if address.peer_id is None:
-        raise ConnectError(f"{address}: a relayed address must name the peer")
-    relay = address.relay_address
-    connection = await host.connect(relay)
-    try:
-        reply = await connection.call(CONNECT, {"target": address.peer_id.to_bytes()}, timeout=CALL_TIMEOUT)
-    except (RPCError, trio.TooSlowError) as error:
-        raise ConnectError(f"{address}: the relay refused: {error}") from None
-    token = reply.body.get("token") if isinstance(reply.body, dict) else None
-    if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
-        raise ConnectError(f"{address}: the relay sent a malformed circuit token")
-    stream = await host.open_stream(relay)
-    try:
-        await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
-    except (trio.BrokenResourceError, OSError):
-        await trio.aclose_forcefully(stream)
-        raise ConnectError(f"{address}: the relay closed the circuit") from None
-    return stream
-
-
 class RelayClient:
     """Reservations with up to ``wanted`` relays, for a peer that cannot be reached directly, and
     the circuits they bring. ``run`` keeps the reservations and the host's announced addresses
     (``host.presence``) up to date; the host dials relayed addresses with ``dial_through_relay``."""
 
-    def __init__(self, host: PeerHost, *, wanted: int = 2):
+    def __init__(self, host: PeerHost, *, wanted: int = 2, reachable: Callable[[], bool] = lambda: False):
+        """``reachable()``: whether others can dial us directly now (our relayed dials then ask
+        for connection reversal first: ``peer/relay_dials.py``)."""
         self.host = host
         self.wanted = wanted
         self.reserved: dict[PeerID, PeerAddress] = {}
-        self._pending_incoming: Counter[PeerID] = Counter()  # circuits in setup, per source
+        self._pending_incoming: Counter[PeerID] = Counter()  # circuits and dials back in setup, per source
+        # dials back that relays ask of us: per source peer, and for all together
+        self._dial_back_budgets: dict[PeerID, TokenBucket] = {}
+        self._all_dials_back = TokenBucket(DIALS_BACK_PER_S, DIALS_BACK_BURST, trio.current_time())
         self.changed = trio.Event()
         host.router.add_unary(INCOMING, self._incoming)
-        host.presence.dial_relayed_with(functools.partial(dial_through_relay, host))
+        self.dials = RelayedDials(host, reachable)
 
     async def _incoming(self, request: Request) -> Any:
+        """A relay we hold a reservation with names a peer that wants us: a circuit (``token``) to
+        answer through the relay, or (``dial``) the address to dial that peer back at."""
         relay = self.reserved.get(request.peer)
         if relay is None:
             raise BadRequest("no reservation with this peer")
         body = request.body
         if not isinstance(body, dict) or not isinstance(body.get("source"), bytes):
-            raise BadRequest("expected {source, token}")
-        token = body.get("token")
-        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
-            raise BadRequest("malformed circuit token")
+            raise BadRequest("expected {source, token} or {source, dial}")
         source = PeerID(body["source"])
+        if "dial" in body:
+            address = self._dial_back_address(source, body["dial"])
+            task: Any = functools.partial(self._dial_back, address)
+        else:
+            token = body.get("token")
+            if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+                raise BadRequest("malformed circuit token")
+            task = functools.partial(self._answer, relay, source, token)
         if self._pending_incoming.total() >= MAX_PENDING_INCOMING:
             raise Busy("too many circuits being set up")
         if self._pending_incoming[source] >= MAX_PENDING_PER_SOURCE:
             raise Busy("too many circuits from this source being set up")
         self._pending_incoming[source] += 1
         try:
-            self.host.start_soon(self._answer, relay, source, token)
+            self.host.start_soon(task)
         except BaseException:
             self._settled(source)
             raise
         return {"ok": True}
+
+    def _dial_back_address(self, source: PeerID, text: Any) -> PeerAddress:
+        """Where a relay says ``source`` listens, if we will dial it: an IP literal that is not
+        ours to keep away from (``holepunch.dialable``), within the dial-back budgets. The relay
+        names it, so it is a claim: the dial pins ``source``'s ID, and the budgets bound how
+        often a relay can aim us at an address."""
+        try:
+            address = PeerAddress.parse(text) if isinstance(text, str) and len(text) < 100 else None
+        except ValueError:
+            address = None
+        listen = self.host.listen_address
+        if address is None or address.relay is not None or not dialable(address.host, listen.host if listen else None):
+            raise BadRequest("expected {source, dial: IP:PORT}")
+        now = trio.current_time()
+        budget = self._dial_back_budgets.get(source)
+        if budget is None:
+            while len(self._dial_back_budgets) >= MAX_DIAL_BACK_SOURCES:
+                del self._dial_back_budgets[next(iter(self._dial_back_budgets))]
+            budget = self._dial_back_budgets[source] = TokenBucket(DIALS_BACK_PER_SOURCE_PER_S, 4, now)
+        if budget.available(now) < 1 or self._all_dials_back.available(now) < 1:
+            raise Busy("too many dials back")
+        budget.take(1, now)
+        self._all_dials_back.take(1, now)
+        return PeerAddress(address.host, address.port, source)
+
+    async def _dial_back(self, address: PeerAddress) -> None:
+        """Connection reversal: dial the peer that asked for us through our relay."""
+        assert address.peer_id is not None
+        try:
+            await self.host.connect(address)
+        except ConnectError as error:
+            log.debug("dialing %s back: %s", address, error)
+        finally:
+            self._settled(address.peer_id)
 
     async def _answer(self, relay: PeerAddress, source: PeerID, token: bytes) -> None:
         host = self.host
@@ -367,6 +405,17 @@ def _address_group_of(connection: Any) -> str | None:
     if connection is None or connection.relayed_via is not None or connection.seen_from is None:
         return "unknown"
     return address_group(connection.seen_from[0])
+
+
+def _listen_address_of(connection: Any) -> PeerAddress | None:
+    """Where the peer of a direct connection listens, at the host we see it from (None: relayed,
+    or it announced no listen address)."""
+    if connection is None or connection.relayed_via is not None or connection.seen_from is None:
+        return None
+    address = connection.remote_listen_address
+    if address is None or address.relay is not None:
+        return None
+    return PeerAddress(connection.seen_from[0], address.port)
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

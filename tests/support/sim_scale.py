@@ -52,6 +52,7 @@ class Scenario:
     values: int = 256
     churn_per_minute: float = 0.0  # fraction of the swarm replaced per simulated minute
     partition_round: int | None = None  # a turbulent round that runs split in two halves
+    nat_fraction: float = 0.0  # of the peers, behind NAT (relays and hole punching: sim_swarm.py)
     tolerance: float = 1e-3  # agreement: every peer within this fraction of the initial spread
     round_timeout: float = 60.0
     matchmaking_timeout: float = 15.0
@@ -79,10 +80,18 @@ class ScaleReport:
     dht_requests: int = 0  # served by every node over the rounds, departed ones included
     connections: int = 0  # made over the rounds (each one handshake)
     max_deviation: float = math.inf  # at the end, as a fraction of the initial spread
+    behind_nat: int = 0  # peers behind NAT, newcomers included
+    steps_behind_nat: int = 0  # of the stayers' steps counted above, those of peers behind NAT
+    averaged_steps_behind_nat: int = 0
+    punched: int = 0  # direct connections that hole punching made
 
     @property
     def averaged_fraction(self) -> float:
         return self.averaged_steps_of_stayers / max(self.steps_of_stayers, 1)
+
+    @property
+    def averaged_fraction_behind_nat(self) -> float | None:
+        return self.averaged_steps_behind_nat / self.steps_behind_nat if self.steps_behind_nat else None
 
     @property
     def cpu_per_peer_round(self) -> float:
@@ -175,7 +184,7 @@ class ScaleRun:
         steps from the round after that."""
         joined = trio.current_time()
         for _ in range(JOIN_TRIES):
-            entry = self.picks.sample(self.live(), 2)
+            entry = self.picks.sample(self.swarm.entry_points(self.live()), 2)
             try:
                 node = await self.swarm.add([self.swarm.nodes[i].address for i in entry])
                 break
@@ -207,7 +216,8 @@ async def run_scenario(scenario: Scenario, network: SimNetwork | None = None) ->
 
 async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
     report = ScaleReport(scenario.peers)
-    async with open_sim_swarm(network, scenario.peers, config=DHTConfig()) as swarm, trio.open_nursery() as newcomers:
+    swarm_options = {"config": DHTConfig(), "nat_fraction": scenario.nat_fraction}
+    async with open_sim_swarm(network, scenario.peers, **swarm_options) as swarm, trio.open_nursery() as newcomers:
         report.join_s = trio.current_time()
         run = ScaleRun(scenario, swarm, report, newcomers)
         initial = [torch.randn(scenario.values, generator=run.generator) for _ in range(scenario.peers)]
@@ -230,8 +240,7 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
                 network.heal_partition()
                 report.partition_round_averaged = len(averaged) / max(len(stayed), 1)
             else:
-                report.steps_of_stayers += len(stayed)
-                report.averaged_steps_of_stayers += len(averaged)
+                count_steps(report, swarm, stayed, averaged)
         with trio.move_on_after(60):  # the last newcomers finish joining before the calm
             while newcomers.child_tasks:
                 await trio.sleep(0.5)
@@ -239,8 +248,7 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
             settle()
             stayed, averaged = await run.step_everyone(churn=False)
             report.peer_rounds += len(stayed)
-            report.steps_of_stayers += len(stayed)
-            report.averaged_steps_of_stayers += len(averaged)
+            count_steps(report, swarm, stayed, averaged)
             report.max_deviation = deviation(run) / spread
             if report.max_deviation <= scenario.tolerance:
                 report.rounds_to_agree = number + 1
@@ -251,8 +259,17 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
         report.served = [swarm.nodes[index].requests_served - served_before.get(index, 0) for index in swarm.alive()]
         report.dht_requests = sum(node.requests_served for node in swarm.nodes) - sum(served_before.values())
         report.connections = network.connections_total - connections_before
+        report.behind_nat = len(swarm.behind_nat)
+        report.punched = sum(t.puncher.successes for t in swarm.traversals if t is not None)
         newcomers.cancel_scope.cancel()
     return report
+
+
+def count_steps(report: ScaleReport, swarm: SimSwarm, stayed: set[int], averaged: set[int]) -> None:
+    report.steps_of_stayers += len(stayed)
+    report.averaged_steps_of_stayers += len(averaged)
+    report.steps_behind_nat += len(stayed & swarm.behind_nat)
+    report.averaged_steps_behind_nat += len(averaged & swarm.behind_nat)
 
 
 def bootstrap_failure(error: BaseException) -> bool:

@@ -3,6 +3,11 @@
 Each node is a real ``PeerHost`` (Noise, RPC) with a real ``DHTNode`` on it, on its own simulated
 host, reading ``TrioClock`` for record lifetimes; each runs in its own task, so that one can leave
 (its machine switched off) while the others go on.
+
+In a swarm opened with ``nat_fraction`` above 0, that share of the hosts (a seeded draw per
+host) sit behind NAT (``peer/simnet/nat.py``), and every node runs ``NatTraversal`` as ``peerd
+join`` does (dial-backs, relays for others while public, reservations and hole punching behind
+NAT), its initial peers those of its DHT node.
 """
 
 from __future__ import annotations
@@ -16,33 +21,50 @@ import trio
 from dht import DHTConfig, DHTNode
 from peer import Router, open_peer_host
 from peer.clock import TrioClock
+from peer.nat import NatTraversal
 from peer.simnet import SimNetwork, SimTransport
 from peer.worker_threads import inline_blocking_work
 
 
 class SimSwarm:
-    def __init__(self, network: SimNetwork, nursery: trio.Nursery, clock: TrioClock, config: DHTConfig):
+    def __init__(
+        self, network: SimNetwork, nursery: trio.Nursery, clock: TrioClock, config: DHTConfig, nat_fraction: float
+    ):
         self.network, self.clock, self.config = network, clock, config
+        self.nat_fraction = nat_fraction
         self.nodes: list[DHTNode] = []
         self.transports: list[SimTransport] = []
+        self.traversals: list[NatTraversal | None] = []
+        self.behind_nat: set[int] = set()
         self._nursery = nursery
         self._scopes: list[trio.CancelScope] = []
+        self._nat_draw = random.Random(f"peerd-sim-swarm-nat-{network.seed}")
         self.gone: set[int] = set()
 
     async def _run(self, transport: SimTransport, initial_peers: list, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
             async with open_peer_host(self.network.identity(), router=Router(), transport=transport) as host:
-                async with DHTNode.open(
-                    host=host, initial_peers=initial_peers, config=self.config, clock=self.clock
-                ) as node:
-                    task_status.started((node, scope))
+                traversal = NatTraversal(host, initial_peers=initial_peers) if self.nat_fraction > 0 else None
+                async with (
+                    DHTNode.open(host=host, initial_peers=initial_peers, config=self.config, clock=self.clock) as node,
+                    trio.open_nursery() as nursery,
+                ):
+                    if traversal is not None:
+                        nursery.start_soon(traversal.run)
+                    task_status.started((node, traversal, scope))
                     await trio.sleep_forever()
 
     async def add(self, initial_peers: list) -> DHTNode:
-        transport = self.network.add_host()
-        node, scope = await self._nursery.start(self._run, transport, initial_peers)
+        """A new node, joining through ``initial_peers``; the first one is public (a swarm starts
+        from a peer others can reach), any other behind NAT with the swarm's ``nat_fraction``."""
+        behind_nat = bool(self.nodes) and self._nat_draw.random() < self.nat_fraction
+        transport = self.network.add_host(behind_nat=behind_nat)
+        node, traversal, scope = await self._nursery.start(self._run, transport, initial_peers)
+        if behind_nat:
+            self.behind_nat.add(len(self.nodes))
         self.nodes.append(node)
         self.transports.append(transport)
+        self.traversals.append(traversal)
         self._scopes.append(scope)
         return node
 
@@ -58,6 +80,11 @@ class SimSwarm:
     def alive(self) -> list[int]:
         return [index for index in range(len(self.nodes)) if index not in self.gone]
 
+    def entry_points(self, among: list[int]) -> list[int]:
+        """Those of ``among`` a newcomer can be told to join through: the public ones (an
+        ``--initial-peer`` is an address others can dial)."""
+        return [index for index in among if index not in self.behind_nat]
+
 
 @asynccontextmanager
 async def open_sim_swarm(
@@ -67,16 +94,19 @@ async def open_sim_swarm(
     config: DHTConfig | None = None,
     clock: TrioClock | None = None,
     joined: Callable[[int], None] | None = None,
+    nat_fraction: float = 0.0,
 ) -> AsyncIterator[SimSwarm]:
     """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones
-    (``joined(index)`` is called after each). Within the block blocking work runs on the event loop
-    (``peer.worker_threads``), so that CPU time costs no simulated time."""
+    (``joined(index)`` is called after each); ``nat_fraction`` of them behind NAT. Within the block
+    blocking work runs on the event loop (``peer.worker_threads``), so that CPU time costs no
+    simulated time."""
     choices = random.Random(f"peerd-sim-swarm-{network.seed}")  # not the model's own sequence
     with inline_blocking_work():
         async with trio.open_nursery() as nursery:
-            swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig())
+            swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig(), nat_fraction)
             for index in range(size):
-                earlier = [swarm.nodes[i].address for i in choices.sample(range(index), min(index, 2))]
+                public = swarm.entry_points(list(range(index)))
+                earlier = [swarm.nodes[i].address for i in choices.sample(public, min(len(public), 2))]
                 await swarm.add(earlier)
                 if joined is not None:
                     joined(index)

@@ -12,6 +12,8 @@ import trio
 
 from peer import PeerAddress, Router, open_peer_host
 from peer.nat import NAT, PUBLIC, NatTraversal
+from peer.relay import Relay, RelayClient
+from peer.relay_dials import REVERSAL_WAIT
 from peer.simnet import SimNetwork
 from peer.simnet.nat import MAPPING_S, SimNats
 from peer.simnet.network import SYN_RTO
@@ -167,9 +169,9 @@ async def wait_until(predicate, timeout: float) -> None:
 async def test_peers_behind_nat_find_out_take_relays_and_punch_direct_connections(autojump_clock):
     """Real hosts with ``NatTraversal`` on the simulated internet: three public peers, two behind
     NAT. Those behind NAT learn it (dial-backs that get no answer), reserve on a public peer and
-    announce relayed addresses; a public peer and the other NAT'd peer, neither connected to it
-    yet, reach one of them through its relay, and hole punching replaces both relayed connections
-    with direct ones."""
+    announce relayed addresses. A public peer not yet connected to one of them asks its relay for
+    connection reversal and is dialed back directly; the other NAT'd peer reaches it through a
+    circuit, and hole punching replaces that relayed connection with a direct one."""
     network = SimNetwork(seed=7)
     transports = [network.add_host() for _ in range(3)] + [network.add_host(behind_nat=True) for _ in range(2)]
     async with contextlib.AsyncExitStack() as stack:
@@ -193,14 +195,19 @@ async def test_peers_behind_nat_find_out_take_relays_and_punch_direct_connection
         relay = home.presence.announced[0]  # (as announced: the relay's endpoint and ID)
         relayed_address = PeerAddress(relay.host, relay.port, home.peer_id, relay.relay)
         assert relay.relay in (relay_host.peer_id, public.peer_id)
-        for dialer in (stranger, other_home):
-            assert dialer.connection_to(home.peer_id) is None
-            connection = await dialer.connect(relayed_address)
-            assert connection.relayed_via is not None
-            await wait_until(lambda dialer=dialer: _direct(dialer, home), timeout=60)
-            direct = dialer.connection_to(home.peer_id)
-            assert (await direct.call("echo", "direct")).body == "direct"
-        assert sum(traversal.puncher.successes for traversal in traversals) >= 2
+        # a public peer asks for connection reversal: the peer behind NAT dials it, no circuit
+        assert stranger.connection_to(home.peer_id) is None
+        connection = await stranger.connect(relayed_address)
+        assert connection.relayed_via is None and traversals[2].client.dials.reversed == 1
+        assert (await connection.call("echo", "reversed")).body == "reversed"
+        # a peer behind NAT itself goes through a circuit, then punches a direct connection
+        assert other_home.connection_to(home.peer_id) is None
+        connection = await other_home.connect(relayed_address)
+        assert connection.relayed_via is not None
+        await wait_until(lambda: _direct(other_home, home), timeout=60)
+        direct = other_home.connection_to(home.peer_id)
+        assert (await direct.call("echo", "direct")).body == "direct"
+        assert sum(traversal.puncher.successes for traversal in traversals) >= 1
         nursery.cancel_scope.cancel()
 
 
@@ -218,3 +225,29 @@ def _echo_router() -> Router:
 def _direct(dialer, target) -> bool:
     connection = dialer.connection_to(target.peer_id)
     return connection is not None and connection.relayed_via is None
+
+
+async def test_a_reversal_that_never_arrives_falls_back_to_a_circuit(autojump_clock):
+    """A dialer that takes itself for reachable while it is behind NAT asks for reversal; the
+    peer's dial back dies at the dialer's NAT, and after ``REVERSAL_WAIT`` the dialer goes
+    through a circuit instead: one failed round trip, not a failed connection."""
+    network = SimNetwork(seed=8)
+    relay_t, home_t, mistaken_t = (
+        network.add_host(),
+        network.add_host(behind_nat=True),
+        network.add_host(behind_nat=True),
+    )
+    async with (
+        open_peer_host(network.identity(), transport=relay_t) as relay_host,
+        open_peer_host(network.identity(), router=_echo_router(), transport=home_t) as home,
+        open_peer_host(network.identity(), transport=mistaken_t) as mistaken,
+    ):
+        Relay(relay_host)
+        relay_id, _ = await RelayClient(home).reserve(relay_host.listen_address)
+        dials = RelayClient(mistaken, reachable=lambda: True).dials
+        listen = relay_host.listen_address
+        started = trio.current_time()
+        connection = await mistaken.connect(PeerAddress(listen.host, listen.port, home.peer_id, relay_id))
+        assert connection.relayed_via == relay_id and dials.reversed == 0
+        assert trio.current_time() - started >= REVERSAL_WAIT
+        assert (await connection.call("echo", "relayed")).body == "relayed"

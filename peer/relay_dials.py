@@ -1,0 +1,114 @@
+"""The dialer's side of a relayed address (``HOST:PORT/RELAYID/relay/PEERID``): reach the peer
+behind NAT through its relay (``peer/relay.py`` has the protocol).
+
+A dialer that others can reach directly asks the relay for **connection reversal** first: the
+relay tells the peer where we listen (the address our connection to the relay announced, as the
+relay sees it) and the peer dials us directly, as a peer behind NAT can. That costs no circuit
+and no relayed bytes, and needs no hole punching afterwards; the relay's per-peer circuit limit
+would otherwise let no more than a few peers reach a NAT'd peer at once (a whole averaging group
+dials a new member at the same moment). If the relay will not, or the peer's connection does not
+arrive within ``REVERSAL_WAIT``, we open a circuit as a dialer behind NAT always does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from .address import PeerAddress
+from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
+from .identity import PeerID
+from .nat_state import TOKEN_BYTES
+from .rpc_errors import RPCError
+
+if TYPE_CHECKING:
+    from .rpc import Connection
+
+__all__ = ["RelayedDials", "dial_through_relay", "CONNECT", "CALL_TIMEOUT", "REVERSAL_WAIT"]
+
+CONNECT = "relay.connect"
+CALL_TIMEOUT = 5.0
+# How long a reversal may take before we open a circuit instead: the relay's call to the peer,
+# the peer's dial (one RTT) and the handshake (two more) on a slow continental path.
+REVERSAL_WAIT = 5.0
+
+
+async def dial_through_relay(host: PeerHost, address: PeerAddress, *, reverse: bool = False) -> trio.abc.Stream | None:
+    """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake;
+    with ``reverse``, None where the relay has asked the peer to dial us instead."""
+    if address.peer_id is None:
+        raise ConnectError(f"{address}: a relayed address must name the peer")
+    relay = address.relay_address
+    connection = await host.connect(relay)
+    body: dict = {"target": address.peer_id.to_bytes()}
+    if reverse:
+        body["reverse"] = True
+    try:
+        reply = await connection.call(CONNECT, body, timeout=CALL_TIMEOUT)
+    except (RPCError, trio.TooSlowError) as error:
+        raise ConnectError(f"{address}: the relay refused: {error}") from None
+    if reverse and isinstance(reply.body, dict) and reply.body.get("reversed") is True:
+        return None
+    token = reply.body.get("token") if isinstance(reply.body, dict) else None
+    if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+        raise ConnectError(f"{address}: the relay sent a malformed circuit token")
+    stream = await host.open_stream(relay)
+    try:
+        await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
+    except (trio.BrokenResourceError, OSError):
+        await trio.aclose_forcefully(stream)
+        raise ConnectError(f"{address}: the relay closed the circuit") from None
+    return stream
+
+
+class RelayedDials:
+    """Dials relayed addresses for ``host`` (its ``presence`` dialer): reversal first while
+    ``reachable()`` says others can dial us, else (or when it fails) a circuit."""
+
+    def __init__(self, host: PeerHost, reachable: Callable[[], bool]):
+        self.host = host
+        self.reachable = reachable
+        self.reversed = 0  # connections the peer dialed back (no circuit)
+        self._awaited: dict[PeerID, trio.Event] = {}  # reversals we wait for, by peer
+        host.on_connection.append(self._on_connection)
+        host.presence.dial_relayed_with(self.dial)
+
+    def _on_connection(self, connection: Connection, incoming: bool) -> None:
+        awaited = self._awaited.get(connection.remote_peer_id)
+        if awaited is not None and incoming and connection.relayed_via is None:
+            awaited.set()
+
+    async def dial(self, address: PeerAddress) -> trio.abc.Stream | Connection:
+        """The connection the peer dialed back, or a stream through a circuit."""
+        if address.peer_id is not None and self.reachable() and self.host.listen_address is not None:
+            reached = await self._reversal(address, address.peer_id)
+            if reached is not None:
+                return reached
+        stream = await dial_through_relay(self.host, address)
+        assert stream is not None
+        return stream
+
+    async def _reversal(self, address: PeerAddress, peer: PeerID) -> trio.abc.Stream | Connection | None:
+        """The peer's connection, dialed back; a circuit's stream where the relay opened one
+        instead (a relay that does not reverse); None where neither came."""
+        if peer in self._awaited:  # (the pool shares one dial per address; another address: a circuit)
+            return None
+        arrived = self._awaited[peer] = trio.Event()
+        try:
+            try:
+                stream = await dial_through_relay(self.host, address, reverse=True)
+            except ConnectError:
+                return None  # (a circuit may still work: the relay's limits are on circuits)
+            if stream is not None:
+                return stream
+            with trio.move_on_after(REVERSAL_WAIT):
+                await arrived.wait()
+            connection = self.host.connection_to(peer)
+            if connection is None or connection.relayed_via is not None:
+                return None
+            self.reversed += 1
+            return connection
+        finally:
+            del self._awaited[peer]

@@ -1,0 +1,91 @@
+"""Connection reversal (``peer/relay_dials.py``): a dialer others can reach asks the relay to have
+the peer behind NAT dial it back, so that reaching a NAT'd peer costs no circuit; the dial back a
+relay asks of a peer is a claim about an address, held to budgets and to addresses we may dial."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from peer import Identity, PeerAddress, open_peer_host
+from peer.relay import DIALS_BACK_BURST, Relay, RelayClient
+from peer.rpc_errors import BadRequestError, BusyError
+from tests.wire.test_relay import echo_router
+
+
+async def test_a_reachable_dialer_is_dialed_back_and_no_circuit_is_opened():
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate(), router=echo_router()) as dialer,
+    ):
+        relay = Relay(relay_host)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        dials = RelayClient(dialer, reachable=lambda: True).dials
+        listen = relay_host.listen_address
+        address = PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        with trio.fail_after(10):
+            connection = await dialer.connect(address)
+        assert connection.relayed_via is None and dials.reversed == 1
+        assert (await connection.call("echo", "back", timeout=5)).body["echo"] == "back"
+        assert relay.book.circuits == 0 and relay.bytes_relayed == 0
+        # the NAT'd peer holds the same connection: it dialed it
+        assert behind.connection_to(dialer.peer_id) is not None
+
+
+async def test_a_dialer_that_cannot_be_reached_is_dialed_through_a_circuit_as_before():
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), router=echo_router()) as behind,
+        open_peer_host(Identity.generate()) as dialer,
+    ):
+        relay = Relay(relay_host)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        dials = RelayClient(dialer).dials  # (reachability unknown: not reachable)
+        listen = relay_host.listen_address
+        connection = await dialer.connect(PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id))
+        assert connection.relayed_via == relay_host.peer_id and dials.reversed == 0
+        assert relay.book.circuits == 1
+
+
+async def test_a_relay_cannot_aim_its_peers_at_names_or_local_services():
+    """``relay.incoming {dial}`` comes from a relay we reserved with, but the address in it is the
+    relay's claim: never a name, an unspecified or multicast address, or (for a peer not on
+    loopback itself) this machine."""
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate(), listen=("0.0.0.0", 0)) as behind,
+    ):
+        Relay(relay_host)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        to_behind = relay_host.connection_to(behind.peer_id)
+        source = Identity.generate().peer_id.to_bytes()
+        for claim in ("example.com:80", "0.0.0.0:6379", "127.0.0.1:6379", "224.0.0.1:9", "127.0.0.1:9/x/relay", 7):
+            with pytest.raises(BadRequestError):
+                await to_behind.call("relay.incoming", {"source": source, "dial": claim}, timeout=5)
+
+
+async def test_a_relay_cannot_have_its_peers_dial_again_and_again():
+    """Dials back are held to a budget per source peer and one for all sources together, however
+    the relay asks (each dial here reaches the relay's own port and fails its pinned handshake)."""
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as behind,
+    ):
+        Relay(relay_host)
+        await RelayClient(behind).reserve(relay_host.listen_address)
+        to_behind = relay_host.connection_to(behind.peer_id)
+        claim = relay_host.listen_address.endpoint
+
+        async def ask(source: bytes) -> bool:
+            try:
+                await to_behind.call("relay.incoming", {"source": source, "dial": claim}, timeout=5)
+            except BusyError:
+                return False
+            return True
+
+        source = Identity.generate().peer_id.to_bytes()
+        answered = [await ask(source) for _ in range(12)]
+        assert answered.count(True) == 4, answered  # a few a minute per source
+        many = [await ask(Identity.generate().peer_id.to_bytes()) for _ in range(int(DIALS_BACK_BURST) + 8)]
+        assert many.count(True) <= DIALS_BACK_BURST, many  # and all together
