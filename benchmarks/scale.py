@@ -202,7 +202,8 @@ def main() -> None:
     rows = []
     print(
         f"{'peers':>6} {'cpu/peer/round':>15} {'KB/peer/round':>14} {'busiest/median':>15} "
-        f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'DHT req/peer/round':>19} {'conns/peer/round':>17} {'real s':>7}"
+        f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'behind NAT':>11} {'DHT req/peer/round':>19} "
+        f"{'conns/peer/round':>17} {'real s':>7}"
     )
     for size in peers:
         row = in_own_process("averaging", size, args.seed, args.nat_fraction)
@@ -211,6 +212,7 @@ def main() -> None:
             f"{size:>6} {row['cpu_per_peer_round_s']:>15.4f} {row['bytes_per_peer_round'] / 1e3:>14.1f} "
             f"{row['busiest_node_load_ratio']:>15.2f} {row['memory_per_peer_mb']:>8.2f} "
             f"{str(row['rounds_to_agree']):>6} {row['averaged_fraction']:>9.4f} "
+            f"{str(row['averaged_fraction_behind_nat']):>11} "
             f"{row['dht_requests_per_peer_round']:>19.1f} {row['connections_per_peer_round']:>17.2f} "
             f"{row['real_s']:>7.1f}",
             flush=True,
