@@ -13,6 +13,13 @@ peer's standing or its entry in the table (which is evicted only when the addres
 A peer enters the table at the node ID its handshake proved (``PeerHost.remote_node_id``): the proof
 on the live connection wins over the one a third party named, and a contact whose proof falls short
 of the run's difficulty never enters at all.
+
+A peer that can be reached only through a relay (behind NAT: it announces relayed addresses) is a
+client of the DHT, as libp2p's Kademlia runs peers that are not publicly reachable: it asks, it is
+never asked, and it leaves the table once it announces a relayed address. Every request to it
+would cost a circuit at a relay (a peer behind NAT itself) and then a hole punch, for one small
+message: in the simulated swarm with 30% of the peers behind NAT, nine in ten relayed dials were
+DHT requests.
 """
 
 from __future__ import annotations
@@ -86,6 +93,9 @@ class Contacts:
             announced = connection.remote_listen_address
             if announced is None:
                 return
+            if announced.relay is not None:  # behind NAT: a client of the DHT from now on
+                self._drop_client(contact.peer_id)
+                return
             proof = self.host.remote_node_id(connection)
             moved = announced is not contact.address and announced != contact.address
             if moved or proof.nonce != contact.proof.nonce:
@@ -93,10 +103,18 @@ class Contacts:
                 self.health.succeeded(_claim(contact))
         if contact.peer_id == self.host.peer_id or not contact.proof.satisfies(self.difficulty):
             return
+        if contact.address.relay is not None:
+            return
         head = self.table.add_contact(contact)
         if head is not None and head.id not in self._pinging and self._background.running:
             self._pinging.add(head.id)
             self._background.start_soon(self._ping_head, head)
+
+    def _drop_client(self, peer: PeerID) -> None:
+        """``peer`` announced a relayed address (it is behind NAT): out of the table, unasked."""
+        held = self.table.get(peer)
+        if held is not None:
+            self.table.remove_contact(held)
 
     def called_by(self, peer: PeerID, address: PeerAddress | None, node_id: NodeIDProof) -> None:
         """``peer`` just called us over an authenticated connection, announcing ``address`` (None:
@@ -209,6 +227,10 @@ class Contacts:
                 connection = self.host.connection_to(contact.peer_id) or await self._dial(contact)
                 if connection is None:  # its endpoint is known not to answer as this peer: not dialled
                     self._failed_unless_judged(contact, asking, judged_before)
+                    return None
+                announced = connection.remote_listen_address
+                if announced is not None and announced.relay is not None:  # moved behind a relay since
+                    self._drop_client(contact.peer_id)
                     return None
                 reply = await connection.call(method, body, timeout=self._rpc_timeout)
             except RemoteError as error:  # it answered, but refused: alive, yet no use to this request

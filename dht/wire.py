@@ -130,11 +130,11 @@ def encode_contacts(contacts: list[Contact]) -> list:
 
 
 def parse_contacts(body: Any, difficulty: int) -> list[Contact]:
-    """Contacts from a find reply; malformed entries and those whose node-ID proof falls short of
-    ``difficulty`` are skipped (a lie costs the liar its contacts, never us an error); too many is
-    an error. One endpoint is one peer: a direct contact at an endpoint the reply already named is
-    skipped, so a reply costs at most one dial per endpoint it names (a relay's endpoint serves
-    many peers, and dials through it reach the relay's one connection)."""
+    """Contacts from a find reply; malformed entries, those whose node-ID proof falls short of
+    ``difficulty`` and those reached through a relay (peers behind NAT are clients of the DHT:
+    ``contacts.py``) are skipped (a lie costs the liar its contacts, never us an error); too many is
+    an error. One endpoint is one peer: a contact at an endpoint the reply already named is
+    skipped, so a reply costs at most one dial per endpoint it names."""
     if not isinstance(body, list) or len(body) > MAX_CONTACTS_PER_REPLY:
         raise RecordError("a find reply is a list of at most 64 contacts")
     contacts = []
@@ -166,12 +166,11 @@ def parse_contacts(body: Any, difficulty: int) -> list[Contact]:
                 except ValueError:
                     continue
                 contact = _CONTACT_CACHE[cache_key] = Contact(proof, PeerAddress(host, item[2], peer_id, relay))
-            if contact.proof.satisfies(difficulty):
-                if contact.address.relay is None:
-                    endpoint = (contact.address.host, contact.address.port)
-                    if endpoint in endpoints:
-                        continue
-                    endpoints.add(endpoint)
+            if contact.proof.satisfies(difficulty) and contact.address.relay is None:
+                endpoint = (contact.address.host, contact.address.port)
+                if endpoint in endpoints:
+                    continue
+                endpoints.add(endpoint)
                 contacts.append(contact)
     return contacts
 

@@ -57,6 +57,10 @@ DIALS_BACK_PER_SOURCE_PER_S = 4 / 60
 DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 16.0
 MAX_DIAL_BACK_SOURCES = 1024
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
+# Renew a reservation after this share of its lifetime (20 s of the default 120): the renewal is
+# also how a relay that went silent (a machine switched off sends no FIN) is noticed and replaced,
+# and until then every peer that reads our declarations dials a dead relay.
+RENEW_AFTER = 1 / 6
 
 
 class Relay:
@@ -359,11 +363,12 @@ class RelayClient:
                 if self.host.connection_to(relay_id) is None or renew_at.get(relay_id, 0) <= now:
                     try:
                         _, ttl = await self.reserve(address)
-                        renew_at[relay_id] = trio.current_time() + ttl / 3
+                        renew_at[relay_id] = trio.current_time() + ttl * RENEW_AFTER
                     except (ConnectError, RPCError, trio.TooSlowError) as error:
                         log.info("lost the reservation with relay %s: %s", relay_id, error)
                         del self.reserved[relay_id]
                         renew_at.pop(relay_id, None)
+            self._announce()  # (a lost relay leaves our addresses before we look for another)
             for candidate in candidates():
                 if len(self.reserved) >= self.wanted:
                     break
@@ -374,19 +379,23 @@ class RelayClient:
                 except (ConnectError, RPCError, trio.TooSlowError) as error:
                     log.debug("relay candidate %s: %s", candidate, error)
                     continue
-                renew_at[relay_id] = trio.current_time() + ttl / 3
+                renew_at[relay_id] = trio.current_time() + ttl * RENEW_AFTER
                 log.info("reserved a relayed address with %s", self.reserved[relay_id])
-            relayed = self._relayed_addresses()
-            if [str(a) for a in self.host.presence.announced] != [str(a) for a in relayed]:
-                self.host.presence.announce(relayed)
-                self.changed.set()
-                self.changed = trio.Event()
+            self._announce()
             now = trio.current_time()
             wait = min([60.0, *(at - now for at in renew_at.values())])
             if len(self.reserved) < self.wanted:
                 wait = min(wait, retry)
             with trio.move_on_after(max(0.5, wait)):
                 await self._any_relay_lost()
+
+    def _announce(self) -> None:
+        """Announce our relayed addresses, if they changed (and tell ``changed``'s waiters)."""
+        relayed = self._relayed_addresses()
+        if [str(a) for a in self.host.presence.announced] != [str(a) for a in relayed]:
+            self.host.presence.announce(relayed)
+            self.changed.set()
+            self.changed = trio.Event()
 
     async def _any_relay_lost(self) -> None:
         async with trio.open_nursery() as nursery:

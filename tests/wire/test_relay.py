@@ -432,17 +432,17 @@ async def test_a_newcomer_downloads_state_from_a_donor_reached_only_through_a_re
         async with (
             DHTNode.open(host=relay_host) as relay_node,
             DHTNode.open(host=donor_host, initial_peers=[relay_node.address]) as donor_node,
-            DHTNode.open(host=newcomer_host, initial_peers=[relay_node.address]) as newcomer_node,
         ):
             state = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 4)]
             donor = StateSharing(donor_host, donor_node, "run.state", _Owner(state))
-            await donor.announce(5)
-            newcomer = StateSharing(newcomer_host, newcomer_node, "run.state", _Owner([]))
-            metadata, tensors = await newcomer.download([torch.zeros(1000), torch.zeros(3, 4)], timeout=20)
-            assert metadata == {"epoch": 7}
-            assert all(torch.equal(got, want) for got, want in zip(tensors, state, strict=True))
-            connection = newcomer_host.connection_to(donor_host.peer_id)
-            assert connection is not None and connection.relayed_via == relay_host.peer_id
+            await donor.announce(5)  # (before the newcomer joins: the donor's store does not dial it)
+            async with DHTNode.open(host=newcomer_host, initial_peers=[relay_node.address]) as newcomer_node:
+                newcomer = StateSharing(newcomer_host, newcomer_node, "run.state", _Owner([]))
+                metadata, tensors = await newcomer.download([torch.zeros(1000), torch.zeros(3, 4)], timeout=20)
+                assert metadata == {"epoch": 7}
+                assert all(torch.equal(got, want) for got, want in zip(tensors, state, strict=True))
+                connection = newcomer_host.connection_to(donor_host.peer_id)
+                assert connection is not None and connection.relayed_via == relay_host.peer_id
 
 
 async def test_all_circuits_together_are_held_to_the_relay_s_total_rate():

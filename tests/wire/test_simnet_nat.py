@@ -12,11 +12,15 @@ import trio
 
 from peer import PeerAddress, Router, open_peer_host
 from peer.nat import NAT, PUBLIC, NatTraversal
-from peer.relay import Relay, RelayClient
+from peer.nat_state import RelayLimits
+from peer.relay import RENEW_AFTER, Relay, RelayClient
+from peer.relay_dials import CALL_TIMEOUT as RELAY_CALL_TIMEOUT
 from peer.relay_dials import REVERSAL_WAIT
 from peer.simnet import SimNetwork
 from peer.simnet.nat import MAPPING_S, SimNats
 from peer.simnet.network import SYN_RTO
+
+RESERVATION_TTL = RelayLimits().reservation_ttl
 
 
 # ---------------------------------------------------------------------- the bookkeeping, sans I/O
@@ -251,3 +255,36 @@ async def test_a_reversal_that_never_arrives_falls_back_to_a_circuit(autojump_cl
         assert connection.relayed_via == relay_id and dials.reversed == 0
         assert trio.current_time() - started >= REVERSAL_WAIT
         assert (await connection.call("echo", "relayed")).body == "relayed"
+
+
+async def test_a_peer_behind_nat_replaces_a_relay_that_went_silent_within_a_renewal(autojump_clock):
+    """A relay's machine goes off without a word: the peer behind NAT finds out at its next
+    renewal (a sixth of the reservation's lifetime) and announces another relay, so the address
+    others read in its declarations names a dead relay for tens of seconds, not minutes."""
+    network = SimNetwork(seed=9)
+    transports = [network.add_host() for _ in range(3)] + [network.add_host(behind_nat=True)]
+    async with contextlib.AsyncExitStack() as stack:
+        hosts = [
+            await stack.enter_async_context(open_peer_host(network.identity(), transport=transport))
+            for transport in transports
+        ]
+        home = hosts[3]
+        initial = [host.listen_address for host in hosts[:3]]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        traversals = [
+            NatTraversal(host, initial_peers=[a for a in initial if a.peer_id != host.peer_id]) for host in hosts
+        ]
+        for traversal in traversals:
+            nursery.start_soon(traversal.run)
+        await wait_until(lambda: len(home.presence.announced) == 2, timeout=60)
+        await trio.sleep(0.1)  # (right after the reservations: the longest wait for a renewal)
+        gone = home.presence.announced[0].relay
+        [gone_transport] = [t for t, h in zip(transports, hosts, strict=True) if h.peer_id == gone]
+        network.leave(gone_transport.address)
+        left = trio.current_time()
+        await wait_until(lambda: gone not in {a.relay for a in home.presence.announced}, timeout=120)
+        # within a renewal (20 s of the default 120-s lifetime) and its call's timeout
+        assert trio.current_time() - left <= 26.0
+        assert RESERVATION_TTL * RENEW_AFTER + RELAY_CALL_TIMEOUT <= 26.0
+        await wait_until(lambda: len(home.presence.announced) == 2, timeout=30)  # and another took its place
+        nursery.cancel_scope.cancel()
