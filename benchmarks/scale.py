@@ -10,7 +10,8 @@ calm rounds until they agree. Per size it prints a row of the
 growth table: per peer per round the CPU seconds, bytes and segments sent, the DHT requests the
 swarm served and the connections it made (each a handshake: the protocol's own work, which a peer
 pays in a process of its own, while the CPU of N peers in one process also grows with their shared
-heap); the DHT requests served by the busiest and by the median node; memory per peer
+heap); the DHT requests served by the busiest and by the median node (of the DHT's servers: peers
+behind NAT are its clients); memory per peer
 (resident-set growth over the run ÷ N, each row in a process of its own); the calm rounds until
 the swarm agreed; the fraction of the steps of peers that stayed that averaged (and of those
 behind NAT, with the direct connections hole punching made).

@@ -17,7 +17,7 @@ What the report counts is what a swarm owes its users: the fraction of the steps
 stayed (they were present for the whole round) that averaged, outside the partitioned round; how
 many calm rounds the swarm took to agree; how long a newcomer took from its join to its first
 averaged round; per peer per round: CPU seconds, bytes and segments sent; the DHT requests served
-by the busiest node against the median node.
+by the busiest node against the median node (of the DHT's servers: peers behind NAT are its clients).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class ScaleReport:
     peer_rounds: int = 0
     bytes_sent: int = 0
     segments_sent: int = 0
-    served: list[int] = field(default_factory=list)  # DHT requests served per live node, over the rounds
+    # DHT requests served over the rounds per live DHT server (peers behind NAT are the DHT's clients)
+    served: list[int] = field(default_factory=list)
     dht_requests: int = 0  # served by every node over the rounds, departed ones included
     connections: int = 0  # made over the rounds (each one handshake)
     max_deviation: float = math.inf  # at the end, as a fraction of the initial spread
@@ -256,7 +257,8 @@ async def _run(scenario: Scenario, network: SimNetwork) -> ScaleReport:
         report.cpu_s = time.process_time() - cpu_before
         report.bytes_sent = network.model.bytes_sent_total - sent_before[0]
         report.segments_sent = network.model.segments_sent_total - sent_before[1]
-        report.served = [swarm.nodes[index].requests_served - served_before.get(index, 0) for index in swarm.alive()]
+        servers = [index for index in swarm.alive() if index not in swarm.behind_nat]
+        report.served = [swarm.nodes[index].requests_served - served_before.get(index, 0) for index in servers]
         report.dht_requests = sum(node.requests_served for node in swarm.nodes) - sum(served_before.values())
         report.connections = network.connections_total - connections_before
         report.behind_nat = len(swarm.behind_nat)
