@@ -97,11 +97,19 @@ class TableMaintenance:
         if self.config.refresh_on_join:
             await self._refresh_beyond_closest()
 
-    async def _ping_address(self, address: PeerAddress) -> Contact:
-        """Reach the peer at ``address`` and add it to the table. Not ``contacts.call``: the address
-        may not name a peer ID, and the connection's handshake is what tells us whom we reached."""
+    async def _ping_address(self, address: PeerAddress, follow_relay: bool = True) -> Contact:
+        """Reach the peer at ``address`` and add it to the table; a peer behind NAT (an initial peer
+        on the same LAN, say) stands for its relay, which is added instead. Not ``contacts.call``:
+        the address may not name a peer ID, and the connection's handshake is what tells us whom
+        we reached."""
         connection = await self.host.connect(address)
         await connection.call("dht.ping", timeout=self.config.rpc_timeout)
+        announced = connection.remote_listen_address
+        if announced is not None and announced.relay is not None:
+            # behind NAT: a client of the DHT (``contacts.py``); its relay is public, and a server
+            if not follow_relay:
+                raise ConnectError(f"{address}: a relay that is itself reached through a relay")
+            return await self._ping_address(announced.relay_address, follow_relay=False)
         contact = Contact(self.host.remote_node_id(connection), address)
         self.contacts.alive(contact)
         return contact

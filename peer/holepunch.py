@@ -259,8 +259,13 @@ class HolePuncher:
                 # Our SYN may have reached the other side's listener rather than its dial (no NAT
                 # in front of it, or its dial came late): a listener answers as responder, so if
                 # no handshake message comes soon we are the one to start it.
-                with trio.move_on_after(RESPONDER_PATIENCE) as patience:
-                    await transport.peek_first_byte(stream)
+                try:
+                    with trio.move_on_after(RESPONDER_PATIENCE) as patience:
+                        await transport.peek_first_byte(stream)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                    log.debug("punched connection to %s: %r", address, error)  # (reset: the address is a claim)
+                    await trio.aclose_forcefully(stream)
+                    continue
                 initiator = patience.cancelled_caught
             if initiator:
                 try:
@@ -337,12 +342,17 @@ def _parse_addresses(body: Any, ours: str | None) -> list[tuple[str, int]]:
 
 def dialable(host: str, ours: str | None) -> bool:
     """Whether a host that another peer named may be dialed: an IP literal (never a name, which
-    we would resolve or fail to encode), not unspecified or multicast, and loopback only when
-    ``ours`` (our own public or listen host) is (peers on one machine)."""
+    we would resolve or fail to encode), not unspecified, multicast or link-local (a cloud's
+    metadata service); loopback only when ``ours`` (our own public or listen host) is (peers on
+    one machine), and a private or otherwise non-global address only when ours is one too (a
+    swarm on one LAN): a public peer is never aimed into its own network."""
     ip = _ip(host)
-    if ip is None or ip.is_unspecified or ip.is_multicast:
+    if ip is None or ip.is_unspecified or ip.is_multicast or ip.is_link_local:
         return False
-    return not ip.is_loopback or (ours is not None and (own := _ip(ours)) is not None and own.is_loopback)
+    own = _ip(ours) if ours is not None else None
+    if ip.is_loopback:
+        return own is not None and own.is_loopback
+    return ip.is_global or (own is not None and not own.is_unspecified and not own.is_global)
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -242,7 +242,7 @@ class PeerHost:
             serve=not self.client_mode,
             traffic=self.traffic,
             relayed_via=relayed_via,
-            seen_from=self.transport.remote_address(channel.stream),
+            seen_from=None if relayed_via is not None else self.transport.remote_address(channel.stream),
         )
         older_connections = self.admission.connection_opened(connection, group, connection.remote_peer_id)
         if older_connections is None:
@@ -370,7 +370,7 @@ class PeerHost:
             serve=not self.client_mode,
             traffic=self.traffic,
             relayed_via=address.relay,
-            seen_from=self.transport.remote_address(channel.stream),
+            seen_from=None if address.relay is not None else self.transport.remote_address(channel.stream),
         )
         try:
             self._nursery.start_soon(self._run_connection, connection, False)

@@ -63,7 +63,11 @@ class NatTraversal:
         host.service(ReachabilityService)
         self.relay = Relay(host, limits) if relay and not host.client_mode else None
 
-        self.client = RelayClient(host, reachable=lambda: self.reachability.status == PUBLIC)
+        self.client = RelayClient(
+            host,
+            reachable=lambda: self.reachability.status == PUBLIC,
+            observed_host=lambda: self.reachability.observed[0] if self.reachability.observed else None,
+        )
         self.puncher = HolePuncher(host, lambda: self.reachability.observed[0] if self.reachability.observed else None)
         self.initial_peers = list(initial_peers or [])
         self.reachability = Reachability(UNKNOWN, None, 0, "not checked yet")

@@ -51,11 +51,16 @@ MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
 MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
 MAX_PENDING_PER_SOURCE = 4  # of those, from one source
-# Dials back (connection reversal) a relay may have us make: a few a minute per source peer, two a
-# second for all of them together, so a hostile relay cannot aim us at an address again and again.
-DIALS_BACK_PER_SOURCE_PER_S = 4 / 60
-DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 16.0
-MAX_DIAL_BACK_SOURCES = 1024
+# Dials back (connection reversal) relays may have us make: a group's worth at once from one relay
+# (a whole averaging group dials a new member together), then one a second, and two a second for
+# all relays together, so a hostile relay cannot aim us at an address again and again.
+DIALS_BACK_PER_RELAY_PER_S, DIALS_BACK_PER_RELAY_BURST = 1.0, 16.0
+DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 32.0
+MAX_DIAL_BACK_RELAYS = 64  # (we hold a few reservations; a relay we forgot starts a fresh budget)
+# Reversals a relay asks of its reserving peers for one requester: as many as it may ask of one
+# target at once, then one a second.
+REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST = 1.0, 16.0
+MAX_REVERSAL_REQUESTERS = 1024
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 # Renew a reservation after this share of its lifetime (20 s of the default 120): the renewal is
 # also how a relay that went silent (a machine switched off sends no FIN) is noticed and replaced,
@@ -79,6 +84,7 @@ class Relay:
         self._watched: set[Connection] = set()  # the connections a _drop_when_closed task watches
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
+        self._reversal_budgets: dict[PeerID, TokenBucket] = {}  # per requester: each costs a call
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
         host.presence.serve_circuits(self)
@@ -141,6 +147,7 @@ class Relay:
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
         if body.get("reverse") is True and (back := _listen_address_of(request.connection)) is not None:
+            self._take_reversal(request.peer)
             try:  # connection reversal: the target dials the source; no circuit, no relayed bytes
                 await connection.call(
                     INCOMING, {"source": request.peer.to_bytes(), "dial": back.endpoint}, timeout=CALL_TIMEOUT
@@ -162,6 +169,19 @@ class Relay:
             self._forget(circuit)
             raise Busy(f"the target did not take the circuit: {error}") from None
         return {"token": circuit.tokens[0]}
+
+    def _take_reversal(self, requester: PeerID) -> None:
+        """One reversal from ``requester``'s budget, or Busy."""
+        now = trio.current_time()
+        budget = self._reversal_budgets.get(requester)
+        if budget is None:
+            while len(self._reversal_budgets) >= MAX_REVERSAL_REQUESTERS:
+                del self._reversal_budgets[next(iter(self._reversal_budgets))]
+            budget = TokenBucket(REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST, now)
+            self._reversal_budgets[requester] = budget
+        if budget.available(now) < 1:
+            raise Busy("too many reversals asked")
+        budget.take(1, now)
 
     def _forget(self, circuit: Circuit[PeerID]) -> None:
         self.book.close_circuit(circuit)
@@ -227,14 +247,23 @@ class RelayClient:
     the circuits they bring. ``run`` keeps the reservations and the host's announced addresses
     (``host.presence``) up to date; the host dials relayed addresses with ``dial_through_relay``."""
 
-    def __init__(self, host: PeerHost, *, wanted: int = 2, reachable: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        host: PeerHost,
+        *,
+        wanted: int = 2,
+        reachable: Callable[[], bool] = lambda: False,
+        observed_host: Callable[[], str | None] = lambda: None,
+    ):
         """``reachable()``: whether others can dial us directly now (our relayed dials then ask
-        for connection reversal first: ``peer/relay_dials.py``)."""
+        for connection reversal first: ``peer/relay_dials.py``); ``observed_host()``: our host
+        as others see it (None while unknown), which decides the addresses we dial back."""
         self.host = host
         self.wanted = wanted
+        self.observed_host = observed_host
         self.reserved: dict[PeerID, PeerAddress] = {}
         self._pending_incoming: Counter[PeerID] = Counter()  # circuits and dials back in setup, per source
-        # dials back that relays ask of us: per source peer, and for all together
+        # dials back that relays ask of us: per relay, and for all together
         self._dial_back_budgets: dict[PeerID, TokenBucket] = {}
         self._all_dials_back = TokenBucket(DIALS_BACK_PER_S, DIALS_BACK_BURST, trio.current_time())
         self.changed = trio.Event()
@@ -251,18 +280,18 @@ class RelayClient:
         if not isinstance(body, dict) or not isinstance(body.get("source"), bytes):
             raise BadRequest("expected {source, token} or {source, dial}")
         source = PeerID(body["source"])
-        if "dial" in body:
-            address = self._dial_back_address(source, body["dial"])
-            task: Any = functools.partial(self._dial_back, address)
-        else:
+        if "dial" not in body:
             token = body.get("token")
             if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
                 raise BadRequest("malformed circuit token")
-            task = functools.partial(self._answer, relay, source, token)
         if self._pending_incoming.total() >= MAX_PENDING_INCOMING:
             raise Busy("too many circuits being set up")
         if self._pending_incoming[source] >= MAX_PENDING_PER_SOURCE:
             raise Busy("too many circuits from this source being set up")
+        if "dial" in body:
+            task: Any = functools.partial(self._dial_back, self._dial_back_address(request.peer, source, body["dial"]))
+        else:
+            task = functools.partial(self._answer, relay, source, token)
         self._pending_incoming[source] += 1
         try:
             self.host.start_soon(task)
@@ -271,24 +300,27 @@ class RelayClient:
             raise
         return {"ok": True}
 
-    def _dial_back_address(self, source: PeerID, text: Any) -> PeerAddress:
-        """Where a relay says ``source`` listens, if we will dial it: an IP literal that is not
-        ours to keep away from (``holepunch.dialable``), within the dial-back budgets. The relay
-        names it, so it is a claim: the dial pins ``source``'s ID, and the budgets bound how
-        often a relay can aim us at an address."""
+    def _dial_back_address(self, relay: PeerID, source: PeerID, text: Any) -> PeerAddress:
+        """Where ``relay`` says ``source`` listens, if we will dial it: an IP literal we may dial
+        from where we are (``holepunch.dialable``: a public peer is never aimed at private or
+        link-local addresses), within the dial-back budgets. The relay names both the address
+        and the source, so both are claims: the dial pins ``source``'s ID, and the budgets, per
+        relay and in all, bound how often relays can aim us anywhere."""
         try:
             address = PeerAddress.parse(text) if isinstance(text, str) and len(text) < 100 else None
         except ValueError:
             address = None
         listen = self.host.listen_address
-        if address is None or address.relay is not None or not dialable(address.host, listen.host if listen else None):
-            raise BadRequest("expected {source, dial: IP:PORT}")
+        ours = self.observed_host() or (listen.host if listen is not None else None)
+        if address is None or address.relay is not None or not dialable(address.host, ours):
+            raise BadRequest("expected {source, dial: IP:PORT} at an address this peer dials")
         now = trio.current_time()
-        budget = self._dial_back_budgets.get(source)
+        budget = self._dial_back_budgets.get(relay)
         if budget is None:
-            while len(self._dial_back_budgets) >= MAX_DIAL_BACK_SOURCES:
+            while len(self._dial_back_budgets) >= MAX_DIAL_BACK_RELAYS:
                 del self._dial_back_budgets[next(iter(self._dial_back_budgets))]
-            budget = self._dial_back_budgets[source] = TokenBucket(DIALS_BACK_PER_SOURCE_PER_S, 4, now)
+            budget = TokenBucket(DIALS_BACK_PER_RELAY_PER_S, DIALS_BACK_PER_RELAY_BURST, now)
+            self._dial_back_budgets[relay] = budget
         if budget.available(now) < 1 or self._all_dials_back.available(now) < 1:
             raise Busy("too many dials back")
         budget.take(1, now)
@@ -368,7 +400,8 @@ class RelayClient:
                         log.info("lost the reservation with relay %s: %s", relay_id, error)
                         del self.reserved[relay_id]
                         renew_at.pop(relay_id, None)
-            self._announce()  # (a lost relay leaves our addresses before we look for another)
+            if self.reserved:  # (a lost relay leaves our addresses before we look for another)
+                self._announce()
             for candidate in candidates():
                 if len(self.reserved) >= self.wanted:
                     break

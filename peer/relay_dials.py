@@ -13,7 +13,7 @@ arrive within ``REVERSAL_WAIT``, we open a circuit as a dialer behind NAT always
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -35,26 +35,24 @@ CALL_TIMEOUT = 5.0
 REVERSAL_WAIT = 5.0
 
 
-async def dial_through_relay(host: PeerHost, address: PeerAddress, *, reverse: bool = False) -> trio.abc.Stream | None:
-    """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake;
-    with ``reverse``, None where the relay has asked the peer to dial us instead."""
+async def dial_through_relay(host: PeerHost, address: PeerAddress) -> trio.abc.Stream:
+    """A stream to ``address.peer_id`` through ``address.relay``, ready for the Noise handshake."""
     if address.peer_id is None:
         raise ConnectError(f"{address}: a relayed address must name the peer")
-    relay = address.relay_address
-    connection = await host.connect(relay)
-    body: dict = {"target": address.peer_id.to_bytes()}
-    if reverse:
-        body["reverse"] = True
+    connection = await host.connect(address.relay_address)
     try:
-        reply = await connection.call(CONNECT, body, timeout=CALL_TIMEOUT)
+        reply = await connection.call(CONNECT, {"target": address.peer_id.to_bytes()}, timeout=CALL_TIMEOUT)
     except (RPCError, trio.TooSlowError) as error:
         raise ConnectError(f"{address}: the relay refused: {error}") from None
-    if reverse and isinstance(reply.body, dict) and reply.body.get("reversed") is True:
-        return None
-    token = reply.body.get("token") if isinstance(reply.body, dict) else None
+    return await _circuit_end(host, address, reply.body)
+
+
+async def _circuit_end(host: PeerHost, address: PeerAddress, body: Any) -> trio.abc.Stream:
+    """Our end of the circuit the relay set up (its reply ``body`` holds our token)."""
+    token = body.get("token") if isinstance(body, dict) else None
     if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
         raise ConnectError(f"{address}: the relay sent a malformed circuit token")
-    stream = await host.open_stream(relay)
+    stream = await host.open_stream(address.relay_address)
     try:
         await stream.send_all(bytes([CIRCUIT_MAGIC]) + token)
     except (trio.BrokenResourceError, OSError):
@@ -81,34 +79,48 @@ class RelayedDials:
             awaited.set()
 
     async def dial(self, address: PeerAddress) -> trio.abc.Stream | Connection:
-        """The connection the peer dialed back, or a stream through a circuit."""
-        if address.peer_id is not None and self.reachable() and self.host.listen_address is not None:
+        """The connection the peer dialed back, or a stream through a circuit. A relay we cannot
+        reach, or that does not answer, fails the dial (a circuit needs it too); one that refuses,
+        or whose peer's connection does not arrive within ``REVERSAL_WAIT``, is asked for a
+        circuit."""
+        if address.peer_id is None:
+            raise ConnectError(f"{address}: a relayed address must name the peer")
+        if self.reachable() and self.host.listen_address is not None:
             reached = await self._reversal(address, address.peer_id)
             if reached is not None:
                 return reached
-        stream = await dial_through_relay(self.host, address)
-        assert stream is not None
-        return stream
+        return await dial_through_relay(self.host, address)
 
     async def _reversal(self, address: PeerAddress, peer: PeerID) -> trio.abc.Stream | Connection | None:
-        """The peer's connection, dialed back; a circuit's stream where the relay opened one
-        instead (a relay that does not reverse); None where neither came."""
-        if peer in self._awaited:  # (the pool shares one dial per address; another address: a circuit)
-            return None
-        arrived = self._awaited[peer] = trio.Event()
-        try:
-            try:
-                stream = await dial_through_relay(self.host, address, reverse=True)
-            except ConnectError:
-                return None  # (a circuit may still work: the relay's limits are on circuits)
-            if stream is not None:
-                return stream
+        """The peer's connection, dialed back; a circuit's end where the relay set one up instead
+        (a relay that does not reverse); None where the relay refused or the connection did not
+        arrive within ``REVERSAL_WAIT``."""
+        arrived = self._awaited.get(peer)
+        if arrived is not None:  # a reversal of this peer is on its way (asked through another relay)
             with trio.move_on_after(REVERSAL_WAIT):
                 await arrived.wait()
-            connection = self.host.connection_to(peer)
-            if connection is None or connection.relayed_via is not None:
-                return None
-            self.reversed += 1
+            return self._direct(peer)
+        relay = await self.host.connect(address.relay_address)
+        arrived = self._awaited[peer] = trio.Event()
+        try:
+            request = {"target": peer.to_bytes(), "reverse": True}
+            try:
+                reply = await relay.call(CONNECT, request, timeout=CALL_TIMEOUT)
+            except RPCError:
+                return None  # refused: a circuit may still be had (the relay's limits on the two differ)
+            except trio.TooSlowError:
+                raise ConnectError(f"{address}: the relay did not answer within {CALL_TIMEOUT:g} s") from None
+            if not (isinstance(reply.body, dict) and reply.body.get("reversed") is True):
+                return await _circuit_end(self.host, address, reply.body)
+            with trio.move_on_after(REVERSAL_WAIT):
+                await arrived.wait()
+            connection = self._direct(peer)
+            if connection is not None:
+                self.reversed += 1
             return connection
         finally:
             del self._awaited[peer]
+
+    def _direct(self, peer: PeerID) -> Connection | None:
+        connection = self.host.connection_to(peer)
+        return connection if connection is not None and connection.relayed_via is None else None

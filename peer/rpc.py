@@ -78,8 +78,8 @@ class Connection:
         seen_from: tuple[str, int] | None = None,
     ):
         """``relayed_via``: the relay this connection runs through (None: a direct connection);
-        ``seen_from``: the far end's ``(host, port)`` as our transport sees it (for a relayed
-        connection, the relay's)."""
+        ``seen_from``: the far end's ``(host, port)`` as our transport sees it (None for a relayed
+        connection, whose stream ends at the relay)."""
         self.traffic = traffic if traffic is not None else TrafficCounter()
         self.channel = channel
         self.router = router if router is not None else Router()

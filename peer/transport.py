@@ -99,9 +99,9 @@ class TcpTransport:
     def remote_address(self, stream: trio.SocketStream) -> tuple[str, int] | None:
         try:  # (a stream that wraps a socket shows none: a relayed circuit's end under a test's tap)
             host, port = stream.socket.getpeername()[:2]
-        except (AttributeError, OSError):
+            return str(host), int(port)
+        except (AttributeError, OSError, TypeError, ValueError):  # (an address of another family)
             return None
-        return str(host), int(port)
 
     def remote_host(self, stream: trio.SocketStream) -> str:
         address = self.remote_address(stream)

@@ -192,7 +192,8 @@ class SimNetwork:
 
     def forget(self, stream: SimStream) -> None:
         self._streams.discard(stream)
-        for host in {stream.local[0], stream.remote[0]}:
+        outgoing = stream.flows[0]
+        for host in {outgoing.source, outgoing.destination}:  # (the machines: not a NAT's public address)
             ends = self._streams_of.get(host)
             if ends is not None:
                 ends.discard(stream)
@@ -214,6 +215,10 @@ class SimNetwork:
             crossing = self._crossing[key] = _Crossing()
         try:
             return await self._send_syns(source, (host, port), seen, crossing)
+        except BaseException:
+            if crossing is not None and crossing.end is not None:
+                crossing.end.close()  # (met by the other side's SYN, then given up: it hears the close)
+            raise
         finally:
             if crossing is not None:
                 del self._crossing[(source, sport, host, port)]
@@ -231,7 +236,8 @@ class SimNetwork:
             while not self.model.linked(source, target):
                 await self._link_lot.park()
             sent_at = trio.current_time()
-            await trio.sleep(self.model.rtt(source, target))
+            with trio.move_on_after(self.model.rtt(source, target)):
+                await (crossing.met.wait() if crossing is not None else trio.sleep_forever())
             if crossing is not None and crossing.end is not None:
                 return crossing.end  # the other side's SYN met ours
             if not self.model.linked(source, target):
@@ -273,6 +279,10 @@ class SimNetwork:
             end.update((near_end, far_end))
         self.connections_total += 1
         return near_end, far_end
+
+    def open_ends(self, host: str) -> int:
+        """How many connection ends at or to ``host`` are open (for tests and reports)."""
+        return len(self._streams_of.get(host, ()))
 
     def _connected(self, host: str, port: int, remote: tuple[str, int]) -> bool:
         """Whether an open end on ``host``'s ``port`` already runs to ``remote``."""

@@ -260,13 +260,17 @@ class SimStream(trio.abc.HalfCloseableStream):
 
     # ------------------------------------------------------------------ closing
     async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
+        """``aclose`` without the checkpoint (for an end whose dial was given up)."""
         if not self._closed:
             self._closed = True
             if self.local[0] in self.model.hosts:
                 self._close_flows()
             # else: a host that left sends nothing more, not even its close; the far end hears nothing
             self.on_close(self)
-        await trio.lowlevel.checkpoint()
 
     def _close_flows(self) -> None:
         """The end of our stream to the far end, and a reset for whatever it sends us from now on."""

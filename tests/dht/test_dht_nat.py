@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import trio
 
+from dht import DHTNode
+from peer import Router, open_peer_host
+from peer.relay import RelayClient
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -35,3 +38,25 @@ async def test_peers_behind_nat_ask_the_dht_and_stay_out_of_every_routing_table(
             assert not held, f"node {index} holds peers behind NAT: {[str(table[p].address) for p in held]}"
         for index in behind:  # and once they announced a relay, nobody asked them
             assert swarm.nodes[index].requests_served == served[index], index
+
+
+async def test_a_newcomer_that_joins_through_a_peer_behind_nat_joins_through_its_relay(autojump_clock):
+    """An initial peer behind NAT (named by its relayed address, as its status page shows it) is a
+    client of the DHT and never enters a table: the newcomer meets its relay instead, a public
+    peer, and joins the swarm through it."""
+    network = SimNetwork(seed=12)
+    async with open_sim_swarm(network, 12, nat_fraction=0.4) as swarm:
+        behind = sorted(swarm.behind_nat)
+        with trio.fail_after(120):
+            while not all(swarm.traversals[i].client.reserved for i in behind):
+                await trio.sleep(1)
+        for index in swarm.alive():
+            assert await swarm.nodes[index].store(f"key-{index}", index, swarm.clock.time() + 600)
+        entry = swarm.nodes[behind[0]].host.public_address
+        assert entry.relay is not None
+        async with open_peer_host(network.identity(), router=Router(), transport=network.add_host()) as host:
+            RelayClient(host)  # (it dials relayed addresses, as every ``peerd join`` does)
+            async with DHTNode.open(host=host, initial_peers=[entry], clock=swarm.clock) as newcomer:
+                assert len(list(newcomer.routing_table.contacts())) >= 5
+                found = [await newcomer.get(f"key-{index}") for index in range(12)]
+                assert all(record is not None for record in found)

@@ -181,11 +181,12 @@ class ScaleRun:
             self.newcomers.start_soon(self.newcomer)
 
     async def newcomer(self) -> None:
-        """A fresh peer joins through two live ones and loads the swarm's state from a donor; it
-        steps from the round after that."""
+        """A fresh peer joins through two live public ones and loads the swarm's state from a
+        donor; it steps from the round after that."""
         joined = trio.current_time()
         for _ in range(JOIN_TRIES):
-            entry = self.picks.sample(self.swarm.entry_points(self.live()), 2)
+            public = self.swarm.entry_points(self.live())
+            entry = self.picks.sample(public, min(2, len(public)))
             try:
                 node = await self.swarm.add([self.swarm.nodes[i].address for i in entry])
                 break

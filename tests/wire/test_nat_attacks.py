@@ -4,11 +4,14 @@ dial from the listening port (the transport's ``connect_from``: over TCP ``peer/
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import pytest
 import trio
 
 from peer import BusyError, Identity, PeerAddress, Router, open_peer_host
-from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, connect_until
+from peer.holepunch import ATTEMPT_TIMEOUT, HolePuncher, connect_until, dialable
 from peer.nat_state import DialBackLimiter
 from peer.reachability import PUBLIC, UNKNOWN, ReachabilityService, check_reachability
 from peer.relay import MAX_PENDING_PER_SOURCE, MAX_WAITING_ENDS
@@ -183,3 +186,53 @@ async def test_one_source_cannot_take_every_slot_for_incoming_circuits(relayed, 
     with pytest.raises(BusyError):
         await incoming(greedy)
     await incoming(other)
+
+
+async def test_a_punch_address_that_resets_the_connection_costs_one_attempt_not_the_host(relayed):  # noqa: F811
+    """The peer at the other end of a relayed connection names an address whose host accepts the
+    punched connection and resets it before a byte: that attempt fails, and the dialer's host
+    (every connection it holds) goes on."""
+    relay_host, _, behind, dialer = relayed
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def reset_everyone(listener):
+        while True:
+            stream = await listener.accept()
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await trio.sleep(0.05)
+            stream.socket.close()  # (lingering 0 s: a reset, not a FIN)
+
+    async def punch(request):
+        return {"addresses": [f"127.0.0.1:{port}"]}
+
+    async def sync(request):
+        return None
+
+    behind.router.add_unary("nat.punch", punch)
+    behind.router.add_unary("nat.sync", sync)
+    puncher = HolePuncher(dialer, lambda: "127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reset_everyone, listeners[0])
+        listen = relay_host.listen_address
+        relayed_connection = await dialer.connect(
+            PeerAddress(listen.host, listen.port, behind.peer_id, relay_host.peer_id)
+        )
+        with trio.fail_after(10):
+            await until(lambda: puncher.failures >= 1)
+        assert (await relayed_connection.call("echo", "still here", timeout=5)).body["echo"] == "still here"
+        nursery.cancel_scope.cancel()
+
+
+def test_a_public_peer_is_never_aimed_into_its_own_network():
+    """Addresses in punches and dial-back requests are claims. A peer seen at a public address
+    dials only public ones (never its LAN, a carrier's shared space or a cloud's metadata
+    service); a peer on a private network may dial its neighbours; loopback only on loopback."""
+    public, private, loopback = "8.8.8.8", "10.1.2.3", "127.0.0.1"
+    assert dialable("1.1.1.1", public) and dialable("2001:4860::8888", public)
+    for claim in ("10.0.0.1", "192.168.1.1", "100.64.0.1", "169.254.169.254", "fe80::1", "127.0.0.1", "example.com"):
+        assert not dialable(claim, public), claim
+    assert dialable("192.168.1.1", private) and dialable("1.1.1.1", private)
+    assert not dialable("169.254.169.254", private) and not dialable("127.0.0.1", private)
+    assert dialable("127.0.0.1", loopback)
+    assert not dialable("10.0.0.1", None) and not dialable("10.0.0.1", "0.0.0.0")  # (ours unknown: public only)

@@ -4,11 +4,13 @@ relay asks of a peer is a claim about an address, held to budgets and to address
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import trio
 
 from peer import Identity, PeerAddress, open_peer_host
-from peer.relay import DIALS_BACK_BURST, Relay, RelayClient
+from peer.relay import DIALS_BACK_BURST, DIALS_BACK_PER_RELAY_BURST, Relay, RelayClient
 from peer.rpc_errors import BadRequestError, BusyError
 from tests.wire.test_relay import echo_router
 
@@ -65,27 +67,34 @@ async def test_a_relay_cannot_aim_its_peers_at_names_or_local_services():
                 await to_behind.call("relay.incoming", {"source": source, "dial": claim}, timeout=5)
 
 
-async def test_a_relay_cannot_have_its_peers_dial_again_and_again():
-    """Dials back are held to a budget per source peer and one for all sources together, however
-    the relay asks (each dial here reaches the relay's own port and fails its pinned handshake)."""
-    async with (
-        open_peer_host(Identity.generate()) as relay_host,
-        open_peer_host(Identity.generate()) as behind,
-    ):
-        Relay(relay_host)
-        await RelayClient(behind).reserve(relay_host.listen_address)
-        to_behind = relay_host.connection_to(behind.peer_id)
-        claim = relay_host.listen_address.endpoint
+async def test_relays_cannot_have_their_peers_dial_again_and_again():
+    """Dials back are held to a budget per relay (a group's worth at once, then one a second) and
+    one for all relays together, whatever sources a relay names (each dial here is refused at
+    once: the port is closed)."""
+    async with contextlib.AsyncExitStack() as stack:
+        relays = [await stack.enter_async_context(open_peer_host(Identity.generate())) for _ in range(3)]
+        behind = await stack.enter_async_context(open_peer_host(Identity.generate()))
+        client = RelayClient(behind)
+        for relay_host in relays:
+            Relay(relay_host)
+            await client.reserve(relay_host.listen_address)
+        closed = trio.socket.socket()
+        await closed.bind(("127.0.0.1", 0))
+        claim = f"127.0.0.1:{closed.getsockname()[1]}"
+        closed.close()
 
-        async def ask(source: bytes) -> bool:
+        async def ask(relay_host) -> bool:
+            source = Identity.generate().peer_id.to_bytes()
+            connection = relay_host.connection_to(behind.peer_id)
             try:
-                await to_behind.call("relay.incoming", {"source": source, "dial": claim}, timeout=5)
+                await connection.call("relay.incoming", {"source": source, "dial": claim}, timeout=5)
             except BusyError:
                 return False
+            finally:
+                await trio.sleep(0.01)  # (the refused dial is over: no cap on dials in flight binds)
             return True
 
-        source = Identity.generate().peer_id.to_bytes()
-        answered = [await ask(source) for _ in range(12)]
-        assert answered.count(True) == 4, answered  # a few a minute per source
-        many = [await ask(Identity.generate().peer_id.to_bytes()) for _ in range(int(DIALS_BACK_BURST) + 8)]
-        assert many.count(True) <= DIALS_BACK_BURST, many  # and all together
+        first = [await ask(relays[0]) for _ in range(24)]
+        assert DIALS_BACK_PER_RELAY_BURST <= first.count(True) <= DIALS_BACK_PER_RELAY_BURST + 1, first
+        rest = [await ask(relay_host) for relay_host in relays[1:] for _ in range(24)]
+        assert first.count(True) + rest.count(True) <= DIALS_BACK_BURST + 2, rest  # all relays together

@@ -10,7 +10,7 @@ import errno
 import pytest
 import trio
 
-from peer import PeerAddress, Router, open_peer_host
+from peer import ConnectError, PeerAddress, Router, open_peer_host
 from peer.nat import NAT, PUBLIC, NatTraversal
 from peer.nat_state import RelayLimits
 from peer.relay import RENEW_AFTER, Relay, RelayClient
@@ -288,3 +288,45 @@ async def test_a_peer_behind_nat_replaces_a_relay_that_went_silent_within_a_rene
         assert RESERVATION_TTL * RENEW_AFTER + RELAY_CALL_TIMEOUT <= 26.0
         await wait_until(lambda: len(home.presence.announced) == 2, timeout=30)  # and another took its place
         nursery.cancel_scope.cancel()
+
+
+async def test_closed_connections_of_a_host_behind_nat_are_forgotten(autojump_clock):
+    """The network indexes a connection's ends by the machines at its two ends (a departure looks
+    only at its host's own): one seen from a NAT's public address is forgotten all the same."""
+    network = SimNetwork(seed=10)
+    home, public = network.add_host(behind_nat=True), network.add_host()
+    port, listener = await listening(network, public)
+    accepted = []
+
+    async def accept():
+        accepted.append(await listener.accept())
+
+    for _ in range(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept)
+            outgoing = await network.dial(home.address, public.address, port)
+        await outgoing.aclose()
+        await accepted[-1].aclose()
+    assert network.open_ends(home.address) == 0 and network.open_ends(public.address) == 0
+
+
+async def test_a_dial_through_a_relay_that_went_silent_fails_once_not_twice(autojump_clock):
+    """A reachable dialer asks a relay whose machine went off for reversal: the relay's silence
+    fails the dial after one call's timeout; it does not then wait as long again for a circuit."""
+    network = SimNetwork(seed=13)
+    relay_t, home_t, dialer_t = network.add_host(), network.add_host(behind_nat=True), network.add_host()
+    async with (
+        open_peer_host(network.identity(), transport=relay_t) as relay_host,
+        open_peer_host(network.identity(), transport=home_t) as home,
+        open_peer_host(network.identity(), transport=dialer_t) as dialer,
+    ):
+        Relay(relay_host)
+        relay_id, _ = await RelayClient(home).reserve(relay_host.listen_address)
+        RelayClient(dialer, reachable=lambda: True)
+        listen = relay_host.listen_address
+        await dialer.connect(listen)  # (a pooled connection to the relay, which then goes silent)
+        network.leave(relay_t.address)
+        started = trio.current_time()
+        with pytest.raises(ConnectError):
+            await dialer.connect(PeerAddress(listen.host, listen.port, home.peer_id, relay_id))
+        assert trio.current_time() - started <= RELAY_CALL_TIMEOUT + 1
