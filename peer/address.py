@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .identity import PeerID
 
-__all__ = ["PeerAddress"]
+__all__ = ["PeerAddress", "Route"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,13 @@ class PeerAddress:
     def __str__(self) -> str:
         via = "" if self.relay is None else f"/{self.relay}/relay"
         return self.endpoint + via if self.peer_id is None else f"{self.endpoint}{via}/{self.peer_id}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a connection reaches its peer: ``relayed_via``, the relay it runs through (None: a
+    direct connection), and ``seen_from``, the far end's ``(host, port)`` as our transport sees
+    it (None when relayed: the stream ends at the relay)."""
+
+    relayed_via: PeerID | None = None
+    seen_from: tuple[str, int] | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from .address import PeerAddress
+from .address import PeerAddress, Route
 from .buffers import byte_view
 from .framing import ProtocolError
 from .identity import PeerID
@@ -86,8 +86,7 @@ class Connection:
         self.serve = serve  # False for client-mode peers: incoming calls are refused
         self.protocol = RPCProtocol(channel.initiator, max_message=self.router.max_message)
         self.remote_hello = channel.remote_hello
-        self.relayed_via = relayed_via
-        self.seen_from = seen_from
+        self.route = Route(relayed_via, seen_from)
         self.closed = trio.Event()
         self._outgoing = SendQueue(channel, self.traffic)
         self._pending: dict[int, PendingCall] = {}
@@ -97,6 +96,14 @@ class Connection:
         self._cancel_scope = trio.CancelScope()
         self._close_reason: str = "connection closed"
         self.silence = LinkSilence()  # how long calls have waited on a link that said nothing
+
+    @property
+    def relayed_via(self) -> PeerID | None:
+        return self.route.relayed_via
+
+    @property
+    def seen_from(self) -> tuple[str, int] | None:
+        return self.route.seen_from
 
     @property
     def remote_peer_id(self) -> PeerID:
