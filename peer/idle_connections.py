@@ -7,7 +7,7 @@ cipher states and two tasks (~30 KB), so a node's memory grew with the swarm, an
 retired (GOAWAY, ``rpc_protocol.py``: no call in flight is lost); the next call dials again, which
 costs a handshake, seldom, against memory held for good. A swarm's working set (the averaging
 group, the holders of the keys a peer reads each round) stays connected, since it is never idle
-that long; a relay's reservation is renewed every ~40 s, so its connection stays too.
+that long; a relay's reservation is renewed every ~20 s, so its connection stays too.
 
 The host looks every ``IDLE_CHECK_S``; a connection counts as idle from the first look that finds
 it with no call open and no byte moved since the look before, so it is retired between

@@ -49,18 +49,22 @@ log = logging.getLogger("peerd.relay")
 RESERVE, INCOMING = "relay.reserve", "relay.incoming"
 MAX_WAITING_ENDS = 256  # circuit ends waiting for their partner
 CHUNK = 256 * 1024
-MAX_PENDING_INCOMING = 16  # circuits a relayed peer is still answering at once
+MAX_PENDING_INCOMING = 32  # circuits and dials back a relayed peer is still setting up at once
 MAX_PENDING_PER_SOURCE = 4  # of those, from one source
+MAX_PENDING_PER_RELAY = 16  # of those, through one relay (it names the sources): a group's worth
 # Dials back (connection reversal) relays may have us make: a group's worth at once from one relay
 # (a whole averaging group dials a new member together), then one a second, and two a second for
 # all relays together, so a hostile relay cannot aim us at an address again and again.
 DIALS_BACK_PER_RELAY_PER_S, DIALS_BACK_PER_RELAY_BURST = 1.0, 16.0
 DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 32.0
 MAX_DIAL_BACK_RELAYS = 64  # (we hold a few reservations; a relay we forgot starts a fresh budget)
-# Reversals a relay asks of its reserving peers for one requester: as many as it may ask of one
-# target at once, then one a second.
+# Reversals a relay passes on: per requester's address (identities cost nothing to make, hosts do),
+# and per target, below what the target takes from one relay, so that an honest relay is never
+# refused by its target (others asking too much are refused by the relay, and their dialers get
+# circuits instead).
 REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST = 1.0, 16.0
-MAX_REVERSAL_REQUESTERS = 1024
+REVERSALS_PER_TARGET_PER_S, REVERSALS_PER_TARGET_BURST = 0.75, 12.0
+MAX_REVERSAL_BUDGETS = 1024
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 # Renew a reservation after this share of its lifetime (20 s of the default 120): the renewal is
 # also how a relay that went silent (a machine switched off sends no FIN) is noticed and replaced,
@@ -84,7 +88,7 @@ class Relay:
         self._watched: set[Connection] = set()  # the connections a _drop_when_closed task watches
         limits = self.book.limits
         self._all_circuits = TokenBucket(limits.total_bytes_per_s, limits.total_burst_bytes, trio.current_time())
-        self._reversal_budgets: dict[PeerID, TokenBucket] = {}  # per requester: each costs a call
+        self._reversal_budgets: dict[tuple[str, Any], TokenBucket] = {}  # per requester host and per target
         host.router.add_unary(RESERVE, self._reserve)
         host.router.add_unary(CONNECT, self._connect)
         host.presence.serve_circuits(self)
@@ -147,7 +151,7 @@ class Relay:
         if connection is None or connection.relayed_via is not None:
             raise Busy("the target is not connected to this relay")
         if body.get("reverse") is True and (back := _listen_address_of(request.connection)) is not None:
-            self._take_reversal(request.peer)
+            self._take_reversal(_address_group_of(request.connection), target)
             try:  # connection reversal: the target dials the source; no circuit, no relayed bytes
                 await connection.call(
                     INCOMING, {"source": request.peer.to_bytes(), "dial": back.endpoint}, timeout=CALL_TIMEOUT
@@ -170,18 +174,24 @@ class Relay:
             raise Busy(f"the target did not take the circuit: {error}") from None
         return {"token": circuit.tokens[0]}
 
-    def _take_reversal(self, requester: PeerID) -> None:
-        """One reversal from ``requester``'s budget, or Busy."""
+    def _take_reversal(self, requester_group: str | None, target: PeerID) -> None:
+        """One reversal from the requester's host's budget and from the target's, or Busy."""
         now = trio.current_time()
-        budget = self._reversal_budgets.get(requester)
-        if budget is None:
-            while len(self._reversal_budgets) >= MAX_REVERSAL_REQUESTERS:
-                del self._reversal_budgets[next(iter(self._reversal_budgets))]
-            budget = TokenBucket(REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST, now)
-            self._reversal_budgets[requester] = budget
-        if budget.available(now) < 1:
-            raise Busy("too many reversals asked")
-        budget.take(1, now)
+        budgets = []
+        for key, rate, burst in (
+            (("requester", requester_group), REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST),
+            (("target", target), REVERSALS_PER_TARGET_PER_S, REVERSALS_PER_TARGET_BURST),
+        ):
+            budget = self._reversal_budgets.get(key)
+            if budget is None:
+                while len(self._reversal_budgets) >= MAX_REVERSAL_BUDGETS:
+                    del self._reversal_budgets[next(iter(self._reversal_budgets))]
+                budget = self._reversal_budgets[key] = TokenBucket(rate, burst, now)
+            if budget.available(now) < 1:
+                raise Busy("too many reversals asked")
+            budgets.append(budget)
+        for budget in budgets:
+            budget.take(1, now)
 
     def _forget(self, circuit: Circuit[PeerID]) -> None:
         self.book.close_circuit(circuit)
@@ -262,13 +272,20 @@ class RelayClient:
         self.wanted = wanted
         self.observed_host = observed_host
         self.reserved: dict[PeerID, PeerAddress] = {}
-        self._pending_incoming: Counter[PeerID] = Counter()  # circuits and dials back in setup, per source
+        # circuits and dials back in setup, per source and per relay (which names the source)
+        self._pending_incoming: Counter[PeerID] = Counter()
+        self._pending_by_relay: Counter[PeerID] = Counter()
         # dials back that relays ask of us: per relay, and for all together
         self._dial_back_budgets: dict[PeerID, TokenBucket] = {}
         self._all_dials_back = TokenBucket(DIALS_BACK_PER_S, DIALS_BACK_BURST, trio.current_time())
         self.changed = trio.Event()
         host.router.add_unary(INCOMING, self._incoming)
         self.dials = RelayedDials(host, reachable)
+
+    @property
+    def setting_up(self) -> int:
+        """Circuits being answered and dials back being made now."""
+        return self._pending_incoming.total()
 
     async def _incoming(self, request: Request) -> Any:
         """A relay we hold a reservation with names a peer that wants us: a circuit (``token``) to
@@ -288,15 +305,19 @@ class RelayClient:
             raise Busy("too many circuits being set up")
         if self._pending_incoming[source] >= MAX_PENDING_PER_SOURCE:
             raise Busy("too many circuits from this source being set up")
+        if self._pending_by_relay[request.peer] >= MAX_PENDING_PER_RELAY:
+            raise Busy("too many circuits through this relay being set up")
         if "dial" in body:
-            task: Any = functools.partial(self._dial_back, self._dial_back_address(request.peer, source, body["dial"]))
+            address = self._dial_back_address(request.peer, source, body["dial"])
+            task: Any = functools.partial(self._dial_back, request.peer, address)
         else:
             task = functools.partial(self._answer, relay, source, token)
         self._pending_incoming[source] += 1
+        self._pending_by_relay[request.peer] += 1
         try:
             self.host.start_soon(task)
         except BaseException:
-            self._settled(source)
+            self._settled(request.peer, source)
             raise
         return {"ok": True}
 
@@ -311,7 +332,10 @@ class RelayClient:
         except ValueError:
             address = None
         listen = self.host.listen_address
-        ours = self.observed_host() or (listen.host if listen is not None else None)
+        # (our bound host when it is one; else the host others report seeing, which a liar among
+        # them could skew: the budgets bound what that buys)
+        concrete = listen is not None and listen.host not in ("0.0.0.0", "::", "")
+        ours = listen.host if concrete else self.observed_host()
         if address is None or address.relay is not None or not dialable(address.host, ours):
             raise BadRequest("expected {source, dial: IP:PORT} at an address this peer dials")
         now = trio.current_time()
@@ -327,7 +351,7 @@ class RelayClient:
         self._all_dials_back.take(1, now)
         return PeerAddress(address.host, address.port, source)
 
-    async def _dial_back(self, address: PeerAddress) -> None:
+    async def _dial_back(self, relay_id: PeerID, address: PeerAddress) -> None:
         """Connection reversal: dial the peer that asked for us through our relay."""
         assert address.peer_id is not None
         try:
@@ -335,7 +359,7 @@ class RelayClient:
         except ConnectError as error:
             log.debug("dialing %s back: %s", address, error)
         finally:
-            self._settled(address.peer_id)
+            self._settled(relay_id, address.peer_id)
 
     async def _answer(self, relay: PeerAddress, source: PeerID, token: bytes) -> None:
         host = self.host
@@ -357,13 +381,14 @@ class RelayClient:
                 await channel.aclose()
                 return
         finally:
-            self._settled(source)
+            self._settled(relay.peer_id, source)
         await host.accept_channel(channel, f"relay:{relay.peer_id}", relayed_via=relay.peer_id)
 
-    def _settled(self, source: PeerID) -> None:
-        self._pending_incoming[source] -= 1
-        if self._pending_incoming[source] <= 0:
-            del self._pending_incoming[source]
+    def _settled(self, relay_id: PeerID, source: PeerID) -> None:
+        for pending, key in ((self._pending_incoming, source), (self._pending_by_relay, relay_id)):
+            pending[key] -= 1
+            if pending[key] <= 0:
+                del pending[key]
 
     async def reserve(self, relay: PeerAddress) -> tuple[PeerID, float]:
         """Reserve (or renew) with ``relay``; returns the relay's ID and the reservation's TTL.

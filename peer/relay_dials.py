@@ -21,7 +21,7 @@ from .address import PeerAddress
 from .host import CIRCUIT_MAGIC, ConnectError, PeerHost
 from .identity import PeerID
 from .nat_state import TOKEN_BYTES
-from .rpc_errors import RPCError
+from .rpc_errors import CallTimeoutError, RPCError
 
 if TYPE_CHECKING:
     from .rpc import Connection
@@ -94,32 +94,35 @@ class RelayedDials:
     async def _reversal(self, address: PeerAddress, peer: PeerID) -> trio.abc.Stream | Connection | None:
         """The peer's connection, dialed back; a circuit's end where the relay set one up instead
         (a relay that does not reverse); None where the relay refused or the connection did not
-        arrive within ``REVERSAL_WAIT``."""
-        arrived = self._awaited.get(peer)
-        if arrived is not None:  # a reversal of this peer is on its way (asked through another relay)
-            with trio.move_on_after(REVERSAL_WAIT):
-                await arrived.wait()
-            return self._direct(peer)
-        relay = await self.host.connect(address.relay_address)
-        arrived = self._awaited[peer] = trio.Event()
+        arrive within ``REVERSAL_WAIT``. A reversal of the same peer already on its way (asked
+        through another of its relays) is waited for, and whatever connection came of it taken."""
+        settled = self._awaited.get(peer)
+        if settled is not None:
+            with trio.move_on_after(REVERSAL_WAIT + CALL_TIMEOUT):
+                await settled.wait()
+            return self.host.connection_to(peer)
+        settled = self._awaited[peer] = trio.Event()  # (set when a direct connection arrives, or we give up)
         try:
+            relay = await self.host.connect(address.relay_address)
             request = {"target": peer.to_bytes(), "reverse": True}
             try:
                 reply = await relay.call(CONNECT, request, timeout=CALL_TIMEOUT)
+            except CallTimeoutError:
+                raise ConnectError(f"{address}: the relay did not answer within {CALL_TIMEOUT:g} s") from None
             except RPCError:
                 return None  # refused: a circuit may still be had (the relay's limits on the two differ)
-            except trio.TooSlowError:
-                raise ConnectError(f"{address}: the relay did not answer within {CALL_TIMEOUT:g} s") from None
             if not (isinstance(reply.body, dict) and reply.body.get("reversed") is True):
                 return await _circuit_end(self.host, address, reply.body)
             with trio.move_on_after(REVERSAL_WAIT):
-                await arrived.wait()
+                await settled.wait()
             connection = self._direct(peer)
             if connection is not None:
                 self.reversed += 1
             return connection
         finally:
-            del self._awaited[peer]
+            settled.set()
+            if self._awaited.get(peer) is settled:
+                del self._awaited[peer]
 
     def _direct(self, peer: PeerID) -> Connection | None:
         connection = self.host.connection_to(peer)

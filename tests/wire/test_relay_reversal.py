@@ -10,7 +10,15 @@ import pytest
 import trio
 
 from peer import Identity, PeerAddress, open_peer_host
-from peer.relay import DIALS_BACK_BURST, DIALS_BACK_PER_RELAY_BURST, Relay, RelayClient
+from peer.relay import (
+    DIALS_BACK_BURST,
+    DIALS_BACK_PER_RELAY_BURST,
+    DIALS_BACK_PER_RELAY_PER_S,
+    DIALS_BACK_PER_S,
+    REVERSALS_PER_TARGET_BURST,
+    Relay,
+    RelayClient,
+)
 from peer.rpc_errors import BadRequestError, BusyError
 from tests.wire.test_relay import echo_router
 
@@ -91,10 +99,43 @@ async def test_relays_cannot_have_their_peers_dial_again_and_again():
             except BusyError:
                 return False
             finally:
-                await trio.sleep(0.01)  # (the refused dial is over: no cap on dials in flight binds)
+                while client.setting_up:  # (the refused dial is over: no cap on dials in flight binds)
+                    await trio.sleep(0.005)
             return True
 
+        started = trio.current_time()
         first = [await ask(relays[0]) for _ in range(24)]
-        assert DIALS_BACK_PER_RELAY_BURST <= first.count(True) <= DIALS_BACK_PER_RELAY_BURST + 1, first
+        refilled = DIALS_BACK_PER_RELAY_PER_S * (trio.current_time() - started)
+        assert DIALS_BACK_PER_RELAY_BURST <= first.count(True) <= DIALS_BACK_PER_RELAY_BURST + refilled + 1, first
         rest = [await ask(relay_host) for relay_host in relays[1:] for _ in range(24)]
-        assert first.count(True) + rest.count(True) <= DIALS_BACK_BURST + 2, rest  # all relays together
+        refilled = DIALS_BACK_PER_S * (trio.current_time() - started)
+        assert first.count(True) + rest.count(True) <= DIALS_BACK_BURST + refilled + 1, rest  # all relays together
+
+
+async def test_a_relay_passes_on_a_target_s_worth_of_reversals_whoever_asks():
+    """Reversals cost the target a dial each: a relay passes on at most a burst of them per target,
+    below what the target takes from one relay, so an honest relay's reversals are never refused by
+    its target and the rest of its askers get circuits instead."""
+    async with (
+        open_peer_host(Identity.generate()) as relay_host,
+        open_peer_host(Identity.generate()) as behind,
+        open_peer_host(Identity.generate()) as asker,
+    ):
+        Relay(relay_host)
+        client = RelayClient(behind)
+        await client.reserve(relay_host.listen_address)
+        to_relay = await asker.connect(relay_host.listen_address)
+        reversed_, refused = 0, 0
+        for _ in range(int(REVERSALS_PER_TARGET_BURST) + 8):
+            try:
+                reply = await to_relay.call(
+                    "relay.connect", {"target": behind.peer_id.to_bytes(), "reverse": True}, timeout=5
+                )
+            except BusyError:
+                refused += 1
+                continue
+            assert reply.body == {"reversed": True}
+            reversed_ += 1
+            while client.setting_up:
+                await trio.sleep(0.005)
+        assert REVERSALS_PER_TARGET_BURST <= reversed_ <= REVERSALS_PER_TARGET_BURST + 1 and refused >= 7

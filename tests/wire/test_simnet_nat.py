@@ -325,8 +325,41 @@ async def test_a_dial_through_a_relay_that_went_silent_fails_once_not_twice(auto
         RelayClient(dialer, reachable=lambda: True)
         listen = relay_host.listen_address
         await dialer.connect(listen)  # (a pooled connection to the relay, which then goes silent)
+        await trio.sleep(1)
+        assert dialer.connection_to(relay_host.peer_id) is not None
         network.leave(relay_t.address)
         started = trio.current_time()
         with pytest.raises(ConnectError):
             await dialer.connect(PeerAddress(listen.host, listen.port, home.peer_id, relay_id))
         assert trio.current_time() - started <= RELAY_CALL_TIMEOUT + 1
+
+
+async def test_two_dials_of_one_peer_through_both_its_relays_share_one_reversal(autojump_clock):
+    """A reachable dialer reaches a peer behind NAT at both of its relayed addresses at once: the
+    second dial waits for the reversal the first asked for and takes its connection."""
+    network = SimNetwork(seed=14)
+    transports = [network.add_host(), network.add_host(), network.add_host(behind_nat=True), network.add_host()]
+    async with contextlib.AsyncExitStack() as stack:
+        hosts = [
+            await stack.enter_async_context(open_peer_host(network.identity(), transport=transport))
+            for transport in transports
+        ]
+        first_relay, second_relay, home, dialer = hosts
+        client = RelayClient(home)
+        relays = []
+        for relay_host in (first_relay, second_relay):
+            Relay(relay_host)
+            relay_id, _ = await client.reserve(relay_host.listen_address)
+            listen = relay_host.listen_address
+            relays.append(PeerAddress(listen.host, listen.port, home.peer_id, relay_id))
+        dials = RelayClient(dialer, reachable=lambda: True).dials
+        reached = []
+
+        async def dial(address):
+            reached.append(await dialer.connect(address))
+
+        async with trio.open_nursery() as nursery:
+            for address in relays:
+                nursery.start_soon(dial, address)
+        assert len(reached) == 2 and reached[0] is reached[1] and reached[0].relayed_via is None
+        assert dials.reversed == 1
