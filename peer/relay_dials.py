@@ -6,8 +6,9 @@ relay tells the peer where we listen (the address our connection to the relay an
 relay sees it) and the peer dials us directly, as a peer behind NAT can. That costs no circuit
 and no relayed bytes, and needs no hole punching afterwards; the relay's per-peer circuit limit
 would otherwise let no more than a few peers reach a NAT'd peer at once (a whole averaging group
-dials a new member at the same moment). If the relay will not, or the peer's connection does not
-arrive within ``REVERSAL_WAIT``, we open a circuit as a dialer behind NAT always does.
+dials a new member at the same moment). If the relay refuses, or the peer's connection does not
+arrive within ``REVERSAL_WAIT``, we open a circuit as a dialer behind NAT always does; a relay that
+does not answer at all fails the dial (a circuit would need it too).
 """
 
 from __future__ import annotations
