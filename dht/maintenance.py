@@ -102,6 +102,11 @@ class TableMaintenance:
         on the same LAN, say) stands for its relay, which is added instead. Not ``contacts.call``:
         the address may not name a peer ID, and the connection's handshake is what tells us whom
         we reached."""
+        if address.relay is not None:  # (a peer behind NAT by its relayed address: its relay at once)
+            address = address.relay_address
+            follow_relay = False
+        if address.peer_id == self.host.peer_id:
+            raise ConnectError(f"{address}: that is this peer")
         connection = await self.host.connect(address)
         await connection.call("dht.ping", timeout=self.config.rpc_timeout)
         announced = connection.remote_listen_address

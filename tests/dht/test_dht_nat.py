@@ -57,6 +57,7 @@ async def test_a_newcomer_that_joins_through_a_peer_behind_nat_joins_through_its
         async with open_peer_host(network.identity(), router=Router(), transport=network.add_host()) as host:
             RelayClient(host)  # (it dials relayed addresses, as every ``peerd join`` does)
             async with DHTNode.open(host=host, initial_peers=[entry], clock=swarm.clock) as newcomer:
+                assert host.connection_to(entry.peer_id) is None  # (no circuit only to learn it is a client)
                 assert len(list(newcomer.routing_table.contacts())) >= 5
                 found = [await newcomer.get(f"key-{index}") for index in range(12)]
                 assert all(record is not None for record in found)
