@@ -52,18 +52,20 @@ CHUNK = 256 * 1024
 MAX_PENDING_INCOMING = 32  # circuits and dials back a relayed peer is still setting up at once
 MAX_PENDING_PER_SOURCE = 4  # of those, from one source
 MAX_PENDING_PER_RELAY = 16  # of those, through one relay (it names the sources): a group's worth
-# Dials back (connection reversal) relays may have us make: a group's worth at once from one relay
-# (a whole averaging group dials a new member together), then one a second, and two a second for
-# all relays together, so a hostile relay cannot aim us at an address again and again.
-DIALS_BACK_PER_RELAY_PER_S, DIALS_BACK_PER_RELAY_BURST = 1.0, 16.0
-DIALS_BACK_PER_S, DIALS_BACK_BURST = 2.0, 32.0
+# Dials back (connection reversal) relays may have us make: two groups' worth at once from one relay
+# (a whole averaging group dials a new member together, and a NAT'd leader is dialed by every peer
+# that would join it: with half of this, 128 simulated peers left some NAT'd leaders unjoined round
+# after round), then two a second, and four a second for all relays together, so a hostile relay
+# cannot aim us at an address again and again.
+DIALS_BACK_PER_RELAY_PER_S, DIALS_BACK_PER_RELAY_BURST = 2.0, 32.0
+DIALS_BACK_PER_S, DIALS_BACK_BURST = 4.0, 64.0
 MAX_DIAL_BACK_RELAYS = 64  # (we hold a few reservations; a relay we forgot starts a fresh budget)
 # Reversals a relay passes on: per requester's address (identities cost nothing to make, hosts do),
 # and per target, below what the target takes from one relay, so that an honest relay is never
 # refused by its target (others asking too much are refused by the relay, and their dialers get
 # circuits instead).
 REVERSALS_PER_REQUESTER_PER_S, REVERSALS_PER_REQUESTER_BURST = 1.0, 16.0
-REVERSALS_PER_TARGET_PER_S, REVERSALS_PER_TARGET_BURST = 0.75, 12.0
+REVERSALS_PER_TARGET_PER_S, REVERSALS_PER_TARGET_BURST = 1.5, 24.0
 MAX_REVERSAL_BUDGETS = 1024
 RESERVE_RETRY = 5.0  # seconds between looks for a relay while short of reservations
 # Renew a reservation after this share of its lifetime (20 s of the default 120): the renewal is
