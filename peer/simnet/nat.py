@@ -40,9 +40,6 @@ class SimNats:
         self._mappings[host] = {}
         return public
 
-    def is_behind_nat(self, host: str) -> bool:
-        return host in self.public_of
-
     def seen_as(self, host: str) -> str:
         """The address others see ``host``'s connections come from."""
         return self.public_of.get(host, host)
