@@ -3,9 +3,11 @@ step is called, so that step starts its all-reduce at once instead of after a DH
 time and the joins.
 
 A script calls ``step`` every so often (its period: the time from one step's start to the next,
-training included). Once a step's group is known, the next round's matchmaking is planned to begin
-``lead`` seconds before the next step is due by that period (at once if the period is shorter than
-the lead: while this step's all-reduce runs). As a leader, the group stays open to latecomers until
+training included, less the time the earlier step spent finding its group, which a group formed
+ahead saves: the first step's matchmaking reads and settles in full, later ones may not). Once a
+step's group is known, the next step is due a period later, and the next round's matchmaking is
+planned to begin ``lead`` seconds before that (at once if the period is shorter than the lead:
+while this step's all-reduce runs). As a leader, the group stays open to latecomers until
 our step comes (``find_group``'s ``hold_open``), as the collaborative optimizer's groups formed
 ahead do (``match_ahead.py``). What the next step finds:
 
@@ -63,17 +65,18 @@ class StepAhead:
         self.tasks = tasks
         settle = averager.settings.settle_time
         self.lead = (settle if settle is not None else DEFAULT_SETTLE) + JOIN_ALLOWANCE
-        self.period: float | None = None  # between the last two steps' starts
+        self.period: float | None = None  # between the last two steps' starts, less finding a group
         self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
         self._last_start: float | None = None
+        self._grouped_in = 0.0  # how long the last step took to know its group
         self._ahead: _Ahead | None = None
 
     async def step(self, weight: float = 1.0, timeout: float | None = None) -> AveragingRound:
         """``GroupAverager.step``, with the group formed ahead when there is one to use."""
         started = trio.current_time()
         if self._last_start is not None:
-            self.period = started - self._last_start
-        self._last_start = started
+            self.period = max(0.0, started - self._last_start - self._grouped_in)
+        self._last_start, self._grouped_in = started, 0.0
         group = await self._collect()
         return await self.averager.step(
             weight, timeout, group=group, on_group=functools.partial(self._plan, started=started)
@@ -87,10 +90,12 @@ class StepAhead:
             await ahead.formed.wait()
 
     def _plan(self, group: FormedGroup, *, started: float) -> None:
+        now = trio.current_time()
+        self._grouped_in = now - started
         if self.period is None:
             return  # no rhythm yet
         ahead = self._ahead = _Ahead(group.round + 1)
-        begin = started + self.period - self.lead
+        begin = now + self.period - self.lead
         ahead.formed = Later(self.tasks, functools.partial(self._match, ahead, begin))
 
     async def _match(self, ahead: _Ahead, begin: float) -> FormedGroup | None:

@@ -4,9 +4,12 @@ itself instead of waiting on a group its members gave up on."""
 
 from __future__ import annotations
 
+import types
+
 import torch
 import trio
 
+from averaging.averager import FormedGroup
 from averaging.step_ahead import StepAhead
 from tests.averaging.test_match_ahead import make_averagers, open_swarm
 
@@ -68,3 +71,43 @@ async def test_a_step_that_breaks_the_rhythm_matches_itself_and_averages():
         for step in steps:
             await step.close()
         nursery.cancel_scope.cancel()
+
+
+class ScriptedAverager:
+    """Stands in for a GroupAverager on a virtual clock: a step that is handed no group finds one
+    after the next of ``matching_s``; a group formed ahead forms once its step is due."""
+
+    def __init__(self, matching_s: list[float], allreduce_s: float = 0.1):
+        self.settings = types.SimpleNamespace(settle_time=SETTLE)
+        self.round = 0
+        self.matching_s = matching_s
+        self.allreduce_s = allreduce_s
+        self.formed_ahead: list[bool] = []  # per step: was its group formed ahead
+
+    async def find_group(self, round_number: int, hold_open: trio.Event) -> FormedGroup:
+        await hold_open.wait()
+        return FormedGroup(None, round_number, trio.current_time())
+
+    async def step(self, weight, timeout, group=None, on_group=None) -> None:
+        self.formed_ahead.append(group is not None)
+        if group is None:
+            await trio.sleep(self.matching_s.pop(0))
+            group = FormedGroup(None, self.round, trio.current_time())
+        self.round = group.round + 1
+        on_group(group)
+        await trio.sleep(self.allreduce_s)
+
+
+async def test_the_rhythm_leaves_out_the_first_steps_long_matchmaking(autojump_clock):
+    # The first step reads and settles in full (2 s here), the second finds its view settled at
+    # once: its next step comes 2 s sooner than start-to-start says, and the group formed ahead
+    # must have begun by then.
+    averager = ScriptedAverager(matching_s=[2.0, 0.05])
+    async with trio.open_nursery() as nursery:
+        steps = StepAhead(averager, nursery)
+        for _ in range(5):
+            await steps.step(timeout=4.0)
+            await trio.sleep(TRAINING_S)
+        await steps.close()
+    assert averager.formed_ahead == [False, False, True, True, True]
+    assert steps.period is not None and abs(steps.period - (TRAINING_S + averager.allreduce_s)) < 1e-6
