@@ -69,6 +69,7 @@ from .matchmaking_rules import (
     confirmed_round,
     in_reach,
     propose_group,
+    reached_directly,
     round_to_join,
     view_settled,
 )
@@ -284,7 +285,7 @@ class Matchmaker:
     ) -> GroupProposal:
         """Our group by the grid rule, passing over the leaders that did not serve us."""
         return propose_group(
-            [Candidate(d.peer_id.to_bytes(), d.mode.reduces) for d in candidates.values()],
+            [Candidate(d.peer_id.to_bytes(), d.mode.reduces, reached_directly(d.address)) for d in candidates.values()],
             me.peer_id.to_bytes(),
             me.round,
             target_group_size,

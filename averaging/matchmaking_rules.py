@@ -26,7 +26,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from peer import PeerID
+from peer import PeerAddress, PeerID
 
 from .group import MAX_GROUP_SIZE, GroupInfo
 
@@ -42,6 +42,7 @@ __all__ = [
     "grid_dimensions",
     "in_reach",
     "propose_group",
+    "reached_directly",
     "round_to_join",
     "view_settled",
 ]
@@ -51,6 +52,13 @@ __all__ = [
 class Candidate:
     peer_id: bytes
     can_lead: bool  # client-mode peers accept no connections, so they cannot lead
+    # declared an address others dial directly, not one through a relay (a peer behind NAT)
+    direct: bool = True
+
+
+def reached_directly(address: PeerAddress | None) -> bool:
+    """A declared ``address`` that others dial directly, not through a relay (None: client mode)."""
+    return address is not None and address.relay is None
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,12 @@ def propose_group(
     member is gone (a pair whose other half left averages nothing). Groups smaller than
     ``min_group_size`` (the grid's ragged edge) are merged into the nearest group of the same
     round, so nobody is left out just because the swarm size is not a power of the group size.
+
+    The leader is the first member that can lead and is reached directly; only a group with no
+    such member is led through a relay. Every member dials its leader at once, and a peer behind
+    NAT is reached through circuits its relay caps per peer (``nat_state.RelayLimits``), or
+    through dials back that its relay budgets: as a leader it would be unreachable to some of
+    its group, who then pass it over and form the group without it, while it waits out the round.
     """
     ranked = sorted({c.peer_id: c for c in candidates}.values(), key=lambda c: c.peer_id)
     if me not in {c.peer_id for c in ranked}:
@@ -117,8 +131,9 @@ def propose_group(
         for c in next(group for group in merged if any(c.peer_id == me for c in group))
         if c.peer_id == me or c.peer_id not in unreachable
     ]
-    leader = next((c.peer_id for c in mine if c.can_lead), None)
-    return GroupProposal(leader, tuple(c.peer_id for c in mine))
+    leaders = [c for c in mine if c.can_lead]
+    leader = next((c for c in leaders if c.direct), leaders[0] if leaders else None)
+    return GroupProposal(leader.peer_id if leader else None, tuple(c.peer_id for c in mine))
 
 
 # Leaders remembered at most: entries come only from leaders this peer elected and asked, a few

@@ -11,9 +11,9 @@ import trio
 from averaging.averager import GroupAverager
 from averaging.group import MAX_GROUP_SIZE
 from averaging.matchmaking import MatchmakingError
-from averaging.matchmaking_rules import Candidate, grid_dimensions, propose_group
+from averaging.matchmaking_rules import Candidate, grid_dimensions, propose_group, reached_directly
 from dht.node import DHTNode
-from peer import Identity, Router, open_peer_host
+from peer import Identity, PeerAddress, Router, open_peer_host
 
 
 def test_grid_rule_pairs_like_a_hypercube():
@@ -460,3 +460,18 @@ async def test_peers_that_send_in_different_codecs_declare_different_schemas():
         again = GroupAverager([torch.zeros(3)], node, prefix="codecs-again", codec="uint8").schema
         assert again == schemas["uint8"]
         nursery.cancel_scope.cancel()
+
+
+def test_a_group_is_led_by_a_member_reached_directly_when_it_has_one():
+    """Its whole group dials the leader at once, and a peer behind NAT is reached through circuits
+    its relay caps per peer: ranked first, it leads only a group of peers behind NAT like it."""
+    ids = [bytes([i]) * 20 for i in range(4)]
+    behind_nat = {ids[0], ids[1]}
+    candidates = [Candidate(i, True, direct=i not in behind_nat) for i in ids]
+    assert {propose_group(candidates, me, 0, 4, 2).leader for me in ids} == {ids[2]}
+    assert propose_group(candidates, ids[0], 0, 4, 2, unreachable={ids[2], ids[3]}).leader == ids[0]
+    relayed = [Candidate(i, True, direct=False) for i in ids]
+    assert {propose_group(relayed, me, 0, 4, 2).leader for me in ids} == {ids[0]}
+    assert reached_directly(PeerAddress.parse("10.0.0.1:4000")) and not reached_directly(None)
+    relay = "10.0.0.1:4000/2BDPhm6jnSsaZzH6babYdMQgwipK/relay/2JfXpTjFn2Yy5wAULvMjy1pCzR8b"
+    assert not reached_directly(PeerAddress.parse(relay))

@@ -186,6 +186,15 @@ def test_relay_book_caps_circuits_and_expires_pending_ones():
     assert book.circuits == 0 and book.counted() == (0, 0)
 
 
+def test_a_relay_admits_a_whole_groups_circuits_to_one_peer_behind_nat():
+    """Every NAT'd member of an averaging group (16 by default) dials a NAT'd reducer at once."""
+    book = RelayBook(RelayLimits())
+    book.reserve("reducer", 0, group="198.18.0.1")
+    for member in range(15):
+        book.open_circuit(f"member-{member}", "reducer", 0, f"198.18.1.{member}")
+    assert book.circuits == 15
+
+
 def test_one_address_cannot_hold_every_reservation_or_circuit_with_many_identities():
     limits = RelayLimits(max_reservations_per_address=2, max_circuits_per_address=3, pending_timeout=5)
     book = RelayBook(limits)
