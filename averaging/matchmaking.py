@@ -8,7 +8,8 @@
    takes alike; a peer reads only its own cell, so a read costs the same at any swarm size.
 2. After a settle time (as long as its own store took, at least ``DEFAULT_SETTLE``) it reads all
    declarations, keeps those with its schema and round, and applies ``propose_group`` (the Moshpit
-   grid rule): everyone computes the same leader. The settle time ends early once every peer of
+   grid rule; the first member declaring a direct address leads): everyone computes the same leader
+   from the same declarations. The settle time ends early once every peer of
    the view that formed this peer's last group has declared the new round (``view_settled``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
@@ -24,9 +25,9 @@
    losing the round to a declaration that outlived its peer. A leader that answers garbage, or a
    group without the follower, serves no matchmaking (a client-mode peer, whose connection to us
    serves no calls), or does not answer within half of the time left (LEADER_PATIENCE_SHARE) is
-   passed over the same way: anyone can declare itself and, with a peer ID that ranks first, be
-   elected; it must not cost the others the round. Such a leader is remembered and passed over in
-   the rounds that follow too, until the declaration that named it expires
+   passed over the same way: anyone can declare itself and, with a peer ID that ranks first (among
+   direct addresses), be elected; it must not cost the others the round. Such a leader is passed
+   over in the rounds that follow too, until the declaration that named it expires
    (``matchmaking_rules.PassedOver``): trying it again every round would cost each half its time.
 
 Peers whose tensor schemas differ never meet: the schema hash (shapes, dtypes and the reducers'

@@ -103,6 +103,8 @@ def propose_group(
     NAT is reached through circuits its relay caps per peer (``nat_state.RelayLimits``), or
     through dials back that its relay budgets: as a leader it would be unreachable to some of
     its group, who then pass it over and form the group without it, while it waits out the round.
+    Directness is read from the declaration: a newcomer behind NAT declares its private listen
+    address until its reachability check is done (5-10 s), and reads as direct until then.
     """
     ranked = sorted({c.peer_id: c for c in candidates}.values(), key=lambda c: c.peer_id)
     if me not in {c.peer_id for c in ranked}:

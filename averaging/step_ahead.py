@@ -68,19 +68,23 @@ class StepAhead:
         self.period: float | None = None  # between the last two steps' starts, less finding a group
         self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
         self._last_start: float | None = None
-        self._grouped_in = 0.0  # how long the last step took to know its group
+        self._grouped_in: float | None = None  # how long the last step took to know its group
         self._ahead: _Ahead | None = None
 
     async def step(self, weight: float = 1.0, timeout: float | None = None) -> AveragingRound:
         """``GroupAverager.step``, with the group formed ahead when there is one to use."""
         started = trio.current_time()
         if self._last_start is not None:
-            self.period = max(0.0, started - self._last_start - self._grouped_in)
-        self._last_start, self._grouped_in = started, 0.0
+            self.period = max(0.0, started - self._last_start - (self._grouped_in or 0.0))
+        self._last_start, self._grouped_in = started, None
         group = await self._collect()
-        return await self.averager.step(
-            weight, timeout, group=group, on_group=functools.partial(self._plan, started=started)
-        )
+        try:
+            return await self.averager.step(
+                weight, timeout, group=group, on_group=functools.partial(self._plan, started=started)
+            )
+        finally:
+            if self._grouped_in is None:  # no group formed: the whole step went into looking for one
+                self._grouped_in = trio.current_time() - started
 
     async def close(self) -> None:
         """Drop any matchmaking ahead and wait until it is out (before leaving the swarm)."""

@@ -20,6 +20,11 @@ Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stor
 nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
 with the memory per node.
 
+Then, per ``--optimizer-peers`` size, a swarm training with the collaborative optimizer
+(``tests/support/sim_training.py``: a tiny model, modelled compute, 12 epochs through the same
+churn, NAT and a partition): the share of the stayers' epochs whose round averaged
+(``optimizer_averaged_fraction``, the least over the sizes). None by default with ``--quick``.
+
 Every figure is a ratio within the run: ``cpu_per_peer_round_growth`` is the per-peer CPU per
 round at the largest N of the run over that at the smallest, ``busiest_node_load_ratio`` the
 busiest node's requests over the median node's (at the largest N). The last line is one JSON
@@ -48,6 +53,7 @@ from peer.simnet import SimNetwork  # noqa: E402
 from tests.support.sim_heap import one_heap_for_many_peers, settle_every, sweep  # noqa: E402
 from tests.support.sim_scale import ScaleReport, Scenario, run_scenario  # noqa: E402
 from tests.support.sim_swarm import open_sim_swarm  # noqa: E402
+from tests.support.sim_training import TrainingScenario, run_training  # noqa: E402
 
 KEYS = 64
 DEPARTED = 0.3
@@ -131,6 +137,30 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
     }
 
 
+def optimizer_row(size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
+    scenario = TrainingScenario(
+        peers=size,
+        group_size=16 if size >= 32 else 8,
+        epochs=12,
+        nat_fraction=nat_fraction,
+        churn_per_minute=0.1,
+        partition_at=30.0,
+        seed=seed,
+    )
+    started = time.perf_counter()
+    report = trio.run(run_training, scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+    return {
+        "peers": size,
+        "averaged_fraction": round(report.averaged_fraction, 4),
+        "rounds_of_stayers": report.rounds_of_stayers,
+        "failures": dict(report.failures),
+        "least_epoch": report.least_epoch,
+        "spread_ratio": round(report.spread / report.error_before, 4),
+        "cpu_per_peer_epoch_s": round(report.cpu_s / (size * max(report.least_epoch, 1)), 4),
+        "real_s": round(time.perf_counter() - started, 1),
+    }
+
+
 def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -180,6 +210,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N = 16, 32 and a DHT of 128 nodes")
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 32,64,128)")
     parser.add_argument("--dht-nodes", default=None, help="comma-separated DHT-only sizes (default 256,1024)")
+    parser.add_argument(
+        "--optimizer-peers", default=None, help="comma-separated collaborative-optimizer swarm sizes (default 24,64)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--nat-fraction", type=float, default=0.3, help="of the averaging peers, behind NAT (default 0.3)"
@@ -192,13 +225,15 @@ def main() -> None:
         rows = {
             "averaging": lambda n: averaging_row(n, args.seed, args.nat_fraction),
             "dht": lambda n: dht_row(n, args.seed),
+            "optimizer": lambda n: optimizer_row(n, args.seed, args.nat_fraction),
         }
         if kind not in rows or not size.isdigit():
-            parser.error(f"--row takes averaging or dht and a size, not {kind} {size}")
+            parser.error(f"--row takes averaging, dht or optimizer and a size, not {kind} {size}")
         print(json.dumps(rows[kind](int(size))))
         return
     peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
     dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]
+    trainers = [int(n) for n in (args.optimizer_peers or ("" if args.quick else "24,64")).split(",") if n]
 
     rows = []
     print(
@@ -228,6 +263,16 @@ def main() -> None:
             f"{row['join_cpu_per_node_s']:.3f} CPU-s per join",
             flush=True,
         )
+    optimizer_rows = []
+    for size in trainers:
+        row = in_own_process("optimizer", size, args.seed, args.nat_fraction)
+        optimizer_rows.append(row)
+        print(
+            f"optimizer {size:>4} peers: {row['averaged_fraction']:.4f} of {row['rounds_of_stayers']} stayers' epochs "
+            f"averaged (failures {row['failures']}), spread / start error {row['spread_ratio']:.4f}, "
+            f"{row['cpu_per_peer_epoch_s']:.3f} CPU-s per peer-epoch",
+            flush=True,
+        )
     smallest, largest = rows[0], rows[-1]
     result = {
         "peers": largest["peers"],
@@ -244,6 +289,7 @@ def main() -> None:
         "dht_nodes": dht_rows[-1]["nodes"],
         "dht_get_success_after_churn": min(row["dht_get_success_after_churn"] for row in dht_rows),
         "dht_memory_per_node_mb": dht_rows[-1]["memory_per_node_mb"],
+        "optimizer_averaged_fraction": _least(row["averaged_fraction"] for row in optimizer_rows),
         "rows": rows,
     }
     print(json.dumps(result))

@@ -140,10 +140,12 @@ class RelayLimits:
     max_reservations: int = 128
     reservation_ttl: float = 120.0  # renewed by the client well before it runs out
     max_circuits: int = 64
-    # Per reserving peer and per requesting peer: every NAT'd member of an averaging group dials
-    # every other through circuits at once when a round starts (until hole punching moves them off),
-    # and at 8 the relays of a 128-peer swarm 30% behind NAT refused reducers' dials 141 times in
-    # one run. A group holds at most 16 by default; go-libp2p's circuit relay v2 allows 16 too.
+    # Per reserving peer and per requesting peer (both ends count): every NAT'd member of an
+    # averaging group dials every other through circuits at once when a round starts, until hole
+    # punching moves them off, so a NAT'd reducer in a group of 16 with a third of it behind NAT
+    # needs about 10; go-libp2p's circuit relay v2 allows 16 too. Larger groups, or a NAT'd
+    # address shared by several peers (the per-address cap below), can still meet the cap: their
+    # dials are refused and retried through the next round's punches.
     max_circuits_per_peer: int = 16
     # Per source address (IPv4, or IPv6 /64; loopback exempt): identities cost nothing to make, so
     # one host's Sybils must not hold every slot. A NAT puts a few volunteers behind one address.

@@ -10,6 +10,7 @@ import torch
 import trio
 
 from averaging.averager import FormedGroup
+from averaging.matchmaking import MatchmakingError
 from averaging.step_ahead import StepAhead
 from tests.averaging.test_match_ahead import make_averagers, open_swarm
 
@@ -77,12 +78,13 @@ class ScriptedAverager:
     """Stands in for a GroupAverager on a virtual clock: a step that is handed no group finds one
     after the next of ``matching_s``; a group formed ahead forms once its step is due."""
 
-    def __init__(self, matching_s: list[float], allreduce_s: float = 0.1):
+    def __init__(self, matching_s: list[float], allreduce_s: float = 0.1, failing: frozenset[int] = frozenset()):
         self.settings = types.SimpleNamespace(settle_time=SETTLE)
         self.round = 0
         self.matching_s = matching_s
         self.allreduce_s = allreduce_s
         self.formed_ahead: list[bool] = []  # per step: was its group formed ahead
+        self.failing = failing  # the steps (from 1) whose matchmaking fails after its time
 
     async def find_group(self, round_number: int, hold_open: trio.Event) -> FormedGroup:
         await hold_open.wait()
@@ -91,7 +93,9 @@ class ScriptedAverager:
     async def step(self, weight, timeout, group=None, on_group=None) -> None:
         self.formed_ahead.append(group is not None)
         if group is None:
-            await trio.sleep(self.matching_s.pop(0))
+            await trio.sleep(self.matching_s.pop(0) if self.matching_s else 0.05)
+            if len(self.formed_ahead) in self.failing:
+                raise MatchmakingError("no averaging group formed")
             group = FormedGroup(None, self.round, trio.current_time())
         self.round = group.round + 1
         on_group(group)
@@ -111,3 +115,19 @@ async def test_the_rhythm_leaves_out_the_first_steps_long_matchmaking(autojump_c
         await steps.close()
     assert averager.formed_ahead == [False, False, True, True, True]
     assert steps.period is not None and abs(steps.period - (TRAINING_S + averager.allreduce_s)) < 1e-6
+
+
+async def test_a_step_whose_matchmaking_failed_leaves_its_search_out_of_the_rhythm(autojump_clock):
+    # The second step looks for a group for 3 s and finds none: the third step comes a training
+    # time after it ended, and the fourth must find its group formed ahead all the same.
+    averager = ScriptedAverager(matching_s=[0.05, 3.0, 0.05], failing=frozenset({2}))
+    async with trio.open_nursery() as nursery:
+        steps = StepAhead(averager, nursery)
+        for _ in range(5):
+            try:
+                await steps.step(timeout=4.0)
+            except MatchmakingError:
+                pass
+            await trio.sleep(TRAINING_S)
+        await steps.close()
+    assert averager.formed_ahead == [False, False, False, True, True]

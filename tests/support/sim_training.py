@@ -9,7 +9,7 @@ time). The target batch is ``epoch_batches`` batches of every peer, so an epoch 
 many batches' time at any swarm size. Deadlines are a WAN's (matchmaking 10 s, progress every
 second): with the optimizer's own (3 s, every 0.25 s, as ``COLLABORATIVE`` sets them for a LAN)
 24 such peers averaged in 0.70 of their epochs, with 10 s but groups formed ahead (``MatchAhead``,
-as ``peerd join`` runs) 0.92, and as here 0.955-0.99 (2026-12-06, one run each).
+as ``peerd join`` runs) 0.92, and as here 0.955-0.99 (one run each).
 
 While the swarm trains, ``churn_per_minute`` of it is replaced per simulated minute (a newcomer
 joins through two public peers, loads the swarm's state as its optimizer finds itself behind,
@@ -31,9 +31,9 @@ import torch
 import trio
 
 from averaging.optimizer import CollaborativeOptimizer
-from dht import DHTBootstrapError
 from peer.simnet import SimNetwork
 from tests.support.sim_heap import one_heap_for_many_peers
+from tests.support.sim_scale import bootstrap_failure
 from tests.support.sim_swarm import SimSwarm, open_sim_swarm
 
 __all__ = ["TrainingScenario", "TrainingReport", "run_training"]
@@ -82,6 +82,7 @@ class TrainingReport:
     error_before: float = 0.0  # the stayers' largest distance from the true weights, at the start
     error_after: float = 0.0  # and at the end
     spread: float = 0.0  # the stayers' largest distance from their mean, at the end
+    partition_healed: bool = False  # the swarm was split, then healed, while it trained
     training_s: float = 0.0  # simulated
     cpu_s: float = 0.0
 
@@ -94,8 +95,11 @@ class Learner:
     """One peer's model, optimizer, samples and record of rounds (epoch -> averaged, failure)."""
 
     def __init__(self, scenario: TrainingScenario, node, index: int):
-        torch.manual_seed(scenario.seed)  # the same initial model on every peer
         self.model = torch.nn.Linear(DIMENSIONS, 1)
+        start = torch.Generator().manual_seed(scenario.seed + 7_919)  # one initial model, on every peer
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.copy_(torch.randn(param.shape, generator=start))
         self.optimizer = CollaborativeOptimizer(
             torch.optim.SGD(self.model.parameters(), lr=0.3),
             node,
@@ -135,6 +139,7 @@ class TrainingRun:
         self.scopes: dict[int, trio.CancelScope] = {}
         self.joined_at: dict[int, float] = {}  # newcomers not yet averaged: when they joined
         self.partitioned: dict[int, tuple[int, int]] = {}  # epochs (first, last) a peer spent split
+        self.joining = 0  # newcomers joining now
 
     def start(self, index: int) -> None:
         learner = self.learners[index] = Learner(self.scenario, self.swarm.nodes[index], index)
@@ -167,26 +172,28 @@ class TrainingRun:
             joined = self.joined_at.pop(leaving, None)
             if joined is not None:
                 self.report.newcomers_unaveraged_s.append(trio.current_time() - joined)
+            self.joining += 1
             self.nursery.start_soon(self.newcomer)
 
     async def newcomer(self) -> None:
-        joined = trio.current_time()
-        self.report.newcomers_joining += 1
+        joined = trio.current_time()  # (counted in ``joining`` by ``churn``, which started it)
         try:
             for _ in range(JOIN_TRIES):
                 public = self.swarm.entry_points(self.live())
                 entry = self.picks.sample(public, min(2, len(public)))
                 try:
-                    await self.swarm.add([self.swarm.nodes[i].address for i in entry])
+                    node = await self.swarm.add([self.swarm.nodes[i].address for i in entry])
                     break
-                except DHTBootstrapError:  # both entry peers beyond the partition: two others, later
+                except Exception as error:  # both entry peers beyond the partition: two others, later
+                    if not bootstrap_failure(error):
+                        raise
                     await trio.sleep(JOIN_RETRY_S)
             else:
                 self.report.join_failures += 1
                 return
         finally:
-            self.report.newcomers_joining -= 1
-        index = len(self.swarm.nodes) - 1
+            self.joining -= 1
+        index = self.swarm.nodes.index(node)
         self.joined_at[index] = joined
         self.report.newcomers += 1
         self.start(index)
@@ -207,6 +214,7 @@ class TrainingRun:
         network.partition([self.swarm.address(i) for i in live[:half]], [self.swarm.address(i) for i in live[half:]])
         await trio.sleep(self.scenario.partition_s)
         network.heal_partition()
+        self.report.partition_healed = True
         # the round in flight at the heal may still fail on the split's account
         self.partitioned = {i: (before[i], self.epoch(i) + 1) for i in live if i not in self.swarm.gone}
 
@@ -256,6 +264,7 @@ async def _run(scenario: TrainingScenario, network: SimNetwork) -> TrainingRepor
         report.training_s = trio.current_time() - began
         report.cpu_s = time.process_time() - cpu_before
         run.count()
+        report.newcomers_joining = run.joining
         report.newcomers_unaveraged_s.extend(trio.current_time() - t for t in run.joined_at.values())
         nursery.cancel_scope.cancel()
     return report
