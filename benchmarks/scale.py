@@ -23,7 +23,7 @@ with the memory per node.
 Then, per ``--optimizer-peers`` size, a swarm training with the collaborative optimizer
 (``tests/support/sim_training.py``: a tiny model, modelled compute, 12 epochs through the same
 churn, NAT and a partition): the share of the stayers' epochs whose round averaged
-(``optimizer_averaged_fraction``, the least over the sizes). None by default with ``--quick``.
+(``optimizer_averaged_fraction``, the least over the sizes; None when no size was asked for).
 
 Every figure is a ratio within the run: ``cpu_per_peer_round_growth`` is the per-peer CPU per
 round at the largest N of the run over that at the smallest, ``busiest_node_load_ratio`` the
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--peers", default=None, help="comma-separated swarm sizes (default 32,64,128)")
     parser.add_argument("--dht-nodes", default=None, help="comma-separated DHT-only sizes (default 256,1024)")
     parser.add_argument(
-        "--optimizer-peers", default=None, help="comma-separated collaborative-optimizer swarm sizes (default 24,64)"
+        "--optimizer-peers", default=None, help="comma-separated collaborative-optimizer swarm sizes (default: none)"
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -233,7 +233,7 @@ def main() -> None:
         return
     peers = [int(n) for n in (args.peers or ("16,32" if args.quick else "32,64,128")).split(",")]
     dht_sizes = [int(n) for n in (args.dht_nodes or ("128" if args.quick else "256,1024")).split(",")]
-    trainers = [int(n) for n in (args.optimizer_peers or ("" if args.quick else "24,64")).split(",") if n]
+    trainers = [int(n) for n in (args.optimizer_peers or "").split(",") if n]
 
     rows = []
     print(

@@ -29,7 +29,7 @@ SMALLEST = {
     "scale_tcp": (["--quick"], "averaged_fraction"),
     "nat": (["--quick", "--tries", "3", "--megabytes", "2"], "punch_success"),
     "dht": (["--smoke"], "get_ratio"),
-    "scale": (["--peers", "8", "--dht-nodes", "32"], "averaged_fraction"),
+    "scale": (["--peers", "8", "--dht-nodes", "32", "--optimizer-peers", "8"], "optimizer_averaged_fraction"),
     "wan": (["--quick", "--only", "allreduce"], "defaults_step_line_rate_fraction"),
     "gpu_check": (["--quick", "--device", "cpu"], "checks"),  # the GPU machine's checks, run on the CPU
 }
