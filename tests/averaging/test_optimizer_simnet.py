@@ -20,7 +20,8 @@ import pytest
 
 from averaging.settings import AveragingSettings
 from dht import DHTConfig
-from tests.support.sim_training import JOIN_RETRY_S, JOIN_TRIES, TrainingScenario, run_training
+from tests.support.sim_scale import JOIN_RETRY_S, JOIN_TRIES
+from tests.support.sim_training import TrainingScenario, run_training
 
 BOOTSTRAP_S = DHTConfig().bootstrap_timeout  # for each try
 LOAD_STATE_S = AveragingSettings().load_state_timeout

@@ -26,7 +26,9 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import trio
@@ -184,18 +186,9 @@ class ScaleRun:
         """A fresh peer joins through two live public ones and loads the swarm's state from a
         donor; it steps from the round after that."""
         joined = trio.current_time()
-        for _ in range(JOIN_TRIES):
-            public = self.swarm.entry_points(self.live())
-            entry = self.picks.sample(public, min(2, len(public)))
-            try:
-                node = await self.swarm.add([self.swarm.nodes[i].address for i in entry])
-                break
-            except Exception as error:  # both entry peers beyond a partition: try two others later
-                if not bootstrap_failure(error):
-                    raise
-                self.report.join_retries += 1
-                await trio.sleep(JOIN_RETRY_S)
-        else:
+        node, retries = await join_newcomer(self.swarm, self.live, self.picks)
+        self.report.join_retries += retries
+        if node is None:
             return
         index = len(self.swarm.nodes) - 1
         assert self.swarm.nodes[index] is node
@@ -273,6 +266,22 @@ def count_steps(report: ScaleReport, swarm: SimSwarm, stayed: set[int], averaged
     report.averaged_steps_of_stayers += len(averaged)
     report.steps_behind_nat += len(stayed & swarm.behind_nat)
     report.averaged_steps_behind_nat += len(averaged & swarm.behind_nat)
+
+
+async def join_newcomer(swarm: SimSwarm, live: Callable[[], list[int]], picks: random.Random) -> tuple[Any, int]:
+    """A fresh node, joined through two of the ``live()`` public peers; a try whose entry peers are
+    beyond a partition is retried through two others later. Returns the node (None: every try
+    failed) and how many tries failed."""
+    for failed in range(JOIN_TRIES):
+        public = swarm.entry_points(live())
+        entry = picks.sample(public, min(2, len(public)))
+        try:
+            return await swarm.add([swarm.nodes[i].address for i in entry]), failed
+        except Exception as error:
+            if not bootstrap_failure(error):
+                raise
+            await trio.sleep(JOIN_RETRY_S)
+    return None, JOIN_TRIES
 
 
 def bootstrap_failure(error: BaseException) -> bool:

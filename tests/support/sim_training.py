@@ -33,14 +33,13 @@ import trio
 from averaging.optimizer import CollaborativeOptimizer
 from peer.simnet import SimNetwork
 from tests.support.sim_heap import one_heap_for_many_peers
-from tests.support.sim_scale import bootstrap_failure
+from tests.support.sim_scale import join_newcomer
 from tests.support.sim_swarm import SimSwarm, open_sim_swarm
 
 __all__ = ["TrainingScenario", "TrainingReport", "run_training"]
 
 PREFIX = "sim-training"
 DIMENSIONS = 16
-JOIN_TRIES, JOIN_RETRY_S = 5, 10.0
 POLL_S = 1.0  # how often the run looks whether the stayers are done
 # The swarm forms, then trains: a peer behind NAT learns so from its reachability check (5-10 s
 # after it joins) and declares its private address until then (README, known limits).
@@ -178,21 +177,12 @@ class TrainingRun:
     async def newcomer(self) -> None:
         joined = trio.current_time()  # (counted in ``joining`` by ``churn``, which started it)
         try:
-            for _ in range(JOIN_TRIES):
-                public = self.swarm.entry_points(self.live())
-                entry = self.picks.sample(public, min(2, len(public)))
-                try:
-                    node = await self.swarm.add([self.swarm.nodes[i].address for i in entry])
-                    break
-                except Exception as error:  # both entry peers beyond the partition: two others, later
-                    if not bootstrap_failure(error):
-                        raise
-                    await trio.sleep(JOIN_RETRY_S)
-            else:
-                self.report.join_failures += 1
-                return
+            node, _ = await join_newcomer(self.swarm, self.live, self.picks)
         finally:
             self.joining -= 1
+        if node is None:
+            self.report.join_failures += 1
+            return
         index = self.swarm.nodes.index(node)
         self.joined_at[index] = joined
         self.report.newcomers += 1
