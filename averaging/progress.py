@@ -191,7 +191,9 @@ class ProgressTracker:
         if progress.shard is None and self.data_shard is not None:
             progress = dataclasses.replace(progress, shard=self.data_shard)
         wire = {**progress.to_wire(), "nonce": self.dht.host.node_id.nonce}  # (see ``_parse``)
-        await self.dht.store(self.key, wire, self.dht.clock.time() + PROGRESS_TTL, subkey=self.subkey)
+        # (a majority of the holders: a trainer that exchanges in line would wait out a gone one's timeout)
+        expiration = self.dht.clock.time() + PROGRESS_TTL
+        await self.dht.store(self.key, wire, expiration, subkey=self.subkey, majority=True)
 
     async def records(self) -> dict[PeerID, PeerProgress]:
         """Every other live record of our progress cell as it claims it (no evidence weighed)."""

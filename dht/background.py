@@ -19,10 +19,12 @@ class Background:
         self._nursery = nursery
         self.running = True
 
-    def start_soon(self, task: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Start ``task(*args)`` unless the node is stopping (then the work is simply not done)."""
+    def start_soon(self, task: Callable[..., Awaitable[Any]], *args: Any) -> bool:
+        """Start ``task(*args)`` unless the node is stopping (then the work is simply not done);
+        whether it started."""
         if self.running:
             self._nursery.start_soon(task, *args)
+        return self.running
 
     def stop(self) -> None:
         self.running = False

@@ -278,10 +278,14 @@ class DHTNode:
         return placed[:k]
 
     # ------------------------------------------------------------------ records
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+    async def store(
+        self, key: Any, value: Any, expiration_time: float, subkey: Any = None, *, majority: bool = False
+    ) -> bool:
         """Store ``value`` under ``key`` (or under ``subkey`` of the dictionary at ``key``) on the k
-        nearest peers until ``expiration_time`` (wall-clock seconds). True if at least one accepted."""
-        return await self._replicas.store(key, value, expiration_time, subkey)
+        nearest peers until ``expiration_time`` (wall-clock seconds). True if at least one accepted.
+        ``majority``: return once most holders accepted, the rest sent to in the background (a
+        holder that left would otherwise hold the caller for the whole RPC timeout)."""
+        return await self._replicas.store(key, value, expiration_time, subkey, majority=majority)
 
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged

@@ -26,7 +26,34 @@ from .records import MAX_KEY_BYTES, MAX_VALUE_BYTES, DHTRecord, DHTValue, key_id
 from .routing import Contact
 from .storage import merge_found
 
-__all__ = ["Replicas"]
+__all__ = ["Replicas", "StoreTally"]
+
+
+class StoreTally:
+    """The holders' answers to one store that waits for a majority: ``settled`` once more than
+    half of those sent to accepted, or all answered. Sends are counted (``sent``) as they start
+    and the tally is decided only once the caller has started them all (``all_sent``), so that
+    a majority of the first few is not taken for one of all."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.answered = 0
+        self.accepted = 0
+        self.settled = trio.Event()
+        self._all_sent = False
+
+    def answer(self, accepted: int, answered: int) -> None:
+        self.accepted += accepted
+        self.answered += answered
+        self._decide()
+
+    def all_sent(self) -> None:
+        self._all_sent = True
+        self._decide()
+
+    def _decide(self) -> None:
+        if self._all_sent and (2 * self.accepted > self.sent or self.answered >= self.sent):
+            self.settled.set()
 
 
 class Replicas:
@@ -50,9 +77,16 @@ class Replicas:
         self.client_mode = client_mode  # a client keeps no records, not even its own
         self.holders = HolderCache()
 
-    async def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+    async def store(
+        self, key: Any, value: Any, expiration_time: float, subkey: Any = None, *, majority: bool = False
+    ) -> bool:
         """Store ``value`` under ``key`` (or under ``subkey`` of the dictionary at ``key``) on the k
-        nearest peers until ``expiration_time`` (wall-clock seconds). True if at least one accepted."""
+        nearest peers until ``expiration_time`` (wall-clock seconds). True if at least one accepted.
+
+        ``majority``: return once most of the holders accepted (or all answered), the sends to the
+        rest carrying on in the node's background. A holder that left the swarm answers nothing,
+        and a store that waits for every holder then takes the whole RPC timeout whenever one of
+        the key's k holders has gone: with churn, a third of the stores of a busy key."""
         record = DHTRecord(pack(key), None if subkey is None else pack(subkey), pack(value), float(expiration_time))
         if len(record.key) > MAX_KEY_BYTES or len(record.subkey or b"") > MAX_KEY_BYTES:
             raise ValueError(f"keys and subkeys are limited to {MAX_KEY_BYTES} bytes")
@@ -68,13 +102,18 @@ class Replicas:
         outcomes: list[bool] = []
         unanswered: list[Contact] = []
         sent: set[bytes] = set()
+        tally = StoreTally() if majority else None
         looked_up_at = trio.current_time()
         async with trio.open_nursery() as nursery:
 
             def send_to(contact: Contact) -> None:
-                if contact.id not in sent:
-                    sent.add(contact.id)
+                if contact.id in sent:
+                    return
+                sent.add(contact.id)
+                if tally is None or not self._background.start_soon(self._send_tallied, contact, record, tally):
                     nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
+                else:
+                    tally.sent += 1
 
             nearest = self.holders.holders(target, looked_up_at)
             if nearest is not None:  # with the peers our table has met since that belong among them
@@ -94,7 +133,25 @@ class Replicas:
                 outcomes.append(self.records.store(record))
         if unanswered:
             self.holders.lost(target, unanswered)  # gone or refusing: the others still hold the key
+        if tally is not None:
+            tally.sent += len(outcomes)  # (the sends that were not tallied, and our own copy)
+            tally.answer(sum(outcomes), len(outcomes))
+            tally.all_sent()
+            await tally.settled.wait()
+            return tally.accepted > 0
         return any(outcomes)
+
+    async def _send_tallied(self, contact: Contact, record: DHTRecord, tally: StoreTally) -> None:
+        """``send`` for a store that returns once a majority accepted: the holder's answer goes to
+        ``tally``, and a holder that answered nothing is no longer remembered as one."""
+        outcomes: list[bool] = []
+        unanswered: list[Contact] = []
+        try:
+            await self.send(contact, [record], outcomes, unanswered)
+        finally:
+            tally.answer(any(outcomes), 1)
+        if unanswered:
+            self.holders.lost(key_id(record.key), unanswered)
 
     async def send(
         self, contact: Contact, records: list[DHTRecord], outcomes: list[bool], unanswered: list[Contact] | None = None

@@ -130,10 +130,10 @@ async def test_a_peer_that_moves_cells_withdraws_from_the_old_one_while_it_decla
             def __getattr__(self, name):
                 return getattr(node, name)
 
-            async def store(self, key, value, expiration_time, subkey=None):
+            async def store(self, key, value, expiration_time, subkey=None, majority=False):
                 stores.append(key)
                 await trio.sleep(1.0)
-                return await node.store(key, value, expiration_time, subkey=subkey)
+                return await node.store(key, value, expiration_time, subkey=subkey, majority=majority)
 
         matchmaker = averaging.matchmaking.Matchmaker(node.host, SlowStores(), "moves")
         me = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 3)

@@ -13,6 +13,7 @@ import trio
 from dht import DHTConfig
 from dht.holders import ADMIT_AT_MOST, HOLDERS_TTL, REFRESH_BELOW, HolderCache
 from dht.records import key_id, pack
+from dht.replicas import StoreTally
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -195,3 +196,48 @@ async def test_a_swarm_that_grows_past_the_holders_sends_the_next_store_back_to_
 
         holding = [node for node in nearest if holds_second(node)]
         assert len(holding) == k, f"{len(holding)} of the {k} nearest hold the second value"
+
+
+def held_value(node, key: str, subkey: str):
+    found = node.records.found(pack(key))
+    return None if found is None else node.records.decode(pack(key), found).value[subkey].value
+
+
+async def test_a_store_for_a_majority_does_not_wait_out_a_holder_that_left(autojump_clock):
+    """A holder that left answers nothing: a store waiting for every holder takes the whole RPC
+    timeout, one waiting for a majority returns once most accepted, and the rest still get it."""
+    async with open_sim_swarm(SimNetwork(seed=12), 40, config=DHTConfig()) as swarm:
+        writer, clock, timeout = swarm.nodes[0], swarm.clock, DHTConfig().rpc_timeout
+        await trio.sleep(5)  # the swarm's own joining traffic is over
+        assert await writer.store("declarations", "first", clock.time() + 600, subkey="me")
+        holding = [i for i in swarm.alive()[1:] if held_value(swarm.nodes[i], "declarations", "me") == "first"]
+        assert len(holding) >= 10
+
+        swarm.leave(holding[0])
+        started = trio.current_time()
+        assert await writer.store("declarations", "second", clock.time() + 600, subkey="me", majority=True)
+        assert trio.current_time() - started < timeout / 4
+        await trio.sleep(timeout)  # the sends to the rest, in the writer's background
+        assert all(held_value(swarm.nodes[i], "declarations", "me") == "second" for i in holding[1:])
+
+        swarm.leave(holding[1])
+        started = trio.current_time()
+        assert await writer.store("declarations", "third", clock.time() + 600, subkey="me")
+        assert trio.current_time() - started >= timeout  # every holder: the one that left is waited out
+
+
+def test_a_tally_settles_on_a_majority_of_all_the_sends_or_when_all_answered():
+    tally = StoreTally()
+    tally.sent = 2
+    tally.answer(2, 2)  # both of the first two accepted: but the caller is still sending
+    assert not tally.settled.is_set()
+    tally.sent += 3
+    tally.all_sent()
+    assert not tally.settled.is_set()  # 2 of 5
+    tally.answer(1, 1)
+    assert tally.settled.is_set()  # 3 of 5
+    refused = StoreTally()
+    refused.sent = 2
+    refused.all_sent()
+    refused.answer(0, 2)
+    assert refused.settled.is_set() and refused.accepted == 0
