@@ -346,15 +346,15 @@ class Matchmaker:
         return None
 
     async def declare(self, me: Declaration, timeout: float) -> float:
-        """Store our declaration under our own signed subkey, to live as long as the round; returns how
-        long most holders took (one that left holds a store its RPC timeout). A withdrawal goes aside."""
+        """Store our declaration under our own signed subkey, to live as long as the round;
+        returns how long the store took (a withdrawal from the cell we left aside)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key, left = self.key(me.round), self._declared_key
         self._declared_key, started = key, trio.current_time()
         async with trio.open_nursery() as nursery:
             if left not in (None, key):  # moved cells: the old one must not expect us (at once)
                 nursery.start_soon(self.withdraw, left)
-            await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey, majority=True)
+            await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
             stored_in = trio.current_time() - started
         return stored_in
 
