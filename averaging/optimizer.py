@@ -61,6 +61,9 @@ log = logging.getLogger("peerd.training")
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
+# Matchmaking's deadline while no other peer's progress is in view: a declaration, a settle and a
+# read of the declarations (about a second on a WAN), twice over.
+ALONE_MATCHMAKING_S = 2.0
 
 
 class LRSchedule:
@@ -322,6 +325,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             weight=float(self.local_samples),
             fallback="stepping on local gradients",
             group=await self.grads_ahead.take(replica.epoch),
+            timeout=self._matchmaking_timeout(),
         )
         async with replica.state.locked_tensors():  # a donor never sends half a step
             await run_blocking(self._apply_gradients)
@@ -346,7 +350,12 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self, epoch: int, weight: float, group: Callable[[], Awaitable[FormedGroup | None]]
     ) -> AveragingRecord:
         return await average_once(
-            self.grad_averager, epoch=epoch, weight=weight, fallback="stepping on local gradients", group=await group()
+            self.grad_averager,
+            epoch=epoch,
+            weight=weight,
+            fallback="stepping on local gradients",
+            group=await group(),
+            timeout=self._matchmaking_timeout(),
         )
 
     async def land(self, record: AveragingRecord, launched_at: int, landed: Callable[[], None]) -> None:
@@ -360,14 +369,26 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     def _match_ahead(self, view: SwarmProgress) -> None:
         """Start forming this epoch's groups once the swarm is predicted to end it within the time
-        that takes."""
+        that takes (not alone: a group that cannot form would hold the step for the deadline)."""
         epoch = self.replica.epoch
+        if self._matchmaking_timeout() is not None:  # alone: the step matches, briefly
+            return
         if not matchmaking_due(view, epoch, self.target_batch_size, self.grads_ahead.lead):
             return
         self.grads_ahead.start(epoch, round_number=epoch)
         every = self.settings.average_state_every
         if every and (epoch + 1) % every == 0:
             self.state_ahead.start(epoch + 1)  # _after_step averages the state at the next epoch
+
+    def _matchmaking_timeout(self) -> float | None:
+        """Matchmaking's deadline for this step: the settings' (None) while another peer's progress
+        is in view; with none (the first peer of a swarm, or one training alone) at most
+        ``ALONE_MATCHMAKING_S``, enough to meet a peer that started at the same moment, instead of
+        the whole deadline every epoch: the deadline is set for groups on a WAN to form in."""
+        swarm = self.replica.swarm
+        if any(peer != swarm.me for peer in swarm.peers):
+            return None
+        return min(self.settings.matchmaking_timeout, ALONE_MATCHMAKING_S)
 
     def _update_epoch_throughput(self, samples: int) -> None:
         now = trio.current_time()
@@ -381,7 +402,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         every = self.settings.average_state_every
         if every and replica.epoch % every == 0:
             group = await self.state_ahead.take(replica.epoch)
-            if await average_state(replica.state, replica.epoch, group=group):
+            if await average_state(replica.state, replica.epoch, group=group, timeout=self._matchmaking_timeout()):
                 await self._sanitize_state()
 
     def _apply_gradients(self) -> None:

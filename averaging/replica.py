@@ -93,7 +93,13 @@ class EpochStateAverager(GroupAverager):
 
 
 async def average_once(
-    averager: GroupAverager, *, epoch: int, weight: float, fallback: str, group: FormedGroup | None = None
+    averager: GroupAverager,
+    *,
+    epoch: int,
+    weight: float,
+    fallback: str,
+    group: FormedGroup | None = None,
+    timeout: float | None = None,
 ) -> AveragingRecord:
     """Average the averager's tensors with a group, or leave them this peer's own and say so
     (``fallback``: what the peer does instead). Whatever went wrong with the others, this peer
@@ -101,12 +107,13 @@ async def average_once(
 
     The round is declared at ``epoch``; matchmaking may move it to the newest epoch declared in
     the group, and the record says which epoch that was. ``group``: one formed ahead of the step
-    for ``epoch`` (``match_ahead.py``), averaged with at once."""
+    for ``epoch`` (``match_ahead.py``), averaged with at once. ``timeout``: matchmaking's (default:
+    the averager's)."""
     traffic = averager.host.traffic
     bytes_before = traffic.bytes_sent + traffic.bytes_received
     started = trio.current_time()
     try:
-        averaged = await averager.step(weight=weight, group=group, round_number=epoch)
+        averaged = await averager.step(weight=weight, group=group, round_number=epoch, timeout=timeout)
     except Exception as error:
         if isinstance(error, NoOtherPeers):
             if averager in _alone:
@@ -152,11 +159,14 @@ async def average_once(
     )
 
 
-async def average_state(averager: GroupAverager, epoch: int, group: FormedGroup | None = None) -> bool:
-    """One periodic round of state averaging (in ``group`` if one formed ahead); False if no group
-    formed or the round failed (it only pulls replicas together, so the next period will do)."""
+async def average_state(
+    averager: GroupAverager, epoch: int, group: FormedGroup | None = None, timeout: float | None = None
+) -> bool:
+    """One periodic round of state averaging (in ``group`` if one formed ahead; ``timeout``:
+    matchmaking's); False if no group formed or the round failed (it only pulls replicas together,
+    so the next period will do)."""
     try:
-        await averager.step(group=group)
+        await averager.step(group=group, timeout=timeout)
     except (MatchmakingError, AllReduceError) as error:
         level = logging.DEBUG if isinstance(error, NoOtherPeers) else logging.INFO
         log.log(level, "state averaging skipped at epoch %d: %s", epoch, error)

@@ -12,7 +12,7 @@ every phase starting at one wall-clock instant in all processes, each phase with
   optimizer step on every batch. Samples/s = samples processed by all peers together / phase length.
 * ``collab``, once per ``--target-batch-sizes`` entry (and per repeat): exactly what ``peerd join``
   runs - ``peerd.training.Trainer`` around a ``CollaborativeOptimizer`` built as ``peerd/daemon.py``
-  builds it (groups of up to 4, matchmaking timeout 3 s, the default settle time, parameter
+  builds it (groups of up to 4, matchmaking timeout 10 s, the default settle time, parameter
   averaging every 5 epochs, no compression; delayed parameter updates with ``--delay-updates``), the peers connected
   through one DHT. Each peer accumulates gradients until the swarm has seen ``target_batch_size``
   samples, then averages them with a group in the background and keeps accumulating the next

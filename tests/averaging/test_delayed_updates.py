@@ -215,7 +215,7 @@ async def test_an_epoch_counted_from_a_group_ahead_moves_the_learning_rate_sched
     import averaging.optimizer as optimizer_module
     from averaging.replica import AveragingRecord
 
-    async def group_one_epoch_ahead(averager, *, epoch, weight, fallback, group=None):
+    async def group_one_epoch_ahead(averager, *, epoch, weight, fallback, group=None, timeout=None):
         return AveragingRecord(epoch + 1, averaged=True, group=2)
 
     monkeypatch.setattr(optimizer_module, "average_once", group_one_epoch_ahead)

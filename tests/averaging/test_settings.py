@@ -9,9 +9,9 @@ from averaging.settings import COLLABORATIVE, LOCAL_UPDATES, AveragingSettings
 
 
 def test_each_optimizer_has_its_own_defaults():
-    # gradient rounds: short deadlines, lossless; local-updates rounds: longer, 8-bit
+    # gradient rounds: a short round deadline, lossless; local-updates rounds: longer, 8-bit
     assert (COLLABORATIVE.matchmaking_timeout, COLLABORATIVE.averaging_timeout, COLLABORATIVE.codec) == (
-        3.0,
+        10.0,
         15.0,
         "none",
     )

@@ -6,10 +6,9 @@ averaging every few epochs, state loading when behind) on a tiny model: a linear
 one set of true weights, each peer drawing its own samples. Compute is modelled: a batch costs
 ``batch / samples_per_s`` simulated seconds, its gradient real (and, like all CPU here, no simulated
 time). The target batch is ``epoch_batches`` batches of every peer, so an epoch takes about that
-many batches' time at any swarm size. Deadlines are a WAN's (matchmaking 10 s, progress every
-second): with the optimizer's own (3 s, every 0.25 s, as ``COLLABORATIVE`` sets them for a LAN)
-24 such peers averaged in 0.70 of their epochs, with 10 s but groups formed ahead (``MatchAhead``,
-as ``peerd join`` runs) 0.92, and as here 0.955-0.99 (one run each).
+many batches' time at any swarm size. Matchmaking has the optimizer's default deadline (10 s;
+with 3 s, 24 such peers averaged in 0.65-0.93 of their epochs, seeds 1-4) and progress is
+exchanged every second (0.25 s, the default, averages as well here: 0.97-1.0).
 
 While the swarm trains, ``churn_per_minute`` of it is replaced per simulated minute (a newcomer
 joins through two public peers, loads the swarm's state as its optimizer finds itself behind,
