@@ -47,7 +47,7 @@ from .compression import get_codec
 from .contribution_scores import HeldOutGradient
 from .match_ahead import GroupSource, MatchAtStep, Matching, matchmaking_due
 from .optimizer_state import materialize_state, sanitize_state, state_tensors
-from .progress import SwarmProgress
+from .progress import PROGRESS_TTL, SwarmProgress
 from .replica import AveragingRecord, EpochStateAverager, Replica, ReplicaOptimizer, average_once, average_state
 from .settings import COLLABORATIVE, AveragingSettings
 from .state_sharing import StateUnavailable
@@ -61,9 +61,10 @@ log = logging.getLogger("peerd.training")
 # doing it on the event loop beats a round trip through a worker thread (~0.1 ms) per batch.
 INLINE_ACCUMULATE_NUMEL = 1 << 20
 MAX_SCHEDULER_CATCH_UP = 100_000
-# Matchmaking's deadline while no other peer's progress is in view: a declaration, a settle and a
-# read of the declarations (about a second on a WAN), twice over.
-ALONE_MATCHMAKING_S = 2.0
+# Matchmaking's deadline while no other peer's progress has been in view for a record's lifetime:
+# a declaration whose store waits out a holder that left (the DHT's RPC timeout, 2 s), a settle
+# and a read of the declarations, with room for a peer that started at the same moment.
+ALONE_MATCHMAKING_S = 5.0
 
 
 class LRSchedule:
@@ -216,6 +217,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.state_ahead: GroupSource = matching.for_averager(self.replica.state, refresh_interval=interval)
         self._epoch_started: float | None = None
         self._first_step = True
+        self._others_seen_at: float | None = None  # when a view last held another peer's progress
 
     @property
     def local_samples(self) -> int:
@@ -255,6 +257,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             else:
                 await self.updates.exchange(replica, lambda: self.local_samples)
         view = replica.view(self.local_samples)
+        if any(peer != view.me for peer in view.peers):
+            self._others_seen_at = trio.current_time()
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
         # progress (as the evidence says, not any one claim): our parameters are stale, take the
         # swarm's.
@@ -382,11 +386,12 @@ class CollaborativeOptimizer(ReplicaOptimizer):
 
     def _matchmaking_timeout(self) -> float | None:
         """Matchmaking's deadline for this step: the settings' (None) while another peer's progress
-        is in view; with none (the first peer of a swarm, or one training alone) at most
-        ``ALONE_MATCHMAKING_S``, enough to meet a peer that started at the same moment, instead of
-        the whole deadline every epoch: the deadline is set for groups on a WAN to form in."""
-        swarm = self.replica.swarm
-        if any(peer != swarm.me for peer in swarm.peers):
+        was in view within a record's lifetime (a read that failed, or found its cell empty, is no
+        news that the others left); with none (the first peer of a swarm, or one training alone) at
+        most ``ALONE_MATCHMAKING_S``, instead of the whole deadline every epoch: the deadline is set
+        for groups on a WAN to form in."""
+        seen = self._others_seen_at
+        if seen is not None and trio.current_time() - seen < PROGRESS_TTL:
             return None
         return min(self.settings.matchmaking_timeout, ALONE_MATCHMAKING_S)
 

@@ -11,9 +11,9 @@ Matchmaking's deadline is the time a group has to form, on the internet peers tr
 declaration's store, a settle, a read and the joins take round trips of up to ~300 ms and DHT
 operations that wait on peers that left. On the simulated internet (24 collaborative peers,
 ``tests/support/sim_training.py``, seeds 1-4) a 3-s deadline averaged 0.65-0.93 of the epochs,
-5 s 0.90-0.96, 10 s 0.97-1.0. It costs nothing where groups form fast (a LAN): a deadline only
-bounds the wait of a round whose group does not form, and a peer with no other in view does not
-wait it out (``CollaborativeOptimizer``).
+5 s 0.90-0.96, 10 s 0.97-1.0. Where groups form (a LAN: well under a second) the deadline is
+not reached; a round whose group does not form waits it out (a peer late for its group, a state
+round), except a peer with no other in view, which matches briefly (``CollaborativeOptimizer``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ __all__ = ["Replicas", "StoreTally"]
 
 class StoreTally:
     """The holders' answers to one store that waits for a majority: ``settled`` once more than
-    half of those sent to accepted, or all answered. Sends are counted (``sent``) as they start
+    half of those sent to accepted, or all answered (this node's own copy counts as one; so does a
+    peer the lookup sent to before it found nearer ones). Sends are counted (``sent``) as they start
     and the tally is decided only once the caller has started them all (``all_sent``), so that
     a majority of the first few is not taken for one of all."""
 
@@ -41,6 +42,13 @@ class StoreTally:
         self.accepted = 0
         self.settled = trio.Event()
         self._all_sent = False
+        # Holders that failed before the store knew the key's holders (its lookup still ran): the
+        # store drops them once it has remembered the holders, as it does a plain store's.
+        self.failed: list[Contact] = []
+        self.holders_known = False
+
+    def started(self, sends: int) -> None:
+        self.sent += sends
 
     def answer(self, accepted: int, answered: int) -> None:
         self.accepted += accepted
@@ -113,7 +121,7 @@ class Replicas:
                 if tally is None or not self._background.start_soon(self._send_tallied, contact, record, tally):
                     nursery.start_soon(self.send, contact, [record], outcomes, unanswered)
                 else:
-                    tally.sent += 1
+                    tally.started(1)
 
             nearest = self.holders.holders(target, looked_up_at)
             if nearest is not None:  # with the peers our table has met since that belong among them
@@ -134,7 +142,10 @@ class Replicas:
         if unanswered:
             self.holders.lost(target, unanswered)  # gone or refusing: the others still hold the key
         if tally is not None:
-            tally.sent += len(outcomes)  # (the sends that were not tallied, and our own copy)
+            tally.holders_known = True
+            if tally.failed:
+                self.holders.lost(target, tally.failed)
+            tally.started(len(outcomes))  # (the sends that were not tallied, and our own copy)
             tally.answer(sum(outcomes), len(outcomes))
             tally.all_sent()
             await tally.settled.wait()
@@ -143,15 +154,18 @@ class Replicas:
 
     async def _send_tallied(self, contact: Contact, record: DHTRecord, tally: StoreTally) -> None:
         """``send`` for a store that returns once a majority accepted: the holder's answer goes to
-        ``tally``, and a holder that answered nothing is no longer remembered as one."""
+        ``tally``, and a holder that answered nothing, or kept nothing of it, is no longer
+        remembered as one (once the store has remembered the key's holders)."""
         outcomes: list[bool] = []
         unanswered: list[Contact] = []
         try:
             await self.send(contact, [record], outcomes, unanswered)
         finally:
             tally.answer(any(outcomes), 1)
-        if unanswered:
+        if unanswered and tally.holders_known:
             self.holders.lost(key_id(record.key), unanswered)
+        else:
+            tally.failed.extend(unanswered)
 
     async def send(
         self, contact: Contact, records: list[DHTRecord], outcomes: list[bool], unanswered: list[Contact] | None = None

@@ -12,7 +12,7 @@ import trio
 
 from dht import DHTConfig
 from dht.holders import ADMIT_AT_MOST, HOLDERS_TTL, REFRESH_BELOW, HolderCache
-from dht.records import key_id, pack
+from dht.records import DHTRecord, key_id, pack
 from dht.replicas import StoreTally
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
@@ -228,16 +228,35 @@ async def test_a_store_for_a_majority_does_not_wait_out_a_holder_that_left(autoj
 
 def test_a_tally_settles_on_a_majority_of_all_the_sends_or_when_all_answered():
     tally = StoreTally()
-    tally.sent = 2
+    tally.started(2)
     tally.answer(2, 2)  # both of the first two accepted: but the caller is still sending
     assert not tally.settled.is_set()
-    tally.sent += 3
+    tally.started(3)
     tally.all_sent()
     assert not tally.settled.is_set()  # 2 of 5
     tally.answer(1, 1)
     assert tally.settled.is_set()  # 3 of 5
     refused = StoreTally()
-    refused.sent = 2
+    refused.started(2)
     refused.all_sent()
     refused.answer(0, 2)
     assert refused.settled.is_set() and refused.accepted == 0
+
+
+async def test_holders_that_refuse_a_majority_store_while_its_lookup_runs_are_not_remembered(autojump_clock):
+    """A store sends to holders as its lookup finds them: those that refuse before the lookup ends
+    are dropped once it has remembered the holders, as after a store that waits for all."""
+    async with open_sim_swarm(SimNetwork(seed=13), 40, config=DHTConfig()) as swarm:
+        writer, clock, k = swarm.nodes[0], swarm.clock, DHTConfig().k
+        await trio.sleep(5)  # the swarm's own joining traffic is over
+        target = key_id(pack("declarations"))
+        nearest = sorted(swarm.alive()[1:], key=lambda i: swarm.nodes[i].node_id ^ target)
+        newer = DHTRecord(pack("declarations"), pack("me"), pack("newer"), clock.time() + 900)
+        refusing = nearest[:4]
+        assert all(swarm.nodes[i].records.store(newer) for i in refusing)  # they hold a newer version
+        assert await writer.store("declarations", "first", clock.time() + 600, subkey="me", majority=True)
+        await trio.sleep(DHTConfig().rpc_timeout)  # (its sends still under way, in the background)
+        before = served(swarm)
+        assert await writer.store("declarations", "second", clock.time() + 600, subkey="me", majority=True)
+        await trio.sleep(DHTConfig().rpc_timeout)
+        assert served(swarm) - before <= k - len(refusing)  # straight to the holders that kept ours
