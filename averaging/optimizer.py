@@ -217,7 +217,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         self.state_ahead: GroupSource = matching.for_averager(self.replica.state, refresh_interval=interval)
         self._epoch_started: float | None = None
         self._first_step = True
-        self._others_seen_at: float | None = None  # when a view last held another peer's progress
 
     @property
     def local_samples(self) -> int:
@@ -257,8 +256,6 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             else:
                 await self.updates.exchange(replica, lambda: self.local_samples)
         view = replica.view(self.local_samples)
-        if any(peer != view.me for peer in view.peers):
-            self._others_seen_at = trio.current_time()
         # Behind by more than the normal skew of one epoch, or just joined a swarm that has made
         # progress (as the evidence says, not any one claim): our parameters are stale, take the
         # swarm's.
@@ -390,7 +387,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         news that the others left); with none (the first peer of a swarm, or one training alone) at
         most ``ALONE_MATCHMAKING_S``, instead of the whole deadline every epoch: the deadline is set
         for groups on a WAN to form in."""
-        seen = self._others_seen_at
+        seen = self.replica.others_seen_at
         if seen is not None and trio.current_time() - seen < PROGRESS_TTL:
             return None
         return min(self.settings.matchmaking_timeout, ALONE_MATCHMAKING_S)

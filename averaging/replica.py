@@ -198,6 +198,7 @@ class Replica:
         self.epoch = 0
         self.samples_per_s = 0.0
         self.swarm = SwarmProgress({}, 0)  # the last view fetched from the DHT
+        self.others_seen_at: float | None = None  # when a fetched view last held another peer's record
         self.last_round: AveragingRecord | None = None
         self.tracker = ProgressTracker(dht, prefix, samples_per_epoch)
         self.progress_interval = progress_interval
@@ -235,6 +236,8 @@ class Replica:
     async def fetch(self, samples: int) -> SwarmProgress:
         """The swarm's progress as the DHT has it, with this peer's own as of now."""
         self.swarm = await self.tracker.fetch(self.progress(samples))
+        if any(peer != self.swarm.me for peer in self.swarm.peers):
+            self.others_seen_at = trio.current_time()
         return self.swarm
 
     async def exchange(self, samples: int) -> None:
