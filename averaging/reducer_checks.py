@@ -22,6 +22,7 @@ from peer import Message, PeerHost, PeerID, Request, Router, RPCError
 from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, part_digest
 from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
+from .part_inputs import held_signatures
 from .partition import AllReducePlan
 from .reducer_shard import ReducerShard, ShardSigning
 from .robust import Aggregation
@@ -144,8 +145,9 @@ class ReducerChecks:
 
     async def _handle_check(self, request: Request) -> Message:
         body = request.body if isinstance(request.body, dict) else {}
+        held = held_signatures(body.get("held"))
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
-        answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message)
+        answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message, request.peer, held)
         return Message(answer, payload)
 
     def note_exclusions(self, unjust: list[PeerID], took_us: list[PeerID]) -> None:
@@ -242,12 +244,14 @@ class ReducerChecks:
         codec: Codec,
         reply_codec: Codec,
         aggregation: Aggregation,
+        held: dict[PeerID, Commitment] | None = None,
     ) -> list[tuple[int, PendingCheck]]:
         """Choose, in private, one part of each other reducer's shard that we received (each
         reducer with the probability ``CHECK_SHARE`` gives it), and copy what each check will
         need (call before the averages are written back into ``flat``): we sent with ``codec``,
         the reducers reply with ``reply_codec``, and must aggregate by ``aggregation``, the round's
-        rule. Returns (shard, check) pairs."""
+        rule; ``held``: this round's commitments we hold (ours, and those we met as a reducer),
+        which the answers leave out. Returns (shard, check) pairs."""
         me = self.host.peer_id
         by_start = dict((start, values) for start, values in received)
         shards: list[list[tuple[int, int, int, int]]] = []
@@ -286,6 +290,7 @@ class ReducerChecks:
                 self.verified,
                 reply_codec.sparse,
                 aggregation,
+                held or {},
             )
             pending.append(
                 (index, PendingCheck(group.reducers[index], group.group_id, part, len(group.senders), check))
@@ -313,9 +318,9 @@ class ReducerChecks:
         with trio.move_on_after(CHECK_TIMEOUT) as waiting:
             try:
                 assert reducer.address is not None
-                reply = await self.host.call(
-                    reducer.address, CHECK_METHOD, {"group_id": pending.group_id, "part": pending.part}
-                )
+                holds = pending.check.holds()
+                ask = {"group_id": pending.group_id, "part": pending.part, "held": holds.request()}
+                reply = await self.host.call(reducer.address, CHECK_METHOD, ask)
             except (OSError, RPCError) as error:  # no answer: unreachable, or it refused
                 verdict = f"its check went unanswered: {type(error).__name__}: {error}"
             else:
@@ -323,7 +328,8 @@ class ReducerChecks:
                 try:
                     parse, numel = PartInputs.parse, pending.check.reply.numel()
                     work = numel * pending.senders
-                    inputs = await _inline_if_small(work, parse, reply.body, reply.payload, numel, pending.senders)
+                    answer = (reply.body, reply.payload, numel, pending.senders, holds)
+                    inputs = await _inline_if_small(work, parse, *answer)
                     verdict = await _inline_if_small(work, pending.check.verdict, inputs)
                 except Exception as error:  # noqa: BLE001 (any failure of its answer is the reducer's)
                     verdict = f"its check answer failed: {type(error).__name__}: {error}"
@@ -405,17 +411,25 @@ class CheckedRound:
     def __init__(self, checks: ReducerChecks, aggregation: Aggregation):
         self.checks = checks
         self.aggregation = aggregation  # the round's rule: a reducer that answers by another is lying
+        # this round's commitments we hold, by sender (ours, and those our reducer accepted): the
+        # checks' answers leave them out
+        self.held: dict[PeerID, Commitment] = {}
+        self._shard: ReducerShard | None = None
 
     async def prepare(self, group: GroupInfo, plan: AllReducePlan, flat, weight: float, codec: Codec) -> Prepared:
         if flat is None:  # we send nothing: nothing to commit to
             return Prepared()
-        return Prepared(*await in_thread(self.checks.commit, group, plan, flat, weight, codec))
+        prepared = Prepared(*await in_thread(self.checks.commit, group, plan, flat, weight, codec))
+        if prepared.commitment is not None:
+            self.held[self.checks.host.peer_id] = prepared.commitment
+        return prepared
 
     def shard_signing(self, group: GroupInfo, me: PeerID) -> ShardSigning | None:
         return ShardSigning(group.group_id, me, self.checks.verified)
 
     def keep(self, group: GroupInfo, shard: ReducerShard, prepared: Prepared) -> None:
         self.checks.keep(group, shard, prepared)
+        self._shard = shard
 
     def reply_codec(self, codec: Codec) -> Codec:
         return codec.reply_codec(checked=True)
@@ -430,7 +444,7 @@ class CheckedRound:
         received, contributors = round_.received(), round_.part_contributors()
         pending = self.checks.pick(
             round_.group, round_.plan, flat, weight, received, contributors, codec, self.reply_codec(codec),
-            self.aggregation,
+            self.aggregation, self.held | (self._shard.commitments if self._shard is not None else {}),
         )  # fmt: skip
         for index, (reducer, verdict) in (await self.checks.run_all(pending)).items():
             round_.checked(index, reducer, verdict)

@@ -87,6 +87,7 @@ class ReducerShard:
         self.replies: list[tuple[dict[str, Any], Any]] = []  # (body, payload) of parts 0, 1, ...
         self.error: ValueError | None = None  # why the replies stopped (``ShardPhase.FAILED``)
         self.signing = signing
+        self.commitments: dict[PeerID, Commitment] = {}  # the senders' verified commitments (a checked round)
 
     # What the trio roles need of the reduction, so that nothing reaches under this object.
     @property
@@ -165,6 +166,7 @@ class ReducerShard:
             ):
                 raise ContributionRejected("the sender's commitment is not signed by it")
             signing = CommittedSender(commitment, digests)
+            self.commitments[sender] = commitment
         return ContributionInbox(self.reduction, sender, sink, signing)
 
     @property

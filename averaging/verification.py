@@ -50,8 +50,9 @@ receipt (``allreduce_protocol.py``) and never become an input. A
 reducer that lies on its whole shard is therefore caught in its first round by every sender that
 checks it (all of them on small vectors), and its lie is never used by those; one that lies on a
 single part of ``P`` is caught by each checking sender with probability ``1 / P`` per round. The
-honest cost per round: per reducer checked, one RPC carrying one part's inputs (group size x part
-size, as encoded, and their senders' commitments), their decoding, a hash per input, and one
+honest cost per round: per reducer checked, one RPC carrying one part's inputs (the other senders'
+parts as encoded, and those of their commitments this peer does not hold: ``part_inputs.py``),
+their decoding, a hash per input, and one
 CenteredClip of that part; a signature verification only per commitment this peer has not met yet
 (each sender signs one per round, and a peer that reduces has verified all of them already); a
 reducer keeps a copy of its inputs (decoded, and as sent) for a few rounds; in a checked round
@@ -70,12 +71,10 @@ import numpy as np
 import torch
 
 from peer import PeerID
-from peer.packing import packb, unpackb
-from peer.tensors import all_finite, tensor_bytes
 
-from .commitments import MAX_COMMITMENT_BYTES, Commitment, SignedPart, VerifiedSignatures, part_digest
-from .compression import codec_of
+from .commitments import Commitment, VerifiedSignatures, part_digest
 from .mixing import distances, mix, mixes, sets_hold, tau_floor
+from .part_inputs import AskerHolds, PartInputs
 from .robust import (
     GRAM_LIMIT,
     RADIUS_SHARE,
@@ -96,6 +95,7 @@ __all__ = [
     "CHECK_TIMEOUT",
     "MAX_BANNED",
     "BanList",
+    "AskerHolds",
     "KeptInputs",
     "PartInputs",
     "PartCheck",
@@ -129,8 +129,6 @@ CHECK_TOLERANCE = 0.01
 # iteration (a step under ``robust.TOLERANCE * tau``); the values it keeps can be chosen among
 # near-ties only this close, and a liar must stay this close to drop or swap any.
 SPARSE_CHECK_TOLERANCE = 2e-4
-# An encoded input is at most float32 (and a few bytes of header) per value.
-MAX_ENCODED_BYTES_PER_VALUE = 5
 # Bans are kept per peer we were grouped with: this bounds them against Sybils.
 MAX_BANNED = 4096
 # Long enough to keep a caught reducer out of many rounds, short enough that a peer banned by
@@ -139,115 +137,6 @@ BAN_SECONDS = 600.0
 # An unanswered check: long enough to leave the reducer out of the next few rounds, short enough
 # that peers on both sides of a healed partition group together again soon after.
 UNANSWERED_BAN_SECONDS = 60.0
-
-
-@dataclass
-class PartInputs:
-    """What a reducer aggregated for one part: who (in order), their claimed weights, their
-    values (one row each), the clip radius, and each input as its sender sent it, with its
-    commitment (``commitments.py``): on the wire the values travel only as those parts, and the
-    checker decodes them itself."""
-
-    senders: list[PeerID]
-    weights: list[float]
-    values: torch.Tensor  # len(senders) x part size, float32
-    tau: float
-    aggregation: Aggregation
-    start: int | None = None  # the row CenteredClip started from (None: the coordinate-wise median)
-    signed: list[SignedPart] = field(default_factory=list)  # one per sender (the answer's only values)
-    neighbours: list[list[int]] | None = None  # the rows each row was mixed with (``mixing.py``)
-
-    def row_payload(self, row: int) -> Any:
-        """Input ``row`` as its sender sent it (a float32 one is its kept values)."""
-        payload = self.signed[row].payload
-        return tensor_bytes(self.values[row]) if payload is None else payload
-
-    def to_message(self) -> tuple[dict[str, Any], Any]:
-        """The answer: the fields in the body; the inputs as sent, then their senders'
-        commitments (msgpack, each its sender's whole round: group size x shards' parts x 32 bytes
-        in all, more than a body's one record holds for a large model in a large group), in the
-        payload."""
-        if len(self.signed) != len(self.senders):
-            raise ValueError("every input needs its signed part")
-        payloads = [self.row_payload(row) for row in range(len(self.senders))]
-        commits = [packb(s.commitment.to_wire()) for s in self.signed]
-        body = {
-            "senders": [p.to_bytes() for p in self.senders],
-            "weights": list(self.weights),
-            "tau": self.tau,
-            "aggregation": self.aggregation.value,
-            "start": self.start,
-            "neighbours": self.neighbours,
-            "metas": [s.meta for s in self.signed],
-            "sizes": [len(p) for p in payloads],
-            "commit_sizes": [len(c) for c in commits],
-        }
-        if all(s.payload is None for s in self.signed):  # all float32: the kept values as they are
-            payloads = [tensor_bytes(self.values.contiguous())]
-        return body, b"".join([*payloads, *commits])
-
-    @classmethod
-    def parse(cls, body: Any, payload: Any, part_size: int, max_senders: int) -> PartInputs:
-        """A check's answer, checked field by field and its inputs decoded (raises ValueError);
-        the commitments are checked by ``PartCheck.verdict``."""
-        if not isinstance(body, dict):
-            raise ValueError("a check answer is a map")
-        raw, weights, tau = body.get("senders"), body.get("weights"), body.get("tau")
-        if not (isinstance(raw, list) and isinstance(weights, list) and 0 < len(raw) == len(weights) <= max_senders):
-            raise ValueError("a check answer names its senders and their weights")
-        if not all(isinstance(p, bytes) for p in raw):
-            raise ValueError("malformed sender")
-        senders = [PeerID(p) for p in raw]
-        if len(set(senders)) != len(senders):
-            raise ValueError("a sender named twice")
-        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
-            raise ValueError("malformed weight")
-        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
-            raise ValueError("malformed clip radius")
-        aggregation = Aggregation(body.get("aggregation"))
-        start = body.get("start")
-        if not (start is None or (type(start) is int and 0 <= start < len(senders))):
-            raise ValueError("malformed start")
-        neighbours = body.get("neighbours")  # (whether they are nearest sets: ``PartCheck.verdict``)
-        if not (
-            neighbours is None
-            or (
-                isinstance(neighbours, list)
-                and len(neighbours) == len(senders)
-                and all(isinstance(s, list) and len(s) <= len(senders) for s in neighbours)
-            )
-        ):
-            raise ValueError("malformed neighbour sets")
-        metas, sizes, commit_sizes = (body.get(name) for name in ("metas", "sizes", "commit_sizes"))
-        if not all(isinstance(f, list) and len(f) == len(senders) for f in (metas, sizes, commit_sizes)):
-            raise ValueError("a check answer gives every input's meta, size and commitment size")
-        if not all(type(n) is int and 0 <= n <= MAX_ENCODED_BYTES_PER_VALUE * part_size for n in sizes):
-            raise ValueError("malformed input size")
-        if not all(type(n) is int and 0 < n <= MAX_COMMITMENT_BYTES for n in commit_sizes):
-            raise ValueError("malformed commitment size")
-        expected = sum(sizes) + sum(commit_sizes)
-        if payload is None or len(payload) != expected:
-            raise ValueError(f"expected {expected} bytes of inputs and commitments")
-        view = memoryview(payload).cast("B")
-        commits, offset = [], sum(sizes)
-        for size in commit_sizes:
-            commits.append(unpackb(view[offset : offset + size], max_size=MAX_COMMITMENT_BYTES))
-            offset += size
-        values = torch.empty(len(senders), part_size, dtype=torch.float32)
-        signed, offset = [], 0
-        for row, (raw_commitment, meta, size) in enumerate(zip(commits, metas, sizes, strict=True)):
-            commitment = Commitment.from_wire(raw_commitment)
-            encoded = view[offset : offset + size]
-            offset += size
-            decoded = codec_of(meta).decode_into(meta, encoded, values[row])
-            if decoded.dtype != torch.float32 or decoded.numel() != part_size:
-                raise ValueError(f"an input decoded to {decoded.numel()} values, expected {part_size}")
-            if decoded is not values[row]:
-                values[row].copy_(decoded)
-            signed.append(SignedPart(commitment, meta, encoded))
-        if not all_finite(values):
-            raise ValueError("non-finite inputs (a reducer refuses those)")
-        return cls(senders, [float(w) for w in weights], values, float(tau), aggregation, start, signed, neighbours)
 
 
 class KeptInputs:
@@ -316,6 +205,11 @@ class PartCheck:
     verified: VerifiedSignatures | None = None  # commitments this peer verified lately
     sparse_reply: bool = False  # the reply keeps a chunked top-k in 8 bits (``sparse_reply_verdict``)
     aggregation: Aggregation = Aggregation.CENTERED_CLIP  # the round's rule, which every reducer must use
+    held: dict[PeerID, Commitment] = field(default_factory=dict)  # this round's commitments we hold, by sender
+
+    def holds(self) -> AskerHolds:
+        """What the answer may leave out: our own input and the commitments we hold."""
+        return AskerHolds(self.me, self.own, self.held)
 
     def verdict(self, inputs: PartInputs) -> str | None:
         """Why the reducer lied, or None if its answer holds."""

@@ -354,6 +354,37 @@ async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatc
         nursery.cancel_scope.cancel()
 
 
+async def test_a_check_answer_in_a_real_round_carries_only_what_its_asker_lacks(monkeypatch):
+    """Every peer of a 4-peer checked round reduces, so it holds every sender's commitment: each
+    answer it gets carries the 3 other senders' inputs and nothing else (its own input and the
+    commitments were a third of an answer's bytes, sent back to the peer that had them)."""
+    from averaging.part_inputs import PartInputs
+
+    answers = []
+    real = PartInputs.to_message
+
+    def recorded(self, *args, **kwargs):
+        body, payload = real(self, *args, **kwargs)
+        answers.append((self.values.shape, body, len(payload)))
+        return body, payload
+
+    monkeypatch.setattr(PartInputs, "to_message", recorded)
+    async with trio.open_nursery() as nursery:
+        peers = await start_with_liar(nursery, 4, liar=-1)
+        group = make_group(peers)
+        tensors = [random_tensors(i) for i in range(4)]
+        results = {}
+        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip")
+        for i in range(4):
+            assert results[i].succeeded and len(results[i].reducer_checks) == 3
+            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        assert len(answers) == 4 * 3
+        for (senders, part_size), body, size in answers:
+            assert senders == 4 and size == 3 * 4 * part_size
+            assert body["commit_sizes"] == [0] * 4 and body["metas"].count(None) == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_what_a_reducer_keeps_for_checks_holds_none_of_the_parts_it_sent_to_others():
     """The inputs kept for ``KEEP_SECONDS`` reach our own parts' encodings (a sparse codec's), never
     the encodings of everything we sent the other reducers: one more copy of the vector per round."""

@@ -283,3 +283,66 @@ def test_a_sparse_reply_of_an_aggregate_near_ours_passes_and_a_moved_one_does_no
             ours, torch.where(torch.arange(numel) == largest, 0.0, reply), epsilon
         )
     assert "keeps 4096 values" in sparse_reply_verdict(ours, ours.clone(), epsilon)  # a dense reply
+
+
+@pytest.mark.parametrize("float32_rows", [True, False], ids=["kept-values", "as-sent"])
+def test_an_answer_leaves_out_the_askers_own_input_and_the_commitments_it_holds(float32_rows):
+    """What the asker sent and the commitments it met as a reducer travel as nothing: of an
+    answer to one of 4 senders, 3 rows' bytes and no commitment; parsed with what the asker holds,
+    it is the answer in full, and an honest one holds."""
+    peers = ids(4)
+    inputs, reply = honest_inputs(peers)
+    if float32_rows:  # (a reducer keeps float32 inputs as its values, with no second copy)
+        inputs.signed = [SignedPart(s.commitment, s.meta, None) for s in inputs.signed]
+    asker = peers[2]
+    held = {peer: signed.commitment for peer, signed in zip(peers, inputs.signed, strict=True)}
+    check = PartCheck(asker, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply, None, GROUP, 0, held=held)
+    full_body, full_payload = inputs.to_message()
+    body, payload = inputs.to_message(asker, frozenset(check.holds().request()))
+    assert len(payload) == 3 * 4 * DIM and body["commit_sizes"] == [0] * 4
+    assert body["sizes"][2] == 0 and body["metas"][2] is None
+    assert len(full_payload) > 4 * 4 * DIM
+    parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=4, holds=check.holds())
+    assert torch.equal(parsed.values, inputs.values) and parsed.senders == peers
+    assert [s.commitment for s in parsed.signed] == [s.commitment for s in inputs.signed]
+    assert check.verdict(parsed) is None
+    # only the commitments the asker named are left out
+    body, payload = inputs.to_message(asker, frozenset([inputs.signed[1].commitment.signature]))
+    assert [size > 0 for size in body["commit_sizes"]] == [True, False, False, True]
+    parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=4, holds=check.holds())
+    assert check.verdict(parsed) is None
+
+
+def test_an_answer_may_leave_out_only_what_the_asker_holds():
+    """A reducer that leaves out a commitment we do not hold, or any input but ours, has given
+    no answer (a malformed one: the checker bans it); one that leaves out our input and states
+    a false aggregate is caught as before, from our own input as we sent it."""
+    peers = ids(4)
+    inputs, reply = honest_inputs(peers)
+    asker = peers[2]
+    held = {peer: signed.commitment for peer, signed in zip(peers, inputs.signed, strict=True)}
+    check = PartCheck(asker, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply, None, GROUP, 0, held=held)
+    body, payload = inputs.to_message(asker, frozenset(check.holds().request()))
+    lacking = PartCheck(asker, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply, None, GROUP, 0)
+    with pytest.raises(ValueError, match="which we do not hold"):
+        PartInputs.parse(body, bytes(payload), DIM, max_senders=4, holds=lacking.holds())
+    with pytest.raises(ValueError, match="which we do not hold"):
+        PartInputs.parse(body, bytes(payload), DIM, max_senders=4)
+    someone_else = PartCheck(peers[1], peers[0], inputs.values[1].clone(), 1.0, list(peers), reply, None, GROUP, 0)
+    someone_else.held.update(held)
+    with pytest.raises(ValueError, match="not ours"):
+        PartInputs.parse(body, bytes(payload), DIM, max_senders=4, holds=someone_else.holds())
+    lying = PartCheck(asker, peers[0], inputs.values[2].clone(), 1.0, list(peers), reply * 1.5, None, GROUP, 0)
+    lying.held.update(held)
+    parsed = PartInputs.parse(body, bytes(payload), DIM, max_senders=4, holds=lying.holds())
+    assert "away from the aggregate" in (lying.verdict(parsed) or "")
+
+
+def test_a_check_request_names_only_well_formed_signatures():
+    from averaging.part_inputs import MAX_HELD, held_signatures
+
+    assert held_signatures(None) == frozenset()
+    assert held_signatures([b"s" * 64, b"s" * 64]) == {b"s" * 64}
+    for raw in ([b"short"], [None], "x", [b"s" * 64] * (MAX_HELD + 1)):
+        with pytest.raises(ValueError):
+            held_signatures(raw)
