@@ -312,26 +312,49 @@ def sparse_reply_verdict(recomputed: torch.Tensor, reply: torch.Tensor, epsilon:
     So a liar may choose only among near-ties, and move each kept value only by its rounding."""
     numel = recomputed.numel()
     kept, ours = reply != 0, recomputed.double()
-    rounding, margin = 0.0, 2 * epsilon
-    for start in range(0, numel, CHUNK):
-        end = min(start + CHUNK, numel)
-        mask, magnitudes = kept[start:end], ours[start:end].abs()
-        count, keep = int(mask.sum()), kept_per_chunk(end - start)
-        if count > keep:
-            return f"its reply keeps {count} values of a chunk of {end - start}"
-        threshold = float(torch.topk(magnitudes, keep).values[-1])
-        if count and float(magnitudes[mask].min()) < threshold - margin:
-            return f"its reply keeps a value of the chunk at {start} below the chunk's largest {keep}"
-        if bool((magnitudes[~mask] > threshold + margin).any()):
-            return f"its reply leaves out a value among the largest {keep} of the chunk at {start}"
-        if count:
-            span = float(magnitudes[mask].max() - magnitudes[mask].min()) + margin
-            rounding += count * (span / 256) ** 2
+    rounding, margin, full = 0.0, 2 * epsilon, numel - numel % CHUNK
+    blocks = [(0, CHUNK, kept[:full].view(-1, CHUNK), ours[:full].abs().view(-1, CHUNK))] if full else []
+    if full < numel:  # the part's shorter last chunk
+        blocks.append((full, numel - full, kept[full:].view(1, -1), ours[full:].abs().view(1, -1)))
+    for first, length, mask, magnitudes in blocks:
+        why, block_rounding = _chunks_verdict(first, length, mask, magnitudes, margin)
+        if why is not None:
+            return why
+        rounding += block_rounding
     off = float((reply.double() - torch.where(kept, ours, 0.0)).norm())
     allowed = epsilon + math.sqrt(rounding) * (1 + 1e-5)
     if not off <= allowed:
         return f"its sparse reply is {off:.4g} away from the aggregate of its own inputs (allowed {allowed:.4g})"
     return None
+
+
+def _chunks_verdict(
+    first: int, length: int, mask: torch.Tensor, magnitudes: torch.Tensor, margin: float
+) -> tuple[str | None, float]:
+    """``sparse_reply_verdict``'s rules 1-3 for chunks of ``length`` values, one per row (the
+    first at ``first``), all at once: why the first chunk that breaks one does, or None and the
+    rounding (rule 4) the chunks' kept values allow, squared."""
+    keep = kept_per_chunk(length)
+    counts = mask.sum(dim=1)
+    threshold = torch.topk(magnitudes, keep, dim=1).values[:, -1]
+    lowest_kept = torch.where(mask, magnitudes, math.inf).min(dim=1).values
+    highest_kept = torch.where(mask, magnitudes, -math.inf).max(dim=1).values
+    highest_left = torch.where(mask, -math.inf, magnitudes).max(dim=1).values
+    too_many = counts > keep
+    too_low = (counts > 0) & (lowest_kept < threshold - margin)
+    left_out = highest_left > threshold + margin
+    broken = torch.nonzero(too_many | too_low | left_out)
+    if len(broken):
+        row = int(broken[0, 0])
+        start = first + row * length
+        if too_many[row]:
+            return f"its reply keeps {int(counts[row])} values of a chunk of {length}", 0.0
+        if too_low[row]:
+            return f"its reply keeps a value of the chunk at {start} below the chunk's largest {keep}", 0.0
+        return f"its reply leaves out a value among the largest {keep} of the chunk at {start}", 0.0
+    some = counts > 0
+    spans = highest_kept[some] - lowest_kept[some] + margin
+    return None, float((counts[some].double() * (spans / 256) ** 2).sum())
 
 
 def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:

@@ -285,6 +285,41 @@ def test_a_sparse_reply_of_an_aggregate_near_ours_passes_and_a_moved_one_does_no
     assert "keeps 4096 values" in sparse_reply_verdict(ours, ours.clone(), epsilon)  # a dense reply
 
 
+def test_a_sparse_reply_verdict_names_the_first_chunk_that_breaks_a_rule():
+    """The chunks are judged all at once; the verdict still names the first one that breaks a
+    rule, the part's shorter last chunk included (it keeps fewer values)."""
+    from averaging.sparse_codec import CHUNK, kept_per_chunk
+    from averaging.verification import sparse_reply_verdict
+
+    numel = 3 * CHUNK + 100
+    ours = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    reply = torch.zeros(numel)
+    for start in range(0, numel, CHUNK):
+        chunk = ours[start : start + CHUNK]
+        top = torch.topk(chunk.abs(), kept_per_chunk(chunk.numel())).indices + start
+        reply[top] = ours[top]
+    assert sparse_reply_verdict(ours, reply, 1e-6) is None
+    for chunk in (1, 3):  # a middle chunk, and the short last one
+        start = chunk * CHUNK
+        end = min(start + CHUNK, numel)
+        kept = torch.nonzero(reply[start:end]).flatten() + start
+        dropped = reply.clone()
+        dropped[kept[0]] = 0.0
+        why = sparse_reply_verdict(ours, dropped, 1e-6)
+        assert f"leaves out a value among the largest {kept_per_chunk(end - start)} of the chunk at {start}" in why
+        runner_up = torch.topk(torch.where(reply[start:end] != 0, 0.0, ours[start:end].abs()), 1).indices + start
+        swapped = dropped.clone()
+        swapped[runner_up] = ours[runner_up]
+        assert f"keeps a value of the chunk at {start} below" in sparse_reply_verdict(ours, swapped, 1e-6)
+    two_lies = reply.clone()  # one in chunk 1, one in chunk 2: the first is named
+    two_lies[torch.nonzero(reply[CHUNK : 2 * CHUNK]).flatten()[0] + CHUNK] = 0.0
+    two_lies[2 * CHUNK : 3 * CHUNK] = ours[2 * CHUNK : 3 * CHUNK]
+    assert f"the chunk at {CHUNK}" in sparse_reply_verdict(ours, two_lies, 1e-6)
+    crowded = reply.clone()
+    crowded[3 * CHUNK :] = ours[3 * CHUNK :]
+    assert sparse_reply_verdict(ours, crowded, 1e-6) == "its reply keeps 100 values of a chunk of 100"
+
+
 @pytest.mark.parametrize("float32_rows", [True, False], ids=["kept-values", "as-sent"])
 def test_an_answer_leaves_out_the_askers_own_input_and_the_commitments_it_holds(float32_rows):
     """What the asker sent and the commitments it met as a reducer travel as nothing: of an
