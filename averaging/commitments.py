@@ -33,6 +33,7 @@ that meets a commitment it has not verified; every part is encoded before the fi
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from collections import OrderedDict
@@ -98,6 +99,15 @@ class Commitment:
         if blob is None or not 0 <= part < len(blob) // DIGEST_BYTES:
             return None
         return blob[part * DIGEST_BYTES : (part + 1) * DIGEST_BYTES]
+
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        """BLAKE3-256 of the whole commitment (key, signature, digests): what names it when a
+        check's answer leaves it out. Not the signature alone: a signature is not bound to one
+        message under every key the handshake admits (a small-order key's one signature verifies
+        for many statements), and two commitments with one signature but other digests must not
+        pass for each other."""
+        return blake3(packb(self.to_wire()), max_threads=1).digest()
 
     def parts_of(self, reducer: PeerID) -> bytes | None:
         wanted = reducer.to_bytes()

@@ -2,14 +2,16 @@
 reducer aggregated for one part, each as its sender sent it with its sender's commitment.
 
 The answer leaves out what the asking sender already holds (``AskerHolds``): its own input, which
-it sent, and the commitments of the round it met itself as a reducer, named by their signatures in
-its request. Over a slow link the checks run after the round, before its averages are used, and
-the reducer's uplink carries every checker's answer at once: at 4 senders in 64 parts per shard
-(16 MiB over 100 Mbit/s) the asker's own row was a quarter of each answer and the senders'
-commitments another ninth, all of it bytes the asker had. Leaving them out changes nothing a check
-proves: the asker recomputes from its own input exactly as sent, and a commitment is the same
-statement whoever hands it over (the same signer's key and signature: Ed25519 signs one message
-per signature)."""
+it sent, and the commitments of the round it met itself as a reducer, named in its request by
+their fingerprints (``Commitment.fingerprint``). Over a slow link the checks run after the round,
+before its averages are used, and the reducer's uplink carries every checker's answer at once: at
+4 senders in 64 parts per shard (16 MiB over 100 Mbit/s) the asker's own row was a quarter of each
+answer and the senders' commitments another ninth, all of it bytes the asker had. Leaving them
+out changes nothing a check proves: the asker recomputes from its own input exactly as sent, and a
+commitment is left out only when the reducer's copy is the very one the asker holds, byte for byte
+(a sender that hands two reducers two different commitments, each validly signed, still has the
+reducer's copy sent in full). A request without ``held`` (a peer that predates it) gets the whole
+answer."""
 
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from peer import PeerID
 from peer.packing import packb, unpackb
 from peer.tensors import all_finite, tensor_bytes
 
-from .commitments import MAX_COMMITMENT_BYTES, SIGNATURE_BYTES, Commitment, SignedPart
+from .commitments import DIGEST_BYTES, MAX_COMMITMENT_BYTES, Commitment, SignedPart
 from .compression import codec_of
 from .robust import Aggregation
 
-__all__ = ["AskerHolds", "PartInputs", "MAX_ENCODED_BYTES_PER_VALUE", "MAX_HELD", "held_signatures"]
+__all__ = ["AskerHolds", "PartInputs", "MAX_ENCODED_BYTES_PER_VALUE", "MAX_HELD", "held_fingerprints"]
 
 # An encoded input is at most float32 (and a few bytes of header) per value.
 MAX_ENCODED_BYTES_PER_VALUE = 5
@@ -46,19 +48,20 @@ class AskerHolds:
     commitments: dict[PeerID, Commitment] = field(default_factory=dict)
 
     def request(self) -> list[bytes]:
-        """The signatures of the commitments we hold, as the check's request names them."""
-        return [commitment.signature for commitment in self.commitments.values()]
+        """The fingerprints of the commitments we hold, as the check's request names them."""
+        return [commitment.fingerprint for commitment in self.commitments.values()]
 
 
-def held_signatures(raw: Any) -> frozenset[bytes]:
-    """A check request's ``held`` field: the signatures of the commitments the asker holds
-    (raises ValueError on a malformed one)."""
+def held_fingerprints(raw: Any) -> frozenset[bytes] | None:
+    """A check request's ``held`` field: the fingerprints of the commitments the asker holds;
+    None where the request has none (an asker that predates it: it gets the whole answer).
+    Raises ValueError on a malformed one."""
     if raw is None:
-        return frozenset()
+        return None
     if not (isinstance(raw, list) and len(raw) <= MAX_HELD):
-        raise ValueError(f"held: a list of at most {MAX_HELD} signatures")
-    if not all(isinstance(s, bytes) and len(s) == SIGNATURE_BYTES for s in raw):
-        raise ValueError("held: malformed signature")
+        raise ValueError(f"held: a list of at most {MAX_HELD} fingerprints")
+    if not all(isinstance(f, bytes) and len(f) == DIGEST_BYTES for f in raw):
+        raise ValueError("held: malformed fingerprint")
     return frozenset(raw)
 
 
@@ -84,19 +87,21 @@ class PartInputs:
         return tensor_bytes(self.values[row]) if payload is None else payload
 
     def to_message(
-        self, asker: PeerID | None = None, held: frozenset[bytes] = frozenset()
+        self, asker: PeerID | None = None, held: frozenset[bytes] | None = None
     ) -> tuple[dict[str, Any], Any]:
         """The answer to ``asker``: the fields in the body; the inputs as sent, then their senders'
         commitments (msgpack, each its sender's whole round: group size x shards' parts x 32 bytes
         in all, more than a body's one record holds for a large model in a large group), in the
-        payload. The asker's own input goes as nothing (size 0, meta nil), and so does each
-        commitment whose signature ``held`` names (commitment size 0)."""
+        payload. Given ``held`` (the fingerprints the asker's request named), the asker's own
+        input goes as nothing (size 0, meta nil, commitment size 0), and so does each commitment
+        whose fingerprint ``held`` names (commitment size 0); without it, everything goes."""
         if len(self.signed) != len(self.senders):
             raise ValueError("every input needs its signed part")
-        mine = self.senders.index(asker) if asker in self.senders else None
+        mine = self.senders.index(asker) if held is not None and asker in self.senders else None
+        held = held or frozenset()
         payloads = [b"" if row == mine else self.row_payload(row) for row in range(len(self.senders))]
         commits = [
-            b"" if row == mine or s.commitment.signature in held else packb(s.commitment.to_wire())
+            b"" if row == mine or s.commitment.fingerprint in held else packb(s.commitment.to_wire())
             for row, s in enumerate(self.signed)
         ]
         body = {

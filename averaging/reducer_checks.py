@@ -22,7 +22,7 @@ from peer import Message, PeerHost, PeerID, Request, Router, RPCError
 from .commitments import Commitment, SignedPart, VerifiedSignatures, commit, part_digest
 from .compression import Codec, codec_of, get_codec
 from .group import GroupInfo, GroupMember
-from .part_inputs import held_signatures
+from .part_inputs import held_fingerprints
 from .partition import AllReducePlan
 from .reducer_shard import ReducerShard, ShardSigning
 from .robust import Aggregation
@@ -145,7 +145,7 @@ class ReducerChecks:
 
     async def _handle_check(self, request: Request) -> Message:
         body = request.body if isinstance(request.body, dict) else {}
-        held = held_signatures(body.get("held"))
+        held = held_fingerprints(body.get("held"))
         inputs = self.kept.answer(body.get("group_id"), body.get("part"), request.peer, trio.current_time())
         answer, payload = await _inline_if_small(inputs.values.numel(), inputs.to_message, request.peer, held)
         return Message(answer, payload)

@@ -12,8 +12,9 @@ and the clip radius it used. The reducer keeps them from the moment each part is
 ``KEEP_SECONDS`` after its round (the last ``KEPT_ROUNDS`` rounds, and older ones within
 ``KEPT_VALUES``). The sender then
 
-1. finds its own contribution and weight among the inputs, exactly as it sent them (unless the
-   reply named the part's contributors without us: a reducer drops a sender that falls silent
+1. finds its own weight among the inputs, as it sent it, and takes its own contribution as it
+   sent it (the answer leaves it out, ``part_inputs.py``; an answer that carries it must carry it
+   exactly) (unless the reply named the part's contributors without us: a reducer drops a sender that falls silent
    for a stall interval and says so openly, and the sender's values for that part then stay in
    its own error feedback; that is the round's fault handling, not a lie, and the rest of the
    check judges the aggregate of the inputs the reducer did take); requires
@@ -333,16 +334,15 @@ def _chunks_verdict(
 ) -> tuple[str | None, float]:
     """``sparse_reply_verdict``'s rules 1-3 for chunks of ``length`` values, one per row (the
     first at ``first``), all at once: why the first chunk that breaks one does, or None and the
-    rounding (rule 4) the chunks' kept values allow, squared."""
+    rounding (rule 4) the chunks' kept values allow, squared and summed in chunk order."""
     keep = kept_per_chunk(length)
     counts = mask.sum(dim=1)
     threshold = torch.topk(magnitudes, keep, dim=1).values[:, -1]
     lowest_kept = torch.where(mask, magnitudes, math.inf).min(dim=1).values
     highest_kept = torch.where(mask, magnitudes, -math.inf).max(dim=1).values
-    highest_left = torch.where(mask, -math.inf, magnitudes).max(dim=1).values
     too_many = counts > keep
     too_low = (counts > 0) & (lowest_kept < threshold - margin)
-    left_out = highest_left > threshold + margin
+    left_out = ((magnitudes > (threshold + margin)[:, None]) & ~mask).any(dim=1)
     broken = torch.nonzero(too_many | too_low | left_out)
     if len(broken):
         row = int(broken[0, 0])
@@ -354,7 +354,10 @@ def _chunks_verdict(
         return f"its reply leaves out a value among the largest {keep} of the chunk at {start}", 0.0
     some = counts > 0
     spans = highest_kept[some] - lowest_kept[some] + margin
-    return None, float((counts[some].double() * (spans / 256) ** 2).sum())
+    rounding = 0.0
+    for term in (counts[some].double() * (spans / 256) ** 2).tolist():  # (summed in chunk order)
+        rounding += term
+    return None, rounding
 
 
 def pairwise_distances(values: torch.Tensor, trusted: int) -> np.ndarray:
