@@ -168,8 +168,31 @@ class Identity:
         return self._private_key.sign(message)
 
 
+# Ed25519's points of small order, as public keys (sign bit cleared, so each point's other
+# encoding too; and 0 and 1 written as p and p + 1, which OpenSSL also decodes): a key among them
+# has no private key behind it, and its signatures verify for many statements at once (the neutral
+# point's one signature, R = the neutral point and s = 0, for every statement), so anyone could
+# sign as its peer ID, and a signature would not name one statement. libsodium refuses the same.
+_FIELD_PRIME = 2**255 - 19
+SMALL_ORDER_KEYS = frozenset(
+    [
+        (0).to_bytes(32, "little"),  # order 4
+        (1).to_bytes(32, "little"),  # the neutral point
+        bytes.fromhex("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05"),  # order 8
+        bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"),  # order 8
+        (_FIELD_PRIME - 1).to_bytes(32, "little"),  # order 2
+        _FIELD_PRIME.to_bytes(32, "little"),  # 0, not reduced
+        (_FIELD_PRIME + 1).to_bytes(32, "little"),  # 1, not reduced
+    ]
+)
+
+
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
-    """True if ``signature`` is ``public_key``'s Ed25519 signature of ``message``; never raises."""
+    """True if ``signature`` is ``public_key``'s Ed25519 signature of ``message``; never raises.
+    A small-order key (``SMALL_ORDER_KEYS``) verifies nothing."""
+    if isinstance(public_key, bytes) and len(public_key) == 32:
+        if public_key[:31] + bytes([public_key[31] & 0x7F]) in SMALL_ORDER_KEYS:
+            return False
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
     except (InvalidSignature, ValueError, TypeError):

@@ -53,3 +53,20 @@ def test_addresses_parse_with_and_without_pin():
     for bad in ("nohost", "host:", "host:99999", ":80", "h:1/notbase58!"):
         with pytest.raises(ValueError):
             PeerAddress.parse(bad)
+
+
+def test_a_small_order_key_verifies_no_signature():
+    """Such a key has no private key behind it: the neutral point's one signature (R = the neutral
+    point, s = 0) verified for every statement under it, and for a share of statements under each
+    other small-order key, so anyone could sign as its peer ID; OpenSSL accepts them all, also
+    with the sign bit set and 0 and 1 not reduced."""
+    from peer.identity import SMALL_ORDER_KEYS, verify_signature
+
+    signature = (1).to_bytes(32, "little") + bytes(32)
+    assert len(SMALL_ORDER_KEYS) == 7
+    for key in SMALL_ORDER_KEYS:
+        for encoding in (key, key[:31] + bytes([key[31] | 0x80])):
+            assert not any(verify_signature(encoding, signature, os.urandom(16)) for _ in range(64))
+    identity = Identity.generate()
+    assert verify_signature(identity.public_key, identity.sign(b"statement"), b"statement")
+    assert not verify_signature(identity.public_key, signature, b"statement")
