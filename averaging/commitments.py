@@ -102,11 +102,11 @@ class Commitment:
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
-        """BLAKE3-256 of the whole commitment (key, signature, digests): what names it when a
-        check's answer leaves it out. Not the signature alone: a signature is not bound to one
-        message under every key the handshake admits (a small-order key's one signature verifies
-        for many statements), and two commitments with one signature but other digests must not
-        pass for each other."""
+        """BLAKE3-256 of the whole commitment (key, signature, digests; its msgpack as
+        ``to_wire`` writes it): what names it when a check's answer leaves it out. By its whole
+        content, not by its signature: two commitments with one signature and other digests must
+        never pass for each other, whatever keys a verifier admits (a small-order key, which
+        ``peer.identity.verify_signature`` refuses, signs many statements with one signature)."""
         return blake3(packb(self.to_wire()), max_threads=1).digest()
 
     def parts_of(self, reducer: PeerID) -> bytes | None:

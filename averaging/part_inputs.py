@@ -54,14 +54,12 @@ class AskerHolds:
 
 def held_fingerprints(raw: Any) -> frozenset[bytes] | None:
     """A check request's ``held`` field: the fingerprints of the commitments the asker holds;
-    None where the request has none (an asker that predates it: it gets the whole answer).
-    Raises ValueError on a malformed one."""
-    if raw is None:
-        return None
+    None where the request has none or names them in any other form (an asker that predates it,
+    or one of another version): it gets the whole answer, which every asker can judge."""
     if not (isinstance(raw, list) and len(raw) <= MAX_HELD):
-        raise ValueError(f"held: a list of at most {MAX_HELD} fingerprints")
+        return None
     if not all(isinstance(f, bytes) and len(f) == DIGEST_BYTES for f in raw):
-        raise ValueError("held: malformed fingerprint")
+        return None
     return frozenset(raw)
 
 

@@ -13,8 +13,8 @@ and the clip radius it used. The reducer keeps them from the moment each part is
 ``KEPT_VALUES``). The sender then
 
 1. finds its own weight among the inputs, as it sent it, and takes its own contribution as it
-   sent it (the answer leaves it out, ``part_inputs.py``; an answer that carries it must carry it
-   exactly) (unless the reply named the part's contributors without us: a reducer drops a sender that falls silent
+   sent it (the answer leaves it out, ``part_inputs.py``, or carries it exactly), unless the
+   reply named the part's contributors without us (a reducer drops a sender that falls silent
    for a stall interval and says so openly, and the sender's values for that part then stay in
    its own error feedback; that is the round's fault handling, not a lie, and the rest of the
    check judges the aggregate of the inputs the reducer did take); requires
