@@ -278,21 +278,28 @@ async def test_a_caught_reducer_is_left_out_of_the_groups_that_caught_it():
         nursery.cancel_scope.cancel()
 
 
+async def honest_checked_round(nursery, **options):
+    """A centered-clip round of 4 honest peers, in which every peer checks the 3 other reducers and
+    every check holds; returns the peers and the group."""
+    peers = await start_with_liar(nursery, 4, liar=-1)
+    group = make_group(peers)
+    tensors = [random_tensors(i) for i in range(4)]
+    results = {}
+    await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", **options)
+    for i in range(4):
+        assert results[i].succeeded, results[i]
+        assert len(results[i].reducer_checks) == 3
+        verdicts = [verdict for _reducer, verdict in results[i].reducer_checks.values()]
+        assert all(verdict is None for verdict in verdicts), verdicts
+    return peers, group
+
+
 @pytest.mark.parametrize("codec", ["float16", "uint8", "blockwise_8bit", "topk_2bit", "topk_4bit"])
 async def test_honest_reducers_pass_their_checks_with_lossy_codecs(codec):
     """With a sparse codec a reducer's answer states every input, its own too, in the codec's few
     bytes: its own row as float32 made a check cost 30x the round's traffic."""
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=-1)
-        group = make_group(peers)
-        tensors = [random_tensors(i) for i in range(4)]
-        results = {}
-        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip", codec=codec)
-        for i in range(4):
-            assert results[i].succeeded, results[i]
-            assert len(results[i].reducer_checks) == 3
-            verdicts = [verdict for _reducer, verdict in results[i].reducer_checks.values()]
-            assert all(verdict is None for verdict in verdicts), verdicts
+        peers, group = await honest_checked_round(nursery, codec=codec)
         if get_codec(codec).sparse:
             answer = peers[0].service.checks.kept.answer(group.group_id, 0, peers[1].host.peer_id, trio.current_time())
             size = get_codec(codec).payload_size(answer.values.shape[1])
@@ -341,14 +348,7 @@ async def test_a_checked_round_verifies_each_commitment_once_per_peer(monkeypatc
 
     monkeypatch.setattr(averaging.commitments, "verify_signature", counted)
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=-1)
-        group = make_group(peers)
-        tensors = [random_tensors(i) for i in range(4)]
-        results = {}
-        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip")
-        for i in range(4):
-            assert results[i].succeeded and len(results[i].reducer_checks) == 3
-            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        await honest_checked_round(nursery)
         # each of 4 peers, the 3 others' commitments (its own it never verifies)
         assert len(calls) == 4 * 3
         nursery.cancel_scope.cancel()
@@ -370,14 +370,7 @@ async def test_a_check_answer_in_a_real_round_carries_only_what_its_asker_lacks(
 
     monkeypatch.setattr(PartInputs, "to_message", recorded)
     async with trio.open_nursery() as nursery:
-        peers = await start_with_liar(nursery, 4, liar=-1)
-        group = make_group(peers)
-        tensors = [random_tensors(i) for i in range(4)]
-        results = {}
-        await run_round(peers, group, tensors, [1.0] * 4, results, aggregation="centered-clip")
-        for i in range(4):
-            assert results[i].succeeded and len(results[i].reducer_checks) == 3
-            assert all(verdict is None for _reducer, verdict in results[i].reducer_checks.values())
+        await honest_checked_round(nursery)
         assert len(answers) == 4 * 3
         for (senders, part_size), body, size in answers:
             assert senders == 4 and size == 3 * 4 * part_size
