@@ -3,7 +3,9 @@ asks for, feeds back answers and failures, and hedges value lookups.
 
 A value lookup starts with one request to the nearest known peer, which holds the value almost
 always; if it has not answered within a few smoothed round trips (``HedgeTimer``), the lookup opens up
-to alpha requests (The Tail at Scale, Dean & Barroso 2013).
+to alpha requests (The Tail at Scale, Dean & Barroso 2013). Any request unanswered for longer
+(``HedgeTimer.stall_delay``) is stalled (``IterativeLookup.stall``): the lookup asks another in its
+place instead of waiting out the request's timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ log = logging.getLogger("peerd.dht")
 # noise rather than a slow peer delays the answer).
 INITIAL_RTT = 0.01
 MIN_HEDGE_DELAY = 0.002
+# A request is stalled after this many smoothed times to a first answer, and never sooner than
+# STALL_FLOOR: a first answer comes from the fastest of several peers, most often over a connection
+# already open; below half a second a loaded machine's scheduling delays would stall live peers. A
+# request that dials first waits DIAL_STALL times as long: TCP's and the Noise handshake's round
+# trips come before the request's (in the simulated internet, with every connection retired, a
+# lookup that stalled dials as soon as requests stored on 15 of 20 holders). Until its own
+# deadline, a stalled peer's answer still counts.
+STALL_RTTS = 8
+STALL_FLOOR = 0.5
+DIAL_STALL = 2
 
 
 @dataclass
@@ -60,6 +72,38 @@ class HedgeTimer:
 
     def observe(self, seconds: float) -> None:
         self.rtt += 0.1 * (seconds - self.rtt)
+
+    def stall_delay(self, dialling: bool = False) -> float:
+        """How long a lookup waits for one request (``dialling``: to a peer it first connects to)
+        before asking another in its place."""
+        delay = max(STALL_RTTS * self.rtt, STALL_FLOOR) * (DIAL_STALL if dialling else 1)
+        return min(delay, self.ceiling * (DIAL_STALL if dialling else 1))
+
+
+class Stalls:
+    """A lookup's requests in flight and when each is due to be stalled, unanswered by then. Sans
+    I/O: the caller passes the times."""
+
+    def __init__(self) -> None:
+        self._due: dict[bytes, tuple[Contact, float]] = {}
+
+    def sent(self, contact: Contact, due_at: float) -> None:
+        self._due[contact.id] = (contact, due_at)
+
+    def settled(self, contact: Contact) -> None:
+        """``contact`` answered or failed."""
+        self._due.pop(contact.id, None)
+
+    def next_at(self) -> float:
+        """When the next request still watched is due (inf: none is)."""
+        return min((due_at for _, due_at in self._due.values()), default=math.inf)
+
+    def due(self, now: float) -> list[Contact]:
+        """The requests due by ``now``; no longer watched."""
+        due = [contact for contact, due_at in self._due.values() if due_at <= now]
+        for contact in due:
+            del self._due[contact.id]
+        return due
 
 
 class LookupDriver:
@@ -99,6 +143,7 @@ class LookupDriver:
         if narrow:
             search.start_narrow()
         started, first_answer = trio.current_time(), True
+        stalls = Stalls()
 
         async def query(contact: Contact) -> None:
             # (the entries of a dictionary found so far are named, so that this holder sends only
@@ -121,14 +166,23 @@ class LookupDriver:
             async with trio.open_nursery() as nursery:
                 while not (stop_on_value and found is not None):
                     for contact in search.next_queries():
+                        dialling = contacts.host.connection_to(contact.peer_id) is None
+                        stalls.sent(contact, trio.current_time() + self.hedging.stall_delay(dialling))
                         nursery.start_soon(query, contact)
                     if search.done or search.in_flight == 0:
                         break
-                    answer = await self._answer(search, receive, narrow)
+                    answer = None
+                    with trio.move_on_at(stalls.next_at()) as waiting:
+                        answer = await self._answer(search, receive, narrow)
+                    if waiting.cancelled_caught:  # a request went unanswered too long: ask others in its place
+                        for contact in stalls.due(trio.current_time()):
+                            search.stall(contact)
+                        continue
                     narrow = False
                     if answer is None:
                         continue
                     contact, parsed = answer
+                    stalls.settled(contact)
                     if parsed is not None and first_answer:
                         first_answer = False
                         self.hedging.observe(trio.current_time() - started)

@@ -14,13 +14,26 @@ from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
 
+def told_everyone(swarm, behind: list[int]) -> bool:
+    """Every peer behind NAT has told each peer connected to it its relayed addresses (a
+    reservation is pushed to the connections after it is made, a round trip later)."""
+    for index in behind:
+        peer = swarm.nodes[index].peer_id
+        for other in swarm.alive():
+            connection = swarm.nodes[other].host.connection_to(peer)
+            announced = connection.remote_listen_address if connection is not None else None
+            if announced is not None and announced.relay is None:
+                return False
+    return True
+
+
 async def test_peers_behind_nat_ask_the_dht_and_stay_out_of_every_routing_table(autojump_clock):
     network = SimNetwork(seed=11)
     async with open_sim_swarm(network, 16, nat_fraction=0.4) as swarm:
         behind = sorted(swarm.behind_nat)
         assert 3 <= len(behind) <= 12
         with trio.fail_after(120):
-            while not all(swarm.traversals[i].client.reserved for i in behind):
+            while not all(swarm.traversals[i].client.reserved for i in behind) or not told_everyone(swarm, behind):
                 await trio.sleep(1)
         # (before it knew, a peer behind NAT served those it had dialed: its hello named its listen port)
         served = {index: swarm.nodes[index].requests_served for index in behind}

@@ -178,3 +178,39 @@ async def test_a_quiet_swarm_s_nodes_sleep_until_they_have_something_to_do(autoj
     # (a check of idle connections every 15 s and of stale buckets every 60 s remain: ~23; 83 when
     # each node looked for lost contacts every second)
     assert counted.steps / nodes / minutes < 40
+
+
+@pytest.mark.parametrize("connected", [False, True])
+async def test_a_lookup_that_meets_a_departed_peer_asks_another_instead_of_waiting_out_its_timeout(
+    autojump_clock, connected
+):
+    # The departed node is the key's nearest, so every lookup of the key asks it (it stays in the
+    # tables of the nodes that have not called it since). A request to it stalls after a few round
+    # trips (at least STALL_FLOOR); the lookup asks the next nearest in its place and finishes with
+    # the live holders, instead of waiting for the dial (DIAL_RPCS request deadlines) or the request
+    # on the open connection (one deadline) to time out.
+    config = DHTConfig()
+    async with open_sim_swarm(SimNetwork(seed=33), 24, config=config) as swarm:
+        departed = swarm.nodes[5]
+        key = next(k for k in (f"near-{n}" for n in range(1000)) if nearest_node(swarm, k) is departed)
+        if not connected:
+            await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)  # the connections of the joins retired
+        writer = next(
+            node
+            for node in swarm.nodes[6:]
+            if departed.peer_id in node.routing_table
+            and (node.host.connection_to(departed.peer_id) is not None) == connected
+        )
+        swarm.leave(5)
+        started = trio.current_time()
+        assert await writer.store(key, "value", swarm.clock.time() + 600)
+        took = trio.current_time() - started
+        assert took < config.rpc_timeout, took  # (before the stall rule: 2 s on a connection, 4 s dialling)
+        holders = [node for node in swarm.nodes if node.records.found(pack(key)) is not None]
+        assert len(holders) >= config.k - 4 and departed not in holders
+        got = await swarm.nodes[1].get(key)
+        assert got is not None and got.value == "value"
+
+
+def nearest_node(swarm, key: str):
+    return min(swarm.nodes, key=lambda node: node.node_id ^ key_id(pack(key)))

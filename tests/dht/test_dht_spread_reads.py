@@ -1,5 +1,5 @@
 """Reads of the newest value spread over a key's holders (``DHTConfig.latest_read_holders``,
-``dht.lookup.spread_order``): each read asks a random draw of the k nearest instead of all of them,
+``dht.candidates.spread_order``): each read asks a random draw of the k nearest instead of all of them,
 so the holders of a popular key (a matchmaking cell's, read by each of its peers every round)
 carry a share of its reads, not every one. Sans I/O: a network of placed contacts answers."""
 

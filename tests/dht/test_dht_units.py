@@ -193,6 +193,51 @@ def test_lookup_failures_drop_out_and_narrow_start():
     assert search.done and first.id not in {c.id for c in search.closest()}
 
 
+def test_a_stalled_request_frees_its_place_and_holds_the_lookup_only_while_answers_are_fewer():
+    initial = [contact(i) for i in range(1, 7)]
+    search = IterativeLookup(0, initial, k=4, alpha=2)
+    slow, second = search.next_queries()
+    search.stall(slow)  # unanswered for long: another is asked in its place
+    (third,) = search.next_queries()
+    assert slow.id not in {c.id for c in [second, third]} and search.in_flight == 3
+    search.on_response(second, [])
+    search.on_response(third, [])
+    while batch := search.next_queries():  # the stalled one is not asked again
+        assert slow.id not in {c.id for c in batch}
+        for c in batch:
+            search.on_response(c, [])
+    assert search.done  # the 4 nearest that did not stall answered; 4 answers outnumber 1 stalled
+    assert slow.id not in {c.id for c in search.closest()}
+    search.on_response(slow, [])  # its answer, while the lookup runs, still counts
+    assert slow.id in {c.id for c in search.closest()} and search.in_flight == 0
+
+
+def test_stalled_requests_that_outnumber_the_answers_are_waited_for():
+    search = IterativeLookup(0, [contact(i) for i in range(1, 4)], k=20, alpha=3)
+    first, second, third = search.next_queries()
+    search.stall(first)
+    search.stall(second)
+    search.on_response(third, [])
+    assert not search.done and search.in_flight == 2  # one answer, two stalled: wait
+    search.on_failure(first)  # a stalled request that fails drops out
+    assert search.in_flight == 1 and not search.done  # one answer against one stalled
+    search.on_response(second, [])
+    assert search.done and {c.id for c in search.closest()} == {second.id, third.id}
+
+
+def test_a_lookup_that_draws_its_holders_asks_a_spare_for_a_stalled_request():
+    search = IterativeLookup(0, [contact(i) for i in range(1, 21)], k=20, quorum=2, window=20, salt=b"s")
+    asked = search.next_queries()
+    assert len(asked) == 2
+    search.stall(asked[0])
+    (spare,) = search.next_queries()
+    assert spare.id not in {c.id for c in asked}
+    assert search.in_flight == 3  # the stalled one still counts as asked; its answer fills the quorum
+    search.on_response(asked[0], [])
+    search.on_response(asked[1], [])
+    assert search.done
+
+
 # ---------------------------------------------------------------------- storage
 def test_storage_newer_wins_and_expiry():
     clock = [NOW]
