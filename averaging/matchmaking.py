@@ -6,11 +6,12 @@
    squat on, another peer's place in a group. A swarm of more than a few groups declares in cells
    instead, one key each (``cells.py``), their number from a census of the DHT that every peer
    takes alike; a peer reads only its own cell, so a read costs the same at any swarm size.
-2. After a settle time (as long as its own store took, at least ``DEFAULT_SETTLE``) it reads all
-   declarations, keeps those with its schema and round, and applies ``propose_group`` (the Moshpit
-   grid rule; the first member declaring a direct address leads): everyone computes the same leader
-   from the same declarations. The settle time ends early once every peer of
-   the view that formed this peer's last group has declared the new round (``view_settled``).
+2. After a settle time (as long as its own store took to land on most holders, not on all: one
+   that left would hold it to its deadline; at least ``DEFAULT_SETTLE``) it reads all declarations,
+   keeps those with its schema and round, and applies ``propose_group`` (the Moshpit grid rule; the
+   first member declaring a direct address leads): everyone computes the same leader from the same
+   declarations. The settle time ends early once every peer of the view that formed this peer's
+   last group has declared the new round (``view_settled``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
    and a fresh group ID. Reads can differ (a store that has not yet reached every holder): a
@@ -346,17 +347,16 @@ class Matchmaker:
         return None
 
     async def declare(self, me: Declaration, timeout: float) -> float:
-        """Store our declaration under our own signed subkey, to live as long as the round;
-        returns how long the store took (a withdrawal from the cell we left aside)."""
+        """Store our declaration under our own signed subkey, to live as long as the round; how long
+        it took to land on most holders (the rest get it in the background; so does a withdrawal)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key, left = self.key(me.round), self._declared_key
         self._declared_key, started = key, trio.current_time()
         async with trio.open_nursery() as nursery:
             if left not in (None, key):  # moved cells: the old one must not expect us (at once)
                 nursery.start_soon(self.withdraw, left)
-            await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey)
-            stored_in = trio.current_time() - started
-        return stored_in
+            await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey, majority=True)
+            return trio.current_time() - started
 
     async def withdraw(self, key: str | None = None) -> None:
         """Take our declaration back (we are leaving; ``key``: a cell we left): until it expired,
