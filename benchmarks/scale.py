@@ -11,10 +11,10 @@ growth table: per peer per round the CPU seconds, bytes and segments sent, the D
 swarm served and the connections it made (each a handshake: the protocol's own work, which a peer
 pays in a process of its own, while the CPU of N peers in one process also grows with their shared
 heap); the DHT requests served by the busiest and by the median node (of the DHT's servers: peers
-behind NAT are its clients); memory per peer
-(resident-set growth over the run ÷ N, each row in a process of its own); the calm rounds until
-the swarm agreed; the fraction of the steps of peers that stayed that averaged (and of those
-behind NAT, with the direct connections hole punching made).
+behind NAT are its clients); memory per peer (resident-set growth over the run ÷ N, each row in
+a process of its own); the calm rounds until the swarm agreed; the median round's simulated
+seconds; the fraction of the steps of peers that stayed that averaged (and of those behind NAT,
+with the direct connections hole punching made).
 
 Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
 nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
@@ -37,6 +37,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -97,6 +98,7 @@ def averaging_row(peers: int, seed: int, nat_fraction: float) -> dict[str, Any]:
         "busiest_node_load_ratio": round(report.busiest_node_load_ratio, 2),
         "memory_per_peer_mb": round(max(0.0, resident_mb() - before) / peers, 2),
         "rounds_to_agree": report.rounds_to_agree,
+        "median_round_s": round(statistics.median(report.round_s), 1) if report.round_s else None,
         "averaged_fraction": round(report.averaged_fraction, 4),
         "behind_nat": report.behind_nat,
         "averaged_fraction_behind_nat": _rounded(report.averaged_fraction_behind_nat, 4),
@@ -239,7 +241,7 @@ def main() -> None:
     print(
         f"{'peers':>6} {'cpu/peer/round':>15} {'KB/peer/round':>14} {'busiest/median':>15} "
         f"{'MB/peer':>8} {'agree':>6} {'averaged':>9} {'behind NAT':>11} {'DHT req/peer/round':>19} "
-        f"{'conns/peer/round':>17} {'real s':>7}"
+        f"{'conns/peer/round':>17} {'round s':>8} {'real s':>7}"
     )
     for size in peers:
         row = in_own_process("averaging", size, args.seed, args.nat_fraction)
@@ -250,7 +252,7 @@ def main() -> None:
             f"{str(row['rounds_to_agree']):>6} {row['averaged_fraction']:>9.4f} "
             f"{str(row['averaged_fraction_behind_nat']):>11} "
             f"{row['dht_requests_per_peer_round']:>19.1f} {row['connections_per_peer_round']:>17.2f} "
-            f"{row['real_s']:>7.1f}",
+            f"{str(row['median_round_s']):>8} {row['real_s']:>7.1f}",
             flush=True,
         )
     dht_rows = []

@@ -73,6 +73,10 @@ async def test_a_churning_partitioned_swarm_averages_and_agrees(autojump_clock, 
     assert report.rounds_to_agree is not None, summary
     assert report.rounds_to_agree <= agreement_bound(scenario), summary
     assert report.max_deviation <= scenario.tolerance, summary
+    # a round lasts as long as its stayers' steps: a departed peer's step ends with its machine
+    assert all(
+        whole <= slowest + 0.5 for whole, slowest in zip(report.round_s, report.slowest_stayer_s, strict=True)
+    ), summary
     # every newcomer averaged, soon enough; one that churn took away again had not had that long
     gone = report.newcomers_gone_unaveraged_s
     assert len(report.newcomer_first_average_s) == report.newcomers - len(gone), summary

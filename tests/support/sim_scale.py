@@ -87,6 +87,10 @@ class ScaleReport:
     steps_behind_nat: int = 0  # of the stayers' steps counted above, those of peers behind NAT
     averaged_steps_behind_nat: int = 0
     punched: int = 0  # direct connections that hole punching made
+    # per round: its simulated seconds, and those of its slowest stayer's step (a departed peer's
+    # step ends with its machine: a round lasts as long as its stayers' steps)
+    round_s: list[float] = field(default_factory=list)
+    slowest_stayer_s: list[float] = field(default_factory=list)
 
     @property
     def averaged_fraction(self) -> float:
@@ -125,6 +129,7 @@ class ScaleRun:
         self.picks = random.Random(f"sim-scale-{scenario.seed}")
         self.averagers: dict[int, GroupAverager] = {}
         self.joined_at: dict[int, float] = {}  # newcomers: when they joined
+        self.stepping: dict[int, trio.CancelScope] = {}  # the round's steps, which a departure ends
         self.generator = torch.Generator().manual_seed(scenario.seed)
 
         self.options = {
@@ -147,15 +152,20 @@ class ScaleRun:
         peers that stayed for the whole round and those of them that averaged."""
         present = set(self.live())
         averaged: set[int] = set()
+        started, ended = trio.current_time(), {}
 
         async def step(index: int) -> None:
-            try:
-                await self.averagers[index].step(timeout=self.scenario.round_timeout)
-            except Exception:  # a failed round (the swarm is turbulent): counted, not raised
-                return
-            averaged.add(index)
-            if index in self.joined_at:
-                self.report.newcomer_first_average_s.append(trio.current_time() - self.joined_at.pop(index))
+            with trio.CancelScope() as self.stepping[index]:  # (the peer's machine may go off meanwhile)
+                try:
+                    await self.averagers[index].step(timeout=self.scenario.round_timeout)
+                except Exception:  # a failed round (the swarm is turbulent): counted, not raised
+                    return
+                finally:
+                    self.stepping.pop(index, None)
+                    ended[index] = trio.current_time()
+                averaged.add(index)
+                if index in self.joined_at:
+                    self.report.newcomer_first_average_s.append(trio.current_time() - self.joined_at.pop(index))
 
         async with trio.open_nursery() as round_nursery:
             if churn and self.scenario.churn_per_minute > 0:
@@ -166,6 +176,10 @@ class ScaleRun:
                         steps.start_soon(step, index)
             round_nursery.cancel_scope.cancel()
         stayed = present - self.swarm.gone
+        self.report.round_s.append(trio.current_time() - started)
+        self.report.slowest_stayer_s.append(
+            max((ended.get(i, trio.current_time()) for i in stayed), default=started) - started
+        )
         return stayed, averaged & stayed
 
     async def churn(self) -> None:
@@ -176,6 +190,8 @@ class ScaleRun:
             candidates = [index for index in self.live() if index != 0]
             leaving = self.picks.choice(candidates)
             self.swarm.leave(leaving)
+            if (stepping := self.stepping.pop(leaving, None)) is not None:
+                stepping.cancel()  # its process is gone with its machine
             self.report.departures += 1
             joined = self.joined_at.pop(leaving, None)
             if joined is not None:  # a newcomer leaves before it averaged: how long it had
