@@ -121,6 +121,13 @@ class Gathering:
         self.expected = self.expected | (found & named)
         self._changed()
 
+    def not_coming(self, peer: PeerID) -> None:
+        """An expected member that has not joined is gone, or has its group for the round
+        elsewhere (``stragglers.py``): the group forms without waiting for it."""
+        if peer in self.expected and peer not in self.joined:
+            self.expected = self.expected - {peer}
+            self._changed()
+
     def withdraw(self, peer: PeerID) -> None:
         """A follower stopped waiting before the group formed: it must not become a member that
         never shows up (the others would wait a whole sender deadline for it)."""

@@ -23,12 +23,13 @@ from collections.abc import Callable
 
 import trio
 
-from peer import PeerID
+from peer import PeerID, Router
 
 from .gathering import ANSWER_MARGIN, Declaration, Gathering, joiner_view
 from .group import MAX_GROUP_SIZE
+from .stragglers import HERE_METHOD, here_answer
 
-__all__ = ["Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
+__all__ = ["JOIN_METHOD", "Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
 
 # No more joins than one group's members wait for our choice: an honest swarm sends us at most
 # the followers of one group.
@@ -46,6 +47,9 @@ class NotLeading(Exception):
 NOT_LEADING = NotLeading.__name__
 
 
+JOIN_METHOD = "avg.join"
+
+
 class Joins:
     """Serves ``avg.join`` for one matchmaker: what its matchmaking is doing decides a join's
     fate. ``choosing``: our declaration while we match for its round and have not chosen a role
@@ -58,6 +62,19 @@ class Joins:
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
+
+    def serve(self, router: Router, prefix: str) -> str:
+        """Serve joins (and leaders' questions: ``stragglers.py``) for ``prefix`` on ``router``;
+        returns the join method's name."""
+        method = f"{JOIN_METHOD}.{prefix}"
+        try:
+            router.add_unary(method, self.handle)
+            router.add_unary(f"{HERE_METHOD}.{prefix}", self.here)
+        except ValueError as error:  # two on one peer would share its peer ID, declarations and joins
+            raise ValueError(
+                f"this peer already averages under prefix {prefix!r}; each averager on a peer needs its own prefix"
+            ) from error
+        return method
 
     def choosing(self, me: Declaration | None) -> None:
         """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
@@ -106,6 +123,11 @@ class Joins:
         if gathering.formed is None or gathering.formed.member(request.peer) is None:
             raise ValueError("the group did not form")
         return gathering.formed.to_wire()
+
+    async def here(self, request) -> str:
+        """A leader that expects us in its group for a round asks whether we still match for it
+        (``stragglers.py``)."""
+        return here_answer(self._matched_round, request.body)
 
     def _would_wait(self, joiner: Declaration) -> bool:
         me = self._choosing

@@ -76,12 +76,12 @@ from .matchmaking_rules import (
     view_settled,
 )
 from .retry_pause import FIRST_RETRY_PAUSE, back_off
+from .stragglers import HERE_METHOD, asker, stop_waiting_for_stragglers
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
 log = logging.getLogger("peerd.averaging")
 
-JOIN_METHOD = "avg.join"
 # Declarations need a moment to reach the k nearest DHT peers before anyone reads them: 0.5 s, or as
 # long as our own store took if longer (the others' take about as long; across the internet a
 # lookup takes several round trips), that at most a quarter of the deadline, the rest for joining.
@@ -105,7 +105,7 @@ WITHDRAWAL_TTL = 5.0
 
 
 class Matchmaker:
-    """Runs matchmaking for one prefix on one peer; serves ``avg.join`` for it."""
+    """Runs matchmaking for one prefix on one peer; serves ``avg.join`` (and ``avg.here``) for it."""
 
     def __init__(
         self,
@@ -129,15 +129,7 @@ class Matchmaker:
         self.census = Census(prefix)
         self._look_around: set[int] = set()  # (this round's) other counts to read once, after a census
         self._declared_key: str | None = None  # where our live declaration is, to withdraw it
-        router = router or host.router
-        method = f"{JOIN_METHOD}.{prefix}"
-        try:
-            router.add_unary(method, self.joins.handle)
-        except ValueError as error:  # two on one peer would share its peer ID, declarations and joins
-            raise ValueError(
-                f"this peer already averages under prefix {prefix!r}; each averager on a peer needs its own prefix"
-            ) from error
-        self._join_method = method
+        self._join_method = self.joins.serve(router or host.router, prefix)
 
     def key(self, round_number: int, cells: Cells | None = None) -> str:
         """The DHT key this peer declares under, and reads, for ``round_number``."""
@@ -231,7 +223,8 @@ class Matchmaker:
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
                         confirm = self._confirmer(me, candidates, target_group_size, min_group_size, unreachable)
-                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm)
+                        ask = asker(self.host, f"{HERE_METHOD}.{self.prefix}", candidates, me.round)
+                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
                         self.joins.choosing(None)  # (joins that wait for us are refused: we follow)
@@ -433,18 +426,21 @@ class Matchmaker:
         deadline: float,
         hold_open: trio.Event | None = None,
         confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
+        ask: Callable[[PeerID], Awaitable[str | None]] | None = None,
     ) -> GroupInfo:
         """As the elected leader of ``me``'s round: admit joins until the ``expected`` members all
         asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
         MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
-        name members we do not expect."""
+        name members we do not expect; ``ask``: whether a missing member still comes (``stragglers.py``)."""
         gathering = Gathering(me, expected, target)
         self.joins.open(gathering)
         try:
             async with trio.open_nursery() as waking:
                 if hold_open is not None:
                     waking.start_soon(gathering.changed_when(hold_open))
+                if ask is not None:
+                    waking.start_soon(stop_waiting_for_stragglers, gathering, ask)
                 # Wait for the expected members (and, held open, for latecomers), but not for the
                 # whole deadline: leave the followers time to receive the answer and the all-reduce
                 # time to start.

@@ -1,0 +1,95 @@
+"""A leader's expected members that do not come: asked whether they still match for the round.
+
+A leader waits for every member its read of the declarations put in its group, until its most
+impatient follower gives up (half the time the follower had left). A member whose machine went off
+after it declared never comes, and neither does one that has its group for the round already (its
+own read put it in another: views differ by a declaration); each cost its group that whole wait (in
+the simulated churning swarm of 32 peers, 30 s of the round's 60-s deadline, in a round of three).
+
+So once half of the expected members joined, the leader asks each member still missing
+(``HERE_METHOD``, naming the round). One that does not answer within ``PROBE_DEADLINE`` (gone with
+its machine, or cut off) or answers that it has its group for the round is not waited for; one that
+answers that it still matches (it follows another leader, which may yet fail it) is asked again
+``PROBE_SPACING`` later, ``PROBES`` times at most. Any other answer (a refusal: a peer that predates
+the question, one in client mode) keeps the wait as it was. A member's answer can only shorten the
+wait for that member, never admit anyone: a liar gains nothing it could not by not joining.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+import trio
+
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, RPCError
+
+from .gathering import Declaration, Gathering
+from .group import is_counter
+
+__all__ = ["GONE", "HERE_METHOD", "MATCHED", "MATCHING", "asker", "here_answer", "stop_waiting_for_stragglers"]
+
+HERE_METHOD = "avg.here"
+PROBES = 3
+PROBE_SPACING = 1.0
+# As long as a DHT request may take (``DHTConfig.rpc_timeout``): a dial across the world and its
+# request take ~4 round trips (~1.2 s at the antipodes).
+PROBE_DEADLINE = 2.0
+
+MATCHING, MATCHED = "matching", "matched"  # a member's answers
+GONE = "gone"  # no answer (``ask``'s own verdict)
+
+
+def here_answer(matched_round: int | None, body: object) -> str:
+    """What a member answers a leader that asks whether it still matches for ``body["round"]``,
+    having its group for ``matched_round`` (None: none yet)."""
+    round_number = body.get("round") if isinstance(body, dict) else None
+    if not is_counter(round_number):
+        raise ValueError("a question needs the round it asks about")
+    return MATCHED if matched_round is not None and round_number <= matched_round else MATCHING
+
+
+def asker(
+    host: PeerHost, method: str, candidates: Mapping[PeerID, Declaration], round_number: int
+) -> Callable[[PeerID], Awaitable[str | None]]:
+    """``ask(peer)``: the expected member's answer for ``round_number``, ``GONE`` if it gave none in
+    time, None if it cannot tell us (no address to reach it at, a refusal)."""
+
+    async def ask(peer: PeerID) -> str | None:
+        declaration = candidates.get(peer)
+        if declaration is None or declaration.address is None:
+            return None
+        with trio.move_on_after(PROBE_DEADLINE):
+            try:
+                reply = await host.call(declaration.address, method, {"round": round_number}, timeout=PROBE_DEADLINE)
+            except RemoteError:
+                return None
+            except (ConnectError, ConnectionLost, RPCError, OSError):
+                return GONE
+            return reply.body if reply.body in (MATCHING, MATCHED) else None
+        return GONE
+
+    return ask
+
+
+async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]]) -> None:
+    """Run beside a leader's wait: once half of the expected members joined, ask the missing ones
+    and stop expecting those that are gone or matched elsewhere (``Gathering.not_coming``)."""
+    while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
+        await gathering.changed.wait()
+    asked: set[PeerID] = set()
+    for _ in range(PROBES):
+        missing = gathering.expected - gathering.joined.keys() - asked
+        if not missing:
+            return
+
+        async def probe(peer: PeerID) -> None:
+            answer = await ask(peer)
+            if answer in (GONE, MATCHED):
+                gathering.not_coming(peer)
+            elif answer != MATCHING:
+                asked.add(peer)  # (it cannot tell us: waited for as before, not asked again)
+
+        async with trio.open_nursery() as probes:
+            for peer in missing:
+                probes.start_soon(probe, peer)
+        await trio.sleep(PROBE_SPACING)
