@@ -171,18 +171,11 @@ class LookupDriver:
                         nursery.start_soon(query, contact)
                     if search.done or search.in_flight == 0:
                         break
-                    answer = None
-                    with trio.move_on_at(stalls.next_at()) as waiting:
-                        answer = await self._answer(search, receive, narrow)
-                    if waiting.cancelled_caught:  # a request went unanswered too long: ask others in its place
-                        for contact in stalls.due(trio.current_time()):
-                            search.stall(contact)
-                        continue
+                    answer = await self._answer(search, receive, narrow, stalls)
                     narrow = False
                     if answer is None:
                         continue
                     contact, parsed = answer
-                    stalls.settled(contact)
                     if parsed is not None and first_answer:
                         first_answer = False
                         self.hedging.observe(trio.current_time() - started)
@@ -218,6 +211,20 @@ class LookupDriver:
         )
 
     async def _answer(
+        self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool, stalls: Stalls
+    ) -> tuple[Contact, Any] | None:
+        """The next answer; None when a request was due to stall first (others are asked in its
+        place: ``stall``)."""
+        with trio.move_on_at(stalls.next_at()):
+            answer = await self._hedged_answer(search, receive, narrow)
+            if answer is not None:
+                stalls.settled(answer[0])
+            return answer
+        for contact in stalls.due(trio.current_time()):
+            search.stall(contact)
+        return None
+
+    async def _hedged_answer(
         self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool
     ) -> tuple[Contact, Any] | None:
         """The next answer; None when the hedge delay passed first: a narrow start's one peer is
