@@ -15,8 +15,9 @@ The rules (Maymounkov & Mazieres, section 2.3):
   nearest, for a path of a disjoint lookup: see below).
 
 A request unanswered for a few round trips is *stalled* (``stall``, which the driver calls): it
-frees its place among the alpha, and the lookup no longer waits for it once the answers in hand
-outnumber the stalled requests; its answer still counts if it comes while the lookup runs. A peer
+frees its place among the alpha and among the k nearest (the next candidate takes it), and the
+lookup no longer waits for it once the answers it needs outnumber the stalled requests; its answer
+still counts if it comes while the lookup runs. A peer
 that left the swarm stays in the tables of every node that has not called it since, and they name
 it in their answers: without the rule each lookup that met one waited out a dial's or a request's
 whole timeout (2-4 s), and in the simulated churning swarm of 64 peers lookups took a median 4 s
@@ -219,13 +220,13 @@ class IterativeLookup:
 
     def closest_entries(self, k: int | None = None) -> list[tuple[int, Contact]]:
         """``closest`` as (distance to the target, contact) pairs."""
-        responded = self._responded
-        return [entry for entry in self._heap.nearest_entries() if entry[1].id in responded][: k or self.k]
+        responded, reach = self._responded, self.k + len(self._stalled)  # (a stalled one's place goes on)
+        return [entry for entry in self._heap.heap[:reach] if entry[1].id in responded][: k or self.k]
 
     def among_nearest(self, contact: Contact) -> bool:
         """Whether ``contact`` is currently one of the k nearest live candidates."""
         node_id = contact.id
-        return any(candidate.id == node_id for candidate in self._heap)
+        return any(candidate.id == node_id for candidate in self._live_nearest())
 
     def responded(self, contact: Contact) -> bool:
         return contact.id in self._responded
@@ -245,16 +246,23 @@ class IterativeLookup:
         """The candidates whose answers finish the lookup: the ``quorum`` nearest live ones, or
         with a salt the first ``quorum`` of ``_drawn``."""
         if self._draw is None:
-            stalled = self._stalled
-            return list(islice((contact for contact in self._heap if contact.id not in stalled), self.quorum))
+            return list(islice(self._live_nearest(), self.quorum))
         return self._drawn(self._draw)[: self.quorum]
+
+    def _live_nearest(self) -> Iterator[Contact]:
+        """The k nearest candidates, stalled ones aside: a stalled request's place among the k goes
+        to the next candidate, as a failed one's does (or a peer naming k/2 unreachable contacts
+        nearer the target would leave a store with half its holders)."""
+        stalled = self._stalled
+        live = (entry[1] for entry in self._heap.heap if entry[1].id not in stalled)
+        return islice(live, self.k)
 
     def _asking_order(self) -> Iterable[Contact]:
         """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
         are, the more they know of the target's neighbourhood); with a salt, only those needed
         and any spares. (A needed one that fails drops out; the next in ``_drawn`` takes its place.)"""
         draw = self._draw
-        return self._heap if draw is None else self._drawn(draw)[: self.quorum + draw.spares]
+        return self._live_nearest() if draw is None else self._drawn(draw)[: self.quorum + draw.spares]
 
     def _drawn(self, draw: _Draw) -> list[Contact]:
         """This path's share of the window nearest it knows of (its candidates among them and the

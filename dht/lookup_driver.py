@@ -28,7 +28,7 @@ from .records import RecordError
 from .routing import Contact
 from .storage import Found, merge_found
 
-__all__ = ["LookupDriver", "LookupResult", "HedgeTimer"]
+__all__ = ["LookupDriver", "LookupResult", "HedgeTimer", "Stalls"]
 
 log = logging.getLogger("peerd.dht")
 
@@ -40,8 +40,8 @@ MIN_HEDGE_DELAY = 0.002
 # STALL_FLOOR: a first answer comes from the fastest of several peers, most often over a connection
 # already open; below half a second a loaded machine's scheduling delays would stall live peers. A
 # request that dials first waits DIAL_STALL times as long: TCP's and the Noise handshake's round
-# trips come before the request's (in the simulated internet, with every connection retired, a
-# lookup that stalled dials as soon as requests stored on 15 of 20 holders). Until its own
+# trips come before the request's (in the simulated internet, with every connection retired and
+# dials stalled as soon as requests, a store reached 15 of its 20 holders). Until its own
 # deadline, a stalled peer's answer still counts.
 STALL_RTTS = 8
 STALL_FLOOR = 0.5
@@ -85,22 +85,23 @@ class Stalls:
     I/O: the caller passes the times."""
 
     def __init__(self) -> None:
-        self._due: dict[bytes, tuple[Contact, float]] = {}
+        self._due: dict[bytes, tuple[Contact, float, float]] = {}  # (contact, sent at, due at)
 
-    def sent(self, contact: Contact, due_at: float) -> None:
-        self._due[contact.id] = (contact, due_at)
+    def sent(self, contact: Contact, now: float, delay: float) -> None:
+        self._due[contact.id] = (contact, now, now + delay)
 
-    def settled(self, contact: Contact) -> None:
-        """``contact`` answered or failed."""
-        self._due.pop(contact.id, None)
+    def settled(self, contact: Contact) -> float | None:
+        """``contact`` answered or failed: when its request was sent (None: it had stalled)."""
+        entry = self._due.pop(contact.id, None)
+        return entry[1] if entry is not None else None
 
     def next_at(self) -> float:
         """When the next request still watched is due (inf: none is)."""
-        return min((due_at for _, due_at in self._due.values()), default=math.inf)
+        return min((due_at for _, _, due_at in self._due.values()), default=math.inf)
 
     def due(self, now: float) -> list[Contact]:
         """The requests due by ``now``; no longer watched."""
-        due = [contact for contact, due_at in self._due.values() if due_at <= now]
+        due = [contact for contact, _, due_at in self._due.values() if due_at <= now]
         for contact in due:
             del self._due[contact.id]
         return due
@@ -142,8 +143,7 @@ class LookupDriver:
         narrow = key is not None
         if narrow:
             search.start_narrow()
-        started, first_answer = trio.current_time(), True
-        stalls = Stalls()
+        first_answer, stalls = True, Stalls()
 
         async def query(contact: Contact) -> None:
             # (the entries of a dictionary found so far are named, so that this holder sends only
@@ -167,7 +167,7 @@ class LookupDriver:
                 while not (stop_on_value and found is not None):
                     for contact in search.next_queries():
                         dialling = contacts.host.connection_to(contact.peer_id) is None
-                        stalls.sent(contact, trio.current_time() + self.hedging.stall_delay(dialling))
+                        stalls.sent(contact, trio.current_time(), self.hedging.stall_delay(dialling))
                         nursery.start_soon(query, contact)
                     if search.done or search.in_flight == 0:
                         break
@@ -176,9 +176,12 @@ class LookupDriver:
                     if answer is None:
                         continue
                     contact, parsed = answer
-                    if parsed is not None and first_answer:
+                    sent_at = stalls.settled(contact)
+                    if parsed is not None and first_answer and sent_at is not None:
+                        # (timed from its own request, not the lookup's start: a hedge's or stall's
+                        # wait before it would feed the estimate that sets them, as TCP's Karn rule says)
                         first_answer = False
-                        self.hedging.observe(trio.current_time() - started)
+                        self.hedging.observe(trio.current_time() - sent_at)
                     if parsed is None:
                         search.on_failure(contact)
                         continue
@@ -213,13 +216,14 @@ class LookupDriver:
     async def _answer(
         self, search: DisjointLookup, receive: trio.MemoryReceiveChannel, narrow: bool, stalls: Stalls
     ) -> tuple[Contact, Any] | None:
-        """The next answer; None when a request was due to stall first (others are asked in its
-        place: ``stall``)."""
+        """The next answer; None when the hedge delay passed first (``_hedged_answer``) or a request
+        was due to stall (others are asked in its place: ``stall``)."""
         with trio.move_on_at(stalls.next_at()):
-            answer = await self._hedged_answer(search, receive, narrow)
-            if answer is not None:
-                stalls.settled(answer[0])
-            return answer
+            return await self._hedged_answer(search, receive, narrow)
+        try:  # (an answer already in hand counts before any stall)
+            return receive.receive_nowait()
+        except trio.WouldBlock:
+            pass
         for contact in stalls.due(trio.current_time()):
             search.stall(contact)
         return None

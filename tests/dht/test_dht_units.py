@@ -9,7 +9,7 @@ from kademlia.routing import RoutingTable as PackageRoutingTable
 
 from dht.liveness import PeerHealth, UnansweredEndpoints
 from dht.lookup import IterativeLookup
-from dht.lookup_driver import INITIAL_RTT, MIN_HEDGE_DELAY, HedgeTimer
+from dht.lookup_driver import DIAL_STALL, INITIAL_RTT, MIN_HEDGE_DELAY, STALL_FLOOR, STALL_RTTS, HedgeTimer, Stalls
 from dht.records import MAX_TTL, DHTRecord, RecordError, check_expiration, pack, unpack
 from dht.routing import Contact, RoutingTable
 from dht.storage import RecordStore, StoredValue
@@ -206,10 +206,28 @@ def test_a_stalled_request_frees_its_place_and_holds_the_lookup_only_while_answe
         assert slow.id not in {c.id for c in batch}
         for c in batch:
             search.on_response(c, [])
-    assert search.done  # the 4 nearest that did not stall answered; 4 answers outnumber 1 stalled
-    assert slow.id not in {c.id for c in search.closest()}
+    assert search.done  # the next candidate took the stalled one's place: 4 answers outnumber 1 stalled
+    assert len(search.closest()) == 4 and slow.id not in {c.id for c in search.closest()}
     search.on_response(slow, [])  # its answer, while the lookup runs, still counts
     assert slow.id in {c.id for c in search.closest()} and search.in_flight == 0
+
+
+def test_contacts_that_never_answer_cannot_shrink_a_lookup_s_k_nearest():
+    # One answer names 9 contacts nearer the target that never answer (black holes): each stalls,
+    # and the next candidates take their places, so a store still reaches k holders.
+    search = IterativeLookup(0, [contact(i) for i in range(10, 50)], k=20, alpha=3)
+    first, *others = search.next_queries()
+    holes = [contact(i) for i in range(1, 10)]
+    search.on_response(first, holes)
+    for c in others:
+        search.on_response(c, [])
+    while not search.done:
+        for c in search.next_queries():
+            if c in holes:
+                search.stall(c)
+            else:
+                search.on_response(c, [])
+    assert len(search.closest()) == 20 and not {c.id for c in holes} & {c.id for c in search.closest()}
 
 
 def test_stalled_requests_that_outnumber_the_answers_are_waited_for():
@@ -390,6 +408,24 @@ def test_hedge_delay_follows_smoothed_rtt_within_floor_and_ceiling():
     timer.observe(10.0)  # one slow answer moves the estimate by a tenth of the difference only
     assert timer.rtt == pytest.approx(1.0, rel=0.01)
     assert timer.delay() == 2.0  # never longer than one request may take
+
+
+def test_stalls_come_due_per_request_and_a_stalled_request_is_no_sample():
+    timer = HedgeTimer(ceiling=2.0)
+    assert timer.stall_delay() == STALL_FLOOR and timer.stall_delay(dialling=True) == DIAL_STALL * STALL_FLOOR
+    for _ in range(200):
+        timer.observe(0.2)  # answers 0.2 s away: 8 of them
+    assert timer.stall_delay() == pytest.approx(STALL_RTTS * 0.2, rel=0.01)
+    timer.observe(100.0)
+    assert timer.stall_delay() == 2.0 and timer.stall_delay(dialling=True) == 4.0  # (at most a request's deadline)
+    stalls = Stalls()
+    near, far = contact(1), contact(2)
+    stalls.sent(near, 10.0, 0.5)
+    stalls.sent(far, 10.1, 1.0)
+    assert stalls.next_at() == 10.5 and stalls.due(10.4) == []
+    assert stalls.due(10.5) == [near] and stalls.next_at() == pytest.approx(11.1)
+    assert stalls.settled(near) is None  # it stalled: its answer times nothing
+    assert stalls.settled(far) == 10.1 and stalls.next_at() == float("inf")
 
 
 # ---------------------------------------------------------------------- node-ID proofs on contacts
