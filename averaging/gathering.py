@@ -126,6 +126,7 @@ class Gathering:
         elsewhere (``stragglers.py``): the group forms without waiting for it."""
         if peer in self.expected and peer not in self.joined:
             self.expected = self.expected - {peer}
+            self._looked_up.add(peer)  # (settled: a later joiner's view that names it changes nothing)
             self._changed()
 
     def withdraw(self, peer: PeerID) -> None:

@@ -340,8 +340,8 @@ class Matchmaker:
         return None
 
     async def declare(self, me: Declaration, timeout: float) -> float:
-        """Store our declaration under our own signed subkey, to live as long as the round; how long
-        it took to land on most holders (the rest get it in the background; so does a withdrawal)."""
+        """Store our declaration under our own signed subkey, to live as long as the round; returns
+        how long it took to land on most holders (the rest get it, and a withdrawal, in the background)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key, left = self.key(me.round), self._declared_key
         self._declared_key, started = key, trio.current_time()
@@ -357,7 +357,8 @@ class Matchmaker:
         marker stored in its place as malformed."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key = key or self._declared_key or self.key(0)
-        await self.dht.store(key, {"withdrawn": True}, self.dht.clock.time() + WITHDRAWAL_TTL, subkey=subkey)
+        expires = self.dht.clock.time() + WITHDRAWAL_TTL
+        await self.dht.store(key, {"withdrawn": True}, expires, subkey=subkey, majority=True)
 
     async def _join_the_crowd(
         self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float, sparse: int

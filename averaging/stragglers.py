@@ -6,13 +6,17 @@ after it declared never comes, and neither does one that has its group for the r
 own read put it in another: views differ by a declaration); each cost its group that whole wait (in
 the simulated churning swarm of 32 peers, 30 s of the round's 60-s deadline, in a round of three).
 
-So once half of the expected members joined, the leader asks each member still missing
-(``HERE_METHOD``, naming the round). One that does not answer within ``PROBE_DEADLINE`` (gone with
-its machine, or cut off) or answers that it has its group for the round is not waited for; one that
-answers that it still matches (it follows another leader, which may yet fail it) is asked again
-``PROBE_SPACING`` later, ``PROBES`` times at most. Any other answer (a refusal: a peer that predates
-the question, one in client mode) keeps the wait as it was. A member's answer can only shorten the
-wait for that member, never admit anyone: a liar gains nothing it could not by not joining.
+So once half of the expected members joined, the leader asks each member still missing that it
+can dial directly (``HERE_METHOD``, naming the round). One that gives no answer within
+``PROBE_DEADLINE`` (its machine is off, or cut off from us), whose host refuses the connection
+(nothing listens there any more), or that answers that it has its group for the round is not waited
+for, and is not waited for again when a later joiner's view names it (its declaration outlives it).
+One that answers that it still matches (it follows another leader, which may yet fail it) is asked
+again ``PROBE_SPACING`` later, ``PROBES`` times at most. Anything else keeps the wait as it was: a
+refusal (a peer that predates the question), a connection lost mid-call, a member behind a relay
+(a relay that fails the dial must not cost a live member its group), one with no address (client
+mode). A member's answer can only shorten the wait for that member, never admit anyone: a liar
+gains nothing it could not by not joining.
 """
 
 from __future__ import annotations
@@ -21,18 +25,19 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
-from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, RPCError
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
 
 from .gathering import Declaration, Gathering
 from .group import is_counter
+from .matchmaking_rules import reached_directly
 
 __all__ = ["GONE", "HERE_METHOD", "MATCHED", "MATCHING", "asker", "here_answer", "stop_waiting_for_stragglers"]
 
 HERE_METHOD = "avg.here"
 PROBES = 3
 PROBE_SPACING = 1.0
-# As long as a DHT request may take (``DHTConfig.rpc_timeout``): a dial across the world and its
-# request take ~4 round trips (~1.2 s at the antipodes).
+# A dial across the world and its request take ~4 round trips (~1.2 s at the antipodes); a member
+# silent for this long is gone, or too far to be waited for.
 PROBE_DEADLINE = 2.0
 
 MATCHING, MATCHED = "matching", "matched"  # a member's answers
@@ -51,20 +56,22 @@ def here_answer(matched_round: int | None, body: object) -> str:
 def asker(
     host: PeerHost, method: str, candidates: Mapping[PeerID, Declaration], round_number: int
 ) -> Callable[[PeerID], Awaitable[str | None]]:
-    """``ask(peer)``: the expected member's answer for ``round_number``, ``GONE`` if it gave none in
-    time, None if it cannot tell us (no address to reach it at, a refusal)."""
+    """``ask(peer)``: the expected member's answer for ``round_number``; ``GONE`` if it gave none in
+    time or its host refused the connection; None if it cannot tell us (see the module's doc)."""
 
     async def ask(peer: PeerID) -> str | None:
         declaration = candidates.get(peer)
-        if declaration is None or declaration.address is None:
+        if declaration is None or not reached_directly(declaration.address):
             return None
+        assert declaration.address is not None
         with trio.move_on_after(PROBE_DEADLINE):
             try:
-                reply = await host.call(declaration.address, method, {"round": round_number}, timeout=PROBE_DEADLINE)
-            except RemoteError:
+                body = {"round": round_number}
+                reply = await host.call(declaration.address, method, body, timeout=2 * PROBE_DEADLINE)
+            except ConnectError as error:
+                return GONE if error.refused else None
+            except (ConnectionLost, RPCError, OSError):  # (a refusal, RemoteError, among them)
                 return None
-            except (ConnectError, ConnectionLost, RPCError, OSError):
-                return GONE
             return reply.body if reply.body in (MATCHING, MATCHED) else None
         return GONE
 

@@ -10,8 +10,17 @@ import trio
 from averaging.gathering import Declaration, Gathering
 from averaging.group import AveragingMode
 from averaging.matchmaking import Matchmaker
-from averaging.stragglers import GONE, MATCHED, MATCHING, PROBES, here_answer, stop_waiting_for_stragglers
-from peer import Identity, PeerID
+from averaging.stragglers import (
+    GONE,
+    MATCHED,
+    MATCHING,
+    PROBE_DEADLINE,
+    PROBES,
+    asker,
+    here_answer,
+    stop_waiting_for_stragglers,
+)
+from peer import ConnectError, Identity, PeerAddress, PeerID, RemoteError
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -100,3 +109,55 @@ async def test_a_leader_does_not_wait_for_a_member_whose_machine_went_off_after_
         assert all(members == stayers for members, _ in formed.values())
         # without the question the leader waited until its followers' patience: ~10 s of the 20
         assert max(at for _, at in formed.values()) - started < 6.0
+
+
+def test_a_member_found_gone_stays_settled_when_a_later_joiner_names_it():
+    # The departed member's declaration outlives it: every later joiner's view still names it.
+    me, a, b, c, gone = [Identity.generate().peer_id for _ in range(5)]
+    gathering = Gathering(declared(me), {a, b, c, gone}, target=8)
+    view = [a, b, c, gone]
+    gathering.admit(declared(a), 100.0, view)
+    gathering.admit(declared(b), 100.0, view)
+    gathering.not_coming(gone)
+    gathering.admit(declared(c), 100.0, view)
+    assert gathering.unconfirmed == set() and gathering.complete  # no read to confirm it, no wait
+
+
+class AnsweringHost:
+    """A host whose call raises ``error``, or never answers (None)."""
+
+    def __init__(self, error: Exception | None):
+        self.error, self.calls = error, 0
+
+    async def call(self, address, method, body, timeout=None):
+        self.calls += 1
+        if self.error is None:
+            await trio.sleep_forever()
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "relayed, error, verdict, seconds",
+    [
+        (False, None, GONE, PROBE_DEADLINE),  # silent: its machine is off
+        (False, ConnectError("refused", refused=True), GONE, 0.0),  # nothing listens there any more
+        (False, ConnectError("the handshake failed"), None, 0.0),  # can't tell: wait as before
+        (
+            False,
+            RemoteError("avg.here.p", Identity.generate().peer_id, "UnknownMethod", "no such method"),
+            None,
+            0.0,
+        ),  # a peer that predates the question
+        (True, None, None, 0.0),  # behind a relay: not asked (a relay failing the dial says nothing of it)
+    ],
+)
+async def test_what_a_leader_concludes_from_a_member_s_silence_or_refusal(
+    autojump_clock, relayed, error, verdict, seconds
+):
+    member, relay = Identity.generate().peer_id, Identity.generate().peer_id
+    address = PeerAddress("203.0.113.7", 4001, member, relay if relayed else None)
+    host = AnsweringHost(error)
+    ask = asker(host, "avg.here.p", {member: Declaration(member, address, 1.0, AveragingMode.NODE, "s", 1)}, 1)
+    started = trio.current_time()
+    assert await ask(member) == verdict
+    assert trio.current_time() - started == pytest.approx(seconds) and host.calls == (0 if relayed else 1)
