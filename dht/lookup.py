@@ -220,8 +220,8 @@ class IterativeLookup:
 
     def closest_entries(self, k: int | None = None) -> list[tuple[int, Contact]]:
         """``closest`` as (distance to the target, contact) pairs."""
-        responded, reach = self._responded, self.k + len(self._stalled)  # (a stalled one's place goes on)
-        return [entry for entry in self._heap.heap[:reach] if entry[1].id in responded][: k or self.k]
+        responded = self._responded  # (of the k nearest live candidates, as ``among_nearest``)
+        return [entry for entry in self._live_entries() if entry[1].id in responded][: k or self.k]
 
     def among_nearest(self, contact: Contact) -> bool:
         """Whether ``contact`` is currently one of the k nearest live candidates."""
@@ -253,9 +253,12 @@ class IterativeLookup:
         """The k nearest candidates, stalled ones aside: a stalled request's place among the k goes
         to the next candidate, as a failed one's does (or a peer naming k/2 unreachable contacts
         nearer the target would leave a store with half its holders)."""
+        return (entry[1] for entry in self._live_entries())
+
+    def _live_entries(self) -> Iterator[tuple[int, Contact]]:
+        """``_live_nearest`` as (distance to the target, contact) pairs."""
         stalled = self._stalled
-        live = (entry[1] for entry in self._heap.heap if entry[1].id not in stalled)
-        return islice(live, self.k)
+        return islice((entry for entry in self._heap.heap if entry[1].id not in stalled), self.k)
 
     def _asking_order(self) -> Iterable[Contact]:
         """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they

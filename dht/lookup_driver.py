@@ -36,13 +36,13 @@ log = logging.getLogger("peerd.dht")
 # noise rather than a slow peer delays the answer).
 INITIAL_RTT = 0.01
 MIN_HEDGE_DELAY = 0.002
-# A request is stalled after this many smoothed times to a first answer, and never sooner than
+# A request is stalled after this many smoothed round trips of first answers, and never sooner than
 # STALL_FLOOR: a first answer comes from the fastest of several peers, most often over a connection
 # already open; below half a second a loaded machine's scheduling delays would stall live peers. A
 # request that dials first waits DIAL_STALL times as long: TCP's and the Noise handshake's round
-# trips come before the request's (in the simulated internet, with every connection retired and
-# dials stalled as soon as requests, a store reached 15 of its 20 holders). Until its own
-# deadline, a stalled peer's answer still counts.
+# trips come before the request's (in the simulated internet, with every connection retired, live
+# holders stalled as often as not with one delay for all). Until its own deadline, a stalled
+# peer's answer still counts.
 STALL_RTTS = 8
 STALL_FLOOR = 0.5
 DIAL_STALL = 2
@@ -59,8 +59,9 @@ class LookupResult:
 
 
 class HedgeTimer:
-    """How long a value lookup waits for its nearest peer alone: three smoothed times to a lookup's
-    first answer; on a healthy path that answer is back well before. The smoothing is TCP's SRTT
+    """How long a value lookup waits for its nearest peer alone: three smoothed round trips of a
+    lookup's first answering request (timed from its own send); on a healthy path that answer is
+    back well before. The smoothing is TCP's SRTT
     (RFC 6298) with a gain of 1/10 instead of 1/8."""
 
     def __init__(self, ceiling: float):
@@ -86,14 +87,16 @@ class Stalls:
 
     def __init__(self) -> None:
         self._due: dict[bytes, tuple[Contact, float, float]] = {}  # (contact, sent at, due at)
+        self._sent_at: dict[bytes, float] = {}  # every request's, until it answers or fails
 
     def sent(self, contact: Contact, now: float, delay: float) -> None:
         self._due[contact.id] = (contact, now, now + delay)
+        self._sent_at[contact.id] = now
 
     def settled(self, contact: Contact) -> float | None:
-        """``contact`` answered or failed: when its request was sent (None: it had stalled)."""
-        entry = self._due.pop(contact.id, None)
-        return entry[1] if entry is not None else None
+        """``contact`` answered or failed: when its request was sent (None: not one of ours)."""
+        self._due.pop(contact.id, None)
+        return self._sent_at.pop(contact.id, None)
 
     def next_at(self) -> float:
         """When the next request still watched is due (inf: none is)."""
@@ -179,7 +182,8 @@ class LookupDriver:
                     sent_at = stalls.settled(contact)
                     if parsed is not None and first_answer and sent_at is not None:
                         # (timed from its own request, not the lookup's start: a hedge's or stall's
-                        # wait before it would feed the estimate that sets them, as TCP's Karn rule says)
+                        # wait before it would feed the estimate that sets them; a stalled request's
+                        # answer counts too, or answers slower than the stall could never raise it)
                         first_answer = False
                         self.hedging.observe(trio.current_time() - sent_at)
                     if parsed is None:

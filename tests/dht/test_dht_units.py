@@ -243,6 +243,21 @@ def test_stalled_requests_that_outnumber_the_answers_are_waited_for():
     assert search.done and {c.id for c in search.closest()} == {second.id, third.id}
 
 
+def test_a_lookup_s_closest_are_the_k_nearest_live_candidates_that_answered():
+    # A far request stalls and nearer contacts push it out of the 4 nearest: what answered beyond
+    # the 4 nearest live candidates is not among the closest (a store would send there).
+    search = IterativeLookup(0, [contact(i) for i in (10, 11, 12, 13)], k=4, alpha=3, quorum=2)
+    first, second, far = search.next_queries()
+    search.stall(far)
+    search.on_response(first, [contact(1), contact(2), contact(3)])
+    search.on_response(second, [])
+    while not search.done:
+        for c in search.next_queries():
+            if c.long_id in (1, 2):
+                search.on_response(c, [])
+    assert [c.long_id for c in search.closest()] == [1, 2, 10]  # (3 is being asked; 11 lies beyond)
+
+
 def test_a_lookup_that_draws_its_holders_asks_a_spare_for_a_stalled_request():
     search = IterativeLookup(0, [contact(i) for i in range(1, 21)], k=20, quorum=2, window=20, salt=b"s")
     asked = search.next_queries()
@@ -410,7 +425,7 @@ def test_hedge_delay_follows_smoothed_rtt_within_floor_and_ceiling():
     assert timer.delay() == 2.0  # never longer than one request may take
 
 
-def test_stalls_come_due_per_request_and_a_stalled_request_is_no_sample():
+def test_stalls_come_due_per_request_and_each_answer_is_timed_from_its_own_send():
     timer = HedgeTimer(ceiling=2.0)
     assert timer.stall_delay() == STALL_FLOOR and timer.stall_delay(dialling=True) == DIAL_STALL * STALL_FLOOR
     for _ in range(200):
@@ -424,8 +439,9 @@ def test_stalls_come_due_per_request_and_a_stalled_request_is_no_sample():
     stalls.sent(far, 10.1, 1.0)
     assert stalls.next_at() == 10.5 and stalls.due(10.4) == []
     assert stalls.due(10.5) == [near] and stalls.next_at() == pytest.approx(11.1)
-    assert stalls.settled(near) is None  # it stalled: its answer times nothing
+    assert stalls.settled(near) == 10.0  # a stalled request's answer is timed from its own send too
     assert stalls.settled(far) == 10.1 and stalls.next_at() == float("inf")
+    assert stalls.settled(contact(3)) is None  # (not one of ours)
 
 
 # ---------------------------------------------------------------------- node-ID proofs on contacts
