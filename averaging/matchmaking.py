@@ -347,18 +347,19 @@ class Matchmaker:
         self._declared_key, started = key, trio.current_time()
         async with trio.open_nursery() as nursery:
             if left not in (None, key):  # moved cells: the old one must not expect us (at once)
-                nursery.start_soon(self.withdraw, left)
+                nursery.start_soon(self.withdraw, left, True)
             await self.dht.store(key, me.to_wire(), self.dht.clock.time() + timeout + 1.0, subkey=subkey, majority=True)
             return trio.current_time() - started
 
-    async def withdraw(self, key: str | None = None) -> None:
+    async def withdraw(self, key: str | None = None, majority: bool = False) -> None:
         """Take our declaration back (we are leaving; ``key``: a cell we left): until it expired,
         others would keep proposing us as their leader or wait for us as a member. Readers drop the
-        marker stored in its place as malformed."""
+        marker stored in its place as malformed. ``majority``: return once most holders took it (the
+        node stays up to send it to the rest; one that is closing cancels those sends)."""
         subkey = peer_subkey(self.dht.host.identity.public_key)
         key = key or self._declared_key or self.key(0)
         expires = self.dht.clock.time() + WITHDRAWAL_TTL
-        await self.dht.store(key, {"withdrawn": True}, expires, subkey=subkey, majority=True)
+        await self.dht.store(key, {"withdrawn": True}, expires, subkey=subkey, majority=majority)
 
     async def _join_the_crowd(
         self, me: Declaration, candidates: dict[PeerID, Declaration], timeout: float, sparse: int

@@ -7,16 +7,17 @@ own read put it in another: views differ by a declaration); each cost its group 
 the simulated churning swarm of 32 peers, 30 s of the round's 60-s deadline, in a round of three).
 
 So once half of the expected members joined, the leader asks each member still missing that it
-can dial directly (``HERE_METHOD``, naming the round). One that gives no answer within
-``PROBE_DEADLINE`` (its machine is off, or cut off from us), whose host refuses the connection
-(nothing listens there any more), or that answers that it has its group for the round is not waited
-for, and is not waited for again when a later joiner's view names it (its declaration outlives it).
-One that answers that it still matches (it follows another leader, which may yet fail it) is asked
-again ``PROBE_SPACING`` later, ``PROBES`` times at most. Anything else keeps the wait as it was: a
-refusal (a peer that predates the question), a connection lost mid-call, a member behind a relay
-(a relay that fails the dial must not cost a live member its group), one with no address (client
-mode). A member's answer can only shorten the wait for that member, never admit anyone: a liar
-gains nothing it could not by not joining.
+can dial directly (``HERE_METHOD``, naming the round), and so each member expected later (a
+joiner's view named it). One that gives no answer within ``PROBE_DEADLINE`` (its machine is off, or
+cut off from us), whose address refuses the connection or answers as another peer (it is not there
+any more), or that answers that it has its group for the round is not waited for, and is not waited
+for again when a later joiner's view names it (its declaration outlives it). One that answers that
+it still matches (it follows another leader, which may yet fail it), or whose connection was lost
+mid-call, is asked again ``PROBE_SPACING`` later, ``PROBES`` times at most. Anything else keeps the
+wait as it was: a refusal (a peer that predates the question), a member behind a relay (a relay
+that fails the dial must not cost a live member its group), one with no address (client mode).
+A member's answer can only shorten the wait for that member, never admit anyone: a liar gains
+nothing it could not by not joining.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .gathering import Declaration, Gathering
 from .group import is_counter
 from .matchmaking_rules import reached_directly
 
-__all__ = ["GONE", "HERE_METHOD", "MATCHED", "MATCHING", "asker", "here_answer", "stop_waiting_for_stragglers"]
+__all__ = ["AGAIN", "GONE", "HERE_METHOD", "MATCHED", "MATCHING", "asker", "here_answer", "stop_waiting_for_stragglers"]
 
 HERE_METHOD = "avg.here"
 PROBES = 3
@@ -41,7 +42,8 @@ PROBE_SPACING = 1.0
 PROBE_DEADLINE = 2.0
 
 MATCHING, MATCHED = "matching", "matched"  # a member's answers
-GONE = "gone"  # no answer (``ask``'s own verdict)
+GONE = "gone"  # no answer, or not there (``ask``'s own verdict)
+AGAIN = "again"  # the connection was lost mid-call: ask again later (``ask``'s own verdict)
 
 
 def here_answer(matched_round: int | None, body: object) -> str:
@@ -69,8 +71,10 @@ def asker(
                 body = {"round": round_number}
                 reply = await host.call(declaration.address, method, body, timeout=2 * PROBE_DEADLINE)
             except ConnectError as error:
-                return GONE if error.refused else None
-            except (ConnectionLost, RPCError, OSError):  # (a refusal, RemoteError, among them)
+                return GONE if error.refused or error.answered_by is not None else None
+            except ConnectionLost:
+                return AGAIN
+            except (RPCError, OSError):  # (a refusal, RemoteError, among them)
                 return None
             return reply.body if reply.body in (MATCHING, MATCHED) else None
         return GONE
@@ -79,24 +83,27 @@ def asker(
 
 
 async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]]) -> None:
-    """Run beside a leader's wait: once half of the expected members joined, ask the missing ones
-    and stop expecting those that are gone or matched elsewhere (``Gathering.not_coming``)."""
+    """Run beside a leader's wait (which cancels it): once half of the expected members joined, ask
+    the missing ones, and those expected later, and stop expecting those that are gone or matched
+    elsewhere (``Gathering.not_coming``)."""
     while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
         await gathering.changed.wait()
-    asked: set[PeerID] = set()
-    for _ in range(PROBES):
-        missing = gathering.expected - gathering.joined.keys() - asked
+    asked: dict[PeerID, int] = {}  # how often each was asked (PROBES: those that cannot tell us)
+
+    async def probe(peer: PeerID) -> None:
+        answer = await ask(peer)
+        if answer in (GONE, MATCHED):
+            gathering.not_coming(peer)
+        elif answer not in (MATCHING, AGAIN):
+            asked[peer] = PROBES  # (it cannot tell us: waited for as before, not asked again)
+
+    while True:
+        missing = [peer for peer in gathering.expected - gathering.joined.keys() if asked.get(peer, 0) < PROBES]
         if not missing:
-            return
-
-        async def probe(peer: PeerID) -> None:
-            answer = await ask(peer)
-            if answer in (GONE, MATCHED):
-                gathering.not_coming(peer)
-            elif answer != MATCHING:
-                asked.add(peer)  # (it cannot tell us: waited for as before, not asked again)
-
+            await gathering.changed.wait()  # (a joiner's view may name a member to expect)
+            continue
         async with trio.open_nursery() as probes:
             for peer in missing:
+                asked[peer] = asked.get(peer, 0) + 1
                 probes.start_soon(probe, peer)
         await trio.sleep(PROBE_SPACING)

@@ -11,6 +11,7 @@ from averaging.gathering import Declaration, Gathering
 from averaging.group import AveragingMode
 from averaging.matchmaking import Matchmaker
 from averaging.stragglers import (
+    AGAIN,
     GONE,
     MATCHED,
     MATCHING,
@@ -20,7 +21,7 @@ from averaging.stragglers import (
     here_answer,
     stop_waiting_for_stragglers,
 )
-from peer import ConnectError, Identity, PeerAddress, PeerID, RemoteError
+from peer import ConnectError, ConnectionLost, Identity, PeerAddress, PeerID, RemoteError
 from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
@@ -60,6 +61,7 @@ async def test_the_missing_are_asked_once_half_joined_and_those_gone_or_matched_
         assert asked == []  # three of eight joined: not half yet
         gathering.admit(declared(coming[3]), trio.current_time() + 30)
         await trio.sleep(10)
+        nursery.cancel_scope.cancel()  # (as the leader's wait ends it)
     assert gathering.expected == {*coming, still_matching, mute}
     assert asked.count(still_matching) == PROBES and asked.count(elsewhere_later) == 2
     assert asked.count(gone) == 1 and asked.count(mute) == 1  # (one that cannot tell us is not asked again)
@@ -78,6 +80,28 @@ class LeavesAfterDeclaring:
         stored = await self._node.store(*args, **kwargs)
         self._leave()
         return stored
+
+
+async def test_a_member_a_later_joiner_names_is_asked_too(autojump_clock):
+    # The leader's read missed a departed member's declaration, a joiner's view names it, and the
+    # leader's confirming read finds it after the first questions were over.
+    me, a, b, late = [Identity.generate().peer_id for _ in range(4)]
+    gathering = Gathering(declared(me), {a, b}, target=8)
+    asked: list[PeerID] = []
+
+    async def ask(peer: PeerID) -> str | None:
+        asked.append(peer)
+        return GONE
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_waiting_for_stragglers, gathering, ask)
+        gathering.admit(declared(a), 100.0)
+        gathering.admit(declared(b), 100.0, [late])
+        await trio.sleep(5)
+        gathering.confirm({late})
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert asked == [late] and gathering.complete
 
 
 async def test_a_leader_does_not_wait_for_a_member_whose_machine_went_off_after_it_declared(autojump_clock):
@@ -142,6 +166,8 @@ class AnsweringHost:
         (False, None, GONE, PROBE_DEADLINE),  # silent: its machine is off
         (False, ConnectError("refused", refused=True), GONE, 0.0),  # nothing listens there any more
         (False, ConnectError("the handshake failed"), None, 0.0),  # can't tell: wait as before
+        (False, ConnectError("another peer", answered_by=Identity.generate().peer_id), GONE, 0.0),  # not there
+        (False, ConnectionLost("lost mid-call"), AGAIN, 0.0),  # asked again later
         (
             False,
             RemoteError("avg.here.p", Identity.generate().peer_id, "UnknownMethod", "no such method"),
