@@ -222,8 +222,9 @@ class Matchmaker:
                     if proposal.leader == me.peer_id.to_bytes():
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
-                        confirm = self._confirmer(me, candidates, target_group_size, min_group_size, unreachable)
-                        ask = asker(self.host, f"{HERE_METHOD}.{self.prefix}", candidates, me.round)
+                        seen = dict(candidates)  # (and what confirming reads add: whom a question reaches)
+                        confirm = self._confirmer(me, seen, target_group_size, min_group_size, unreachable)
+                        ask = asker(self.host, f"{HERE_METHOD}.{self.prefix}", seen, me.round)
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
@@ -298,14 +299,15 @@ class Matchmaker:
     ) -> Callable[[], Awaitable[set[PeerID]]]:
         """For a leader whose joiners name members it did not expect: read the declarations again
         and return the others that the grid rule now puts in our group (none if we no longer lead
-        it). Declarations read before are kept: a read that misses one is why views differ."""
+        it). Declarations read before are kept (in ``candidates``, which each read adds to): a read
+        that misses one is why views differ."""
 
         async def confirm() -> set[PeerID]:
             if self._confirms_left <= 0:  # (joiners' claims cost at most MAX_CONFIRMS reads a round)
                 return set()
             self._confirms_left -= 1
-            fresh = {**candidates, **await self.read_candidates(me)}
-            fresh = {peer: d for peer, d in fresh.items() if in_reach(me.round, d.round)}
+            candidates.update(await self.read_candidates(me))
+            fresh = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
             proposal = self._propose(me, fresh, target_group_size, min_group_size, unreachable)
             if proposal.leader != me.peer_id.to_bytes():
                 return set()
