@@ -222,9 +222,7 @@ class Matchmaker:
                     if proposal.leader == me.peer_id.to_bytes():
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
-                        seen = dict(candidates)  # (and what confirming reads add: whom a question reaches)
-                        confirm = self._confirmer(me, seen, target_group_size, min_group_size, unreachable)
-                        ask = asker(self.host, f"{HERE_METHOD}.{self.prefix}", seen, me.round)
+                        confirm, ask = self._leading(me, candidates, target_group_size, min_group_size, unreachable)
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
@@ -289,18 +287,19 @@ class Matchmaker:
             unreachable | self._passed_over.current(self.dht.clock.time()),
         )
 
-    def _confirmer(
+    def _leading(
         self,
         me: Declaration,
         candidates: dict[PeerID, Declaration],
         target_group_size: int,
         min_group_size: int,
         unreachable: set[bytes],
-    ) -> Callable[[], Awaitable[set[PeerID]]]:
-        """For a leader whose joiners name members it did not expect: read the declarations again
-        and return the others that the grid rule now puts in our group (none if we no longer lead
-        it). Declarations read before are kept (in ``candidates``, which each read adds to): a read
-        that misses one is why views differ."""
+    ) -> tuple[Callable[[], Awaitable[set[PeerID]]], Callable[[PeerID], Awaitable[str | None]]]:
+        """A leader's ``confirm`` and ``ask`` (``lead``). ``confirm``, for joiners that name members
+        we did not expect: read the declarations again and return the others that the grid rule now
+        puts in our group (none if we no longer lead it). Declarations read before are kept: a read
+        that misses one is why views differ; ``ask`` reaches members at what any read declared."""
+        candidates = dict(candidates)  # (ours: each confirming read adds to it)
 
         async def confirm() -> set[PeerID]:
             if self._confirms_left <= 0:  # (joiners' claims cost at most MAX_CONFIRMS reads a round)
@@ -313,7 +312,7 @@ class Matchmaker:
                 return set()
             return {PeerID(raw) for raw in proposal.members} - {me.peer_id}
 
-        return confirm
+        return confirm, asker(self.host, f"{HERE_METHOD}.{self.prefix}", candidates, me.round)
 
     def _leader_failed(self, leader: Declaration, error: Exception) -> None:
         """``leader`` did not serve our join: passed over for the rest of the round (by the
