@@ -17,12 +17,12 @@ The rules (Maymounkov & Mazieres, section 2.3):
 A request unanswered for a few round trips is *stalled* (``stall``, which the driver calls): it
 frees its place among the alpha and among the k nearest (the next candidate takes it), and the
 lookup no longer waits for it once the answers it needs outnumber the stalled requests; its answer
-still counts if it comes while the lookup runs. A peer
-that left the swarm stays in the tables of every node that has not called it since, and they name
-it in their answers: without the rule each lookup that met one waited out a dial's or a request's
-whole timeout (2-4 s), and in the simulated churning swarm of 64 peers lookups took a median 4 s
-and each round's matchmaking most of its deadline. While answers are fewer than stalled requests
-(a small swarm, a slow machine) the lookup waits as before: it ends with answers, not with none.
+still counts if it comes while the lookup runs. A peer that left the swarm stays in the tables of
+every node that has not called it since, and they name it in their answers: without the rule each
+lookup that met one waited out a dial's or a request's whole timeout (2-4 s), and in the simulated
+churning swarm of 64 peers lookups took a median 4 s and each round's matchmaking most of its
+deadline. While answers are fewer than stalled requests (a small swarm, a slow machine) the lookup
+waits as before: it ends with answers, not with none.
 
 ``DisjointLookup`` runs d of these along disjoint paths (S/Kademlia, Baumgart & Mies 2007, section
 4.4): the initial candidates are dealt out among d sub-lookups, a node queried by one path is never
