@@ -220,8 +220,13 @@ class IterativeLookup:
 
     def closest_entries(self, k: int | None = None) -> list[tuple[int, Contact]]:
         """``closest`` as (distance to the target, contact) pairs."""
-        responded = self._responded  # (of the k nearest live candidates, as ``among_nearest``)
-        return [entry for entry in self._live_entries() if entry[1].id in responded][: k or self.k]
+        # Of the k nearest candidates, stalled ones keeping their places: a slow peer is still among
+        # the nearest, and a census counts the swarm by how far the k nearest are (with farther
+        # peers in the places of slow ones, peers counted fewer cells than the swarm: at 128
+        # simulated peers groups of 2 formed and rounds ran out their deadlines). The peers asked
+        # in stalled places still get a store's record as they answer (``among_nearest``).
+        responded = self._responded
+        return [entry for entry in self._heap.nearest_entries() if entry[1].id in responded][: k or self.k]
 
     def among_nearest(self, contact: Contact) -> bool:
         """Whether ``contact`` is currently one of the k nearest live candidates."""
