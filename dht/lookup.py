@@ -15,9 +15,10 @@ The rules (Maymounkov & Mazieres, section 2.3):
   nearest, for a path of a disjoint lookup: see below).
 
 A request unanswered for a few round trips is *stalled* (``stall``, which the driver calls): it
-frees its place among the alpha and among the k nearest (the next candidate takes it), and the
-lookup no longer waits for it once the answers it needs outnumber the stalled requests; its answer
-still counts if it comes while the lookup runs. A peer that left the swarm stays in the tables of
+frees its place among the alpha and among the k nearest asked and waited for (the next candidate
+is asked in its place; the lookup's result keeps it in its place), and the lookup no longer waits
+for it once the answers it needs outnumber the stalled requests; its answer still counts if it
+comes while the lookup runs. A peer that left the swarm stays in the tables of
 every node that has not called it since, and they name it in their answers: without the rule each
 lookup that met one waited out a dial's or a request's whole timeout (2-4 s), and in the simulated
 churning swarm of 64 peers lookups took a median 4 s and each round's matchmaking most of its
