@@ -107,31 +107,39 @@ async def test_a_member_a_later_joiner_names_is_asked_too(autojump_clock):
     assert asked == [late] and gathering.complete
 
 
+async def form_with_a_leaver(swarm, leaver, prefix: str, dhts: dict | None = None) -> tuple[dict, set, float]:
+    """Every node of ``swarm`` forms a group of up to 6 (20-s deadline) while ``leaver``'s machine
+    goes off once its declaration is stored; ``dhts``: other nodes' DHTs in place of their own.
+    Returns each stayer's (members, when formed), the stayers' peer IDs and when matching began."""
+    scopes: dict = {}
+    formed: dict = {}
+
+    def leave() -> None:
+        swarm.leave(swarm.nodes.index(leaver))
+        scopes[leaver].cancel()
+
+    dhts = {**(dhts or {}), leaver: LeavesAfterDeclaring(leaver, leave)}
+
+    async def form(node) -> None:
+        with trio.CancelScope() as scopes[node]:
+            declaration = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
+            match = await Matchmaker(node.host, dhts.get(node, node), prefix).form_group(
+                declaration, target_group_size=6, min_group_size=2, timeout=20.0
+            )
+            formed[node] = ({member.peer_id for member in match.group.members}, trio.current_time())
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for node in swarm.nodes:
+            nursery.start_soon(form, node)
+    return formed, {node.host.peer_id for node in swarm.nodes if node is not leaver}, started
+
+
 async def test_a_leader_does_not_wait_for_a_member_whose_machine_went_off_after_it_declared(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=10), 6) as swarm:
         ranked = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
         leaver = ranked[-1]  # (the lowest ID leads: the leaver follows)
-        scopes: dict = {}
-        formed: dict = {}
-
-        def leave() -> None:
-            swarm.leave(swarm.nodes.index(leaver))
-            scopes[leaver].cancel()
-
-        async def form(node) -> None:
-            dht = LeavesAfterDeclaring(node, leave) if node is leaver else node
-            with trio.CancelScope() as scopes[node]:
-                declaration = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
-                match = await Matchmaker(node.host, dht, "stragglers").form_group(
-                    declaration, target_group_size=6, min_group_size=2, timeout=20.0
-                )
-                formed[node] = ({member.peer_id for member in match.group.members}, trio.current_time())
-
-        started = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for node in swarm.nodes:
-                nursery.start_soon(form, node)
-        stayers = {node.host.peer_id for node in swarm.nodes if node is not leaver}
+        formed, stayers, started = await form_with_a_leaver(swarm, leaver, "stragglers")
         assert {node.host.peer_id for node in formed} == stayers
         assert all(members == stayers for members, _ in formed.values())
         # without the question the leader waited until its followers' patience: ~10 s of the 20
@@ -218,26 +226,7 @@ async def test_a_member_that_only_a_confirming_read_found_is_asked_too(autojump_
     async with open_sim_swarm(SimNetwork(seed=10), 6) as swarm:
         ranked = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
         leader, leaver = ranked[0], ranked[-1]
-        scopes: dict = {}
-        formed: dict = {}
-
-        def leave() -> None:
-            swarm.leave(swarm.nodes.index(leaver))
-            scopes[leaver].cancel()
-
-        async def form(node) -> None:
-            dht = {leaver: LeavesAfterDeclaring(node, leave), leader: MissesOnce(node, leaver.host.peer_id)}
-            with trio.CancelScope() as scopes[node]:
-                declaration = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
-                match = await Matchmaker(node.host, dht.get(node, node), "confirmed").form_group(
-                    declaration, target_group_size=6, min_group_size=2, timeout=20.0
-                )
-                formed[node] = ({member.peer_id for member in match.group.members}, trio.current_time())
-
-        started = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for node in swarm.nodes:
-                nursery.start_soon(form, node)
-        stayers = {node.host.peer_id for node in swarm.nodes if node is not leaver}
+        dhts = {leader: MissesOnce(leader, leaver.host.peer_id)}
+        formed, stayers, started = await form_with_a_leaver(swarm, leaver, "confirmed", dhts)
         assert all(members == stayers for members, _ in formed.values()) and len(formed) == 5
         assert max(at for _, at in formed.values()) - started < 8.0  # (11.3 s when it was not asked)
