@@ -259,12 +259,8 @@ class IterativeLookup:
         """The k nearest candidates, stalled ones aside: a stalled request's place among the k goes
         to the next candidate, as a failed one's does (or a peer naming k/2 unreachable contacts
         nearer the target would leave a store with half its holders)."""
-        return (entry[1] for entry in self._live_entries())
-
-    def _live_entries(self) -> Iterator[tuple[int, Contact]]:
-        """``_live_nearest`` as (distance to the target, contact) pairs."""
         stalled = self._stalled
-        return islice((entry for entry in self._heap.heap if entry[1].id not in stalled), self.k)
+        return islice((entry[1] for entry in self._heap.heap if entry[1].id not in stalled), self.k)
 
     def _asking_order(self) -> Iterable[Contact]:
         """Whom to ask, in order: the k nearest live candidates, nearest first (the nearer they
