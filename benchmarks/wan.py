@@ -197,6 +197,7 @@ def allreduce(
     hivemind: str | None,
     aggregation: str = "mean",
     declare_uplink: bool = True,
+    step_ahead: bool = True,
 ) -> dict[str, Any]:
     """Both configurations (and Hivemind's, with ``hivemind``), their steps taking turns: the
     tuned one's figures at the top level, the defaults' under ``defaults``."""
@@ -217,6 +218,8 @@ def allreduce(
             "--group-size", str(PEERS), "--values", str(VALUES), "--matchmaking-timeout", "15",
             "--sender-timeout", str(10 * bound + 10), "--reducer-timeout", str(20 * bound + 20),
         ]  # fmt: skip
+        if step_ahead:  # as the public ``Averager`` steps
+            flags += ["--step-ahead"]
         if CONFIGURATIONS[configuration] == "defaults":
             flags += ["--settle", "default"]
         else:
@@ -471,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         "declare the link's rate, as `peerd join --uplink-mbit`; undeclared, the rounds measure it: "
         "averaging/uplink.py)",
     )
+    parser.add_argument(
+        "--match-at-step",
+        action="store_true",
+        help="the all-reduce's peers find each step's group at the step (by default they step as the public "
+        "Averager does: once steps come in a rhythm, each finds its group formed ahead, averaging/step_ahead.py)",
+    )
     args = parser.parse_args(argv)
     reason = lab_unavailable()
     if reason is not None:
@@ -491,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_tcp": lambda lab, d: raw_tcp(lab, d, args.rate, args.quick),
         "raw_alltoall": lambda lab, d: raw_alltoall(lab, d, args.rate, args.quick),
         "allreduce": lambda lab, d: allreduce(
-            lab, d, args.rate, args.quick, args.hivemind, args.aggregation, not args.no_uplink
+            lab, d, args.rate, args.quick, args.hivemind, args.aggregation, not args.no_uplink, not args.match_at_step
         ),
         "solo": lambda lab, d: solo(lab, d, args.rate, window, args.model_size),
         "local_updates": lambda lab, d: swarm(
@@ -532,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         errors=errors,
         aggregation=args.aggregation,
         uplink_declared=not args.no_uplink,
+        step_ahead=not args.match_at_step,
         model_size=args.model_size,
         compression=args.compression,
     )

@@ -24,6 +24,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from averaging.averager import GroupAverager  # noqa: E402
+from averaging.step_ahead import StepAhead  # noqa: E402
 from dht.node import DHTConfig, DHTNode  # noqa: E402
 from peer import LOCAL_DIFFICULTY, Identity, PeerAddress  # noqa: E402
 
@@ -71,6 +72,8 @@ async def main(args: argparse.Namespace) -> None:
             aggregation=args.aggregation,
             uplink=args.uplink_mbit * 1e6 / 8 if args.uplink_mbit else None,
         )
+        # As the public ``Averager`` steps: once steps come in a rhythm, each finds its group formed ahead.
+        stepper = StepAhead(averager, node.host) if args.step_ahead else averager
         print("ready", flush=True)
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             if "lead-and-die" in line.split():
@@ -79,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
             outcome: dict = {"index": args.index, "ok": False}
             started = time.monotonic()
             try:
-                averaged = await averager.step()
+                averaged = await stepper.step()
                 failed = sorted(map(str, averaged.result.failed_peers))
                 outcome.update(ok=True, size=len(averaged.group.members), failed=failed)
                 outcome["allreduce_s"] = averaged.timing.allreduce_s
@@ -104,6 +107,9 @@ if __name__ == "__main__":
     parser.add_argument("--reducer-timeout", type=float, default=4.0)
     parser.add_argument("--aggregation", default="auto", choices=["auto", "mean", "centered-clip"])
     parser.add_argument("--uplink-mbit", type=float, default=None, help="declare this uplink (GroupAverager uplink=)")
+    parser.add_argument(
+        "--step-ahead", action="store_true", help="step as the public Averager does (next group formed ahead)"
+    )
     parser.add_argument(
         "--settle",
         type=lambda text: None if text == "default" else float(text),
