@@ -15,10 +15,15 @@ ahead do (``match_ahead.py``). What the next step finds:
 * matchmaking under way: it waits for it (bounded by matchmaking's own deadline);
 * matchmaking not begun yet (the step came sooner than its period said): it is dropped, and the
   step matches itself;
-* nothing (the first steps, before there is a period; matchmaking ahead failed): the step matches;
-* a group formed too long ago (the step came much later than its period said): members that
-  stepped on time have waited ``allreduce.ROUND_WAIT`` for us and gone on without us, so it is
-  dropped and the step matches afresh.
+* nothing (the first steps, before there is a period; matchmaking ahead failed): the step matches.
+
+A group formed ahead is used however long ago it formed. Its members decide alone, each by its own
+clock, so a rule on a group's age would split them when they step late together (a pause in every
+peer's training): those a little past the limit match again without the others, who begin the
+round with the group and wait for them (the lab's interleaved steps, ``benchmarks/wan.py``, lose 2
+of 8 steps that way, one peer left alone). A member that steps later than the others waited for it
+(``allreduce.ROUND_WAIT``) finds its round over at once (they refuse its parts) and its step ends
+with those members failed; one that steps on time with a late one waits for it that long at most.
 
 The first two steps match at the step, as does every step whose period moved a lot; the others
 save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a script that
@@ -32,19 +37,14 @@ import logging
 
 import trio
 
-from .allreduce import ROUND_WAIT
 from .averager import AveragingRound, FormedGroup, GroupAverager
 from .later import Later, TaskSpawner
 from .match_ahead import JOIN_ALLOWANCE, wait_for_group
 from .matchmaking import DEFAULT_SETTLE
 
-__all__ = ["StepAhead", "STALE_GROUP_S"]
+__all__ = ["StepAhead"]
 
 log = logging.getLogger("peerd.averaging")
-
-# A group formed ahead this long before its step: its members that stepped on time are about to
-# give up on us (they wait ROUND_WAIT for each member's round to start).
-STALE_GROUP_S = ROUND_WAIT / 2
 
 
 class _Ahead:
@@ -122,7 +122,4 @@ class StepAhead:
             await ahead.formed.wait()
             return None
         group, self.last_wait_s = await wait_for_group(ahead.formed, ahead.due)
-        if group is not None and trio.current_time() - group.formed_at > STALE_GROUP_S:
-            log.info("the group formed ahead of round %d is stale; matching at the step", ahead.round)
-            return None
         return group

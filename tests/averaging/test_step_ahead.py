@@ -63,8 +63,8 @@ async def test_a_step_that_breaks_the_rhythm_matches_itself_and_averages():
                 await trio.sleep(pause)
 
         # Three steps a second apart, then a long pause past the rhythm (the group formed ahead
-        # for the next step goes stale, or its matchmaking times out), then two quick steps (the
-        # next step comes before matchmaking ahead has begun).
+        # for the next step waits for both, or its matchmaking times out), then two quick steps
+        # (the next step comes before matchmaking ahead has begun).
         async with trio.open_nursery() as peers:
             for i in range(2):
                 peers.start_soon(train, i, [TRAINING_S, TRAINING_S, 12.0, 0.0, 0.0])
@@ -131,3 +131,33 @@ async def test_a_step_whose_matchmaking_failed_leaves_its_search_out_of_the_rhyt
             await trio.sleep(TRAINING_S)
         await steps.close()
     assert averager.formed_ahead == [False, False, False, True, True]
+
+
+async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the_group_formed_ahead():
+    # A training loop's pauses vary (an evaluation, a checkpoint): after steps a second apart,
+    # every peer pauses about 3.5 s, its group formed ahead long before; the peers step a few
+    # tenths of a second apart, so any rule of their own about how old a group may be splits
+    # them (some use it and wait for the rest, the others match again without them).
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
+        steps = [StepAhead(averager, nursery) for averager in averagers]
+        outcomes: dict[int, list] = {i: [] for i in range(3)}
+
+        async def train(i: int) -> None:
+            for pause in [TRAINING_S, TRAINING_S, 3.3 + 0.2 * i, TRAINING_S]:
+                try:
+                    done = await steps[i].step(timeout=4.0)
+                    outcomes[i].append((len(done.group.members), len(done.result.failed_peers)))
+                except MatchmakingError as error:
+                    outcomes[i].append(str(error))
+                await trio.sleep(pause)
+
+        async with trio.open_nursery() as peers:
+            for i in range(3):
+                peers.start_soon(train, i)
+        for i in range(3):
+            await steps[i].close()
+            await averagers[i].leave()
+        nursery.cancel_scope.cancel()
+    assert outcomes == {i: [(3, 0)] * 4 for i in range(3)}, outcomes
