@@ -17,17 +17,19 @@ ahead do (``match_ahead.py``). What the next step finds:
   step matches itself;
 * nothing (the first steps, before there is a period; matchmaking ahead failed): the step matches.
 
-A group formed ahead is used however long ago it formed. Its members decide alone, each by its own
-clock, so a rule on a group's age would split them when they step late together (a pause in every
-peer's training): those a little past the limit match again without the others, who begin the
-round with the group and wait for them (the lab's interleaved steps, ``benchmarks/wan.py``, lose 2
-of 8 steps that way, one peer left alone). A member that steps later than the others waited for it
-(``allreduce.ROUND_WAIT``) finds its round over at once (they refuse its parts) and its step ends
-with those members failed; one that steps on time with a late one waits for it that long at most.
+A group formed ahead is used however long ago it formed. A step that dropped an old group would
+match its round again, and that round is matched: its leaders refuse joins for it (``joins.py``),
+so peers that step late together (a pause in every peer's training) would split into smaller
+groups, one left alone until matchmaking's deadline (in the lab's interleaved steps,
+``benchmarks/wan.py``, a rule on a group's age lost 2 of 8 steps). A member that steps later than
+the others wait for it (``allreduce.ROUND_WAIT``) has its parts refused at once, while its own
+shard waits out its senders' progress deadline (``link_speed.py``'s slack, or ``sender_timeout``):
+its step ends with those members failed and its values its own.
 
-The first two steps match at the step, as does every step whose period moved a lot; the others
-save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a script that
-stops stepping leaves a declaration that lives out its short lifetime, as a peer that leaves does.
+The first two steps match at the step, as does a step that comes sooner than its period said;
+the others save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a
+script that stops stepping leaves a declaration that lives out its short lifetime, as a peer that
+leaves does.
 """
 
 from __future__ import annotations

@@ -35,13 +35,18 @@ Parts (rows of the table):
                  nominal rate (2.01 s at 100 Mbit/s).
                  Figures: ``allreduce_line_rate_fraction`` = bound ÷ median all-reduce time
                  (group formed until the round is done, slowest peer), and
-                 ``step_line_rate_fraction`` = bound ÷ median whole step (matchmaking included).
+                 ``step_line_rate_fraction`` = bound ÷ median whole step. Both configurations
+                 step as the public ``Averager`` does (``averaging/step_ahead.py``): once steps
+                 come in a rhythm, a step's group forms before the step is called (in this part's
+                 turns a configuration's steps come 0, 1 or 2 other steps apart; a step sooner
+                 than its period said matches itself). ``--match-at-step``: every step matches
+                 when it is called, as Hivemind's ``step()`` does by default.
                  With ``--hivemind PYTHON`` (or ``$PEERD_WAN_HIVEMIND``), 4 Hivemind 1.1.12
                  ``DecentralizedAverager``s of the same tensor run on the same hosts
                  (``wan_cases/hivemind_averager.py``: ``target_group_size=4``,
                  ``min_matchmaking_time=0.5``, no compression), stepped in turn with peerd's, the
-                 order alternating. ``hivemind_step_s``: its whole ``step()``, matchmaking included
-                 (as ``step_s``); ``hivemind_allreduce_s``: from the step entering its
+                 order alternating. ``hivemind_step_s``: its whole ``step()``, which matches at the
+                 step (its default; compare with ``--match-at-step`` for like with like); ``hivemind_allreduce_s``: from the step entering its
                  ``RUNNING_ALLREDUCE`` stage (group formed) to the step's end (as ``allreduce_s``).
                  ``step_vs_hivemind`` and ``allreduce_vs_hivemind`` = peerd's time ÷ Hivemind's
                  (< 1: peerd is faster; ``defaults_step_vs_hivemind`` for the defaults). Without the

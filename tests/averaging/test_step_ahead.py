@@ -1,6 +1,6 @@
 """Steps in a rhythm find their group formed ahead (``averaging/step_ahead.py``): peers that step
-every so often start each step's all-reduce at once, and a step that breaks the rhythm matches
-itself instead of waiting on a group its members gave up on."""
+every so often start each step's all-reduce at once, a step that comes before its matchmaking ahead
+began matches itself, and a group formed ahead is used however long the step came after it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ async def test_steps_in_a_rhythm_start_with_their_group_formed_and_average_exact
     assert quickest[2:] == [0.0, 0.0, 0.0], quickest
 
 
-async def test_a_step_that_breaks_the_rhythm_matches_itself_and_averages():
+async def test_steps_that_break_the_rhythm_still_average():
     async with trio.open_nursery() as nursery:
         nodes, _ = await open_swarm(nursery, 2)
         averagers = make_averagers(nodes, [1.0, 3.0], settle_time=SETTLE)
@@ -135,9 +135,9 @@ async def test_a_step_whose_matchmaking_failed_leaves_its_search_out_of_the_rhyt
 
 async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the_group_formed_ahead():
     # A training loop's pauses vary (an evaluation, a checkpoint): after steps a second apart,
-    # every peer pauses about 3.5 s, its group formed ahead long before; the peers step a few
-    # tenths of a second apart, so any rule of their own about how old a group may be splits
-    # them (some use it and wait for the rest, the others match again without them).
+    # every peer pauses 3.3-3.7 s, its group formed ahead long before. A peer that dropped that
+    # group as too old would match its round again, where the leaders that matched it refuse
+    # joins: groups of 2, and one peer alone.
     async with trio.open_nursery() as nursery:
         nodes, _ = await open_swarm(nursery, 3)
         averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
