@@ -46,8 +46,9 @@ Parts (rows of the table):
                  (``wan_cases/hivemind_averager.py``: ``target_group_size=4``,
                  ``min_matchmaking_time=0.5``, no compression), stepped in turn with peerd's, the
                  order alternating. ``hivemind_step_s``: its whole ``step()``, which matches at the
-                 step (its default; compare with ``--match-at-step`` for like with like); ``hivemind_allreduce_s``: from the step entering its
-                 ``RUNNING_ALLREDUCE`` stage (group formed) to the step's end (as ``allreduce_s``).
+                 step (its default; compare with ``--match-at-step`` for like with like);
+                 ``hivemind_allreduce_s``: from the step entering its ``RUNNING_ALLREDUCE`` stage
+                 (group formed) to the step's end (as ``allreduce_s``).
                  ``step_vs_hivemind`` and ``allreduce_vs_hivemind`` = peerd's time ÷ Hivemind's
                  (< 1: peerd is faster; ``defaults_step_vs_hivemind`` for the defaults). Without the
                  flag they are null. PYTHON is an interpreter
