@@ -46,7 +46,7 @@ import trio
 from peer import PeerHost, Router
 from peer.tensors import all_finite
 
-from .allreduce_protocol import MAX_PART_MESSAGE, REDUCE_METHOD, AllReduceError, ReduceHeader
+from .allreduce_protocol import MAX_PART_MESSAGE, REDUCE_METHOD, AllReduceError, ReduceHeader, RoundOver
 from .compression import Codec, get_codec
 from .contribution_scores import ContributionScores, ShardAlignment
 from .flat_parts import flat_view, flatten, write_back
@@ -189,7 +189,7 @@ class AllReduceService:
         with trio.move_on_after(ROUND_WAIT):
             while group_id not in self._rounds:
                 if group_id in self._finished:
-                    raise ValueError("this peer's part in that round is over")
+                    raise RoundOver("this peer's part in that round is over")
                 await self._rounds_changed.wait()
         return self._rounds.get(group_id)
 

@@ -57,6 +57,8 @@ from .reduction import ContributionRejected, ShardReduction
 __all__ = [
     "REDUCE_METHOD",
     "AllReduceError",
+    "ROUND_OVER",
+    "RoundOver",
     "AverageInbox",
     "ContributionInbox",
     "IncomingPart",
@@ -75,6 +77,15 @@ MAX_PART_MESSAGE = PartSink.MAX_UNCHECKED_PART
 
 class AllReduceError(RuntimeError):
     """This peer cannot take part in the round, or a reducer's reply broke the protocol."""
+
+
+class RoundOver(ValueError):
+    """A reducer's answer to a stream of a round that has ended on its peer: it takes no more parts
+    and sends none, so the sender's own shard stops waiting for that peer's parts at once (a member
+    that steps after the others have averaged without it learns so in a round trip)."""
+
+
+ROUND_OVER = RoundOver.__name__  # its error code on the wire
 
 
 @dataclass(frozen=True)

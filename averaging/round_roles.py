@@ -19,12 +19,13 @@ import torch
 import trio
 from trio.lowlevel import ParkingLot
 
-from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RPCError
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, RPCError
 from peer.worker_threads import run_blocking
 
 from .allreduce_protocol import (
     MAX_PART_MESSAGE,
     REDUCE_METHOD,
+    ROUND_OVER,
     AllReduceError,
     AverageInbox,
     ContributionInbox,
@@ -400,6 +401,8 @@ class SenderRole:
         except (trio.TooSlowError, RPCError, ConnectError, AllReduceError, ValueError, trio.EndOfChannel) as error:
             if isinstance(error, (ConnectError, ConnectionLost)):
                 self.links.lost(reducer.peer_id, f"connection lost: {error}")
+            elif isinstance(error, RemoteError) and error.type_name == ROUND_OVER:
+                self.links.lost(reducer.peer_id, "its round is over")  # (it sends us no parts either)
             reason = f"gave up: {error}" if isinstance(error, trio.TooSlowError) else f"{type(error).__name__}: {error}"
             log.warning("reducer %s failed (%s); shard %d keeps local values", reducer.peer_id, reason, index)
             round_.shard_failed(index, reason)

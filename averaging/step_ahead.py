@@ -22,9 +22,9 @@ match its round again, and that round is matched: its leaders refuse joins for i
 so peers that step late together (a pause in every peer's training) would split into smaller
 groups, one left alone until matchmaking's deadline (in the lab's interleaved steps,
 ``benchmarks/wan.py``, a rule on a group's age lost 2 of 8 steps). A member that steps later than
-the others wait for it (``allreduce.ROUND_WAIT``) has its parts refused at once, while its own
-shard waits out its senders' progress deadline (``link_speed.py``'s slack, or ``sender_timeout``):
-its step ends with those members failed and its values its own.
+the others wait for it (``allreduce.ROUND_WAIT``) has its parts refused at once
+(``allreduce_protocol.RoundOver``), which also tells its own shard that they send it none: its
+step ends within a round trip, those members failed and its values its own.
 
 The first two steps match at the step, as does a step that comes sooner than its period said;
 the others save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a

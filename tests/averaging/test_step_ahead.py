@@ -161,3 +161,34 @@ async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the
             await averagers[i].leave()
         nursery.cancel_scope.cancel()
     assert outcomes == {i: [(3, 0)] * 4 for i in range(3)}, outcomes
+
+
+async def test_a_peer_that_steps_after_its_group_averaged_without_it_learns_so_in_a_round_trip():
+    # Its group formed ahead; the others stepped on time, waited ROUND_WAIT for it and averaged
+    # without it. Their round is over, so they refuse its parts (RoundOver) and send it none: its
+    # own shard stops waiting for them at once instead of after its senders' deadline (3 s here).
+    async with trio.open_nursery() as nursery:
+        nodes, _ = await open_swarm(nursery, 3)
+        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
+        steps = [StepAhead(averager, nursery) for averager in averagers]
+        outcomes: dict[int, list] = {i: [] for i in range(3)}
+
+        async def train(i: int, pauses: list[float]) -> None:
+            for pause in pauses:
+                started = trio.current_time()
+                done = await steps[i].step(timeout=4.0)
+                took = trio.current_time() - started
+                outcomes[i].append((len(done.group.members), len(done.result.failed_peers), took))
+                await trio.sleep(pause)
+
+        async with trio.open_nursery() as peers:
+            for i in range(2):
+                peers.start_soon(train, i, [TRAINING_S] * 4)
+            peers.start_soon(train, 2, [TRAINING_S, TRAINING_S, 9.0, 0.0])
+        for i in range(3):
+            await steps[i].close()
+            await averagers[i].leave()
+        nursery.cancel_scope.cancel()
+    size, failed, took = outcomes[2][3]  # the late step, with the group formed for it
+    assert (size, failed) == (3, 2) and took < 1.0, outcomes[2]
+    assert [(size, failed) for size, failed, _ in outcomes[0]] == [(3, 0)] * 3 + [(3, 1)], outcomes[0]
