@@ -5,16 +5,17 @@ time and the joins.
 A script calls ``step`` every so often (its period: the time from one step's start to the next,
 training included, less the time the earlier step spent finding its group, which a group formed
 ahead saves: the first step's matchmaking reads and settles in full, later ones may not). Once a
-step's group is known, the next step is due a period later, and the next round's matchmaking is
-planned to begin ``lead`` seconds before that (at once if the period is shorter than the lead:
-while this step's all-reduce runs). As a leader, the group stays open to latecomers until
-our step comes (``find_group``'s ``hold_open``), as the collaborative optimizer's groups formed
-ahead do (``match_ahead.py``). What the next step finds:
+step's group is known, the next step may come as soon as the shortest of the last
+``RHYTHM_STEPS`` periods (a loop's intervals vary: an evaluation every few steps, a slow batch),
+and the next round's matchmaking is planned to begin ``lead`` seconds before that (at once if
+that period is shorter than the lead: while this step's all-reduce runs). As a leader, the group
+stays open to latecomers until our step comes (``find_group``'s ``hold_open``), as the
+collaborative optimizer's groups formed ahead do (``match_ahead.py``). What the next step finds:
 
 * the group, formed: it averages with it at once;
 * matchmaking under way: it waits for it (bounded by matchmaking's own deadline);
-* matchmaking not begun yet (the step came sooner than its period said): it is dropped, and the
-  step matches itself;
+* matchmaking not begun yet (the step came sooner than any recent period): it is dropped, and
+  the step matches itself;
 * nothing (the first steps, before there is a period; matchmaking ahead failed): the step matches.
 
 A group formed ahead is used however long ago it formed. A step that dropped an old group would
@@ -26,7 +27,7 @@ the others wait for it (``allreduce.ROUND_WAIT``) has its parts refused at once
 (``allreduce_protocol.RoundOver``), which also tells its own shard that they send it none: its
 step ends within a round trip, those members failed and its values its own.
 
-The first two steps match at the step, as does a step that comes sooner than its period said;
+The first two steps match at the step, as does a step that comes sooner than any recent period;
 the others save matchmaking's time. Nothing is formed ahead unless a step is about to come, so a
 script that stops stepping leaves a declaration that lives out its short lifetime, as a peer that
 leaves does.
@@ -34,6 +35,7 @@ leaves does.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 
@@ -44,9 +46,13 @@ from .later import Later, TaskSpawner
 from .match_ahead import JOIN_ALLOWANCE, wait_for_group
 from .matchmaking import DEFAULT_SETTLE
 
-__all__ = ["StepAhead"]
+__all__ = ["StepAhead", "RHYTHM_STEPS"]
 
 log = logging.getLogger("peerd.averaging")
+
+# The periods the next step's soonest time is taken from (the shortest of them): a group that
+# forms too early waits for its step, used whatever its age; one planned too late is dropped.
+RHYTHM_STEPS = 4
 
 
 class _Ahead:
@@ -68,6 +74,7 @@ class StepAhead:
         settle = averager.settings.settle_time
         self.lead = (settle if settle is not None else DEFAULT_SETTLE) + JOIN_ALLOWANCE
         self.period: float | None = None  # between the last two steps' starts, less finding a group
+        self._periods: collections.deque[float] = collections.deque(maxlen=RHYTHM_STEPS)
         self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
         self._last_start: float | None = None
         self._grouped_in: float | None = None  # how long the last step took to know its group
@@ -78,6 +85,7 @@ class StepAhead:
         started = trio.current_time()
         if self._last_start is not None:
             self.period = max(0.0, started - self._last_start - (self._grouped_in or 0.0))
+            self._periods.append(self.period)
         self._last_start, self._grouped_in = started, None
         group = await self._collect()
         try:
@@ -101,7 +109,7 @@ class StepAhead:
         if self.period is None:
             return  # no rhythm yet
         ahead = self._ahead = _Ahead(group.round + 1)
-        begin = now + self.period - self.lead
+        begin = now + min(self._periods) - self.lead
         ahead.formed = Later(self.tasks, functools.partial(self._match, ahead, begin))
 
     async def _match(self, ahead: _Ahead, begin: float) -> FormedGroup | None:

@@ -192,3 +192,18 @@ async def test_a_peer_that_steps_after_its_group_averaged_without_it_learns_so_i
     size, failed, took = outcomes[2][3]  # the late step, with the group formed for it
     assert (size, failed) == (3, 2) and took < 1.0, outcomes[2]
     assert [(size, failed) for size, failed, _ in outcomes[0]] == [(3, 0)] * 3 + [(3, 1)], outcomes[0]
+
+
+async def test_a_loop_whose_steps_come_at_uneven_intervals_finds_every_group_formed_ahead(autojump_clock):
+    # Gradient accumulation with an evaluation every other step: steps come 0.4 s and 2.1 s apart
+    # in turn. Planned by the last interval alone, every step after a long one came before its
+    # matchmaking ahead had begun (and matched at the step); planned by the shortest recent one,
+    # each group forms in time and waits for its step.
+    averager = ScriptedAverager(matching_s=[0.05, 0.05])
+    async with trio.open_nursery() as nursery:
+        steps = StepAhead(averager, nursery)
+        for number in range(8):
+            await steps.step(timeout=4.0)
+            await trio.sleep(0.3 if number % 2 == 0 else 2.0)
+        await steps.close()
+    assert averager.formed_ahead == [False, False] + [True] * 6
