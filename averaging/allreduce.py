@@ -193,6 +193,12 @@ class AllReduceService:
                 await self._rounds_changed.wait()
         return self._rounds.get(group_id)
 
+    def _used(self, group_id: bytes) -> bool:
+        """Whether a round with this group ID is live or over on this peer. A finished one counts:
+        streams for it are refused (``RoundOver``) and their senders stop waiting for our parts,
+        so a leader that announced its ID again would have our members drop each other."""
+        return group_id in self._rounds or group_id in self._finished
+
     def _announce(self, group_id: bytes, role: ReducerRole | None) -> None:
         self._rounds[group_id] = role
         self._rounds_changed.set()
@@ -236,7 +242,7 @@ class AllReduceService:
             settings.part_size,
             bytes_per_value(codec.payload_size),
         )
-        if group.group_id in self._rounds:  # refused before it costs anything (checked again at the announcement)
+        if self._used(group.group_id):  # refused before it costs anything (checked again at the announcement)
             raise AllReduceError(DUPLICATE_GROUP_ID)
         scored = None if reference is None else await in_thread(flat_reference, list(reference), plan.total)
         self._buffers.start_round()
@@ -312,7 +318,7 @@ class AllReduceService:
             # Checked with no await between it and the announcement: a leader that reused a live
             # group ID would have the two rounds take each other's parts.
             nonlocal duplicate
-            if group_id in self._rounds:
+            if self._used(group_id):
                 duplicate = True
                 raise AllReduceError(DUPLICATE_GROUP_ID)
             self._announce(group_id, role)

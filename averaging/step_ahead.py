@@ -78,6 +78,7 @@ class StepAhead:
         self.last_wait_s = 0.0  # how long the last step waited for its group formed ahead
         self._last_start: float | None = None
         self._grouped_in: float | None = None  # how long the last step took to know its group
+        self._last_failed = False  # the last step formed no group
         self._ahead: _Ahead | None = None
 
     async def step(self, weight: float = 1.0, timeout: float | None = None) -> AveragingRound:
@@ -85,8 +86,9 @@ class StepAhead:
         started = trio.current_time()
         if self._last_start is not None:
             self.period = max(0.0, started - self._last_start - (self._grouped_in or 0.0))
-            self._periods.append(self.period)
-        self._last_start, self._grouped_in = started, None
+            if not self._last_failed:  # (a retry at once after a failed step is no interval of the loop)
+                self._periods.append(self.period)
+        self._last_start, self._grouped_in, self._last_failed = started, None, False
         group = await self._collect()
         try:
             return await self.averager.step(
@@ -95,6 +97,7 @@ class StepAhead:
         finally:
             if self._grouped_in is None:  # no group formed: the whole step went into looking for one
                 self._grouped_in = trio.current_time() - started
+                self._last_failed = True
 
     async def close(self) -> None:
         """Drop any matchmaking ahead and wait until it is out (before leaving the swarm)."""
@@ -106,10 +109,13 @@ class StepAhead:
     def _plan(self, group: FormedGroup, *, started: float) -> None:
         now = trio.current_time()
         self._grouped_in = now - started
-        if self.period is None:
+        if not self._periods:
             return  # no rhythm yet
         ahead = self._ahead = _Ahead(group.round + 1)
-        begin = now + min(self._periods) - self.lead
+        # by the soonest recent interval, but late enough that matchmaking, which gives up after its
+        # deadline, still runs when the last interval says the step comes
+        latest_useful = self.period - self.averager.settings.matchmaking_timeout + self.lead
+        begin = now + max(min(self._periods) - self.lead, latest_useful)
         ahead.formed = Later(self.tasks, functools.partial(self._match, ahead, begin))
 
     async def _match(self, ahead: _Ahead, begin: float) -> FormedGroup | None:

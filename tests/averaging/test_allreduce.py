@@ -495,6 +495,18 @@ async def test_a_group_id_already_in_use_on_a_peer_is_refused_whichever_round_ge
         nursery.cancel_scope.cancel()
 
 
+async def test_a_group_id_whose_round_is_over_on_a_peer_is_refused_there():
+    """Streams for a round over on a peer are refused as ``RoundOver``, and their senders drop that
+    peer's parts: a second round with the ID would have members drop each other."""
+    async with trio.open_nursery() as nursery:
+        peers = await start_peers(nursery, 2)
+        group = make_group(peers)
+        await run_round(peers, group, [random_tensors(i) for i in range(2)], [1.0, 1.0], {})
+        with pytest.raises(AllReduceError, match="already uses this group ID"):
+            await peers[0].service.run(group, random_tensors(3))
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("how", ["ended", "cancelled"])
 async def test_a_stream_for_a_round_over_on_the_reducer_is_refused_at_once(how):
     """A reducer whose round had ended (or been cancelled) a moment before a sender's stream

@@ -15,6 +15,7 @@ from averaging.step_ahead import StepAhead
 from tests.averaging.test_match_ahead import make_averagers, open_swarm
 
 SETTLE = 0.5
+MATCHMAKING_TIMEOUT = 5.0
 TRAINING_S = 1.0  # what each peer does between its steps
 
 
@@ -79,7 +80,7 @@ class ScriptedAverager:
     after the next of ``matching_s``; a group formed ahead forms once its step is due."""
 
     def __init__(self, matching_s: list[float], allreduce_s: float = 0.1, failing: frozenset[int] = frozenset()):
-        self.settings = types.SimpleNamespace(settle_time=SETTLE)
+        self.settings = types.SimpleNamespace(settle_time=SETTLE, matchmaking_timeout=MATCHMAKING_TIMEOUT)
         self.round = 0
         self.matching_s = matching_s
         self.allreduce_s = allreduce_s
@@ -87,8 +88,10 @@ class ScriptedAverager:
         self.failing = failing  # the steps (from 1) whose matchmaking fails after its time
 
     async def find_group(self, round_number: int, hold_open: trio.Event) -> FormedGroup:
-        await hold_open.wait()
-        return FormedGroup(None, round_number, trio.current_time())
+        with trio.move_on_after(MATCHMAKING_TIMEOUT):  # (as matchmaking gives up at its deadline)
+            await hold_open.wait()
+            return FormedGroup(None, round_number, trio.current_time())
+        raise MatchmakingError("no averaging group formed")
 
     async def step(self, weight, timeout, group=None, on_group=None) -> None:
         self.formed_ahead.append(group is not None)
@@ -184,7 +187,7 @@ async def test_a_peer_that_steps_after_its_group_averaged_without_it_learns_so_i
         async with trio.open_nursery() as peers:
             for i in range(2):
                 peers.start_soon(train, i, [TRAINING_S] * 4)
-            peers.start_soon(train, 2, [TRAINING_S, TRAINING_S, 9.0, 0.0])
+            peers.start_soon(train, 2, [TRAINING_S, TRAINING_S, 11.0, 0.0])
         for i in range(3):
             await steps[i].close()
             await averagers[i].leave()
@@ -207,3 +210,21 @@ async def test_a_loop_whose_steps_come_at_uneven_intervals_finds_every_group_for
             await trio.sleep(0.3 if number % 2 == 0 else 2.0)
         await steps.close()
     assert averager.formed_ahead == [False, False] + [True] * 6
+
+
+async def test_a_step_retried_at_once_after_it_failed_leaves_the_loops_interval_alone(autojump_clock):
+    # Steps 30 s apart; the second finds no group and the loop retries at once. That retry's
+    # interval (none) is no interval of the loop: planned by it, matchmaking ahead began at once,
+    # gave up at its deadline long before each step came, and the next steps matched at the step.
+    averager = ScriptedAverager(matching_s=[0.05, 3.0, 0.05], failing=frozenset({2}))
+    async with trio.open_nursery() as nursery:
+        steps = StepAhead(averager, nursery)
+        for _ in range(8):
+            try:
+                await steps.step(timeout=4.0)
+                pause = 30.0
+            except MatchmakingError:
+                pause = 0.0
+            await trio.sleep(pause)
+        await steps.close()
+    assert averager.formed_ahead == [False, False, False] + [True] * 5
