@@ -8,9 +8,12 @@ ahead saves: the first step's matchmaking reads and settles in full, later ones 
 step's group is known, the next step may come as soon as the shortest of the last
 ``RHYTHM_STEPS`` periods (a loop's intervals vary: an evaluation every few steps, a slow batch),
 and the next round's matchmaking is planned to begin ``lead`` seconds before that (at once if
-that period is shorter than the lead: while this step's all-reduce runs). As a leader, the group
-stays open to latecomers until our step comes (``find_group``'s ``hold_open``), as the
-collaborative optimizer's groups formed ahead do (``match_ahead.py``). What the next step finds:
+that period is shorter than the lead: while this step's all-reduce runs), though no sooner than
+the last period less matchmaking's deadline, which it would otherwise run out before a step that
+comes as the last one did; a step that formed no group adds no period (a loop may retry it at
+once). As a leader, the group stays open to latecomers until our step comes (``find_group``'s
+``hold_open``), as the collaborative optimizer's groups formed ahead do (``match_ahead.py``).
+What the next step finds:
 
 * the group, formed: it averages with it at once;
 * matchmaking under way: it waits for it (bounded by matchmaking's own deadline);

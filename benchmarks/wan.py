@@ -39,7 +39,7 @@ Parts (rows of the table):
                  step as the public ``Averager`` does (``averaging/step_ahead.py``): once steps
                  come in a rhythm, a step's group forms before the step is called (in this part's
                  turns a configuration's steps come 0, 1 or 2 other steps apart; a step sooner
-                 than its period said matches itself). ``--match-at-step``: every step matches
+                 than any recent interval matches itself). ``--match-at-step``: every step matches
                  when it is called, as Hivemind's ``step()`` does by default.
                  With ``--hivemind PYTHON`` (or ``$PEERD_WAN_HIVEMIND``), 4 Hivemind 1.1.12
                  ``DecentralizedAverager``s of the same tensor run on the same hosts
