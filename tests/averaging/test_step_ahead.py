@@ -9,13 +9,10 @@ import types
 import torch
 import trio
 
-from averaging.averager import FormedGroup, GroupAverager
+from averaging.averager import FormedGroup
 from averaging.matchmaking import MatchmakingError
-from averaging.matchmaking_errors import OutOfReach
 from averaging.step_ahead import StepAhead
-from peer.simnet import SimNetwork
 from tests.averaging.test_match_ahead import make_averagers, open_swarm
-from tests.support.sim_swarm import open_sim_swarm
 
 SETTLE = 0.5
 MATCHMAKING_TIMEOUT = 5.0
@@ -231,45 +228,3 @@ async def test_a_step_retried_at_once_after_it_failed_leaves_the_loops_interval_
             await trio.sleep(pause)
         await steps.close()
     assert averager.formed_ahead == [False, False, False] + [True] * 5
-
-
-async def test_a_peer_that_pauses_past_its_swarms_rounds_is_back_in_its_groups_two_steps_later(autojump_clock):
-    # Three embedded averagers step about a second apart; one pauses 9 s. Its next step uses the
-    # group formed before the pause, which the others averaged without it: refused in a round trip
-    # (RoundOver). The step after finds the swarm rounds ahead in two reads (OutOfReach: it takes
-    # the swarm's round), and the one after that averages with both others again.
-    async with open_sim_swarm(SimNetwork(seed=4), 3) as swarm:
-        averagers = [
-            GroupAverager(
-                [torch.full((64,), float(i))], node, prefix="paused", target_group_size=3,
-                aggregation="mean", matchmaking_timeout=5.0, settle_time=SETTLE,
-            )
-            for i, node in enumerate(swarm.nodes)
-        ]  # fmt: skip
-        outcomes: dict[int, list] = {i: [] for i in range(3)}
-        async with trio.open_nursery() as nursery:
-            steps = [StepAhead(averager, nursery) for averager in averagers]
-
-            async def train(i: int, pauses: list[float]) -> None:
-                for pause in pauses:
-                    started = trio.current_time()
-                    try:
-                        done = await steps[i].step()
-                        outcome = (len(done.group.members), len(done.result.failed_peers))
-                    except OutOfReach:
-                        outcome = "out of reach"
-                    outcomes[i].append((outcome, trio.current_time() - started))
-                    await trio.sleep(pause)
-
-            async with trio.open_nursery() as peers:
-                for i in range(2):
-                    peers.start_soon(train, i, [TRAINING_S] * 16)
-                peers.start_soon(train, 2, [TRAINING_S, TRAINING_S, 9.0, TRAINING_S, TRAINING_S, TRAINING_S])
-            for step in steps:
-                await step.close()
-            nursery.cancel_scope.cancel()
-    paused = outcomes[2]
-    assert [outcome for outcome, _ in paused[:3]] == [(3, 0)] * 3, paused
-    assert paused[3][0] == (3, 2) and paused[3][1] < 1.0, paused  # the group the others gave up on
-    assert paused[4][0] == "out of reach" and paused[4][1] < 2.0, paused
-    assert [outcome for outcome, _ in paused[5:]] == [(3, 0)], paused
