@@ -61,7 +61,6 @@ from .matchmaking_errors import (
     MatchmakingError,
     NoOtherPeers,
     OutOfReach,
-    StrandedReads,
     no_group,
     too_few,
 )
@@ -188,7 +187,7 @@ class Matchmaker:
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
-        sparse, probed, stranded = sparse_cell(target_group_size), False, StrandedReads()  # (probed: once a round)
+        sparse, probed = sparse_cell(target_group_size), False  # (a sparse cell is probed once a round)
         pause = FIRST_RETRY_PAUSE
         far_rounds: list[int] = []  # (the rounds out of reach, when they are why no group formed)
         rounds: list[int] = []  # (the others' rounds, newcomers' aside, of the read that found too few)
@@ -210,8 +209,8 @@ class Matchmaker:
             alone = alone and not far_rounds and len(candidates.keys() - {me.peer_id}) == 0
             if len(candidates) < min_group_size:
                 last_error = too_few(len(candidates), min_group_size, len(far_rounds), me.round)
-                stranded.check(f"no averaging group formed: {last_error}", me.round, far_rounds, rounds)
-                await back_off(SPARSE_POLL, deadline)  # (others may be declaring now: look again soon)
+                # (a peer that waits for others looks again soon: they may be declaring now)
+                await back_off(SPARSE_POLL, deadline)
                 continue
             far_rounds = []
             proposal = self._propose(me, candidates, target_group_size, min_group_size, unreachable)

@@ -12,8 +12,6 @@ __all__ = [
     "MatchmakingError",
     "NoOtherPeers",
     "OutOfReach",
-    "STRANDED_READS",
-    "StrandedReads",
     "no_group",
     "too_few",
 ]
@@ -52,46 +50,16 @@ class LeaderHoldsExcluded(LeaderFailed):
     not remembered, since the excluded peer, not the leader, chose to join it."""
 
 
-# Reads in a row that find us stranded before matchmaking gives up at once: more than one, since
-# a read may still hold declarations of a round that has just ended (they live a few seconds).
-STRANDED_READS = 2
-
-
 def no_group(message: str, own_round: int, far_rounds: list[int], rounds: list[int], alone: bool) -> MatchmakingError:
     """What a round that formed no group raises. ``far_rounds``: declarations out of reach were
-    why; ``rounds``: every other peer's declared round."""
-    swarm_round = stranded(own_round, far_rounds, rounds)
-    if swarm_round is not None:
-        return OutOfReach(message, swarm_round=swarm_round)
-    return (NoOtherPeers if alone else MatchmakingError)(message)
-
-
-def stranded(own_round: int, far_rounds: list[int], rounds: list[int]) -> int | None:
-    """The swarm's round where one read shows it out of our reach, else None. The swarm's round is
-    the lower median of every other peer's declared round (``rounds``), so a minority of liars
-    declaring far rounds cannot move it; only when that median is itself out of our reach, and
-    some declarations are (``far_rounds``), are we stranded."""
+    why; ``rounds``: every other peer's declared round. The swarm's round is the lower median of
+    all of them, so a minority of liars declaring far rounds cannot move it; only when that median
+    is itself out of our reach are we stranded (``OutOfReach``)."""
     if far_rounds and rounds:
         swarm_round = round_to_join(0, rounds)
         if not in_reach(own_round, swarm_round):
-            return swarm_round
-    return None
-
-
-class StrandedReads:
-    """A matchmaking's reads that found it stranded: at STRANDED_READS in a row it raises
-    ``OutOfReach`` at once, rather than waiting out its deadline for a group that no peer that
-    declared can be in (a peer that paused longer than the swarm's rounds learns in a read or two
-    that it must join the swarm's round)."""
-
-    def __init__(self) -> None:
-        self.in_a_row = 0
-
-    def check(self, message: str, own_round: int, far_rounds: list[int], rounds: list[int]) -> None:
-        swarm_round = stranded(own_round, far_rounds, rounds)
-        self.in_a_row = self.in_a_row + 1 if swarm_round is not None else 0
-        if swarm_round is not None and self.in_a_row >= STRANDED_READS:
-            raise OutOfReach(message, swarm_round=swarm_round)
+            return OutOfReach(message, swarm_round=swarm_round)
+    return (NoOtherPeers if alone else MatchmakingError)(message)
 
 
 def too_few(found: int, min_group_size: int, far: int, round_number: int) -> str:

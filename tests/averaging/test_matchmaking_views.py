@@ -378,11 +378,10 @@ async def test_a_peer_that_declines_every_join_costs_no_one_the_round(autojump_c
         assert all(hostile.host.peer_id not in group for group in groups.values())
 
 
-async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round_and_learns_so_in_two_reads(autojump_clock):
+async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=4), 4) as swarm:
         behind, *current = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
         groups, failures = {}, {}
-        started = trio.current_time()
 
         async def form(node, round_number: int) -> None:
             me = dataclasses.replace(declaration_of(node), round=round_number)
@@ -391,7 +390,7 @@ async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round_and_learn
                     me, target_group_size=4, min_group_size=2, timeout=10.0, settle_time=0.5
                 )
             except MatchmakingError as error:
-                failures[node] = (error, trio.current_time() - started)
+                failures[node] = error
                 return
             groups[node] = {member.peer_id for member in match.group.members}
 
@@ -400,11 +399,8 @@ async def test_a_peer_left_two_rounds_behind_costs_the_others_no_round_and_learn
             for node in current:
                 nursery.start_soon(form, node, 3)
         assert groups == {node: {n.host.peer_id for n in current} for node in current}
-        assert list(failures) == [behind]
-        error, after = failures[behind]
-        assert isinstance(error, OutOfReach) and error.swarm_round == 3 and "too far from our 1" in str(error)
-        # two reads in a row showed the swarm's round out of reach: no waiting out the 10-s deadline
-        assert after < 2.0, after
+        assert list(failures) == [behind] and "too far from our 1" in str(failures[behind])
+        assert isinstance(failures[behind], OutOfReach) and failures[behind].swarm_round == 3
 
 
 async def test_a_bare_averager_left_behind_joins_the_swarms_round_after_one_lost_step(autojump_clock):
