@@ -136,22 +136,22 @@ async def test_a_step_whose_matchmaking_failed_leaves_its_search_out_of_the_rhyt
     assert averager.formed_ahead == [False, False, False, True, True]
 
 
-async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the_group_formed_ahead():
-    # A training loop's pauses vary (an evaluation, a checkpoint): after steps a second apart,
-    # every peer pauses 3.3-3.7 s, its group formed ahead long before. A peer that dropped that
-    # group as too old would match its round again, where the leaders that matched it refuse
-    # joins: groups of 2, and one peer alone.
+async def three_peers_stepping(pauses: list[list[float]]) -> dict[int, list]:
+    """Three averagers on 127.0.0.1 stepping through ``StepAhead``, peer i pausing ``pauses[i]``
+    after its steps; per peer, each step's (group size, failed peers, seconds) or its error."""
+    outcomes: dict[int, list] = {i: [] for i in range(3)}
     async with trio.open_nursery() as nursery:
         nodes, _ = await open_swarm(nursery, 3)
         averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
         steps = [StepAhead(averager, nursery) for averager in averagers]
-        outcomes: dict[int, list] = {i: [] for i in range(3)}
 
         async def train(i: int) -> None:
-            for pause in [TRAINING_S, TRAINING_S, 3.3 + 0.2 * i, TRAINING_S]:
+            for pause in pauses[i]:
+                started = trio.current_time()
                 try:
                     done = await steps[i].step(timeout=4.0)
-                    outcomes[i].append((len(done.group.members), len(done.result.failed_peers)))
+                    took = trio.current_time() - started
+                    outcomes[i].append((len(done.group.members), len(done.result.failed_peers), took))
                 except MatchmakingError as error:
                     outcomes[i].append(str(error))
                 await trio.sleep(pause)
@@ -163,38 +163,31 @@ async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the
             await steps[i].close()
             await averagers[i].leave()
         nursery.cancel_scope.cancel()
-    assert outcomes == {i: [(3, 0)] * 4 for i in range(3)}, outcomes
+    return outcomes
+
+
+def groups(outcomes: list) -> list:
+    """(group size, failed peers) of each step, or its error."""
+    return [outcome[:2] if isinstance(outcome, tuple) else outcome for outcome in outcomes]
+
+
+async def test_peers_whose_steps_come_off_their_rhythm_together_average_with_the_group_formed_ahead():
+    # A training loop's pauses vary (an evaluation, a checkpoint): after steps a second apart,
+    # every peer pauses 3.3-3.7 s, its group formed ahead long before. A peer that dropped that
+    # group as too old would match its round again, where the leaders that matched it refuse
+    # joins: groups of 2, and one peer alone.
+    outcomes = await three_peers_stepping([[TRAINING_S, TRAINING_S, 3.3 + 0.2 * i, TRAINING_S] for i in range(3)])
+    assert {i: groups(outcomes[i]) for i in range(3)} == {i: [(3, 0)] * 4 for i in range(3)}, outcomes
 
 
 async def test_a_peer_that_steps_after_its_group_averaged_without_it_learns_so_in_a_round_trip():
     # Its group formed ahead; the others stepped on time, waited ROUND_WAIT for it and averaged
     # without it. Their round is over, so they refuse its parts (RoundOver) and send it none: its
     # own shard stops waiting for them at once instead of after its senders' deadline (3 s here).
-    async with trio.open_nursery() as nursery:
-        nodes, _ = await open_swarm(nursery, 3)
-        averagers = make_averagers(nodes, [1.0, 2.0, 6.0], settle_time=SETTLE)
-        steps = [StepAhead(averager, nursery) for averager in averagers]
-        outcomes: dict[int, list] = {i: [] for i in range(3)}
-
-        async def train(i: int, pauses: list[float]) -> None:
-            for pause in pauses:
-                started = trio.current_time()
-                done = await steps[i].step(timeout=4.0)
-                took = trio.current_time() - started
-                outcomes[i].append((len(done.group.members), len(done.result.failed_peers), took))
-                await trio.sleep(pause)
-
-        async with trio.open_nursery() as peers:
-            for i in range(2):
-                peers.start_soon(train, i, [TRAINING_S] * 4)
-            peers.start_soon(train, 2, [TRAINING_S, TRAINING_S, 11.0, 0.0])
-        for i in range(3):
-            await steps[i].close()
-            await averagers[i].leave()
-        nursery.cancel_scope.cancel()
+    outcomes = await three_peers_stepping([[TRAINING_S] * 4] * 2 + [[TRAINING_S, TRAINING_S, 11.0, 0.0]])
     size, failed, took = outcomes[2][3]  # the late step, with the group formed for it
     assert (size, failed) == (3, 2) and took < 1.0, outcomes[2]
-    assert [(size, failed) for size, failed, _ in outcomes[0]] == [(3, 0)] * 3 + [(3, 1)], outcomes[0]
+    assert groups(outcomes[0]) == [(3, 0)] * 3 + [(3, 1)], outcomes[0]
 
 
 async def test_a_loop_whose_steps_come_at_uneven_intervals_finds_every_group_formed_ahead(autojump_clock):
