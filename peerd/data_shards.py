@@ -19,10 +19,11 @@ instead of all taking shard 0.
 
 Peers that start together settle in rank order (``claim_shard``): each publishes its choice as a
 ``choosing`` record, waits ``SETTLE`` for the others' records to arrive, reads them and chooses
-again; it is done when a round changed neither its choice nor the claims it counts, or after
-``MAX_ROUNDS``. The first in rank counts none of the others and is done after two reads; the second
-then counts the first's final choice, and so on: three peers started at once take three different
-shards within a few rounds.
+again; it is done when a round changed neither its choice nor the claims it counts and none of
+those is still a choice, or after ``MAX_ROUNDS``. The first in rank counts none of the others and
+is done after two reads; the second waits for the first's final choice and counts it, and so on:
+three peers started at once take three different shards within a few rounds, even when one's reads
+are slow and its first choice, made before it saw the others, stays in its record for a while.
 
 Re-evaluation: none during a run. A peer chooses once, before its task's data loads, and keeps the
 shard (its batches follow one seeded order over it; moving would reload the data and restart that
@@ -118,7 +119,11 @@ class ShardChoice:
     def update(self, records: Mapping[PeerID, PeerProgress]) -> tuple[int, int]:
         shard, counted = choose_shard(self.me, records)
         self.rounds += 1
-        self.done = (shard == self.shard and counted == self._counted) or self.rounds >= self.max_rounds
+        # A counted claim still marked choosing may yet change (its peer's reads may be slow, and its
+        # first choice counted fewer peers): settled only once every counted claim is final.
+        settled = not any(records[peer].choosing for peer, _ in counted)
+        unchanged = shard == self.shard and counted == self._counted
+        self.done = (settled and unchanged) or self.rounds >= self.max_rounds
         self.shard, self._counted = shard, counted
         return shard
 

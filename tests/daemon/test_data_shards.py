@@ -75,6 +75,35 @@ def test_peers_choosing_at_once_settle_on_different_shards_in_rank_order():
     assert sorted(shards) == [(i, 5) for i in range(5)], shards
 
 
+def test_a_chooser_waits_for_the_final_claim_of_an_earlier_ranked_peer_whose_reads_are_slow():
+    # The bootstrap trains 0/3. The earlier-ranked chooser first saw only the bootstrap and picked a
+    # half; its next read is slow (the bootstrap stalled), so that half stays in its record. The
+    # later one must not settle on the other half meanwhile: the earlier one, once it reads again,
+    # counts that final half and keeps its own, and the two split the data the bootstrap trains too.
+    bootstrap, first, later = ordered_choosers()
+    first_guess = PeerProgress(0, 0, 0.0, (1, 2), choosing=True)
+    choice = ShardChoice(later)
+    view = {bootstrap: trained(0, 3), first: first_guess}
+    assert choice.update(view) == (0, 2)  # the other half of a counted half: the best guess for now
+    choice.update(view)
+    assert not choice.done  # unchanged, but it counts a claim that is still a choice
+    first_choice = ShardChoice(first)
+    first_final = first_choice.update({bootstrap: trained(0, 3), later: PeerProgress(0, 0, 0.0, (0, 2), choosing=True)})
+    assert first_final[1] == 3  # it does not count the later one's choice: a third
+    view = {bootstrap: trained(0, 3), first: PeerProgress(0, 0, 0.0, first_final)}
+    shard = choice.update(view)
+    choice.update(view)
+    assert choice.done and sorted([(0, 3), first_final, shard]) == [(0, 3), (1, 3), (2, 3)]
+
+
+def ordered_choosers():
+    """Three peer IDs: the bootstrap, then two choosers of which the first ranks before the second
+    (each counts the choices of those ranking before it: ``choose_shard``'s counted claims)."""
+    bootstrap, a, b = peer_ids(3)
+    counted = choose_shard(b, {a: PeerProgress(0, 0, 0.0, (0, 1), choosing=True)})[1]
+    return (bootstrap, a, b) if counted else (bootstrap, b, a)
+
+
 def test_simultaneous_choosers_with_an_identical_view_spread_by_peer_id():
     # Ties go by a hash of the peer ID: twelve peers that all see the same three claims do not all
     # take the same free shard.
