@@ -295,6 +295,9 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return
         await self._sanitize_state()
         self.accumulated.reset()
+        # (the swarm's epoch read again: a download takes long enough for it to move on)
+        joining = self.updates.joining_epoch(replica.epoch, lambda: replica.fetch(self.local_samples))
+        await replica.move_to_epoch(await joining, catch_up=catch_up)
         log.info("joined the swarm at epoch %d with its parameters", replica.epoch)
         await replica.publish(self.local_samples)
 

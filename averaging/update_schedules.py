@@ -30,6 +30,7 @@ import trio
 from .averager import FormedGroup
 from .later import Later
 from .match_ahead import GroupSource
+from .progress import SwarmProgress
 from .replica import AveragingRecord, Replica
 
 __all__ = ["DelayedUpdates", "ImmediateUpdates", "SwarmStep", "UpdateSchedule"]
@@ -87,6 +88,11 @@ class UpdateSchedule(Protocol):
         """The epoch our parameters belong to, at replica epoch ``epoch`` (what donors tell)."""
         ...
 
+    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """The epoch to take after loading a donor's parameters of epoch ``loaded``; ``swarm()``
+        reads the swarm's progress now, if the schedule needs it."""
+        ...
+
     async def land_finished(self, run: SwarmStep) -> None:
         """Land the step of a round that finished in the background, if one did."""
         ...
@@ -120,6 +126,10 @@ class ImmediateUpdates:
 
     def served_epoch(self, epoch: int) -> int:
         return epoch
+
+    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """The donor's: a round the swarm still gathers for that epoch waits for us."""
+        return loaded
 
     async def land_finished(self, run: SwarmStep) -> None:
         """Nothing is ever in flight between two steps."""
@@ -172,6 +182,20 @@ class DelayedUpdates:
         """While a round is in flight its epoch already counts as done but its step has not
         landed: our parameters are one epoch older."""
         return epoch - (1 if self._in_flight is not None else 0)
+
+    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """One past the loaded epoch, or the swarm's epoch read now if it moved on while the state
+        downloaded (up to two past: a donor further behind is left to the next load). The loaded
+        epoch's round is out of our reach: a donor whose round is in flight serves the parameters
+        of the epoch before its own (``served_epoch``), whose round averages already; a donor with
+        none in flight is at ``loaded``, whose group formed ahead while it accumulated. Staying at
+        ``loaded`` we would match for that round, fail after the matchmaking deadline, find
+        ourselves behind, load again, and again (a newcomer to 3 peers first averaged 8-21 epochs
+        after it joined). Past it, we accumulate and match for the swarm's next round at once; our
+        parameters lack the step of the round we skipped until the next state averaging
+        (``average_state_every``) gives every member the same."""
+        evidenced = (await swarm()).epoch
+        return max(loaded + 1, evidenced) if evidenced <= loaded + 2 else loaded + 1
 
     async def land_finished(self, run: SwarmStep) -> None:
         in_flight = self._in_flight

@@ -55,7 +55,7 @@ async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_
 
 
 async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_at_the_target_batch():
-    """The default in ``peerd join``: steps one epoch stale, and epochs that take more samples than
+    """``peerd join --delay-updates``: steps one epoch stale, and epochs that take more samples than
     the target while a round is in flight, must not cost accuracy per epoch against one process
     stepping on the target batch."""
     epochs, last = 40, 5
@@ -81,6 +81,48 @@ async def test_delayed_updates_learn_per_epoch_at_least_as_well_as_one_process_a
     single_accuracy = single_process_accuracy(trainers[0].task.target_batch_size, epochs, orders=4, last=last)
     assert single_accuracy > 0.85  # it learned: a bound below an untrained model's proves nothing
     assert min(accuracies) >= single_accuracy - 0.02, (accuracies, single_accuracy)
+
+
+async def test_a_newcomer_with_delayed_updates_averages_with_the_swarm_in_its_next_epochs():
+    """A peer that joins a training swarm loads a donor's state and averages within a few epochs.
+    The donor's parameters belong to an epoch whose round is out of the newcomer's reach (in flight,
+    or its group formed ahead): joining at that epoch it failed to match, found itself behind and
+    loaded again, first averaging 8-21 epochs after it joined, or never."""
+    joined_at, epochs = 5, 25
+    async with trio.open_nursery() as nursery:
+        nodes = await open_swarm(nursery, 4)
+        async with trio.open_nursery() as background:
+            trainers = [make_trainer(node, i, 4, **delayed_in(background)) for i, node in enumerate(nodes)]
+            newcomer = trainers[3]
+            rounds: list[tuple[int, dict]] = []  # (the newcomer's epoch, its last round) after each step
+            step = newcomer.optimizer.step
+
+            async def recorded_step(batch_size):
+                stepped = await step(batch_size)
+                rounds.append((newcomer.optimizer.epoch, dict(newcomer.optimizer.last_averaging or {})))
+                return stepped
+
+            newcomer.optimizer.step = recorded_step
+
+            async def train(trainer, start_at: int):
+                while trainers[0].optimizer.epoch < start_at:
+                    await trio.sleep(0.05)
+                await trainer.run(max_epochs=joined_at + epochs)
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as swarm:
+                    for trainer in trainers[:3]:
+                        swarm.start_soon(train, trainer, 0)
+                    swarm.start_soon(train, newcomer, joined_at)
+            background.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    first_epoch = next(epoch for epoch, _ in rounds if epoch > 0)  # where loading the state put it
+    averaged = [epoch for epoch, last in rounds if last.get("averaged") and last.get("group", 0) >= 2]
+    assert first_epoch >= joined_at and averaged, rounds
+    # (2-3 epochs here; up to 8 with two swarms on 2 cores; 8-21 or never before)
+    assert averaged[0] - first_epoch <= 12, (first_epoch, averaged[0])
+    averaged_rounds = {last["epoch"] for _, last in rounds if last.get("averaged") and last.get("group", 0) >= 2}
+    assert len(averaged_rounds) >= 3, averaged_rounds  # it stays in the swarm's rounds
 
 
 def evaluated_after_epochs(trainer, epochs) -> dict[int, float]:
