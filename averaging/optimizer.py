@@ -282,7 +282,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
         await self.updates.abandon()
         catch_up = self.lr_schedule.catch_up
         try:
-            await replica.load_state_from_peers(
+            counted = await replica.load_state_from_peers(
                 self.settings.load_state_timeout, catch_up=catch_up, evidenced=swarm_epoch or 0
             )
         except StateUnavailable as error:
@@ -295,8 +295,7 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return
         await self._sanitize_state()
         self.accumulated.reset()
-        # (the swarm's epoch read again: a download takes long enough for it to move on)
-        joining = self.updates.joining_epoch(replica.epoch, lambda: replica.fetch(self.local_samples))
+        joining = self.updates.joining_epoch(replica.epoch, counted, lambda: replica.fetch(self.local_samples))
         await replica.move_to_epoch(await joining, catch_up=catch_up)
         log.info("joined the swarm at epoch %d with its parameters", replica.epoch)
         await replica.publish(self.local_samples)

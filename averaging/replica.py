@@ -82,14 +82,17 @@ class AveragingRecord:
 
 class EpochStateAverager(GroupAverager):
     """A GroupAverager over model state that also tells newcomers the training epoch, read from
-    ``epoch_of()`` (the replica that owns it) whenever a newcomer asks."""
+    ``epoch_of()`` (the replica that owns it) whenever a newcomer asks: the epoch its parameters
+    belong to, and ``counted_of()``, the epochs it has counted (one more while a delayed round is
+    in flight: ``update_schedules.DelayedUpdates``)."""
 
-    def __init__(self, epoch_of: Callable[[], int], *args: Any, **kwargs: Any):
+    def __init__(self, epoch_of: Callable[[], int], *args: Any, counted_of: Callable[[], int], **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.epoch_of = epoch_of
+        self.counted_of = counted_of
 
     def state_metadata(self) -> Any:
-        return {**super().state_metadata(), "epoch": self.epoch_of()}
+        return {**super().state_metadata(), "epoch": self.epoch_of(), "counted_epoch": self.counted_of()}
 
 
 async def average_once(
@@ -208,7 +211,13 @@ class Replica:
         served = served_epoch if served_epoch is not None else (lambda epoch: epoch)
         # Averaged now and then to pull replicas together, and what newcomers download.
         self.state = EpochStateAverager(
-            lambda: served(self.epoch), state, dht, prefix=f"{prefix}.state", replicated=replicated, **averaging
+            lambda: served(self.epoch),
+            state,
+            dht,
+            prefix=f"{prefix}.state",
+            replicated=replicated,
+            counted_of=lambda: self.epoch,
+            **averaging,
         )
 
     def exchange_due(self) -> bool:
@@ -312,19 +321,24 @@ class Replica:
 
     async def load_state_from_peers(
         self, timeout: float, catch_up: Callable[[int], Awaitable[None]] | None = None, evidenced: int = 0
-    ) -> None:
+    ) -> int:
         """Load a donor's state into ours and adopt its epoch, as far as the evidence goes: the
         donor's epoch is one peer's claim, so it is taken up to one past the swarm's evidenced
         epoch (or ``evidenced``, what the caller knows), the normal skew of a donor that stepped
-        since. Raises StateUnavailable if no donor answered within ``timeout``."""
+        since. Returns the epochs the donor says it has counted, bounded alike: the epoch adopted,
+        or one more (a delayed round of its in flight). Raises StateUnavailable if no donor
+        answered within ``timeout``."""
         metadata = await self.state.load_state_from_peers(timeout=timeout)
-        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        epoch, counted = (
+            (metadata.get("epoch"), metadata.get("counted_epoch")) if isinstance(metadata, dict) else (None, None)
+        )
+        bound = max(self.swarm.epoch, evidenced, self.epoch) + 1
         if is_counter(epoch):
-            bound = max(self.swarm.epoch, evidenced, self.epoch) + 1
             if epoch > bound:
                 log.warning("the donor claims epoch %d, the evidence backs %d; moving to %d", epoch, bound - 1, bound)
                 epoch = bound
             await self.move_to_epoch(epoch, catch_up)
+        return min(self.epoch + 1, bound, counted) if is_counter(counted) and counted > self.epoch else self.epoch
 
     async def move_to_epoch(self, epoch: int, catch_up: Callable[[int], Awaitable[None]] | None = None) -> None:
         """Jump forward (never back) to ``epoch``; ``catch_up(skipped)`` first moves along whatever

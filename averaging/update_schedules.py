@@ -88,9 +88,10 @@ class UpdateSchedule(Protocol):
         """The epoch our parameters belong to, at replica epoch ``epoch`` (what donors tell)."""
         ...
 
-    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
-        """The epoch to take after loading a donor's parameters of epoch ``loaded``; ``swarm()``
-        reads the swarm's progress now, if the schedule needs it."""
+    async def joining_epoch(self, loaded: int, counted: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """The epoch to take after loading the parameters of epoch ``loaded`` from a donor that
+        has counted ``counted`` epochs (``loaded``, or one more: ``Replica.load_state_from_peers``);
+        ``swarm()`` reads the swarm's progress now, where the schedule needs it."""
         ...
 
     async def land_finished(self, run: SwarmStep) -> None:
@@ -127,8 +128,8 @@ class ImmediateUpdates:
     def served_epoch(self, epoch: int) -> int:
         return epoch
 
-    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
-        """The donor's: a round the swarm still gathers for that epoch waits for us."""
+    async def joining_epoch(self, loaded: int, counted: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """The loaded epoch: a donor that steps at once has counted no epoch its parameters lack."""
         return loaded
 
     async def land_finished(self, run: SwarmStep) -> None:
@@ -183,19 +184,19 @@ class DelayedUpdates:
         landed: our parameters are one epoch older."""
         return epoch - (1 if self._in_flight is not None else 0)
 
-    async def joining_epoch(self, loaded: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
-        """One past the loaded epoch, or the swarm's epoch read now if it moved on while the state
-        downloaded (up to two past: a donor further behind is left to the next load). The loaded
-        epoch's round is out of our reach: a donor whose round is in flight serves the parameters
-        of the epoch before its own (``served_epoch``), whose round averages already; a donor with
-        none in flight is at ``loaded``, whose group formed ahead while it accumulated. Staying at
-        ``loaded`` we would match for that round, fail after the matchmaking deadline, find
-        ourselves behind, load again, and again (a newcomer to 3 peers first averaged 8-21 epochs
-        after it joined). Past it, we accumulate and match for the swarm's next round at once; our
-        parameters lack the step of the round we skipped until the next state averaging
-        (``average_state_every``) gives every member the same."""
-        evidenced = (await swarm()).epoch
-        return max(loaded + 1, evidenced) if evidenced <= loaded + 2 else loaded + 1
+    async def joining_epoch(self, loaded: int, counted: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
+        """The donor's count, or one past the loaded epoch where the swarm's progress, read again
+        now, backs it (the swarm moved on while the state downloaded). A donor whose round is in
+        flight serves the parameters of the epoch before its own (``served_epoch``), whose round
+        averages already, out of our reach: at that epoch we would match for a round that goes on
+        without us, fail at the matchmaking deadline, find ourselves behind and load again, for as
+        long as every load meets a round in flight. At the swarm's epoch we accumulate and match
+        with it at once, claiming no epoch the swarm has not reached; our parameters lack that
+        round's step until a state averaging (``average_state_every``) gives the group's members
+        the same."""
+        if counted > loaded:
+            return counted
+        return max(loaded, min(loaded + 1, (await swarm()).epoch))
 
     async def land_finished(self, run: SwarmStep) -> None:
         in_flight = self._in_flight

@@ -23,7 +23,10 @@ again; it is done when a round changed neither its choice nor the claims it coun
 those is still a choice, or after ``MAX_ROUNDS``. The first in rank counts none of the others and
 is done after two reads; the second waits for the first's final choice and counts it, and so on:
 three peers started at once take three different shards within a few rounds, even when one's reads
-are slow and its first choice, made before it saw the others, stays in its record for a while.
+are slow and its first choice, made before it saw the others, stays in its record for a while. A
+choice that never becomes final (its peer crashed, or a hostile record ranked first) holds the
+later-ranked choosers for all ``MAX_ROUNDS`` (about 4 s), after which they settle on their best
+guess; so do more than about seven peers choosing at once, the last in rank.
 
 Re-evaluation: none during a run. A peer chooses once, before its task's data loads, and keeps the
 shard (its batches follow one seeded order over it; moving would reload the data and restart that
@@ -106,7 +109,8 @@ def choose_shard(me: PeerID, records: Mapping[PeerID, PeerProgress]) -> tuple[tu
 
 class ShardChoice:
     """Rounds of choosing: ``update(records)`` after each read of the others' records returns the
-    choice to publish next; ``done`` once a round changed nothing (or ``max_rounds`` passed)."""
+    choice to publish next; ``done`` once a round changed nothing and every claim it counts is
+    final (or ``max_rounds`` passed)."""
 
     def __init__(self, me: PeerID, max_rounds: int = MAX_ROUNDS):
         self.me = me
@@ -114,7 +118,7 @@ class ShardChoice:
         self.rounds = 0
         self.shard: tuple[int, int] | None = None
         self.done = False
-        self._counted: frozenset | None = None
+        self.counted: frozenset = frozenset()  # the claims the last round counted
 
     def update(self, records: Mapping[PeerID, PeerProgress]) -> tuple[int, int]:
         shard, counted = choose_shard(self.me, records)
@@ -122,9 +126,9 @@ class ShardChoice:
         # A counted claim still marked choosing may yet change (its peer's reads may be slow, and its
         # first choice counted fewer peers): settled only once every counted claim is final.
         settled = not any(records[peer].choosing for peer, _ in counted)
-        unchanged = shard == self.shard and counted == self._counted
+        unchanged = shard == self.shard and counted == self.counted
         self.done = (settled and unchanged) or self.rounds >= self.max_rounds
-        self.shard, self._counted = shard, counted
+        self.shard, self.counted = shard, counted
         return shard
 
 
@@ -142,7 +146,13 @@ async def claim_shard(
         await tracker.publish(PeerProgress(0, 0, 0.0, shard, choosing=True))
         await trio.sleep(settle)
     await publish_claim(tracker, shard)
-    log.info("training data shard %d/%d (the least covered of %d, after %d rounds)", *shard, shard[1], choice.rounds)
+    log.info(
+        "training data shard %d/%d (the least covered of %d, after %d rounds; counted: %s)",
+        *shard,
+        shard[1],
+        choice.rounds,
+        ", ".join(f"{index}/{count}" for _, (index, count) in sorted(choice.counted, key=str)) or "none",
+    )
     return shard
 
 
