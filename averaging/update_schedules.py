@@ -20,6 +20,7 @@ view after a partition healed kept peers on old epochs in the lab).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,6 +35,8 @@ from .progress import SwarmProgress
 from .replica import AveragingRecord, Replica
 
 __all__ = ["DelayedUpdates", "ImmediateUpdates", "SwarmStep", "UpdateSchedule"]
+
+log = logging.getLogger("peerd.training")
 
 
 class SwarmStep(Protocol):
@@ -196,7 +199,14 @@ class DelayedUpdates:
         the same."""
         if counted > loaded:
             return counted
-        return max(loaded, min(loaded + 1, (await swarm()).epoch))
+        try:
+            evidenced = (await swarm()).epoch
+        except Exception as error:  # (exchanges run in the background here: none may stop the trainer)
+            log.warning(
+                "reading the swarm's progress after loading state failed (%s); staying at epoch %d", error, loaded
+            )
+            return loaded
+        return max(loaded, min(loaded + 1, evidenced))
 
     async def land_finished(self, run: SwarmStep) -> None:
         in_flight = self._in_flight

@@ -144,6 +144,11 @@ async def test_a_joiner_takes_the_swarm_s_epoch_with_delayed_updates_and_the_don
         assert await delayed.joining_epoch(7, 7, swarm_at(8)) == 8
         assert await delayed.joining_epoch(7, 7, swarm_at(12)) == 8
         assert await delayed.joining_epoch(7, 7, swarm_at(7)) == 7  # its round may still gather
+
+        async def unreadable():
+            raise OSError("the DHT is unreachable")
+
+        assert await delayed.joining_epoch(7, 7, unreadable) == 7  # a failed read never stops the trainer
         background.cancel_scope.cancel()
     assert (
         await ImmediateUpdates().joining_epoch(7, 8, swarm_at(9)) == 7
