@@ -132,7 +132,9 @@ class ImmediateUpdates:
         return epoch
 
     async def joining_epoch(self, loaded: int, counted: int, swarm: Callable[[], Awaitable[SwarmProgress]]) -> int:
-        """The loaded epoch: a donor that steps at once has counted no epoch its parameters lack."""
+        """The loaded epoch: an epoch of ours ends only once its round is done, so a round the
+        swarm still gathers for that epoch can take us in. (A donor with delayed updates may serve
+        the epoch before its own; a swarm that mixes the schedules is not what this is tuned for.)"""
         return loaded
 
     async def land_finished(self, run: SwarmStep) -> None:
@@ -194,9 +196,10 @@ class DelayedUpdates:
         averages already, out of our reach: at that epoch we would match for a round that goes on
         without us, fail at the matchmaking deadline, find ourselves behind and load again, for as
         long as every load meets a round in flight. At the swarm's epoch we accumulate and match
-        with it at once, claiming no epoch the swarm has not reached; our parameters lack that
-        round's step until a state averaging (``average_state_every``) gives the group's members
-        the same."""
+        with it at once, claiming no further than an honest donor's count (``counted`` is bounded
+        by the evidence, as the donor's epoch is: ``Replica.load_state_from_peers``); our
+        parameters lack that round's step until a state averaging (``average_state_every``) gives
+        the group's members the same."""
         if counted > loaded:
             return counted
         try:

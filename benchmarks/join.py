@@ -8,12 +8,13 @@ What is measured. In one process on 127.0.0.1, ``--veterans`` peers (real ``DHTN
 them, the test suite's short deadlines) train; once they reach epoch ``--joined-at`` one more peer
 starts, loads a donor's state and trains on for ``--epochs`` epochs. Per run and mode:
 
-* ``epochs_to_first_average``: the swarm's epochs from the newcomer's first epoch (where loading
-  the state put it) to the first round it averaged in with others;
+* ``epochs_to_first_average``: the epoch of the first round it averaged in with others, less its
+  first epoch (where loading the state put it): 0 when it averages in its first epoch;
 * ``averaged_fraction``: the rounds it averaged in with others, of the epochs from its first one
-  to the end (a newcomer that fails to match, finds itself behind and loads state again skips
-  epochs and averages in few of them);
-* ``loads``: how often it loaded state (1: once, at joining).
+  to the last but one (the last one's round may still run in the background when a delayed
+  trainer stops, so neither mode counts it); a newcomer that fails to match, finds itself behind
+  and loads state again skips epochs and averages in few of them;
+* ``loads``: how often it loaded state, or tried to (1: once, at joining).
 
 Modes alternate run by run (immediate, delayed, immediate, ...), so machine load hits both alike;
 ``immediate`` (``ImmediateUpdates``: each epoch waits for its round) is the baseline, ``delayed``
@@ -87,11 +88,13 @@ async def one_join(mode: str, veterans: int, joined_at: int, epochs: int) -> dic
     averaged = {
         last["epoch"] for _, last, _ in rounds if last.get("averaged") and last.get("group", 0) >= 2
     }  # the rounds' own epochs
+    last = joined_at + epochs - 1  # the last epoch whose round both modes see end
+    counted = {epoch for epoch in averaged if first is not None and first <= epoch < last}
     first_averaged = min(averaged, default=None)
-    span = max(1, joined_at + epochs - (first or joined_at))
+    span = max(1, last - (first or joined_at))
     return {
-        "epochs_to_first_average": None if first is None or first_averaged is None else first_averaged + 1 - first,
-        "averaged_fraction": round(min(1.0, len(averaged) / span), 3),
+        "epochs_to_first_average": None if first is None or first_averaged is None else first_averaged - first,
+        "averaged_fraction": round(len(counted) / span, 3),
         "loads": loads,
     }
 

@@ -126,7 +126,7 @@ async def test_a_newcomer_with_delayed_updates_averages_with_the_swarm_in_its_ne
     assert len(averaged_rounds) >= 3, averaged_rounds  # it stays in the swarm's rounds
 
 
-async def test_a_joiner_takes_the_swarm_s_epoch_with_delayed_updates_and_the_donor_s_without():
+async def test_a_joiner_takes_the_donor_s_count_or_the_swarm_s_epoch_with_delayed_updates_and_the_loaded_one_without():
     reads = []
 
     def swarm_at(epoch):
@@ -153,6 +153,32 @@ async def test_a_joiner_takes_the_swarm_s_epoch_with_delayed_updates_and_the_don
     assert (
         await ImmediateUpdates().joining_epoch(7, 8, swarm_at(9)) == 7
     )  # a donor that steps at once counts no epoch its parameters lack
+
+
+@pytest.mark.parametrize(
+    ("metadata", "adopted", "counted"),
+    [
+        ({"epoch": 7, "counted_epoch": 8}, 7, 8),  # a donor whose round for epoch 7 is in flight
+        ({"epoch": 7, "counted_epoch": 7}, 7, 7),
+        ({"epoch": 7}, 7, 7),  # a donor that does not tell
+        ({"epoch": 7, "counted_epoch": 10**6}, 7, 8),  # one past the epoch adopted at most
+        ({"epoch": 50, "counted_epoch": 51}, 8, 8),  # the evidence (7) caps both claims
+        ({"epoch": 7, "counted_epoch": 7.5}, 7, 7),
+        ({"epoch": 7, "counted_epoch": True}, 7, 7),
+        ({"epoch": 7, "counted_epoch": -3}, 7, 7),
+    ],
+)
+async def test_a_donor_s_count_is_a_claim_bounded_like_its_epoch(metadata, adopted, counted):
+    async with DHTNode.open() as node, trio.open_nursery() as background:
+        replica = lone_delayed_optimizer(node, background).replica
+
+        async def donor(timeout):
+            return {"round": 0, **metadata}
+
+        replica.state.load_state_from_peers = donor
+        assert await replica.load_state_from_peers(1.0, evidenced=7) == counted
+        assert replica.epoch == adopted
+        background.cancel_scope.cancel()
 
 
 def evaluated_after_epochs(trainer, epochs) -> dict[int, float]:

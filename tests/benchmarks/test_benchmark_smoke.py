@@ -31,7 +31,7 @@ SMALLEST = {
     "dht": (["--smoke"], "get_ratio"),
     "scale": (["--peers", "8", "--dht-nodes", "32", "--optimizer-peers", "8"], "optimizer_averaged_fraction"),
     "wan": (["--quick", "--only", "allreduce"], "defaults_step_line_rate_fraction"),
-    "join": (["--quick", "--runs", "1", "--epochs", "8"], "delayed_averaged_ratio"),
+    "join": (["--quick", "--runs", "1", "--epochs", "10"], "delayed_averaged_ratio"),
     "gpu_check": (["--quick", "--device", "cpu"], "checks"),  # the GPU machine's checks, run on the CPU
 }
 NEEDS_THE_NAT_LAB = {"nat"}
