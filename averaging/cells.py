@@ -63,14 +63,9 @@ CELL_GROUPS = 2
 # group_size^2 peers, after which the cell holds its exact mean (for group sizes >= 2 x CELL_GROUPS;
 # smaller groups take more rounds, and the next period mixes them on).
 CELL_ROUNDS = 2
-# A swarm smaller than this keeps its single key whatever its group size: a read of a few hundred
+# A swarm smaller than this keeps its single key whatever its group size: a read of a few dozen
 # declarations costs little, and the grid over the whole swarm reaches the exact mean soonest.
-# Measured on the simulated internet (``benchmarks/scale.py``'s scenario, 128 peers, a census of
-# ~90-140 DHT servers): in 2 cells, 5-9% of the steps spent 42-55 s of their 60 s matching and
-# ended in groups of 2-6 or none (0.972-0.993 of the steps averaged, every round as long as its
-# deadline, no agreement within 4 calm rounds); in the single key 0.996-0.998, rounds of ~22 s,
-# agreement in 2-4 rounds, the key's holders serving ~6.5x the median node.
-MIN_CELL_SWARM = 256
+MIN_CELL_SWARM = 64
 # How often the census target moves (wall-clock seconds): a swarm's size changes over minutes.
 CENSUS_PERIOD_S = 600.0
 # A census moves the count only past this factor of margin (``next_cell_count``): wider than the

@@ -229,14 +229,6 @@ class IterativeLookup:
         responded = self._responded
         return [entry for entry in self._heap.nearest_entries() if entry[1].id in responded][: k or self.k]
 
-    def placed_entries(self, k: int | None = None) -> list[tuple[int, Contact]]:
-        """``closest_entries`` with the stalled ones in their places: where the k nearest nodes
-        are, for counting them (a census). A stalled node holds a proven ID and was named by the
-        nodes around it; leaving it out counted every lookup in a busy swarm short of k, and fewer
-        than k nodes is what a lookup of a DHT smaller than k finds."""
-        counted = self._responded | self._stalled
-        return [entry for entry in self._heap.nearest_entries() if entry[1].id in counted][: k or self.k]
-
     def among_nearest(self, contact: Contact) -> bool:
         """Whether ``contact`` is currently one of the k nearest live candidates."""
         node_id = contact.id
@@ -450,13 +442,6 @@ class DisjointLookup:
         """The nearest contacts that answered on any path, nearest first."""
         k = k or self._k
         merged = [entry for path in self._built() for entry in path.closest_entries(k)]
-        merged.sort(key=_distance)
-        return [entry[1] for entry in merged[:k]]
-
-    def placed(self, k: int | None = None) -> list[Contact]:
-        """The nearest contacts that answered or stalled on any path (``IterativeLookup.placed_entries``)."""
-        k = k or self._k
-        merged = [entry for path in self._built() for entry in path.placed_entries(k)]
         merged.sort(key=_distance)
         return [entry[1] for entry in merged[:k]]
 

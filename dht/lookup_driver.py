@@ -56,7 +56,6 @@ class LookupResult:
     rpcs: int
     timed_out: bool
     missing: list[Contact]  # answered without the value (for caching on the path)
-    placed: list[Contact]  # ``nearest`` with the stalled peers in their places (``DisjointLookup.placed``)
 
 
 class HedgeTimer:
@@ -144,7 +143,8 @@ class LookupDriver:
         # nearest peer holds it almost always; for the latest, its answer names the entries that
         # every later holder then leaves out (``wire.known_entries``), instead of d * alpha holders
         # each sending all of them at once.
-        if narrow := key is not None:
+        narrow = key is not None
+        if narrow:
             search.start_narrow()
         first_answer, stalls = True, Stalls()
 
@@ -197,8 +197,7 @@ class LookupDriver:
                     elif key is not None and not parsed[2]:
                         missing.append(contact)
                 nursery.cancel_scope.cancel()
-        timed_out = scope.cancelled_caught
-        return LookupResult(search.closest(), found, search.hops, search.rpcs, timed_out, missing, search.placed())
+        return LookupResult(search.closest(), found, search.hops, search.rpcs, scope.cancelled_caught, missing)
 
     def _search(self, target: int, paths: int, quorum: int | None) -> DisjointLookup:
         """The bookkeeping of a lookup from the k nearest contacts we know; with a ``quorum`` below

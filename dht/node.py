@@ -262,23 +262,20 @@ class DHTNode:
 
     async def find_nearest(self, target: int, k: int | None = None) -> list[PeerID]:
         """The k nearest peers to ``target`` in the swarm, ourselves included unless in client mode."""
-        result = await self._lookups.run(target)
-        return [peer for _, peer in self._with_ourselves(result.nearest, target, k)]
+        return [peer for _, peer in await self._nearest(target, k)]
 
     async def nearest_node_ids(self, target: int, k: int | None = None) -> list[int]:
-        """The node IDs (what the DHT's distances are measured in) of the k nearest nodes to
-        ``target``: ``find_nearest``'s, and the nodes whose answers were still awaited in their
-        places among them (``LookupResult.placed``), so that a census counts the nodes there are."""
-        result = await self._lookups.run(target)
-        return [node_id for node_id, _ in self._with_ourselves(result.placed, target, k)]
+        """The node IDs (what the DHT's distances are measured in) of ``find_nearest``'s peers."""
+        return [node_id for node_id, _ in await self._nearest(target, k)]
 
-    def _with_ourselves(self, found: list[Contact], target: int, k: int | None) -> list[tuple[int, PeerID]]:
-        """The k nearest of ``found`` and this node (unless in client mode), by node ID."""
-        placed = [(contact.long_id, contact.peer_id) for contact in found]
+    async def _nearest(self, target: int, k: int | None) -> list[tuple[int, PeerID]]:
+        k = k or self.config.k
+        result = await self._lookups.run(target)
+        placed = [(contact.long_id, contact.peer_id) for contact in result.nearest]
         if not self.client_mode:
             placed.append((self.node_id, self.peer_id))
         placed.sort(key=lambda entry: entry[0] ^ target)
-        return placed[: k or self.config.k]
+        return placed[:k]
 
     # ------------------------------------------------------------------ records
     async def store(

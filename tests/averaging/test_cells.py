@@ -9,12 +9,12 @@ import statistics
 
 import pytest
 
-import averaging.cells
 from averaging.cells import (
     CELL_GROUPS,
     CELL_ROUNDS,
     KEYSPACE,
     MAX_CELLS,
+    MIN_CELL_SWARM,
     Cells,
     cell_count,
     census_band,
@@ -51,22 +51,11 @@ def test_a_census_that_saw_fewer_than_k_nodes_saw_the_whole_swarm():
     assert swarm_estimate(0, [KEYSPACE - 1] * 20, 20) == pytest.approx(19, rel=1e-6)
 
 
-# The counts' arithmetic below is that of a swarm whose cells may start at 64 peers.
-SMALL_CELL_SWARM = 64
-
-
-def test_a_swarm_keeps_its_single_key_below_the_least_swarm_for_cells():
-    floor = averaging.cells.MIN_CELL_SWARM
-    assert cell_count(floor - 1, 16) == cell_count(floor - 1, 2) == 1
-    assert cell_count(floor, 16) > 1 and cell_count(floor, 2) > 1
-    assert census_band(floor / 1.2, 16) == {1, cell_count(floor, 16)}  # (a census near the floor may split)
-
-
-def test_cells_hold_two_to_four_groups_and_double_at_most_to_the_cap(monkeypatch):
-    monkeypatch.setattr(averaging.cells, "MIN_CELL_SWARM", SMALL_CELL_SWARM)
+def test_cells_hold_two_to_four_groups_and_double_at_most_to_the_cap():
     width = CELL_GROUPS * 16
     assert cell_count(2 * width - 1, 16) == 1  # a small swarm keeps its single key
     assert cell_count(2 * width, 16) == 2
+    assert cell_count(MIN_CELL_SWARM - 1, 2) == 1 and cell_count(MIN_CELL_SWARM, 2) > 1
     for size in [200, 1000, 5000, 100_000]:
         count = cell_count(size, 16)
         assert count & (count - 1) == 0 and width <= size / count < 2 * width
@@ -102,8 +91,7 @@ def test_a_declaration_belongs_only_in_the_cell_its_owner_is_in_for_the_round():
     assert not cells.belongs(peer, elsewhere, here)  # a stale or a newcomer's lobby declaration
 
 
-def test_a_census_near_a_boundary_does_not_flip_the_count(monkeypatch):
-    monkeypatch.setattr(averaging.cells, "MIN_CELL_SWARM", SMALL_CELL_SWARM)
+def test_a_census_near_a_boundary_does_not_flip_the_count():
     width = CELL_GROUPS * 16
     # from the single key, a swarm splits once clearly past the boundary (128 peers: ~3.2 widths)
     assert next_cell_count(1, 2.4 * width, 16) == 1 and next_cell_count(1, 3.2 * width, 16) == 2
@@ -127,8 +115,7 @@ def test_a_count_wins_by_the_swarm_its_cells_show_not_by_the_peers_one_cell_hold
     assert probe_counts(MAX_CELLS) == {MAX_CELLS // 4, MAX_CELLS // 2}
 
 
-def test_between_counts_the_census_allows_the_larger_swarm_wins_however_full_our_cell(monkeypatch):
-    monkeypatch.setattr(averaging.cells, "MIN_CELL_SWARM", SMALL_CELL_SWARM)
+def test_between_counts_the_census_allows_the_larger_swarm_wins_however_full_our_cell():
     # ~90 peers in groups of 16: 1, 2 and 4 cells are all within the census's margin
     assert census_band(90, 16) == {1, 2, 4} and census_band(128, 16) == {2, 4} and census_band(10, 16) == {1}
     # newcomers in a full cell of 2 (24 others) find 21 in their cell of the swarm's 4: move

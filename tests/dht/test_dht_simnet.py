@@ -10,7 +10,6 @@ import time
 import pytest
 import trio
 
-from averaging.cells import census_target, swarm_estimate
 from dht import DHTConfig, DHTNode
 from dht.records import key_id, pack
 from peer import ConnectError, Router, RPCError, open_peer_host
@@ -215,25 +214,3 @@ async def test_a_lookup_that_meets_a_departed_peer_asks_another_instead_of_waiti
 
 def nearest_node(swarm, key: str):
     return min(swarm.nodes, key=lambda node: node.node_id ^ key_id(pack(key)))
-
-
-async def test_a_census_taken_by_a_whole_swarm_at_once_counts_the_nodes_there_are(autojump_clock):
-    # Every peer looks up the census target at the same moment (a swarm's first round): many
-    # first requests dial and stall, and a lookup that left the stalled nodes out of the k nearest
-    # it found counted 15-17 of a swarm of 28 DHT servers, which the census reads as a whole DHT
-    # of that size (the single key, where the swarm is big enough for cells).
-    network = SimNetwork(seed=1)
-    async with open_sim_swarm(network, 40, config=DHTConfig(), nat_fraction=0.3) as swarm:
-        servers = len([i for i in swarm.alive() if i not in swarm.behind_nat])
-        target = census_target("census", swarm.clock.time())
-        estimates = []
-
-        async def census(index: int) -> None:
-            nearest = await swarm.nodes[index].nearest_node_ids(target)
-            estimates.append(swarm_estimate(target, nearest, DHTConfig().k))
-
-        async with trio.open_nursery() as nursery:
-            for index in swarm.alive():
-                nursery.start_soon(census, index)
-        assert len(estimates) == 40
-        assert all(0.75 * servers <= estimate <= 1.5 * servers for estimate in estimates), (servers, estimates)

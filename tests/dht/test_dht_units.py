@@ -232,28 +232,6 @@ def test_contacts_that_never_answer_cannot_shrink_a_lookup_s_k_nearest():
     assert not {c.id for c in holes} & {c.id for c in search.closest()}
 
 
-def test_a_lookup_places_its_stalled_requests_among_the_k_nearest_where_a_census_counts_them():
-    # 20 nodes at distances 1..20, 4 of the nearest slow: the lookup ends on the 20 answers of the
-    # others (the slow ones' places go to the next candidates), so only 16 of the 20 nearest
-    # answered; the census counts the 20 nearest, slow ones included, not 16 ("a DHT of 16 nodes").
-    search = IterativeLookup(0, [contact(i) for i in range(1, 31)], k=20, alpha=20)
-    slow = {2, 5, 9, 14}
-    first = search.next_queries()
-    for c in first:
-        if c.long_id in slow:
-            search.stall(c)
-    for c in first:
-        if c.long_id not in slow:
-            search.on_response(c, [])
-    while batch := search.next_queries():
-        for c in batch:
-            search.on_response(c, [])
-    assert search.done and len(search.closest()) == 16 and not slow & {c.long_id for c in search.closest()}
-    assert [entry[1].long_id for entry in search.placed_entries()] == list(range(1, 21))
-    search.on_failure(contact(5))  # a stalled request that fails leaves its place to the next
-    assert [entry[1].long_id for entry in search.placed_entries()] == [i for i in range(1, 22) if i != 5]
-
-
 def test_stalled_requests_that_outnumber_the_answers_are_waited_for():
     search = IterativeLookup(0, [contact(i) for i in range(1, 4)], k=20, alpha=3)
     first, second, third = search.next_queries()
