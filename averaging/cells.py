@@ -71,7 +71,7 @@ CENSUS_PERIOD_S = 600.0
 # A census moves the count only past this factor of margin (``next_cell_count``): wider than the
 # estimate's spread between two censuses of one swarm (k = 20: within 1.5x of each other mostly).
 CENSUS_HYSTERESIS = 1.5
-# At most this many cells: 2^12 cells of 4-8 groups of 16 is ~0.5M peers, past anything we test,
+# At most this many cells: 2^12 cells of 2-4 groups of 16 is 131k-262k peers, past anything we test,
 # and a census inflated by nodes packed near its target can cost no more than this split.
 MAX_CELLS = 1 << 12
 KEYSPACE = 1 << 160

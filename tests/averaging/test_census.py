@@ -88,7 +88,7 @@ def test_a_census_takes_at_most_its_share_of_the_round():
 
 def test_a_first_census_within_the_margin_keeps_the_single_key():
     """A peer starts in the single key and its first census keeps it while the estimate allows
-    one cell: a swarm of 64, counted ~85, stays in one key (two cells of 32 average worse), and a
+    one cell: a DHT of 84 nodes, counted 80-96, stays in one key (two cells of 32 average worse), and a
     newcomer that counts the swarm low finds its cells by looking around after the census."""
     dht, census = CountedDHT(84), Census("avg")
     run(census.take, dht, lambda: Cells("avg"), 16, 30.0)
