@@ -295,8 +295,8 @@ class CollaborativeOptimizer(ReplicaOptimizer):
             return
         await self._sanitize_state()
         self.accumulated.reset()
-        joining = self.updates.joining_epoch(replica.epoch, counted, lambda: replica.fetch(self.local_samples))
-        await replica.move_to_epoch(await joining, catch_up=catch_up)
+        joining = await self.updates.joining_epoch(replica.epoch, counted, lambda: replica.fetch(self.local_samples))
+        await replica.move_to_epoch(joining, catch_up=catch_up)
         log.info("joined the swarm at epoch %d with its parameters", replica.epoch)
         await replica.publish(self.local_samples)
 

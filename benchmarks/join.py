@@ -38,52 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from averaging.match_ahead import MatchAhead  # noqa: E402
 from averaging.update_schedules import DelayedUpdates, ImmediateUpdates  # noqa: E402
-from tests.daemon.test_training import make_trainer, open_swarm  # noqa: E402
+from tests.support.newcomer import run_newcomer  # noqa: E402
 
 MODES = ("immediate", "delayed")
 
 
 async def one_join(mode: str, veterans: int, joined_at: int, epochs: int) -> dict:
     """One swarm, one newcomer: its figures (see the module's docstring)."""
-    rounds: list[tuple[int, dict, bool]] = []  # after each newcomer step: (epoch, last round, stepped)
-    loads = 0
-    async with trio.open_nursery() as nursery:
-        nodes = await open_swarm(nursery, veterans + 1)
-        async with trio.open_nursery() as background:
 
-            def schedule() -> dict:
-                updates = DelayedUpdates(background) if mode == "delayed" else ImmediateUpdates()
-                return {"updates": updates, "matching": MatchAhead(background)}
+    def schedule(background: trio.Nursery) -> dict:
+        updates = DelayedUpdates(background) if mode == "delayed" else ImmediateUpdates()
+        return {"updates": updates, "matching": MatchAhead(background)}
 
-            trainers = [make_trainer(node, i, veterans + 1, **schedule()) for i, node in enumerate(nodes)]
-            newcomer = trainers[-1]
-            step, load = newcomer.optimizer.step, newcomer.optimizer.load_state_from_peers
-
-            async def recorded_step(batch_size: int) -> bool:
-                stepped = await step(batch_size)
-                rounds.append((newcomer.optimizer.epoch, dict(newcomer.optimizer.last_averaging or {}), stepped))
-                return stepped
-
-            async def counted_load(*args, **kwargs) -> None:
-                nonlocal loads
-                loads += 1
-                await load(*args, **kwargs)
-
-            newcomer.optimizer.step = recorded_step
-            newcomer.optimizer.load_state_from_peers = counted_load
-
-            async def train(trainer, start_at: int) -> None:
-                while trainers[0].optimizer.epoch < start_at:
-                    await trio.sleep(0.05)
-                await trainer.run(max_epochs=joined_at + epochs)
-
-            with trio.fail_after(180):
-                async with trio.open_nursery() as swarm:
-                    for trainer in trainers[:-1]:
-                        swarm.start_soon(train, trainer, 0)
-                    swarm.start_soon(train, newcomer, joined_at)
-            background.cancel_scope.cancel()
-        nursery.cancel_scope.cancel()
+    run = await run_newcomer(schedule, veterans=veterans, joined_at=joined_at, epochs=epochs, timeout=180)
+    rounds, loads = run.rounds, run.loads
     first = next((epoch for epoch, _, _ in rounds if epoch > 0), None)
     averaged = {
         last["epoch"] for _, last, _ in rounds if last.get("averaged") and last.get("group", 0) >= 2

@@ -14,6 +14,7 @@ from averaging.progress import SwarmProgress
 from averaging.update_schedules import DelayedUpdates, ImmediateUpdates
 from dht.node import DHTNode
 from tests.daemon.test_training import FAST, make_trainer, open_swarm, single_process_accuracy, train_to_target
+from tests.support.newcomer import run_newcomer
 
 
 async def test_three_peers_with_delayed_updates_reach_the_target_and_accumulate_while_averaging():
@@ -90,33 +91,8 @@ async def test_a_newcomer_with_delayed_updates_averages_with_the_swarm_in_its_ne
     is out of the newcomer's reach: a newcomer that joins at that epoch matches for it, fails,
     finds itself behind and loads again, for as long as its loads meet rounds in flight."""
     joined_at, epochs = 5, 30
-    async with trio.open_nursery() as nursery:
-        nodes = await open_swarm(nursery, 4)
-        async with trio.open_nursery() as background:
-            trainers = [make_trainer(node, i, 4, **delayed_in(background)) for i, node in enumerate(nodes)]
-            newcomer = trainers[3]
-            rounds: list[tuple[int, dict]] = []  # (the newcomer's epoch, its last round) after each step
-            step = newcomer.optimizer.step
-
-            async def recorded_step(batch_size):
-                stepped = await step(batch_size)
-                rounds.append((newcomer.optimizer.epoch, dict(newcomer.optimizer.last_averaging or {})))
-                return stepped
-
-            newcomer.optimizer.step = recorded_step
-
-            async def train(trainer, start_at: int):
-                while trainers[0].optimizer.epoch < start_at:
-                    await trio.sleep(0.05)
-                await trainer.run(max_epochs=joined_at + epochs)
-
-            with trio.fail_after(120):
-                async with trio.open_nursery() as swarm:
-                    for trainer in trainers[:3]:
-                        swarm.start_soon(train, trainer, 0)
-                    swarm.start_soon(train, newcomer, joined_at)
-            background.cancel_scope.cancel()
-        nursery.cancel_scope.cancel()
+    run = await run_newcomer(delayed_in, veterans=3, joined_at=joined_at, epochs=epochs, timeout=120)
+    rounds = [(epoch, last) for epoch, last, _ in run.rounds]  # (the newcomer's epoch, its last round) per step
     first_epoch = next(epoch for epoch, _ in rounds if epoch > 0)  # where loading the state put it
     averaged = [epoch for epoch, last in rounds if last.get("averaged") and last.get("group", 0) >= 2]
     assert first_epoch >= joined_at and averaged, rounds
@@ -150,9 +126,8 @@ async def test_a_joiner_takes_the_donor_s_count_or_the_swarm_s_epoch_with_delaye
 
         assert await delayed.joining_epoch(7, 7, unreadable) == 7  # a failed read never stops the trainer
         background.cancel_scope.cancel()
-    assert (
-        await ImmediateUpdates().joining_epoch(7, 8, swarm_at(9)) == 7
-    )  # a donor that steps at once counts no epoch its parameters lack
+    # a peer that steps at once keeps the loaded epoch, whatever the donor counted
+    assert await ImmediateUpdates().joining_epoch(7, 8, swarm_at(9)) == 7
 
 
 @pytest.mark.parametrize(

@@ -106,20 +106,23 @@ class ScriptedAverager:
         await trio.sleep(self.allreduce_s)
 
 
-async def step_through(averager: ScriptedAverager, count: int, pause: Callable[[int, bool], float]) -> StepAhead:
+async def step_through(
+    averager: ScriptedAverager, count: int, pause: Callable[[int, bool], float]
+) -> tuple[StepAhead, list[int]]:
     """``count`` steps of ``averager`` through ``StepAhead``, step ``number`` followed by
-    ``pause(number, failed)`` seconds (``failed``: it formed no group, which the loop goes on from)."""
+    ``pause(number, failed)`` seconds (``failed``: it formed no group, which the loop goes on
+    from); returns the loop and the numbers of the steps that failed."""
+    failures = []
     async with trio.open_nursery() as nursery:
         steps = StepAhead(averager, nursery)
         for number in range(count):
             try:
                 await steps.step(timeout=4.0)
-                failed = False
             except MatchmakingError:
-                failed = True
-            await trio.sleep(pause(number, failed))
+                failures.append(number)
+            await trio.sleep(pause(number, failures[-1:] == [number]))
         await steps.close()
-    return steps
+    return steps, failures
 
 
 async def test_the_rhythm_leaves_out_the_first_steps_long_matchmaking(autojump_clock):
@@ -127,8 +130,8 @@ async def test_the_rhythm_leaves_out_the_first_steps_long_matchmaking(autojump_c
     # once: its next step comes 2 s sooner than start-to-start says, and the group formed ahead
     # must have begun by then.
     averager = ScriptedAverager(matching_s=[2.0, 0.05])
-    steps = await step_through(averager, 5, lambda number, failed: TRAINING_S)
-    assert averager.formed_ahead == [False, False, True, True, True]
+    steps, failures = await step_through(averager, 5, lambda number, failed: TRAINING_S)
+    assert failures == [] and averager.formed_ahead == [False, False, True, True, True]
     assert steps.period is not None and abs(steps.period - (TRAINING_S + averager.allreduce_s)) < 1e-6
 
 
@@ -136,8 +139,8 @@ async def test_a_step_whose_matchmaking_failed_leaves_its_search_out_of_the_rhyt
     # The second step looks for a group for 3 s and finds none: the third step comes a training
     # time after it ended, and the fourth must find its group formed ahead all the same.
     averager = ScriptedAverager(matching_s=[0.05, 3.0, 0.05], failing=frozenset({2}))
-    await step_through(averager, 5, lambda number, failed: TRAINING_S)
-    assert averager.formed_ahead == [False, False, False, True, True]
+    _, failures = await step_through(averager, 5, lambda number, failed: TRAINING_S)
+    assert failures == [1] and averager.formed_ahead == [False, False, False, True, True]
 
 
 async def three_peers_stepping(pauses: list[list[float]]) -> dict[int, list]:
@@ -200,8 +203,8 @@ async def test_a_loop_whose_steps_come_at_uneven_intervals_finds_every_group_for
     # matchmaking ahead had begun (and matched at the step); planned by the shortest recent one,
     # each group forms in time and waits for its step.
     averager = ScriptedAverager(matching_s=[0.05, 0.05])
-    await step_through(averager, 8, lambda number, failed: 0.3 if number % 2 == 0 else 2.0)
-    assert averager.formed_ahead == [False, False] + [True] * 6
+    _, failures = await step_through(averager, 8, lambda number, failed: 0.3 if number % 2 == 0 else 2.0)
+    assert failures == [] and averager.formed_ahead == [False, False] + [True] * 6
 
 
 async def test_a_step_retried_at_once_after_it_failed_leaves_the_loops_interval_alone(autojump_clock):
@@ -209,5 +212,5 @@ async def test_a_step_retried_at_once_after_it_failed_leaves_the_loops_interval_
     # interval (none) is no interval of the loop: planned by it, matchmaking ahead began at once,
     # gave up at its deadline long before each step came, and the next steps matched at the step.
     averager = ScriptedAverager(matching_s=[0.05, 3.0, 0.05], failing=frozenset({2}))
-    await step_through(averager, 8, lambda number, failed: 0.0 if failed else 30.0)
-    assert averager.formed_ahead == [False, False, False] + [True] * 5
+    _, failures = await step_through(averager, 8, lambda number, failed: 0.0 if failed else 30.0)
+    assert failures == [1] and averager.formed_ahead == [False, False, False] + [True] * 5
