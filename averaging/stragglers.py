@@ -6,22 +6,33 @@ after it declared never comes, and neither does one that has its group for the r
 own read put it in another: views differ by a declaration); each cost its group that whole wait (in
 the simulated churning swarm of 32 peers, 30 s of the round's 60-s deadline, in a round of three).
 
-So once half of the expected members joined, the leader asks each member still missing that it
-can dial directly (``HERE_METHOD``, naming the round), and so each member expected later (a
-joiner's view named it). One that gives no answer within ``PROBE_DEADLINE`` (its machine is off, or
-cut off from us), whose address refuses the connection or answers as another peer (it is not there
-any more), or that answers that it has its group for the round is not waited for, and is not waited
-for again when a later joiner's view names it (its declaration outlives it). One that answers that
-it still matches (it follows another leader, which may yet fail it), or whose connection was lost
-mid-call, is asked again ``PROBE_SPACING`` later, ``PROBES`` times at most. Anything else keeps the
-wait as it was: a refusal (a peer that predates the question), a member behind a relay (a relay
-that fails the dial must not cost a live member its group), one with no address (client mode).
+So once half of the expected members joined, or ``ASK_UNJOINED_AFTER`` after it began to lead
+with fewer, the leader asks each member still missing that it can dial directly (``HERE_METHOD``,
+naming the round), and so each member expected later (a joiner's view named it). One that gives no
+answer within ``PROBE_DEADLINE`` (its machine is off, or cut off from us), whose address refuses
+the connection or answers as another peer (it is not there any more), or that answers that it has
+its group for the round is not waited for, and is not waited for again when a later joiner's view
+names it (its declaration outlives it). One that answers that it still matches (it follows another
+leader, which may yet fail it), or whose connection was lost mid-call, is asked again
+``PROBE_SPACING`` later, then at twice the last spacing each time: a member stuck behind a leader
+that does not form its group matches elsewhere seconds later, and a leader that stopped asking
+after three answers waited out the round for it; doubling bounds the questions to a few a round.
+Anything else keeps the wait as it was: a refusal (a peer that predates the question), a member
+behind a relay (a relay that fails the dial must not cost a live member its group), one with no
+address (client mode).
 A member's answer can only shorten the wait for that member, never admit anyone: a liar gains
 nothing it could not by not joining.
+
+Fewer than half may never join: on real TCP, 128 peers on one loop, a first round's views differ
+by dozens of declarations, and a leader that asked only once half had joined waited 42 s for
+members that had joined other groups (12 leaders, each failing the round). Those found matched or
+gone are left out of the leader's later proposals in the round (``asker``'s ``not_coming``), so
+the leftovers group among themselves instead of electing the same members again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping
 
 import trio
@@ -32,14 +43,28 @@ from .gathering import Declaration, Gathering
 from .group import is_counter
 from .matchmaking_rules import reached_directly
 
-__all__ = ["AGAIN", "GONE", "HERE_METHOD", "MATCHED", "MATCHING", "asker", "here_answer", "stop_waiting_for_stragglers"]
+__all__ = [
+    "AGAIN",
+    "ASK_UNJOINED_AFTER",
+    "GONE",
+    "HERE_METHOD",
+    "MATCHED",
+    "MATCHING",
+    "PROBE_DEADLINE",
+    "PROBE_SPACING",
+    "asker",
+    "here_answer",
+    "stop_waiting_for_stragglers",
+]
 
 HERE_METHOD = "avg.here"
-PROBES = 3
 PROBE_SPACING = 1.0
 # A dial across the world and its request take ~4 round trips (~1.2 s at the antipodes); a member
 # silent for this long is gone, or too far to be waited for.
 PROBE_DEADLINE = 2.0
+# A leader that fewer than half of its members joined asks the missing ones after this long: its
+# followers' reads of the declarations came back by then, unless the loop or their link is slow.
+ASK_UNJOINED_AFTER = 3.0
 
 MATCHING, MATCHED = "matching", "matched"  # a member's answers
 GONE = "gone"  # no answer, or not there (``ask``'s own verdict)
@@ -56,12 +81,23 @@ def here_answer(matched_round: int | None, body: object) -> str:
 
 
 def asker(
-    host: PeerHost, method: str, candidates: Mapping[PeerID, Declaration], round_number: int
+    host: PeerHost,
+    method: str,
+    candidates: Mapping[PeerID, Declaration],
+    round_number: int,
+    not_coming: set[PeerID] | None = None,
 ) -> Callable[[PeerID], Awaitable[str | None]]:
     """``ask(peer)``: the expected member's answer for ``round_number``; ``GONE`` if it gave none in
-    time or its host refused the connection; None if it cannot tell us (see the module's doc)."""
+    time or its host refused the connection; None if it cannot tell us (see the module's doc).
+    Members found ``GONE`` or ``MATCHED`` are added to ``not_coming``."""
 
     async def ask(peer: PeerID) -> str | None:
+        answer = await _answer(peer)
+        if not_coming is not None and answer in (GONE, MATCHED):
+            not_coming.add(peer)
+        return answer
+
+    async def _answer(peer: PeerID) -> str | None:
         declaration = candidates.get(peer)
         if declaration is None or not reached_directly(declaration.address):
             return None
@@ -83,27 +119,30 @@ def asker(
 
 
 async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]]) -> None:
-    """Run beside a leader's wait (which cancels it): once half of the expected members joined, ask
-    the missing ones, and those expected later, and stop expecting those that are gone or matched
-    elsewhere (``Gathering.not_coming``)."""
-    while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
-        await gathering.changed.wait()
-    asked: dict[PeerID, int] = {}  # how often each was asked (PROBES: those that cannot tell us)
+    """Run beside a leader's wait (which cancels it): once half of the expected members joined (or
+    ``ASK_UNJOINED_AFTER`` passed), ask the missing ones, and those expected later, and stop
+    expecting those that are gone or matched elsewhere (``Gathering.not_coming``)."""
+    with trio.move_on_after(ASK_UNJOINED_AFTER):
+        while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
+            await gathering.changed.wait()
+    due: dict[PeerID, float] = {}  # when each is asked next (inf: asking now, or it cannot tell us)
+    spacing: dict[PeerID, float] = {}
 
     async def probe(peer: PeerID) -> None:
         answer = await ask(peer)
         if answer in (GONE, MATCHED):
             gathering.not_coming(peer)
-        elif answer not in (MATCHING, AGAIN):
-            asked[peer] = PROBES  # (it cannot tell us: waited for as before, not asked again)
+        elif answer in (MATCHING, AGAIN):  # (asked again later, each time twice as late)
+            spacing[peer] = 2 * spacing.get(peer, PROBE_SPACING / 2)
+            due[peer] = trio.current_time() + spacing[peer]
 
     while True:
-        missing = [peer for peer in gathering.expected - gathering.joined.keys() if asked.get(peer, 0) < PROBES]
-        if not missing:
-            await gathering.changed.wait()  # (a joiner's view may name a member to expect)
-            continue
+        now = trio.current_time()
+        missing = [peer for peer in gathering.expected - gathering.joined.keys() if due.get(peer, now) <= now]
         async with trio.open_nursery() as probes:
             for peer in missing:
-                asked[peer] = asked.get(peer, 0) + 1
+                due[peer] = math.inf
                 probes.start_soon(probe, peer)
-        await trio.sleep(PROBE_SPACING)
+        waiting = [due[peer] for peer in gathering.expected - gathering.joined.keys() if peer in due]
+        with trio.move_on_at(min(waiting, default=math.inf)):
+            await gathering.changed.wait()  # (a joiner's view may name a member to expect)

@@ -1,6 +1,6 @@
 """A leader does not wait for expected members that will not come (``averaging/stragglers.py``):
-once half of them joined it asks the missing ones, and one that is gone, or has its group for the
-round elsewhere, is not waited for."""
+once half of them joined, or a few seconds passed with fewer, it asks the missing ones, and one
+that is gone, or has its group for the round elsewhere, is not waited for."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from averaging.group import AveragingMode
 from averaging.matchmaking import Matchmaker
 from averaging.stragglers import (
     AGAIN,
+    ASK_UNJOINED_AFTER,
     GONE,
     MATCHED,
     MATCHING,
     PROBE_DEADLINE,
-    PROBES,
+    PROBE_SPACING,
     asker,
     here_answer,
     stop_waiting_for_stragglers,
@@ -47,27 +48,56 @@ async def test_the_missing_are_asked_once_half_joined_and_those_gone_or_matched_
     me, *others = [Identity.generate().peer_id for _ in range(9)]
     coming, (gone, elsewhere_later, still_matching, mute) = others[:4], others[4:]
     gathering = Gathering(declared(me), set(others), target=9)
-    asked: list[PeerID] = []
-    answers = {gone: [GONE], elsewhere_later: [MATCHING, MATCHED], still_matching: [MATCHING] * PROBES, mute: [None]}
+    asked: list[tuple[PeerID, float]] = []
+    answers = {gone: [GONE], elsewhere_later: [MATCHING, MATCHED], mute: [None]}
 
     async def ask(peer: PeerID) -> str | None:
-        asked.append(peer)
-        return answers[peer].pop(0)
+        asked.append((peer, trio.current_time()))
+        return answers[peer].pop(0) if peer in answers else MATCHING
 
     async with trio.open_nursery() as nursery:
+        started = trio.current_time()
         nursery.start_soon(stop_waiting_for_stragglers, gathering, ask)
-        await trio.sleep(5)
-        assert asked == []  # none joined yet: nobody is asked
         for peer in coming[:3]:
             gathering.admit(declared(peer), trio.current_time() + 30)
-        await trio.sleep(5)
-        assert asked == []  # three of eight joined: not half yet
+        await trio.sleep(ASK_UNJOINED_AFTER / 2)
+        assert asked == []  # three of eight joined: not half yet, nor long enough
         gathering.admit(declared(coming[3]), trio.current_time() + 30)
-        await trio.sleep(10)
+        await trio.sleep(20)
         nursery.cancel_scope.cancel()  # (as the leader's wait ends it)
     assert gathering.expected == {*coming, still_matching, mute}
-    assert asked.count(still_matching) == PROBES and asked.count(elsewhere_later) == 2
-    assert asked.count(gone) == 1 and asked.count(mute) == 1  # (one that cannot tell us is not asked again)
+    assert {peer for peer, _ in asked} == {gone, elsewhere_later, still_matching, mute}
+    assert min(at for _, at in asked) - started == pytest.approx(ASK_UNJOINED_AFTER / 2)  # (at once when half)
+    # one still matching is asked again and again, each time twice as late: a few times a round
+    times = [at for peer, at in asked if peer == still_matching]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert gaps == pytest.approx([PROBE_SPACING * 2**n for n in range(len(gaps))]) and len(times) == 5
+    assert [peer for peer, _ in asked].count(elsewhere_later) == 2
+    assert [peer for peer, _ in asked].count(gone) == 1 and [peer for peer, _ in asked].count(mute) == 1
+
+
+async def test_a_leader_that_fewer_than_half_join_asks_after_a_while(autojump_clock):
+    # On one loop with 128 peers, a first round's leaders waited the whole round for members that
+    # had joined other groups: none of them came, so none was ever asked.
+    me, elsewhere, gone, coming = [Identity.generate().peer_id for _ in range(4)]
+    gathering = Gathering(declared(me), {elsewhere, gone, coming}, target=4)
+    asked: list[tuple[PeerID, float]] = []
+    answers = {elsewhere: MATCHED, gone: GONE, coming: MATCHING}
+
+    async def ask(peer: PeerID) -> str | None:
+        asked.append((peer, trio.current_time()))
+        return answers[peer]
+
+    async with trio.open_nursery() as nursery:
+        started = trio.current_time()
+        nursery.start_soon(stop_waiting_for_stragglers, gathering, ask)
+        await trio.sleep(ASK_UNJOINED_AFTER - 0.1)
+        assert asked == []  # (its followers' reads may still be coming back)
+        await trio.sleep(0.2)
+        assert {peer for peer, _ in asked} == {elsewhere, gone, coming}
+        assert all(at - started == pytest.approx(ASK_UNJOINED_AFTER) for _, at in asked)
+        nursery.cancel_scope.cancel()
+    assert gathering.expected == {coming}
 
 
 class LeavesAfterDeclaring:
@@ -193,11 +223,13 @@ async def test_what_a_leader_concludes_from_a_member_s_silence_or_refusal(
 ):
     member, relay = Identity.generate().peer_id, Identity.generate().peer_id
     address = PeerAddress("203.0.113.7", 4001, member, relay if relayed else None)
-    host = AnsweringHost(error)
-    ask = asker(host, "avg.here.p", {member: Declaration(member, address, 1.0, AveragingMode.NODE, "s", 1)}, 1)
+    host, not_coming = AnsweringHost(error), set()
+    declarations = {member: Declaration(member, address, 1.0, AveragingMode.NODE, "s", 1)}
+    ask = asker(host, "avg.here.p", declarations, 1, not_coming)
     started = trio.current_time()
     assert await ask(member) == verdict
     assert trio.current_time() - started == pytest.approx(seconds) and host.calls == (0 if relayed else 1)
+    assert not_coming == ({member} if verdict == GONE else set())  # (left out of the leader's proposals)
 
 
 class MissesOnce:
@@ -230,3 +262,31 @@ async def test_a_member_that_only_a_confirming_read_found_is_asked_too(autojump_
         formed, stayers, started = await form_with_a_leaver(swarm, leaver, "confirmed", dhts)
         assert all(members == stayers for members, _ in formed.values()) and len(formed) == 5
         assert max(at for _, at in formed.values()) - started < 8.0  # (11.3 s when it was not asked)
+
+
+async def test_latecomers_whose_view_expects_peers_that_matched_form_their_group_without_waiting_for_them(
+    autojump_clock,
+):
+    # Views differ: two peers matched on their own, and the two that declare after them see all
+    # four in one group, which the first latecomer leads expecting the matched two as members too.
+    # Fewer than half of its members join: it waited for the others until its follower gave up.
+    async with open_sim_swarm(SimNetwork(seed=12), 4) as swarm:
+        leader, follower, *matched = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        formed: dict = {}
+
+        async def form(node, target: int) -> None:
+            declaration = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
+            match = await Matchmaker(node.host, node, "late").form_group(
+                declaration, target_group_size=target, min_group_size=2, timeout=20.0
+            )
+            formed[node] = ({member.peer_id for member in match.group.members}, trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for node in matched:
+                nursery.start_soon(form, node, 2)
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for node in (leader, follower):
+                nursery.start_soon(form, node, 4)
+    assert formed[leader][0] == formed[follower][0] == {leader.host.peer_id, follower.host.peer_id}
+    assert formed[leader][1] - started < ASK_UNJOINED_AFTER + 2.0, formed[leader][1] - started
