@@ -120,8 +120,8 @@ class Matchmaker:
         self.dht = dht
         self.prefix = prefix
         self.joins = Joins(self.excluded)  # the leader's side of avg.join
-        # (this round's: confirming reads left, and expected members found matched elsewhere or gone)
-        self._confirms_left, self._away = MAX_CONFIRMS, set[PeerID]()
+        # (this round's: confirming reads left, and members found matched elsewhere: never expected again)
+        self._confirms_left, self._matched_elsewhere = MAX_CONFIRMS, set[bytes]()
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
@@ -182,7 +182,7 @@ class Matchmaker:
     ) -> Match:
         deadline = trio.current_time() + timeout
         own_round = me.round
-        self._confirms_left, self._away = MAX_CONFIRMS, set()
+        self._confirms_left, self._matched_elsewhere = MAX_CONFIRMS, set()
         self.joins.choosing(me)
         settled = await self._settle(me, settle_time, timeout, stored_in=await self.declare(me, timeout))
         last_error = "no other peer declared itself"
@@ -200,10 +200,10 @@ class Matchmaker:
             if newest > me.round:  # we are behind (a newcomer, or we missed a round): catch up
                 me, candidates = await self._catch_up(me, newest, candidates, timeout)
                 pause = FIRST_RETRY_PAUSE  # (a new round: its attempts have not failed yet)
-            # (peers rounds away from ours, or found matched elsewhere, cannot be in a group with us)
+            # (peers rounds away from ours cannot be in a group with us)
             far_rounds = [d.round for d in candidates.values() if not in_reach(me.round, d.round)]
             rounds = [d.round for peer, d in candidates.items() if peer != me.peer_id and d.round]
-            candidates = {p: d for p, d in candidates.items() if in_reach(me.round, d.round) and p not in self._away}
+            candidates = {peer: d for peer, d in candidates.items() if in_reach(me.round, d.round)}
             if not probed and (self._look_around or len(candidates) < sparse and self.census.could_hold(sparse)):
                 me, candidates = await self._join_the_crowd(me, candidates, timeout, sparse)
                 probed = True
@@ -256,7 +256,7 @@ class Matchmaker:
     ) -> tuple[Declaration, dict[PeerID, Declaration]]:
         """Declare ``newest`` instead of our round; the candidates of its key."""
         moves = self.key(newest) != self.key(me.round)
-        me, self._away = replace(me, round=newest), set()  # (found for the round we left)
+        me, self._matched_elsewhere = replace(me, round=newest), set()  # (found for the round we left)
         self.joins.choosing(me)
         await self.declare(me, timeout)
         return me, await self.read_candidates(me) if moves else {**candidates, me.peer_id: me}
@@ -285,7 +285,7 @@ class Matchmaker:
             me.round,
             target_group_size,
             min_group_size,
-            unreachable | self._passed_over.current(self.dht.clock.time()),
+            unreachable | self._matched_elsewhere | self._passed_over.current(self.dht.clock.time()),
         )
 
     def _leading(
@@ -313,7 +313,7 @@ class Matchmaker:
                 return set()
             return {PeerID(raw) for raw in proposal.members} - {me.peer_id}
 
-        return confirm, asker(self.host, f"{HERE_METHOD}.{self.prefix}", candidates, me.round, self._away)
+        return confirm, asker(self.host, f"{HERE_METHOD}.{self.prefix}", candidates, me.round, self._matched_elsewhere)
 
     def _leader_failed(self, leader: Declaration, error: Exception) -> None:
         """``leader`` did not serve our join: passed over for the rest of the round (by the

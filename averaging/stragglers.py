@@ -14,9 +14,9 @@ the connection or answers as another peer (it is not there any more), or that an
 its group for the round is not waited for, and is not waited for again when a later joiner's view
 names it (its declaration outlives it). One that answers that it still matches (it follows another
 leader, which may yet fail it), or whose connection was lost mid-call, is asked again
-``PROBE_SPACING`` later, then at twice the last spacing each time: a member stuck behind a leader
-that does not form its group matches elsewhere seconds later, and a leader that stopped asking
-after three answers waited out the round for it; doubling bounds the questions to a few a round.
+``PROBE_SPACING`` later, then at twice the last spacing each time: a member that follows a leader
+which does not form its group may match elsewhere many seconds later, and a leader that stops
+asking waits out the round for it; doubling bounds the questions to a few a round.
 Anything else keeps the wait as it was: a refusal (a peer that predates the question), a member
 behind a relay (a relay that fails the dial must not cost a live member its group), one with no
 address (client mode).
@@ -24,10 +24,11 @@ A member's answer can only shorten the wait for that member, never admit anyone:
 nothing it could not by not joining.
 
 Fewer than half may never join: on real TCP, 128 peers on one loop, a first round's views differ
-by dozens of declarations, and a leader that asked only once half had joined waited 42 s for
-members that had joined other groups (12 leaders, each failing the round). Those found matched or
-gone are left out of the leader's later proposals in the round (``asker``'s ``not_coming``), so
-the leftovers group among themselves instead of electing the same members again.
+by dozens of declarations, and leaders that ask only once half have joined wait ~40 s for members
+that joined other groups (12 leaders in one run, each failing the round). A member that answers
+that it matched elsewhere is not expected again in the leader's later proposals of the round
+(``asker``'s ``matched``, which the grid rule takes as unreachable: such members keep their
+places, so the leader's grid stays the one its followers compute).
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ def asker(
     method: str,
     candidates: Mapping[PeerID, Declaration],
     round_number: int,
-    not_coming: set[PeerID] | None = None,
+    matched: set[bytes] | None = None,
 ) -> Callable[[PeerID], Awaitable[str | None]]:
     """``ask(peer)``: the expected member's answer for ``round_number``; ``GONE`` if it gave none in
     time or its host refused the connection; None if it cannot tell us (see the module's doc).
-    Members found ``GONE`` or ``MATCHED`` are added to ``not_coming``."""
+    The members that answer ``MATCHED`` are added to ``matched`` (their peer IDs' bytes)."""
 
     async def ask(peer: PeerID) -> str | None:
         answer = await _answer(peer)
-        if not_coming is not None and answer in (GONE, MATCHED):
-            not_coming.add(peer)
+        if matched is not None and answer == MATCHED:
+            matched.add(peer.to_bytes())
         return answer
 
     async def _answer(peer: PeerID) -> str | None:
@@ -125,7 +126,7 @@ async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerI
     with trio.move_on_after(ASK_UNJOINED_AFTER):
         while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
             await gathering.changed.wait()
-    due: dict[PeerID, float] = {}  # when each is asked next (inf: asking now, or it cannot tell us)
+    due: dict[PeerID, float] = {}  # when each is asked next (inf: asking now, settled, or cannot tell)
     spacing: dict[PeerID, float] = {}
 
     async def probe(peer: PeerID) -> None:

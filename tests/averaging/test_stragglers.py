@@ -5,10 +5,12 @@ that is gone, or has its group for the round elsewhere, is not waited for."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import trio
 
+import averaging.joins
 from averaging.gathering import Declaration, Gathering
 from averaging.group import AveragingMode
 from averaging.matchmaking import Matchmaker
@@ -77,8 +79,8 @@ async def test_the_missing_are_asked_once_half_joined_and_those_gone_or_matched_
 
 
 async def test_a_leader_that_fewer_than_half_join_asks_after_a_while(autojump_clock):
-    # On one loop with 128 peers, a first round's leaders waited the whole round for members that
-    # had joined other groups: none of them came, so none was ever asked.
+    # On one loop with 128 peers, a first round's leaders wait for members that joined other groups:
+    # when none of them comes, asking once half joined never asks.
     me, elsewhere, gone, coming = [Identity.generate().peer_id for _ in range(4)]
     gathering = Gathering(declared(me), {elsewhere, gone, coming}, target=4)
     asked: list[tuple[PeerID, float]] = []
@@ -191,13 +193,15 @@ def test_a_member_found_gone_stays_settled_when_a_later_joiner_names_it():
 class AnsweringHost:
     """A host whose call raises ``error``, or never answers (None)."""
 
-    def __init__(self, error: Exception | None):
+    def __init__(self, error: Exception | str | None):
         self.error, self.calls = error, 0
 
     async def call(self, address, method, body, timeout=None):
         self.calls += 1
         if self.error is None:
             await trio.sleep_forever()
+        if isinstance(self.error, str):  # (an answer)
+            return types.SimpleNamespace(body=self.error)
         raise self.error
 
 
@@ -205,6 +209,7 @@ class AnsweringHost:
     "relayed, error, verdict, seconds",
     [
         (False, None, GONE, PROBE_DEADLINE),  # silent: its machine is off
+        (False, MATCHED, MATCHED, 0.0),  # it has its group for the round elsewhere
         (False, ConnectError("refused", refused=True), GONE, 0.0),  # nothing listens there any more
         (False, ConnectError("the handshake failed"), None, 0.0),  # can't tell: wait as before
         (False, ConnectError("another peer", answered_by=Identity.generate().peer_id), GONE, 0.0),  # not there
@@ -223,13 +228,13 @@ async def test_what_a_leader_concludes_from_a_member_s_silence_or_refusal(
 ):
     member, relay = Identity.generate().peer_id, Identity.generate().peer_id
     address = PeerAddress("203.0.113.7", 4001, member, relay if relayed else None)
-    host, not_coming = AnsweringHost(error), set()
+    host, matched = AnsweringHost(error), set()
     declarations = {member: Declaration(member, address, 1.0, AveragingMode.NODE, "s", 1)}
-    ask = asker(host, "avg.here.p", declarations, 1, not_coming)
+    ask = asker(host, "avg.here.p", declarations, 1, matched)
     started = trio.current_time()
     assert await ask(member) == verdict
     assert trio.current_time() - started == pytest.approx(seconds) and host.calls == (0 if relayed else 1)
-    assert not_coming == ({member} if verdict == GONE else set())  # (left out of the leader's proposals)
+    assert matched == ({member.to_bytes()} if verdict == MATCHED else set())  # (not expected again this round)
 
 
 class MissesOnce:
@@ -290,3 +295,36 @@ async def test_latecomers_whose_view_expects_peers_that_matched_form_their_group
                 nursery.start_soon(form, node, 4)
     assert formed[leader][0] == formed[follower][0] == {leader.host.peer_id, follower.host.peer_id}
     assert formed[leader][1] - started < ASK_UNJOINED_AFTER + 2.0, formed[leader][1] - started
+
+
+async def test_members_found_matched_elsewhere_are_not_expected_again_in_the_round(autojump_clock, monkeypatch):
+    # The last two matched on their own; the first declares alone and leads a group of the three
+    # again and again, which the latecomer joins once it declares. The matched two, found matched
+    # by its first question, are expected and asked no more (their places in the grid stay).
+    questions: list[object] = []
+
+    def counted(matched_round, body):
+        questions.append(body)
+        return here_answer(matched_round, body)
+
+    monkeypatch.setattr(averaging.joins, "here_answer", counted)
+    async with open_sim_swarm(SimNetwork(seed=13), 4) as swarm:
+        leader, latecomer, *matched = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        formed: dict = {}
+
+        async def form(node, target: int, after: float = 0.0) -> None:
+            await trio.sleep(after)
+            declaration = Declaration(node.host.peer_id, node.host.listen_address, 1.0, AveragingMode.NODE, "s", 1)
+            match = await Matchmaker(node.host, node, "again").form_group(
+                declaration, target_group_size=target, min_group_size=2, timeout=30.0
+            )
+            formed[node] = {member.peer_id for member in match.group.members}
+
+        async with trio.open_nursery() as nursery:
+            for node in matched:
+                nursery.start_soon(form, node, 2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(form, leader, 4)
+            nursery.start_soon(form, latecomer, 4, 4 * ASK_UNJOINED_AFTER)
+    assert formed[leader] == formed[latecomer] == {leader.host.peer_id, latecomer.host.peer_id}
+    assert len(questions) == len(matched), questions  # (once each: it matched elsewhere)
