@@ -144,6 +144,9 @@ async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerI
             for peer in missing:
                 due[peer] = math.inf
                 probes.start_soon(probe, peer)
-        waiting = [due[peer] for peer in gathering.expected - gathering.joined.keys() if peer in due]
+        # (members expected while the questions ran, a joiner's view naming them, are due at once:
+        # the change that added them was signalled before this wait began)
+        now = trio.current_time()
+        waiting = [due.get(peer, now) for peer in gathering.expected - gathering.joined.keys()]
         with trio.move_on_at(min(waiting, default=math.inf)):
-            await gathering.changed.wait()  # (a joiner's view may name a member to expect)
+            await gathering.changed.wait()

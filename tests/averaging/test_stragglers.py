@@ -102,6 +102,30 @@ async def test_a_leader_that_fewer_than_half_join_asks_after_a_while(autojump_cl
     assert gathering.expected == {coming}
 
 
+async def test_a_member_expected_while_others_are_being_asked_is_asked_too(autojump_clock):
+    # A confirming read adds a member while a question to another is in flight: the change it
+    # signals comes before the leader's questions end, and must not be missed.
+    me, a, slow, late = [Identity.generate().peer_id for _ in range(4)]
+    gathering = Gathering(declared(me), {a, slow}, target=8)
+    asked: list[PeerID] = []
+
+    async def ask(peer: PeerID) -> str | None:
+        asked.append(peer)
+        if peer == slow:
+            await trio.sleep(1.0)
+            return None  # (it cannot tell us: not asked again)
+        return GONE
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_waiting_for_stragglers, gathering, ask)
+        gathering.admit(declared(a), 100.0, [late])  # half joined: the missing one is asked
+        await trio.sleep(0.5)
+        gathering.confirm({late})
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert asked == [slow, late] and gathering.expected == {a, slow}
+
+
 class LeavesAfterDeclaring:
     """A DHT node whose machine goes off once its declaration is stored."""
 
