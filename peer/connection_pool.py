@@ -57,6 +57,10 @@ class ConnectionPool:
         self._idle = IdleConnections(retire_idle_after) if retire_idle_after is not None else None
         self._recurring = RecurringPeers(retire_idle_after) if retire_idle_after is not None else None
         self._connections: dict[PeerID, Connection] = {}
+        # Every connection the host runs, pooled or not (in the order they came): when two peers
+        # dial each other at once, a connection can find a pooled one beside it at both ends; it
+        # still carries its dialer's calls, and retires when idle like the pooled ones.
+        self._running: dict[Connection, None] = {}
         self._endpoint_peer: dict[tuple[str, int], PeerID] = {}
         self._dialing: dict[_DialKey, _Dial] = {}
 
@@ -70,10 +74,10 @@ class ConnectionPool:
         return [peer for peer, connection in self._connections.items() if connection.takes_calls]
 
     def idle(self, now: float) -> list[Connection]:
-        """The pooled connections idle long enough to retire (``idle_connections.py``)."""
+        """The connections idle long enough to retire (``idle_connections.py``), pooled or not."""
         if self._idle is None:
             return []
-        live = [connection for connection in self._connections.values() if connection.takes_calls]
+        live = [connection for connection in self._running if connection.takes_calls]
         activity = ((c, (c.link_progress(), c.protocol.active_calls)) for c in live)
         return self._idle.look(activity, now)
 
@@ -82,6 +86,7 @@ class ConnectionPool:
         direct (hole punched, or the peer became reachable); return the relayed connection it
         replaces (the caller gives its calls a grace period), else None."""
         peer = connection.remote_peer_id
+        self._running[connection] = None
         if self._idle is not None:
             # a peer called again soon after a retirement keeps its connections longer; not through a
             # relay, whose circuits per peer and in all are few
@@ -98,6 +103,7 @@ class ConnectionPool:
     def remove(self, connection: Connection, now: float) -> None:
         """``connection`` is down: it leaves the pool, if it is the one pooled for its peer."""
         peer = connection.remote_peer_id
+        self._running.pop(connection, None)
         if self._connections.get(peer) is connection:
             del self._connections[peer]
         if self._idle is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -285,6 +286,32 @@ async def test_a_connection_with_an_open_call_is_not_retired_however_quiet(autoj
                 assert connection.takes_calls and not connection.closed.is_set()
             with trio.fail_after(IDLE_RETIRE_S + 2 * IDLE_CHECK_S + 5):
                 await connection.closed.wait()  # once the call ended, it is idle like any other
+
+
+@pytest.mark.parametrize("second_dial_after", [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5])
+async def test_two_peers_dialled_to_each_other_and_both_connections_retire_when_idle(autojump_clock, second_dial_after):
+    # Each host pools one connection per peer. When two peers dial each other while the first
+    # handshake is under way, the second connection can find each of its ends with a pooled
+    # connection beside it. It still carries its dialer's calls, and must retire like any other
+    # once quiet: a node joining a large DHT is dialled back by peers it is dialling, and every
+    # connection left behind would hold buffers and tasks on both peers for as long as they run.
+    network = SimNetwork(seed=25)
+    here, there = network.add_host(), network.add_host()
+    async with open_peer_host(network.identity(), router=echo_router(), transport=here) as one:
+        async with open_peer_host(network.identity(), router=echo_router(), transport=there) as two:
+            dialled: dict[str, Any] = {}
+
+            async def dial_and_call(name: str, host: Any, address: Any, after: float) -> None:
+                await trio.sleep(after)
+                dialled[name] = connection = await host.connect(address)
+                await connection.call("echo", name)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dial_and_call, "one", one, two.listen_address, 0.0)
+                nursery.start_soon(dial_and_call, "two", two, one.listen_address, second_dial_after)
+            await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S + 1)
+            assert dialled["one"].closed.is_set() and dialled["two"].closed.is_set()
+            assert network.open_ends(here.address) == 0
 
 
 async def read_all(connection, method: str) -> list:
