@@ -16,9 +16,12 @@ a process of its own); the calm rounds until the swarm agreed; the median round'
 seconds; the fraction of the steps of peers that stayed that averaged (and of those behind NAT,
 with the direct connections hole punching made).
 
-Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join, 64 keys are stored, 30% of the
-nodes leave, and every key is looked for from a surviving node (``dht_get_success_after_churn``),
-with the memory per node.
+Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join (32 at a time), 64 keys are stored,
+30% of the nodes leave, and every key is looked for from a surviving node
+(``dht_get_success_after_churn``). Memory per node is read at rest, once the joins' connections
+have been idle long enough to retire: what the nodes' allocations hold (``dht_memory_per_node_mb``,
+read through malloc) and the resident-set growth (``dht_resident_per_node_mb``: one process's
+high-water mark of all the joins' connections, ~30 KB each, which its allocator keeps in part).
 
 Then, per ``--optimizer-peers`` size, a swarm training with the collaborative optimizer
 (``tests/support/sim_training.py``: a tiny model, modelled compute, 12 epochs through the same
@@ -34,7 +37,9 @@ object. ``--quick`` runs N = 16 and 32 and a DHT of 128 nodes (about two minutes
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import random
 import resource
 import statistics
@@ -50,6 +55,7 @@ import trio.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dht import DHTConfig  # noqa: E402
+from peer.idle_connections import IDLE_CHECK_S, IDLE_RETIRE_S  # noqa: E402
 from peer.simnet import SimNetwork  # noqa: E402
 from tests.support.sim_heap import one_heap_for_many_peers, settle_every, sweep  # noqa: E402
 from tests.support.sim_scale import ScaleReport, Scenario, run_scenario  # noqa: E402
@@ -61,6 +67,12 @@ DEPARTED = 0.3
 # The DHT-only swarm's garbage is collected per node's heap (``tests/support/sim_heap.py``), the
 # survivors frozen after every this many joins.
 JOINS_PER_SETTLE = 64
+# DHT nodes join this many at a time (``open_sim_swarm``): one join after another, a swarm of
+# thousands forms over hours of simulated time, through which every node refreshes its buckets
+# every ten minutes: 512 nodes joined one by one cost 0.83 CPU-s a join, twice the handshakes a
+# join makes, the second half of them refreshes.
+DHT_JOINS_AT_ONCE = 32
+MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
 
 
 def resident_mb() -> float:
@@ -70,6 +82,39 @@ def resident_mb() -> float:
         return pages * resource.getpagesize() / 2**20
     except (OSError, ValueError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _malloc_info() -> Any:
+    """glibc's ``mallinfo2`` (None elsewhere, or on a glibc before 2.33)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        function = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+    function.restype = MallInfo2
+    return function()
+
+
+def held_mb() -> float | None:
+    """What the process's allocations hold now (MiB): the bytes malloc has handed out and not had
+    back. Python's own allocator keeps small objects in arenas that malloc does not see, so this
+    is read only where Python allocates through malloc (``PYTHONMALLOC=malloc``, as the DHT row's
+    process runs); None elsewhere."""
+    info = _malloc_info() if os.environ.get("PYTHONMALLOC") == "malloc" else None
+    return None if info is None else (info.uordblks + info.hblkhd) / 2**20
+
+
+def give_freed_memory_back() -> None:
+    """Return malloc's free pages to the system (glibc's ``malloc_trim``), so that the resident
+    set reads what is held, not the high-water mark of the joins' connections."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def averaging_row(peers: int, seed: int, nat_fraction: float) -> dict[str, Any]:
@@ -115,11 +160,16 @@ def averaging_row(peers: int, seed: int, nat_fraction: float) -> dict[str, Any]:
 async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
     network = SimNetwork(seed=seed)
     picks = random.Random(seed)
-    before, started = resident_mb(), time.process_time()
-    async with open_sim_swarm(network, nodes, config=DHTConfig(), joined=settle_every(JOINS_PER_SETTLE)) as swarm:
+    before, held_before, started = resident_mb(), held_mb(), time.process_time()
+    async with open_sim_swarm(
+        network, nodes, config=DHTConfig(), joined=settle_every(JOINS_PER_SETTLE), joins_at_once=DHT_JOINS_AT_ONCE
+    ) as swarm:
         join_cpu = time.process_time() - started
-        sweep()  # (every node's garbage freed before the reading)
-        memory = max(0.0, resident_mb() - before) / nodes
+        connections = sum(len(node.host.connected_peers) for node in swarm.nodes) / nodes
+        await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)  # the joins' connections retire
+        sweep()  # (every node's garbage freed before the readings)
+        give_freed_memory_back()
+        memory, held = max(0.0, resident_mb() - before) / nodes, _per_node(held_mb(), held_before, nodes)
         clock = swarm.clock
         keys = {f"scale-{n}": n for n in range(KEYS)}
         for key, value in keys.items():
@@ -134,9 +184,15 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
     return {
         "nodes": nodes,
         "dht_get_success_after_churn": found / KEYS,
-        "memory_per_node_mb": round(memory, 2),
+        "memory_per_node_mb": _rounded(held, 3),
+        "resident_per_node_mb": round(memory, 2),
+        "connections_per_node_joined": round(connections, 1),
         "join_cpu_per_node_s": round(join_cpu / nodes, 3),
     }
+
+
+def _per_node(now: float | None, before: float | None, nodes: int) -> float | None:
+    return None if now is None or before is None else max(0.0, now - before) / nodes
 
 
 def optimizer_row(size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
@@ -187,7 +243,9 @@ def in_own_process(kind: str, size: int, seed: int, nat_fraction: float) -> dict
         "--nat-fraction",
         str(nat_fraction),
     ]
-    finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # (its log: our stderr)
+    # The DHT row reads what its nodes hold through malloc (``held_mb``): Python allocates through it there.
+    environment = {**os.environ, "PYTHONMALLOC": "malloc"} if kind == "dht" else None
+    finished = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False, env=environment)
     if finished.returncode != 0:
         raise SystemExit(f"the {kind} row of {size} failed (exit status {finished.returncode}); its traceback is above")
     return json.loads(finished.stdout.strip().splitlines()[-1])
@@ -261,8 +319,9 @@ def main() -> None:
         dht_rows.append(row)
         print(
             f"DHT {size:>5} nodes: {row['dht_get_success_after_churn']:.3f} of keys found after "
-            f"{DEPARTED:.0%} left, {row['memory_per_node_mb']:.2f} MB per node, "
-            f"{row['join_cpu_per_node_s']:.3f} CPU-s per join",
+            f"{DEPARTED:.0%} left; per node at rest {row['memory_per_node_mb']} MB held, "
+            f"{row['resident_per_node_mb']:.2f} MB resident; {row['connections_per_node_joined']} connections "
+            f"once joined; {row['join_cpu_per_node_s']:.3f} CPU-s per join",
             flush=True,
         )
     optimizer_rows = []
@@ -291,6 +350,7 @@ def main() -> None:
         "dht_nodes": dht_rows[-1]["nodes"],
         "dht_get_success_after_churn": min(row["dht_get_success_after_churn"] for row in dht_rows),
         "dht_memory_per_node_mb": dht_rows[-1]["memory_per_node_mb"],
+        "dht_resident_per_node_mb": dht_rows[-1]["resident_per_node_mb"],
         "optimizer_averaged_fraction": _least(row["averaged_fraction"] for row in optimizer_rows),
         "rows": rows,
     }

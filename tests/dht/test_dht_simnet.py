@@ -214,3 +214,25 @@ async def test_a_lookup_that_meets_a_departed_peer_asks_another_instead_of_waiti
 
 def nearest_node(swarm, key: str):
     return min(swarm.nodes, key=lambda node: node.node_id ^ key_id(pack(key)))
+
+
+async def test_a_swarm_joining_sixteen_at_a_time_finds_its_keys_and_keeps_no_connection_once_quiet(autojump_clock):
+    # A swarm of thousands is simulated joining in batches (``benchmarks/scale.py``): its nodes keep
+    # the order they were launched in, every key is found, and once no one calls, no connection
+    # stays (peers that dialled each other at once left connections no look retired).
+    network = SimNetwork(seed=48)
+    picks = random.Random(48)
+    async with open_sim_swarm(network, 48, config=DHTConfig(), joins_at_once=16) as swarm:
+        assert [node.address.host for node in swarm.nodes] == [swarm.address(i) for i in range(48)]
+        assert trio.current_time() < 48 * 1.0  # (batches: one join after another takes ~2 s each)
+        keys = {f"batch-{n}": n for n in range(12)}
+        for key, value in keys.items():
+            assert await swarm.nodes[picks.randrange(48)].store(key, value, swarm.clock.time() + 3600)
+        for key, value in keys.items():
+            got = await swarm.nodes[picks.randrange(48)].get(key)
+            assert got is not None and got.value == value
+        await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)
+        assert sum(network.open_ends(swarm.address(i)) for i in range(48)) == 0
+    with pytest.raises(ValueError):
+        async with open_sim_swarm(network, 2, joins_at_once=0):
+            pass

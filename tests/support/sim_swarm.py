@@ -57,16 +57,33 @@ class SimSwarm:
     async def add(self, initial_peers: list) -> DHTNode:
         """A new node, joining through ``initial_peers``; the first one is public (a swarm starts
         from a peer others can reach), any other behind NAT with the swarm's ``nat_fraction``."""
-        behind_nat = bool(self.nodes) and self._nat_draw.random() < self.nat_fraction
-        transport = self.network.add_host(behind_nat=behind_nat)
-        node, traversal, scope = await self._nursery.start(self._run, transport, initial_peers)
-        if behind_nat:
-            self.behind_nat.add(len(self.nodes))
-        self.nodes.append(node)
-        self.transports.append(transport)
-        self.traversals.append(traversal)
-        self._scopes.append(scope)
+        (node,) = await self.add_many([initial_peers])
         return node
+
+    async def add_many(self, initial_peers: list[list]) -> list[DHTNode]:
+        """New nodes joining at once, the i-th through ``initial_peers[i]``; they take their
+        indices in the order given (hosts and NAT draws too), whichever join ends first."""
+        launches = []
+        for peers in initial_peers:
+            behind_nat = bool(self.nodes or launches) and self._nat_draw.random() < self.nat_fraction
+            launches.append((self.network.add_host(behind_nat=behind_nat), peers, behind_nat))
+        joined: dict[int, tuple] = {}
+
+        async def launch(slot: int, transport: SimTransport, peers: list) -> None:
+            joined[slot] = await self._nursery.start(self._run, transport, peers)
+
+        async with trio.open_nursery() as nursery:
+            for slot, (transport, peers, _) in enumerate(launches):
+                nursery.start_soon(launch, slot, transport, peers)
+        for slot, (transport, _, behind_nat) in enumerate(launches):
+            node, traversal, scope = joined[slot]
+            if behind_nat:
+                self.behind_nat.add(len(self.nodes))
+            self.nodes.append(node)
+            self.transports.append(transport)
+            self.traversals.append(traversal)
+            self._scopes.append(scope)
+        return [joined[slot][0] for slot in range(len(launches))]
 
     def address(self, index: int) -> str:
         return self.transports[index].address
@@ -95,20 +112,31 @@ async def open_sim_swarm(
     clock: TrioClock | None = None,
     joined: Callable[[int], None] | None = None,
     nat_fraction: float = 0.0,
+    joins_at_once: int = 1,
 ) -> AsyncIterator[SimSwarm]:
-    """``size`` nodes, joined one after another, each through a seeded choice of the earlier ones
-    (``joined(index)`` is called after each); ``nat_fraction`` of them behind NAT. Within the block
-    blocking work runs on the event loop (``peer.worker_threads``), so that CPU time costs no
-    simulated time."""
+    """``size`` nodes, each joining through a seeded choice of two earlier ones (``joined(index)``
+    is called after each); ``nat_fraction`` of them behind NAT. After the first, nodes join
+    ``joins_at_once`` at a time, each through nodes that joined before its batch: a swarm formed
+    one join after another takes ~2.5 simulated seconds a node, so at thousands of nodes every
+    node's periodic work (bucket refreshes every 10 minutes, idle-connection looks) runs for hours
+    of simulated time before the last one joins. Within the block blocking work runs on the event
+    loop (``peer.worker_threads``), so that CPU time costs no simulated time."""
+    if joins_at_once < 1:
+        raise ValueError("at least one node joins at a time")
     choices = random.Random(f"peerd-sim-swarm-{network.seed}")  # not the model's own sequence
     with inline_blocking_work():
         async with trio.open_nursery() as nursery:
             swarm = SimSwarm(network, nursery, clock or TrioClock(), config or DHTConfig(), nat_fraction)
-            for index in range(size):
-                public = swarm.entry_points(list(range(index)))
-                earlier = [swarm.nodes[i].address for i in choices.sample(public, min(len(public), 2))]
-                await swarm.add(earlier)
-                if joined is not None:
-                    joined(index)
+            start = 0
+            while start < size:
+                batch = range(start, min(size, start + joins_at_once) if start else 1)
+                public = swarm.entry_points(list(range(start)))
+                await swarm.add_many(
+                    [[swarm.nodes[i].address for i in choices.sample(public, min(len(public), 2))] for _ in batch]
+                )
+                for index in batch:
+                    if joined is not None:
+                        joined(index)
+                start = batch.stop
             yield swarm
             nursery.cancel_scope.cancel()
