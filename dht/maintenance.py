@@ -2,8 +2,9 @@
 find the swarm again after a link outage.
 
 Joining follows the paper (section 2.3): reach a known peer, look up our own ID, then refresh every
-bucket farther away than our closest neighbour. Afterwards any bucket that no lookup has touched for
-``refresh_interval`` gets a lookup of a random ID in its range, and contacts evicted for silence
+bucket farther away than our closest neighbour. Afterwards any bucket that for ``refresh_interval``
+no lookup went to and no new contact entered (``RoutingTable.stale_buckets``) gets a lookup of a
+random ID in its range, and contacts evicted for silence
 (and the initial peers, while the table is empty) are pinged again until one answers
 (``reconnect.py``); then a lookup of our own ID refills the table.
 """

@@ -116,7 +116,10 @@ class RoutingTable(_PackageRoutingTable):
             return None
         index = self.get_bucket_for(node)
         bucket = self.buckets[index]
+        new = node.id not in bucket.nodes
         if bucket.add_node(node):
+            if new:  # its range is being met without our asking: no refresh lookup needed (BEP 5)
+                bucket.last_updated = self.clock()
             return None
         # Section 4.2 of the paper: split the bucket holding our own ID, and (relaxed) others whose
         # depth is not a multiple of 5, as the package does.
@@ -161,6 +164,12 @@ class RoutingTable(_PackageRoutingTable):
         self.buckets[self.get_bucket_for(Contact.for_id(target))].last_updated = self.clock()
 
     def stale_buckets(self, max_age: float) -> list[KBucket]:
-        """Buckets no lookup has touched for ``max_age`` seconds (the package hard-codes an hour)."""
+        """Buckets that for ``max_age`` seconds no lookup went to and no contact new to them
+        entered (the package hard-codes an hour, and counts lookups only). A busy swarm's traffic
+        brings each node new contacts in every range it should know, so only a quiet node, or a
+        range quiet for it, costs refresh lookups: BitTorrent's DHT (BEP 5) refreshes by the same
+        rule. Counting contacts new to the bucket, not every call from one already there, keeps a
+        single chatty peer from holding a range's refresh off; a new contact costs its node-ID
+        puzzle."""
         cutoff = self.clock() - max_age
         return [bucket for bucket in self.buckets if bucket.last_updated < cutoff]

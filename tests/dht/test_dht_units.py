@@ -51,6 +51,23 @@ def test_buckets_go_stale_by_the_table_s_clock():
     assert table.stale_buckets(60) == table.buckets
 
 
+def test_a_contact_new_to_a_bucket_counts_as_its_refresh_and_one_already_there_does_not():
+    now = [5.0]
+    table = RoutingTable(Contact.for_id(0), ksize=4, clock=lambda: now[0])
+    table.split_bucket(0)
+    far = contact(2**159 + 7)  # in the high half
+    now[0] = 50.0
+    table.add_contact(far)
+    now[0] = 100.0
+    assert table.stale_buckets(60) == [table.buckets[0]]  # met at 50: fresh; the low half is not
+    for second in range(101, 200):  # the same contact calling again and again holds nothing off
+        now[0] = float(second)
+        table.add_contact(far)
+    assert table.stale_buckets(60) == table.buckets
+    table.add_contact(contact(2**159 + 9, 1001))  # a contact new to the high half
+    assert table.stale_buckets(60) == [table.buckets[0]]
+
+
 def test_find_neighbors_is_exact():
     rng = random.Random(7)
     me = rng.getrandbits(160)
