@@ -20,8 +20,11 @@ Then a DHT-only swarm per ``--dht-nodes`` size: the nodes join (32 at a time), 6
 30% of the nodes leave, and every key is looked for from a surviving node
 (``dht_get_success_after_churn``). Memory per node is read at rest, once the joins' connections
 have been idle long enough to retire: what the nodes' allocations hold (``dht_memory_per_node_mb``,
-read through malloc) and the resident-set growth (``dht_resident_per_node_mb``: one process's
-high-water mark of all the joins' connections, ~30 KB each, which its allocator keeps in part).
+read through malloc, C allocations such as cipher states included) and the resident-set growth
+(``dht_resident_per_node_mb``, after ``malloc_trim``: one process's high-water mark of all the
+joins' connections, ~30 KB each, which its allocator keeps in part). The row's process allocates
+through glibc's malloc (``PYTHONMALLOC=malloc``) for that reading, so its CPU per join is not
+comparable with figures taken under Python's own allocator.
 
 Then, per ``--optimizer-peers`` size, a swarm training with the collaborative optimizer
 (``tests/support/sim_training.py``: a tiny model, modelled compute, 12 epochs through the same
@@ -165,11 +168,12 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
         network, nodes, config=DHTConfig(), joined=settle_every(JOINS_PER_SETTLE), joins_at_once=DHT_JOINS_AT_ONCE
     ) as swarm:
         join_cpu = time.process_time() - started
-        connections = sum(len(node.host.connected_peers) for node in swarm.nodes) / nodes
+        joined_connections = _connections_per_node(network, swarm)
         await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)  # the joins' connections retire
         sweep()  # (every node's garbage freed before the readings)
         give_freed_memory_back()
         memory, held = max(0.0, resident_mb() - before) / nodes, _per_node(held_mb(), held_before, nodes)
+        resting_connections = _connections_per_node(network, swarm)
         clock = swarm.clock
         keys = {f"scale-{n}": n for n in range(KEYS)}
         for key, value in keys.items():
@@ -186,9 +190,16 @@ async def dht_churn(nodes: int, seed: int) -> dict[str, Any]:
         "dht_get_success_after_churn": found / KEYS,
         "memory_per_node_mb": _rounded(held, 3),
         "resident_per_node_mb": round(memory, 2),
-        "connections_per_node_joined": round(connections, 1),
+        "connections_per_node_joined": round(joined_connections, 1),
+        "connections_per_node_at_rest": round(resting_connections, 1),
         "join_cpu_per_node_s": round(join_cpu / nodes, 3),
     }
+
+
+def _connections_per_node(network: SimNetwork, swarm: Any) -> float:
+    """Open connections a node has (pooled or not), on average: each has two ends at each of its
+    two hosts."""
+    return sum(network.open_ends(swarm.address(index)) for index in range(len(swarm.nodes))) / 2 / len(swarm.nodes)
 
 
 def _per_node(now: float | None, before: float | None, nodes: int) -> float | None:
@@ -320,8 +331,8 @@ def main() -> None:
         print(
             f"DHT {size:>5} nodes: {row['dht_get_success_after_churn']:.3f} of keys found after "
             f"{DEPARTED:.0%} left; per node at rest {row['memory_per_node_mb']} MB held, "
-            f"{row['resident_per_node_mb']:.2f} MB resident; {row['connections_per_node_joined']} connections "
-            f"once joined; {row['join_cpu_per_node_s']:.3f} CPU-s per join",
+            f"{row['resident_per_node_mb']:.2f} MB resident, {row['connections_per_node_at_rest']} connections "
+            f"({row['connections_per_node_joined']} once joined); {row['join_cpu_per_node_s']:.3f} CPU-s per join",
             flush=True,
         )
     optimizer_rows = []

@@ -44,6 +44,9 @@ __all__ = ["Contact", "RoutingTable", "K", "ALPHA", "KEYSPACE_BITS"]
 K = 20
 ALPHA = 3
 KEYSPACE_BITS = 160
+# Node IDs that entered the table lately, remembered so that one leaving and entering again counts
+# as a new contact (a bucket's refresh) once (``RoutingTable.add_contact``); ~25 KB a table.
+ENTRIES_REMEMBERED = 256
 
 
 class Contact(Node):
@@ -87,6 +90,7 @@ class RoutingTable(_PackageRoutingTable):
 
     def __init__(self, node: Node, ksize: int = K, clock: Callable[[], float] = time.monotonic):
         self.clock = clock  # when buckets were refreshed, in the node's monotonic time
+        self._entered: dict[int, None] = {}  # (least recent first)
         super().__init__(protocol=None, ksize=ksize, node=node)
 
     def flush(self) -> None:
@@ -99,6 +103,17 @@ class RoutingTable(_PackageRoutingTable):
         package stamps them with ``time.monotonic``)."""
         super().split_bucket(index)
         self.buckets[index].last_updated = self.buckets[index + 1].last_updated = self.clock()
+
+    def _first_entry(self, node_id: int) -> bool:
+        """Whether ``node_id`` enters for the first time of those remembered. A peer can leave the
+        table at will (announcing a relayed address drops it) and enter again: only its first
+        entry counts as meeting its bucket's range."""
+        first = node_id not in self._entered
+        self._entered.pop(node_id, None)
+        self._entered[node_id] = None
+        while len(self._entered) > ENTRIES_REMEMBERED:
+            del self._entered[next(iter(self._entered))]
+        return first
 
     def get_bucket_for(self, node: Node) -> int:
         uppers = [bucket.range[1] for bucket in self.buckets]
@@ -118,7 +133,7 @@ class RoutingTable(_PackageRoutingTable):
         bucket = self.buckets[index]
         new = node.id not in bucket.nodes
         if bucket.add_node(node):
-            if new:  # its range is being met without our asking: no refresh lookup needed (BEP 5)
+            if new and self._first_entry(node.long_id):  # its range is met unasked: no refresh (BEP 5)
                 bucket.last_updated = self.clock()
             return None
         # Section 4.2 of the paper: split the bucket holding our own ID, and (relaxed) others whose
@@ -168,8 +183,8 @@ class RoutingTable(_PackageRoutingTable):
         entered (the package hard-codes an hour, and counts lookups only). A busy swarm's traffic
         brings each node new contacts in every range it should know, so only a quiet node, or a
         range quiet for it, costs refresh lookups: BitTorrent's DHT (BEP 5) refreshes by the same
-        rule. Counting contacts new to the bucket, not every call from one already there, keeps a
-        single chatty peer from holding a range's refresh off; a new contact costs its node-ID
-        puzzle."""
+        rule. Only a contact's first entry counts (of the last ENTRIES_REMEMBERED), not its calls
+        while there nor its entering again after it left, so one peer cannot hold a range's
+        refresh off: that takes a new identity, a node-ID puzzle, every ``max_age``."""
         cutoff = self.clock() - max_age
         return [bucket for bucket in self.buckets if bucket.last_updated < cutoff]

@@ -108,7 +108,9 @@ class ConnectionPool:
             del self._connections[peer]
         if self._idle is not None:
             quiet_since = self._idle.forget(connection)
-            if connection.retired and connection.relayed_via is None:  # idle, by our look or the peer's
+            # idle, by our look or the peer's; a duplicate retiring beside a live connection to the
+            # same peer tells nothing of that peer's quiet
+            if connection.retired and connection.relayed_via is None and self.get(peer) is None:
                 self._recurring.retired(peer, now, now - quiet_since if quiet_since is not None else 0.0)
 
     async def connect(self, address: PeerAddress, dial: Callable[[PeerAddress], Awaitable[Connection]]) -> Connection:

@@ -64,6 +64,9 @@ def test_a_contact_new_to_a_bucket_counts_as_its_refresh_and_one_already_there_d
         now[0] = float(second)
         table.add_contact(far)
     assert table.stale_buckets(60) == table.buckets
+    table.remove_contact(far)  # it leaves (a peer announcing a relayed address is dropped)...
+    table.add_contact(far)  # ...and enters again: not a range met anew
+    assert table.stale_buckets(60) == table.buckets
     table.add_contact(contact(2**159 + 9, 1001))  # a contact new to the high half
     assert table.stale_buckets(60) == [table.buckets[0]]
 

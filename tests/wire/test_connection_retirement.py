@@ -141,6 +141,24 @@ def test_what_a_retirement_teaches_is_the_quiet_the_looks_saw_whoever_ended_it()
     assert first_retirement(pool, fourth, again) - again <= 1.5 * (91 + 30 + IDLE_CHECK_S) + IDLE_CHECK_S
 
 
+def test_a_duplicate_retired_beside_a_live_connection_teaches_no_rhythm():
+    # Two connections to one peer (they dialled each other at once): the quiet one retiring while
+    # the other still takes calls says nothing of the peer's quiet, so the peer's next connection
+    # gets the base allowance, not one stretched to a rhythm it never had.
+    pool = ConnectionPool(retire_idle_after=90)
+    busy, duplicate = QuietConnection(), QuietConnection()
+    pool.add(busy, 0.0)
+    pool.add(duplicate, 0.0)
+    assert first_retirement(pool, duplicate, 0.0) == 90
+    duplicate.goaway()
+    pool.remove(duplicate, 91.0)
+    busy.takes_calls = False  # then the busy one breaks (not retired)
+    pool.remove(busy, 300.0)
+    fresh = QuietConnection()
+    pool.add(fresh, 300.0)
+    assert first_retirement(pool, fresh, 300.0) == 390
+
+
 def test_a_relayed_connection_goes_after_the_base_allowance_however_its_peer_recurs():
     pool = ConnectionPool(retire_idle_after=90)
     for start in (0.0, 120.0, 240.0):  # a relayed peer called every two minutes
