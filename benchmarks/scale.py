@@ -70,10 +70,10 @@ DEPARTED = 0.3
 # The DHT-only swarm's garbage is collected per node's heap (``tests/support/sim_heap.py``), the
 # survivors frozen after every this many joins.
 JOINS_PER_SETTLE = 64
-# DHT nodes join this many at a time (``open_sim_swarm``): one join after another, a swarm of
-# thousands forms over hours of simulated time, through which every node refreshes its buckets
-# every ten minutes: 512 nodes joined one by one cost 0.83 CPU-s a join, twice the handshakes a
-# join makes, the second half of them refreshes.
+# DHT nodes join this many at a time (``open_sim_swarm``): one join after another, N nodes form
+# over ~2.6 N simulated seconds, through which every node runs its periodic work (idle-connection
+# looks, refreshes of buckets gone quiet): 1,024 nodes took over 30 CPU-minutes one at a time, 15
+# sixteen at a time.
 DHT_JOINS_AT_ONCE = 32
 MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
 

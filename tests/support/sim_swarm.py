@@ -118,7 +118,7 @@ async def open_sim_swarm(
     is called after each); ``nat_fraction`` of them behind NAT. After the first, nodes join
     ``joins_at_once`` at a time, each through nodes that joined before its batch: a swarm formed
     one join after another takes ~2.5 simulated seconds a node, so at thousands of nodes every
-    node's periodic work (bucket refreshes every 10 minutes, idle-connection looks) runs for hours
+    node's periodic work (idle-connection looks, refreshes of buckets gone quiet) runs for hours
     of simulated time before the last one joins. Within the block blocking work runs on the event
     loop (``peer.worker_threads``), so that CPU time costs no simulated time."""
     if joins_at_once < 1:
