@@ -152,6 +152,8 @@ class ExpertBackend:
         self.sample_shape = tuple(sample_shape)
         self.dtype = next(self.module.parameters()).dtype
         self.steps = 0
+        # A gradient waits in the parameters for ``step`` (``input_gradients_per_caller`` left it).
+        self.step_pending = False
 
     @classmethod
     def create(
@@ -227,10 +229,19 @@ class ExpertBackend:
     def backward_per_caller(
         self, inputs: torch.Tensor, grad_outputs: torch.Tensor, sizes: Sequence[int], saved: SavedGraph | None = None
     ) -> list[torch.Tensor | RefusedGradient]:
-        """Input gradients for a batch of callers (``sizes``: their rows, in order), and one
-        optimizer step on the sum of their parameter gradients, each clipped to ``clip_grad_norm``
-        and the sum clipped again. A caller whose gradient is not finite gets a RefusedGradient in
-        its place and adds nothing to the step.
+        """``input_gradients_per_caller``, then the optimizer step on what it left (``step``)."""
+        results = self.input_gradients_per_caller(inputs, grad_outputs, sizes, saved)
+        self.step()
+        return results
+
+    def input_gradients_per_caller(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, sizes: Sequence[int], saved: SavedGraph | None = None
+    ) -> list[torch.Tensor | RefusedGradient]:
+        """Input gradients for a batch of callers (``sizes``: their rows, in order). Leaves the sum
+        of their parameter gradients, each clipped to ``clip_grad_norm`` and the sum clipped again,
+        in the parameters' ``grad`` for ``step``: the callers need only their input gradients, so a
+        server answers them before it steps. A caller whose gradient is not finite gets a
+        RefusedGradient in its place and adds nothing to the step.
 
         Each caller's parameter gradient needs its own backward pass through the batch's graph, so
         a batch of k callers costs k backward passes (one when a caller is alone). ``saved``: the
@@ -273,10 +284,21 @@ class ExpertBackend:
             scale = _clip_scale(norm, self.clip_grad_norm)
             for p, g in zip(params, _scaled(total, scale), strict=True):
                 p.grad = g
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.steps += 1
+            self.step_pending = True
         return results
+
+    def step(self) -> bool:
+        """The optimizer step on the gradient ``input_gradients_per_caller`` left; False (and no
+        step) when it left none (every caller refused, or already stepped)."""
+        if not self.step_pending:
+            return False
+        self.step_pending = False
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -233,8 +233,12 @@ class ExpertServer:
                         self._graph_kept.set()
                     self.stats["batches"] += 1
                     self.stats["samples"] += sum(job.size for job in batch)
-            for job in batch:
-                job.data.done.set()
+                for job in batch:
+                    job.data.done.set()
+                # The callers' replies go out while the step runs: they need only their input
+                # gradients. The next batch waits for it, since it computes with the parameters.
+                if backend.step_pending:
+                    await _step(uid, backend)
 
     async def expire_graphs(self) -> None:
         """Drop kept graphs whose lifetime is over, as it ends, until cancelled."""
@@ -281,9 +285,9 @@ def compute_batch(
 ) -> tuple[list[torch.Tensor | Exception], SavedGraph | None]:
     """Concatenate the batch, run it, split the result (views, no copies) back per job; a job whose
     own part came out non-finite gets an error instead, and the other jobs their results. A
-    backward batch is concatenated in calling-peer order (``_backward_per_peer``) and may use the
-    ``saved`` graph of a lone job's forward; a lone forward that asks for gradients returns its
-    graph beside the results."""
+    backward batch is concatenated in calling-peer order (``_backward_per_peer``), may use the
+    ``saved`` graph of a lone job's forward and leaves its optimizer step to ``backend.step``; a
+    lone forward that asks for gradients returns its graph beside the results."""
     if batch[0].kind == "backward":
         return _backward_per_peer(backend, batch, saved), None
     inputs, graph = _cat([job.data.tensors[0] for job in batch]), None
@@ -295,6 +299,16 @@ def compute_batch(
         part if all_finite(part) else RefusedGradient("the outputs for these inputs are not finite")
         for part in out.split([job.size for job in batch])
     ], graph
+
+
+async def _step(uid: str, backend: ExpertBackend) -> None:
+    """The optimizer step a backward batch left, run to its end even when the server is closing
+    (its gradient was taken; a checkpoint written after it must hold the step)."""
+    with trio.CancelScope(shield=True):
+        try:
+            await run_blocking(backend.step)
+        except Exception as error:
+            log.warning("expert %s failed its optimizer step: %r", uid, error)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -314,7 +328,7 @@ def _backward_per_peer(
     inputs = _cat([batch[i].data.tensors[0] for i in order])
     grads = _cat([batch[i].data.tensors[1] for i in order])
     sizes = [sum(batch[i].size for i in indices) for indices in by_peer.values()]
-    per_peer = backend.backward_per_caller(inputs, grads, sizes, saved)
+    per_peer = backend.input_gradients_per_caller(inputs, grads, sizes, saved)
     results: list[torch.Tensor | Exception | None] = [None] * len(batch)
     for indices, outcome in zip(by_peer.values(), per_peer, strict=True):
         parts = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -218,3 +219,48 @@ async def test_one_caller_cannot_queue_more_than_its_share_of_samples() -> None:
                         while outcomes.count("busy") < 2:
                             await trio.sleep(0.01)
             assert outcomes.count("busy") == 2 and outcomes.count("done") == calls - 2
+
+
+async def test_a_backward_is_answered_before_the_step_and_the_next_batch_sees_the_step() -> None:
+    """The caller needs only its input gradients: the server answers, then steps. A forward that
+    comes meanwhile waits for the step and computes with the parameters it made."""
+    release = threading.Event()
+
+    class HeldSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            assert release.wait(10), "the step was never released"
+            return super().step(closure)
+
+    backend = ExpertBackend.create(
+        "ffn", HIDDEN, optimizer=lambda params: HeldSGD(params, lr=0.5), device="cpu", seed=0, clip_grad_norm=1e6
+    )
+    before = copy.deepcopy(backend.module)
+    x = torch.randn(3, HIDDEN)
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}) as server:
+            address = server_host.listen_address
+            headers, payload = pack_tensors([torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)])
+            with trio.fail_after(5):  # held forever if the reply waited for the step
+                reply = await client_host.call(
+                    address, "moe.backward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload, timeout=5
+                )
+            assert reply.body["tensors"][0]["shape"] == [4, HIDDEN] and backend.steps == 0
+            outputs = []
+
+            async def forward() -> None:
+                headers, payload = pack_tensors([x])
+                reply = await client_host.call(
+                    address, "moe.forward", {"uid": "ffn.0.0", "tensors": headers}, payload=payload, timeout=5
+                )
+                outputs.append(torch.frombuffer(bytearray(reply.payload), dtype=torch.float32).view(3, HIDDEN))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(forward)
+                with trio.fail_after(5):
+                    while len(server.queues["ffn.0.0"]) < 1:  # queued behind the held step
+                        await trio.sleep(0.001)
+                release.set()
+    assert backend.steps == 1
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], backend.module(x), atol=1e-6, rtol=0)
+        assert not torch.allclose(outputs[0], before(x), atol=1e-3)
