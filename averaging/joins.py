@@ -12,9 +12,11 @@ patience ran out while it waited is refused rather than admitted with no time to
 
 A join for a round this peer has matched already is refused with ``NotLeading``: a late reader
 whose view of the grid differs from the one that formed the groups elected us from a declaration
-that outlived our choice, and passes us over for the round instead of asking again and again. Any
-other refusal (we follow another leader now, or have not begun this round) may change within the
-round, a follow that fails sends us back to choosing, and is answered with a retryable error.
+that outlived our choice, and passes us over for the round instead of asking again and again. A
+join while we follow another leader for its round is refused with ``Following``, which names that
+leader: the joiner's view elected us where ours elected it, and the group we follow is where the
+joiner's group mates are (``following.py``). Any other refusal (we have not begun this round) may
+change within the round and is answered with a retryable error.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from collections.abc import Callable
 
 import trio
 
-from peer import PeerID, Router
+from peer import PeerAddress, PeerID, Router
 
 from .gathering import ANSWER_MARGIN, Declaration, Gathering, joiner_view
 from .group import MAX_GROUP_SIZE
 from .stragglers import HERE_METHOD, here_answer
 
-__all__ = ["JOIN_METHOD", "Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
+__all__ = ["FOLLOWING", "Following", "JOIN_METHOD", "Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
 
 # No more joins than one group's members wait for our choice: an honest swarm sends us at most
 # the followers of one group.
@@ -47,6 +49,15 @@ class NotLeading(Exception):
 NOT_LEADING = NotLeading.__name__
 
 
+class Following(Exception):
+    """This peer follows another leader for the joiner's round; the message is the address this
+    peer read for it, with its peer ID. Reaches the joiner as a RemoteError whose ``type_name`` is
+    FOLLOWING."""
+
+
+FOLLOWING = Following.__name__
+
+
 JOIN_METHOD = "avg.join"
 
 
@@ -62,6 +73,7 @@ class Joins:
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
+        self._following: tuple[str, int] | None = None  # the address of the leader we ask to join now, the round
 
     def serve(self, router: Router, prefix: str) -> str:
         """Serve joins (and leaders' questions: ``stragglers.py``) for ``prefix`` on ``router``;
@@ -79,9 +91,15 @@ class Joins:
     def choosing(self, me: Declaration | None) -> None:
         """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
         joins that wait for the choice look again."""
-        self._choosing = me
+        self._choosing, self._following = me, None
         self._chosen.set()
         self._chosen = trio.Event()
+
+    def following(self, leader: PeerID, address: PeerAddress, round_number: int) -> None:
+        """We chose to follow ``leader`` (declared at ``address``) for ``round_number``: joins for
+        that round (or older ones) are told whom we follow until we choose again, lead or match."""
+        self.choosing(None)
+        self._following = (str(address.with_peer_id(leader)), round_number)
 
     def matched(self, round_number: int) -> None:
         """We have our group for ``round_number``: joins for it (or older rounds) are declined."""
@@ -111,6 +129,8 @@ class Joins:
         if gathering is None:
             if self._matched_round is not None and declaration.round <= self._matched_round:
                 raise NotLeading(f"this peer has its group for round {self._matched_round}")
+            if self._following is not None and declaration.round <= self._following[1]:
+                raise Following(self._following[0])
             raise ValueError("not gathering a group now")
         if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
             raise ValueError("schema differs from this group's, or the joiner is a round ahead")

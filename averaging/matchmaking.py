@@ -17,15 +17,16 @@
    and a fresh group ID. Reads can differ (a store that has not yet reached every holder): a
    follower names the members its view gives, and a leader asked for members it did not expect
    reads again and waits for those that the fresh read puts in its group, instead of closing
-   without them. A follower whose leader refuses re-reads the declarations and tries again until
-   the deadline. A leader that declines because it has matched the round already (a late reader's
-   grid can differ from the one that formed the groups) is passed over for the round, keeping its
+   without them. A leader that follows another itself names it, and the follower asks that one
+   (``following.py``). A follower whose leader refuses re-reads the declarations and tries again
+   until the deadline. A leader that declines because it has matched the round already (a late
+   reader's grid can differ from the one that formed the groups) is passed over for the round, keeping its
    place in the grid, and the next leader is asked at once, without a read or a pause. One whose
    leader is unreachable (refused the connection or lost it: dead) passes it over from then on,
    as every other follower of that leader does, so the group elects the next leader instead of
    losing the round to a declaration that outlived its peer. A leader that answers garbage, or a
    group without the follower, serves no matchmaking (a client-mode peer, whose connection to us
-   serves no calls), or does not answer within half of the time left (LEADER_PATIENCE_SHARE) is
+   serves no calls), or does not answer within half of the time left (``following.LEADER_PATIENCE_SHARE``) is
    passed over the same way: anyone can declare itself and, with a peer ID that ranks first (among
    direct addresses), be elected; it must not cost the others the round. Such a leader is passed
    over in the rounds that follow too, until the declaration that named it expires
@@ -47,13 +48,14 @@ from dataclasses import replace
 import trio
 
 from dht.peer_dictionary import dictionary_entries, peer_subkey, subkey_peer
-from peer import ConnectError, ConnectionLost, PeerHost, PeerID, RemoteError, Router, RPCError, UnknownMethodError
+from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCError, UnknownMethodError
 
 from .cells import Cells, crowd_counts, crowd_wins, sparse_cell
 from .census import Census
+from .following import follow
 from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
-from .joins import NOT_LEADING, Joins
+from .joins import Joins
 from .matchmaking_errors import (
     LeaderDeclined,
     LeaderFailed,
@@ -93,10 +95,6 @@ DEFAULT_SETTLE = 0.5
 SETTLE_POLL = 0.05
 SETTLE_READS = 4
 EARLY_SETTLE_VIEW = 16
-# A follower gives its leader this share of the time left to answer; an honest leader answers by
-# then with whoever joined (it forms the group before its most impatient follower gives up), and a
-# leader that did not is passed over with the other half left for the next one to gather a group.
-LEADER_PATIENCE_SHARE = 0.5
 # Too few peers declared: look again SPARSE_POLL later.
 SPARSE_POLL = 0.2
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
@@ -183,6 +181,7 @@ class Matchmaker:
         deadline = trio.current_time() + timeout
         own_round = me.round
         self._confirms_left, self._matched_elsewhere = MAX_CONFIRMS, set()
+        named_dials: set[str] = set()  # (endpoints dialled this round at a leader's word: following.py)
         self.joins.choosing(me)
         settled = await self._settle(me, settle_time, timeout, stored_in=await self.declare(me, timeout))
         last_error = "no other peer declared itself"
@@ -227,8 +226,7 @@ class Matchmaker:
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
-                        self.joins.choosing(None)  # (joins that wait for us are refused: we follow)
-                        group = await self._follow(me, leader, deadline, proposal.members)
+                        group = await self._follow(me, leader, deadline, proposal.members, candidates, named_dials)
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
                     unreachable.add(proposal.leader)
@@ -260,6 +258,23 @@ class Matchmaker:
         self.joins.choosing(me)
         await self.declare(me, timeout)
         return me, await self.read_candidates(me) if moves else {**candidates, me.peer_id: me}
+
+    async def _follow(
+        self,
+        me: Declaration,
+        leader: Declaration,
+        deadline: float,
+        view: tuple[bytes, ...],
+        candidates: dict[PeerID, Declaration],
+        named_dials: set[str],
+    ) -> GroupInfo:
+        """``following.follow``; joins that come meanwhile are told whom we follow (``joins``)."""
+        if leader.address is not None:
+            self.joins.following(leader.peer_id, leader.address, me.round)
+        else:
+            self.joins.choosing(None)
+        host, method, excluded = self.host, self._join_method, self.excluded
+        return await follow(host, method, me, leader, deadline, view, candidates, excluded, named_dials)
 
     def _matched(
         self, me: Declaration, own_round: int, group: GroupInfo, candidates: dict[PeerID, Declaration]
@@ -471,30 +486,3 @@ class Matchmaker:
         finally:
             self.joins.close()
             gathering.closed.set()
-
-    async def _follow(
-        self, me: Declaration, leader: Declaration, deadline: float, view: tuple[bytes, ...] = ()
-    ) -> GroupInfo:
-        """Ask ``leader`` to admit us, naming the group our ``view`` of the declarations gives: a
-        leader whose own read missed one of its members looks again instead of closing without it."""
-        if leader.address is None:
-            raise LeaderFailed("the leader has no address")
-        patience = max((deadline - trio.current_time()) * LEADER_PATIENCE_SHARE, 1e-3)
-        body = {**me.to_wire(), "patience": patience, "view": list(view[:MAX_GROUP_SIZE])}
-        with trio.move_on_after(patience + ANSWER_MARGIN):
-            try:
-                reply = await self.host.call(leader.address, self._join_method, body)
-            except RemoteError as error:
-                if error.type_name == NOT_LEADING:
-                    raise LeaderDeclined(str(error)) from None
-                raise
-            try:
-                group = GroupInfo.from_wire(reply.body)
-            except ValueError as error:
-                raise LeaderFailed(f"the leader {leader.peer_id} answered with a malformed group: {error}") from None
-            if group.member(me.peer_id) is None:
-                raise LeaderFailed(f"the leader {leader.peer_id}'s group does not include this peer")
-            if any(self.excluded(member.peer_id) for member in group.members):
-                raise LeaderHoldsExcluded(f"the leader {leader.peer_id}'s group holds a peer this one excludes")
-            return group
-        raise LeaderFailed(f"the leader {leader.peer_id} did not answer within {patience:.2g} s")

@@ -8,6 +8,7 @@ from .matchmaking_rules import in_reach, round_to_join
 __all__ = [
     "LeaderDeclined",
     "LeaderFailed",
+    "LeaderFollows",
     "LeaderHoldsExcluded",
     "MatchmakingError",
     "NoOtherPeers",
@@ -43,6 +44,15 @@ class LeaderFailed(MatchmakingError):
 class LeaderDeclined(MatchmakingError):
     """The elected leader has matched our round without us: our view elected it from a
     declaration that outlived its choice."""
+
+
+class LeaderFollows(MatchmakingError):
+    """The elected leader follows another leader for our round: ``leader``, the one it named, at
+    ``address``, where it read it."""
+
+    def __init__(self, message: str, leader, address):
+        super().__init__(message)
+        self.leader, self.address = leader, address
 
 
 class LeaderHoldsExcluded(LeaderFailed):

@@ -12,7 +12,7 @@ import trio.testing
 
 from averaging.gathering import Declaration, Gathering
 from averaging.group import AveragingMode
-from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Joins, NotLeading
+from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Following, Joins, NotLeading
 from peer import PeerAddress, PeerID
 
 
@@ -29,7 +29,7 @@ def request(joiner: Declaration, patience: float):
 async def outcome(joins: Joins, joiner: Declaration, patience: float, into: dict) -> None:
     try:
         into[joiner.peer_id] = ("admitted", len((await joins.handle(request(joiner, patience)))["members"]))
-    except (ValueError, NotLeading) as error:
+    except (ValueError, NotLeading, Following) as error:
         into[joiner.peer_id] = ("refused", str(error), trio.current_time())
 
 
@@ -115,3 +115,26 @@ async def test_only_a_join_for_a_round_we_matched_is_declined_for_good(autojump_
         assert outcomes == {}  # waits for our choice
         joins.matched(2)
     assert outcomes[declaration(3).peer_id][:2] == ("refused", "this peer has its group for round 2")
+
+
+async def test_a_join_while_we_follow_is_told_whom_we_follow_and_where_until_we_choose_again(autojump_clock):
+    me, leader, joiner = declaration(1), declaration(2), declaration(3)
+    joins, outcomes = Joins(lambda peer: False), {}
+    joins.choosing(me)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
+        await trio.sleep(0.5)
+        joins.following(leader.peer_id, leader.address, 1)  # the join that waited is told at once
+        await trio.testing.wait_all_tasks_blocked()
+    assert outcomes[joiner.peer_id][:2] == ("refused", str(leader.address))
+    assert PeerAddress.parse(outcomes[joiner.peer_id][1]).peer_id == leader.peer_id
+    # a join for a round ahead of the one we follow for is not ours to redirect
+    with pytest.raises(ValueError, match="not gathering a group now"):
+        await joins.handle(request(declaration(4, round_number=2), 5.0))
+    joins.choosing(me)  # that follow failed: choosing again, so joins wait for the choice
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, declaration(5), 5.0, outcomes)
+        await trio.sleep(0.5)
+        assert declaration(5).peer_id not in outcomes
+        joins.matched(1)
+    assert outcomes[declaration(5).peer_id][:2] == ("refused", "this peer has its group for round 1")

@@ -296,6 +296,54 @@ async def test_a_join_at_a_peer_that_follows_another_is_refused_at_once(autojump
         assert max(took.values()) < 2.5, took
 
 
+class NeverFinds:
+    """A DHT node whose reads of a dictionary never hold one writer's entry: the holders it asks
+    stay without that writer's store for the round."""
+
+    def __init__(self, node, missing: PeerID):
+        self._node, self._missing = node, missing
+
+    def __getattr__(self, name):
+        return getattr(self._node, name)
+
+    async def get(self, key, latest: bool = False):
+        found = await self._node.get(key, latest=latest)
+        if found is not None and isinstance(found.value, dict):
+            kept = {raw: item for raw, item in found.value.items() if subkey_peer(raw) != self._missing}
+            return dataclasses.replace(found, value=kept)
+        return found
+
+
+async def test_a_peer_whose_reads_miss_the_leader_joins_it_through_the_peer_that_follows_it(autojump_clock):
+    """The late peer's view elects the middle peer, which follows the leader: told whom the middle
+    peer follows (and where), it asks the leader, which admits it, instead of asking the middle
+    peer again and again while the leader waits for it (reading again would not help: its reads
+    never hold the leader's declaration)."""
+    async with open_sim_swarm(SimNetwork(seed=5), 3) as swarm:
+        leader, middle, late = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
+        matchmakers = {
+            leader: Matchmaker(leader.host, leader, "views"),
+            middle: Matchmaker(middle.host, middle, "views"),
+            late: Matchmaker(late.host, NeverFinds(late, leader.host.peer_id), "views"),
+        }
+        settle = {leader: 0.5, middle: 0.5, late: 0.6}
+        groups, took = {}, {}
+
+        async def form(node) -> None:
+            started = trio.current_time()
+            match = await matchmakers[node].form_group(
+                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
+            )
+            groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
+
+        async with trio.open_nursery() as nursery:
+            for node in matchmakers:
+                nursery.start_soon(form, node)
+        everyone = {node.host.peer_id for node in matchmakers}
+        assert groups == {node: everyone for node in matchmakers}
+        assert max(took.values()) < 2.5, took
+
+
 async def test_joiners_claims_cost_the_leader_at_most_its_confirm_reads_a_round(autojump_clock):
     from averaging.gathering import MAX_CONFIRMS
 
