@@ -10,17 +10,20 @@ So L names M with the address it read for it (``joins.Following``) and we ask M:
 leader admits any joiner until its group is full, and M's group is where our group mates are. Our
 own read may lack M (that is how views differ), so we dial L's address for M when ours has none,
 always as M: the handshake proves that M answers, and a lying L gets one failed dial of an endpoint
-of its choice, each endpoint once a round and MAX_NAMED_DIALS in all. At most MAX_REDIRECTS hops an
+of its choice that we may dial from where we are (as relays' dial-backs), each endpoint once a
+round and MAX_NAMED_DIALS in all (a dial that hangs costs at most the join's patience). At most MAX_REDIRECTS hops an
 attempt, without our view (it described L's group, not M's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 
 import trio
 
 from peer import PeerAddress, PeerHost, PeerID, RemoteError, RPCError
+from peer.holepunch import dialable
 
 from .gathering import ANSWER_MARGIN, Declaration
 from .group import MAX_GROUP_SIZE, GroupInfo
@@ -41,6 +44,9 @@ MAX_REDIRECTS = 4
 # one round: a lying leader names an endpoint of its choice at each of our attempts, and each is a
 # dial we make for it.
 MAX_NAMED_DIALS = 8
+# An address as text (``HOST:PORT/PEERID``: a peer ID is ~45 characters in base58), as the relay's
+# dial-backs bound it.
+MAX_ADDRESS_TEXT = 100
 
 
 async def ask_to_join(
@@ -90,14 +96,17 @@ async def follow(
     view: tuple[bytes, ...],
     candidates: Mapping[PeerID, Declaration],
     excluded: Callable[[PeerID], bool],
+    passed_over: AbstractSet[bytes],
     named_dials: set[str],
 ) -> GroupInfo:
     """``ask_to_join`` the elected ``leader``; if it follows another leader itself, ask that one
     (at the address our ``candidates`` declare for it, else at the one ``leader`` read, dialled
-    only as that peer: the handshake proves who answers). ``named_dials``: the endpoints dialled
-    this round at others' word, at most MAX_NAMED_DIALS, each once. What goes wrong with a leader
-    we were sent to is not the elected one's failure: it raises a plain MatchmakingError (the
-    caller reads again), never one that passes the elected leader over."""
+    only as that peer: the handshake proves who answers; an address named to us must be one we
+    may dial from where we are, ``holepunch.dialable``). A leader this round passed over
+    (``passed_over``: peer IDs' bytes) is not asked again at another's word. ``named_dials``: the
+    endpoints dialled this round at others' word, at most MAX_NAMED_DIALS, each once. What goes
+    wrong with a leader we were sent to is not the elected one's failure: it raises a plain
+    MatchmakingError (the caller reads again), never one that passes the elected leader over."""
     try:
         return await ask_to_join(host, method, me, leader.peer_id, leader.address, deadline, view, excluded)
     except LeaderFollows as error:
@@ -106,10 +115,18 @@ async def follow(
     for _ in range(MAX_REDIRECTS):
         onward, declared = refusal.leader, candidates.get(refusal.leader)
         address = declared.address if declared is not None else refusal.address
-        if onward in asked or excluded(onward) or address is None or address.relay is not None:
+        if onward in asked or excluded(onward) or onward.to_bytes() in passed_over:
+            raise refusal
+        if address is None or address.relay is not None:
             raise refusal
         if declared is None:
-            if address.endpoint in named_dials or len(named_dials) >= MAX_NAMED_DIALS:
+            own = me.address or host.listen_address  # (where we are: what we may dial from it)
+            ours = own.host if own is not None else None
+            if (
+                address.endpoint in named_dials
+                or len(named_dials) >= MAX_NAMED_DIALS
+                or not dialable(address.host, ours)
+            ):
                 raise refusal
             named_dials.add(address.endpoint)
         asked.add(onward)
@@ -125,8 +142,9 @@ async def follow(
 def _follows(leader: PeerID, error: RemoteError) -> MatchmakingError:
     """The leader ``leader`` follows, from its ``Following`` refusal: the address it read for it,
     with that leader's peer ID (``joins.Following``)."""
+    text = error.remote_message.strip()
     try:
-        address = PeerAddress.parse(error.remote_message.strip())
+        address = PeerAddress.parse(text) if len(text) < MAX_ADDRESS_TEXT else None
     except ValueError:
         address = None
     if address is None or address.peer_id is None:

@@ -73,7 +73,7 @@ class Joins:
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
-        self._following: tuple[str, int] | None = None  # the address of the leader we ask to join now, the round
+        self._following: tuple[str, int] | None = None  # the address of the leader we elected, the round
 
     def serve(self, router: Router, prefix: str) -> str:
         """Serve joins (and leaders' questions: ``stragglers.py``) for ``prefix`` on ``router``;

@@ -226,7 +226,9 @@ class Matchmaker:
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
-                        group = await self._follow(me, leader, deadline, proposal.members, candidates, named_dials)
+                        group = await self._follow(
+                            me, leader, deadline, proposal.members, candidates, unreachable, named_dials
+                        )
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
                     unreachable.add(proposal.leader)
@@ -266,15 +268,18 @@ class Matchmaker:
         deadline: float,
         view: tuple[bytes, ...],
         candidates: dict[PeerID, Declaration],
+        unreachable: set[bytes],
         named_dials: set[str],
     ) -> GroupInfo:
-        """``following.follow``; joins that come meanwhile are told whom we follow (``joins``)."""
+        """``following.follow``, never at another's word to a leader this round passed over; joins
+        that come meanwhile are told whom we follow (``joins``)."""
         if leader.address is not None:
             self.joins.following(leader.peer_id, leader.address, me.round)
         else:
             self.joins.choosing(None)
+        passed = unreachable | self._matched_elsewhere | self._passed_over.current(self.dht.clock.time())
         host, method, excluded = self.host, self._join_method, self.excluded
-        return await follow(host, method, me, leader, deadline, view, candidates, excluded, named_dials)
+        return await follow(host, method, me, leader, deadline, view, candidates, excluded, passed, named_dials)
 
     def _matched(
         self, me: Declaration, own_round: int, group: GroupInfo, candidates: dict[PeerID, Declaration]

@@ -245,7 +245,9 @@ class ExpertBackend:
 
         Each caller's parameter gradient needs its own backward pass through the batch's graph, so
         a batch of k callers costs k backward passes (one when a caller is alone). ``saved``: the
-        graph of these inputs' forward, if it was kept (used if its shape matches)."""
+        graph of these inputs' forward, if it was kept (used if its shape matches). A step still
+        pending from the last call is taken first: its gradient is never overwritten."""
+        self.step()
         if saved is not None and saved.inputs.shape == inputs.shape:
             x, y = saved.inputs, saved.outputs
         else:

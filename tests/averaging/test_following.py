@@ -50,7 +50,7 @@ async def test_a_leader_named_at_a_foreign_address_is_dialled_as_itself_once_and
 
         async def attempt(at_word: set[str]) -> None:
             await follow(
-                me.host, METHOD, declaration_of(me), leader, trio.current_time() + 10, (), view, never, at_word
+                me.host, METHOD, declaration_of(me), leader, trio.current_time() + 10, (), view, never, set(), at_word
             )
 
         with pytest.raises(MatchmakingError) as caught:
@@ -73,7 +73,9 @@ async def test_leaders_that_name_each_other_cost_one_ask_each_and_hops_are_bound
 
         async def attempt(elected) -> None:
             leader = view[elected.host.peer_id]
-            await follow(me.host, METHOD, declaration_of(me), leader, trio.current_time() + 10, (), view, never, set())
+            await follow(
+                me.host, METHOD, declaration_of(me), leader, trio.current_time() + 10, (), view, never, set(), set()
+            )
 
         # two leaders that say they follow each other: each is asked once
         pair_asked: list = []
@@ -89,3 +91,37 @@ async def test_leaders_that_name_each_other_cost_one_ask_each_and_hops_are_bound
         with pytest.raises(LeaderFollows):
             await attempt(chain[0])
         assert len(chain_asked) == 1 + MAX_REDIRECTS
+
+
+async def test_no_word_sends_us_to_a_leader_passed_over_or_an_endpoint_we_may_not_dial(autojump_clock):
+    async with open_sim_swarm(SimNetwork(seed=5), 5) as swarm:
+        me, elected, passed, named, liar = swarm.nodes
+        view = {node.host.peer_id: declaration_of(node) for node in (elected, passed, liar)}
+        asked, passed_asked, liar_asked = [], [], []
+        elected.host.router.add_unary(METHOD, refusing_with(str(passed.host.listen_address), asked))
+        passed.host.router.add_unary(METHOD, refusing_with(str(named.host.listen_address), passed_asked))
+        # a link-local address (a cloud's metadata service) for a leader our view lacks
+        liar.host.router.add_unary(METHOD, refusing_with(f"169.254.169.254:80/{named.host.peer_id}", liar_asked))
+
+        async def attempt(start, passed_over: set[bytes], dials: set[str]) -> None:
+            leader = view[start.host.peer_id]
+            await follow(
+                me.host,
+                METHOD,
+                declaration_of(me),
+                leader,
+                trio.current_time() + 10,
+                (),
+                view,
+                never,
+                passed_over,
+                dials,
+            )
+
+        with pytest.raises(LeaderFollows):  # the leader it names failed us this round: not asked again
+            await attempt(elected, {passed.host.peer_id.to_bytes()}, set())
+        assert len(asked) == 1 and passed_asked == []
+        dials: set[str] = set()
+        with pytest.raises(LeaderFollows):
+            await attempt(liar, set(), dials)
+        assert len(liar_asked) == 1 and dials == set()
