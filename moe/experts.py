@@ -130,8 +130,8 @@ class ExpertBackend:
     A forward that will be followed by a backward may return its autograd graph
     (``forward_keeping_graph``) for the server to keep (``moe/saved_graphs.py``), so that the
     backward does not recompute the forward. A graph is only valid until the next optimizer step
-    changes the parameters in place: the server drops an expert's graphs after each of its
-    backwards, and a backward without one recomputes from its inputs.
+    changes the parameters in place: the server drops an expert's graphs when a backward of it
+    begins, and a backward without one recomputes from its inputs.
     """
 
     def __init__(
