@@ -120,6 +120,7 @@ class Matchmaker:
         self.joins = Joins(self.excluded)  # the leader's side of avg.join
         # (this round's: confirming reads left, and members found matched elsewhere: never expected again)
         self._confirms_left, self._matched_elsewhere = MAX_CONFIRMS, set[bytes]()
+        self._named_dials: set[str] = set()  # endpoints dialled this round at a leader's word (following.py)
         # the other peers of the view that formed our last group: once all of them declared the
         # next round, that round's view is as complete as the last one was (``view_settled``)
         self._last_view: frozenset[PeerID] = frozenset()
@@ -180,8 +181,7 @@ class Matchmaker:
     ) -> Match:
         deadline = trio.current_time() + timeout
         own_round = me.round
-        self._confirms_left, self._matched_elsewhere = MAX_CONFIRMS, set()
-        named_dials: set[str] = set()  # (endpoints dialled this round at a leader's word: following.py)
+        self._confirms_left, self._matched_elsewhere, self._named_dials = MAX_CONFIRMS, set(), set()
         self.joins.choosing(me)
         settled = await self._settle(me, settle_time, timeout, stored_in=await self.declare(me, timeout))
         last_error = "no other peer declared itself"
@@ -226,9 +226,7 @@ class Matchmaker:
                         group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
                     else:
                         leader = candidates[PeerID(proposal.leader)]
-                        group = await self._follow(
-                            me, leader, deadline, proposal.members, candidates, unreachable, named_dials
-                        )
+                        group = await self._follow(me, leader, deadline, proposal.members, candidates, unreachable)
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
                     unreachable.add(proposal.leader)
@@ -269,7 +267,6 @@ class Matchmaker:
         view: tuple[bytes, ...],
         candidates: dict[PeerID, Declaration],
         unreachable: set[bytes],
-        named_dials: set[str],
     ) -> GroupInfo:
         """``following.follow``, never at another's word to a leader this round passed over; joins
         that come meanwhile are told whom we follow (``joins``)."""
@@ -279,7 +276,7 @@ class Matchmaker:
             self.joins.choosing(None)
         passed = unreachable | self._matched_elsewhere | self._passed_over.current(self.dht.clock.time())
         host, method, excluded = self.host, self._join_method, self.excluded
-        return await follow(host, method, me, leader, deadline, view, candidates, excluded, passed, named_dials)
+        return await follow(host, method, me, leader, deadline, view, candidates, excluded, passed, self._named_dials)
 
     def _matched(
         self, me: Declaration, own_round: int, group: GroupInfo, candidates: dict[PeerID, Declaration]
