@@ -13,24 +13,25 @@
    declarations. The settle time ends early once every peer of the view that formed this peer's
    last group has declared the new round (``view_settled``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
-   member asked or the deadline passed, then answers all of them with the ordered group, bandwidths
-   and a fresh group ID. Reads can differ (a store that has not yet reached every holder): a
-   follower names the members its view gives, and a leader asked for members it did not expect
-   reads again and waits for those that the fresh read puts in its group, instead of closing
-   without them. A leader that follows another itself names it, and the follower asks that one
-   (``following.py``). A follower whose leader refuses re-reads the declarations and tries again
-   until the deadline. A leader that declines because it has matched the round already (a late
-   reader's grid can differ from the one that formed the groups) is passed over for the round, keeping its
-   place in the grid, and the next leader is asked at once, without a read or a pause. One whose
-   leader is unreachable (refused the connection or lost it: dead) passes it over from then on,
-   as every other follower of that leader does, so the group elects the next leader instead of
-   losing the round to a declaration that outlived its peer. A leader that answers garbage, or a
-   group without the follower, serves no matchmaking (a client-mode peer, whose connection to us
-   serves no calls), or does not answer within half of the time left (``following.LEADER_PATIENCE_SHARE``) is
-   passed over the same way: anyone can declare itself and, with a peer ID that ranks first (among
-   direct addresses), be elected; it must not cost the others the round. Such a leader is passed
-   over in the rounds that follow too, until the declaration that named it expires
-   (``matchmaking_rules.PassedOver``): trying it again every round would cost each half its time.
+   member asked or the deadline passed, then answers all of them with the ordered group,
+   bandwidths and a fresh group ID. Reads can differ (a store that has not yet reached every
+   holder): a follower names the members its view gives, and a leader asked for members it did
+   not expect reads again and waits for those that the fresh read puts in its group, instead of
+   closing without them. A leader that follows another itself names it, and the follower asks
+   that one (``following.py``). A follower whose leader refuses re-reads the declarations and
+   tries again until the deadline. A leader that declines because it has matched the round
+   already (a late reader's grid can differ from the one that formed the groups) is passed over
+   for the round, keeping its place in the grid, and the next leader is asked at once, without a
+   read or a pause. One whose leader is unreachable (refused the connection or lost it: dead)
+   passes it over from then on, as every other follower of that leader does, so the group elects
+   the next leader instead of losing the round to a declaration that outlived its peer. A leader
+   that answers garbage, or a group without the follower, serves no matchmaking (a client-mode
+   peer, whose connection to us serves no calls), or does not answer within half of the time left
+   (``following.LEADER_PATIENCE_SHARE``) is passed over the same way: anyone can declare itself
+   and, with a peer ID that ranks first (among direct addresses), be elected; it must not cost
+   the others the round. Such a leader is passed over in the rounds that follow too, until the
+   declaration that named it expires (``matchmaking_rules.PassedOver``): trying it again every
+   round would cost each half its time.
 
 Peers whose tensor schemas differ never meet: the schema hash (shapes, dtypes and the reducers'
 rule, ``averager.tensor_schema``) is part of what is matched. Peers

@@ -7,6 +7,7 @@ less often."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -26,24 +27,43 @@ from peer.simnet import SimNetwork
 from tests.support.sim_swarm import open_sim_swarm
 
 
-class MissesOnFirstRead:
-    """A DHT node whose first read of a dictionary misses one writer's entry, as a read does when
-    that writer's store has not yet reached the holders this read asked."""
+class MissesReads:
+    """A DHT node whose first ``times`` reads of a dictionary that holds one writer's entry miss
+    it, as a read does when that writer's store has not yet reached the holders this read asked
+    (``math.inf``: the holders it asks stay without that store for the round)."""
 
-    def __init__(self, node, missing: PeerID):
-        self._node, self._missing, self.misses = node, missing, 0
+    def __init__(self, node, missing: PeerID, times: float = 1):
+        self._node, self._missing, self._times, self.misses = node, missing, times, 0
 
     def __getattr__(self, name):
         return getattr(self._node, name)
 
     async def get(self, key, latest: bool = False):
         found = await self._node.get(key, latest=latest)
-        if self.misses == 0 and found is not None and isinstance(found.value, dict):
+        if self.misses < self._times and found is not None and isinstance(found.value, dict):
             kept = {raw: item for raw, item in found.value.items() if subkey_peer(raw) != self._missing}
             if len(kept) < len(found.value):
                 self.misses += 1
                 return dataclasses.replace(found, value=kept)
         return found
+
+
+async def form_groups(matchmakers: dict, settle: dict) -> tuple[dict, dict]:
+    """Every node's matchmaker forms a group of 3 (at least 2) at once, each after its ``settle``
+    time: the members each ended with, and how long each took."""
+    groups, took = {}, {}
+
+    async def form(node) -> None:
+        started = trio.current_time()
+        match = await matchmakers[node].form_group(
+            declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
+        )
+        groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
+
+    async with trio.open_nursery() as nursery:
+        for node in matchmakers:
+            nursery.start_soon(form, node)
+    return groups, took
 
 
 class CountsReads:
@@ -222,7 +242,7 @@ async def test_a_peer_whose_group_cannot_form_reads_less_and_less_often(autojump
 async def test_a_leader_whose_read_missed_a_member_waits_for_it_when_a_joiner_names_it(autojump_clock):
     async with open_sim_swarm(SimNetwork(seed=5), 3) as swarm:
         leader, early, late = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
-        lagging = MissesOnFirstRead(leader, late.host.peer_id)
+        lagging = MissesReads(leader, late.host.peer_id)
         matchmakers = {
             leader: Matchmaker(leader.host, lagging, "views"),
             early: Matchmaker(early.host, early, "views"),
@@ -270,48 +290,19 @@ async def test_a_join_at_a_peer_that_follows_another_is_refused_at_once(autojump
         leader, middle, late = sorted(swarm.nodes, key=lambda node: node.host.peer_id.to_bytes())
         # the late peer's first read misses the leader: it asks the middle peer, which follows
         # the leader by then; told at once, it reads again and joins the leader's group
-        lagging = MissesOnFirstRead(late, leader.host.peer_id)
+        lagging = MissesReads(late, leader.host.peer_id)
         matchmakers = {
             leader: Matchmaker(leader.host, leader, "views"),
             middle: Matchmaker(middle.host, middle, "views"),
             late: Matchmaker(late.host, lagging, "views"),
         }
         settle = {leader: 0.5, middle: 0.5, late: 0.6}
-        groups, took = {}, {}
-
-        async def form(node) -> None:
-            started = trio.current_time()
-            match = await matchmakers[node].form_group(
-                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
-            )
-            groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
-
-        async with trio.open_nursery() as nursery:
-            for node in matchmakers:
-                nursery.start_soon(form, node)
+        groups, took = await form_groups(matchmakers, settle)
         assert lagging.misses == 1
         everyone = {node.host.peer_id for node in matchmakers}
         assert groups == {node: everyone for node in matchmakers}
         # settles as long as its store took, is refused, reads again: not the followers' whole patience (~4.7 s)
         assert max(took.values()) < 2.5, took
-
-
-class NeverFinds:
-    """A DHT node whose reads of a dictionary never hold one writer's entry: the holders it asks
-    stay without that writer's store for the round."""
-
-    def __init__(self, node, missing: PeerID):
-        self._node, self._missing = node, missing
-
-    def __getattr__(self, name):
-        return getattr(self._node, name)
-
-    async def get(self, key, latest: bool = False):
-        found = await self._node.get(key, latest=latest)
-        if found is not None and isinstance(found.value, dict):
-            kept = {raw: item for raw, item in found.value.items() if subkey_peer(raw) != self._missing}
-            return dataclasses.replace(found, value=kept)
-        return found
 
 
 async def test_a_peer_whose_reads_miss_the_leader_joins_it_through_the_peer_that_follows_it(autojump_clock):
@@ -324,21 +315,10 @@ async def test_a_peer_whose_reads_miss_the_leader_joins_it_through_the_peer_that
         matchmakers = {
             leader: Matchmaker(leader.host, leader, "views"),
             middle: Matchmaker(middle.host, middle, "views"),
-            late: Matchmaker(late.host, NeverFinds(late, leader.host.peer_id), "views"),
+            late: Matchmaker(late.host, MissesReads(late, leader.host.peer_id, times=math.inf), "views"),
         }
         settle = {leader: 0.5, middle: 0.5, late: 0.6}
-        groups, took = {}, {}
-
-        async def form(node) -> None:
-            started = trio.current_time()
-            match = await matchmakers[node].form_group(
-                declaration_of(node), target_group_size=3, min_group_size=2, timeout=10.0, settle_time=settle[node]
-            )
-            groups[node], took[node] = {member.peer_id for member in match.group.members}, trio.current_time() - started
-
-        async with trio.open_nursery() as nursery:
-            for node in matchmakers:
-                nursery.start_soon(form, node)
+        groups, took = await form_groups(matchmakers, settle)
         everyone = {node.host.peer_id for node in matchmakers}
         assert groups == {node: everyone for node in matchmakers}
         assert max(took.values()) < 2.5, took
