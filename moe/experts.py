@@ -5,9 +5,10 @@ An expert maps a batch ``[batch, *sample_shape]`` to a batch of the same shape. 
 ``[batch, seq, hidden]``); any other ``nn.Module`` class can be named by import path
 (``package.module:ClassName``) and is built as ``ClassName(hidden_dim)``.
 
-``ExpertBackend`` methods are synchronous and meant to run in a worker thread
-(``trio.to_thread.run_sync``) under the server's compute limiter, so at most one of them touches an
-expert at a time and the event loop never waits on torch.
+``ExpertBackend`` methods are synchronous and meant to run on the server's compute thread
+(``peer.worker_threads.ComputeThread``) under its compute limiter, so at most one of them touches
+an expert at a time and the event loop never waits on torch; ``check_input`` is the exception, run
+on the loop as a request arrives, and its pass over the values starts no parallel work.
 
 An expert is shared by callers it cannot trust, so it protects itself: it refuses non-finite inputs
 and output gradients (``check_input``), and each caller's share of a training step is its own
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer.tensors import all_finite
+from peer.tensors import all_finite, all_finite_serial
 
 __all__ = [
     "BLOCK_TYPES",
@@ -188,10 +189,10 @@ class ExpertBackend:
             raise ValueError(f"{what} must have shape [batch, {wanted}], got {list(tensor.shape)}")
         if tensor.shape[0] == 0:
             raise ValueError(f"{what} is an empty batch")
-        if not all_finite(tensor):
+        if not all_finite_serial(tensor):  # (on the server's loop: see its ComputeThread)
             raise ValueError(f"{what} contain NaN or Inf; refused (the expert is shared with other callers)")
 
-    # ------------------------------------------------------------------ compute (worker thread)
+    # ------------------------------------------------------------------ compute (the compute thread)
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Outputs for ``inputs``, keeping no graph."""
         with torch.no_grad():

@@ -1,10 +1,12 @@
 """The expert server: serves forward and backward of its experts over RPC, in batches.
 
 Each request is validated (expert, dtype, shape, batch size) on the event loop and queued in its
-expert's ``BatchQueue``; one runner task per expert takes batches and computes them in a worker
-thread behind one shared ``trio.CapacityLimiter`` (one batch at a time per server, as Hivemind's
-runtime does: torch already spreads one batch over every core, and one-at-a-time means a backward's
-optimizer step never races another batch of the same expert). Requests that arrive while a batch
+expert's ``BatchQueue``; one runner task per expert takes batches and computes them on the server's
+one compute thread (``ComputeThread``: a single sample as a full batch, and every optimizer step
+and checkpoint, so that only that thread ever starts PyTorch's parallel work) behind one shared
+``trio.CapacityLimiter`` (one batch at a time per server, as Hivemind's runtime does: torch already
+spreads one batch over every core, and one-at-a-time means a backward's optimizer step never races
+another batch of the same expert). Requests that arrive while a batch
 is computing form the next batch, so concurrent callers are batched without any waiting timer.
 
 A forward that asks for gradients, computed alone, has its autograd graph kept for its backward
@@ -30,7 +32,7 @@ import trio
 
 from peer import BadRequest, Busy, Message, PeerAddress, PeerHost, PeerID, Request, Router
 from peer.tensors import all_finite
-from peer.worker_threads import run_blocking
+from peer.worker_threads import ComputeThread
 
 from .announce import HEARTBEAT_PERIOD, HEARTBEAT_TTL, run_heartbeat
 from .batching import BatchQueue, Job
@@ -49,10 +51,6 @@ DEFAULT_MAX_BATCH_SIZE = 4096
 # width 1024). A caller keeps a few batches in flight to hide latency; the server a few callers'.
 PENDING_BATCHES_PER_PEER = 4
 PENDING_BATCHES = 16
-# A batch this small (e.g. one sample of hidden size 2048) computes in well under a millisecond on
-# a CPU: doing it on the event loop beats two thread hand-offs and GIL ping-pong, measured at
-# ~0.4 ms each way on a 2-core machine. Larger batches go to a worker thread so the loop stays free.
-INLINE_COMPUTE_NUMEL = 2048
 # A sequence dimension (``None`` in a sample shape) is bounded by this when sizing the receive limit.
 MAX_SEQUENCE_LENGTH = 8192
 # Periodic checkpoints: a crash loses at most this much training of the hosted experts.
@@ -80,13 +78,23 @@ class Work:
 class ExpertServer:
     """Request validation, batch queues and compute for a set of experts. Use ``open_expert_server``."""
 
-    def __init__(self, experts: Mapping[str, ExpertBackend], *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE):
+    def __init__(
+        self,
+        experts: Mapping[str, ExpertBackend],
+        *,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        compute: ComputeThread | None = None,
+    ):
+        """``compute``: the thread that built ``experts``, if one did (else the server starts its own)."""
         if not experts:
             raise ValueError("an expert server needs at least one expert")
         self.experts = dict(experts)
         self.max_batch_size = max_batch_size
         self.queues = {uid: BatchQueue(max_batch_size) for uid in self.experts}
         self.compute_limiter = trio.CapacityLimiter(1)
+        # every tensor computation of the server runs on this one thread, one sample or many: the
+        # loop only moves bytes (see ComputeThread for what a second computing thread costs)
+        self.compute = compute or ComputeThread("peerd-experts")
         self.stats = {"requests": 0, "batches": 0, "samples": 0}
         self._wakeups = {uid: trio.Event() for uid in self.experts}
         # Samples waiting in the queues, per caller: each holds its request's tensors until computed.
@@ -213,10 +221,7 @@ class ExpertServer:
                 if batch[0].kind == "backward":
                     self.graphs.drop_expert(uid)
                 try:
-                    if sum(job.data.tensors[0].numel() for job in batch) <= INLINE_COMPUTE_NUMEL:
-                        results, graph = compute_batch(backend, batch, saved)  # tiny: cheaper than a thread
-                    else:
-                        results, graph = await run_blocking(compute_batch, backend, batch, saved)
+                    results, graph = await self.compute.run(compute_batch, backend, batch, saved)
                 except Exception as error:
                     log.warning("expert %s failed on a %s batch: %r", uid, batch[0].kind, error)
                     for job in batch:
@@ -238,7 +243,7 @@ class ExpertServer:
                 # The callers' replies go out while the step runs: they need only their input
                 # gradients. The next batch waits for it, since it computes with the parameters.
                 if backend.step_pending:
-                    await _step(uid, backend)
+                    await _step(uid, backend, self.compute)
 
     async def expire_graphs(self) -> None:
         """Drop kept graphs whose lifetime is over, as it ends, until cancelled."""
@@ -256,7 +261,8 @@ class ExpertServer:
         """One file per expert (``UID.pt``), written between batches, never during one."""
         directory = Path(directory)
         for uid, backend in self.experts.items():
-            await run_blocking(backend.save, directory / f"{uid}.pt", limiter=self.compute_limiter)
+            async with self.compute_limiter:
+                await self.compute.run(backend.save, directory / f"{uid}.pt")
 
     async def load_checkpoint(self, directory: Path) -> list[str]:
         """Load every expert that has a checkpoint file; returns their IDs."""
@@ -264,7 +270,8 @@ class ExpertServer:
         for uid, backend in self.experts.items():
             path = Path(directory) / f"{uid}.pt"
             if path.exists():
-                await run_blocking(backend.load, path, limiter=self.compute_limiter)
+                async with self.compute_limiter:
+                    await self.compute.run(backend.load, path)
                 self.graphs.drop_expert(uid)  # graphs of the parameters it had
                 loaded.append(uid)
         return loaded
@@ -301,12 +308,12 @@ def compute_batch(
     ], graph
 
 
-async def _step(uid: str, backend: ExpertBackend) -> None:
+async def _step(uid: str, backend: ExpertBackend, compute: ComputeThread) -> None:
     """The optimizer step a backward batch left, run to its end even when the server is closing
     (its gradient was taken; a checkpoint written after it must hold the step)."""
     with trio.CancelScope(shield=True):
         try:
-            await run_blocking(backend.step)
+            await compute.run(backend.step)
         except Exception as error:
             log.warning("expert %s failed its optimizer step: %r", uid, error)
 
@@ -353,6 +360,7 @@ async def open_expert_server(
     heartbeat_period: float = HEARTBEAT_PERIOD,
     heartbeat_ttl: float = HEARTBEAT_TTL,
     announce_address: PeerAddress | None = None,
+    compute: ComputeThread | None = None,
 ) -> AsyncIterator[ExpertServer]:
     """Serve ``experts`` on ``host`` for the duration of the block.
 
@@ -360,6 +368,7 @@ async def open_expert_server(
     ``checkpoint_period`` seconds and on exit. With ``dht`` (a ``DHTNode``), the experts are
     announced before the block starts and re-announced every ``heartbeat_period`` seconds, under
     ``announce_address`` (default: the host's listen address; set it when that is a wildcard).
+    ``compute``: the thread that built the experts, which the server computes on (``ExpertServer``).
     """
     address = announce_address or host.listen_address
     if dht is not None:
@@ -368,7 +377,7 @@ async def open_expert_server(
         if address.peer_id not in (None, dht.host.peer_id):
             # Readers take an announcement's address only from the peer it names (moe/announce.py).
             raise ValueError("announce experts through the DHT node of the peer that serves them")
-    server = ExpertServer(experts, max_batch_size=max_batch_size)
+    server = ExpertServer(experts, max_batch_size=max_batch_size, compute=compute)
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if directory is not None:
         loaded = await server.load_checkpoint(directory)

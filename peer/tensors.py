@@ -17,12 +17,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from .buffers import byte_view
 from .rpc_protocol import MAX_PAYLOAD
 
-__all__ = ["DTYPES", "MAX_NDIM", "MAX_NUMEL", "all_finite", "tensor_bytes", "tensor_from_wire", "tensor_to_wire"]
+__all__ = [
+    "DTYPES",
+    "MAX_NDIM",
+    "MAX_NUMEL",
+    "all_finite",
+    "all_finite_serial",
+    "tensor_bytes",
+    "tensor_from_wire",
+    "tensor_to_wire",
+]
 
 # Wire names are torch's own names without the "torch." prefix. Complex, quantized and the exotic
 # float8 types are left out until something needs them: every entry is attack surface.
@@ -65,6 +75,22 @@ def all_finite(values: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(values)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def all_finite_serial(values: torch.Tensor) -> bool:
+    """``all_finite`` computed on the calling thread alone (numpy's reductions start no OpenMP
+    team), for checks on an event loop whose process does its tensor work on another thread
+    (``worker_threads.ComputeThread``). CPU tensors only."""
+    if values.numel() == 0:
+        return True
+    flat = values.detach().reshape(-1)
+    if flat.dtype == torch.bfloat16:  # (numpy has no bfloat16: all-ones exponent bits are Inf or NaN)
+        exponents = np.bitwise_and(flat.view(torch.int16).numpy(), 0x7F80)
+        return not bool((exponents == 0x7F80).any())
+    if not flat.is_floating_point():
+        return True
+    array = flat.numpy()
+    return math.isfinite(float(array.min())) and math.isfinite(float(array.max()))
 
 
 def tensor_to_wire(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:

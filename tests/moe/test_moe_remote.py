@@ -264,3 +264,30 @@ async def test_a_backward_is_answered_before_the_step_and_the_next_batch_sees_th
     with torch.no_grad():
         torch.testing.assert_close(outputs[0], backend.module(x), atol=1e-6, rtol=0)
         assert not torch.allclose(outputs[0], before(x), atol=1e-3)
+
+
+async def test_the_server_computes_one_sample_and_a_batch_and_steps_on_one_thread_off_its_loop() -> None:
+    """Only one thread of the server starts PyTorch's parallel work: OpenMP keeps a team of helper
+    threads per thread that does, and a second team slows every parallel region of both
+    (``peer.worker_threads.ComputeThread``)."""
+    backend = make_backend()
+    computed_on: list[tuple[str, int]] = []
+    backend.module.register_forward_pre_hook(lambda *_: computed_on.append(("forward", threading.get_ident())))
+    backend.module.register_full_backward_pre_hook(lambda *_: computed_on.append(("backward", threading.get_ident())))
+    backend.optimizer.register_step_pre_hook(lambda *_: computed_on.append(("step", threading.get_ident())))
+    async with open_peer_host(Identity.generate()) as server_host, open_peer_host(Identity.generate()) as client_host:
+        async with open_expert_server(server_host, {"ffn.0.0": backend}, max_batch_size=512) as server:
+            expert = RemoteExpert("ffn.0.0", server_host.listen_address, MoEClient.current(client_host), timeout=10)
+
+            def calls() -> None:
+                with torch.no_grad():
+                    expert(torch.randn(1, HIDDEN))  # one sample: the cheapest call there is
+                batch = torch.randn(512, HIDDEN, requires_grad=True)
+                expert(batch).sum().backward()
+
+            await trio.to_thread.run_sync(calls)
+            async with server.compute_limiter:  # (the step after the backward's reply is done)
+                pass
+    assert [kind for kind, _ in computed_on] == ["forward", "forward", "backward", "step"]
+    threads = {thread for _, thread in computed_on}
+    assert len(threads) == 1 and threads != {threading.get_ident()}

@@ -18,6 +18,7 @@ from moe.protocol import pack_tensors
 from moe.saved_graphs import SavedGraphs
 from moe.server import ExpertServer
 from peer import PeerID, Request, Router
+from peer.worker_threads import inline_blocking_work
 
 HIDDEN, BATCH = 32, 64
 GRAPH = 40 * HIDDEN * BATCH  # an FFN's graph: inputs, 4x hidden twice (before and after GELU), outputs
@@ -70,24 +71,26 @@ async def test_forwards_whose_backwards_never_come_hold_their_budgets_then_nothi
         body = {"uid": "ffn.0.0", "tensors": headers, "grad": grad, "token": token}
         return Request(peer, body, bytes(payload), None)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.run_expert, "ffn.0.0")
-        nursery.start_soon(server.expire_graphs)
-        for token in range(32):
-            await forward(request(attacker, token, inputs))
-        assert server.graphs.held_by(attacker) == 4 * GRAPH  # was 32 graphs, 32 x GRAPH
-        for token in range(4):
-            await forward(request(honest, token, inputs))
-        assert server.graphs.bytes_held == 6 * GRAPH and server.graphs.held_by(honest) == 4 * GRAPH
-        await trio.sleep(moe.saved_graphs.GRAPH_LIFETIME + 1)
-        assert server.graphs.bytes_held == 0  # their lifetime is over: all dropped
-        # A graph whose backward comes in time is used by it: the forward is not computed again.
-        await forward(request(honest, 7, inputs))
-        before = len(forwards)
-        reply = await backward(request(honest, 7, inputs, torch.ones(BATCH, HIDDEN), grad=False))
-        assert len(forwards) == before and reply.body["tensors"][0]["shape"] == [BATCH, HIDDEN]
-        assert server.graphs.bytes_held == 0  # the step made every other graph of the expert stale
-        nursery.cancel_scope.cancel()
+    # (the compute on the loop: under the virtual clock a compute thread's wait lets graphs expire)
+    with inline_blocking_work():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run_expert, "ffn.0.0")
+            nursery.start_soon(server.expire_graphs)
+            for token in range(32):
+                await forward(request(attacker, token, inputs))
+            assert server.graphs.held_by(attacker) == 4 * GRAPH  # was 32 graphs, 32 x GRAPH
+            for token in range(4):
+                await forward(request(honest, token, inputs))
+            assert server.graphs.bytes_held == 6 * GRAPH and server.graphs.held_by(honest) == 4 * GRAPH
+            await trio.sleep(moe.saved_graphs.GRAPH_LIFETIME + 1)
+            assert server.graphs.bytes_held == 0  # their lifetime is over: all dropped
+            # A graph whose backward comes in time is used by it: the forward is not computed again.
+            await forward(request(honest, 7, inputs))
+            before = len(forwards)
+            reply = await backward(request(honest, 7, inputs, torch.ones(BATCH, HIDDEN), grad=False))
+            assert len(forwards) == before and reply.body["tensors"][0]["shape"] == [BATCH, HIDDEN]
+            assert server.graphs.bytes_held == 0  # the step made every other graph of the expert stale
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("grad", [False, True])

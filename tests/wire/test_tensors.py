@@ -3,11 +3,13 @@ refusal of malformed headers."""
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import pytest
 import torch
 
-from peer.tensors import DTYPES, MAX_NDIM, tensor_from_wire, tensor_to_wire
+from peer.tensors import DTYPES, MAX_NDIM, all_finite, all_finite_serial, tensor_from_wire, tensor_to_wire
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3), (2, 1, 4, 3)]
 
@@ -176,3 +178,14 @@ def test_bool_payload_must_hold_zero_or_one() -> None:
     assert tensor_from_wire({"dtype": "bool", "shape": [3]}, b"\x00\x01\x01").tolist() == [False, True, True]
     with pytest.raises(ValueError, match="bool"):
         tensor_from_wire({"dtype": "bool", "shape": [3]}, b"\x00\x02\x01")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+def test_the_serial_finiteness_check_agrees_with_the_parallel_one(dtype, bad):
+    values = torch.randn(70_000).to(dtype)  # (past torch's grain: its check would go parallel)
+    if bad is not None:
+        values[54_321] = bad
+    assert all_finite_serial(values) == all_finite(values) == (bad is None)
+    assert all_finite_serial(values[:0]) and all_finite_serial(torch.arange(5))
+    assert all_finite_serial(values.view(7, 10_000)) == (bad is None)

@@ -1,14 +1,16 @@
 """Blocking work and trio's virtual clock (``peer/worker_threads.py``): in a worker thread the
-clock moves on while the work runs; inside ``inline_blocking_work`` it cannot."""
+clock moves on while the work runs; inside ``inline_blocking_work`` it cannot. A ``ComputeThread``
+runs every piece of its work on one thread, in turn."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 
+import pytest
 import trio
 
-from peer.worker_threads import inline_blocking_work, run_blocking, runs_inline
+from peer.worker_threads import ComputeThread, inline_blocking_work, run_blocking, runs_inline
 
 
 async def test_a_worker_thread_lets_virtual_time_pass_while_it_works(autojump_clock):
@@ -65,3 +67,76 @@ async def test_tasks_started_inside_the_block_inherit_it_and_others_do_not(autoj
             outside.start_soon(report, "started from the block")
         outside.start_soon(report, "after the block")
     assert seen == {"inside": True, "started from the block": True, "after the block": False}
+
+
+async def test_a_compute_thread_runs_every_piece_of_work_on_one_thread_in_order():
+    compute = ComputeThread("test-compute")
+    seen: list[tuple[int, int]] = []
+
+    def work(index: int) -> int:
+        seen.append((index, threading.get_ident()))
+        return index * 10
+
+    async with trio.open_nursery() as nursery:
+        for index in range(8):
+            nursery.start_soon(compute.run, work, index)
+    assert sorted(index for index, _ in seen) == list(range(8))
+    threads = {thread for _, thread in seen}
+    assert len(threads) == 1 and threads != {threading.get_ident()}  # one thread, not the loop's
+    assert await compute.run(work, 3) == 30
+
+
+async def test_a_compute_threads_error_reaches_its_caller_and_the_thread_works_on():
+    compute = ComputeThread("test-compute")
+
+    def fail() -> None:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        await compute.run(fail)
+    assert await compute.run(lambda: "still here") == "still here"
+
+
+async def test_a_cancelled_caller_waits_for_its_work_then_is_cancelled():
+    compute = ComputeThread("test-compute")
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[str] = []
+
+    def work() -> None:
+        started.set()
+        release.wait(10)
+        finished.set()
+
+    async def caller(scope: trio.CancelScope) -> None:
+        with scope:
+            await compute.run(work)
+            outcome.append("returned")
+        outcome.append("cancelled" if scope.cancelled_caught else "not cancelled")
+
+    scope = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(caller, scope)
+        await trio.to_thread.run_sync(started.wait, 10)
+        scope.cancel()
+        await trio.sleep(0.05)
+        assert outcome == []  # the caller still waits for its work
+        release.set()
+    assert outcome == ["cancelled"] and finished.is_set()
+
+
+async def test_an_idle_compute_thread_ends_and_the_next_work_starts_another():
+    compute = ComputeThread("test-compute", idle_s=0.05)
+    first = await compute.run(threading.get_ident)
+    assert compute.alive
+    while compute.alive:  # (the thread's own timeout ends it)
+        await trio.sleep(0.01)
+    second = await compute.run(threading.get_ident)
+    assert second != threading.get_ident() and first != threading.get_ident()
+    assert compute.alive
+
+
+async def test_inside_inline_blocking_work_a_compute_thread_runs_on_the_loop(autojump_clock):
+    compute = ComputeThread("test-compute")
+    with inline_blocking_work():
+        assert await compute.run(threading.get_ident) == threading.get_ident()
+    assert not compute.alive
