@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from peer import PeerAddress, PeerHost
-from peer.worker_threads import ComputeThread
+from peer.worker_threads import run_blocking
 
 if TYPE_CHECKING:
     from dht.node import DHTNode
@@ -100,9 +100,8 @@ async def host_experts(
     from .announce import HEARTBEAT_TTL  # torch loads only for peers that host experts
     from .server import open_expert_server
 
-    compute = ComputeThread("peerd-experts")  # (the server's: its experts are built where they compute)
     if experts is None:
-        experts = await compute.run(config.build_experts)
+        experts = await run_blocking(config.build_experts)
     async with open_expert_server(
         host,
         experts,
@@ -112,7 +111,6 @@ async def host_experts(
         heartbeat_period=config.heartbeat_period,
         heartbeat_ttl=max(HEARTBEAT_TTL, 3 * config.heartbeat_period),
         announce_address=announce_address,
-        compute=compute,
     ) as server:
         task_status.started(sorted(server.experts))
         await trio.sleep(math.inf)

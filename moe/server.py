@@ -2,12 +2,13 @@
 
 Each request is validated (expert, dtype, shape, batch size) on the event loop and queued in its
 expert's ``BatchQueue``; one runner task per expert takes batches and computes them on the server's
-one compute thread (``ComputeThread``: a single sample as a full batch, and every optimizer step
-and checkpoint, so that only that thread ever starts PyTorch's parallel work) behind one shared
-``trio.CapacityLimiter`` (one batch at a time per server, as Hivemind's runtime does: torch already
-spreads one batch over every core, and one-at-a-time means a backward's optimizer step never races
-another batch of the same expert). Requests that arrive while a batch
-is computing form the next batch, so concurrent callers are batched without any waiting timer.
+one compute thread (``ComputeThread``: batches of one sample or many, every optimizer step and
+checkpoint; the loop's checks of requests start no parallel work, so the server's tensor work
+holds one OpenMP team) behind one shared ``trio.CapacityLimiter`` (one batch at a time per server,
+as Hivemind's runtime does: torch already spreads one batch over every core, and one-at-a-time
+means a backward's optimizer step never races another batch of the same expert). Requests that
+arrive while a batch is computing form the next batch, so concurrent callers are batched without
+any waiting timer.
 
 A forward that asks for gradients, computed alone, has its autograd graph kept for its backward
 within per-caller and total budgets and for a limited time (``saved_graphs.py``).
@@ -78,14 +79,7 @@ class Work:
 class ExpertServer:
     """Request validation, batch queues and compute for a set of experts. Use ``open_expert_server``."""
 
-    def __init__(
-        self,
-        experts: Mapping[str, ExpertBackend],
-        *,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        compute: ComputeThread | None = None,
-    ):
-        """``compute``: the thread that built ``experts``, if one did (else the server starts its own)."""
+    def __init__(self, experts: Mapping[str, ExpertBackend], *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE):
         if not experts:
             raise ValueError("an expert server needs at least one expert")
         self.experts = dict(experts)
@@ -94,7 +88,7 @@ class ExpertServer:
         self.compute_limiter = trio.CapacityLimiter(1)
         # every tensor computation of the server runs on this one thread, one sample or many: the
         # loop only moves bytes (see ComputeThread for what a second computing thread costs)
-        self.compute = compute or ComputeThread("peerd-experts")
+        self.compute = ComputeThread("peerd-experts")
         self.stats = {"requests": 0, "batches": 0, "samples": 0}
         self._wakeups = {uid: trio.Event() for uid in self.experts}
         # Samples waiting in the queues, per caller: each holds its request's tensors until computed.
@@ -360,7 +354,6 @@ async def open_expert_server(
     heartbeat_period: float = HEARTBEAT_PERIOD,
     heartbeat_ttl: float = HEARTBEAT_TTL,
     announce_address: PeerAddress | None = None,
-    compute: ComputeThread | None = None,
 ) -> AsyncIterator[ExpertServer]:
     """Serve ``experts`` on ``host`` for the duration of the block.
 
@@ -368,7 +361,6 @@ async def open_expert_server(
     ``checkpoint_period`` seconds and on exit. With ``dht`` (a ``DHTNode``), the experts are
     announced before the block starts and re-announced every ``heartbeat_period`` seconds, under
     ``announce_address`` (default: the host's listen address; set it when that is a wildcard).
-    ``compute``: the thread that built the experts, which the server computes on (``ExpertServer``).
     """
     address = announce_address or host.listen_address
     if dht is not None:
@@ -377,7 +369,7 @@ async def open_expert_server(
         if address.peer_id not in (None, dht.host.peer_id):
             # Readers take an announcement's address only from the peer it names (moe/announce.py).
             raise ValueError("announce experts through the DHT node of the peer that serves them")
-    server = ExpertServer(experts, max_batch_size=max_batch_size, compute=compute)
+    server = ExpertServer(experts, max_batch_size=max_batch_size)
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if directory is not None:
         loaded = await server.load_checkpoint(directory)

@@ -77,10 +77,11 @@ class ComputeThread:
     ``tensors.all_finite_serial`` for the checks it makes there). A round trip to an idle thread
     costs ~25 us.
 
-    ``run`` behaves as ``run_blocking`` (inline inside ``inline_blocking_work``; a cancelled caller
-    waits for its work to finish, then raises ``Cancelled``). The thread starts with the first
-    piece of work and ends after ``COMPUTE_THREAD_IDLE_S`` without any, so an object that owns one
-    needs no closing."""
+    ``run`` behaves as ``trio.to_thread.run_sync`` (inline inside ``inline_blocking_work``): the
+    work of a caller cancelled before it is handed over never starts, and one cancelled while it
+    runs waits for it and gets its outcome, the cancellation coming at its next checkpoint. The
+    thread starts with the first piece of work and ends after ``COMPUTE_THREAD_IDLE_S`` without
+    any, so an object that owns one needs no closing."""
 
     def __init__(self, name: str, idle_s: float = COMPUTE_THREAD_IDLE_S):
         self.name = name
@@ -94,6 +95,7 @@ class ComputeThread:
         if _INLINE.get():
             await trio.lowlevel.checkpoint()
             return fn(*args)
+        await trio.lowlevel.checkpoint_if_cancelled()  # (a cancelled caller's work never starts)
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         result: list[tuple[bool, Any]] = []  # (whether it returned, its value or exception)
@@ -108,11 +110,17 @@ class ComputeThread:
         with self._lock:
             self._queue.put((lambda: fn(*args), deliver))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-                self._thread.start()
-        with trio.CancelScope(shield=True):  # the work runs to its end either way; wait for it
+                thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                try:
+                    thread.start()
+                except BaseException:  # (no thread: ours is the only work queued; take it back)
+                    self._queue.get_nowait()
+                    raise
+                self._thread = thread
+        # The work runs to its end either way: wait for it, and leave a cancellation to the
+        # caller's next checkpoint, with the outcome in hand (as ``trio.to_thread`` does).
+        with trio.CancelScope(shield=True):
             await done.wait()
-        await trio.lowlevel.checkpoint_if_cancelled()
         returned, value = result.pop()
         if not returned:
             raise value

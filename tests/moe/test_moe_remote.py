@@ -13,8 +13,8 @@ from moe.client import MoEClient
 from moe.experts import ExpertBackend
 from moe.protocol import pack_tensors
 from moe.remote import RemoteExpert
-from moe.server import open_expert_server
-from peer import BadRequestError, BusyError, Identity, RemoteError, open_peer_host
+from moe.server import ExpertServer, open_expert_server
+from peer import BadRequestError, BusyError, Identity, PeerID, RemoteError, Request, Router, open_peer_host
 
 HIDDEN = 16
 
@@ -291,3 +291,39 @@ async def test_the_server_computes_one_sample_and_a_batch_and_steps_on_one_threa
     assert [kind for kind, _ in computed_on] == ["forward", "forward", "backward", "step"]
     threads = {thread for _, thread in computed_on}
     assert len(threads) == 1 and threads != {threading.get_ident()}
+
+
+async def test_a_server_closing_during_a_backward_still_answers_it_and_steps() -> None:
+    """The batch's gradient was taken: its callers get their answer and the step is applied (a
+    checkpoint written as the server closes holds it)."""
+    backend = make_backend()
+    entered, release = threading.Event(), threading.Event()
+    gradients = backend.input_gradients_per_caller
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return gradients(*args, **kwargs)
+
+    backend.input_gradients_per_caller = held
+    server, router = ExpertServer({"ffn.0.0": backend}), Router()
+    server.register(router)
+    headers, payload = pack_tensors([torch.randn(128, HIDDEN), torch.ones(128, HIDDEN)])
+    body = {"uid": "ffn.0.0", "tensors": headers, "token": 1}
+    replies = []
+
+    async def call() -> None:
+        with trio.fail_after(10):
+            replies.append(
+                await router.lookup("moe.backward", True)(Request(PeerID(b"\x01" * 20), body, payload, None))
+            )
+
+    async with trio.open_nursery() as callers:
+        callers.start_soon(call)
+        async with trio.open_nursery() as runners:
+            runners.start_soon(server.run_expert, "ffn.0.0")
+            await trio.to_thread.run_sync(entered.wait, 10)
+            runners.cancel_scope.cancel()  # the server closes mid-batch
+            release.set()
+    assert replies[0].body["tensors"][0]["shape"] == [128, HIDDEN]
+    assert backend.steps == 1 and not backend.step_pending

@@ -71,19 +71,23 @@ async def test_tasks_started_inside_the_block_inherit_it_and_others_do_not(autoj
 
 async def test_a_compute_thread_runs_every_piece_of_work_on_one_thread_in_order():
     compute = ComputeThread("test-compute")
+    handed_over: list[int] = []
     seen: list[tuple[int, int]] = []
 
     def work(index: int) -> int:
         seen.append((index, threading.get_ident()))
         return index * 10
 
+    async def submit(index: int) -> None:
+        handed_over.append(index)  # (``run`` queues the work before its first checkpoint)
+        assert await compute.run(work, index) == index * 10
+
     async with trio.open_nursery() as nursery:
         for index in range(8):
-            nursery.start_soon(compute.run, work, index)
-    assert sorted(index for index, _ in seen) == list(range(8))
+            nursery.start_soon(submit, index)
+    assert [index for index, _ in seen] == handed_over and sorted(handed_over) == list(range(8))
     threads = {thread for _, thread in seen}
     assert len(threads) == 1 and threads != {threading.get_ident()}  # one thread, not the loop's
-    assert await compute.run(work, 3) == 30
 
 
 async def test_a_compute_threads_error_reaches_its_caller_and_the_thread_works_on():
@@ -97,21 +101,22 @@ async def test_a_compute_threads_error_reaches_its_caller_and_the_thread_works_o
     assert await compute.run(lambda: "still here") == "still here"
 
 
-async def test_a_cancelled_caller_waits_for_its_work_then_is_cancelled():
+async def test_a_cancelled_caller_gets_its_work_done_and_is_cancelled_at_its_next_checkpoint():
     compute = ComputeThread("test-compute")
-    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    started, release = threading.Event(), threading.Event()
     outcome: list[str] = []
 
-    def work() -> None:
+    def work() -> str:
         started.set()
         release.wait(10)
-        finished.set()
+        return "done"
 
     async def caller(scope: trio.CancelScope) -> None:
         with scope:
-            await compute.run(work)
-            outcome.append("returned")
-        outcome.append("cancelled" if scope.cancelled_caught else "not cancelled")
+            outcome.append(await compute.run(work))
+            await trio.lowlevel.checkpoint()
+            outcome.append("not cancelled")
+        outcome.append("cancelled" if scope.cancelled_caught else "scope left")
 
     scope = trio.CancelScope()
     async with trio.open_nursery() as nursery:
@@ -121,7 +126,31 @@ async def test_a_cancelled_caller_waits_for_its_work_then_is_cancelled():
         await trio.sleep(0.05)
         assert outcome == []  # the caller still waits for its work
         release.set()
-    assert outcome == ["cancelled"] and finished.is_set()
+    assert outcome == ["done", "cancelled"]
+
+
+async def test_work_of_a_caller_cancelled_before_it_is_handed_over_never_runs():
+    compute = ComputeThread("test-compute")
+    ran: list[bool] = []
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await compute.run(ran.append, True)
+    assert scope.cancelled_caught and ran == [] and not compute.alive
+
+
+async def test_a_thread_that_cannot_start_fails_its_caller_and_the_next_work_starts_one(monkeypatch):
+    compute = ComputeThread("test-compute")
+    real_start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start"):
+        await compute.run(lambda: "never")
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    with trio.fail_after(5):
+        assert await compute.run(lambda: "ran") == "ran"
 
 
 async def test_an_idle_compute_thread_ends_and_the_next_work_starts_another():
