@@ -205,6 +205,8 @@ class ExpertServer:
             # Take the batch only once the compute slot is ours: requests that arrive while another
             # batch computes join this one.
             async with self.compute_limiter:
+                # (closing: the batch stays queued; from here to the hand-over nothing yields)
+                await trio.lowlevel.checkpoint_if_cancelled()
                 batch = queue.next_batch()
                 if not batch:
                     continue  # their callers gave up while we waited

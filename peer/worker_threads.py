@@ -113,8 +113,11 @@ class ComputeThread:
                 thread = threading.Thread(target=self._work, name=self.name, daemon=True)
                 try:
                     thread.start()
-                except BaseException:  # (no thread: ours is the only work queued; take it back)
-                    self._queue.get_nowait()
+                except BaseException:
+                    if thread.ident is None:  # (it never ran: ours is the only work queued, take it back)
+                        self._queue.get_nowait()
+                    else:  # (interrupted once it ran: it takes the work)
+                        self._thread = thread
                     raise
                 self._thread = thread
         # The work runs to its end either way: wait for it, and leave a cancellation to the

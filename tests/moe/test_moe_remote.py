@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 import trio
+import trio.testing
 
 from moe.client import MoEClient
 from moe.experts import ExpertBackend
@@ -327,3 +328,26 @@ async def test_a_server_closing_during_a_backward_still_answers_it_and_steps() -
             release.set()
     assert replies[0].body["tensors"][0]["shape"] == [128, HIDDEN]
     assert backend.steps == 1 and not backend.step_pending
+
+
+async def test_a_server_closing_as_a_batch_gets_the_compute_slot_leaves_the_batch_queued() -> None:
+    """A batch is taken from its queue only once it will be computed: one taken and then dropped
+    as the server closes would leave its callers unanswered and lose a backward's kept graph."""
+    server, router = ExpertServer({"ffn.0.0": make_backend()}), Router()
+    server.register(router)
+    headers, payload = pack_tensors([torch.randn(4, HIDDEN)])
+    body = {"uid": "ffn.0.0", "tensors": headers, "token": 1}
+
+    async def call() -> None:
+        await router.lookup("moe.forward", True)(Request(PeerID(b"\x01" * 20), body, payload, None))
+
+    async with trio.open_nursery() as callers:
+        await server.compute_limiter.acquire()  # (a batch computes: the next one waits for the slot)
+        callers.start_soon(call)
+        async with trio.open_nursery() as runners:
+            runners.start_soon(server.run_expert, "ffn.0.0")
+            await trio.testing.wait_all_tasks_blocked()
+            server.compute_limiter.release()  # the slot passes to the runner as the server closes
+            runners.cancel_scope.cancel()
+        assert len(server.queues["ffn.0.0"]) == 1 and server.stats["batches"] == 0
+        callers.cancel_scope.cancel()

@@ -79,7 +79,7 @@ async def test_a_compute_thread_runs_every_piece_of_work_on_one_thread_in_order(
         return index * 10
 
     async def submit(index: int) -> None:
-        handed_over.append(index)  # (``run`` queues the work before its first checkpoint)
+        handed_over.append(index)  # (``run`` queues the work before it first yields)
         assert await compute.run(work, index) == index * 10
 
     async with trio.open_nursery() as nursery:
@@ -145,12 +145,14 @@ async def test_a_thread_that_cannot_start_fails_its_caller_and_the_next_work_sta
     def refuse(thread: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
 
+    ran: list[str] = []
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with pytest.raises(RuntimeError, match="can't start"):
-        await compute.run(lambda: "never")
+        await compute.run(ran.append, "refused")
     monkeypatch.setattr(threading.Thread, "start", real_start)
     with trio.fail_after(5):
-        assert await compute.run(lambda: "ran") == "ran"
+        await compute.run(ran.append, "next")
+    assert ran == ["next"]  # the refused caller's work was taken back, not run later
 
 
 async def test_an_idle_compute_thread_ends_and_the_next_work_starts_another():
