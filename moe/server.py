@@ -87,7 +87,7 @@ class ExpertServer:
         self.queues = {uid: BatchQueue(max_batch_size) for uid in self.experts}
         self.compute_limiter = trio.CapacityLimiter(1)
         # every tensor computation of the server runs on this one thread, one sample or many: the
-        # loop only moves bytes (see ComputeThread for what a second computing thread costs)
+        # loop moves bytes and checks requests in numpy (ComputeThread: what a second team costs)
         self.compute = ComputeThread("peerd-experts")
         self.stats = {"requests": 0, "batches": 0, "samples": 0}
         self._wakeups = {uid: trio.Event() for uid in self.experts}
