@@ -14,11 +14,13 @@ in that list: unless their state already exists, a peer shares their parameters 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-__all__ = ["materialize_state", "sanitize_state", "state_tensors"]
+__all__ = ["fused_where_supported", "materialize_state", "sanitize_state", "state_tensors"]
 
 log = logging.getLogger("peerd.training")
 
@@ -32,6 +34,34 @@ _ZERO_STATE_OPTIMIZERS = (
     torch.optim.Adadelta,
     torch.optim.RAdam,
 )
+
+
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+_FUSED_ON_CPU = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)
+
+
+def fused_where_supported(
+    optimizer_class: type[torch.optim.Optimizer], params: Iterable[torch.Tensor], **options: Any
+) -> torch.optim.Optimizer:
+    """``optimizer_class(params, fused=True, **options)`` where torch has a fused kernel for it and
+    these parameters' devices and dtypes, else the class's default implementation.
+
+    Why: Adam's and AdamW's default (``foreach``) step makes several passes over every parameter and
+    moment; the fused kernel makes one. On a CPU that is 4.8 -> 1.3 ms a step for ``textlm`` small
+    (1.9 M parameters), ~3% of its training step, and the same for an expert's step. Torch
+    checks some of the support only at the first step, so this takes the fused kernel only for
+    floating-point parameters on a CPU or a CUDA device, with a torch that has it for both (2.4 and
+    later), and otherwise (or where torch refuses it when it is built) the same options without it."""
+    params = list(params)
+    supported = _FUSED_ON_CPU and all(
+        isinstance(p, torch.Tensor) and p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params
+    )
+    if supported:
+        try:
+            return optimizer_class(params, fused=True, **options)
+        except (RuntimeError, TypeError, ValueError):  # (an option the fused kernel lacks)
+            pass
+    return optimizer_class(params, **options)
 
 
 def materialize_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from averaging.optimizer_state import fused_where_supported
 from peer.tensors import all_finite, all_finite_serial
 
 __all__ = [
@@ -149,7 +150,9 @@ class ExpertBackend:
         self.clip_grad_norm = float(clip_grad_norm)
         self.device = torch.device(device) if device is not None else default_device()
         self.module = module.to(self.device)
-        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(self.module.parameters(), lr=1e-3)
+        if optimizer is None:
+            optimizer = fused_where_supported(torch.optim.Adam, self.module.parameters(), lr=1e-3)
+        self.optimizer = optimizer
         self.sample_shape = tuple(sample_shape)
         self.dtype = next(self.module.parameters()).dtype
         self.steps = 0

@@ -62,6 +62,8 @@ class ExpertHostingConfig:
         """Validates everything (pattern, type, optimizer) before any network activity."""
         import torch  # torch loads only for peers that host experts
 
+        from averaging.optimizer_state import fused_where_supported
+
         from .experts import ExpertBackend, resolve_block_type
         from .protocol import expand_expert_pattern
 
@@ -75,7 +77,7 @@ class ExpertHostingConfig:
             uid: ExpertBackend.create(
                 self.expert_type,
                 self.hidden_dim,
-                optimizer=lambda params: make(params, lr=self.lr),
+                optimizer=lambda params: fused_where_supported(make, params, lr=self.lr),
                 device=self.device,
                 seed=None if self.seed is None else self.seed + i,
             )

@@ -263,14 +263,15 @@ class Daemon:
                     held_out=held_out,
                 )
             optimizer.tracker.data_shard = (shard.index, shard.count)  # what auto-choosing newcomers count
-            self.trainer = await self._trainer(task, optimizer)
+            self.trainer = await self._trainer(task, optimizer, inner)
             self.trainer.round_observers.append(self.pages.observe_round)
             log.info("training task %s on %s (%s mode)", task.name, ranks.device if ranks else device, training.mode)
             await self.trainer.run()
             background.cancel_scope.cancel()
 
-    async def _trainer(self, task, optimizer):
-        """A lone peer's trainer, or rank 0's of a machine of several ranks (``machine_training.py``)."""
+    async def _trainer(self, task, optimizer, inner):
+        """A lone peer's trainer, or rank 0's of a machine of several ranks (``machine_training.py``);
+        ``inner``: the torch optimizer ``optimizer`` steps the task's model with."""
         from .training import Trainer  # torch loads only in peers that train
 
         ranks = self.config.ranks
@@ -283,7 +284,7 @@ class Daemon:
         log.info(
             "training as rank 0 of %d ranks (%s on %s, %s)", ranks.world_size, ranks.backend, ranks.device, compute.kind
         )
-        return MachineTrainer(task, optimizer, ranks, compute)
+        return MachineTrainer(task, optimizer, ranks, compute, inner)
 
 
 def fragments_for(wanted: int, local_steps: int, model) -> int:

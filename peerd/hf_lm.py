@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from averaging.optimizer_state import fused_where_supported
+
 from .task_types import ShardSpec, Task, TaskError
 from .textlm import SEPARATOR, byte_lm_objectives, endless_text_windows, split_corpus
 
@@ -118,7 +120,9 @@ def hf_lm_task(
     return Task(
         name=f"hf-lm-{model_type}-{model_size}",  # peers of another architecture or size never meet
         model=model,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01),
+        make_optimizer=lambda params: fused_where_supported(
+            torch.optim.AdamW, params, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01
+        ),
         batches=endless_text_windows(train, batch_size, shape.context, seed=1000 + shard.index),
         loss_fn=loss_fn,
         evaluate=evaluate,

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
+from averaging.optimizer_state import fused_where_supported
+
 from .swarm_optimizer import SwarmOptimizer
 
 __all__ = ["PeerdCallback", "hf_swarm_optimizer"]
@@ -35,7 +37,9 @@ def hf_swarm_optimizer(
     """``optimizer`` (default: AdamW at ``args.learning_rate`` and ``args.weight_decay``) trained with
     the swarm of ``run_id``; ``options``: ``SwarmOptimizer``'s (``initial_peers``, ``mode``...)."""
     if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        optimizer = fused_where_supported(
+            torch.optim.AdamW, model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay
+        )
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
     return SwarmOptimizer(
         optimizer, run_id=run_id, batch_size_per_step=per_step, target_batch_size=target_batch_size, **options

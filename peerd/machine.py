@@ -48,6 +48,7 @@ from .task_types import ShardSpec
 
 __all__ = [
     "RANK_TIMEOUT_S",
+    "ParameterWrites",
     "RankError",
     "RankGroup",
     "RankReport",
@@ -58,7 +59,6 @@ __all__ = [
     "join_rank_group",
     "leave_rank_group",
     "machine_forward_backward",
-    "parameters_version",
     "rank_shard",
     "share_parameters",
     "share_shard",
@@ -198,11 +198,34 @@ def exchange_orders(group: RankGroup, orders: SliceOrders | None = None) -> Slic
     return SliceOrders(int(values[0]), bool(values[1]), bool(values[2]))
 
 
-def parameters_version(model: nn.Module | list[torch.Tensor]) -> int:
-    """Changes whenever any parameter is written in place (an optimizer step, a loaded state): the
-    sum of their autograd version counters, which every in-place write bumps."""
-    params = model.parameters() if isinstance(model, nn.Module) else model
-    return sum(param._version for param in params)
+class ParameterWrites:
+    """Whether rank 0's parameters were written since they were last shared with the other ranks.
+
+    Every in-place write through autograd's tracked operations (a swarm step's copy, a loaded
+    state, a foreach optimizer step) bumps the parameter's version counter; a fused optimizer
+    kernel (``fused=True``, which the built-in tasks take) writes without bumping it. So the
+    optimizer's steps are counted too, by a hook that runs after each of them."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer):
+        self.params = params
+        self._steps = 0
+        optimizer.register_step_post_hook(self._stepped)
+        self._shared = self._version()
+
+    def _stepped(self, *_: Any) -> None:
+        self._steps += 1
+
+    def _version(self) -> int:
+        return sum(param._version for param in self.params) + self._steps
+
+    @property
+    def changed(self) -> bool:
+        """Written since the last ``shared``."""
+        return self._version() != self._shared
+
+    def shared(self) -> None:
+        """Every rank holds the parameters as they are now."""
+        self._shared = self._version()
 
 
 def share_parameters(group: RankGroup, model: nn.Module) -> None:

@@ -16,19 +16,20 @@ import threading
 import time
 from typing import Any
 
+import torch
 import trio
 
 from peer.worker_threads import run_blocking
 
 from .exit_codes import EXIT_RANK_FAILED
 from .machine import (
+    ParameterWrites,
     RankGroup,
     RankReport,
     SliceOrders,
     exchange_orders,
     gather_reports,
     leave_rank_group,
-    parameters_version,
     rank_shard,
     share_shard,
 )
@@ -49,15 +50,22 @@ RELEASE_TIMEOUT_S = 5.0
 class MachineTrainer(Trainer):
     """Rank 0's trainer: leads each slice on every rank of ``group``; the swarm sees one peer
     whose samples are the whole machine's. ``compute`` holds ``task.model`` for the slices
-    (``machine_compute``: under DDP, or sharded under FSDP)."""
+    (``machine_compute``: under DDP, or sharded under FSDP); ``inner``: the torch optimizer that
+    ``optimizer`` (the swarm's) steps ``task.model`` with."""
 
     def __init__(
-        self, task: Task, optimizer: Any, group: RankGroup, compute: ReplicatedCompute | ShardedCompute, **options: Any
+        self,
+        task: Task,
+        optimizer: Any,
+        group: RankGroup,
+        compute: ReplicatedCompute | ShardedCompute,
+        inner: torch.optim.Optimizer,
+        **options: Any,
     ):
         super().__init__(task, optimizer, **options)
         self.group = group
         self.compute = compute
-        self._shared_version = parameters_version(task.model)  # every rank started from these
+        self._writes = ParameterWrites(list(task.model.parameters()), inner)  # every rank started from these
         self._last = RankReport(0)
         self._samples = [0] * group.world_size
         self._shares = 0  # slices that began with rank 0's parameters (they had changed)
@@ -78,11 +86,10 @@ class MachineTrainer(Trainer):
         return loss, reports
 
     async def compute_slice(self) -> tuple[float, int]:
-        version = parameters_version(self.task.model)
-        orders = SliceOrders(self.slice_size(), parameters_changed=version != self._shared_version)
+        orders = SliceOrders(self.slice_size(), parameters_changed=self._writes.changed)
+        self._writes.shared()  # (what this slice sends; a write from now on is the next slice's)
         batches = [next(self.task.batches) for _ in range(orders.batches)]
         loss, reports = await run_blocking(self._lead_slice, orders, batches)
-        self._shared_version = version
         self._shares += orders.parameters_changed
         for rank, report in enumerate(reports):
             self._samples[rank] += report.samples

@@ -31,7 +31,7 @@ from averaging import CollaborativeOptimizer, LocalUpdatesOptimizer
 from dht import DHT
 from peer import PeerAddress
 
-from .machine import broadcast_parameters, parameters_version
+from .machine import ParameterWrites, broadcast_parameters
 
 __all__ = ["SwarmOptimizer"]
 
@@ -95,7 +95,7 @@ class SwarmOptimizer(torch.optim.Optimizer):
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._machine = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._epoch = 0
-        self._shared_version = parameters_version(self.params)
+        self._writes = ParameterWrites(self.params, optimizer)
         self.dht: DHT | None = None
         self.swarm: CollaborativeOptimizer | LocalUpdatesOptimizer | None = None
         if self._rank != 0:
@@ -143,13 +143,12 @@ class SwarmOptimizer(torch.optim.Optimizer):
     def _share_with_ranks(self) -> None:
         """Rank 0 tells the others its epoch and whether its parameters changed, and then sends
         them; the others drop the gradients their optimizer will never step on."""
-        version = parameters_version(self.params)
-        news = torch.tensor([int(version != self._shared_version), self.epoch], device=self.params[0].device)
+        news = torch.tensor([int(self._writes.changed), self.epoch], device=self.params[0].device)
         dist.broadcast(news, 0)
         changed, self._epoch = bool(news[0]), int(news[1])
         if changed:
             broadcast_parameters(self.params, leads=self._rank == 0)
-        self._shared_version = parameters_version(self.params)
+        self._writes.shared()
         if self._rank != 0:
             self.inner.zero_grad(set_to_none=True)
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from averaging.optimizer_state import fused_where_supported
+
 from .hf_lm import DEFAULT_HF_SIZE, hf_config, hf_lm_task, hf_model_type
 from .task_types import ShardSpec, Task, TaskError, model_device
 from .textlm import DEFAULT_SIZE, MODEL_SIZES, textlm_task
@@ -100,7 +102,7 @@ def digits_task(shard: ShardSpec = WHOLE_DATA, device: torch.device | str = "cpu
     return Task(
         name="digits",
         model=model,
-        make_optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
+        make_optimizer=lambda params: fused_where_supported(torch.optim.Adam, params, lr=3e-3),
         batches=endless_batches(inputs[mine], targets[mine], batch_size, seed=1000 + shard.index),
         loss_fn=loss_fn,
         evaluate=evaluate,

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from averaging.optimizer_state import fused_where_supported
+
 from .task_types import ShardSpec, Task, TaskError, model_device
 
 __all__ = [
@@ -217,7 +219,9 @@ def textlm_task(
     return Task(
         name=f"textlm-{model_size}",  # the size is part of the name: peers of other sizes never meet
         model=model,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01),
+        make_optimizer=lambda params: fused_where_supported(
+            torch.optim.AdamW, params, lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01
+        ),
         batches=endless_text_windows(train, batch_size, shape.context, seed=1000 + shard.index),
         loss_fn=loss_fn,
         evaluate=evaluate,

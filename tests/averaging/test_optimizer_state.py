@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from averaging.optimizer_state import materialize_state, sanitize_state, state_tensors
+from averaging.optimizer_state import fused_where_supported, materialize_state, sanitize_state, state_tensors
 
 
 def model_pair():
@@ -117,3 +117,28 @@ def test_sanitize_keeps_centered_rmsprop_variance_non_negative():
     sanitize_state(optimizer)
     train(model, optimizer, steps=1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_adam_takes_the_fused_kernel_where_torch_has_one_and_steps_as_the_default_does():
+    torch.manual_seed(0)
+    start = torch.randn(64, 8)
+    grads = [torch.randn(64, 8) for _ in range(5)]
+    results = []
+    for build in (fused_where_supported, lambda cls, params, **o: cls(params, **o)):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = build(torch.optim.AdamW, [param], lr=1e-2, weight_decay=0.01)
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        results.append((optimizer.defaults.get("fused"), param.detach()))
+    (fused, stepped), (default, expected) = results
+    assert fused is True and not default
+    assert torch.allclose(stepped, expected, atol=1e-6)
+
+
+def test_parameters_without_a_fused_kernel_get_the_default_adam():
+    complex_param = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    optimizer = fused_where_supported(torch.optim.Adam, [complex_param], lr=0.1)
+    complex_param.grad = torch.ones(3, dtype=torch.complex64)
+    optimizer.step()  # (the fused kernel refuses complex parameters only here)
+    assert not optimizer.defaults.get("fused") and complex_param.abs().sum() > 0

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from peerd.exit_codes import EXIT_OK
+from peerd.machine import ParameterWrites
 from peerd.machine_launch import without_nproc_flag
 from peerd.machine_sharded import ShardedCompute
 from peerd.ranks import RankError, RankPlace, follow_signals, rank_place
@@ -209,3 +210,20 @@ def test_every_rank_refuses_the_same_device_mistakes():
         for place in (RankPlace(0, 2, 0), second):  # rank 0 says it for the machine
             with pytest.raises(ValueError, match=said):
                 rank_device(device, place, devices)
+
+
+def test_a_fused_optimizer_step_counts_as_a_write_to_share():
+    """A fused kernel writes the parameters without bumping their version counters, which alone
+    left a machine's other ranks on rank 0's old parameters after every fused step."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+    writes = ParameterWrites([param], optimizer)
+    assert not writes.changed
+    param.grad = torch.ones(4)
+    optimizer.step()
+    assert writes.changed and param.abs().sum() > 0
+    writes.shared()
+    assert not writes.changed
+    with torch.no_grad():
+        param.copy_(torch.ones(4))  # a loaded state, an averaged one
+    assert writes.changed
