@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fused_where_supported", "materialize_state", "sanitize_state", "state_tensors"]
+__all__ = ["FUSED_ON_CPU", "fused_where_supported", "materialize_state", "sanitize_state", "state_tensors"]
 
 log = logging.getLogger("peerd.training")
 
@@ -37,7 +37,8 @@ _ZERO_STATE_OPTIMIZERS = (
 
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
-_FUSED_ON_CPU = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)
+# Whether this torch has Adam's fused kernel on a CPU (it has had it on CUDA longer).
+FUSED_ON_CPU = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 4)
 
 
 def fused_where_supported(
@@ -46,22 +47,39 @@ def fused_where_supported(
     """``optimizer_class(params, fused=True, **options)`` where torch has a fused kernel for it and
     these parameters' devices and dtypes, else the class's default implementation.
 
-    Why: Adam's and AdamW's default (``foreach``) step makes several passes over every parameter and
-    moment; the fused kernel makes one. On a CPU that is 4.8 -> 1.3 ms a step for ``textlm`` small
-    (1.9 M parameters), ~3% of its training step, and the same for an expert's step. Torch
-    checks some of the support only at the first step, so this takes the fused kernel only for
-    floating-point parameters on a CPU or a CUDA device, with a torch that has it for both (2.4 and
-    later), and otherwise (or where torch refuses it when it is built) the same options without it."""
+    Why: Adam's and AdamW's default step on a CPU goes over every parameter and moment one tensor
+    and one operation at a time; the fused kernel makes one pass. That is 4.8 -> 1.3 ms a step for
+    ``textlm`` small (1.9 M parameters), ~2% of its training step, and the same for an expert's step.
+    Torch checks some of the support only at the first step, so this takes the fused kernel only
+    for floating-point parameters on a CPU or a CUDA device (where they are when this is called),
+    with a torch that has it for both (2.4 and later), and otherwise (or where torch refuses it when
+    it is built) the same options without it.
+
+    A checkpoint's parameter groups carry the ``fused`` setting they were saved with, and
+    ``load_state_dict`` would take it over: a checkpoint saved without it would turn the kernel
+    off, one saved with it would turn it on where this torch or device has none. The optimizer
+    keeps the choice made here across loads."""
     params = list(params)
-    supported = _FUSED_ON_CPU and all(
+    supported = FUSED_ON_CPU and all(
         isinstance(p, torch.Tensor) and p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params
     )
+    optimizer = None
     if supported:
         try:
-            return optimizer_class(params, fused=True, **options)
+            optimizer = optimizer_class(params, fused=True, **options)
         except (RuntimeError, TypeError, ValueError):  # (an option the fused kernel lacks)
             pass
-    return optimizer_class(params, **options)
+    if optimizer is None:
+        optimizer = optimizer_class(params, **options)
+    if "fused" in optimizer.defaults and hasattr(optimizer, "register_load_state_dict_post_hook"):
+        chosen = optimizer.defaults["fused"]
+
+        def keep_choice(loaded: torch.optim.Optimizer) -> None:
+            for group in loaded.param_groups:
+                group["fused"] = chosen
+
+        optimizer.register_load_state_dict_post_hook(keep_choice)
+    return optimizer
 
 
 def materialize_state(optimizer: torch.optim.Optimizer) -> bool:

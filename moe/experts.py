@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from averaging.optimizer_state import fused_where_supported
 from peer.tensors import all_finite, all_finite_serial
 
 __all__ = [
@@ -151,6 +150,9 @@ class ExpertBackend:
         self.device = torch.device(device) if device is not None else default_device()
         self.module = module.to(self.device)
         if optimizer is None:
+            # (imported here: a process that only hosts experts with their own optimizers never loads averaging)
+            from averaging.optimizer_state import fused_where_supported
+
             optimizer = fused_where_supported(torch.optim.Adam, self.module.parameters(), lr=1e-3)
         self.optimizer = optimizer
         self.sample_shape = tuple(sample_shape)
@@ -173,7 +175,8 @@ class ExpertBackend:
         block = resolve_block_type(block_type)
         if seed is not None:
             torch.manual_seed(seed)
-        module = block.build(hidden_dim)
+        # (on its device first: an optimizer takes its kernel for where the parameters are)
+        module = block.build(hidden_dim).to(torch.device(device) if device is not None else default_device())
         opt = optimizer(module.parameters()) if optimizer is not None else None
         return cls(
             module, opt, sample_shape=block.sample_shape(hidden_dim), device=device, clip_grad_norm=clip_grad_norm

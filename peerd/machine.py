@@ -202,7 +202,7 @@ class ParameterWrites:
     """Whether rank 0's parameters were written since they were last shared with the other ranks.
 
     Every in-place write through autograd's tracked operations (a swarm step's copy, a loaded
-    state, a foreach optimizer step) bumps the parameter's version counter; a fused optimizer
+    state, an optimizer's default step) bumps the parameter's version counter; a fused optimizer
     kernel (``fused=True``, which the built-in tasks take) writes without bumping it. So the
     optimizer's steps are counted too, by a hook that runs after each of them."""
 
@@ -218,14 +218,12 @@ class ParameterWrites:
     def _version(self) -> int:
         return sum(param._version for param in self.params) + self._steps
 
-    @property
-    def changed(self) -> bool:
-        """Written since the last ``shared``."""
-        return self._version() != self._shared
-
-    def shared(self) -> None:
-        """Every rank holds the parameters as they are now."""
-        self._shared = self._version()
+    def take(self) -> bool:
+        """Whether the parameters were written since the last ``take``; from now on they count as
+        shared (one reading, so a write that lands meanwhile is the next take's)."""
+        version = self._version()
+        changed, self._shared = version != self._shared, version
+        return changed
 
 
 def share_parameters(group: RankGroup, model: nn.Module) -> None:

@@ -86,8 +86,7 @@ class MachineTrainer(Trainer):
         return loss, reports
 
     async def compute_slice(self) -> tuple[float, int]:
-        orders = SliceOrders(self.slice_size(), parameters_changed=self._writes.changed)
-        self._writes.shared()  # (what this slice sends; a write from now on is the next slice's)
+        orders = SliceOrders(self.slice_size(), parameters_changed=self._writes.take())
         batches = [next(self.task.batches) for _ in range(orders.batches)]
         loss, reports = await run_blocking(self._lead_slice, orders, batches)
         self._shares += orders.parameters_changed

@@ -143,12 +143,12 @@ class SwarmOptimizer(torch.optim.Optimizer):
     def _share_with_ranks(self) -> None:
         """Rank 0 tells the others its epoch and whether its parameters changed, and then sends
         them; the others drop the gradients their optimizer will never step on."""
-        news = torch.tensor([int(self._writes.changed), self.epoch], device=self.params[0].device)
+        news = torch.tensor([int(self._writes.take()), self.epoch], device=self.params[0].device)
         dist.broadcast(news, 0)
         changed, self._epoch = bool(news[0]), int(news[1])
         if changed:
             broadcast_parameters(self.params, leads=self._rank == 0)
-        self._writes.shared()
+        self._writes.take()  # (the broadcast's own writes, on the other ranks)
         if self._rank != 0:
             self.inner.zero_grad(set_to_none=True)
 

@@ -7,7 +7,13 @@ import copy
 import pytest
 import torch
 
-from averaging.optimizer_state import fused_where_supported, materialize_state, sanitize_state, state_tensors
+from averaging.optimizer_state import (
+    FUSED_ON_CPU,
+    fused_where_supported,
+    materialize_state,
+    sanitize_state,
+    state_tensors,
+)
 
 
 def model_pair():
@@ -119,6 +125,7 @@ def test_sanitize_keeps_centered_rmsprop_variance_non_negative():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.skipif(not FUSED_ON_CPU, reason="torch before 2.4 has no fused Adam on a CPU")
 def test_adam_takes_the_fused_kernel_where_torch_has_one_and_steps_as_the_default_does():
     torch.manual_seed(0)
     start = torch.randn(64, 8)
@@ -142,3 +149,17 @@ def test_parameters_without_a_fused_kernel_get_the_default_adam():
     complex_param.grad = torch.ones(3, dtype=torch.complex64)
     optimizer.step()  # (the fused kernel refuses complex parameters only here)
     assert not optimizer.defaults.get("fused") and complex_param.abs().sum() > 0
+
+
+@pytest.mark.skipif(not FUSED_ON_CPU, reason="torch before 2.4 has no fused Adam on a CPU")
+def test_an_optimizer_keeps_its_kernel_across_a_checkpoint_saved_with_the_other():
+    param = torch.nn.Parameter(torch.zeros(8))
+    plain_state = torch.optim.Adam([torch.nn.Parameter(torch.zeros(8))], lr=0.1).state_dict()
+    fused = fused_where_supported(torch.optim.Adam, [param], lr=0.1)
+    fused.load_state_dict(plain_state)  # (saved before the kernel was taken)
+    assert fused.param_groups[0]["fused"] is True
+    fused_state = fused.state_dict()
+    # parameters given as groups: no fused kernel chosen
+    fallback = fused_where_supported(torch.optim.Adam, [{"params": [torch.nn.Parameter(torch.zeros(8))]}], lr=0.1)
+    fallback.load_state_dict(fused_state)  # (where torch has no kernel, a fused step would fail)
+    assert not fallback.param_groups[0]["fused"]
