@@ -14,7 +14,7 @@ in that list: unless their state already exists, a peer shares their parameters 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,14 +72,28 @@ def fused_where_supported(
     if optimizer is None:
         optimizer = optimizer_class(params, **options)
     if "fused" in optimizer.defaults and hasattr(optimizer, "register_load_state_dict_post_hook"):
-        chosen = optimizer.defaults["fused"]
-
-        def keep_choice(loaded: torch.optim.Optimizer) -> None:
-            for group in loaded.param_groups:
-                group["fused"] = chosen
-
-        optimizer.register_load_state_dict_post_hook(keep_choice)
+        optimizer.register_load_state_dict_post_hook(_keep_kernel_choice(optimizer.defaults["fused"]))
     return optimizer
+
+
+def _keep_kernel_choice(chosen: bool | None) -> Callable[[torch.optim.Optimizer], None]:
+    """A ``load_state_dict`` post hook that puts back the kernel choice ``chosen``. Torch places each
+    loaded step count where the *saved* groups' kernel keeps it (the fused kernel on the
+    parameter's device, as float32; the default one on the CPU), and the fused CUDA kernel refuses
+    a step count on the CPU: the step counts move with the choice."""
+
+    def keep_choice(loaded: torch.optim.Optimizer) -> None:
+        for group in loaded.param_groups:
+            group["fused"] = chosen
+            on_device = bool(chosen) or bool(group.get("capturable"))
+            for param in group["params"]:
+                state = loaded.state.get(param, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    place = param.device if on_device else torch.device("cpu")
+                    state["step"] = step.to(place, torch.float32 if chosen else step.dtype)
+
+    return keep_choice
 
 
 def materialize_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -148,7 +148,6 @@ class SwarmOptimizer(torch.optim.Optimizer):
         changed, self._epoch = bool(news[0]), int(news[1])
         if changed:
             broadcast_parameters(self.params, leads=self._rank == 0)
-        self._writes.take()  # (the broadcast's own writes, on the other ranks)
         if self._rank != 0:
             self.inner.zero_grad(set_to_none=True)
 

@@ -154,10 +154,17 @@ def test_parameters_without_a_fused_kernel_get_the_default_adam():
 @pytest.mark.skipif(not FUSED_ON_CPU, reason="torch before 2.4 has no fused Adam on a CPU")
 def test_an_optimizer_keeps_its_kernel_across_a_checkpoint_saved_with_the_other():
     param = torch.nn.Parameter(torch.zeros(8))
-    plain_state = torch.optim.Adam([torch.nn.Parameter(torch.zeros(8))], lr=0.1).state_dict()
+    saved = torch.nn.Parameter(torch.zeros(8))
+    plain = torch.optim.Adam([saved], lr=0.1)
+    saved.grad = torch.ones(8)
+    plain.step()
     fused = fused_where_supported(torch.optim.Adam, [param], lr=0.1)
-    fused.load_state_dict(plain_state)  # (saved before the kernel was taken)
+    fused.load_state_dict(plain.state_dict())  # (saved before the kernel was taken)
     assert fused.param_groups[0]["fused"] is True
+    param.grad = torch.ones(8)
+    fused.step()  # the loaded step count where the fused kernel keeps it
+    step = fused.state[param]["step"]
+    assert step.item() == 2 and (step.device, step.dtype) == (param.device, torch.float32)
     fused_state = fused.state_dict()
     # parameters given as groups: no fused kernel chosen
     fallback = fused_where_supported(torch.optim.Adam, [{"params": [torch.nn.Parameter(torch.zeros(8))]}], lr=0.1)
