@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from averaging.optimizer_state import fused_where_supported
 from peer.tensors import all_finite, all_finite_serial
 
 __all__ = [
@@ -150,9 +151,6 @@ class ExpertBackend:
         self.device = torch.device(device) if device is not None else default_device()
         self.module = module.to(self.device)
         if optimizer is None:
-            # (imported here: a process that only hosts experts with their own optimizers never loads averaging)
-            from averaging.optimizer_state import fused_where_supported
-
             optimizer = fused_where_supported(torch.optim.Adam, self.module.parameters(), lr=1e-3)
         self.optimizer = optimizer
         self.sample_shape = tuple(sample_shape)
