@@ -13,7 +13,7 @@ from peer import PeerAddress, PeerID
 
 from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_counter
 
-__all__ = ["Declaration", "Match", "Gathering", "joiner_view", "ANSWER_MARGIN", "MAX_CONFIRMS"]
+__all__ = ["Declaration", "Match", "Gathering", "joiner_view", "ANSWER_MARGIN", "MAX_CONFIRMS", "OVERTAKEN_BY"]
 
 # A leader answers this long before its own deadline or a follower's, the follower's counted from
 # when its join arrived; the follower listens this long past its patience, counted from when it
@@ -25,6 +25,14 @@ ANSWER_MARGIN = 0.25
 # it does not expect: an honest view that missed a declaration needs one, and a joiner that names
 # made-up peers costs no more than these reads.
 MAX_CONFIRMS = 2
+# Peers asking a leader to admit them to the round after its own, this many of them, show that the
+# swarm has moved on: its groups for the leader's round formed without the members still missing
+# (a peer whose epoch ended late elects its grid group's leader and finds that every one of them
+# matched already; leading what is left, it would wait out its deadline while the next round's
+# readers, which count its declaration as catching up, elect it and are refused again and again).
+# One asker is a claim anyone can make; two distinct ones cost a second identity, and all they can
+# do is close this gathering early: the group forms with whoever joined.
+OVERTAKEN_BY = 2
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class Gathering:
         self._looked_up: set[PeerID] = set()
         self.joined: dict[PeerID, Declaration] = {}
         self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
+        self.ahead: set[PeerID] = set()  # peers that asked to join a later round (at most OVERTAKEN_BY)
         self.changed = trio.Event()
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
@@ -129,6 +138,18 @@ class Gathering:
             self._looked_up.add(peer)  # (settled: a later joiner's view that names it changes nothing)
             self._changed()
 
+    def passed_by(self, peer: PeerID) -> None:
+        """``peer`` asked to join the round after ours: once ``OVERTAKEN_BY`` peers did, the
+        members still missing are not waited for (``complete``)."""
+        if peer not in self.joined and len(self.ahead) < OVERTAKEN_BY:
+            self.ahead.add(peer)
+            self._changed()
+
+    @property
+    def overtaken(self) -> bool:
+        """The swarm has moved on to the next round (``OVERTAKEN_BY``)."""
+        return len(self.ahead) >= OVERTAKEN_BY
+
     def withdraw(self, peer: PeerID) -> None:
         """A follower stopped waiting before the group formed: it must not become a member that
         never shows up (the others would wait a whole sender deadline for it)."""
@@ -151,7 +172,7 @@ class Gathering:
 
     @property
     def complete(self) -> bool:
-        return self.expected <= set(self.joined) or self.full
+        return self.expected <= set(self.joined) or self.full or self.overtaken
 
     def changed_when(self, event: trio.Event) -> Callable[[], Awaitable[None]]:
         """A task that wakes the leader once ``event`` is set."""

@@ -16,7 +16,10 @@ that outlived our choice, and passes us over for the round instead of asking aga
 join while we follow another leader for its round is refused with ``Following``, which names that
 leader: the joiner's view elected us where ours elected it, and the group we follow is where the
 joiner's group mates are (``following.py``). Any other refusal (we have not begun this round) may
-change within the round and is answered with a retryable error.
+change within the round and is answered with a retryable error. So is a join for the round after
+the one we gather for, but it is counted: joins for the next round from two peers mean the swarm
+has moved on, and we stop waiting for members still missing (``Gathering.overtaken``), form the
+group with whoever joined or fail, and read the declarations again, which catches us up.
 """
 
 from __future__ import annotations
@@ -132,8 +135,11 @@ class Joins:
             if self._following is not None and declaration.round <= self._following[1]:
                 raise Following(self._following[0])
             raise ValueError("not gathering a group now")
-        if declaration.schema != gathering.me.schema or declaration.round > gathering.me.round:
-            raise ValueError("schema differs from this group's, or the joiner is a round ahead")
+        if declaration.schema != gathering.me.schema:
+            raise ValueError("schema differs from this group's")
+        if declaration.round > gathering.me.round:
+            gathering.passed_by(request.peer)  # (the swarm may have moved on: ``Gathering.overtaken``)
+            raise ValueError("the joiner is a round ahead of this group")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
             await gathering.closed.wait()

@@ -483,7 +483,8 @@ class Matchmaker:
                 waking.cancel_scope.cancel()
             members = [me, *sorted(gathering.joined.values(), key=lambda d: d.peer_id.to_bytes())]
             if len(members) < min_size:
-                raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size})")
+                ahead = ", and the next round's peers ask for us" if gathering.overtaken else ""
+                raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size}){ahead}")
             gathering.formed = GroupInfo(os.urandom(16), tuple(d.member() for d in members))
             return gathering.formed
         finally:

@@ -138,3 +138,27 @@ async def test_a_join_while_we_follow_is_told_whom_we_follow_and_where_until_we_
         assert declaration(5).peer_id not in outcomes
         joins.matched(1)
     assert outcomes[declaration(5).peer_id][:2] == ("refused", "this peer has its group for round 1")
+
+
+async def test_joins_for_the_next_round_from_two_peers_end_the_wait_for_members_that_matched_elsewhere(autojump_clock):
+    me, member, missing = declaration(1), declaration(2), declaration(3)
+    joins, outcomes = Joins(lambda peer: False), {}
+    gathering = Gathering(me, {member.peer_id, missing.peer_id}, target=8)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, member, 5.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        assert member.peer_id in gathering.joined and not gathering.complete
+        ahead = [declaration(number, round_number=2) for number in (4, 5)]
+        for joiner in [ahead[0], ahead[0], declaration(6, schema="other", round_number=2)]:
+            nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        # one peer (however often it asks), or one of another schema: a claim, not the swarm
+        assert not gathering.overtaken and not gathering.complete
+        assert outcomes[ahead[0].peer_id][:2] == ("refused", "the joiner is a round ahead of this group")
+        nursery.start_soon(outcome, joins, ahead[1], 5.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        # the swarm has moved on: the group forms with whoever joined, not waiting for the missing
+        assert gathering.overtaken and gathering.complete
+        assert outcomes[ahead[1].peer_id][:2] == ("refused", "the joiner is a round ahead of this group")
+        nursery.cancel_scope.cancel()

@@ -13,7 +13,7 @@ from averaging.group import MAX_GROUP_SIZE
 from averaging.matchmaking import MatchmakingError
 from averaging.matchmaking_rules import Candidate, grid_dimensions, propose_group, reached_directly
 from dht.node import DHTNode
-from peer import Identity, PeerAddress, Router, open_peer_host
+from peer import Identity, PeerAddress, PeerID, RemoteError, Router, open_peer_host
 
 
 def test_grid_rule_pairs_like_a_hypercube():
@@ -263,6 +263,49 @@ async def test_a_follower_that_gives_up_is_not_left_in_the_group():
         members = {m.peer_id for m in result["group"].members}
         assert members == {leader_host.peer_id, stayer.peer_id}
         assert {m[0] for m in reply.body["members"]} == {p.to_bytes() for p in members}
+
+
+async def test_a_leader_left_behind_stops_waiting_once_the_next_round_asks_for_it():
+    """A peer whose epoch ended late leads what its grid left of its group: members that matched
+    already never come. Two peers asking it to lead the next round end that wait at once (one
+    asker would not), long before its deadline, so it can catch up with them."""
+    from averaging.group import AveragingMode
+    from averaging.matchmaking import Declaration, Matchmaker
+
+    async with (
+        open_peer_host(Identity.generate()) as leader_host,
+        open_peer_host(Identity.generate()) as first,
+        open_peer_host(Identity.generate()) as second,
+    ):
+        matchmaker = Matchmaker(leader_host, None, "p")
+
+        def declaration(host, round_number):
+            return Declaration(host.peer_id, host.listen_address, 1.0, AveragingMode.NODE, "schema", round_number)
+
+        gone = {PeerID(bytes([n]) * 20) for n in (7, 8)}  # matched elsewhere: they never ask
+        ended = {}
+
+        async def lead():
+            with pytest.raises(MatchmakingError, match="the next round's peers ask for us") as raised:
+                await matchmaker.lead(declaration(leader_host, 5), gone, 3, 2, trio.current_time() + 10.0)
+            ended["after"], ended["error"] = trio.current_time() - started, str(raised.value)
+
+        async def ask(host):
+            join = {**declaration(host, 6).to_wire(), "patience": 10.0}
+            with pytest.raises(RemoteError, match="the joiner is a round ahead of this group"):
+                await host.call(leader_host.listen_address, "avg.join.p", join)
+
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            while not matchmaker.gathering:
+                await trio.sleep(0)
+            await ask(first)
+            await ask(first)  # (the same peer again)
+            await trio.sleep(0.5)
+            assert matchmaker.gathering and not ended  # one asker is a claim: still waiting
+            await ask(second)
+        assert ended["after"] < 3.0, ended
 
 
 async def test_averagers_on_one_peer_share_its_all_reduce_and_need_their_own_prefixes():
