@@ -30,8 +30,11 @@ MAX_CONFIRMS = 2
 # (a peer whose epoch ended late elects its grid group's leader and finds that every one of them
 # matched already; leading what is left, it would wait out its deadline while the next round's
 # readers, which count its declaration as catching up, elect it and are refused again and again).
-# One asker is a claim anyone can make; two distinct ones cost a second identity, and all they can
-# do is close this gathering early: the group forms with whoever joined.
+# A round is a claim, so only askers the leader's own read of the round found declared count
+# (``known``), each once, and only for the very next round: an honest reader one round ahead elects
+# a leader a round behind (``in_reach``), nobody further ahead does. Two such peers can close the
+# gathering early (the group forms with whoever joined), as two members of the view could by
+# joining with little patience before ``Joins`` refused that.
 OVERTAKEN_BY = 2
 
 
@@ -94,10 +97,12 @@ def joiner_view(raw) -> list[PeerID]:
 class Gathering:
     """A leader's open invitation for one round."""
 
-    def __init__(self, me: Declaration, expected: set[PeerID], target: int):
+    def __init__(self, me: Declaration, expected: set[PeerID], target: int, known: frozenset[PeerID] = frozenset()):
+        """``known``: the peers whose declarations our read of the round found (``passed_by``)."""
         self.me = me
         self.expected = expected
         self.target = target
+        self.known = known
         # Members that joiners' views put in this group and ours does not: the declarations we read
         # may have missed one that theirs found, and closing on our smaller view would turn that
         # peer away. They are claims: the leader confirms them with a read of its own (``confirm``).
@@ -138,10 +143,12 @@ class Gathering:
             self._looked_up.add(peer)  # (settled: a later joiner's view that names it changes nothing)
             self._changed()
 
-    def passed_by(self, peer: PeerID) -> None:
-        """``peer`` asked to join the round after ours: once ``OVERTAKEN_BY`` peers did, the
-        members still missing are not waited for (``complete``)."""
-        if peer not in self.joined and len(self.ahead) < OVERTAKEN_BY:
+    def passed_by(self, peer: PeerID, round_number: int) -> None:
+        """``peer`` asked to join ``round_number``, a later round than ours: once ``OVERTAKEN_BY``
+        known peers asked for the next one, the members still missing are not waited for
+        (``complete``)."""
+        counts = round_number == self.me.round + 1 and peer in self.known and peer not in self.joined
+        if counts and peer not in self.ahead and len(self.ahead) < OVERTAKEN_BY:
             self.ahead.add(peer)
             self._changed()
 

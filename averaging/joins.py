@@ -16,10 +16,13 @@ that outlived our choice, and passes us over for the round instead of asking aga
 join while we follow another leader for its round is refused with ``Following``, which names that
 leader: the joiner's view elected us where ours elected it, and the group we follow is where the
 joiner's group mates are (``following.py``). Any other refusal (we have not begun this round) may
-change within the round and is answered with a retryable error. So is a join for the round after
-the one we gather for, but it is counted: joins for the next round from two peers mean the swarm
-has moved on, and we stop waiting for members still missing (``Gathering.overtaken``), form the
-group with whoever joined or fail, and read the declarations again, which catches us up.
+change within the round and is answered with a retryable error. So is a join for a later round
+than the one we gather for, but one for the next round from a peer our read found is counted: two
+such mean the swarm has moved on, and we stop waiting for members still missing
+(``Gathering.overtaken``): the group forms with whoever joined, or the attempt fails and our next
+read of the declarations catches us up. A leader closes its group before its most impatient
+follower gives up, so a join with less patience than ``MIN_PATIENCE_LEFT`` is refused, as one
+waiting for our choice is: admitted, it would close the group before the members on their way came.
 """
 
 from __future__ import annotations
@@ -138,8 +141,10 @@ class Joins:
         if declaration.schema != gathering.me.schema:
             raise ValueError("schema differs from this group's")
         if declaration.round > gathering.me.round:
-            gathering.passed_by(request.peer)  # (the swarm may have moved on: ``Gathering.overtaken``)
+            gathering.passed_by(request.peer, declaration.round)  # (the swarm may have moved on)
             raise ValueError("the joiner is a round ahead of this group")
+        if patience <= MIN_PATIENCE_LEFT:  # (it would close the group before its members came)
+            raise ValueError("the join's patience is too short to form a group in")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
             await gathering.closed.wait()

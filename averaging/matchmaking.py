@@ -13,7 +13,8 @@
    declarations. The settle time ends early once every peer of the view that formed this peer's
    last group has declared the new round (``view_settled``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
-   member asked or the deadline passed, then answers all of them with the ordered group,
+   member asked (or is known not to come: ``stragglers.py``, ``Gathering.overtaken``) or the
+   deadline passed, then answers all of them with the ordered group,
    bandwidths and a fresh group ID. Reads can differ (a store that has not yet reached every
    holder): a follower names the members its view gives, and a leader asked for members it did
    not expect reads again and waits for those that the fresh read puts in its group, instead of
@@ -224,7 +225,9 @@ class Matchmaker:
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
                         confirm, ask = self._leading(me, candidates, target_group_size, min_group_size, unreachable)
-                        group = await self.lead(me, expected, size, min_group_size, deadline, hold_open, confirm, ask)
+                        group = await self.lead(
+                            me, expected, size, min_group_size, deadline, hold_open, confirm, ask, frozenset(candidates)
+                        )
                     else:
                         leader = candidates[PeerID(proposal.leader)]
                         group = await self._follow(me, leader, deadline, proposal.members, candidates, unreachable)
@@ -449,13 +452,15 @@ class Matchmaker:
         hold_open: trio.Event | None = None,
         confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
         ask: Callable[[PeerID], Awaitable[str | None]] | None = None,
+        known: frozenset[PeerID] = frozenset(),
     ) -> GroupInfo:
         """As the elected leader of ``me``'s round: admit joins until the ``expected`` members all
         asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
         MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
-        name members we do not expect; ``ask``: whether a missing member still comes (``stragglers.py``)."""
-        gathering = Gathering(me, expected, target)
+        name members we do not expect; ``ask``: whether a missing member still comes (``stragglers.py``);
+        ``known``: the peers our read found, whose joins for the next round end the wait (``Gathering``)."""
+        gathering = Gathering(me, expected, target, known)
         self.joins.open(gathering)
         try:
             async with trio.open_nursery() as waking:
@@ -468,7 +473,7 @@ class Matchmaker:
                 # time to start.
                 while not gathering.full:
                     answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
-                    if gathering.unconfirmed and confirm is not None:
+                    if gathering.unconfirmed and confirm is not None and not gathering.overtaken:
                         found: set[PeerID] = set()
                         with trio.move_on_at(answer_by):
                             found = await confirm()

@@ -140,20 +140,25 @@ async def test_a_join_while_we_follow_is_told_whom_we_follow_and_where_until_we_
     assert outcomes[declaration(5).peer_id][:2] == ("refused", "this peer has its group for round 1")
 
 
-async def test_joins_for_the_next_round_from_two_peers_end_the_wait_for_members_that_matched_elsewhere(autojump_clock):
+async def test_joins_for_the_next_round_from_two_known_peers_end_the_wait_for_members_that_matched_elsewhere(
+    autojump_clock,
+):
     me, member, missing = declaration(1), declaration(2), declaration(3)
+    ahead = [declaration(number, round_number=2) for number in (4, 5)]
+    stranger, far = declaration(6, round_number=2), declaration(7, round_number=3)
+    known = frozenset(d.peer_id for d in [member, missing, *ahead, far])  # (the read that made us lead)
     joins, outcomes = Joins(lambda peer: False), {}
-    gathering = Gathering(me, {member.peer_id, missing.peer_id}, target=8)
+    gathering = Gathering(me, {member.peer_id, missing.peer_id}, target=8, known=known)
     joins.open(gathering)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(outcome, joins, member, 5.0, outcomes)
         await trio.testing.wait_all_tasks_blocked()
         assert member.peer_id in gathering.joined and not gathering.complete
-        ahead = [declaration(number, round_number=2) for number in (4, 5)]
-        for joiner in [ahead[0], ahead[0], declaration(6, schema="other", round_number=2)]:
+        # one peer however often it asks, one our read did not find, one of another schema, one two
+        # rounds ahead (no honest reader elects a leader that far behind): claims, not the swarm
+        for joiner in [ahead[0], ahead[0], stranger, declaration(8, schema="other", round_number=2), far]:
             nursery.start_soon(outcome, joins, joiner, 5.0, outcomes)
         await trio.testing.wait_all_tasks_blocked()
-        # one peer (however often it asks), or one of another schema: a claim, not the swarm
         assert not gathering.overtaken and not gathering.complete
         assert outcomes[ahead[0].peer_id][:2] == ("refused", "the joiner is a round ahead of this group")
         nursery.start_soon(outcome, joins, ahead[1], 5.0, outcomes)
@@ -161,4 +166,22 @@ async def test_joins_for_the_next_round_from_two_peers_end_the_wait_for_members_
         # the swarm has moved on: the group forms with whoever joined, not waiting for the missing
         assert gathering.overtaken and gathering.complete
         assert outcomes[ahead[1].peer_id][:2] == ("refused", "the joiner is a round ahead of this group")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_join_too_impatient_to_see_a_group_form_is_refused_and_closes_nothing(autojump_clock):
+    me, member, hasty = declaration(1), declaration(2), declaration(3)
+    joins, outcomes = Joins(lambda peer: False), {}
+    gathering = Gathering(me, {member.peer_id, hasty.peer_id}, target=8)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, hasty, MIN_PATIENCE_LEFT * 0.8, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        # admitted, it would have the leader answer at once (before its patience ran out), so the
+        # group would close before the member on its way came
+        assert outcomes[hasty.peer_id][:2] == ("refused", "the join's patience is too short to form a group in")
+        assert gathering.joined == {} and gathering.answer_by == float("inf")
+        nursery.start_soon(outcome, joins, member, 5.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(gathering.joined) == {member.peer_id}
         nursery.cancel_scope.cancel()
