@@ -32,9 +32,11 @@ MAX_CONFIRMS = 2
 # readers, which count its declaration as catching up, elect it and are refused again and again).
 # A round is a claim, so only askers the leader's own read of the round found declared count
 # (``known``), each once, and only for the very next round: an honest reader one round ahead elects
-# a leader a round behind (``in_reach``), nobody further ahead does. Two such peers can close the
-# gathering early (the group forms with whoever joined), as two members of the view could by
-# joining with little patience before ``Joins`` refused that.
+# a leader a round behind (``in_reach``), nobody further ahead does. A newcomer's round 0 has no
+# next round (established peers of any round elect it): asks never overtake it. Two such peers can
+# close the gathering early (the group forms with whoever joined); one joiner of the round can too,
+# by joining with little patience, since the leader answers before its most impatient follower
+# gives up.
 OVERTAKEN_BY = 2
 
 
@@ -98,7 +100,8 @@ class Gathering:
     """A leader's open invitation for one round."""
 
     def __init__(self, me: Declaration, expected: set[PeerID], target: int, known: frozenset[PeerID] = frozenset()):
-        """``known``: the peers whose declarations our read of the round found (``passed_by``)."""
+        """``known``: the peers whose declarations our read of the round found (``passed_by``;
+        none: asks for the next round never end the wait)."""
         self.me = me
         self.expected = expected
         self.target = target
@@ -110,7 +113,7 @@ class Gathering:
         self._looked_up: set[PeerID] = set()
         self.joined: dict[PeerID, Declaration] = {}
         self.patience: dict[PeerID, float] = {}  # when each follower stops waiting for our answer
-        self.ahead: set[PeerID] = set()  # peers that asked to join a later round (at most OVERTAKEN_BY)
+        self.ahead: set[PeerID] = set()  # known peers that asked for the next round (at most OVERTAKEN_BY)
         self.changed = trio.Event()
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
@@ -121,8 +124,8 @@ class Gathering:
             raise ValueError("group is already full or formed")
         self.joined[declaration.peer_id] = declaration
         self.patience[declaration.peer_id] = gives_up_at
-        known = self.expected | self.joined.keys() | self._looked_up | {self.me.peer_id}
-        self.unconfirmed |= set(view) - known
+        accounted = self.expected | self.joined.keys() | self._looked_up | {self.me.peer_id}
+        self.unconfirmed |= set(view) - accounted
         self._changed()
 
     def confirm(self, found: set[PeerID]) -> None:
@@ -147,7 +150,8 @@ class Gathering:
         """``peer`` asked to join ``round_number``, a later round than ours: once ``OVERTAKEN_BY``
         known peers asked for the next one, the members still missing are not waited for
         (``complete``)."""
-        counts = round_number == self.me.round + 1 and peer in self.known and peer not in self.joined
+        next_round = self.me.round != 0 and round_number == self.me.round + 1
+        counts = next_round and peer in self.known and peer not in self.joined
         if counts and peer not in self.ahead and len(self.ahead) < OVERTAKEN_BY:
             self.ahead.add(peer)
             self._changed()

@@ -20,9 +20,7 @@ change within the round and is answered with a retryable error. So is a join for
 than the one we gather for, but one for the next round from a peer our read found is counted: two
 such mean the swarm has moved on, and we stop waiting for members still missing
 (``Gathering.overtaken``): the group forms with whoever joined, or the attempt fails and our next
-read of the declarations catches us up. A leader closes its group before its most impatient
-follower gives up, so a join with less patience than ``MIN_PATIENCE_LEFT`` is refused, as one
-waiting for our choice is: admitted, it would close the group before the members on their way came.
+read of the declarations catches us up.
 """
 
 from __future__ import annotations
@@ -143,8 +141,6 @@ class Joins:
         if declaration.round > gathering.me.round:
             gathering.passed_by(request.peer, declaration.round)  # (the swarm may have moved on)
             raise ValueError("the joiner is a round ahead of this group")
-        if patience <= MIN_PATIENCE_LEFT:  # (it would close the group before its members came)
-            raise ValueError("the join's patience is too short to form a group in")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
             await gathering.closed.wait()

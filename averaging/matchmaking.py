@@ -459,7 +459,8 @@ class Matchmaker:
         left to answer the followers runs out; a group of fewer than ``min_size`` raises
         MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
         name members we do not expect; ``ask``: whether a missing member still comes (``stragglers.py``);
-        ``known``: the peers our read found, whose joins for the next round end the wait (``Gathering``)."""
+        ``known``: the peers our read found, whose joins for the next round end the wait (``Gathering``;
+        none: they never do). Held open, the wait ends no sooner than ``hold_open`` is set."""
         gathering = Gathering(me, expected, target, known)
         self.joins.open(gathering)
         try:

@@ -169,19 +169,12 @@ async def test_joins_for_the_next_round_from_two_known_peers_end_the_wait_for_me
         nursery.cancel_scope.cancel()
 
 
-async def test_a_join_too_impatient_to_see_a_group_form_is_refused_and_closes_nothing(autojump_clock):
-    me, member, hasty = declaration(1), declaration(2), declaration(3)
-    joins, outcomes = Joins(lambda peer: False), {}
-    gathering = Gathering(me, {member.peer_id, hasty.peer_id}, target=8)
-    joins.open(gathering)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(outcome, joins, hasty, MIN_PATIENCE_LEFT * 0.8, outcomes)
-        await trio.testing.wait_all_tasks_blocked()
-        # admitted, it would have the leader answer at once (before its patience ran out), so the
-        # group would close before the member on its way came
-        assert outcomes[hasty.peer_id][:2] == ("refused", "the join's patience is too short to form a group in")
-        assert gathering.joined == {} and gathering.answer_by == float("inf")
-        nursery.start_soon(outcome, joins, member, 5.0, outcomes)
-        await trio.testing.wait_all_tasks_blocked()
-        assert set(gathering.joined) == {member.peer_id}
-        nursery.cancel_scope.cancel()
+def test_a_newcomer_leading_round_0_is_never_overtaken():
+    """Established peers of any round elect a newcomer's round-0 declaration (``in_reach``): their
+    joins say nothing about whether the newcomers it leads are still coming."""
+    newcomer = declaration(1, round_number=0)
+    established = [declaration(number, round_number=1) for number in (2, 3)]
+    gathering = Gathering(newcomer, {declaration(4).peer_id}, target=8, known=frozenset(d.peer_id for d in established))
+    for peer in established:
+        gathering.passed_by(peer.peer_id, 1)
+    assert not gathering.overtaken and not gathering.complete
