@@ -34,8 +34,9 @@ MAX_CONFIRMS = 2
 # (``known``), each once, and only for the very next round: an honest reader one round ahead elects
 # a leader a round behind (``in_reach``), nobody further ahead does. A newcomer's round 0 has no
 # next round (established peers of any round elect it): asks never overtake it. Two such peers can
-# close the gathering early (the group forms with whoever joined), as one expected member can by
-# joining with little patience (``answer_by``).
+# close the gathering early (the group forms with whoever joined); one joiner of the round can too,
+# by joining with little patience, since the leader answers before its most impatient follower
+# gives up.
 OVERTAKEN_BY = 2
 
 
@@ -173,13 +174,8 @@ class Gathering:
 
     @property
     def answer_by(self) -> float:
-        """Form the group before the most impatient expected follower gives up on us. A joiner our
-        read did not put in the group cannot hurry it: one with a short patience would close it
-        before the members on their way came (a liar, with a patience of a fraction of a second,
-        at once, every leader it asks; an honest late retry after a few of them had joined). Such
-        a joiner is in the group if it completes first; if it gives up before, it is withdrawn."""
-        waits = (gives_up_at for peer, gives_up_at in self.patience.items() if peer in self.expected)
-        return min(waits, default=float("inf")) - ANSWER_MARGIN
+        """Form the group before the most impatient follower gives up on us."""
+        return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
 
     @property
     def full(self) -> bool:
