@@ -286,10 +286,10 @@ async def test_a_leader_left_behind_stops_waiting_once_the_next_round_asks_for_i
         ended = {}
 
         async def lead():
-            with pytest.raises(MatchmakingError, match="the next round's peers ask for us") as raised:
+            with pytest.raises(MatchmakingError, match="the next round's peers ask for us"):
                 found = frozenset({*gone, first.peer_id, second.peer_id})  # (the read that made us lead)
                 await matchmaker.lead(declaration(leader_host, 5), gone, 3, 2, trio.current_time() + 10.0, known=found)
-            ended["after"], ended["error"] = trio.current_time() - started, str(raised.value)
+            ended["after"] = trio.current_time() - started
 
         async def ask(host):
             join = {**declaration(host, 6).to_wire(), "patience": 10.0}
