@@ -4,6 +4,7 @@ drives: who joined, by when each follower stops waiting, and whether the group i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -34,9 +35,7 @@ MAX_CONFIRMS = 2
 # (``known``), each once, and only for the very next round: an honest reader one round ahead elects
 # a leader a round behind (``in_reach``), nobody further ahead does. A newcomer's round 0 has no
 # next round (established peers of any round elect it): asks never overtake it. Two such peers can
-# close the gathering early (the group forms with whoever joined); one joiner of the round can too,
-# by joining with little patience, since the leader answers before its most impatient follower
-# gives up.
+# close the gathering early (the group forms with whoever joined).
 OVERTAKEN_BY = 2
 
 
@@ -99,13 +98,22 @@ def joiner_view(raw) -> list[PeerID]:
 class Gathering:
     """A leader's open invitation for one round."""
 
-    def __init__(self, me: Declaration, expected: set[PeerID], target: int, known: frozenset[PeerID] = frozenset()):
+    def __init__(
+        self,
+        me: Declaration,
+        expected: set[PeerID],
+        target: int,
+        known: frozenset[PeerID] = frozenset(),
+        hurry_from: float = -math.inf,
+    ):
         """``known``: the peers whose declarations our read of the round found (``passed_by``;
-        none: asks for the next round never end the wait)."""
+        none: asks for the next round never end the wait). ``hurry_from``: the earliest moment a
+        joiner we do not expect can make us answer (``answer_by``)."""
         self.me = me
         self.expected = expected
         self.target = target
         self.known = known
+        self.hurry_from = hurry_from
         # Members that joiners' views put in this group and ours does not: the declarations we read
         # may have missed one that theirs found, and closing on our smaller view would turn that
         # peer away. They are claims: the leader confirms them with a read of its own (``confirm``).
@@ -174,8 +182,21 @@ class Gathering:
 
     @property
     def answer_by(self) -> float:
-        """Form the group before the most impatient follower gives up on us."""
-        return min(self.patience.values(), default=float("inf")) - ANSWER_MARGIN
+        """Form the group before the most impatient follower gives up on us; but a joiner we do
+        not expect hurries us no sooner than ``hurry_from``. Its patience is a claim: without the
+        floor, one peer anywhere in the swarm joining every leader with a patience of a millisecond
+        would close every group at once, without the members each leader waits for. An honest
+        joiner that began matching when we did gives up no sooner than that (``hurry_from``:
+        ``LEADER_PATIENCE_SHARE`` of our time), and one that would is told so (``waits_until``)."""
+        expected = min((t for peer, t in self.patience.items() if peer in self.expected), default=math.inf)
+        others = min((t for peer, t in self.patience.items() if peer not in self.expected), default=math.inf)
+        return min(expected, max(others, self.hurry_from)) - ANSWER_MARGIN
+
+    def waits_until(self, peer: PeerID) -> float:
+        """How long ``peer``'s join waits for the group to form: until just before it gives up on
+        us. A joiner whose patience ``answer_by`` counts is answered by then; one it does not is
+        refused then, and reads the declarations again instead of passing us over."""
+        return self.patience.get(peer, math.inf) - ANSWER_MARGIN / 2
 
     @property
     def full(self) -> bool:

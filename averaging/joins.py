@@ -21,6 +21,11 @@ than the one we gather for, but one for the next round from a peer our read foun
 such mean the swarm has moved on, and we stop waiting for members still missing
 (``Gathering.overtaken``): the group forms with whoever joined, or the attempt fails and our next
 read of the declarations catches us up.
+
+An admitted join waits for the group until just before its peer gives up on us: its patience, as
+the joiner counted it, ends no later than the call's own deadline (the joiner counted it before it
+dialled). A joiner the leader does not expect cannot hurry the group (``Gathering.answer_by``); if
+the group has not formed by then, it is refused, and reads the declarations again.
 """
 
 from __future__ import annotations
@@ -126,7 +131,8 @@ class Joins:
         patience = request.body.get("patience")
         if not (isinstance(patience, (int, float)) and 0 < patience <= 3600):
             raise ValueError("a join needs the follower's patience in seconds")
-        gives_up_at = trio.current_time() + patience
+        # (the patience was counted before the joiner dialled us; the call's deadline, after)
+        gives_up_at = min(trio.current_time() + patience, trio.current_effective_deadline() - ANSWER_MARGIN)
         if self.gathering is None and self._would_wait(declaration):
             await self._wait_for_choice(declaration, gives_up_at)
         gathering = self.gathering
@@ -143,10 +149,13 @@ class Joins:
             raise ValueError("the joiner is a round ahead of this group")
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
-            await gathering.closed.wait()
+            with trio.move_on_at(gathering.waits_until(request.peer)):
+                await gathering.closed.wait()
         finally:
             if gathering.formed is None:  # the follower gave up, or its connection died
                 gathering.withdraw(request.peer)
+        if not gathering.closed.is_set():
+            raise ValueError("the group did not form within the joiner's patience")
         if gathering.formed is None or gathering.formed.member(request.peer) is None:
             raise ValueError("the group did not form")
         return gathering.formed.to_wire()

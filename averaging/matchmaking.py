@@ -43,7 +43,6 @@ refused as joiners, and a leader's group that holds one is passed over.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -54,10 +53,11 @@ from peer import ConnectError, ConnectionLost, PeerHost, PeerID, Router, RPCErro
 
 from .cells import Cells, crowd_counts, crowd_wins, sparse_cell
 from .census import Census
-from .following import follow
-from .gathering import ANSWER_MARGIN, MAX_CONFIRMS, Declaration, Gathering, Match
+from .following import LEADER_PATIENCE_SHARE, follow
+from .gathering import MAX_CONFIRMS, Declaration, Gathering, Match
 from .group import MAX_GROUP_SIZE, GroupInfo
 from .joins import Joins
+from .leading import gather
 from .matchmaking_errors import (
     LeaderDeclined,
     LeaderFailed,
@@ -80,7 +80,7 @@ from .matchmaking_rules import (
     view_settled,
 )
 from .retry_pause import FIRST_RETRY_PAUSE, back_off
-from .stragglers import HERE_METHOD, asker, stop_waiting_for_stragglers
+from .stragglers import HERE_METHOD, asker
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
@@ -225,8 +225,9 @@ class Matchmaker:
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
                         confirm, ask = self._leading(me, candidates, target_group_size, min_group_size, unreachable)
+                        known, began = frozenset(candidates), deadline - timeout
                         group = await self.lead(
-                            me, expected, size, min_group_size, deadline, hold_open, confirm, ask, frozenset(candidates)
+                            me, expected, size, min_group_size, deadline, hold_open, confirm, ask, known, began
                         )
                     else:
                         leader = candidates[PeerID(proposal.leader)]
@@ -453,46 +454,17 @@ class Matchmaker:
         confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
         ask: Callable[[PeerID], Awaitable[str | None]] | None = None,
         known: frozenset[PeerID] = frozenset(),
+        began: float | None = None,
     ) -> GroupInfo:
-        """As the elected leader of ``me``'s round: admit joins until the ``expected`` members all
-        asked (and, ``hold_open``, until it is set), the group of ``target`` is full, or the time
-        left to answer the followers runs out; a group of fewer than ``min_size`` raises
-        MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when joiners
-        name members we do not expect; ``ask``: whether a missing member still comes (``stragglers.py``);
-        ``known``: the peers our read found, whose joins for the next round end the wait (``Gathering``;
-        none: they never do). Held open, the wait ends no sooner than ``hold_open`` is set."""
-        gathering = Gathering(me, expected, target, known)
-        self.joins.open(gathering)
-        try:
-            async with trio.open_nursery() as waking:
-                if hold_open is not None:
-                    waking.start_soon(gathering.changed_when(hold_open))
-                if ask is not None:
-                    waking.start_soon(stop_waiting_for_stragglers, gathering, ask)
-                # Wait for the expected members (and, held open, for latecomers), but not for the
-                # whole deadline: leave the followers time to receive the answer and the all-reduce
-                # time to start.
-                while not gathering.full:
-                    answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
-                    if gathering.unconfirmed and confirm is not None and not gathering.overtaken:
-                        found: set[PeerID] = set()
-                        with trio.move_on_at(answer_by):
-                            found = await confirm()
-                        gathering.confirm(found)
-                        continue
-                    if gathering.complete and (hold_open is None or hold_open.is_set()):
-                        break
-                    with trio.move_on_at(answer_by) as scope:
-                        await gathering.changed.wait()
-                    if scope.cancelled_caught:
-                        break
-                waking.cancel_scope.cancel()
-            members = [me, *sorted(gathering.joined.values(), key=lambda d: d.peer_id.to_bytes())]
-            if len(members) < min_size:
-                ahead = ", and the next round's peers ask for us" if gathering.overtaken else ""
-                raise MatchmakingError(f"only {len(members)} peer(s) joined (need {min_size}){ahead}")
-            gathering.formed = GroupInfo(os.urandom(16), tuple(d.member() for d in members))
-            return gathering.formed
-        finally:
-            self.joins.close()
-            gathering.closed.set()
+        """As the elected leader of ``me``'s round, gather a group of ``target`` (``leading.gather``)
+        with the ``expected`` members; fewer than ``min_size`` raises MatchmakingError. ``confirm``:
+        a fresh look at who belongs in the group, taken when joiners name members we do not expect;
+        ``ask``: whether a missing member still comes (``stragglers.py``); ``known``: the peers our
+        read found, whose joins for the next round end the wait (``Gathering``; none: they never
+        do). ``began``: when we began matching for the round (default: now); a joiner we do not
+        expect hurries us no sooner than ``LEADER_PATIENCE_SHARE`` of the time from then to the
+        deadline. Held open, the wait ends no sooner than ``hold_open`` is set."""
+        began = trio.current_time() if began is None else began
+        hurry_from = began + (deadline - began) * LEADER_PATIENCE_SHARE
+        gathering = Gathering(me, expected, target, known, hurry_from)
+        return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask)

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from averaging.gathering import Declaration, Gathering
+from averaging.gathering import ANSWER_MARGIN, Declaration, Gathering
 from averaging.group import AveragingMode
 from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Following, Joins, NotLeading
 from peer import PeerAddress, PeerID
@@ -178,3 +178,48 @@ def test_a_newcomer_leading_round_0_is_never_overtaken():
     for peer in established:
         gathering.passed_by(peer.peer_id, 1)
     assert not gathering.overtaken and not gathering.complete
+
+
+async def test_a_joiner_we_do_not_expect_cannot_hurry_the_group_and_is_refused_before_it_gives_up(autojump_clock):
+    """A join's patience is a claim: one peer joining every leader with a tiny patience would
+    close every group at once, without the members each leader waits for."""
+    me, member, stranger = declaration(1), declaration(2), declaration(3)
+    joins, outcomes = Joins(lambda peer: False), {}
+    hurry_from = trio.current_time() + 4.0
+    gathering = Gathering(me, {member.peer_id}, target=8, hurry_from=hurry_from)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, stranger, 1.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        assert stranger.peer_id in gathering.joined
+        assert gathering.answer_by == hurry_from - ANSWER_MARGIN  # (not its patience: 1.0)
+        await trio.sleep(1.0)
+        # refused just before it gives up, so it reads again rather than passing us over
+        assert outcomes[stranger.peer_id][:2] == ("refused", "the group did not form within the joiner's patience")
+        assert outcomes[stranger.peer_id][2] == pytest.approx(1.0 - ANSWER_MARGIN / 2)
+        assert stranger.peer_id not in gathering.joined and not gathering.closed.is_set()
+        nursery.start_soon(outcome, joins, member, 2.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        # a member we expect is counted: we answer before it gives up
+        assert gathering.answer_by == pytest.approx(trio.current_time() + 2.0 - ANSWER_MARGIN)
+        assert gathering.complete
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_joins_patience_ends_no_later_than_its_call_deadline(autojump_clock):
+    """The joiner counts its patience before it dials; the call's deadline, which its handler
+    runs under, says how much of it the dial left."""
+    me, member = declaration(1), declaration(2)
+    joins = Joins(lambda peer: False)
+    gathering = Gathering(me, {member.peer_id, declaration(3).peer_id}, target=8)
+    joins.open(gathering)
+
+    async def handle_under_the_call_deadline() -> None:
+        with trio.CancelScope(deadline=trio.current_time() + 1.5):  # (as ``peer.rpc`` serves a call)
+            await joins.handle(request(member, 10.0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handle_under_the_call_deadline)
+        await trio.testing.wait_all_tasks_blocked()
+        assert gathering.patience[member.peer_id] == pytest.approx(trio.current_time() + 1.5 - ANSWER_MARGIN)
+        nursery.cancel_scope.cancel()

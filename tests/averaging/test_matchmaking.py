@@ -255,14 +255,54 @@ async def test_a_follower_that_gives_up_is_not_left_in_the_group():
             while not matchmaker.gathering:  # the leader has opened its invitation
                 await trio.sleep(0)
             join = {**declaration(quitter).to_wire(), "patience": 10.0}
-            with trio.move_on_after(0.3):  # the quitter's process dies while waiting for the answer
-                await quitter.call(leader_host.listen_address, "avg.join.p", join)
+            async with trio.open_nursery() as dying:  # its process dies while waiting for the answer
+                dying.start_soon(quitter.call, leader_host.listen_address, "avg.join.p", join)
+                await trio.sleep(0.3)
+                dying.cancel_scope.cancel()
             reply = await stayer.call(
                 leader_host.listen_address, "avg.join.p", {**declaration(stayer).to_wire(), "patience": 10.0}
             )
         members = {m.peer_id for m in result["group"].members}
         assert members == {leader_host.peer_id, stayer.peer_id}
         assert {m[0] for m in reply.body["members"]} == {p.to_bytes() for p in members}
+
+
+async def test_a_stranger_joining_with_a_tiny_patience_does_not_close_the_group_before_its_members_come():
+    """Any peer can join any leader: if its claimed patience counted, one peer joining with a
+    millisecond of it would close every group in the swarm at once, without its members."""
+    from averaging.group import AveragingMode
+    from averaging.matchmaking import Declaration, Matchmaker
+    from peer import Identity, RemoteError, open_peer_host
+
+    async with (
+        open_peer_host(Identity.generate()) as leader_host,
+        open_peer_host(Identity.generate()) as stranger,
+        open_peer_host(Identity.generate()) as member,
+    ):
+        matchmaker = Matchmaker(leader_host, None, "p")
+
+        def declaration(host):
+            return Declaration(host.peer_id, host.listen_address, 1.0, AveragingMode.NODE, "schema", 3)
+
+        result = {}
+
+        async def lead():
+            deadline = trio.current_time() + 4.0
+            result["group"] = await matchmaker.lead(declaration(leader_host), {member.peer_id}, 3, 2, deadline)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lead)
+            while not matchmaker.gathering:
+                await trio.sleep(0)
+            join = {**declaration(stranger).to_wire(), "patience": 0.3}
+            with pytest.raises(RemoteError, match="did not form within the joiner's patience"):
+                await stranger.call(leader_host.listen_address, "avg.join.p", join)
+            await trio.sleep(0.3)
+            assert matchmaker.gathering  # still waiting for the member it expects
+            await member.call(
+                leader_host.listen_address, "avg.join.p", {**declaration(member).to_wire(), "patience": 5.0}
+            )
+        assert {m.peer_id for m in result["group"].members} == {leader_host.peer_id, member.peer_id}
 
 
 async def test_a_leader_left_behind_stops_waiting_once_the_next_round_asks_for_it():
