@@ -33,8 +33,10 @@ from .matchmaking_errors import LeaderDeclined, LeaderFailed, LeaderFollows, Lea
 __all__ = ["LEADER_PATIENCE_SHARE", "MAX_NAMED_DIALS", "MAX_REDIRECTS", "ask_to_join", "follow"]
 
 # A follower gives its leader this share of the time left to answer; an honest leader answers by
-# then with whoever joined (it forms the group before its most impatient follower gives up), and a
-# leader that did not is passed over with the other half left for the next one to gather a group.
+# then with whoever joined (it forms the group before its most impatient follower gives up), or
+# refuses in time a follower it did not expect whose patience ends before this share of its own
+# time (``Gathering.answer_by``); a leader that did neither is passed over with the other half left
+# for the next one to gather a group.
 LEADER_PATIENCE_SHARE = 0.5
 # A leader's leader may follow a third (views differ in more than one place; chains of four were
 # seen among 128 peers): at most this many hops, then we read the declarations again as after any

@@ -17,10 +17,11 @@ from .group import MAX_GROUP_SIZE, AveragingMode, GroupInfo, GroupMember, is_cou
 __all__ = ["Declaration", "Match", "Gathering", "joiner_view", "ANSWER_MARGIN", "MAX_CONFIRMS", "OVERTAKEN_BY"]
 
 # A leader answers this long before its own deadline or a follower's, the follower's counted from
-# when its join arrived; the follower listens this long past its patience, counted from when it
-# asked. Between them the two margins must hold the join's way there and the answer's way back:
-# a round trip of up to twice this (antipodes: ~0.35 s); with less, a follower far away gives up
-# just before the answer comes, while the leader forms the group with a member that is gone.
+# when its join arrived (and no later than the call's deadline: ``joins.py``); the follower listens
+# this long past its patience, counted from when it asked. Between them the two margins must hold
+# the join's way there and the answer's way back: a round trip of up to twice this (antipodes:
+# ~0.35 s); with less, a follower far away gives up just before the answer comes, while the leader
+# forms the group with a member that is gone.
 ANSWER_MARGIN = 0.25
 # A leader re-reads the declarations at most this many times a round because joiners named members
 # it does not expect: an honest view that missed a declaration needs one, and a joiner that names
@@ -35,7 +36,9 @@ MAX_CONFIRMS = 2
 # (``known``), each once, and only for the very next round: an honest reader one round ahead elects
 # a leader a round behind (``in_reach``), nobody further ahead does. A newcomer's round 0 has no
 # next round (established peers of any round elect it): asks never overtake it. Two such peers can
-# close the gathering early (the group forms with whoever joined).
+# close the gathering early (the group forms with whoever joined); one member the leader expects can
+# too, by joining with little patience, since the leader answers before its most impatient expected
+# follower gives up (a joiner it does not expect, no sooner than ``Gathering.hurry_from``).
 OVERTAKEN_BY = 2
 
 
@@ -126,10 +129,24 @@ class Gathering:
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
 
+    def has_place(self, peer: PeerID) -> bool:
+        """Whether ``peer`` may join now. Until ``hurry_from``, a joiner we do not expect takes
+        only a place no expected member still needs: a place is a claim too, and strangers (any
+        identity, no declaration needed) filling the group would close it at once (``full``)
+        without the members it is for. An expected member that has not come by then is unlikely
+        to, and a stranger may take its place."""
+        if self.formed is not None or self.full:
+            return False
+        kept = peer not in self.expected and trio.current_time() < self.hurry_from
+        return not kept or len(self.joined) + 1 + len(self.missing) < self.target
+
     def admit(self, declaration: Declaration, gives_up_at: float, view: Iterable[PeerID] = ()) -> None:
-        """``view``: the members the joiner's own read put in this group."""
-        if self.formed is not None or len(self.joined) + 1 >= self.target:
+        """``view``: the members the joiner's own read put in this group (``has_place`` must
+        hold)."""
+        if self.formed is not None or self.full:
             raise ValueError("group is already full or formed")
+        if not self.has_place(declaration.peer_id):
+            raise ValueError("the group's places left are kept for the members it expects")
         self.joined[declaration.peer_id] = declaration
         self.patience[declaration.peer_id] = gives_up_at
         accounted = self.expected | self.joined.keys() | self._looked_up | {self.me.peer_id}
@@ -176,6 +193,11 @@ class Gathering:
             self.patience.pop(peer, None)
             self._changed()
 
+    def close(self) -> None:
+        """The leader answered (``formed``) or gave up: joins waiting on us look again."""
+        self.closed.set()
+        self._changed()
+
     def _changed(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
@@ -186,17 +208,28 @@ class Gathering:
         not expect hurries us no sooner than ``hurry_from``. Its patience is a claim: without the
         floor, one peer anywhere in the swarm joining every leader with a patience of a millisecond
         would close every group at once, without the members each leader waits for. An honest
-        joiner that began matching when we did gives up no sooner than that (``hurry_from``:
-        ``LEADER_PATIENCE_SHARE`` of our time), and one that would is told so (``waits_until``)."""
+        joiner that began matching when we did, with our timeout, gives up no sooner than that
+        (``hurry_from``: ``LEADER_PATIENCE_SHARE`` of our time); one whose deadline comes earlier
+        (it began earlier, or gave itself less time) may give up first, and is told so in time
+        to read the declarations again (``waits_until``). From ``hurry_from`` on, any joiner's
+        patience counts."""
         expected = min((t for peer, t in self.patience.items() if peer in self.expected), default=math.inf)
         others = min((t for peer, t in self.patience.items() if peer not in self.expected), default=math.inf)
         return min(expected, max(others, self.hurry_from)) - ANSWER_MARGIN
 
     def waits_until(self, peer: PeerID) -> float:
         """How long ``peer``'s join waits for the group to form: until just before it gives up on
-        us. A joiner whose patience ``answer_by`` counts is answered by then; one it does not is
-        refused then, and reads the declarations again instead of passing us over."""
-        return self.patience.get(peer, math.inf) - ANSWER_MARGIN / 2
+        us. A joiner whose patience ``answer_by`` counts is answered by then (ANSWER_MARGIN before
+        it gives up; its join waits a little longer); one it does not count is refused as early as
+        it would have been answered, and reads the declarations again instead of passing us over."""
+        gives_up_at = self.patience.get(peer, math.inf)
+        counted = peer in self.expected or gives_up_at >= self.hurry_from
+        return gives_up_at - (ANSWER_MARGIN / 2 if counted else ANSWER_MARGIN)
+
+    @property
+    def missing(self) -> set[PeerID]:
+        """The expected members that have not joined."""
+        return self.expected - self.joined.keys()
 
     @property
     def full(self) -> bool:

@@ -24,13 +24,16 @@ read of the declarations catches us up.
 
 An admitted join waits for the group until just before its peer gives up on us: its patience, as
 the joiner counted it, ends no later than the call's own deadline (the joiner counted it before it
-dialled). A joiner the leader does not expect cannot hurry the group (``Gathering.answer_by``); if
-the group has not formed by then, it is refused, and reads the declarations again.
+dialled). A joiner the leader does not expect hurries the group no sooner than halfway through the
+leader's time (``Gathering.answer_by``), and until then waits for a place no expected member still
+needs (``Gathering.has_place``); if the group has not formed by the time it gives up, it is refused
+in time to read the declarations again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import trio
 
@@ -42,11 +45,12 @@ from .stragglers import HERE_METHOD, here_answer
 
 __all__ = ["FOLLOWING", "Following", "JOIN_METHOD", "Joins", "MAX_WAITING_JOINS", "NOT_LEADING", "NotLeading"]
 
-# No more joins than one group's members wait for our choice: an honest swarm sends us at most
-# the followers of one group.
+# No more joins than one group's members wait for our choice, or for a place in our group: an
+# honest swarm sends us at most the followers of one group.
 MAX_WAITING_JOINS = MAX_GROUP_SIZE
-# A join admitted with less patience left than this could not see the group form: the leader
-# answers ANSWER_MARGIN before the most impatient follower gives up.
+# A join that waited for our choice and has less patience left than this could not see the group
+# form: the leader answers ANSWER_MARGIN before the most impatient follower gives up. (A join that
+# finds us leading is admitted with what it has: an expected member's patience hurries the group.)
 MIN_PATIENCE_LEFT = 2 * ANSWER_MARGIN
 
 
@@ -147,6 +151,8 @@ class Joins:
         if declaration.round > gathering.me.round:
             gathering.passed_by(request.peer, declaration.round)  # (the swarm may have moved on)
             raise ValueError("the joiner is a round ahead of this group")
+        if not gathering.has_place(request.peer):
+            await self._wait_for_place(gathering, request.peer, gives_up_at)
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
             with trio.move_on_at(gathering.waits_until(request.peer)):
@@ -170,15 +176,28 @@ class Joins:
         return me is not None and joiner.schema == me.schema and joiner.round <= me.round
 
     async def _wait_for_choice(self, joiner: Declaration, gives_up_at: float) -> None:
-        if joiner.peer_id in self._waiting or len(self._waiting) >= MAX_WAITING_JOINS:
-            raise ValueError("too many joins wait for this peer to choose its role")
-        self._waiting.add(joiner.peer_id)
-        try:
-            with trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
-                # (woken by a catch-up to a newer round too: still choosing, so wait on)
-                while self.gathering is None and self._would_wait(joiner):
-                    await self._chosen.wait()
-        finally:
-            self._waiting.discard(joiner.peer_id)
+        with self._waits(joiner.peer_id), trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
+            # (woken by a catch-up to a newer round too: still choosing, so wait on)
+            while self.gathering is None and self._would_wait(joiner):
+                await self._chosen.wait()
         if gives_up_at - trio.current_time() <= MIN_PATIENCE_LEFT:  # (the wait above ended there)
             raise ValueError("the join's patience ran out while this peer chose its role")
+
+    async def _wait_for_place(self, gathering: Gathering, joiner: PeerID, gives_up_at: float) -> None:
+        """A joiner we do not expect waits for a place (``Gathering.has_place``): until a missing
+        member is found not coming, or halfway through our time; refused before it would give up
+        (``admit``), it reads the declarations again."""
+        with self._waits(joiner), trio.move_on_at(min(gathering.hurry_from, gives_up_at - MIN_PATIENCE_LEFT)):
+            while gathering.formed is None and not (gathering.full or gathering.has_place(joiner)):
+                await gathering.changed.wait()
+
+    @contextmanager
+    def _waits(self, joiner: PeerID) -> Iterator[None]:
+        """One waiting join per peer, MAX_WAITING_JOINS in all."""
+        if joiner in self._waiting or len(self._waiting) >= MAX_WAITING_JOINS:
+            raise ValueError("too many joins wait on this peer")
+        self._waiting.add(joiner)
+        try:
+            yield
+        finally:
+            self._waiting.discard(joiner)

@@ -68,4 +68,4 @@ async def gather(
         return gathering.formed
     finally:
         joins.close()
-        gathering.closed.set()
+        gathering.close()

@@ -1,7 +1,8 @@
 """A leader's expected members that do not come: asked whether they still match for the round.
 
 A leader waits for every member its read of the declarations put in its group, until its most
-impatient follower gives up (half the time the follower had left), or until peers of the next
+impatient follower gives up (half the time the follower had left; a follower it does not expect,
+no sooner than halfway through its own time: ``Gathering.answer_by``), or until peers of the next
 round ask it to lead that one (``Gathering.overtaken``). A member whose machine went off
 after it declared never comes, and neither does one that has its group for the round already (its
 own read put it in another: views differ by a declaration); each cost its group that whole wait (in

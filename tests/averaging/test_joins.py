@@ -93,7 +93,7 @@ async def test_only_joins_we_could_admit_wait_and_no_more_than_a_group_of_them(a
         nursery.start_soon(outcome, joins, declaration(99), 5.0, outcomes)  # one too many
         nursery.start_soon(outcome, joins, waiting[0], 5.0, outcomes)  # the same peer twice
         await trio.sleep(0.1)
-        too_many = "too many joins wait for this peer to choose its role"
+        too_many = "too many joins wait on this peer"
         assert [result[1] for result in outcomes.values()] == [too_many] * 2
         joins.choosing(None)
     assert len(outcomes) == MAX_WAITING_JOINS + 1
@@ -180,7 +180,9 @@ def test_a_newcomer_leading_round_0_is_never_overtaken():
     assert not gathering.overtaken and not gathering.complete
 
 
-async def test_a_joiner_we_do_not_expect_cannot_hurry_the_group_and_is_refused_before_it_gives_up(autojump_clock):
+async def test_a_joiner_we_do_not_expect_hurries_the_group_no_sooner_than_halfway_and_is_refused_in_time(
+    autojump_clock,
+):
     """A join's patience is a claim: one peer joining every leader with a tiny patience would
     close every group at once, without the members each leader waits for."""
     me, member, stranger = declaration(1), declaration(2), declaration(3)
@@ -196,7 +198,7 @@ async def test_a_joiner_we_do_not_expect_cannot_hurry_the_group_and_is_refused_b
         await trio.sleep(1.0)
         # refused just before it gives up, so it reads again rather than passing us over
         assert outcomes[stranger.peer_id][:2] == ("refused", "the group did not form within the joiner's patience")
-        assert outcomes[stranger.peer_id][2] == pytest.approx(1.0 - ANSWER_MARGIN / 2)
+        assert outcomes[stranger.peer_id][2] == pytest.approx(1.0 - ANSWER_MARGIN)  # (as early as an answer)
         assert stranger.peer_id not in gathering.joined and not gathering.closed.is_set()
         nursery.start_soon(outcome, joins, member, 2.0, outcomes)
         await trio.testing.wait_all_tasks_blocked()
@@ -222,4 +224,44 @@ async def test_a_joins_patience_ends_no_later_than_its_call_deadline(autojump_cl
         nursery.start_soon(handle_under_the_call_deadline)
         await trio.testing.wait_all_tasks_blocked()
         assert gathering.patience[member.peer_id] == pytest.approx(trio.current_time() + 1.5 - ANSWER_MARGIN)
+        nursery.cancel_scope.cancel()
+
+
+async def test_until_halfway_joiners_we_do_not_expect_wait_for_places_no_expected_member_needs(autojump_clock):
+    """A place is a claim too: strangers (any identity) filling the group would close it at once
+    (``full``) without the members it is for."""
+    me, first, second = declaration(1), declaration(2), declaration(3)
+    strangers = [declaration(number) for number in (7, 8, 9)]
+    joins, outcomes = Joins(lambda peer: False), {}
+    hurry_from = trio.current_time() + 4.0
+    gathering = Gathering(me, {first.peer_id, second.peer_id}, target=4, hurry_from=hurry_from)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        for stranger in strangers:
+            nursery.start_soon(outcome, joins, stranger, 9.0, outcomes)
+            await trio.testing.wait_all_tasks_blocked()
+        assert set(gathering.joined) == {strangers[0].peer_id}  # the one place the expected leave
+        nursery.start_soon(outcome, joins, first, 9.0, outcomes)
+        await trio.sleep(1.0)
+        assert set(gathering.joined) == {strangers[0].peer_id, first.peer_id} and not gathering.full
+        gathering.not_coming(second.peer_id)  # (it has its group elsewhere: its place is free)
+        await trio.testing.wait_all_tasks_blocked()
+        assert gathering.full and len(gathering.joined.keys() & {s.peer_id for s in strangers[1:]}) == 1
+        late = next(s for s in strangers[1:] if s.peer_id not in gathering.joined)
+        assert outcomes[late.peer_id][:2] == ("refused", "group is already full or formed")
+        nursery.cancel_scope.cancel()
+
+
+async def test_from_halfway_a_joiner_we_do_not_expect_takes_a_missing_members_place(autojump_clock):
+    me, first, stranger = declaration(1), declaration(2), declaration(7)
+    joins, outcomes = Joins(lambda peer: False), {}
+    hurry_from = trio.current_time() + 4.0
+    gathering = Gathering(me, {first.peer_id}, target=2, hurry_from=hurry_from)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, stranger, 9.0, outcomes)
+        await trio.sleep(3.9)
+        assert not gathering.joined and outcomes == {}
+        await trio.sleep(0.2)
+        assert set(gathering.joined) == {stranger.peer_id} and gathering.full
         nursery.cancel_scope.cancel()
