@@ -129,21 +129,32 @@ class Gathering:
         self.formed: GroupInfo | None = None
         self.closed = trio.Event()
 
+    @property
+    def accepting(self) -> bool:
+        """Whether joins may still be admitted: the leader has not answered, given up or filled
+        the group."""
+        return self.formed is None and not self.closed.is_set() and not self.full
+
     def has_place(self, peer: PeerID) -> bool:
-        """Whether ``peer`` may join now. Until ``hurry_from``, a joiner we do not expect takes
-        only a place no expected member still needs: a place is a claim too, and strangers (any
-        identity, no declaration needed) filling the group would close it at once (``full``)
-        without the members it is for. An expected member that has not come by then is unlikely
-        to, and a stranger may take its place."""
-        if self.formed is not None or self.full:
+        """Whether ``peer`` may join now. A joiner we do not expect takes only a place that no
+        expected member still needs, nor one a joiner named that our confirming read may come to
+        expect: a place is a claim too, and strangers (any identity, no declaration needed)
+        filling the group would close it at once (``full``) without the members it is for. From
+        ``hurry_from`` on, a missing member is unlikely to come, and a joiner whose declaration
+        our read found (``known``) may take its place."""
+        if not self.accepting:
             return False
-        kept = peer not in self.expected and trio.current_time() < self.hurry_from
-        return not kept or len(self.joined) + 1 + len(self.missing) < self.target
+        if peer in self.expected:
+            return True
+        room = len(self.joined) + 1 + len(self.missing | self.unconfirmed) < self.target
+        return room or (peer in self.known and trio.current_time() >= self.hurry_from)
 
     def admit(self, declaration: Declaration, gives_up_at: float, view: Iterable[PeerID] = ()) -> None:
         """``view``: the members the joiner's own read put in this group (``has_place`` must
         hold)."""
-        if self.formed is not None or self.full:
+        if self.closed.is_set() and self.formed is None:
+            raise ValueError("not gathering a group now")
+        if not self.accepting:
             raise ValueError("group is already full or formed")
         if not self.has_place(declaration.peer_id):
             raise ValueError("the group's places left are kept for the members it expects")
@@ -205,14 +216,14 @@ class Gathering:
     @property
     def answer_by(self) -> float:
         """Form the group before the most impatient follower gives up on us; but a joiner we do
-        not expect hurries us no sooner than ``hurry_from``. Its patience is a claim: without the
-        floor, one peer anywhere in the swarm joining every leader with a patience of a millisecond
-        would close every group at once, without the members each leader waits for. An honest
-        joiner that began matching when we did, with our timeout, gives up no sooner than that
-        (``hurry_from``: ``LEADER_PATIENCE_SHARE`` of our time); one whose deadline comes earlier
-        (it began earlier, or gave itself less time) may give up first, and is told so in time
-        to read the declarations again (``waits_until``). From ``hurry_from`` on, any joiner's
-        patience counts."""
+        not expect hurries us no sooner than ``hurry_from`` (we answer ANSWER_MARGIN before it).
+        Its patience is a claim: without the floor, one peer anywhere in the swarm joining every
+        leader with a patience of a millisecond would close every group at once, without the
+        members each leader waits for. An honest joiner that began matching when we did, with our
+        timeout, gives up no sooner than that (``hurry_from``: ``LEADER_PATIENCE_SHARE`` of our
+        time); one whose deadline comes earlier (it began earlier, or gave itself less time) may
+        give up first, and is told so in time to read the declarations again (``waits_until``).
+        From ``hurry_from`` on, any joiner's patience counts."""
         expected = min((t for peer, t in self.patience.items() if peer in self.expected), default=math.inf)
         others = min((t for peer, t in self.patience.items() if peer not in self.expected), default=math.inf)
         return min(expected, max(others, self.hurry_from)) - ANSWER_MARGIN

@@ -25,9 +25,10 @@ read of the declarations catches us up.
 An admitted join waits for the group until just before its peer gives up on us: its patience, as
 the joiner counted it, ends no later than the call's own deadline (the joiner counted it before it
 dialled). A joiner the leader does not expect hurries the group no sooner than halfway through the
-leader's time (``Gathering.answer_by``), and until then waits for a place no expected member still
-needs (``Gathering.has_place``); if the group has not formed by the time it gives up, it is refused
-in time to read the declarations again.
+leader's time (``Gathering.answer_by``), and waits for a place no expected member still needs
+(``Gathering.has_place``; from halfway on, one whose declaration the leader's read found may take a
+missing member's). Refused before it gives up, it reads the declarations again. Joins that wait for
+a place are bounded as those that wait for our choice are, each on their own.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Joins:
         self.gathering: Gathering | None = None
         self._choosing: Declaration | None = None
         self._chosen = trio.Event()
-        self._waiting: set[PeerID] = set()
+        self._waiting: set[PeerID] = set()  # joins waiting for our choice
+        self._placing: set[PeerID] = set()  # joins waiting for a place in our group
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
         self._following: tuple[str, int] | None = None  # the address of the leader we elected, the round
 
@@ -155,8 +157,10 @@ class Joins:
             await self._wait_for_place(gathering, request.peer, gives_up_at)
         gathering.admit(declaration, gives_up_at, joiner_view(request.body.get("view")))
         try:
-            with trio.move_on_at(gathering.waits_until(request.peer)):
-                await gathering.closed.wait()
+            # (a confirming read may come to expect the joiner meanwhile: then its patience counts)
+            while not gathering.closed.is_set() and trio.current_time() < gathering.waits_until(request.peer):
+                with trio.move_on_at(gathering.waits_until(request.peer)):
+                    await gathering.closed.wait()
         finally:
             if gathering.formed is None:  # the follower gave up, or its connection died
                 gathering.withdraw(request.peer)
@@ -176,7 +180,7 @@ class Joins:
         return me is not None and joiner.schema == me.schema and joiner.round <= me.round
 
     async def _wait_for_choice(self, joiner: Declaration, gives_up_at: float) -> None:
-        with self._waits(joiner.peer_id), trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
+        with self._waits(joiner.peer_id, self._waiting), trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
             # (woken by a catch-up to a newer round too: still choosing, so wait on)
             while self.gathering is None and self._would_wait(joiner):
                 await self._chosen.wait()
@@ -185,19 +189,21 @@ class Joins:
 
     async def _wait_for_place(self, gathering: Gathering, joiner: PeerID, gives_up_at: float) -> None:
         """A joiner we do not expect waits for a place (``Gathering.has_place``): until a missing
-        member is found not coming, or halfway through our time; refused before it would give up
-        (``admit``), it reads the declarations again."""
-        with self._waits(joiner), trio.move_on_at(min(gathering.hurry_from, gives_up_at - MIN_PATIENCE_LEFT)):
-            while gathering.formed is None and not (gathering.full or gathering.has_place(joiner)):
-                await gathering.changed.wait()
+        member is found not coming, or (a joiner our read found) halfway through our time; refused
+        before it would give up (``admit``), it reads the declarations again."""
+        if gathering.accepting:
+            waits_until = min(gathering.hurry_from, gives_up_at - MIN_PATIENCE_LEFT)
+            with self._waits(joiner, self._placing), trio.move_on_at(waits_until):
+                while gathering.accepting and not gathering.has_place(joiner):
+                    await gathering.changed.wait()
 
     @contextmanager
-    def _waits(self, joiner: PeerID) -> Iterator[None]:
-        """One waiting join per peer, MAX_WAITING_JOINS in all."""
-        if joiner in self._waiting or len(self._waiting) >= MAX_WAITING_JOINS:
+    def _waits(self, joiner: PeerID, waiting: set[PeerID]) -> Iterator[None]:
+        """One join per peer in ``waiting``, MAX_WAITING_JOINS in all."""
+        if joiner in waiting or len(waiting) >= MAX_WAITING_JOINS:
             raise ValueError("too many joins wait on this peer")
-        self._waiting.add(joiner)
+        waiting.add(joiner)
         try:
             yield
         finally:
-            self._waiting.discard(joiner)
+            waiting.discard(joiner)

@@ -23,6 +23,8 @@ Catalogue (the rows of the table):
                         foreign endpoints 4 times each in every find reply: the dials each one gets
   fake_leader           a signed declaration that sorts first, of a leader that never serves a join
                         (client mode, or silent): the rounds it fails, the times it is tried
+  group_closers         an attacker asks every leader to admit it, every round: with little patience,
+                        or as fresh identities filling the group's places
   small_group           a liar alone with an honest peer sends 1e30, or claims a weight of 2**40:
                         how far it moves the honest peer against twice the peer's own update
   unread_replies        40 finds of a 15 MiB dictionary over one connection, none of them read
@@ -34,7 +36,7 @@ Catalogue (the rows of the table):
                         20 of them near a key (measured at the run's difficulty, estimated at the
                         public default; key grinding, what an ID cost before the puzzle, as baseline)
 
-fake_leader and small_group attack averagers embedded in this process (a script's ``GroupAverager``
+fake_leader, group_closers and small_group attack averagers embedded in this process (a script's ``GroupAverager``
 on its own DHT node, over TCP, the bootstrap target their DHT); contact_reflection's victims are the
 operator's ``peerd dht`` commands; every other case attacks a ``peerd join`` process (a bootstrap
 peer, a training peer, or one that also hosts an expert).
@@ -75,7 +77,17 @@ if sys.version_info < (3, 11):  # pragma: no cover
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hostile_cases import admission, averaging, contacts, crash, memory, pins, records, sybil  # noqa: E402
+from benchmarks.hostile_cases import (  # noqa: E402
+    admission,
+    averaging,
+    contacts,
+    crash,
+    group_closers,
+    memory,
+    pins,
+    records,
+    sybil,
+)
 from benchmarks.hostile_cases.bench import Bench, Outcome, Settings  # noqa: E402
 from benchmarks.hostile_cases.target import reap_all  # noqa: E402
 
@@ -92,6 +104,7 @@ CASES = [
     ("store_flood", records.store_flood),
     ("contact_reflection", contacts.contact_reflection),
     ("fake_leader", averaging.fake_leader),
+    ("group_closers", group_closers.group_closers),
     ("small_group", averaging.small_group),
     ("unread_replies", pins.unread_replies),
     ("credit_overshoot", memory.credit_overshoot),

@@ -13,6 +13,7 @@ import trio.testing
 from averaging.gathering import ANSWER_MARGIN, Declaration, Gathering
 from averaging.group import AveragingMode
 from averaging.joins import MAX_WAITING_JOINS, MIN_PATIENCE_LEFT, Following, Joins, NotLeading
+from averaging.leading import gather
 from peer import PeerAddress, PeerID
 
 
@@ -252,16 +253,76 @@ async def test_until_halfway_joiners_we_do_not_expect_wait_for_places_no_expecte
         nursery.cancel_scope.cancel()
 
 
-async def test_from_halfway_a_joiner_we_do_not_expect_takes_a_missing_members_place(autojump_clock):
-    me, first, stranger = declaration(1), declaration(2), declaration(7)
+async def test_from_halfway_a_joiner_our_read_found_takes_a_missing_members_place(autojump_clock):
+    me, first, second = declaration(1), declaration(2), declaration(3)
+    declared, unknown, impatient = declaration(7), declaration(8), declaration(9)
     joins, outcomes = Joins(lambda peer: False), {}
     hurry_from = trio.current_time() + 4.0
-    gathering = Gathering(me, {first.peer_id}, target=2, hurry_from=hurry_from)
+    expected, known = {first.peer_id, second.peer_id}, frozenset({declared.peer_id})
+    gathering = Gathering(me, expected, target=3, known=known, hurry_from=hurry_from)
     joins.open(gathering)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(outcome, joins, stranger, 9.0, outcomes)
+        for joiner, patience in [(impatient, 3.0), (unknown, 9.0), (declared, 9.0)]:
+            nursery.start_soon(outcome, joins, joiner, patience, outcomes)
         await trio.sleep(3.9)
-        assert not gathering.joined and outcomes == {}
+        assert not gathering.joined
+        kept = "the group's places left are kept for the members it expects"
+        # (refused before it gives up, it reads again)
+        assert outcomes == {impatient.peer_id: ("refused", kept, 3.0 - MIN_PATIENCE_LEFT)}
         await trio.sleep(0.2)
-        assert set(gathering.joined) == {stranger.peer_id} and gathering.full
+        # an identity our read did not find never takes a member's place
+        assert set(gathering.joined) == {declared.peer_id}
+        assert outcomes[unknown.peer_id] == ("refused", kept, 4.0)
         nursery.cancel_scope.cancel()
+
+
+async def test_joins_waiting_for_a_place_leave_when_the_leader_gives_up(autojump_clock):
+    """A join must not hold its place in the line (or be admitted) once the gathering is over."""
+    me, member = declaration(1), declaration(2)
+    strangers = [declaration(100 + number) for number in range(MAX_WAITING_JOINS)]
+    joins, outcomes = Joins(lambda peer: False), {}
+    gathering = Gathering(me, {member.peer_id}, target=2, hurry_from=trio.current_time() + 30.0)
+    joins.open(gathering)
+    async with trio.open_nursery() as nursery:
+        for stranger in strangers:
+            nursery.start_soon(outcome, joins, stranger, 60.0, outcomes)
+        await trio.sleep(1.0)
+        joins.close()  # the leader gave up (as ``leading.gather`` does)
+        gathering.close()
+        await trio.testing.wait_all_tasks_blocked()
+        assert {outcomes[s.peer_id][1:] for s in strangers} == {("not gathering a group now", 1.0)}
+        joins.choosing(me)  # it reads again and chooses anew: an honest join waits for the choice
+        nursery.start_soon(outcome, joins, member, 10.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        assert member.peer_id not in outcomes and not gathering.joined
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_joined_stranger_that_a_confirming_read_comes_to_expect_is_answered_in_time(autojump_clock):
+    me, namer, named, other = declaration(1), declaration(2), declaration(3), declaration(4)
+    joins, outcomes, result = Joins(lambda peer: False), {}, {}
+    gathering = Gathering(me, {namer.peer_id, other.peer_id}, target=8, hurry_from=trio.current_time() + 10.0)
+
+    async def confirm() -> set:
+        await trio.sleep(0.2)  # (a read of the declarations)
+        return {named.peer_id}
+
+    async def join(joiner, patience, view) -> None:
+        body = {**joiner.to_wire(), "patience": patience, "view": [peer.to_bytes() for peer in view]}
+        try:
+            reply = await joins.handle(types.SimpleNamespace(peer=joiner.peer_id, body=body))
+            outcomes[joiner.peer_id] = ("admitted", len(reply["members"]))
+        except ValueError as error:
+            outcomes[joiner.peer_id] = ("refused", str(error))
+
+    async def lead() -> None:
+        result["group"] = await gather(joins, gathering, 2, trio.current_time() + 20.0, confirm=confirm)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lead)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(join, namer, 9.0, [named.peer_id])  # its view names a member we missed
+        await trio.sleep(0.1)  # (while the leader confirms, the named member joins)
+        nursery.start_soon(join, named, 1.0, [])
+    # once expected, its patience counts: the group forms in time for it
+    assert outcomes == {namer.peer_id: ("admitted", 3), named.peer_id: ("admitted", 3)}
