@@ -43,7 +43,7 @@ refused as joiners, and a leader's group that holds one is passed over.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 
 import trio
@@ -181,7 +181,7 @@ class Matchmaker:
         settle_time: float | None,
         hold_open: trio.Event | None,
     ) -> Match:
-        deadline = trio.current_time() + timeout
+        deadline = (began := trio.current_time()) + timeout
         own_round = me.round
         self._confirms_left, self._matched_elsewhere, self._named_dials = MAX_CONFIRMS, set(), set()
         self.joins.choosing(me)
@@ -225,9 +225,8 @@ class Matchmaker:
                         # the grid's ragged edge merges a small group into its neighbour: room for all
                         size = min(MAX_GROUP_SIZE, max(target_group_size, len(proposal.members)))
                         confirm, ask = self._leading(me, candidates, target_group_size, min_group_size, unreachable)
-                        known, began = frozenset(candidates), deadline - timeout
                         group = await self.lead(
-                            me, expected, size, min_group_size, deadline, hold_open, confirm, ask, known, began
+                            me, expected, size, min_group_size, deadline, hold_open, confirm, ask, candidates, began
                         )
                     else:
                         leader = candidates[PeerID(proposal.leader)]
@@ -453,7 +452,7 @@ class Matchmaker:
         hold_open: trio.Event | None = None,
         confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
         ask: Callable[[PeerID], Awaitable[str | None]] | None = None,
-        known: frozenset[PeerID] = frozenset(),
+        known: Iterable[PeerID] = (),
         began: float | None = None,
     ) -> GroupInfo:
         """As the elected leader of ``me``'s round, gather a group of ``target`` (``leading.gather``)
@@ -466,5 +465,5 @@ class Matchmaker:
         deadline. Held open, the wait ends no sooner than ``hold_open`` is set."""
         began = trio.current_time() if began is None else began
         hurry_from = began + (deadline - began) * LEADER_PATIENCE_SHARE
-        gathering = Gathering(me, expected, target, known, hurry_from)
+        gathering = Gathering(me, expected, target, frozenset(known), hurry_from)
         return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask)
