@@ -146,7 +146,7 @@ class Gathering:
             return False
         if peer in self.expected:
             return True
-        room = len(self.joined) + 1 + len(self.missing | self.unconfirmed) < self.target
+        room = len(self.joined) + 1 + len((self.missing | self.unconfirmed) - {peer}) < self.target
         return room or (peer in self.known and trio.current_time() >= self.hurry_from)
 
     def admit(self, declaration: Declaration, gives_up_at: float, view: Iterable[PeerID] = ()) -> None:

@@ -47,10 +47,11 @@ async def gather(
                 waking.start_soon(stop_waiting_for_stragglers, gathering, ask)
             while not gathering.full:
                 answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
-                if gathering.unconfirmed and confirm is not None and not gathering.overtaken:
+                if gathering.unconfirmed:  # (settled by a read, or unread: the places they hold free up)
                     found: set[PeerID] = set()
-                    with trio.move_on_at(answer_by):
-                        found = await confirm()
+                    if confirm is not None and not gathering.overtaken:
+                        with trio.move_on_at(answer_by):
+                            found = await confirm()
                     gathering.confirm(found)
                     continue
                 if gathering.complete and (hold_open is None or hold_open.is_set()):

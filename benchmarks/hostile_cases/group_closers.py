@@ -32,7 +32,15 @@ from .target import RUN_ID
 
 HONEST = 4
 MATCHMAKING_S = 3.0
-ATTACK_POLL_S = 0.05  # how often the attacker reads the declarations and asks every leader again
+ATTACK_POLL_S = 0.05
+# Refusals that only a leader gathering its group gives: the attack reached the rules it attacks.
+AT_A_GATHERING = {
+    "the group's places left are kept for the members it expects",
+    "too many joins wait on this peer",
+    "group is already full or formed",
+    "the group did not form within the joiner's patience",
+    "the group did not form",
+}  # how often the attacker reads the declarations and asks every leader again
 
 
 async def group_closers(bench: Bench, out: Outcome) -> None:
@@ -52,8 +60,9 @@ async def group_closers(bench: Bench, out: Outcome) -> None:
             )
             if harmed:
                 out.exceeded.append(f"{attack}: {harmed} rounds formed without all honest peers (bound 0)")
-            if asks == 0:
-                out.notes.append(f"{attack}: no join asked: the attack did not reach matchmaking")
+            reached = counts["admitted"] + sum(n for why, n in counts["refusals"].items() if why in AT_A_GATHERING)
+            if reached == 0:
+                out.notes.append(f"{attack}: no join reached a gathering: the attack did not reach matchmaking")
 
 
 async def _rounds_under_attack(boot, attack: str, patience: float, identities: int, rounds: int):

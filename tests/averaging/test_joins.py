@@ -326,3 +326,34 @@ async def test_a_joined_stranger_that_a_confirming_read_comes_to_expect_is_answe
         nursery.start_soon(join, named, 1.0, [])
     # once expected, its patience counts: the group forms in time for it
     assert outcomes == {namer.peer_id: ("admitted", 3), named.peer_id: ("admitted", 3)}
+
+
+def test_a_joiner_named_for_a_confirming_read_counts_its_own_kept_place():
+    me, first, second, named = declaration(1), declaration(2), declaration(3), declaration(9)
+    gathering = Gathering(me, {first.peer_id, second.peer_id}, target=4, hurry_from=10.0**9)
+    gathering.admit(first, 10.0, [me.peer_id, first.peer_id, second.peer_id, named.peer_id])
+    assert gathering.unconfirmed == {named.peer_id} and gathering.has_place(named.peer_id)
+    assert not gathering.has_place(declaration(10).peer_id)  # (its place is kept for the named)
+
+
+async def test_names_no_read_will_settle_hold_no_places(autojump_clock):
+    """A joiner's view may name made-up members; a leader that cannot confirm them (no read to
+    take) must not keep places for them."""
+    me, first, second, stranger = declaration(1), declaration(2), declaration(3), declaration(7)
+    made_up = [declaration(100 + number).peer_id for number in range(10)]
+    joins, outcomes = Joins(lambda peer: False), {}
+    gathering = Gathering(me, {first.peer_id, second.peer_id}, target=4, hurry_from=trio.current_time() + 10.0)
+
+    async def join_naming(joiner, view) -> None:
+        body = {**joiner.to_wire(), "patience": 9.0, "view": [peer.to_bytes() for peer in view]}
+        await joins.handle(types.SimpleNamespace(peer=joiner.peer_id, body=body))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gather, joins, gathering, 2, trio.current_time() + 20.0)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(join_naming, first, made_up)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(outcome, joins, stranger, 9.0, outcomes)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not gathering.unconfirmed and set(gathering.joined) == {first.peer_id, stranger.peer_id}
+        nursery.cancel_scope.cancel()
