@@ -86,6 +86,8 @@ class Joins:
         self._choosing: Declaration | None = None
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()  # joins waiting for our choice
+        # set once a join waits for our choice in this attempt to match (``Matchmaker._settle``)
+        self.asked_to_lead = trio.Event()
         self._placing: set[PeerID] = set()  # joins waiting for a place in our group
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
         self._following: tuple[str, int] | None = None  # the address of the leader we elected, the round
@@ -106,6 +108,8 @@ class Joins:
     def choosing(self, me: Declaration | None) -> None:
         """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
         joins that wait for the choice look again."""
+        if me is not None and (self._choosing is None or self._choosing.round != me.round):
+            self.asked_to_lead = trio.Event()  # (a new attempt, or a newer round)
         self._choosing, self._following = me, None
         self._chosen.set()
         self._chosen = trio.Event()
@@ -180,6 +184,7 @@ class Joins:
         return me is not None and joiner.schema == me.schema and joiner.round <= me.round
 
     async def _wait_for_choice(self, joiner: Declaration, gives_up_at: float) -> None:
+        self.asked_to_lead.set()
         with self._waits(joiner.peer_id, self._waiting), trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
             # (woken by a catch-up to a newer round too: still choosing, so wait on)
             while self.gathering is None and self._would_wait(joiner):

@@ -347,11 +347,17 @@ class Matchmaker:
         self, me: Declaration, settle_time: float | None, timeout: float, stored_in: float
     ) -> dict[PeerID, Declaration] | None:
         """Let declarations spread as long as our store took (at least the settle time) or until the
-        view is as complete as the last (``view_settled``): that view, or None after the full time."""
+        view is as complete as the last (``view_settled``): that view, or None after the full time.
+        In a large swarm, a join that waits for our choice ends the wait (``Joins.asked_to_lead``):
+        its peer has read the declarations, ours among them, so theirs have spread; waiting on
+        would spend its patience (a peer whose round began late leads a group whose members read
+        long ago). A joiner can end it early at most once a round, and a view it leaves short is
+        what the leader's confirming read is for."""
         least = settle_time if settle_time is not None else min(DEFAULT_SETTLE, timeout / 4)
         settle = max(least, min(stored_in, timeout / 4))
         if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
-            await trio.sleep(settle)
+            with trio.move_on_after(settle):
+                await self.joins.asked_to_lead.wait()
             return None
         with trio.move_on_after(settle):
             for _ in range(SETTLE_READS):
