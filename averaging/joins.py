@@ -86,7 +86,7 @@ class Joins:
         self._choosing: Declaration | None = None
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()  # joins waiting for our choice
-        # set once a join waits for our choice in this attempt to match (``Matchmaker._settle``)
+        # set once a join for the round we choose for waits for our choice (``Matchmaker._settle``)
         self.asked_to_lead = trio.Event()
         self._placing: set[PeerID] = set()  # joins waiting for a place in our group
         self._matched_round: int | None = None  # the newest round we formed or joined a group for
@@ -109,7 +109,7 @@ class Joins:
         """We are choosing our role for ``me``'s round now (None: we chose, or stopped matching);
         joins that wait for the choice look again."""
         if me is not None and (self._choosing is None or self._choosing.round != me.round):
-            self.asked_to_lead = trio.Event()  # (a new attempt, or a newer round)
+            self.asked_to_lead = trio.Event()  # (we begin matching, or catch up to a newer round)
         self._choosing, self._following = me, None
         self._chosen.set()
         self._chosen = trio.Event()
@@ -184,8 +184,9 @@ class Joins:
         return me is not None and joiner.schema == me.schema and joiner.round <= me.round
 
     async def _wait_for_choice(self, joiner: Declaration, gives_up_at: float) -> None:
-        self.asked_to_lead.set()
         with self._waits(joiner.peer_id, self._waiting), trio.move_on_at(gives_up_at - MIN_PATIENCE_LEFT):
+            if self._choosing is not None and joiner.round == self._choosing.round:
+                self.asked_to_lead.set()  # (a joiner of an older round read that round's declarations)
             # (woken by a catch-up to a newer round too: still choosing, so wait on)
             while self.gathering is None and self._would_wait(joiner):
                 await self._chosen.wait()

@@ -362,14 +362,16 @@ async def test_names_no_read_will_settle_hold_no_places(autojump_clock):
 async def test_a_join_that_waits_for_our_choice_says_we_are_asked_to_lead(autojump_clock):
     """Its peer has read the declarations, ours among them: the matchmaker stops letting them
     spread (``Matchmaker._settle``) rather than spend the joiner's patience."""
-    me, joiner = declaration(1), declaration(2)
+    me, joiner, behind = declaration(1, round_number=2), declaration(2, round_number=2), declaration(3)
     joins = Joins(lambda peer: False)
     joins.choosing(me)
-    assert not joins.asked_to_lead.is_set()
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(outcome, joins, behind, 5.0, {})  # (it read round 1's declarations)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not joins.asked_to_lead.is_set()
         nursery.start_soon(outcome, joins, joiner, 5.0, {})
         await trio.testing.wait_all_tasks_blocked()
         assert joins.asked_to_lead.is_set()
-        joins.choosing(dataclasses.replace(me, round=2))  # a newer round: nobody asked for it yet
+        joins.choosing(dataclasses.replace(me, round=3))  # a newer round: nobody asked for it yet
         assert not joins.asked_to_lead.is_set()
         nursery.cancel_scope.cancel()
