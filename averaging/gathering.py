@@ -223,10 +223,13 @@ class Gathering:
         timeout, gives up no sooner than that (``hurry_from``: ``LEADER_PATIENCE_SHARE`` of our
         time); one whose deadline comes earlier (it began earlier, or gave itself less time) may
         give up first, and is told so in time to read the declarations again (``waits_until``).
-        From ``hurry_from`` on, any joiner's patience counts."""
+        From ``hurry_from`` on, any joiner's patience counts, and so it does once no expected member
+        is missing (the floor protects them alone: a group held open for latecomers, ``leading.py``,
+        answers a latecomer before it gives up)."""
         expected = min((t for peer, t in self.patience.items() if peer in self.expected), default=math.inf)
         others = min((t for peer, t in self.patience.items() if peer not in self.expected), default=math.inf)
-        return min(expected, max(others, self.hurry_from)) - ANSWER_MARGIN
+        floor = self.hurry_from if self.missing else -math.inf
+        return min(expected, max(others, floor)) - ANSWER_MARGIN
 
     def waits_until(self, peer: PeerID) -> float:
         """How long ``peer``'s join waits for the group to form: until just before it gives up on
@@ -234,7 +237,7 @@ class Gathering:
         it gives up; its join waits a little longer); one it does not count is refused as early as
         it would have been answered, and reads the declarations again instead of passing us over."""
         gives_up_at = self.patience.get(peer, math.inf)
-        counted = peer in self.expected or gives_up_at >= self.hurry_from
+        counted = peer in self.expected or gives_up_at >= self.hurry_from or not self.missing
         return gives_up_at - (ANSWER_MARGIN / 2 if counted else ANSWER_MARGIN)
 
     @property

@@ -375,3 +375,15 @@ async def test_a_join_that_waits_for_our_choice_says_we_are_asked_to_lead(autoju
         joins.choosing(dataclasses.replace(me, round=3))  # a newer round: nobody asked for it yet
         assert not joins.asked_to_lead.is_set()
         nursery.cancel_scope.cancel()
+
+
+def test_once_no_expected_member_is_missing_a_latecomers_patience_counts():
+    """A group held open for latecomers (matching ahead) answers each before it gives up: the
+    floor on a stranger's patience protects missing members, and none is missing."""
+    me, member, latecomer = declaration(1), declaration(2), declaration(7)
+    gathering = Gathering(me, {member.peer_id}, target=4, hurry_from=100.0)
+    gathering.admit(latecomer, 5.0)
+    assert gathering.answer_by == 100.0 - ANSWER_MARGIN  # (its member is still missing)
+    gathering.admit(member, 50.0)
+    assert gathering.answer_by == 5.0 - ANSWER_MARGIN
+    assert gathering.waits_until(latecomer.peer_id) == 5.0 - ANSWER_MARGIN / 2
