@@ -25,10 +25,11 @@ read of the declarations catches us up.
 An admitted join waits for the group until just before its peer gives up on us: its patience, as
 the joiner counted it, ends no later than the call's own deadline (the joiner counted it before it
 dialled). While an expected member is missing, a joiner the leader does not expect hurries the
-group no sooner than halfway through the leader's time (``Gathering.answer_by``), and waits for a place no expected member still needs
-(``Gathering.has_place``; from halfway on, one whose declaration the leader's read found may take a
-missing member's). Refused before it gives up, it reads the declarations again. Joins that wait for
-a place are bounded as those that wait for our choice are, each on their own.
+group no sooner than halfway through the leader's time (``Gathering.answer_by``); it waits for a
+place no expected member still needs (``Gathering.has_place``; from halfway on, one whose
+declaration the leader's read found may take a missing member's). Refused before it gives up, it
+reads the declarations again. Joins that wait for a place are bounded as those that wait for our
+choice are, each on their own.
 """
 
 from __future__ import annotations
