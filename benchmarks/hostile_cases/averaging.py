@@ -142,23 +142,29 @@ async def _rounds_under_fake_leader(boot: PeerAddress, behaviour: str, rounds: i
         failed_rounds, durations, honest_groups = 0, [], 0
 
         for _ in range(rounds):
-            results, failures = [], []
-
-            async def step(averager: GroupAverager, results=results, failures=failures) -> None:
-                try:
-                    results.append(await averager.step())
-                except MatchmakingError as error:
-                    failures.append(error)
-
             started = trio.current_time()
-            async with trio.open_nursery() as peers:
-                for averager in averagers:
-                    peers.start_soon(step, averager)
+            results, failures = await honest_round(averagers)
             durations.append(trio.current_time() - started)
             failed_rounds += bool(failures)
             honest_groups += all({m.peer_id for m in r.group.members} == honest_ids for r in results) and not failures
         nursery.cancel_scope.cancel()
     return failed_rounds, len(asked), durations, honest_groups, identity.peer_id
+
+
+async def honest_round(averagers: list[GroupAverager]) -> tuple[list, list[MatchmakingError]]:
+    """One step of every honest averager at once: the rounds' results, and the failures to match."""
+    results, failures = [], []
+
+    async def step(averager: GroupAverager) -> None:
+        try:
+            results.append(await averager.step())
+        except MatchmakingError as error:
+            failures.append(error)
+
+    async with trio.open_nursery() as peers:
+        for averager in averagers:
+            peers.start_soon(step, averager)
+    return results, failures
 
 
 async def small_group(bench: Bench, out: Outcome) -> None:

@@ -23,10 +23,10 @@ import trio
 from averaging.averager import GroupAverager
 from averaging.group import AveragingMode
 from averaging.joins import FOLLOWING, MIN_PATIENCE_LEFT, NOT_LEADING
-from averaging.matchmaking import Declaration, Matchmaker, MatchmakingError
+from averaging.matchmaking import Declaration, Matchmaker
 from peer import Identity, PeerHost, Router, open_peer_host
 
-from .averaging import _node
+from .averaging import _node, honest_round
 from .bench import Bench, Outcome
 from .target import RUN_ID
 
@@ -91,21 +91,11 @@ async def _rounds_under_attack(boot, attack: str, patience: float, identities: i
         counts: dict = {"asks": 0, "admitted": 0, "refusals": Counter()}
         harmed, durations = 0, []
         for _ in range(rounds):
-            results, failures = [], []
-
-            async def step(averager: GroupAverager, results=results, failures=failures) -> None:
-                try:
-                    results.append(await averager.step())
-                except MatchmakingError as error:
-                    failures.append(error)
-
             started = trio.current_time()
             async with trio.open_nursery() as round_:
                 attack_scope = trio.CancelScope()
                 round_.start_soon(_attack, matchmaker, me, attackers, prefix, patience, counts, attack_scope)
-                async with trio.open_nursery() as peers:
-                    for averager in averagers:
-                        peers.start_soon(step, averager)
+                results, failures = await honest_round(averagers)
                 attack_scope.cancel()
             durations.append(trio.current_time() - started)
             whole = all({m.peer_id for m in r.group.members} == honest_ids for r in results)
