@@ -87,7 +87,7 @@ class Joins:
         self._choosing: Declaration | None = None
         self._chosen = trio.Event()
         self._waiting: set[PeerID] = set()  # joins waiting for our choice
-        # set once a join for the round we choose for waits for our choice (``Matchmaker._settle``)
+        # set once a join for the round we choose for waits for our choice (``settling.settle``)
         self.asked_to_lead = trio.Event()
         self._placing: set[PeerID] = set()  # joins waiting for a place in our group
         self._matched_round: int | None = None  # the newest round we formed or joined a group for

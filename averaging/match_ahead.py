@@ -41,8 +41,8 @@ import trio
 
 from .averager import FormedGroup, GroupAverager
 from .later import Later
-from .matchmaking import DEFAULT_SETTLE
 from .progress import SwarmProgress
+from .settling import DEFAULT_SETTLE
 
 __all__ = [
     "wait_for_group",

@@ -11,7 +11,7 @@
    keeps those with its schema and round, and applies ``propose_group`` (the Moshpit grid rule; the
    first member declaring a direct address leads): everyone computes the same leader from the same
    declarations. The settle time ends early once every peer of the view that formed this peer's
-   last group has declared the new round (``view_settled``).
+   last group has declared the new round (``settling.py``).
 3. Followers ask the leader to admit them (``avg.join``); the leader waits until every expected
    member asked (or is known not to come: ``stragglers.py``, ``Gathering.overtaken``) or the
    deadline passed, then answers all of them with the ordered group,
@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
+from functools import partial
 
 import trio
 
@@ -77,26 +78,15 @@ from .matchmaking_rules import (
     propose_group,
     reached_directly,
     round_to_join,
-    view_settled,
 )
 from .retry_pause import FIRST_RETRY_PAUSE, back_off
-from .stragglers import HERE_METHOD, asker
+from .settling import settle
+from .stragglers import ASK_UNJOINED_AFTER, HERE_METHOD, asker
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
 log = logging.getLogger("peerd.averaging")
 
-# Declarations need a moment to reach the k nearest DHT peers before anyone reads them: 0.5 s, or as
-# long as our own store took if longer (the others' take about as long; across the internet a
-# lookup takes several round trips), that at most a quarter of the deadline, the rest for joining.
-DEFAULT_SETTLE = 0.5
-# While settling, the declarations are read to see whether the last view is complete: at most
-# SETTLE_READS times (the first at once), at least SETTLE_POLL apart, and only in swarms whose last
-# view had fewer than EARLY_SETTLE_VIEW other peers: there a read is a few small answers, while
-# in a large swarm every peer reading many times would multiply the load on the key's holders.
-SETTLE_POLL = 0.05
-SETTLE_READS = 4
-EARLY_SETTLE_VIEW = 16
 # Too few peers declared: look again SPARSE_POLL later.
 SPARSE_POLL = 0.2
 # A withdrawal replaces our declaration (the owner's newer signed version wins whatever the
@@ -185,7 +175,7 @@ class Matchmaker:
         own_round = me.round
         self._confirms_left, self._matched_elsewhere, self._named_dials = MAX_CONFIRMS, set(), set()
         self.joins.choosing(me)
-        settled = await self._settle(me, settle_time, timeout, stored_in=await self.declare(me, timeout))
+        settled = await self._declare_and_settle(me, settle_time, timeout)
         last_error = "no other peer declared itself"
         alone = True  # until a read of the declarations finds another peer
         unreachable: set[bytes] = set()  # members found dead this round: passed over from now on
@@ -233,7 +223,8 @@ class Matchmaker:
                         group = await self._follow(me, leader, deadline, proposal.members, candidates, unreachable)
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
-                    unreachable.add(proposal.leader)
+                    # (matched elsewhere for this round: it may lead the next one, if we catch up)
+                    self._matched_elsewhere.add(proposal.leader)
                     last_error = str(error)
                     settled = candidates  # (no need to read again: the rest of the view stands)
                 except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:
@@ -252,6 +243,15 @@ class Matchmaker:
             pause = await back_off(pause, deadline)
         message = f"no averaging group formed within {timeout:g} s: {last_error}"
         raise no_group(message, me.round, far_rounds, rounds, alone)
+
+    async def _declare_and_settle(
+        self, me: Declaration, settle_time: float | None, timeout: float
+    ) -> dict[PeerID, Declaration] | None:
+        """Declare ``me`` and let the declarations spread (``settling.settle``): the view the
+        settle ended with, if one did."""
+        stored_in = await self.declare(me, timeout)
+        read, times = partial(self.read_candidates, me), (settle_time, timeout, stored_in)
+        return await settle(me, read, self._last_view, self.joins.asked_to_lead, times)
 
     async def _catch_up(
         self, me: Declaration, newest: int, candidates: dict[PeerID, Declaration], timeout: float
@@ -342,31 +342,6 @@ class Matchmaker:
         log.info("peer dropped: leader %s is unreachable (%s); electing the next", leader.peer_id, error)
         if not isinstance(error, LeaderHoldsExcluded) and leader.expiration is not None:
             self._passed_over.remember(leader.peer_id.to_bytes(), leader.expiration, self.dht.clock.time())
-
-    async def _settle(
-        self, me: Declaration, settle_time: float | None, timeout: float, stored_in: float
-    ) -> dict[PeerID, Declaration] | None:
-        """Let declarations spread as long as our store took (at least the settle time) or until the
-        view is as complete as the last (``view_settled``): that view, or None after the full time.
-        In a large swarm, a join that waits for our choice ends the wait (``Joins.asked_to_lead``):
-        its peer has read the declarations, ours among them, so theirs have spread; waiting on
-        would spend its patience (a peer whose round began late leads a group whose members read
-        long ago). A joiner can end it early at most once a round, and a view it leaves short is
-        what the leader's confirming read is for."""
-        least = settle_time if settle_time is not None else min(DEFAULT_SETTLE, timeout / 4)
-        settle = max(least, min(stored_in, timeout / 4))
-        if not self._last_view or len(self._last_view) >= EARLY_SETTLE_VIEW:
-            with trio.move_on_after(settle):
-                await self.joins.asked_to_lead.wait()
-            return None
-        with trio.move_on_after(settle):
-            for _ in range(SETTLE_READS):
-                candidates = await self.read_candidates(me)
-                if view_settled(self._last_view, candidates, me.round):
-                    return candidates
-                await trio.sleep(max(SETTLE_POLL, settle / SETTLE_READS))
-            await trio.sleep(settle)  # (the rest of it)
-        return None
 
     async def declare(self, me: Declaration, timeout: float) -> float:
         """Store our declaration under our own signed subkey, to live as long as the round; returns
@@ -472,4 +447,6 @@ class Matchmaker:
         began = trio.current_time() if began is None else began
         hurry_from = began + (deadline - began) * LEADER_PATIENCE_SHARE
         gathering = Gathering(me, expected, target, frozenset(known), hurry_from)
-        return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask)
+        # (members of this round that matched without us: the ones missing may have too, ask them now)
+        ask_after = 0.0 if self._matched_elsewhere else ASK_UNJOINED_AFTER
+        return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask, ask_after)

@@ -47,7 +47,7 @@ import trio
 from .averager import AveragingRound, FormedGroup, GroupAverager
 from .later import Later, TaskSpawner
 from .match_ahead import JOIN_ALLOWANCE, wait_for_group
-from .matchmaking import DEFAULT_SETTLE
+from .settling import DEFAULT_SETTLE
 
 __all__ = ["StepAhead", "RHYTHM_STEPS"]
 

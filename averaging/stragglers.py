@@ -121,11 +121,13 @@ def asker(
     return ask
 
 
-async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]]) -> None:
+async def stop_waiting_for_stragglers(
+    gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]], ask_after: float = ASK_UNJOINED_AFTER
+) -> None:
     """Run beside a leader's wait (which cancels it): once half of the expected members joined (or
-    ``ASK_UNJOINED_AFTER`` passed), ask the missing ones, and those expected later, and stop
-    expecting those that are gone or matched elsewhere (``Gathering.not_coming``)."""
-    with trio.move_on_after(ASK_UNJOINED_AFTER):
+    ``ask_after`` passed), ask the missing ones, and those expected later, and stop expecting those
+    that are gone or matched elsewhere (``Gathering.not_coming``)."""
+    with trio.move_on_after(ask_after):
         while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
             await gathering.changed.wait()
     due: dict[PeerID, float] = {}  # when each is asked next (inf: asking now, settled, or cannot tell)

@@ -361,7 +361,7 @@ async def test_names_no_read_will_settle_hold_no_places(autojump_clock):
 
 async def test_a_join_that_waits_for_our_choice_says_we_are_asked_to_lead(autojump_clock):
     """Its peer has read the declarations, ours among them: the matchmaker stops letting them
-    spread (``Matchmaker._settle``) rather than spend the joiner's patience."""
+    spread (``settling.settle``) rather than spend the joiner's patience."""
     me, joiner, behind = declaration(1, round_number=2), declaration(2, round_number=2), declaration(3)
     joins = Joins(lambda peer: False)
     joins.choosing(me)

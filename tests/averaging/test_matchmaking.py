@@ -480,7 +480,8 @@ def test_a_declaration_more_than_a_round_away_is_out_of_reach_unless_a_newcomers
 
 
 def test_a_view_is_settled_once_everyone_of_the_last_one_declared_the_round():
-    from averaging.matchmaking import Declaration, view_settled
+    from averaging.matchmaking import Declaration
+    from averaging.matchmaking_rules import view_settled
 
     peers = [Identity.generate().peer_id for _ in range(3)]
 
