@@ -223,8 +223,7 @@ class Matchmaker:
                         group = await self._follow(me, leader, deadline, proposal.members, candidates, unreachable)
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
-                    # (matched elsewhere for this round: it may lead the next one, if we catch up)
-                    self._matched_elsewhere.add(proposal.leader)
+                    self._matched_elsewhere.add(proposal.leader)  # (it may lead the round we catch up to)
                     last_error = str(error)
                     settled = candidates  # (no need to read again: the rest of the view stands)
                 except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:
