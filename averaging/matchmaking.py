@@ -159,6 +159,7 @@ class Matchmaker:
                 failed = error
             finally:
                 self.joins.choosing(None)
+                self._matched_elsewhere = set()  # (the round's: a later ``lead`` call starts afresh)
         assert failed is not None
         raise failed
 
@@ -438,7 +439,8 @@ class Matchmaker:
         """As the elected leader of ``me``'s round, gather a group of ``target`` (``leading.gather``)
         with the ``expected`` members; fewer than ``min_size`` raises MatchmakingError. ``confirm``:
         a fresh look at who belongs in the group, taken when joiners name members we do not expect;
-        ``ask``: whether a missing member still comes (``stragglers.py``); ``known``: the peers our
+        ``ask``: whether a missing member still comes (``stragglers.py``; asked at once in a round where
+        peers of ours matched without us); ``known``: the peers our
         read found, whose joins for the next round end the wait (``Gathering``; none: they never
         do). ``began``: when we began matching for the round (default: now); a joiner we do not
         expect hurries us no sooner than ``LEADER_PATIENCE_SHARE`` of the time from then to the

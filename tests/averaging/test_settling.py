@@ -7,7 +7,7 @@ import trio
 
 from averaging.gathering import Declaration
 from averaging.group import AveragingMode
-from averaging.settling import DEFAULT_SETTLE, EARLY_SETTLE_VIEW, settle
+from averaging.settling import DEFAULT_SETTLE, EARLY_SETTLE_VIEW, SETTLE_READS, settle
 from peer import Identity, PeerID
 
 
@@ -66,3 +66,18 @@ async def test_a_small_swarm_reads_until_everyone_of_the_last_view_declared_the_
     view = await settle(me, read, frozenset(others), trio.Event(), (2.0, 30.0, 0.1))
     assert view is not None and set(others) <= set(view)
     assert len(reads) == 3 and trio.current_time() - began < 2.0
+
+
+async def test_a_small_swarm_whose_last_view_never_completes_waits_out_the_settle(autojump_clock):
+    me = declared(Identity.generate().peer_id, 3)
+    gone = Identity.generate().peer_id  # (in the last view; it left, and never declares again)
+    reads: list[float] = []
+
+    async def read() -> dict:
+        reads.append(trio.current_time())
+        return {me.peer_id: me}
+
+    began = trio.current_time()
+    assert await settle(me, read, frozenset({gone}), trio.Event(), (1.0, 30.0, 0.1)) is None
+    assert trio.current_time() - began == pytest.approx(1.0)
+    assert 1 <= len(reads) <= SETTLE_READS
