@@ -436,15 +436,16 @@ class Matchmaker:
         known: Iterable[PeerID] = (),
         began: float | None = None,
     ) -> GroupInfo:
-        """As the elected leader of ``me``'s round, gather a group of ``target`` (``leading.gather``)
-        with the ``expected`` members; fewer than ``min_size`` raises MatchmakingError. ``confirm``:
-        a fresh look at who belongs in the group, taken when joiners name members we do not expect;
-        ``ask``: whether a missing member still comes (``stragglers.py``; asked at once in a round where
-        peers of ours matched without us); ``known``: the peers our
-        read found, whose joins for the next round end the wait (``Gathering``; none: they never
-        do). ``began``: when we began matching for the round (default: now); a joiner we do not
-        expect hurries us no sooner than ``LEADER_PATIENCE_SHARE`` of the time from then to the
-        deadline. Held open, the wait ends no sooner than ``hold_open`` is set."""
+        """As the elected leader of ``me``'s round, gather a group of ``target``
+        (``leading.gather``) with the ``expected`` members; fewer than ``min_size`` raises
+        MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when
+        joiners name members we do not expect; ``ask``: whether a missing member still comes
+        (``stragglers.py``; asked at once in a round where peers of ours matched without us);
+        ``known``: the peers our read found, whose joins for the next round end the wait
+        (``Gathering``; none: they never do). ``began``: when we began matching for the round
+        (default: now); a joiner we do not expect hurries us no sooner than
+        ``LEADER_PATIENCE_SHARE`` of the time from then to the deadline. Held open, the wait ends
+        no sooner than ``hold_open`` is set."""
         began = trio.current_time() if began is None else began
         hurry_from = began + (deadline - began) * LEADER_PATIENCE_SHARE
         gathering = Gathering(me, expected, target, frozenset(known), hurry_from)
