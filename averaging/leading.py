@@ -21,7 +21,7 @@ from .gathering import ANSWER_MARGIN, Gathering
 from .group import GroupInfo
 from .joins import Joins
 from .matchmaking_errors import MatchmakingError
-from .stragglers import ASK_UNJOINED_AFTER, stop_waiting_for_stragglers
+from .stragglers import stop_waiting_for_stragglers
 
 __all__ = ["gather"]
 
@@ -34,19 +34,17 @@ async def gather(
     hold_open: trio.Event | None = None,
     confirm: Callable[[], Awaitable[set[PeerID]]] | None = None,
     ask: Callable[[PeerID], Awaitable[str | None]] | None = None,
-    ask_after: float = ASK_UNJOINED_AFTER,
 ) -> GroupInfo:
     """Lead ``gathering`` (opened on ``joins``) until it completes or the time to answer runs out;
     a group of fewer than ``min_size`` raises MatchmakingError. Held open (``hold_open``), the
-    wait ends no sooner than the event is set. ``ask_after``: how long fewer than half of the
-    expected members may be missing before the leader asks them (``stragglers.py``)."""
+    wait ends no sooner than the event is set."""
     joins.open(gathering)
     try:
         async with trio.open_nursery() as waking:
             if hold_open is not None:
                 waking.start_soon(gathering.changed_when(hold_open))
             if ask is not None:
-                waking.start_soon(stop_waiting_for_stragglers, gathering, ask, ask_after)
+                waking.start_soon(stop_waiting_for_stragglers, gathering, ask)
             while not gathering.full:
                 answer_by = min(deadline - ANSWER_MARGIN, gathering.answer_by)
                 if gathering.unconfirmed:  # (settled by a read, or unread: the places they hold free up)

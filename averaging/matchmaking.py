@@ -81,7 +81,7 @@ from .matchmaking_rules import (
 )
 from .retry_pause import FIRST_RETRY_PAUSE, back_off
 from .settling import settle
-from .stragglers import ASK_UNJOINED_AFTER, HERE_METHOD, asker
+from .stragglers import HERE_METHOD, asker
 
 __all__ = ["Matchmaker", "MatchmakingError", "NoOtherPeers", "OutOfReach", "Declaration", "Match"]
 
@@ -159,7 +159,6 @@ class Matchmaker:
                 failed = error
             finally:
                 self.joins.choosing(None)
-                self._matched_elsewhere = set()  # (the round's: a later ``lead`` call starts afresh)
         assert failed is not None
         raise failed
 
@@ -224,7 +223,7 @@ class Matchmaker:
                         group = await self._follow(me, leader, deadline, proposal.members, candidates, unreachable)
                     return self._matched(me, own_round, group, candidates)
                 except LeaderDeclined as error:  # it matched without us: the next one leads
-                    self._matched_elsewhere.add(proposal.leader)  # (it may lead the round we catch up to)
+                    unreachable.add(proposal.leader)
                     last_error = str(error)
                     settled = candidates  # (no need to read again: the rest of the view stands)
                 except (ConnectError, ConnectionLost, LeaderFailed, UnknownMethodError) as error:
@@ -436,19 +435,15 @@ class Matchmaker:
         known: Iterable[PeerID] = (),
         began: float | None = None,
     ) -> GroupInfo:
-        """As the elected leader of ``me``'s round, gather a group of ``target``
-        (``leading.gather``) with the ``expected`` members; fewer than ``min_size`` raises
-        MatchmakingError. ``confirm``: a fresh look at who belongs in the group, taken when
-        joiners name members we do not expect; ``ask``: whether a missing member still comes
-        (``stragglers.py``; asked at once in a round where peers of ours matched without us);
-        ``known``: the peers our read found, whose joins for the next round end the wait
-        (``Gathering``; none: they never do). ``began``: when we began matching for the round
-        (default: now); a joiner we do not expect hurries us no sooner than
-        ``LEADER_PATIENCE_SHARE`` of the time from then to the deadline. Held open, the wait ends
-        no sooner than ``hold_open`` is set."""
+        """As the elected leader of ``me``'s round, gather a group of ``target`` (``leading.gather``)
+        with the ``expected`` members; fewer than ``min_size`` raises MatchmakingError. ``confirm``:
+        a fresh look at who belongs in the group, taken when joiners name members we do not expect;
+        ``ask``: whether a missing member still comes (``stragglers.py``); ``known``: the peers our
+        read found, whose joins for the next round end the wait (``Gathering``; none: they never
+        do). ``began``: when we began matching for the round (default: now); a joiner we do not
+        expect hurries us no sooner than ``LEADER_PATIENCE_SHARE`` of the time from then to the
+        deadline. Held open, the wait ends no sooner than ``hold_open`` is set."""
         began = trio.current_time() if began is None else began
         hurry_from = began + (deadline - began) * LEADER_PATIENCE_SHARE
         gathering = Gathering(me, expected, target, frozenset(known), hurry_from)
-        # (members of this round that matched without us: the ones missing may have too, ask them now)
-        ask_after = 0.0 if self._matched_elsewhere else ASK_UNJOINED_AFTER
-        return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask, ask_after)
+        return await gather(self.joins, gathering, min_size, deadline, hold_open, confirm, ask)

@@ -8,21 +8,17 @@ after it declared never comes, and neither does one that has its group for the r
 own read put it in another: views differ by a declaration); each cost its group that whole wait (in
 the simulated churning swarm of 32 peers, 30 s of the round's 60-s deadline, in a round of three).
 
-So once half of the expected members joined, or ``ASK_UNJOINED_AFTER`` after it began to lead with
-fewer (at once, in a round where a peer of ours already matched without us: a leader that declined
-our join, or a member that said so; the members missing have likely matched too, and a late peer has
-no time to lose: ``Matchmaker.lead``), the leader asks each member still missing that it can dial
-directly (``HERE_METHOD``, naming the round), and so each member expected later (a joiner's view
-named it). One that gives no answer within ``PROBE_DEADLINE`` (its machine is off, or cut off from
-us), whose address refuses the connection or answers as another peer (it is not there any more), or
-that answers that it has its group for the round is not waited for, and is not waited for again when
-a later joiner's view names it (its declaration outlives it). One that answers that it still matches
-(it follows another leader, which may yet fail it), or whose connection was lost mid-call, is asked
-again ``PROBE_SPACING`` later, then at twice the last spacing each time: a member that follows a
-leader which does not form its group may match elsewhere many seconds later, and a leader that stops
-asking waits out the round for it; doubling bounds the questions to a few a round (one more each
-when asked at once: a peer that declines our join, honest or not, costs each member of the group we
-then lead a question).
+So once half of the expected members joined, or ``ASK_UNJOINED_AFTER`` after it began to lead
+with fewer, the leader asks each member still missing that it can dial directly (``HERE_METHOD``,
+naming the round), and so each member expected later (a joiner's view named it). One that gives no
+answer within ``PROBE_DEADLINE`` (its machine is off, or cut off from us), whose address refuses
+the connection or answers as another peer (it is not there any more), or that answers that it has
+its group for the round is not waited for, and is not waited for again when a later joiner's view
+names it (its declaration outlives it). One that answers that it still matches (it follows another
+leader, which may yet fail it), or whose connection was lost mid-call, is asked again
+``PROBE_SPACING`` later, then at twice the last spacing each time: a member that follows a leader
+which does not form its group may match elsewhere many seconds later, and a leader that stops
+asking waits out the round for it; doubling bounds the questions to a few a round.
 Anything else keeps the wait as it was: a refusal (a peer that predates the question), a member
 behind a relay (a relay that fails the dial must not cost a live member its group), one with no
 address (client mode).
@@ -125,13 +121,11 @@ def asker(
     return ask
 
 
-async def stop_waiting_for_stragglers(
-    gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]], ask_after: float = ASK_UNJOINED_AFTER
-) -> None:
+async def stop_waiting_for_stragglers(gathering: Gathering, ask: Callable[[PeerID], Awaitable[str | None]]) -> None:
     """Run beside a leader's wait (which cancels it): once half of the expected members joined (or
-    ``ask_after`` passed), ask the missing ones, and those expected later, and stop expecting those
-    that are gone or matched elsewhere (``Gathering.not_coming``)."""
-    with trio.move_on_after(ask_after):
+    ``ASK_UNJOINED_AFTER`` passed), ask the missing ones, and those expected later, and stop
+    expecting those that are gone or matched elsewhere (``Gathering.not_coming``)."""
+    with trio.move_on_after(ASK_UNJOINED_AFTER):
         while 2 * len(gathering.expected & gathering.joined.keys()) < len(gathering.expected):
             await gathering.changed.wait()
     due: dict[PeerID, float] = {}  # when each is asked next (inf: asking now, settled, or cannot tell)
