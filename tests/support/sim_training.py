@@ -69,6 +69,9 @@ class TrainingReport:
     least_epoch: int = 0  # the least epoch a stayer reached
     rounds_of_stayers: int = 0  # outside the partition
     averaged_rounds_of_stayers: int = 0
+    # epochs a stayer passed over between its first round and its last (it caught up a round, or
+    # loaded a donor's state): rounds of the swarm it took no part in, outside the partition
+    skipped_epochs_of_stayers: int = 0
     failures: collections.Counter = field(default_factory=collections.Counter)  # why rounds did not average
     departures: int = 0
     newcomers: int = 0  # joined and training
@@ -87,6 +90,12 @@ class TrainingReport:
     @property
     def averaged_fraction(self) -> float:
         return self.averaged_rounds_of_stayers / max(self.rounds_of_stayers, 1)
+
+    @property
+    def averaged_fraction_of_epochs(self) -> float:
+        """The same share with every epoch a stayer skipped counted as one it did not average in:
+        its samples went into the next round's average, but it took no part in the swarm's round."""
+        return self.averaged_rounds_of_stayers / max(self.rounds_of_stayers + self.skipped_epochs_of_stayers, 1)
 
 
 class Learner:
@@ -214,13 +223,16 @@ class TrainingRun:
         report.least_epoch = min(self.epoch(index) for index in stayers)
         for index in stayers:
             first, last = self.partitioned.get(index, (-1, -2))
-            for epoch, (averaged, failure) in self.learners[index].rounds.items():
+            rounds = self.learners[index].rounds
+            for epoch, (averaged, failure) in rounds.items():
                 if first <= epoch <= last:
                     continue
                 report.rounds_of_stayers += 1
                 report.averaged_rounds_of_stayers += averaged
                 if not averaged:
                     report.failures[failure] += 1
+            passed_over = [e for e in range(min(rounds, default=0), max(rounds, default=-1)) if e not in rounds]
+            report.skipped_epochs_of_stayers += sum(1 for epoch in passed_over if not first <= epoch <= last)
         weights = torch.stack([self.learners[index].weights() for index in stayers])
         report.error_after = float((weights - self.truth).abs().max())
         report.spread = float((weights - weights.mean(0)).abs().max())
