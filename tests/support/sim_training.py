@@ -94,7 +94,8 @@ class TrainingReport:
     @property
     def averaged_fraction_of_epochs(self) -> float:
         """The same share with every epoch a stayer skipped counted as one it did not average in:
-        its samples went into the next round's average, but it took no part in the swarm's round."""
+        it took no part in the swarm's round (a peer that caught up put its samples into the next
+        round's average; one that loaded a donor's state, nowhere)."""
         return self.averaged_rounds_of_stayers / max(self.rounds_of_stayers + self.skipped_epochs_of_stayers, 1)
 
 
