@@ -31,7 +31,9 @@ Then, per ``--optimizer-peers`` size, a swarm training with the collaborative op
 churn, NAT and a partition): the share of the stayers' epochs whose round averaged
 (``optimizer_averaged_fraction``, the least over the sizes; None when no size was asked for), and
 the same share with the epochs a stayer skipped (it caught up a round, or loaded a donor's state)
-counted as rounds it did not average in (``optimizer_averaged_fraction_of_epochs``).
+counted as rounds it did not average in (``optimizer_averaged_fraction_of_epochs``). The optimizer
+forms its groups at the step, its default; ``--match-ahead`` forms them while the epoch
+accumulates, as ``peerd join`` does.
 
 Every figure is a ratio within the run: ``cpu_per_peer_round_growth`` is the per-peer CPU per
 round at the largest N of the run over that at the smallest, ``busiest_node_load_ratio`` the
@@ -208,7 +210,7 @@ def _per_node(now: float | None, before: float | None, nodes: int) -> float | No
     return None if now is None or before is None else max(0.0, now - before) / nodes
 
 
-def optimizer_row(size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
+def optimizer_row(size: int, seed: int, nat_fraction: float, match_ahead: bool) -> dict[str, Any]:
     scenario = TrainingScenario(
         peers=size,
         group_size=16 if size >= 32 else 8,
@@ -217,6 +219,7 @@ def optimizer_row(size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
         churn_per_minute=0.1,
         partition_at=30.0,
         seed=seed,
+        match_ahead=match_ahead,
     )
     started = time.perf_counter()
     report = trio.run(run_training, scenario, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -243,7 +246,7 @@ def dht_row(size: int, seed: int) -> dict[str, Any]:
         return trio.run(dht_churn, size, seed, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def in_own_process(kind: str, size: int, seed: int, nat_fraction: float) -> dict[str, Any]:
+def in_own_process(kind: str, size: int, seed: int, nat_fraction: float, *options: str) -> dict[str, Any]:
     """One row, run in a process of its own: a row's memory is the resident-set growth it causes,
     and memory that an earlier row freed stays resident (the allocator keeps it), so the next row in
     the same process would grow into it and read as costing nothing."""
@@ -257,6 +260,7 @@ def in_own_process(kind: str, size: int, seed: int, nat_fraction: float) -> dict
         str(seed),
         "--nat-fraction",
         str(nat_fraction),
+        *options,
     ]
     # The DHT row reads what its nodes hold through malloc (``held_mb``): Python allocates through it there.
     environment = {**os.environ, "PYTHONMALLOC": "malloc"} if kind == "dht" else None
@@ -288,6 +292,11 @@ def main() -> None:
     parser.add_argument(
         "--optimizer-peers", default=None, help="comma-separated collaborative-optimizer swarm sizes (default: none)"
     )
+    parser.add_argument(
+        "--match-ahead",
+        action="store_true",
+        help="the optimizer's groups form while the epoch accumulates, as peerd join forms them (default: at the step)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--nat-fraction", type=float, default=0.3, help="of the averaging peers, behind NAT (default 0.3)"
@@ -300,7 +309,7 @@ def main() -> None:
         rows = {
             "averaging": lambda n: averaging_row(n, args.seed, args.nat_fraction),
             "dht": lambda n: dht_row(n, args.seed),
-            "optimizer": lambda n: optimizer_row(n, args.seed, args.nat_fraction),
+            "optimizer": lambda n: optimizer_row(n, args.seed, args.nat_fraction, args.match_ahead),
         }
         if kind not in rows or not size.isdigit():
             parser.error(f"--row takes averaging, dht or optimizer and a size, not {kind} {size}")
@@ -341,7 +350,7 @@ def main() -> None:
         )
     optimizer_rows = []
     for size in trainers:
-        row = in_own_process("optimizer", size, args.seed, args.nat_fraction)
+        row = in_own_process("optimizer", size, args.seed, args.nat_fraction, *(["--match-ahead"] * args.match_ahead))
         optimizer_rows.append(row)
         print(
             f"optimizer {size:>4} peers: {row['averaged_fraction']:.4f} of {row['rounds_of_stayers']} stayers' epochs "
@@ -369,6 +378,7 @@ def main() -> None:
         "dht_resident_per_node_mb": dht_rows[-1]["resident_per_node_mb"],
         "optimizer_averaged_fraction": _least(row["averaged_fraction"] for row in optimizer_rows),
         "optimizer_averaged_fraction_of_epochs": _least(row["averaged_fraction_of_epochs"] for row in optimizer_rows),
+        "optimizer_match_ahead": args.match_ahead,
         "rows": rows,
     }
     print(json.dumps(result))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from averaging.match_ahead import MatchAhead
 from averaging.optimizer import CollaborativeOptimizer
 from peer.simnet import SimNetwork
 from tests.support.sim_heap import one_heap_for_many_peers
@@ -61,6 +62,7 @@ class TrainingScenario:
     matchmaking_timeout: float = 10.0
     averaging_timeout: float = 30.0
     give_up_s: float = 1800.0  # simulated: a swarm that has not finished by then has failed
+    match_ahead: bool = False  # groups formed while the epoch accumulates, as ``peerd join`` forms them
 
 
 @dataclass
@@ -102,7 +104,7 @@ class TrainingReport:
 class Learner:
     """One peer's model, optimizer, samples and record of rounds (epoch -> averaged, failure)."""
 
-    def __init__(self, scenario: TrainingScenario, node, index: int):
+    def __init__(self, scenario: TrainingScenario, node, index: int, background: trio.Nursery):
         self.model = torch.nn.Linear(DIMENSIONS, 1)
         start = torch.Generator().manual_seed(scenario.seed + 7_919)  # one initial model, on every peer
         with torch.no_grad():
@@ -117,6 +119,7 @@ class Learner:
             matchmaking_timeout=scenario.matchmaking_timeout,
             averaging_timeout=scenario.averaging_timeout,
             progress_interval=1.0,
+            matching=MatchAhead(background) if scenario.match_ahead else None,
         )
         self.samples = torch.Generator().manual_seed(scenario.seed * 100_003 + index)
         self.rounds: dict[int, tuple[bool, str | None]] = {}
@@ -149,15 +152,17 @@ class TrainingRun:
         self.partitioned: dict[int, tuple[int, int]] = {}  # epochs (first, last) a peer spent split
         self.joining = 0  # newcomers joining now
 
-    def start(self, index: int) -> None:
-        learner = self.learners[index] = Learner(self.scenario, self.swarm.nodes[index], index)
+    async def start(self, index: int) -> None:
         scope = self.scopes[index] = trio.CancelScope()
 
-        async def train() -> None:
+        async def train(task_status=trio.TASK_STATUS_IGNORED) -> None:
             with scope:
-                await learner.train(self.scenario, self.truth)
+                async with trio.open_nursery() as background:  # (the learner's own: its groups formed ahead)
+                    learner = self.learners[index] = Learner(self.scenario, self.swarm.nodes[index], index, background)
+                    task_status.started()
+                    await learner.train(self.scenario, self.truth)
 
-        self.nursery.start_soon(train)
+        await self.nursery.start(train)
 
     def live(self) -> list[int]:
         return [index for index in self.learners if index not in self.swarm.gone]
@@ -195,7 +200,7 @@ class TrainingRun:
         index = self.swarm.nodes.index(node)
         self.joined_at[index] = joined
         self.report.newcomers += 1
-        self.start(index)
+        await self.start(index)
 
     async def watch_newcomers(self) -> None:
         while True:
@@ -252,7 +257,7 @@ async def _run(scenario: TrainingScenario, network: SimNetwork) -> TrainingRepor
         run = TrainingRun(scenario, swarm, nursery, report)
         await trio.sleep(WARM_UP_S)
         for index in range(scenario.peers):
-            run.start(index)
+            await run.start(index)
         report.error_before = float((run.learners[0].weights() - run.truth).abs().max())
         began, cpu_before = trio.current_time(), time.process_time()
         nursery.start_soon(run.watch_newcomers)
