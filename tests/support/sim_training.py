@@ -71,7 +71,7 @@ class TrainingReport:
     least_epoch: int = 0  # the least epoch a stayer reached
     rounds_of_stayers: int = 0  # outside the partition
     averaged_rounds_of_stayers: int = 0
-    # epochs a stayer passed over between its first round and its last (it caught up a round, or
+    # epochs before a stayer's current one that it has no round for (it caught up a round, or
     # loaded a donor's state): rounds of the swarm it took no part in, outside the partition
     skipped_epochs_of_stayers: int = 0
     failures: collections.Counter = field(default_factory=collections.Counter)  # why rounds did not average
@@ -206,7 +206,8 @@ class TrainingRun:
         while True:
             await trio.sleep(POLL_S)
             for index, joined in list(self.joined_at.items()):
-                if any(averaged for averaged, _ in self.learners[index].rounds.values()):
+                learner = self.learners.get(index)  # (None: its learner is starting)
+                if learner is not None and any(averaged for averaged, _ in learner.rounds.values()):
                     self.report.newcomer_first_average_s.append(trio.current_time() - joined)
                     del self.joined_at[index]
 
@@ -237,7 +238,11 @@ class TrainingRun:
                 report.averaged_rounds_of_stayers += averaged
                 if not averaged:
                     report.failures[failure] += 1
-            passed_over = [e for e in range(min(rounds, default=0), max(rounds, default=-1)) if e not in rounds]
+            # (every epoch before its current one had a round; the last may not be recorded yet: its
+            # step still averages the state)
+            optimizer = self.learners[index].optimizer
+            done = rounds.keys() | ({optimizer.last_round.epoch} if optimizer.last_round else set())
+            passed_over = [epoch for epoch in range(optimizer.epoch) if epoch not in done]
             report.skipped_epochs_of_stayers += sum(1 for epoch in passed_over if not first <= epoch <= last)
         weights = torch.stack([self.learners[index].weights() for index in stayers])
         report.error_after = float((weights - self.truth).abs().max())
