@@ -249,8 +249,9 @@ class Matchmaker:
         """Declare ``me`` and let the declarations spread (``settling.settle``): the view the
         settle ended with, if one did."""
         stored_in = await self.declare(me, timeout)
-        read, times = partial(self.read_candidates, me), (settle_time, timeout, stored_in)
-        return await settle(me, read, self._last_view, self.joins.asked_to_lead, times)
+        read, asked = partial(self.read_candidates, me), self.joins.asked_to_lead
+        times = {"settle_time": settle_time, "timeout": timeout, "stored_in": stored_in}
+        return await settle(me, read, self._last_view, asked, **times)
 
     async def _catch_up(
         self, me: Declaration, newest: int, candidates: dict[PeerID, Declaration], timeout: float

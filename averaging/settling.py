@@ -39,19 +39,22 @@ async def settle(
     read: Callable[[], Awaitable[dict[PeerID, Declaration]]],
     last_view: frozenset[PeerID],
     asked_to_lead: trio.Event,
-    times: tuple[float | None, float, float],
+    *,
+    settle_time: float | None,
+    timeout: float,
+    stored_in: float,
 ) -> dict[PeerID, Declaration] | None:
     """Let declarations spread as long as our store took (at least the settle time) or until the
     view is as complete as ``last_view`` (``view_settled``): that view, or None after the full time.
-    ``read``: one read of the round's declarations; ``times``: the settle time asked for (None:
-    ``DEFAULT_SETTLE``), matchmaking's timeout, and how long our own store took.
+    ``read``: one read of the round's declarations; ``settle_time``: the least wait asked for
+    (None: ``DEFAULT_SETTLE``); ``timeout``: matchmaking's; ``stored_in``: how long our own store
+    took.
 
     In a large swarm, a join that waits for our choice ends the wait (``asked_to_lead``): its peer
     has read the declarations, ours among them, so theirs have spread; waiting on would spend its
     patience (a peer whose round began late leads a group whose members read long ago). A joiner
     can end it early at most once a round, and a view it leaves short is what the leader's
     confirming read is for."""
-    settle_time, timeout, stored_in = times
     least = settle_time if settle_time is not None else min(DEFAULT_SETTLE, timeout / 4)
     wait = max(least, min(stored_in, timeout / 4))
     if not last_view or len(last_view) >= EARLY_SETTLE_VIEW:

@@ -32,7 +32,7 @@ from .target import RUN_ID
 
 HONEST = 4
 MATCHMAKING_S = 3.0
-ATTACK_POLL_S = 0.05
+ATTACK_POLL_S = 0.05  # how often the attacker reads the declarations and asks every leader again
 # Refusals that only a leader gathering its group gives: the attack reached the rules it attacks.
 AT_A_GATHERING = {
     "the group's places left are kept for the members it expects",
@@ -40,7 +40,7 @@ AT_A_GATHERING = {
     "group is already full or formed",
     "the group did not form within the joiner's patience",
     "the group did not form",
-}  # how often the attacker reads the declarations and asks every leader again
+}
 
 
 async def group_closers(bench: Bench, out: Outcome) -> None:

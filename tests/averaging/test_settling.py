@@ -28,7 +28,8 @@ async def test_a_peer_waits_as_long_as_its_store_took_within_a_quarter_of_the_de
         (0.1, 1.0, 0.25),
     ):
         began = trio.current_time()
-        assert await settle(me, read, frozenset(), trio.Event(), (None, timeout, stored_in)) is None
+        waits = {"settle_time": None, "timeout": timeout, "stored_in": stored_in}
+        assert await settle(me, read, frozenset(), trio.Event(), **waits) is None
         assert trio.current_time() - began == pytest.approx(waited)
 
 
@@ -48,7 +49,7 @@ async def test_a_join_waiting_for_our_choice_ends_the_settle_in_a_large_swarm(au
             asked.set()
 
         nursery.start_soon(ask_later)
-        assert await settle(me, read, last_view, asked, (None, 30.0, 5.0)) is None
+        assert await settle(me, read, last_view, asked, settle_time=None, timeout=30.0, stored_in=5.0) is None
         assert trio.current_time() - began == pytest.approx(0.3)
 
 
@@ -63,7 +64,7 @@ async def test_a_small_swarm_reads_until_everyone_of_the_last_view_declared_the_
         return {me.peer_id: me, **{peer: declared(peer, 3) for peer in declared_now}}
 
     began = trio.current_time()
-    view = await settle(me, read, frozenset(others), trio.Event(), (2.0, 30.0, 0.1))
+    view = await settle(me, read, frozenset(others), trio.Event(), settle_time=2.0, timeout=30.0, stored_in=0.1)
     assert view is not None and set(others) <= set(view)
     assert len(reads) == 3 and trio.current_time() - began < 2.0
 
@@ -78,6 +79,6 @@ async def test_a_small_swarm_whose_last_view_never_completes_waits_out_the_settl
         return {me.peer_id: me}
 
     began = trio.current_time()
-    assert await settle(me, read, frozenset({gone}), trio.Event(), (1.0, 30.0, 0.1)) is None
+    assert await settle(me, read, frozenset({gone}), trio.Event(), settle_time=1.0, timeout=30.0, stored_in=0.1) is None
     assert trio.current_time() - began == pytest.approx(1.0)
     assert 1 <= len(reads) <= SETTLE_READS
