@@ -2,7 +2,7 @@
 
     python benchmarks/byzantine.py [--quick] [--peers 8] [--epochs E]
         [--attacks NAME,...] [--fs 1,2,3] [--shardings iid,non-iid] [--modes gradient,local] [--seeds K]
-        [--rule centered-clip|centered-clip-mixed] [--scored]
+        [--rule centered-clip|centered-clip-mixed] [--scored] [--outer-lr LR]
 
 Every peer is a real host with its own all-reduce service on 127.0.0.1 (Noise-encrypted streams,
 the real reducers, the real reducer checks), in one process (``byzantine_cases/swarm.py``). An
@@ -24,8 +24,9 @@ formula, z = 1, z = 2), IPM (eps = 0.1, 0.5, 4, 100), sign flip, label flip, and
 every honest update of the round before they send. Cases: f = 1 and 2 of ``--peers``, 3 of twice
 as many; ``iid`` shards and ``non-iid`` ones (Dirichlet(0.5) over labels, ``byzantine_cases/
 shards.py``); ``gradient`` mode and ``local`` mode (local updates: 5 Adam steps, then the peers
-average pseudo-gradients and take peerd's outer step; half as many rounds as gradient mode has
-epochs). All with a public swarm's defaults: centered-clip and reducer checks (``--rule
+average pseudo-gradients and take peerd's outer step, at lr 0.35 where this task's outer step is
+stable, ``--outer-lr`` for another: ``byzantine_cases/swarm.py``; half as many rounds as gradient
+mode has epochs). All with a public swarm's defaults: centered-clip and reducer checks (``--rule
 centered-clip-mixed``: the quiet cases with nearest-neighbour mixing, ``averaging/mixing.py``).
 ``--scored``: the quiet cases with every honest peer scoring the contributions it reduces against
 the loss of a validation split that every peer holds (256 training images, never the held-out
@@ -81,7 +82,7 @@ import torch  # noqa: E402
 
 from benchmarks.byzantine_cases.attacks import QUIET  # noqa: E402
 from benchmarks.byzantine_cases.shards import SHARDINGS  # noqa: E402
-from benchmarks.byzantine_cases.swarm import MODES, Case, RunResult, run_swarm  # noqa: E402
+from benchmarks.byzantine_cases.swarm import MODES, OUTER_LR, Case, RunResult, run_swarm  # noqa: E402
 
 QUICK_ATTACKS = ("ipm-4", "alie-zmax", "label-flip", "min-max-std")
 
@@ -108,9 +109,10 @@ def quiet_runs(args: argparse.Namespace) -> dict[str, Case]:
             for f in args.fs:
                 n = sizes[f]
                 clean = f"clean/{n}/{sharding}/{mode}"
-                runs.setdefault(clean, Case(n, 0, None, args.rule, sharding=sharding, mode=mode, scored=args.scored))
+                shared = dict(sharding=sharding, mode=mode, scored=args.scored, outer_lr=args.outer_lr)
+                runs.setdefault(clean, Case(n, 0, None, args.rule, **shared))
                 for attack in args.attacks:
-                    case = Case(n, f, attack, args.rule, sharding=sharding, mode=mode, scored=args.scored)
+                    case = Case(n, f, attack, args.rule, **shared)
                     runs[f"{attack}/f{f}of{n}/{sharding}/{mode}"] = case
     return runs
 
@@ -183,6 +185,9 @@ def parse_args() -> argparse.Namespace:
         help="quiet cases with honest peers scoring contributions against a validation split's loss",
     )
     parser.add_argument(
+        "--outer-lr", type=float, default=OUTER_LR, help=f"local mode's outer learning rate (default {OUTER_LR})"
+    )
+    parser.add_argument(
         "--seeds", type=int, default=1, help="seeds per quiet case and its clean run, their accuracies averaged"
     )
     args = parser.parse_args()
@@ -239,6 +244,7 @@ def main() -> None:
         "seeds": args.seeds,
         "quiet_rule": args.rule,
         "quiet_scored": args.scored,
+        "outer_lr": args.outer_lr,
         "honest_banned": sum(results[name].honest_banned for name in quiet),
         "accuracy_clean": round(clean.accuracy, 4),
         "accuracy_clean_mean": round(plain.accuracy, 4),
