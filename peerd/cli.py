@@ -169,8 +169,14 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
         from averaging.compression import get_codec  # torch loads only in peers that train
 
         # an unknown codec is a ValueError: one line, exit 1
-        if get_codec(args.compression).sparse and args.mode != "local-updates":
+        sparse = get_codec(args.compression).sparse
+        if sparse and args.mode != "local-updates":
             raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
+        if sparse and args.outer_lr not in (None, 1.0):
+            kept = "keeps unsent progress in the parameters"
+            raise ValueError(f"--compression {args.compression} {kept}: it takes --outer-lr 1, not {args.outer_lr:g}")
+    if args.outer_lr is not None and args.mode != "local-updates":
+        raise ValueError(f"--outer-lr {args.outer_lr:g} is the outer step of local updates: give --mode local-updates")
     if args.fragments > 1 and args.mode != "local-updates":
         raise ValueError(f"--fragments {args.fragments} averages local updates in turns: give --mode local-updates")
     if args.local_steps % args.fragments:

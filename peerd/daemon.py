@@ -247,6 +247,7 @@ class Daemon:
                     prefix=prefix,
                     local_steps=training.local_steps,
                     fragments=fragments_for(training.fragments, training.local_steps, task.model),
+                    outer_lr=training.outer_lr,
                     rounds=OverlappedRounds(background),
                     settings=settings,
                     held_out=held_out,

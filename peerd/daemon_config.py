@@ -28,6 +28,7 @@ from .join_arguments import (
     LOCAL_STEPS,
     MODE,
     MODEL_SIZE,
+    OUTER_LR,
     RELAY,
     RELAY_RATE,
     RUN_ID,
@@ -73,6 +74,7 @@ class TrainingConfig:
     target_batch_size: int | None = setting_field(TARGET_BATCH_SIZE)  # None: the task's
     local_steps: int = setting_field(LOCAL_STEPS)
     fragments: int = setting_field(FRAGMENTS)  # local updates: the model's fragments, averaged in turn
+    outer_lr: float | None = setting_field(OUTER_LR)  # local updates; None: the optimizer's default
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,14 @@ def test_every_field_that_holds_a_setting_holds_a_declared_one_with_its_default(
 def test_the_parsed_settings_fill_each_group_by_name():
     environ = {"PEERD_RELAY_RATE": "5", "PEERD_LOCAL_STEPS": "7"}
     args = build_parser(Settings(environ=environ)).parse_args(
-        ["join", "--listen", "127.0.0.1:0", "--mode", "local-updates", "--uplink-mbit", "40", "--status-port", "9"]
-    )
+        ["join", "--listen", "127.0.0.1:0", "--mode", "local-updates", "--uplink-mbit", "40", "--status-port", "9",
+         "--outer-lr", "0.35"]
+    )  # fmt: skip
     network = from_args(NetworkConfig, args, initial_peers=[], node_id=None, access=None)
     assert network.listen == ("127.0.0.1", 0) and network.relay_mib_per_s == 5.0 and network.relay is True
     training = from_args(TrainingConfig, args, data_shard=None)
     assert training.mode == "local-updates" and training.local_steps == 7 and training.task is None
+    assert training.outer_lr == 0.35 and TrainingConfig().outer_lr is None  # None: the optimizer's default
     averaging = from_args(AveragingConfig, args, delay_updates=False)
     assert averaging.uplink_mbit == 40.0 and averaging.aggregation == "auto"
     status = from_args(StatusConfig, args)

@@ -167,6 +167,26 @@ def test_peerd_join_refuses_a_sparse_codec_outside_local_updates_in_one_line(tmp
     ]
 
 
+def test_peerd_join_refuses_an_outer_lr_it_cannot_take_in_one_line(tmp_path):
+    for extra, line in [
+        (
+            ["--outer-lr", "0.35"],
+            "peerd: --outer-lr 0.35 is the outer step of local updates: give --mode local-updates",
+        ),
+        (
+            ["--outer-lr", "0.5", "--mode", "local-updates", "--compression", "topk_2bit"],
+            "peerd: --compression topk_2bit keeps unsent progress in the parameters: it takes --outer-lr 1, not 0.5",
+        ),
+    ]:
+        result = subprocess.run(
+            PEERD + ["join", "--listen", "127.0.0.1:0", "--identity", str(tmp_path / "id.key"), "--task", "digits",
+                     *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert result.stderr.strip().splitlines() == [line]
+
+
 def test_the_collaborative_optimizer_refuses_a_sparse_codec():
     weight = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match="topk_4bit is sparse"):
