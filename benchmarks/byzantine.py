@@ -83,6 +83,7 @@ import torch  # noqa: E402
 from benchmarks.byzantine_cases.attacks import QUIET  # noqa: E402
 from benchmarks.byzantine_cases.shards import SHARDINGS  # noqa: E402
 from benchmarks.byzantine_cases.swarm import MODES, OUTER_LR, Case, RunResult, run_swarm  # noqa: E402
+from peerd.arguments import positive_float  # noqa: E402
 
 QUICK_ATTACKS = ("ipm-4", "alie-zmax", "label-flip", "min-max-std")
 
@@ -185,7 +186,7 @@ def parse_args() -> argparse.Namespace:
         help="quiet cases with honest peers scoring contributions against a validation split's loss",
     )
     parser.add_argument(
-        "--outer-lr", type=float, default=OUTER_LR, help=f"local mode's outer learning rate (default {OUTER_LR})"
+        "--outer-lr", type=positive_float, default=OUTER_LR, help=f"local mode's outer step (default {OUTER_LR})"
     )
     parser.add_argument(
         "--seeds", type=int, default=1, help="seeds per quiet case and its clean run, their accuracies averaged"
@@ -244,7 +245,7 @@ def main() -> None:
         "seeds": args.seeds,
         "quiet_rule": args.rule,
         "quiet_scored": args.scored,
-        "outer_lr": args.outer_lr,
+        "outer_lr": args.outer_lr if "local" in args.modes else None,
         "honest_banned": sum(results[name].honest_banned for name in quiet),
         "accuracy_clean": round(clean.accuracy, 4),
         "accuracy_clean_mean": round(plain.accuracy, 4),

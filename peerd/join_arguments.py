@@ -254,7 +254,7 @@ OUTER_LR = Setting(
     "no other). Lower it where rounds are short and the peers' data differ: on digits with label-skewed shards and 5 "
     "inner steps, 0.7 swings (clean runs of 100 rounds end anywhere in 0.92-0.97) and 2 quiet attackers of 8 drive "
     "it down to 0.80, where 0.35 trains to 0.970 and the same attackers cost 0.008 (`benchmarks/byzantine.py`). "
-    "Every peer of a run gives the same",
+    "Every peer of a run gives the same LR",
 )  # fmt: skip
 TARGET_BATCH_SIZE = Setting(
     name="target_batch_size", flag="--target-batch-size", variable="TARGET_BATCH_SIZE", parse=int,

@@ -5,7 +5,8 @@ reducer checks on 127.0.0.1, one process, training the digits task while some pe
 average their gradients in one round and each applies the average with its own Adam. ``local``
 mode (local updates, DiLoCo): a round is ``LOCAL_STEPS`` Adam steps per peer on its own batches;
 the peers average their pseudo-gradients (``start - params``) and each takes peerd's outer step
-(``OuterStep``: Nesterov SGD from the shared start, momentum 0.9, at ``OUTER_LR``).
+(``OuterStep``: Nesterov SGD from the shared start, momentum 0.9, at ``Case.outer_lr``, ``OUTER_LR`` by
+default).
 
 Attackers are the last f peers. They compute their own update as honest peers do (on flipped
 labels for label flipping), then, knowing every honest update of the round, send their attack's
@@ -35,7 +36,7 @@ from tests.support.hostile_reducers import LyingShard
 from .attacks import LOUD, QUIET, Attack, flip_labels
 from .shards import peer_task
 
-__all__ = ["Case", "RunResult", "run_swarm", "MODES", "LOCAL_STEPS"]
+__all__ = ["Case", "RunResult", "run_swarm", "MODES", "LOCAL_STEPS", "OUTER_LR"]
 
 MODES = ("gradient", "local")
 HOSTILE_WEIGHT = float(2**40)
