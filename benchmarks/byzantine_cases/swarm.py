@@ -45,8 +45,8 @@ LOCAL_STEPS = 5  # inner steps per local-updates round: few, so the quick runs s
 # default (DiLoCo's 0.7, tuned for hundreds of inner steps). With 5 inner steps, 0.7 lies past this
 # task's stable outer step: clean runs of 100 rounds on label-skewed shards end anywhere in
 # 0.92-0.97 (0.970 at 0.35; 50 rounds, 4 initial models: 0.946 at 0.7, 0.961 at 0.35, 0.968 at 0.5,
-# 0.873 at 1.0; iid 0.966 / 0.974 / 0.971 / 0.912), and a quiet minority's bounded pull, which the
-# steady swarm absorbs, keeps it swinging: 2 of 8 sending min-max (p = -std) take the honest peers
+# 0.873 at 1.0; iid 0.966 / 0.974 / 0.971 / 0.912), and a quiet minority's bounded pull, which a
+# steady swarm absorbs, keeps this one swinging: 2 of 8 sending min-max (p = -std) take the honest peers
 # from 0.953 to 0.804 in 100 rounds at 0.7, from 0.970 to 0.962 at 0.35 (0.968 to 0.926 in 50
 # rounds at 0.5). ``--outer-lr`` runs another.
 OUTER_LR, OUTER_MOMENTUM = 0.35, 0.9
