@@ -37,3 +37,6 @@ def test_a_short_byzantine_run_reports_one_json_line():
     for family in ("model_poisoning", "label_flip"):
         assert isinstance(summary[f"worst_drop_{family}"], float)
         assert summary[f"worst_case_{family}"] in summary["quiet_accuracy"]
+    # in two epochs the last tenth of the rounds is the last round: the late figures are the last ones
+    assert {name: summary["quiet_late"][name] for name in summary["quiet_accuracy"]} == summary["quiet_accuracy"]
+    assert summary["worst_drop_late"] == {f: summary[f"worst_drop_{f}"] for f in ("model_poisoning", "label_flip")}
