@@ -49,6 +49,8 @@ __all__ = [
     "MAX_TRACKED",
     "MEMORY_ROUNDS",
     "MIN_ROUNDS",
+    "EARLY_ROUNDS",
+    "EARLY_MARGIN",
     "INFORMATIVE",
     "ContributionScores",
     "HeldOutGradient",
@@ -56,12 +58,18 @@ __all__ = [
     "part_cosine",
 ]
 
-# A sender is judged only after this many scored rounds. Few: every round before the ban is a round
-# the attacker's pull lands, and in local updates the outer momentum carries it on. Judged after 10
-# rounds, two sign flippers of 8 on label-skewed shards were banned at round ~10 and still cost 0.036
-# (outer lr 0.35, 4 initial models); after 5, 0.012, what their absence alone costs (0.004-0.013).
-# Honest senders' running means after 5 rounds stayed above -0.31 (16 runs, both modes, no bans).
-MIN_ROUNDS = 5
+MIN_ROUNDS = 10  # a sender is judged by its mean after this many scored rounds
+# ... or sooner, from EARLY_ROUNDS on, if its mean lies below the line by EARLY_MARGIN standard
+# errors of its rounds' cosines. Every round before the ban is a round the attacker's pull lands (in
+# local updates the outer momentum carries it on): two sign flippers of 8 on label-skewed shards,
+# banned at round ~10, cost 0.036 (outer lr 0.35, 4 initial models); banned within 5-8 rounds,
+# 0.010-0.012, about what their absence alone costs (0.004-0.013). A sender that pulls against the
+# loss does so round after round; an honest one whose few rounds happen to average below the line
+# scatters, and the margin leaves it to its later rounds: with cosines drawn from N(0.05, 0.35)
+# (wider than honest senders' on skewed digits), the plain mean judged after 5 rounds banned an
+# honest sender in 5 of 400 runs of 8 senders x 500 rounds, with the margin in none.
+EARLY_ROUNDS = 5
+EARLY_MARGIN = 0.5
 BAN_BELOW = -0.4  # a running mean cosine below this: its contributions raise our held-out loss
 MEMORY_ROUNDS = 32  # the mean weighs the last ~this many rounds (older behaviour fades)
 MAX_TRACKED = 4096
@@ -147,10 +155,14 @@ class ContributionScores:
         memory_rounds: int = MEMORY_ROUNDS,
         max_tracked: int = MAX_TRACKED,
         informative: float = INFORMATIVE,
+        early_rounds: int = EARLY_ROUNDS,
+        early_margin: float = EARLY_MARGIN,
     ):
         self.min_rounds, self.ban_below, self.informative = min_rounds, ban_below, informative
         self.memory_rounds, self.max_tracked = memory_rounds, max_tracked
-        self._scores: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()  # sender -> (mean, rounds)
+        self.early_rounds, self.early_margin = early_rounds, early_margin
+        # sender -> (mean, rounds, sum of squared deviations over its first MIN_ROUNDS rounds)
+        self._scores: OrderedDict[Hashable, tuple[float, int, float]] = OrderedDict()
 
     def observe(self, cosines: Mapping[Hashable, float], own: float | None = 1.0) -> list[tuple[Hashable, float]]:
         """Take one round's cosines, and our own contribution's; returns the senders judged now,
@@ -163,20 +175,32 @@ class ContributionScores:
             return []
         judged = []
         for sender, cosine in cosines.items():
-            mean, rounds = self._scores.pop(sender, (0.0, 0))
+            mean, rounds, spread = self._scores.pop(sender, (0.0, 0, 0.0))
             rounds += 1
-            mean += (cosine - mean) / min(rounds, self.memory_rounds)
-            if rounds >= self.min_rounds and mean < self.ban_below:
+            step = (cosine - mean) / min(rounds, self.memory_rounds)
+            if rounds <= self.min_rounds:  # (Welford's update: the mean is a plain one this early)
+                spread += (cosine - mean) * (cosine - mean - step)
+            mean += step
+            if self._below_the_line(mean, rounds, spread):
                 judged.append((sender, mean))
                 continue
-            self._scores[sender] = (mean, rounds)
+            self._scores[sender] = (mean, rounds, spread)
             while len(self._scores) > self.max_tracked:
                 self._scores.popitem(last=False)
         return judged
 
+    def _below_the_line(self, mean: float, rounds: int, spread: float) -> bool:
+        if mean >= self.ban_below or rounds < min(self.early_rounds, self.min_rounds):
+            return False
+        if rounds >= self.min_rounds:
+            return True
+        standard_error = math.sqrt(spread / (rounds - 1) / rounds)
+        return mean + self.early_margin * standard_error < self.ban_below
+
     def score(self, sender: Hashable) -> tuple[float, int] | None:
         """(running mean cosine, rounds scored) of ``sender``, if tracked."""
-        return self._scores.get(sender)
+        found = self._scores.get(sender)
+        return None if found is None else found[:2]
 
     def __len__(self) -> int:
         return len(self._scores)

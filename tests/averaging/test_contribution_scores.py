@@ -11,7 +11,14 @@ import torch
 import trio
 
 from averaging.averager import GroupAverager
-from averaging.contribution_scores import BAN_BELOW, MEMORY_ROUNDS, MIN_ROUNDS, ContributionScores, ShardAlignment
+from averaging.contribution_scores import (
+    BAN_BELOW,
+    EARLY_ROUNDS,
+    MEMORY_ROUNDS,
+    MIN_ROUNDS,
+    ContributionScores,
+    ShardAlignment,
+)
 from averaging.robust import Aggregation
 from tests.averaging.test_allreduce import make_group, run_round, start_peers
 from tests.averaging.test_matchmaking import open_swarm, step_all
@@ -106,14 +113,28 @@ def test_a_zero_reference_or_contribution_scores_nobody():
     assert alignment.cosines() == {}
 
 
-def test_a_sender_that_keeps_raising_the_loss_is_judged_after_min_rounds_and_forgotten():
+def test_a_sender_that_keeps_raising_the_loss_is_judged_after_early_rounds_and_forgotten():
     scores = ContributionScores()
-    for _ in range(MIN_ROUNDS - 1):
+    for _ in range(EARLY_ROUNDS - 1):
         assert scores.observe({"liar": -0.6, "honest": 0.2}) == []
     [(judged, mean)] = scores.observe({"liar": -0.6, "honest": 0.2})
     assert judged == "liar" and mean == pytest.approx(-0.6)
     assert scores.score("liar") is None  # the ban takes over
-    assert scores.score("honest") == (pytest.approx(0.2), MIN_ROUNDS)
+    assert scores.score("honest") == (pytest.approx(0.2), EARLY_ROUNDS)
+
+
+def test_a_mean_below_the_line_from_scattered_rounds_waits_for_more_rounds():
+    """Five rounds averaging -0.46 but scattered (three at -1, two above zero) are not yet clear
+    evidence; rounds that hold that mean make it clear, by ``MIN_ROUNDS`` at the latest."""
+    scattered = [-1.0, -1.0, -1.0, 0.5, 0.2]
+    scores = ContributionScores()
+    for cosine in scattered:
+        assert scores.observe({"unsure": cosine}) == []
+    assert scores.score("unsure") == (pytest.approx(-0.46), EARLY_ROUNDS)
+    rounds = EARLY_ROUNDS
+    while not scores.observe({"unsure": -0.46}):
+        rounds += 1
+    assert EARLY_ROUNDS < rounds <= MIN_ROUNDS
 
 
 def test_noisy_honest_cosines_are_never_judged():
