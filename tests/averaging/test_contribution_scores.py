@@ -4,7 +4,9 @@ contributions keep pulling against it, and bans nobody in a swarm whose senders 
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import trio
 from averaging.averager import GroupAverager
 from averaging.contribution_scores import (
     BAN_BELOW,
+    EARLY_MARGIN,
     EARLY_ROUNDS,
     MEMORY_ROUNDS,
     MIN_ROUNDS,
@@ -137,6 +140,40 @@ def test_a_mean_below_the_line_from_scattered_rounds_waits_for_more_rounds():
     assert EARLY_ROUNDS < rounds <= MIN_ROUNDS
 
 
+def test_a_sender_is_judged_early_once_its_mean_is_a_standard_error_below_the_line():
+    """Rounds that scatter around -0.55 put the mean below the line at once, but clear of it by a
+    standard error (``EARLY_MARGIN`` of them) only as they add up."""
+    cosines = [-0.9, -0.2, -0.9, -0.2, -0.5, -0.55, -0.55, -0.55, -0.55]
+    expected = next(
+        n
+        for n in range(EARLY_ROUNDS, len(cosines) + 1)
+        if statistics.fmean(cosines[:n]) + EARLY_MARGIN * statistics.stdev(cosines[:n]) / n**0.5 < BAN_BELOW
+    )
+    assert EARLY_ROUNDS < expected < MIN_ROUNDS  # (the case tests the margin, not either end)
+    scores = ContributionScores()
+    judged_at = next(n for n, cosine in enumerate(cosines, 1) if scores.observe({"liar": cosine}))
+    assert judged_at == expected
+
+
+def test_the_early_rule_needs_a_plain_mean():
+    """A mean that weighs only the last few rounds (``memory_rounds`` under ``min_rounds``) has no
+    standard error of its rounds: alternating rounds are judged by ``min_rounds`` alone."""
+    scores = ContributionScores(memory_rounds=3)
+    judged_at = next(n for n in range(1, 40) if scores.observe({"turns": -1.0 if n % 2 else 0.2}))
+    assert judged_at >= MIN_ROUNDS
+
+
+def test_a_nan_cosine_judges_nobody():
+    scores = ContributionScores()
+    for _ in range(2 * MIN_ROUNDS):
+        assert scores.observe({"odd": math.nan}) == []
+
+
+def test_the_early_rule_needs_two_rounds_for_a_spread():
+    with pytest.raises(ValueError, match="early_rounds"):
+        ContributionScores(early_rounds=1)
+
+
 def test_noisy_honest_cosines_are_never_judged():
     """Honest cosines on skewed data are noisy and sometimes negative for a while; their mean is
     what counts, and it stays far above the line."""
@@ -168,7 +205,7 @@ def test_tracked_senders_are_bounded():
 async def test_a_reducer_with_a_reference_bans_a_sender_that_pulls_against_it(aggregation):
     """Four peers average vectors near the reference's direction, but one sends minus the honest
     mean (inner-product manipulation): every honest reducer that scores it sees a negative cosine
-    each round, and after ``MIN_ROUNDS`` rounds has banned it for that; nobody else is banned for
+    each round, and within ``MIN_ROUNDS`` rounds has banned it for that; nobody else is banned for
     their contributions. (Generous deadlines: four peers on a loaded 2-core machine can miss the
     default ones, and a sender dropped for lateness is a matter for the reducer checks.)"""
     torch.manual_seed(0)
