@@ -151,8 +151,8 @@ SCORE_CONTRIBUTIONS = SwitchSetting(
     "senders whose contributions keep raising it",
     doc="each round, score every contribution to the shard this peer reduces by its cosine with the gradient of "
     "the task's loss on data every peer holds (where the round's updates start from), and ban a sender whose mean "
-    "is below -0.4 after 10 rounds, or after 5 if those rounds agree (`averaging/contribution_scores.py`): quiet "
-    "attackers that pull "
+    "is below -0.4 after 10 rounds, or from round 5 if it is a standard error below that "
+    "(`averaging/contribution_scores.py`): quiet attackers that pull "
     "against the loss (inner-product manipulation, sign flipping) are caught within 5-30 rounds; costs one "
     "forward and backward pass per round and a copy of the model",
 )  # fmt: skip

@@ -157,16 +157,20 @@ def test_a_sender_is_judged_early_once_its_mean_is_a_standard_error_below_the_li
 
 def test_the_early_rule_needs_a_plain_mean():
     """A mean that weighs only the last few rounds (``memory_rounds`` under ``min_rounds``) has no
-    standard error of its rounds: alternating rounds are judged by ``min_rounds`` alone."""
+    standard error of its rounds: a sender that turns is judged by ``min_rounds`` alone."""
     scores = ContributionScores(memory_rounds=3)
-    judged_at = next(n for n in range(1, 40) if scores.observe({"turns": -1.0 if n % 2 else 0.2}))
-    assert judged_at >= MIN_ROUNDS
+    cosines = [0.2] * 3 + [-0.8] * 9
+    judged_at = next(n for n, cosine in enumerate(cosines, 1) if scores.observe({"turns": cosine}))
+    assert judged_at == MIN_ROUNDS
 
 
-def test_a_nan_cosine_judges_nobody():
+def test_a_nan_cosine_is_not_counted():
     scores = ContributionScores()
-    for _ in range(2 * MIN_ROUNDS):
-        assert scores.observe({"odd": math.nan}) == []
+    assert scores.observe({"odd": math.nan}) == []
+    assert scores.score("odd") is None
+    for _ in range(EARLY_ROUNDS - 1):
+        assert scores.observe({"odd": -0.6}) == []
+    assert [sender for sender, _ in scores.observe({"odd": -0.6})] == ["odd"]
 
 
 def test_the_early_rule_needs_two_rounds_for_a_spread():
