@@ -201,7 +201,7 @@ class ContributionScores:
         return judged
 
     def _below_the_line(self, mean: float, rounds: int, spread: float) -> bool:
-        if not mean < self.ban_below:  # (a NaN mean is never below the line)
+        if mean >= self.ban_below:
             return False
         if rounds >= self.min_rounds:
             return True

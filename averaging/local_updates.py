@@ -74,7 +74,7 @@ from .round_length import round_over
 from .settings import LOCAL_UPDATES, AveragingSettings
 from .state_sharing import StateUnavailable
 
-__all__ = ["LocalUpdatesOptimizer", "MAX_START_PIECES", "start_pieces"]
+__all__ = ["LocalUpdatesOptimizer", "MAX_START_PIECES", "outer_settings", "start_pieces"]
 
 # The start is averaged in float32 and in line (the trainer waits for it), a piece at a time:
 # ``start_pieces``, at most this many. With a sparse codec (~136x less than float32) a 64th of the
@@ -165,7 +165,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
         # rate 1 without outer momentum: momentum would apply that progress again every round.
         sparse = get_codec(codec).sparse
         self._owed_in_params = sparse and error_feedback
-        outer_lr, outer_momentum = _outer_settings(self._owed_in_params, outer_lr, outer_momentum)
+        outer_lr, outer_momentum = outer_settings(self._owed_in_params, outer_lr, outer_momentum)
         self._outer = OuterFragments(self.params, fragments, lr=outer_lr, momentum=outer_momentum)
         averaging = settings.averager_options()
         self.fragments = [
@@ -398,7 +398,7 @@ class LocalUpdatesOptimizer(ReplicaOptimizer):
                 await run_blocking(self._outer.move_to_averaged_start)
 
 
-def _outer_settings(owed_in_params: bool, lr: float | None, momentum: float | None) -> tuple[float, float]:
+def outer_settings(owed_in_params: bool, lr: float | None, momentum: float | None) -> tuple[float, float]:
     """The outer learning rate and momentum: DiLoCo's 0.7 and Nesterov 0.9 for dense deltas; 1 and
     none when unsent progress stays in the parameters (sparse codecs), where nothing else works."""
     if not owed_in_params:

@@ -167,14 +167,19 @@ def _cmd_join(args: argparse.Namespace, argv: list[str]) -> int:
     delay_updates = delay_updates_from_args(args)
     if args.compression is not None:
         from averaging.compression import get_codec  # torch loads only in peers that train
+        from averaging.local_updates import outer_settings
 
         # an unknown codec is a ValueError: one line, exit 1
         sparse = get_codec(args.compression).sparse
         if sparse and args.mode != "local-updates":
             raise ValueError(f"--compression {args.compression} is sparse: it needs --mode local-updates")
-        if sparse and args.outer_lr not in (None, 1.0):
+        try:  # the optimizer's own rule (error feedback on, as peerd join runs it), asked before slow work
+            outer_settings(owed_in_params=sparse, lr=args.outer_lr, momentum=None)
+        except ValueError:
             kept = "keeps unsent progress in the parameters"
-            raise ValueError(f"--compression {args.compression} {kept}: it takes --outer-lr 1, not {args.outer_lr:g}")
+            raise ValueError(
+                f"--compression {args.compression} {kept}: it takes --outer-lr 1, not {args.outer_lr:g}"
+            ) from None
     if args.outer_lr is not None and args.mode != "local-updates":
         raise ValueError(f"--outer-lr {args.outer_lr:g} is the outer step of local updates: give --mode local-updates")
     if args.fragments > 1 and args.mode != "local-updates":
