@@ -244,12 +244,10 @@ async def run_churn(nodes: int, keys: int, fraction: float) -> dict[str, Any]:
 
 
 async def run_scale(nodes: int, lookups: int) -> dict[str, Any]:
-    from dht.node import DHTConfig
     from dht.testing import open_swarm
 
-    config = DHTConfig(refresh_on_join=False)  # join = one self-lookup: a 500-node swarm starts in seconds
     start = time.perf_counter()
-    async with open_swarm(nodes, seed=4, config=config) as swarm:
+    async with open_swarm(nodes, seed=4) as swarm:
         join_s = time.perf_counter() - start
         rng = random.Random(5)
         ids = [n.peer_id for n in swarm.nodes]

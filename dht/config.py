@@ -26,9 +26,6 @@ class DHTConfig:
     # Paper: refresh buckets not looked up within an hour; 10 min suits a churny volunteer swarm.
     refresh_interval: float = 600.0
     refresh_check_period: float = 60.0
-    # Join the paper's way (refresh every bucket farther than our closest neighbour) or only look up
-    # our own ID (cheaper for huge one-process test swarms).
-    refresh_on_join: bool = True
     cache_on_path: bool = True
     # Gets walk this many disjoint paths, so one poisoned path cannot hide a record (S/Kademlia).
     # Stores and node lookups walk one: they already ask up to k peers, and the puzzle on node IDs

@@ -236,3 +236,22 @@ async def test_a_swarm_joining_sixteen_at_a_time_finds_its_keys_and_keeps_no_con
     with pytest.raises(ValueError):
         async with open_sim_swarm(network, 2, joins_at_once=0):
             pass
+
+
+async def test_a_newcomer_joins_with_one_lookup_of_its_own_id_and_finds_every_key(autojump_clock):
+    # Joining costs one lookup's connections (20-25 here, in four seeds), not one lookup's per far
+    # bucket as the paper's join does (40 here; 3x more at 512 nodes), and the newcomer still finds
+    # keys in every part of the space.
+    network = SimNetwork(seed=52)
+    picks = random.Random(52)
+    async with open_sim_swarm(network, 128, config=DHTConfig(), joins_at_once=32) as swarm:
+        keys = {f"far-{n}": n for n in range(16)}
+        for key, value in keys.items():
+            assert await swarm.nodes[picks.randrange(128)].store(key, value, swarm.clock.time() + 3600)
+        await trio.sleep(IDLE_RETIRE_S + 2 * IDLE_CHECK_S)  # every connection retires
+        newcomer = await swarm.add([swarm.nodes[picks.randrange(128)].address])
+        connections = network.open_ends(swarm.address(len(swarm.nodes) - 1)) // 2  # (two ends at each host)
+        assert connections <= 1.5 * DHTConfig().k
+        for key, value in keys.items():
+            got = await newcomer.get(key)
+            assert got is not None and got.value == value
