@@ -188,7 +188,7 @@ class Replicas:
 
     def _many_holders(self) -> bool:
         """Whether the swarm is large enough for reads to draw a few of a key's holders."""
-        return len(self.contacts.table) > self.config.draw_reads_above
+        return self.contacts.table.estimated_swarm_size() > self.config.draw_reads_above
 
     async def get(self, key: Any, latest: bool = False) -> DHTValue | None:
         """The value under ``key``: the first valid one found, or with ``latest`` the newest (merged

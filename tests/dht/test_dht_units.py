@@ -39,6 +39,24 @@ def test_bucket_boundary_is_inclusive():
     assert package.get_bucket_for(edge) == 1
 
 
+def test_a_table_that_knows_only_its_nearest_nodes_reads_the_swarm_s_size_from_their_spread():
+    # A newcomer's table right after its join: the k nearest of the swarm and a few others.
+    # Reads draw a few of a key's holders only in a large swarm (``DHTConfig.draw_reads_above``).
+    draw = random.Random(7)
+    for swarm in (200, 2000, 20000):
+        me = draw.getrandbits(160)
+        ids = [draw.getrandbits(160) for _ in range(swarm)]
+        table = RoutingTable(Contact.for_id(me), ksize=20)
+        for number in sorted(ids, key=lambda node_id: node_id ^ me)[:20] + ids[:5]:
+            table.add_contact(contact(number))
+        assert len(table) <= 25
+        assert swarm / 2 <= table.estimated_swarm_size() <= swarm * 2
+    small = RoutingTable(Contact.for_id(0), ksize=20)
+    for number in range(1, 16):
+        small.add_contact(contact(number << 150))
+    assert small.estimated_swarm_size() == 15  # (it knows of no others)
+
+
 def test_buckets_go_stale_by_the_table_s_clock():
     now = [5.0]  # a simulated swarm's monotonic time starts near zero, far below time.monotonic()
     table = RoutingTable(Contact.for_id(0), ksize=2, clock=lambda: now[0])
