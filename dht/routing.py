@@ -163,15 +163,16 @@ class RoutingTable(_PackageRoutingTable):
     def estimated_swarm_size(self) -> int:
         """How many nodes the swarm holds, as far as this table can tell: node IDs fall uniformly
         (each is a puzzle's hash), so the k-th nearest of N nodes lies about k/N of the keyspace
-        from us, and a table holds the k nearest as soon as its join's lookup of our own ID has
-        run. Its far buckets fill only as traffic comes, so its size alone reads a newcomer's
-        swarm as a small one. A table that knows fewer than k nodes knows of no others."""
+        from us ((k - 1) / its distance estimates N without bias; within ~25% at k = 20), and a
+        table holds the k nearest as soon as its join's lookup of our own ID has run. Its far
+        buckets fill only as traffic comes, so its size alone reads a newcomer's swarm as a
+        small one. A table that knows fewer than k nodes knows of no others."""
         nearest = self.find_neighbors(self.node, self.ksize)
         known = len(self)
         if len(nearest) < self.ksize:
             return known
         spread = nearest[-1].long_id ^ self.node.long_id
-        return max(known, round(self.ksize * 2**KEYSPACE_BITS / (spread + 1)))
+        return max(known, round((self.ksize - 1) * 2**KEYSPACE_BITS / (spread + 1)))
 
     def contacts(self) -> Iterator[Contact]:
         for bucket in self.buckets:
