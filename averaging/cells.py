@@ -16,7 +16,7 @@ between groups.
 Every peer must agree on ``count``, or peers would declare under keys the others never read. It
 comes from a census: the k nodes nearest to a target that every peer derives from the prefix and
 the wall-clock period (``census_target``), from whose distances Kademlia's size estimate
-(``swarm_estimate``) follows. Peers that look up the same target find the same k nodes, and so
+(``dht.routing.swarm_estimate``) follows. Peers that look up the same target find the same k nodes, and so
 the same estimate, without anyone announcing a size; the target moves every ``CENSUS_PERIOD_S``,
 so no node holds the census for long. The estimate counts DHT nodes: a DHT shared by several
 prefixes, or stuffed with nodes near one target, makes cells sparser than they should be, which
@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from dht.routing import swarm_estimate
 
 __all__ = [
     "CELL_GROUPS",
@@ -77,17 +78,6 @@ MAX_CELLS = 1 << 12
 KEYSPACE = 1 << 160
 # A peer in a sparse cell looks for the swarm's count this many times above and below its own.
 PROBE_REACH = 4
-
-
-def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
-    """The number of nodes in a DHT whose ``k`` nearest node IDs to ``target`` are ``nearest``.
-    IDs are uniform over the key space, so the k-th nearest lies at distance k / (N + 1) of it on
-    average, and ``(k - 1) / distance`` estimates N without bias (within ~1/sqrt(k)). Fewer than
-    k found: the lookup saw the whole DHT."""
-    distances = sorted(node ^ target for node in nearest)
-    if len(distances) < k or k < 2:
-        return float(len(distances))
-    return (k - 1) * KEYSPACE / max(1, distances[k - 1])
 
 
 def cell_count(estimate: float, group_size: int) -> int:

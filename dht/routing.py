@@ -30,7 +30,7 @@ import bisect
 import functools
 import heapq
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from kademlia.node import Node
 from kademlia.routing import KBucket
@@ -38,7 +38,7 @@ from kademlia.routing import RoutingTable as _PackageRoutingTable
 
 from peer import NodeIDProof, PeerAddress, PeerID
 
-__all__ = ["Contact", "RoutingTable", "K", "ALPHA", "KEYSPACE_BITS"]
+__all__ = ["Contact", "RoutingTable", "K", "ALPHA", "KEYSPACE_BITS", "swarm_estimate"]
 
 # Kademlia's parameters (Maymounkov & Mazieres, 2002): k = 20 replicas/bucket size, alpha = 3.
 K = 20
@@ -83,6 +83,17 @@ def _block_distance(target: int, bucket: KBucket) -> int:
     starting at ``target ^ low`` with its m low bits cleared."""
     low, high = bucket.range
     return (target ^ low) & ~(high - low)
+
+
+def swarm_estimate(target: int, nearest: Sequence[int], k: int) -> float:
+    """The number of nodes in a DHT whose ``k`` nearest node IDs to ``target`` are ``nearest``.
+    IDs are uniform over the key space, so the k-th nearest lies at distance k / (N + 1) of it on
+    average, and ``(k - 1) / distance`` estimates N without bias (within ~1/sqrt(k)). Fewer than
+    k found: the lookup saw the whole DHT."""
+    distances = sorted(node ^ target for node in nearest)
+    if len(distances) < k or k < 2:
+        return float(len(distances))
+    return (k - 1) * 2**KEYSPACE_BITS / max(1, distances[k - 1])
 
 
 class RoutingTable(_PackageRoutingTable):
@@ -161,18 +172,12 @@ class RoutingTable(_PackageRoutingTable):
         return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
 
     def estimated_swarm_size(self) -> int:
-        """How many nodes the swarm holds, as far as this table can tell: node IDs fall uniformly
-        (each is a puzzle's hash), so the k-th nearest of N nodes lies about k/N of the keyspace
-        from us ((k - 1) / its distance estimates N without bias; within ~25% at k = 20), and a
-        table holds the k nearest as soon as its join's lookup of our own ID has run. Its far
-        buckets fill only as traffic comes, so its size alone reads a newcomer's swarm as a
-        small one. A table that knows fewer than k nodes knows of no others."""
-        nearest = self.find_neighbors(self.node, self.ksize)
-        known = len(self)
-        if len(nearest) < self.ksize:
-            return known
-        spread = nearest[-1].long_id ^ self.node.long_id
-        return max(known, round((self.ksize - 1) * 2**KEYSPACE_BITS / (spread + 1)))
+        """How many nodes the swarm holds, as far as this table can tell (``swarm_estimate`` of our
+        own ID's k nearest contacts): a table holds the k nearest as soon as its join's lookup of
+        our own ID has run, while its far buckets fill only as traffic comes, so its size alone
+        reads a newcomer's swarm as a small one."""
+        nearest = [contact.long_id for contact in self.find_neighbors(self.node, self.ksize)]
+        return max(len(self), round(swarm_estimate(self.node.long_id, nearest, self.ksize)))
 
     def contacts(self) -> Iterator[Contact]:
         for bucket in self.buckets:
