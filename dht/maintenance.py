@@ -14,11 +14,11 @@ connections a node once joined against 65, 0.53 CPU-s a join against 0.15) and 6
 (1.63 CPU-s against 0.27), and found no more keys after 30% of the nodes left: every one, either
 way. Without it, 5,000 nodes joined at 0.40 CPU-s a join and found every key.
 
-Afterwards any bucket that for
-``refresh_interval`` no lookup went to and no new contact entered (``RoutingTable.stale_buckets``)
-gets a lookup of a random ID in its range, so a range the traffic leaves quiet is looked up then;
-and contacts evicted for silence (and the initial peers, while the table is empty) are pinged
-again until one answers (``reconnect.py``); then a lookup of our own ID refills the table.
+Afterwards any bucket that for ``refresh_interval`` no lookup went to and no new contact entered
+(``RoutingTable.stale_buckets``) gets a lookup of a random ID in its range, so a range the traffic
+leaves quiet is looked up then; and contacts evicted for silence (and the initial peers, while the
+table is empty) are pinged again until one answers (``reconnect.py``); then a lookup of our own ID
+refills the table.
 """
 
 from __future__ import annotations
