@@ -40,8 +40,8 @@ class DHTConfig:
     # more asks every holder, nearest first. A hostile holder can hide an entry (never forge one)
     # only from the reads whose whole draw falls on holders hiding it.
     latest_read_holders: int = 6
-    # Reads draw only once the swarm holds more nodes than this (as ``RoutingTable.
-    # estimated_swarm_size`` reads it): in a smaller swarm nearly every node holds every key, a
+    # Reads draw only once the swarm holds more nodes than this, as the routing table's
+    # ``estimated_swarm_size`` reads it: in a smaller swarm nearly every node holds every key, a
     # draw spreads nothing, and a read of every holder is the one sure to find an entry that
     # reached only some of them.
     draw_reads_above: int = 3 * K
